@@ -1,0 +1,39 @@
+# The two commands a newcomer runs: `make demo` and `make test`. Both install what they need.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | md5sum | cut -c1-8)
+
+.PHONY: demo test install prometheus lint crd clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# torch first, pinned to the CPU wheel: a bare `torch` would pull a multi-GB CUDA build.
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev,engine]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Debian's Prometheus for the metrics tests (only when missing and when we may install it).
+prometheus:
+	@if ! command -v promtool >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; \
+	  else echo "promtool missing and cannot install it: the Prometheus tests will fail" >&2; fi; \
+	fi
+
+demo: install
+	$(BIN)/dlo demo
+
+test: install prometheus
+	$(BIN)/python -m pytest -q
+
+crd: install
+	$(BIN)/dlo crd --write
+
+clean:
+	rm -rf $(VENV) demo-output .pytest_cache

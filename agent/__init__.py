@@ -1,0 +1,4 @@
+"""dlo.agent: the node agent (memory truth, page-cache warmer, topology, policy, exporter).
+
+Never imports torch. May import the torch-free `dlo.engine.checkpoint` and `dlo.engine.families`.
+"""

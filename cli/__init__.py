@@ -1,0 +1,1 @@
+"""The `dlo` command: a dispatcher only. Each part owns its subcommands in `<part>/cli.py`."""

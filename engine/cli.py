@@ -1,0 +1,35 @@
+"""Subcommands owned by the engine: `serve`, `make-tiny-model`, `demo`, `calibrate`.
+
+Each subcommand's implementation module is imported only when that subcommand runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# command -> module exposing `add_arguments(parser)` and `main(args) -> int`
+_MODULES = {
+    "make-tiny-model": "dlo.engine.tiny",
+    "serve": "dlo.engine.serve_cli",
+    "demo": "dlo.engine.demo",
+    "calibrate": "dlo.engine.calibrate",
+}
+
+
+def run(command: str, argv: list[str]) -> int:
+    try:
+        module = importlib.import_module(_MODULES[command])
+    except ModuleNotFoundError as e:
+        if e.name == _MODULES[command]:
+            print(f"dlo {command}: not available yet in this build", file=sys.stderr)
+            return 2
+        raise
+    parser = argparse.ArgumentParser(
+        prog=f"dlo {command}",
+        description=module.__doc__.strip().splitlines()[0] if module.__doc__ else None,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    module.add_arguments(parser)
+    return int(module.main(parser.parse_args(argv)) or 0)
