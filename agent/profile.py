@@ -1,0 +1,161 @@
+"""The node profile: what one node offers DLO (CONTRACTS.md section 6).
+
+Owns: the `NodeProfile` schema (pydantic, `version: "v1"`) that the agent publishes as the JSON value
+of node annotation `dlo.dev/node-profile` and at `/profile`, plus the nominal figures (H2D and
+collective bandwidth, dense bf16 compute rate) used when `dlo calibrate` has measured nothing.
+Consumers: the operator (`spec.mode: auto`), the engine (`--mode auto`), `dlo plan`, the policy.
+Must never: do I/O or import torch. Reading the host is `dlo.agent.topology`'s job; this module only
+describes and validates.
+
+Unknown fields are ignored when parsing, so an older reader accepts a newer agent's annotation.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+PROFILE_VERSION = "v1"
+ANNOTATION = "dlo.dev/node-profile"
+
+Vendor = Literal["nvidia", "ascend", "none"]
+InterconnectKind = Literal["nvlink", "hccs", "pcie", "none"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class Accelerator(_Model):
+    vendor: Vendor = "none"
+    model: str = ""
+    count: int = Field(0, ge=0)
+    memory_bytes: int = Field(0, ge=0, description="memory of ONE device")
+    # Dense bf16 rate one device sustains in a DiT block; None: take the nominal figure of `model`.
+    bf16_flops: float | None = Field(None, gt=0)
+
+
+class Interconnect(_Model):
+    kind: InterconnectKind = "none"
+    collective_bandwidth_bps: int = Field(0, ge=0, description="AllGather bus bandwidth, bytes/s")
+
+
+class PcieLink(_Model):
+    generation: int | None = Field(None, ge=1)
+    width: int | None = Field(None, ge=1)
+
+
+class ModelProfile(_Model):
+    """Facts of one model folder under the agent's models root (keyed by folder name)."""
+
+    bytes: int = Field(ge=0)
+    largest_block_bytes: int = Field(ge=0)
+    blocks: int = Field(ge=0)
+    nonblock_bytes: int = Field(0, ge=0)
+    resident_ratio: float | None = Field(None, ge=0, le=1, description="page-cache residency, 0..1")
+
+
+class NodeProfile(_Model):
+    version: Literal["v1"] = PROFILE_VERSION
+    node: str = ""
+    accelerator: Accelerator = Accelerator()
+    interconnect: Interconnect = Interconnect()
+    pcie: PcieLink | None = None
+    h2d_bandwidth_bps: int = Field(0, ge=0, description="pinned host-to-device copy, bytes/s")
+    host_memory_bytes: int = Field(0, ge=0)
+    numa_nodes: int = Field(1, ge=0)
+    can_register_page_cache: bool = False
+    # True when the bandwidths come from a `dlo calibrate` fragment, False when nominal.
+    measured: bool = False
+    models: dict[str, ModelProfile] = Field(default_factory=dict)
+
+    def to_annotation(self) -> str:
+        """The compact JSON value of the `dlo.dev/node-profile` node annotation."""
+        return self.model_dump_json(exclude_none=True)
+
+    @classmethod
+    def from_annotation(cls, value: str) -> "NodeProfile":
+        return cls.model_validate_json(value)
+
+
+class CalibrationFragment(_Model):
+    """What `dlo calibrate --out FILE` writes (CONTRACTS.md section 2); both fields optional."""
+
+    h2d_bandwidth_bps: int | None = Field(None, gt=0)
+    collective_bandwidth_bps: int | None = Field(None, gt=0)
+
+
+def apply_calibration(profile: NodeProfile, fragment: CalibrationFragment) -> NodeProfile:
+    """The profile with measured bandwidths from `fragment` (marked `measured` if any was given)."""
+    update: dict[str, object] = {}
+    if fragment.h2d_bandwidth_bps is not None:
+        update["h2d_bandwidth_bps"] = fragment.h2d_bandwidth_bps
+    if fragment.collective_bandwidth_bps is not None:
+        update["interconnect"] = profile.interconnect.model_copy(
+            update={"collective_bandwidth_bps": fragment.collective_bandwidth_bps}
+        )
+    if not update:
+        return profile
+    update["measured"] = True
+    return profile.model_copy(update=update)
+
+
+# Nominal figures by device model, used when nothing was measured. Matching is by substring of
+# the model name the driver reports (NVML `nvmlDeviceGetName`, npu-smi "Name"), first hit wins.
+# H2D: achievable pinned copy rate of the host link (PCIe 5 x16 measured at 55.3 GB/s on an H200;
+# PCIe 4 x16 ~ 25 GB/s). Collective: achievable AllGather bus bandwidth of the fabric (about 80-90%
+# of the link's unidirectional rate). bf16: dense GEMM rate sustained in practice (738 TFLOP/s
+# measured on an H200), not the datasheet peak.
+NOMINAL: tuple[tuple[str, int, int, float], ...] = (
+    # (model substring, h2d B/s, collective B/s over the native fabric, bf16 FLOP/s)
+    ("B300", 55_000_000_000, 720_000_000_000, 1_800e12),
+    ("B200", 55_000_000_000, 720_000_000_000, 1_700e12),
+    ("H200", 55_300_000_000, 360_000_000_000, 738e12),
+    ("H100", 50_000_000_000, 360_000_000_000, 700e12),
+    ("H800", 50_000_000_000, 160_000_000_000, 700e12),
+    ("A100", 25_000_000_000, 240_000_000_000, 250e12),
+    ("A800", 25_000_000_000, 160_000_000_000, 250e12),
+    ("L40S", 25_000_000_000, 0, 300e12),
+    ("910B", 25_000_000_000, 56_000_000_000, 280e12),
+    ("910", 25_000_000_000, 30_000_000_000, 250e12),
+)
+# Unknown devices: PCIe 4 x16 copies, PCIe peer-to-peer collectives, a modest compute rate.
+DEFAULT_H2D_BPS = 25_000_000_000
+PCIE_COLLECTIVE_BPS = {3: 10_000_000_000, 4: 20_000_000_000, 5: 40_000_000_000, 6: 80_000_000_000}
+DEFAULT_PCIE_COLLECTIVE_BPS = 20_000_000_000
+DEFAULT_BF16_FLOPS = 100e12
+
+
+def _nominal_row(device_model: str) -> tuple[str, int, int, float] | None:
+    name = device_model.upper()
+    for row in NOMINAL:
+        if row[0] in name:
+            return row
+    return None
+
+
+def nominal_h2d_bps(device_model: str) -> int:
+    row = _nominal_row(device_model)
+    return row[1] if row else DEFAULT_H2D_BPS
+
+
+def nominal_collective_bps(device_model: str, kind: InterconnectKind, pcie_generation: int | None = None) -> int:
+    """Nominal AllGather bandwidth: the fabric's figure for NVLink/HCCS, PCIe peer-to-peer otherwise."""
+    if kind == "none":
+        return 0
+    if kind in ("nvlink", "hccs"):
+        row = _nominal_row(device_model)
+        if row and row[2]:
+            return row[2]
+    return PCIE_COLLECTIVE_BPS.get(pcie_generation or 0, DEFAULT_PCIE_COLLECTIVE_BPS)
+
+
+def nominal_bf16_flops(device_model: str) -> float:
+    row = _nominal_row(device_model)
+    return row[3] if row else DEFAULT_BF16_FLOPS
+
+
+def compute_rate(accelerator: Accelerator) -> float:
+    """FLOP/s the policy assumes for one device: the profile's figure, else the nominal one."""
+    return accelerator.bf16_flops or nominal_bf16_flops(accelerator.model)
