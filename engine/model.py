@@ -1,0 +1,155 @@
+"""Build a diffusers model without materialising its weights, and decide each tensor's dtype.
+
+Owns: constructing the model named in `config.json` with every *parameter* on the `meta` device
+while buffers are computed for real (so non-persistent buffers such as Wan's `rope.freqs_cos/sin`,
+which are not in the checkpoint, come out right instead of staying on `meta`), the dtype policy
+(the checkpoint's compute dtype, float32 for the class's `_keep_in_fp32_modules`), and the map from
+checkpoint names to the module slots that hold them.
+Must never: allocate or initialise a parameter's data (a 14B model is built in seconds, in no memory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from dlo.engine.checkpoint import FLOAT_DTYPES, Checkpoint, CheckpointError
+from dlo.engine.dtypes import safetensors_name
+from dlo.engine.families import BlockKeys, Family, family_of, group_keys, read_config
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Every parameter registered inside the block lands on `meta`; buffers stay real.
+
+    Module constructors then run their own `reset_parameters` on meta tensors (no compute), while
+    buffers a constructor computes (RoPE tables) keep their values.
+    """
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+@dataclass
+class MetaModel:
+    module: nn.Module
+    config: dict
+    family: Family
+    blocks: list[BlockKeys]  # execution order
+    nonblock: list[str]
+    target_dtype: dict[str, str]  # checkpoint name -> safetensors dtype the model computes it in
+    compute_dtype: str
+
+    def block_module(self, block: BlockKeys) -> nn.Module:
+        return getattr(self.module, block.list_name)[block.index]
+
+
+def build_meta_model(component_dir: Path | str, ckpt: Checkpoint) -> MetaModel:
+    """Build the model on meta, validate the checkpoint against it, and group its blocks."""
+    import diffusers
+
+    config = read_config(component_dir)
+    class_name = config["_class_name"]
+    family = family_of(class_name)
+    cls = getattr(diffusers, class_name, None)
+    if cls is None:
+        raise CheckpointError(Path(component_dir) / "config.json", f"diffusers has no class {class_name!r}")
+    with parameters_on_meta():
+        module = cls.from_config(config)
+    module.eval().requires_grad_(False)
+
+    expected = {name: t for name, t in module.state_dict(keep_vars=True).items()}
+    compute = _compute_dtype(ckpt, expected)
+    keep = set(getattr(cls, "_keep_in_fp32_modules", None) or [])
+    allowed: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {}
+    target: dict[str, str] = {}
+    for name, t in expected.items():
+        native = safetensors_name(t.dtype)
+        if native not in FLOAT_DTYPES:
+            allowed[name] = (tuple(t.shape), (native,))
+            target[name] = native
+        elif keep.intersection(name.split(".")):
+            # Stored in fp32, or in the compute dtype and upcast on load (as diffusers does).
+            allowed[name] = (tuple(t.shape), ("F32", compute))
+            target[name] = "F32"
+        else:
+            allowed[name] = (tuple(t.shape), (compute,))
+            target[name] = compute
+    ckpt.validate(allowed)
+    blocks, nonblock = group_keys(set(expected), family)
+    _check_blocks_match_lists(module, family, blocks)
+    return MetaModel(module, config, family, blocks, nonblock, target, compute)
+
+
+def _compute_dtype(ckpt: Checkpoint, expected: dict[str, torch.Tensor]) -> str:
+    """The floating dtype holding most of the checkpoint's bytes."""
+    by_bytes: Counter[str] = Counter()
+    for name, info in ckpt.tensors.items():
+        if info.dtype in FLOAT_DTYPES and name in expected:
+            by_bytes[info.dtype] += info.nbytes
+    if not by_bytes:
+        raise CheckpointError(ckpt.root, "no floating-point tensor of the model in the checkpoint")
+    return by_bytes.most_common(1)[0][0]
+
+
+def _check_blocks_match_lists(module: nn.Module, family: Family, blocks: list[BlockKeys]) -> None:
+    n = sum(len(getattr(module, name)) for name in family.block_lists)
+    if n != len(blocks):
+        raise CheckpointError(
+            family.name, f"the model has {n} blocks in {family.block_lists} but {len(blocks)} hold weights"
+        )
+
+
+def owner_of(root: nn.Module, name: str) -> tuple[nn.Module, str, bool]:
+    """The module holding tensor `name`, its attribute, and whether it is a parameter."""
+    prefix, _, attr = name.rpartition(".")
+    owner = root.get_submodule(prefix) if prefix else root
+    if attr in owner._parameters:
+        return owner, attr, True
+    if attr in owner._buffers:
+        return owner, attr, False
+    raise KeyError(f"{name!r} is neither a parameter nor a buffer of the model")
+
+
+def set_tensor(root: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner, attr, is_param = owner_of(root, name)
+    if is_param:
+        owner._parameters[attr] = nn.Parameter(value, requires_grad=False)
+    else:
+        owner._buffers[attr] = value
+
+
+def move_free_buffers(module: nn.Module, device: torch.device, stored: set[str]) -> int:
+    """Move buffers that are not in the checkpoint (non-persistent: RoPE tables) to the device."""
+    moved = 0
+    for mod_name, mod in module.named_modules():
+        for attr, buf in list(mod._buffers.items()):
+            full = f"{mod_name}.{attr}" if mod_name else attr
+            if buf is None or full in stored:
+                continue
+            if buf.device.type == "meta":
+                raise CheckpointError(full, "buffer is on meta and not in the checkpoint: cannot recompute it")
+            mod._buffers[attr] = buf.to(device)
+            moved += buf.numel() * buf.element_size()
+    return moved
+
+
+def assert_nothing_on_meta(module: nn.Module, allow: set[str]) -> None:
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        if t.device.type == "meta" and name not in allow:
+            raise RuntimeError(f"{name} is still on meta after load; this is a bug in the loader")

@@ -1,0 +1,340 @@
+"""`dlo.engine.load`: a diffusers transformer whose blocks stream through two device slots.
+
+Data path, per offloaded block b (CONTRACTS.md sections 3 and 4):
+
+    arena shard (pinned host) --H2D, copy stream--> slot[k].narrow(r*S, S)
+                              --in-place AllGather, comm stream--> slot[k][0 : g*S]
+    compute stream waits `ready[k]`, binds b's cached views of slot[k], runs b, records `free[k]`
+
+The i-th gather since load uses slot i % 2. While block b computes from one slot, block b+1 is
+gathered into the other; the last block prefetches the first for the next call, so a call never
+starts cold. The host never synchronises in this loop; per-block host work is a few dict writes and
+two or three launches.
+
+[Note: stream lifetimes]
+Three rules keep the two slots safe without host synchronisation:
+1. The copy stream waits `free[k]` before overwriting slot k: `free[k]` is recorded on the compute
+   stream after the last block that read slot k, so no kernel still reads the bytes being replaced.
+2. The comm stream waits `h2d[k]` before gathering slot k: the rank's own shard must have landed.
+3. The compute stream waits `ready[k]` before the block that reads slot k.
+Slots and the arena are allocated once and never freed while the model lives, so no allocator
+`record_stream` bookkeeping is needed. Waiting on an event never recorded is a no-op (the first
+gathers). On CPU every call is synchronous and the events are no-ops: the same code runs.
+
+[Note: collective order]
+Every rank of a shard group must issue the same gathers in the same order. Each rank runs blocks in
+execution order; a rank without work in a wave calls `gather_only(n_calls)`, which walks the same
+sequence without compute. A block called out of order (a forward that failed mid-way) breaks the
+pipeline for good: `PipelineError`, and the engine must restart (collectives may be in flight).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dlo.engine.arena import Arena, build_arena
+from dlo.engine.checkpoint import Checkpoint
+from dlo.engine.dtypes import torch_dtype
+from dlo.engine.layout import BlockLayout, build_layout
+from dlo.engine.model import (
+    MetaModel,
+    assert_nothing_on_meta,
+    build_meta_model,
+    move_free_buffers,
+    owner_of,
+    set_tensor,
+)
+from dlo.engine.platform import Platform, get_platform
+
+log = logging.getLogger(__name__)
+
+Mode = Literal["allgather", "rank-local", "resident"]
+MODES: tuple[str, ...] = ("allgather", "rank-local", "resident")
+
+# torch >= 2.13 renames all_gather_into_tensor; keep one name that works on 2.11 and later.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class PipelineError(RuntimeError):
+    """The block pipeline lost its order; the engine must restart (collectives may be in flight)."""
+
+
+@dataclass
+class LoadReport:
+    mode: str
+    weights_source: str  # "registered" | "arena" | "resident"
+    blocks: int  # offloaded blocks
+    largest_block_bytes: int
+    host_pinned_bytes: int
+    slot_bytes: int  # both slots together
+    resident_bytes: int  # non-block + resident-block weights on the device
+    load_seconds: float
+    shard_group_size: int = 1
+    rank: int = 0
+    resident_blocks: int = 0
+    pinned: bool = False  # the host weights are really page-locked (DMA-able)
+    model_bytes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class PipelineStats:
+    gathers: int = 0
+    h2d_bytes: int = 0
+    collective_bytes: int = 0  # bytes received from other ranks
+    gather_wait_seconds: float = 0.0  # CPU: time compute spent in (synchronous) gathers
+
+
+@dataclass
+class _Block:
+    module: nn.Module
+    layout: BlockLayout
+    shard: int  # S
+    # per slot: [(owner._parameters or _buffers dict, attribute, view)] - the cached binding
+    binds: list[list[tuple[dict, str, torch.Tensor]]] = field(default_factory=list)
+    bound: int = -1  # slot currently bound
+
+
+class BlockPipeline:
+    """Two device slots, three streams, and the hooks that run blocks from them."""
+
+    def __init__(
+        self,
+        root: nn.Module,
+        blocks: list[_Block],
+        arena: Arena,
+        *,
+        platform: Platform,
+        device: torch.device,
+        group: Any,
+        g: int,
+        r: int,
+        collective: bool,
+    ):
+        self.root = root
+        self.blocks = blocks
+        self.arena = arena
+        self.platform = platform
+        self.group = group
+        self.g, self.r, self.collective = g, r, collective
+        self.slot_bytes = max(b.shard * g for b in blocks)
+        self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
+        self.copy_stream = platform.new_stream("copy")
+        self.comm_stream = platform.new_stream("comm")
+        self.compute_stream = platform.current_stream()
+        self.h2d = [platform.new_event() for _ in range(2)]
+        self.ready = [platform.new_event() for _ in range(2)]
+        self.free = [platform.new_event() for _ in range(2)]
+        self.stats = PipelineStats()
+        self._timed = not platform.has_streams
+        self._arena_shards = [arena.shard(i) for i in range(len(blocks))]
+        self._slot_in = [
+            [s.narrow(0, r * b.shard, b.shard) for s in self.slots] for b in blocks
+        ]
+        self._slot_out = [[s[: g * b.shard] for s in self.slots] for b in blocks]
+        for b in blocks:
+            b.binds = [self._views(b, s) for s in self.slots]
+        self._expected = 0  # index of the block whose gather is in flight
+        self._cur = 0  # slot holding (or receiving) that block
+        self._running = 0
+        self.broken: str | None = None
+        self._issue(0, 0)
+
+    def _views(self, b: _Block, slot: torch.Tensor) -> list[tuple[dict, str, torch.Tensor]]:
+        out = []
+        for t in b.layout.tensors:
+            view = slot[t.offset : t.end].view(torch_dtype(t.dtype)).view(t.shape)
+            owner, attr, is_param = owner_of(self.root, t.name)
+            out.append((owner._parameters if is_param else owner._buffers, attr, view))
+        return out
+
+    # ---- the hot path ----------------------------------------------------------------------------
+    def _issue(self, i: int, k: int) -> None:
+        """Gather block i into slot k (asynchronously where the platform has streams)."""
+        p = self.platform
+        t0 = time.perf_counter() if self._timed else 0.0
+        blk = self.blocks[i]
+        with p.use_stream(self.copy_stream):
+            p.wait(self.copy_stream, self.free[k])  # [Note: stream lifetimes] rule 1
+            self._slot_in[i][k].copy_(self._arena_shards[i], non_blocking=True)
+            # without a collective the block is ready as soon as its bytes have landed
+            p.record(self.h2d[k] if self.collective else self.ready[k], self.copy_stream)
+        if self.collective:
+            with p.use_stream(self.comm_stream):
+                p.wait(self.comm_stream, self.h2d[k])  # rule 2
+                _all_gather(self._slot_out[i][k], self._slot_in[i][k], group=self.group)
+                p.record(self.ready[k], self.comm_stream)
+            self.stats.collective_bytes += blk.shard * (self.g - 1)
+        self.stats.gathers += 1
+        self.stats.h2d_bytes += blk.shard
+        if self._timed:
+            self.stats.gather_wait_seconds += time.perf_counter() - t0
+
+    def before_block(self, i: int) -> None:
+        if self.broken is not None:
+            raise PipelineError(self.broken)
+        if i != self._expected:
+            self.broken = (
+                f"block {i} ran but block {self._expected} was expected: a forward stopped mid-way "
+                "and gathers are in flight; restart the engine"
+            )
+            raise PipelineError(self.broken)
+        k = self._cur
+        self.platform.wait(self.compute_stream, self.ready[k])  # rule 3
+        blk = self.blocks[i]
+        if blk.bound != k:
+            for d, attr, view in blk.binds[k]:
+                d[attr] = view
+            blk.bound = k
+        nxt = i + 1 if i + 1 < len(self.blocks) else 0
+        self._issue(nxt, 1 - k)
+        self._expected, self._cur, self._running = nxt, 1 - k, k
+
+    def after_block(self) -> None:
+        self.platform.record(self.free[self._running], self.compute_stream)
+
+    def skip_call(self) -> None:
+        """Walk one forward's gathers without compute (idle rank in a partial wave)."""
+        for i in range(len(self.blocks)):
+            self.before_block(i)
+            self.after_block()
+
+    def install_hooks(self) -> None:
+        for i, blk in enumerate(self.blocks):
+            blk.module.forward = _hooked(self, i, blk.module.forward)
+
+
+def _hooked(pipe: BlockPipeline, i: int, forward: Any) -> Any:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        pipe.before_block(i)
+        out = forward(*args, **kwargs)
+        pipe.after_block()
+        return out
+
+    return run
+
+
+class OffloadedModel:
+    """What `load` returns: the module to call, the load report, and `gather_only`."""
+
+    def __init__(self, module: nn.Module, report: LoadReport, pipeline: BlockPipeline | None,
+                 ckpt: Checkpoint, platform: Platform, device: torch.device):
+        self.module = module
+        self.report = report
+        self.pipeline = pipeline
+        self.platform = platform
+        self.device = device
+        self._ckpt = ckpt  # keeps the page-cache mappings alive for the model's lifetime
+
+    def gather_only(self, n_calls: int) -> None:
+        """Take part in n_calls forwards' weight gathers without compute (same collective order)."""
+        if self.pipeline is None:
+            return
+        for _ in range(n_calls):
+            self.pipeline.skip_call()
+
+    def stats(self) -> PipelineStats:
+        return self.pipeline.stats if self.pipeline is not None else PipelineStats()
+
+    def close(self) -> None:
+        if self.pipeline is not None and self.pipeline.arena.pinned:
+            self.platform.synchronize()
+            self.platform.unpin(self.pipeline.arena.buffer)
+            self.pipeline.arena.pinned = False
+
+
+def load(
+    component_dir: Path | str,
+    *,
+    mode: Mode,
+    device: torch.device | str,
+    group: Any = None,
+    resident_blocks: int = 0,
+) -> OffloadedModel:
+    """Load a diffusers transformer folder for layerwise offload.
+
+    Builds the model on `meta`, validates the checkpoint against it (`CheckpointError` naming file
+    and key on any mismatch), puts non-block weights (and the first `resident_blocks` blocks) on the
+    device, and streams the other blocks through two device slots: `allgather` shards every block
+    over the ranks of `group` (None: the default group) and rebuilds it on the device with an
+    in-place AllGather; `rank-local` copies whole blocks from this rank's own arena; `resident` puts
+    everything on the device (the baseline).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+    if resident_blocks < 0:
+        raise ValueError(f"resident_blocks must be >= 0, got {resident_blocks}")
+    t0 = time.perf_counter()
+    device = torch.device(device)
+    platform = get_platform(device)
+    ckpt = Checkpoint(component_dir)
+    meta = build_meta_model(component_dir, ckpt)
+    module = meta.module
+    n_resident = len(meta.blocks) if mode == "resident" else min(resident_blocks, len(meta.blocks))
+    resident_names = list(meta.nonblock) + [k for b in meta.blocks[:n_resident] for k in b.keys]
+    resident_bytes = 0
+    for name in resident_names:
+        value = ckpt.view(name).to(device=device, dtype=torch_dtype(meta.target_dtype[name]), copy=True)
+        set_tensor(module, name, value)
+        resident_bytes += value.numel() * value.element_size()
+    resident_bytes += move_free_buffers(module, device, set(meta.target_dtype))
+
+    offloaded = meta.blocks[n_resident:]
+    layouts = [_block_layout(ckpt, meta, b) for b in offloaded]
+    if mode == "allgather":
+        if not dist.is_initialized():
+            raise RuntimeError("mode 'allgather' needs torch.distributed initialised (world size 1 is fine)")
+        g, r = dist.get_world_size(group), dist.get_rank(group)
+    else:
+        g, r = 1, 0
+    pipeline = None
+    host_pinned = 0
+    slot_bytes = 0
+    pinned = False
+    if offloaded:
+        arena = build_arena(ckpt, layouts, meta.target_dtype, g, r, platform)
+        pinned = arena.pinned
+        host_pinned = arena.nbytes
+        blocks = [
+            _Block(meta.block_module(b), lay, lay.shard_bytes(g)) for b, lay in zip(offloaded, layouts)
+        ]
+        pipeline = BlockPipeline(
+            module, blocks, arena, platform=platform, device=device, group=group, g=g, r=r,
+            collective=(mode == "allgather"),
+        )
+        pipeline.install_hooks()
+        slot_bytes = 2 * pipeline.slot_bytes
+    assert_nothing_on_meta(module, {k for b in offloaded for k in b.keys})
+    report = LoadReport(
+        mode=mode,
+        weights_source="resident" if mode == "resident" else "arena",
+        blocks=len(offloaded),
+        largest_block_bytes=max((lay.nbytes for lay in layouts), default=0),
+        host_pinned_bytes=host_pinned if pinned else 0,
+        slot_bytes=slot_bytes,
+        resident_bytes=resident_bytes,
+        load_seconds=time.perf_counter() - t0,
+        shard_group_size=g,
+        rank=r,
+        resident_blocks=n_resident,
+        pinned=pinned,
+        model_bytes=ckpt.nbytes,
+    )
+    log.info("dlo loaded %s", " ".join(f"{k}={v}" for k, v in report.to_dict().items()))
+    return OffloadedModel(module, report, pipeline, ckpt, platform, device)
+
+
+def _block_layout(ckpt: Checkpoint, meta: MetaModel, block) -> BlockLayout:
+    """The block's layout, tensors in file order (keeps runs contiguous with the file)."""
+    names = sorted(block.keys, key=lambda k: (str(ckpt.tensors[k].path), ckpt.tensors[k].start))
+    return build_layout([(k, meta.target_dtype[k], ckpt.tensors[k].shape) for k in names])

@@ -1,0 +1,246 @@
+"""The accelerator platform: streams, events, host-memory pinning, collective backend, memory stats.
+
+Owns: the one small interface the engine uses, with `cuda` (NCCL), `npu` (torch_npu + HCCL) and
+`cpu` (gloo; streams and events are no-ops, so work runs in program order) implementations. The same
+engine code runs on all three, which is how CI tests the real logic multi-process on CPU.
+Must never: be imported without torch (it is engine-only), hide a failed pin (callers report it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import logging
+from typing import Any, Iterator
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# cudaHostRegister flags
+_CUDA_HOST_REGISTER_DEFAULT = 0x00
+_CUDA_HOST_REGISTER_READ_ONLY = 0x08
+
+
+class Platform:
+    """CPU: no streams, no events; host memory is 'pinned' with mlock so VmLck shows it."""
+
+    name = "cpu"
+    backend = "gloo"
+    has_streams = False
+
+    def device(self, local_rank: int = 0) -> torch.device:
+        return torch.device("cpu")
+
+    # ---- streams and events (no-ops on CPU: work is synchronous and in program order) ----------
+    def new_stream(self, role: str) -> Any:
+        return None
+
+    def current_stream(self) -> Any:
+        return None
+
+    @contextlib.contextmanager
+    def use_stream(self, stream: Any) -> Iterator[None]:
+        yield
+
+    def new_event(self, timing: bool = False) -> Any:
+        return None
+
+    def record(self, event: Any, stream: Any) -> None:
+        pass
+
+    def wait(self, stream: Any, event: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    # ---- host memory -----------------------------------------------------------------------------
+    def pin(self, t: torch.Tensor) -> bool:
+        """Make `t`'s memory DMA-able in place (one call for the whole tensor). False if refused."""
+        return _mlock(t.data_ptr(), t.numel() * t.element_size())
+
+    def unpin(self, t: torch.Tensor) -> None:
+        _munlock(t.data_ptr(), t.numel() * t.element_size())
+
+    def register_read_only(self, ptr: int, nbytes: int) -> bool:
+        """Register a read-only file mapping for DMA (zero-copy weights). CPU: nothing to do."""
+        return False
+
+    def unregister(self, ptr: int) -> None:
+        pass
+
+    # ---- memory stats ----------------------------------------------------------------------------
+    def memory_peak(self, device: torch.device) -> int:
+        return 0
+
+    def reset_peak(self, device: torch.device) -> None:
+        pass
+
+
+class CudaPlatform(Platform):
+    name = "cuda"
+    backend = "nccl"
+    has_streams = True
+
+    def device(self, local_rank: int = 0) -> torch.device:
+        return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+
+    def new_stream(self, role: str) -> torch.cuda.Stream:
+        # Weight traffic gets high priority so a long compute kernel queue never starves it.
+        return torch.cuda.Stream(priority=-1)
+
+    def current_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream()
+
+    def use_stream(self, stream: Any):  # type: ignore[override]
+        return torch.cuda.stream(stream)
+
+    def new_event(self, timing: bool = False) -> torch.cuda.Event:
+        return torch.cuda.Event(enable_timing=timing)
+
+    def record(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
+        event.record(stream)
+
+    def wait(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+        stream.wait_event(event)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def pin(self, t: torch.Tensor) -> bool:
+        err = torch.cuda.cudart().cudaHostRegister(
+            t.data_ptr(), t.numel() * t.element_size(), _CUDA_HOST_REGISTER_DEFAULT
+        )
+        if int(err) != 0:
+            log.warning("cudaHostRegister failed err=%s bytes=%d", int(err), t.numel() * t.element_size())
+            return False
+        return True
+
+    def unpin(self, t: torch.Tensor) -> None:
+        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+    def register_read_only(self, ptr: int, nbytes: int) -> bool:
+        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_READ_ONLY)
+        if int(err) != 0:
+            log.info("read-only registration refused err=%s bytes=%d: falling back to the arena", int(err), nbytes)
+            torch.cuda.cudart().cudaGetLastError() if hasattr(torch.cuda.cudart(), "cudaGetLastError") else None
+            return False
+        return True
+
+    def unregister(self, ptr: int) -> None:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+
+    def memory_peak(self, device: torch.device) -> int:
+        return int(torch.cuda.max_memory_allocated(device))
+
+    def reset_peak(self, device: torch.device) -> None:
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+class NpuPlatform(CudaPlatform):
+    """Ascend through torch_npu and HCCL. Written against torch_npu's documented API; untested here.
+
+    torch_npu exposes no host-register call, so the arena is pinned by one `pin_memory()` of the whole
+    arena (one allocation, not one per tensor); the driver's DMA memory is invisible to the cgroup.
+    """
+
+    name = "npu"
+    backend = "hccl"
+
+    def __init__(self) -> None:
+        import torch_npu  # noqa: F401  (registers torch.npu)
+
+        self._npu = torch.npu  # type: ignore[attr-defined]
+
+    def device(self, local_rank: int = 0) -> torch.device:
+        return torch.device("npu", local_rank % max(1, self._npu.device_count()))
+
+    def new_stream(self, role: str) -> Any:
+        return self._npu.Stream()
+
+    def current_stream(self) -> Any:
+        return self._npu.current_stream()
+
+    def use_stream(self, stream: Any):  # type: ignore[override]
+        return self._npu.stream(stream)
+
+    def new_event(self, timing: bool = False) -> Any:
+        return self._npu.Event(enable_timing=timing)
+
+    def synchronize(self) -> None:
+        self._npu.synchronize()
+
+    def pin(self, t: torch.Tensor) -> bool:
+        return False  # the arena allocates pinned memory itself on NPU (see class docstring)
+
+    def unpin(self, t: torch.Tensor) -> None:
+        pass
+
+    def register_read_only(self, ptr: int, nbytes: int) -> bool:
+        return False
+
+    def memory_peak(self, device: torch.device) -> int:
+        return int(self._npu.max_memory_allocated(device))
+
+    def reset_peak(self, device: torch.device) -> None:
+        self._npu.reset_peak_memory_stats(device)
+
+
+def get_platform(device: torch.device | str) -> Platform:
+    kind = torch.device(device).type
+    if kind == "cpu":
+        return Platform()
+    if kind == "cuda":
+        return CudaPlatform()
+    if kind == "npu":
+        return NpuPlatform()
+    raise ValueError(f"unsupported device type {kind!r}; DLO runs on cuda, npu or cpu")
+
+
+def detect_device() -> str:
+    """`--device auto`: cuda, else npu, else cpu."""
+    if torch.cuda.is_available():
+        return "cuda"
+    try:
+        import torch_npu  # noqa: F401
+
+        if torch.npu.is_available():  # type: ignore[attr-defined]
+            return "npu"
+    except ImportError:
+        pass
+    return "cpu"
+
+
+def device_count(kind: str) -> int:
+    if kind == "cuda":
+        return torch.cuda.device_count()
+    if kind == "npu":
+        return torch.npu.device_count()  # type: ignore[attr-defined]
+    return 1
+
+
+_libc: ctypes.CDLL | None = None
+
+
+def _lib() -> ctypes.CDLL:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    return _libc
+
+
+def _mlock(ptr: int, nbytes: int) -> bool:
+    if nbytes == 0:
+        return True
+    rc = _lib().mlock(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes))
+    if rc != 0:
+        log.info("mlock refused errno=%d bytes=%d: arena stays pageable", ctypes.get_errno(), nbytes)
+        return False
+    return True
+
+
+def _munlock(ptr: int, nbytes: int) -> None:
+    if nbytes:
+        _lib().munlock(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes))
