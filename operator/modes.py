@@ -1,0 +1,127 @@
+"""Resolution of `spec.mode: auto` from the node profiles the agent publishes.
+
+Owns: which nodes a DLODeployment's pods may land on (`eligible_nodes`), the model facts per node
+(spec override, else the node profile's entry for the model folder), and `resolve_mode`, which asks
+`dlo.agent.policy.choose_mode` per node and keeps the decision of the most constrained node (the
+node where the fewest modes fit). Without any usable profile, `auto` falls back to allgather (the
+mode with the least host and device memory per node) and says why.
+Must never: talk to the API server or import torch; it is pure over the node objects it is given.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from dlo.operator.models import ENGINE_MODES, DLODeploymentSpec, ModeName
+
+PROFILE_ANNOTATION = "dlo.dev/node-profile"
+
+
+@dataclass(frozen=True)
+class Resolution:
+    mode: ModeName
+    reason: str
+    # Digest of the inputs (spec fields and eligible profiles): re-resolve only when it changes.
+    inputs: str
+
+
+def _matches(node: dict[str, Any], spec: DLODeploymentSpec) -> bool:
+    labels = node.get("metadata", {}).get("labels", {}) or {}
+    if any(labels.get(k) != v for k, v in spec.placement.node_selector.items()):
+        return False
+    if node.get("spec", {}).get("unschedulable"):
+        return False
+    if spec.engine.device == "cpu":
+        return True
+    allocatable = node.get("status", {}).get("allocatable", {}) or {}
+    try:
+        return int(str(allocatable.get(spec.accelerator_resource, "0"))) >= spec.devices_per_node
+    except ValueError:
+        return False
+
+
+def eligible_nodes(nodes: list[dict[str, Any]], spec: DLODeploymentSpec) -> list[dict[str, Any]]:
+    """Nodes the engine pods may land on: node selector, schedulable, enough accelerators."""
+    return sorted((n for n in nodes if _matches(n, spec)), key=lambda n: n["metadata"]["name"])
+
+
+def node_profile_json(node: dict[str, Any]) -> str | None:
+    return (node.get("metadata", {}).get("annotations", {}) or {}).get(PROFILE_ANNOTATION)
+
+
+def inputs_digest(spec: DLODeploymentSpec, nodes: list[dict[str, Any]]) -> str:
+    payload = {
+        "dp": spec.devices_per_node,
+        "model": spec.model.model_dump(mode="json"),
+        "profiles": {n["metadata"]["name"]: node_profile_json(n) for n in nodes},
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _policy() -> Any:
+    """The agent's policy module (imported lazily: `dlo.agent.policy` is pure and torch-free)."""
+    from dlo.agent import policy
+
+    return policy
+
+
+def resolve_mode(spec: DLODeploymentSpec, nodes: list[dict[str, Any]]) -> Resolution:
+    """The mode for `spec`; an explicit mode is taken as is, `auto` asks the policy per node."""
+    eligible = eligible_nodes(nodes, spec)
+    digest = inputs_digest(spec, eligible)
+    if spec.mode != "auto":
+        return Resolution(spec.mode, f"spec.mode is {spec.mode}", digest)
+    return _resolve_with_policy(_policy(), spec, eligible, digest)
+
+
+def _resolve_with_policy(policy: Any, spec: DLODeploymentSpec, eligible: list[dict[str, Any]], digest: str) -> Resolution:
+    from dlo.agent.profile import NodeProfile
+
+    # (modes that fit on the node, node name, decision): the node where the fewest modes fit is
+    # the most constrained; its decision is the one every node can run.
+    decisions: list[tuple[int, str, Any]] = []
+    skipped: list[str] = []
+    for node in eligible:
+        name = node["metadata"]["name"]
+        raw = node_profile_json(node)
+        if raw is None:
+            skipped.append(f"{name}: no profile")
+            continue
+        try:
+            profile = NodeProfile.from_annotation(raw)
+        except ValueError as e:
+            skipped.append(f"{name}: unreadable profile ({str(e).splitlines()[0]})")
+            continue
+        facts = model_facts(spec, profile)
+        if facts is None:
+            skipped.append(f"{name}: no facts for model {spec.model.folder_name!r}")
+            continue
+        try:
+            decision = policy.choose_mode(profile, facts, spec.devices_per_node)
+        except policy.PolicyError as e:
+            skipped.append(f"{name}: {e}")
+            continue
+        fitting = sum(1 for est in decision.estimates.values() if est.fits)
+        decisions.append((fitting, name, decision))
+    if not decisions:
+        why = "; ".join(skipped) if skipped else "no eligible node"
+        return Resolution("allgather", f"auto resolved to allgather (the frugal default): {why}", digest)
+    _, name, decision = min(decisions, key=lambda d: (d[0], d[1]))
+    mode = decision.engine_mode
+    if mode not in ENGINE_MODES:
+        raise ValueError(f"the policy chose an unknown mode {decision.mode!r}")
+    suffix = f" (most constrained of {len(decisions)} nodes)" if len(decisions) > 1 else ""
+    return Resolution(mode, f"node {name}: {decision.reason}{suffix}", digest)
+
+
+def model_facts(spec: DLODeploymentSpec, profile: Any) -> Any | None:
+    """The model facts for the policy: the spec's override, else the profile's entry for the folder."""
+    from dlo.agent.profile import ModelProfile
+
+    if spec.model.facts is not None:
+        f = spec.model.facts
+        return ModelProfile(bytes=f.bytes, largest_block_bytes=f.largest_block_bytes, blocks=f.blocks or 1)
+    return profile.models.get(spec.model.folder_name)
