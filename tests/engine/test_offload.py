@@ -1,0 +1,121 @@
+"""dlo.engine.load on real gloo ranks: every offload mode is bit-identical to resident."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dlo.engine.tiny import make_tiny_transformer
+from tests.engine.dist_utils import run_ranks
+from tests.engine.inputs import forward
+
+CALLS = 4  # more calls than slots: the ring wraps around several times
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {
+        # 3 blocks: an odd count, so a block alternates slots between calls
+        ("wan", "bf16"): str(make_tiny_transformer(root / "wan", "wan", layers=3, dtype="bfloat16")),
+        # 2 double-stream + 3 single-stream blocks of different sizes, float32
+        ("flux", "fp32"): str(make_tiny_transformer(root / "flux", "flux", layers=2)),
+        # several safetensors shards with an index file
+        ("wan", "sharded"): str(
+            make_tiny_transformer(root / "wan_sharded", "wan", layers=4, max_shard_size="40KB")
+        ),
+    }
+
+
+def _equal_to_resident(rank: int, world: int, models: dict) -> dict:
+    from dlo.engine import load
+
+    out = {}
+    for (family, kind), path in models.items():
+        ref_model = load(path, mode="resident", device="cpu")
+        dtype = next(ref_model.module.parameters()).dtype if kind != "bf16" else torch.bfloat16
+        refs = [forward(ref_model.module, family, s, dtype) for s in range(CALLS)]
+        for mode in ("allgather", "rank-local"):
+            m = load(path, mode=mode, device="cpu")
+            # different seeds per call and per rank: the gathers do not depend on the inputs
+            same = [torch.equal(forward(m.module, family, s, dtype), refs[s]) for s in range(CALLS)]
+            out[f"{family}-{kind}-{mode}"] = (same, m.report.host_pinned_bytes, m.report.shard_group_size)
+            m.close()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_offload_modes_bit_identical_to_resident(models, world):
+    results = run_ranks(world, _equal_to_resident, models)
+    for rank, res in enumerate(results):
+        for key, (same, pinned, g) in res.items():
+            assert all(same), f"rank {rank} {key}: outputs differ from resident on calls {same}"
+            assert pinned > 0, f"rank {rank} {key}: arena not pinned"
+            assert g == (world if key.endswith("allgather") else 1)
+
+
+def _gather_only(rank: int, world: int, path: str) -> list[bool]:
+    from dlo.engine import load
+
+    ref_model = load(path, mode="resident", device="cpu")
+    refs = [forward(ref_model.module, "flux", s, torch.float32) for s in range(3)]
+    m = load(path, mode="allgather", device="cpu")
+    if rank == 1:
+        m.gather_only(3)  # the idle rank of a partial wave
+        m.gather_only(1)
+        return []
+    outs = [torch.equal(forward(m.module, "flux", s, torch.float32), refs[s]) for s in range(3)]
+    outs.append(torch.equal(forward(m.module, "flux", 0, torch.float32), refs[0]))
+    return outs
+
+
+@pytest.mark.slow
+def test_gather_only_on_one_rank_keeps_others_exact(models):
+    results = run_ranks(3, _gather_only, models[("flux", "fp32")])
+    assert results[1] == []
+    assert results[0] == [True] * 4 and results[2] == [True] * 4
+
+
+def test_single_process_modes_and_report(models):
+    import torch.distributed as dist
+
+    from dlo.engine import load
+    from dlo.engine.families import describe
+    from dlo.engine.layout import shard_bytes
+
+    path = models[("flux", "fp32")]
+    facts = describe(path)
+    m = load(path, mode="rank-local", device="cpu")
+    r = m.report
+    assert (r.mode, r.weights_source, r.blocks) == ("rank-local", "arena", 5)
+    assert r.largest_block_bytes == facts.largest_block_bytes
+    assert r.slot_bytes == 2 * shard_bytes(facts.largest_block_bytes, 1)
+    assert r.resident_bytes >= facts.nonblock_bytes
+    # the arena holds each block once, exactly (layout bytes, no power-of-two rounding)
+    assert r.host_pinned_bytes < facts.bytes and r.host_pinned_bytes >= facts.bytes - facts.nonblock_bytes
+    resident = load(path, mode="resident", device="cpu")
+    assert resident.report.blocks == 0 and resident.report.host_pinned_bytes == 0
+    # resident_blocks: the first K blocks stay on the device, the rest stream; still exact
+    k2 = load(path, mode="rank-local", device="cpu", resident_blocks=2)
+    assert k2.report.blocks == 3 and k2.report.resident_blocks == 2
+    ref = forward(resident.module, "flux", 1, torch.float32)
+    assert torch.equal(forward(k2.module, "flux", 1, torch.float32), ref)
+    assert torch.equal(forward(m.module, "flux", 1, torch.float32), ref)
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="torch.distributed"):
+        load(path, mode="allgather", device="cpu")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        load(path, mode="sideways", device="cpu")  # type: ignore[arg-type]
+
+
+def test_out_of_order_block_breaks_pipeline_loudly(models):
+    from dlo.engine import load
+    from dlo.engine.offload import PipelineError
+
+    m = load(models[("wan", "bf16")], mode="rank-local", device="cpu")
+    block1 = m.module.blocks[1]
+    with pytest.raises(PipelineError, match="block 1 ran but block 0 was expected"):
+        block1(torch.zeros(1))
+    with pytest.raises(PipelineError):  # and stays broken: the engine must restart
+        forward(m.module, "wan", 0, torch.bfloat16)
