@@ -1,0 +1,302 @@
+"""Topology: read this node's accelerators, interconnect, PCIe link, NUMA, RAM and model folders.
+
+Owns: building the `NodeProfile` (dlo.agent.profile) from the host - NVML (nvidia-ml-py) for NVIDIA
+devices, `npu-smi info` text for Ascend devices, sysfs for PCIe links and NUMA nodes,
+`/proc/meminfo` for RAM - plus the facts of each model folder under a models root
+(`dlo.engine.families.describe`, page-cache residency). Nominal bandwidths come from
+dlo.agent.profile unless a `dlo calibrate` fragment is applied.
+Must never: import torch, fail because a device library or tool is missing (no accelerator is a
+valid answer), or write to the host.
+
+`can_register_page_cache`: True on NVIDIA (CUDA `cudaHostRegister` with the read-only flag on a
+read-only file mapping: measured on an H200, H2D straight from the page cache at 55.4 GB/s);
+False on Ascend (pinned memory comes from the NPU driver, it cannot register file pages) and on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from dlo.agent.memory import ProcFS
+from dlo.agent.profile import (
+    Accelerator,
+    Interconnect,
+    InterconnectKind,
+    ModelProfile,
+    NodeProfile,
+    PcieLink,
+    nominal_collective_bps,
+    nominal_h2d_bps,
+)
+from dlo.agent.residency import ResidencyError, folder_residency
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Devices:
+    accelerator: Accelerator
+    interconnect_kind: InterconnectKind
+    pcie: PcieLink | None
+    bus_ids: tuple[str, ...] = ()
+
+
+NO_DEVICES = Devices(Accelerator(), "none", None)
+
+
+# --- NVIDIA ----------------------------------------------------------------------------------
+
+
+def nvidia_devices() -> Devices | None:
+    """NVIDIA devices through NVML; None when there is no driver or no device."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as e:
+        log.debug("nvml unavailable error=%s", e)
+        return None
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+        if count == 0:
+            return None
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        name = pynvml.nvmlDeviceGetName(h)
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        memory = int(pynvml.nvmlDeviceGetMemoryInfo(h).total)
+        nvlink = False
+        for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
+            try:
+                if pynvml.nvmlDeviceGetNvLinkState(h, link) == pynvml.NVML_FEATURE_ENABLED:
+                    nvlink = True
+                    break
+            except pynvml.NVMLError:
+                break
+        pcie = None
+        try:
+            pcie = PcieLink(
+                generation=int(pynvml.nvmlDeviceGetCurrPcieLinkGeneration(h)),
+                width=int(pynvml.nvmlDeviceGetCurrPcieLinkWidth(h)),
+            )
+        except pynvml.NVMLError:
+            pass
+        kind: InterconnectKind = "nvlink" if nvlink else ("pcie" if count > 1 else "none")
+        return Devices(Accelerator(vendor="nvidia", model=name, count=count, memory_bytes=memory), kind, pcie)
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError:
+            pass
+
+
+# --- Ascend ----------------------------------------------------------------------------------
+
+# `npu-smi info`: per chip two rows, "| NPU Name | Health | ..." then "| Chip [Phy-ID] | Bus-Id |
+# AICore Memory-Usage HBM-Usage |"; the process table after the chips is ignored.
+_NPU_ROW = re.compile(r"^\|\s*(\d+)\s+(\S+)\s*\|\s*(\S+)\s*\|")
+_CHIP_ROW = re.compile(
+    r"^\|\s*(\d+)(?:\s+\d+)?\s*\|\s*([0-9A-Fa-fx]{4,8}:[0-9A-Fa-fx]{2}:[0-9A-Fa-fx]{2}\.[0-9A-Fa-f])\s*\|"
+    r".*?(\d+)\s*/\s*(\d+)\s*\|\s*$"
+)
+
+
+class NpuSmiParseError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class NpuChip:
+    npu: int
+    chip: int
+    name: str
+    health: str
+    bus_id: str
+    hbm_used_mb: int
+    hbm_total_mb: int
+
+
+def parse_npu_smi_info(text: str) -> list[NpuChip]:
+    """Chips listed by `npu-smi info` (one entry per chip: what torch_npu sees as a device)."""
+    chips: list[NpuChip] = []
+    pending: tuple[int, str, str] | None = None
+    for line in text.splitlines():
+        if "Process id" in line or "Process name" in line:
+            break
+        if pending is None:
+            m = _NPU_ROW.match(line)
+            if m and not line.lstrip("| ").startswith("NPU"):
+                pending = (int(m.group(1)), m.group(2), m.group(3))
+            continue
+        c = _CHIP_ROW.match(line)
+        if c:
+            npu, name, health = pending
+            chips.append(NpuChip(npu, int(c.group(1)), name, health, c.group(2), int(c.group(3)), int(c.group(4))))
+        pending = None
+    if not chips and "npu-smi" in text:
+        raise NpuSmiParseError("npu-smi info printed no chip rows this parser understands")
+    return chips
+
+
+def parse_npu_smi_topo(text: str) -> InterconnectKind:
+    """Interconnect from `npu-smi info -t topo`: HCCS when chips link through it, else PCIe."""
+    body = text.split("Legend", 1)[0]
+    if "HCCS" in body:
+        return "hccs"
+    if re.search(r"\b(PIX|PXB|PHB|SYS|NODE)\b", body):
+        return "pcie"
+    return "none"
+
+
+def _run(argv: list[str]) -> str | None:
+    if shutil.which(argv[0]) is None:
+        return None
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("command failed argv=%s error=%s", argv, e)
+        return None
+
+
+def ascend_devices(sys_root: Path = Path("/sys")) -> Devices | None:
+    info = _run(["npu-smi", "info"])
+    if info is None:
+        return None
+    try:
+        chips = parse_npu_smi_info(info)
+    except NpuSmiParseError as e:
+        log.warning("npu-smi output not understood error=%s", e)
+        return None
+    if not chips:
+        return None
+    kind: InterconnectKind = parse_npu_smi_topo(_run(["npu-smi", "info", "-t", "topo"]) or "")
+    if kind == "none" and len(chips) > 1:
+        kind = "pcie"
+    acc = Accelerator(vendor="ascend", model=chips[0].name, count=len(chips), memory_bytes=chips[0].hbm_total_mb << 20)
+    bus_ids = tuple(c.bus_id for c in chips)
+    return Devices(acc, kind, pcie_link(sys_root, bus_ids[0]), bus_ids)
+
+
+# --- sysfs -----------------------------------------------------------------------------------
+
+_GTS_TO_GEN = {"2.5": 1, "5.0": 2, "8.0": 3, "16.0": 4, "32.0": 5, "64.0": 6}
+
+
+def pcie_link(sys_root: Path, bus_id: str) -> PcieLink | None:
+    """Current PCIe link of a device from sysfs (`current_link_speed`, `current_link_width`)."""
+    d = Path(sys_root) / "bus" / "pci" / "devices" / bus_id.lower()
+    try:
+        speed = (d / "current_link_speed").read_text().split()[0]
+        width = int((d / "current_link_width").read_text().strip())
+    except (OSError, ValueError, IndexError):
+        return None
+    return PcieLink(generation=_GTS_TO_GEN.get(speed), width=width)
+
+
+def numa_nodes(sys_root: Path = Path("/sys")) -> int:
+    d = Path(sys_root) / "devices" / "system" / "node"
+    try:
+        n = sum(1 for p in d.iterdir() if re.fullmatch(r"node\d+", p.name))
+    except OSError:
+        return 1
+    return max(n, 1)
+
+
+# --- models ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelFolder:
+    name: str
+    path: Path
+    files_bytes: int  # every safetensors file of the folder (transformer, VAE, text encoders)
+    resident_bytes: int | None
+    facts: ModelProfile | None  # the transformer's facts; None when the folder has none we know
+
+
+def model_folders(models_root: Path | None, *, residency: bool = True) -> list[ModelFolder]:
+    """Every folder directly under `models_root`, with its facts; broken folders are logged."""
+    if models_root is None:
+        return []
+    from dlo.engine.checkpoint import CheckpointError
+    from dlo.engine.families import describe
+
+    try:
+        folders = sorted(p for p in Path(models_root).iterdir() if p.is_dir())
+    except OSError as e:
+        log.warning("models root unreadable path=%s error=%s", models_root, e)
+        return []
+    out: list[ModelFolder] = []
+    for folder in folders:
+        try:
+            res = folder_residency(folder)
+        except (ResidencyError, FileNotFoundError) as e:
+            log.warning("model residency unknown model=%s error=%s", folder.name, e)
+            res = None
+        if res is not None and not res.files:
+            continue  # not a model folder
+        facts = None
+        try:
+            f = describe(folder)
+            facts = ModelProfile(
+                bytes=f.bytes,
+                largest_block_bytes=f.largest_block_bytes,
+                blocks=f.blocks,
+                nonblock_bytes=f.nonblock_bytes,
+                resident_ratio=res.ratio if (residency and res is not None) else None,
+            )
+        except (CheckpointError, KeyError, OSError) as e:
+            log.info("no model facts model=%s reason=%s", folder.name, e)
+        out.append(
+            ModelFolder(
+                name=folder.name,
+                path=folder,
+                files_bytes=res.bytes if res else 0,
+                resident_bytes=res.resident_bytes if res else None,
+                facts=facts,
+            )
+        )
+    return out
+
+
+# --- the profile -----------------------------------------------------------------------------
+
+
+def detect_devices(sys_root: Path = Path("/sys")) -> Devices:
+    return nvidia_devices() or ascend_devices(sys_root) or NO_DEVICES
+
+
+def build_profile(
+    node: str,
+    devices: Devices,
+    *,
+    proc: ProcFS,
+    sys_root: Path = Path("/sys"),
+    models: list[ModelFolder] = (),  # type: ignore[assignment]
+) -> NodeProfile:
+    """The node profile with nominal bandwidths (apply a calibration fragment on top)."""
+    acc = devices.accelerator
+    if acc.vendor == "none":
+        h2d, coll = 0, 0
+    else:
+        h2d = nominal_h2d_bps(acc.model)
+        gen = devices.pcie.generation if devices.pcie else None
+        coll = nominal_collective_bps(acc.model, devices.interconnect_kind, gen)
+    return NodeProfile(
+        node=node,
+        accelerator=acc,
+        interconnect=Interconnect(kind=devices.interconnect_kind, collective_bandwidth_bps=coll),
+        pcie=devices.pcie,
+        h2d_bandwidth_bps=h2d,
+        host_memory_bytes=proc.meminfo().get("MemTotal", 0),
+        numa_nodes=numa_nodes(sys_root),
+        can_register_page_cache=acc.vendor == "nvidia",
+        measured=False,
+        models={m.name: m.facts for m in models if m.facts is not None},
+    )
