@@ -1,0 +1,45 @@
+"""Family registry and checkpoint key grouping."""
+
+import pytest
+
+from dlo.engine.families import FAMILIES, describe, family_of, group_keys
+
+
+def test_flux_blocks_run_double_then_single_stream():
+    names = [
+        "x_embedder.weight",
+        "single_transformer_blocks.0.proj_out.weight",
+        "transformer_blocks.1.attn.to_q.weight",
+        "transformer_blocks.0.attn.to_q.weight",
+        "transformer_blocks.10.attn.to_q.weight",
+        "single_transformer_blocks.2.norm.linear.weight",
+    ]
+    blocks, nonblock = group_keys(names, FAMILIES["flux"])
+    assert [(b.list_name, b.index) for b in blocks] == [
+        ("transformer_blocks", 0), ("transformer_blocks", 1), ("transformer_blocks", 10),
+        ("single_transformer_blocks", 0), ("single_transformer_blocks", 2),
+    ]
+    assert [b.order for b in blocks] == [0, 1, 2, 3, 4]
+    assert nonblock == ["x_embedder.weight"]
+
+
+def test_wan_prefix_is_not_confused_with_similar_names():
+    blocks, nonblock = group_keys(["blocks.0.a", "blocks_extra.0.a", "blocks.1"], FAMILIES["wan"])
+    assert [b.keys for b in blocks] == [("blocks.0.a",)]
+    assert sorted(nonblock) == ["blocks.1", "blocks_extra.0.a"]
+
+
+def test_unknown_class_names_known_ones():
+    with pytest.raises(KeyError, match="WanTransformer3DModel"):
+        family_of("UNet2DConditionModel")
+
+
+def test_describe_reads_facts_without_torch(tmp_path):
+    from dlo.engine.tiny import make_tiny_transformer
+
+    make_tiny_transformer(tmp_path / "transformer", "wan", layers=3)
+    (tmp_path / "model_index.json").write_text("{}")
+    facts = describe(tmp_path)  # a pipeline folder resolves to its transformer/
+    assert facts.family == "wan" and facts.blocks == 3
+    assert 0 < facts.largest_block_bytes * 3 + facts.nonblock_bytes
+    assert facts.bytes >= facts.nonblock_bytes + 3 * (facts.largest_block_bytes - 256 * 40)
