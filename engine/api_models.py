@@ -1,0 +1,198 @@
+"""HTTP bodies of the OpenAI-compatible API, and their translation into `Generation`s.
+
+Owns: the pydantic request and response models (OpenAI Images and Videos shapes plus our
+extensions `seed`, `num_inference_steps`, `guidance_scale`, `negative_prompt`), the OpenAI error
+body, and every limit check: anything a client can get wrong is an `ApiError` with status 400 and
+the offending field in `param`, never a 5xx.
+Must never: import torch.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import secrets
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from dlo.engine.limits import Limits
+from dlo.engine.pipeline import PipelineFacts
+from dlo.engine.waves import Generation
+
+MAX_SEED = 2**63 - 1
+_SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: {"error": {message, type, param, code}}."""
+
+    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+             429: "rate_limit_error", 503: "service_unavailable_error"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+
+class _Extensions(BaseModel):
+    """Fields beyond OpenAI's: how the diffusion runs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(None, description="the served model's id (GET /v1/models); optional")
+    prompt: str = Field(..., description="what to generate")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="same seed, same bytes; random when omitted")
+    num_inference_steps: int | None = Field(None, description="denoising steps (server default when omitted)")
+    guidance_scale: float | None = Field(None, allow_inf_nan=False, description="classifier-free guidance scale")
+    negative_prompt: str | None = Field(None, description="what to steer away from")
+    user: str | None = Field(None, description="accepted for OpenAI compatibility; unused")
+
+
+class ImageGenerationRequest(_Extensions):
+    n: int = Field(1, description="number of images")
+    size: str | None = Field(None, description='"WIDTHxHEIGHT", multiples of the model\'s patch size')
+    response_format: Literal["b64_json", "url"] = Field("b64_json", description="only b64_json is served")
+    output_format: Literal["png"] | None = None
+    quality: str | None = Field(None, description="accepted for OpenAI compatibility; unused")
+    style: str | None = Field(None, description="accepted for OpenAI compatibility; unused")
+
+
+class VideoCreateRequest(_Extensions):
+    seconds: str | int | float | None = Field(None, description='clip length ("4", "8", "12"); frames = seconds x fps, '
+                                                                "rounded to the model's valid counts")
+    size: str | None = Field(None, description='"WIDTHxHEIGHT"')
+    num_frames: int | None = Field(None, description="exact frame count (overrides seconds)")
+    input_reference: Any = Field(None, description="not supported")
+
+    @field_validator("seconds", mode="before")
+    @classmethod
+    def _seconds_number(cls, v: Any) -> Any:
+        if v is None:
+            return v
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            raise ValueError("seconds must be a number such as \"4\"") from None
+        if not math.isfinite(f) or f <= 0 or f > 3600:
+            raise ValueError("seconds must be > 0 and <= 3600")
+        return f
+
+
+class ImageData(BaseModel):
+    b64_json: str
+
+
+class ImagesResponse(BaseModel):
+    created: int
+    data: list[ImageData]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "dlo"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class VideoError(BaseModel):
+    code: str
+    message: str
+
+
+class VideoObject(BaseModel):
+    id: str
+    object: Literal["video"] = "video"
+    created_at: int
+    completed_at: int | None = None
+    expires_at: int | None = None
+    model: str
+    progress: int
+    prompt: str | None = None
+    seconds: str
+    size: str
+    status: Literal["queued", "in_progress", "completed", "failed"]
+    error: VideoError | None = None
+
+
+# ---- translation --------------------------------------------------------------------------------
+def _bad(message: str, param: str) -> ApiError:
+    return ApiError(400, message, param, "invalid_value")
+
+
+def parse_size(size: str, facts: PipelineFacts, limits: Limits) -> tuple[int, int]:
+    m = _SIZE.match(size)
+    if m is None:
+        raise _bad(f'size must look like "WIDTHxHEIGHT" (e.g. "{limits.default_size}"), got {size!r}', "size")
+    w, h = int(m.group(1)), int(m.group(2))
+    mult = facts.size_multiple
+    if w < mult or h < mult or w % mult or h % mult:
+        raise _bad(f"size {size}: width and height must be positive multiples of {mult} for this model", "size")
+    if w > limits.max_width or h > limits.max_height:
+        raise _bad(f"size {size} exceeds this server's limit of {limits.max_width}x{limits.max_height}", "size")
+    return w, h
+
+
+def _common(req: _Extensions, facts: PipelineFacts, limits: Limits, model_id: str) -> dict[str, Any]:
+    if req.model is not None and req.model != model_id:
+        raise ApiError(404, f"model {req.model!r} is not served here; this server serves {model_id!r}", "model",
+                       "model_not_found")
+    for name in ("prompt", "negative_prompt"):
+        text = getattr(req, name)
+        if text is not None and len(text) > limits.max_prompt_chars:
+            raise _bad(f"{name} has {len(text)} characters; the limit is {limits.max_prompt_chars}", name)
+    if not req.prompt.strip():
+        raise _bad("prompt must not be empty", "prompt")
+    steps = req.num_inference_steps if req.num_inference_steps is not None else limits.default_steps
+    if not 1 <= steps <= limits.max_steps:
+        raise _bad(f"num_inference_steps must be between 1 and {limits.max_steps}, got {steps}", "num_inference_steps")
+    guidance = req.guidance_scale if req.guidance_scale is not None else facts.default_guidance
+    if not 0 <= guidance <= limits.max_guidance_scale:
+        raise _bad(f"guidance_scale must be between 0 and {limits.max_guidance_scale:g}, got {guidance:g}",
+                   "guidance_scale")
+    return {
+        "prompt": req.prompt, "negative_prompt": req.negative_prompt, "steps": steps, "guidance_scale": float(guidance),
+        "seed": req.seed if req.seed is not None else secrets.randbelow(2**31),
+    }
+
+
+def image_generation(req: ImageGenerationRequest, facts: PipelineFacts, limits: Limits, model_id: str) -> Generation:
+    if req.response_format == "url":
+        raise _bad('response_format "url" is not supported: this server keeps no image store; '
+                   'use "b64_json"', "response_format")
+    if not 1 <= req.n <= limits.max_n:
+        raise _bad(f"n must be between 1 and {limits.max_n}, got {req.n}", "n")
+    common = _common(req, facts, limits, model_id)
+    w, h = parse_size(req.size or limits.default_size, facts, limits)
+    return Generation(kind="image", width=w, height=h, n=req.n, **common)
+
+
+def video_generation(req: VideoCreateRequest, facts: PipelineFacts, limits: Limits, model_id: str) -> Generation:
+    if not facts.supports_video:
+        raise _bad(f"model {model_id!r} ({facts.pipeline_class}) makes images only; use /v1/images/generations",
+                   "model")
+    if req.input_reference is not None:
+        raise _bad("input_reference (image-to-video) is not supported by this model", "input_reference")
+    common = _common(req, facts, limits, model_id)
+    w, h = parse_size(req.size or limits.default_video_size, facts, limits)
+    fps = limits.video_fps
+    if req.num_frames is not None:
+        frames = req.num_frames
+        t = facts.temporal_factor
+        if frames < 1 or (frames - 1) % t:
+            raise _bad(f"num_frames must be {t}k+1 (1, {t + 1}, {2 * t + 1}, ...), got {frames}", "num_frames")
+    else:
+        frames = facts.valid_frames(float(req.seconds if req.seconds is not None else 4), fps)
+    if frames > limits.max_frames:
+        raise _bad(f"{frames} frames exceed this server's limit of {limits.max_frames} "
+                   f"(at {fps} fps: at most {limits.max_frames / fps:g} s)", "num_frames" if req.num_frames else "seconds")
+    return Generation(kind="video", width=w, height=h, frames=frames, fps=fps, **common)

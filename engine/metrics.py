@@ -1,0 +1,77 @@
+"""Prometheus metrics of `dlo serve` (CONTRACTS.md section 5, engine table; names are a contract).
+
+Owns: one registry per server; request/wave/step metrics updated by rank 0, and per-rank weight
+metrics collected at scrape time from the latest stats every rank reported (rank 0 serves them all).
+Must never: invent metric names outside the contract table, or label by request (cardinality).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+# `_created` series double the exposition and no dashboard reads them.
+disable_created_metrics()
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+STEP_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class _RankCollector:
+    """Per-rank weight metrics, from `rank_facts()`: {rank: {"report": LoadReport dict, "stats": {...}}}."""
+
+    def __init__(self, rank_facts: Callable[[], dict[int, dict]]):
+        self.rank_facts = rank_facts
+
+    def collect(self) -> Iterable[Metric]:
+        facts = self.rank_facts()
+        wait = CounterMetricFamily("dlo_gather_wait_seconds", "compute time spent waiting for weights", labels=["rank"])
+        h2d = CounterMetricFamily("dlo_h2d_bytes", "host-to-device weight bytes", labels=["rank"])
+        coll = CounterMetricFamily("dlo_collective_bytes", "bytes received by weight gathers", labels=["rank"])
+        pinned = GaugeMetricFamily("dlo_host_pinned_bytes", "host memory made DMA-able by this rank",
+                                   labels=["rank", "source"])
+        slot = GaugeMetricFamily("dlo_device_slot_bytes", "the two device slots", labels=["rank"])
+        resident = GaugeMetricFamily("dlo_device_resident_bytes", "non-block and resident-block weights on the device",
+                                     labels=["rank"])
+        peak = GaugeMetricFamily("dlo_device_memory_peak_bytes", "device allocator peak", labels=["rank"])
+        for rank, f in sorted(facts.items()):
+            r = str(rank)
+            report, stats = f.get("report") or {}, f.get("stats") or {}
+            wait.add_metric([r], float(stats.get("gather_wait_seconds", 0.0)))
+            h2d.add_metric([r], float(stats.get("h2d_bytes", 0)))
+            coll.add_metric([r], float(stats.get("collective_bytes", 0)))
+            source = report.get("weights_source", "arena")
+            if source in ("arena", "registered"):
+                pinned.add_metric([r, source], float(report.get("host_pinned_bytes", 0)))
+            slot.add_metric([r], float(report.get("slot_bytes", 0)))
+            resident.add_metric([r], float(report.get("resident_bytes", 0)))
+            peak.add_metric([r], float(stats.get("device_memory_peak_bytes", 0)))
+        yield from (wait, h2d, coll, pinned, slot, resident, peak)
+
+
+class EngineMetrics:
+    def __init__(self, dp: int, rank_facts: Callable[[], dict[int, dict]]):
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        self.info = Gauge("dlo_engine_info", "what runs", ["mode", "dp", "family", "device", "weights_source"],
+                          registry=reg)
+        self.ready = Gauge("dlo_ready", "1 when /ready would answer 200", registry=reg)
+        self.requests = Counter("dlo_requests", "requests answered", ["endpoint", "code"], registry=reg)
+        self.request_duration = Histogram("dlo_request_duration_seconds", "end-to-end latency", ["endpoint"],
+                                          buckets=LATENCY_BUCKETS, registry=reg)
+        self.queue_depth = Gauge("dlo_queue_depth", "requests waiting for a wave", registry=reg)
+        self.wave_size = Histogram("dlo_wave_size", "requests per wave", buckets=tuple(range(1, dp + 1)), registry=reg)
+        self.wave_duration = Histogram("dlo_wave_duration_seconds", "wave wall time", buckets=LATENCY_BUCKETS,
+                                       registry=reg)
+        self.step_duration = Histogram("dlo_step_duration_seconds", "one denoising step", buckets=STEP_BUCKETS,
+                                       registry=reg)
+        reg.register(_RankCollector(rank_facts))  # type: ignore[arg-type]
+
+    def set_info(self, mode: str, dp: int, family: str, device: str, weights_source: str) -> None:
+        self.info.clear()
+        self.info.labels(mode, str(dp), family, device, weights_source).set(1)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,172 @@
+"""Serve a diffusers pipeline folder over an OpenAI-compatible HTTP API, on dp ranks.
+
+`dlo serve MODEL_DIR` starts rank 0 (this process: HTTP, wave scheduler, and a compute rank) and
+spawns ranks 1..dp-1. The transformer runs through the DLO engine in the chosen mode; text
+encoders and the VAE load normally on every rank. See docs/serving.md for the API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "allgather", "rank-local", "resident")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dir", type=Path, help="diffusers pipeline folder (model_index.json, transformer/, vae/, ...)")
+    parser.add_argument("--dp", type=int, default=None,
+                        help="ranks (one request each per wave); default: the device count (1 on cpu)")
+    parser.add_argument("--mode", choices=MODES, default="auto",
+                        help="allgather: each rank keeps 1/dp of every block and gathers the rest; rank-local: every "
+                             "rank streams whole blocks from its own host copy; resident: no offload; auto: the "
+                             "node policy decides (dlo.agent.policy), logged at start")
+    parser.add_argument("--device", choices=("auto", "cuda", "npu", "cpu"), default="auto",
+                        help="auto: cuda, else npu, else cpu")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None, help="model id in the API; default: the folder name")
+    parser.add_argument("--api-key-file", type=Path, default=None,
+                        help="file holding the API key clients must send as 'Authorization: Bearer KEY' "
+                             "(or set DLO_API_KEY; keys are never taken from the command line)")
+    parser.add_argument("--max-queue", type=int, default=64, help="requests waiting for a wave before 429")
+    parser.add_argument("--wave-window-ms", type=float, default=5.0,
+                        help="how long the oldest request waits for compatible company before a partial wave starts")
+    parser.add_argument("--progress-timeout", type=float, default=300.0,
+                        help="seconds a rank may go without progress (a transformer block, a step) inside a wave "
+                             "before the wave fails with 503 and the server exits; a wave that progresses never "
+                             "times out")
+    parser.add_argument("--limits", type=Path, default=None,
+                        help="JSON or YAML file of request limits (max_width, max_height, max_steps, max_n, "
+                             "max_frames, max_prompt_chars, max_sequence_length, video_fps, ...)")
+    parser.add_argument("--small-limits", action="store_true",
+                        help="the small test profile (size <= 128, steps <= 4) instead of the defaults")
+    parser.add_argument("--max-steps", type=int, default=None, help="override the limits file's max_steps")
+    parser.add_argument("--max-size", type=int, default=None, help="override max_width and max_height")
+    parser.add_argument("--cpu-threads", type=int, default=1,
+                        help="intra-op threads per rank on cpu (fixed so results do not depend on dp)")
+    parser.add_argument("--resident-blocks", type=int, default=0, help="blocks kept on the device (not streamed)")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def read_api_key(path: Path | None) -> str | None:
+    if path is not None:
+        key = path.read_text().strip()
+        if not key:
+            raise SystemExit(f"dlo serve: {path} is empty")
+        return key
+    return os.environ.get("DLO_API_KEY") or None
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    try:
+        import torch_npu  # noqa: F401
+
+        if torch.npu.is_available():
+            return "npu"
+    except ImportError:
+        pass
+    return "cpu"
+
+
+def device_count(device: str) -> int:
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.device_count()
+    if device == "npu":
+        return torch.npu.device_count()
+    return 1
+
+
+def resolve_mode(mode: str, model_dir: Path, dp: int, device: str) -> tuple[str, str]:
+    """The engine mode and why: `--mode` as given, else the node policy, else a fixed rule."""
+    if mode != "auto":
+        return mode, "--mode given"
+    try:
+        from dlo.agent.policy import PolicyError, choose_mode
+        from dlo.agent.profile import Accelerator, NodeProfile, nominal_h2d_bps
+    except ImportError:
+        pass
+    else:
+        import psutil
+        import torch
+
+        from dlo.engine.families import describe
+
+        accel = Accelerator()
+        if device == "cuda":
+            props = torch.cuda.get_device_properties(0)
+            accel = Accelerator(vendor="nvidia", model=props.name, count=torch.cuda.device_count(),
+                                memory_bytes=props.total_memory)
+        profile = NodeProfile(accelerator=accel, host_memory_bytes=psutil.virtual_memory().total,
+                              h2d_bandwidth_bps=nominal_h2d_bps(accel.model) if device == "cuda" else 0)
+        try:
+            decision = choose_mode(profile, describe(model_dir / "transformer"), dp)
+            return decision.engine_mode, f"policy: {decision.reason}"
+        except (PolicyError, ValueError) as e:
+            log.warning("mode policy gave no answer (%s); using the fixed rule", e)
+    if dp > 1:
+        return "allgather", "fixed rule: dp > 1"
+    return "rank-local", "fixed rule: dp = 1"
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="rank0 %(levelname)s %(name)s %(message)s")
+    import uvicorn
+
+    from dlo.engine.limits import SMALL, Limits
+    from dlo.engine.pipeline import PipelineFacts
+    from dlo.engine.ranks import RankConfig, free_port
+    from dlo.engine.server import create_app
+    from dlo.engine.service import Engine
+
+    model_dir: Path = args.model_dir.resolve()
+    try:
+        facts = PipelineFacts.from_dir(model_dir)
+        base = SMALL.model_dump() if args.small_limits else {}
+        limits = Limits.load(args.limits, **{**base, "max_steps": args.max_steps, "max_width": args.max_size,
+                                             "max_height": args.max_size})
+    except (ValueError, OSError) as e:
+        print(f"dlo serve: {e}", file=sys.stderr)
+        return 2
+    api_key = read_api_key(args.api_key_file)
+    device = resolve_device(args.device)
+    dp = args.dp or max(1, device_count(device))
+    if dp < 1:
+        print("dlo serve: --dp must be >= 1", file=sys.stderr)
+        return 2
+    mode, why = resolve_mode(args.mode, model_dir, dp, device)
+    log.info("serving %s family=%s mode=%s (%s) dp=%d device=%s", model_dir, facts.family, mode, why, dp, device)
+    cfg = RankConfig(
+        model_dir=str(model_dir), mode=mode, device=device, dp=dp, master_port=free_port(), control_port=free_port(),
+        max_sequence_length=limits.max_sequence_length, cpu_threads=args.cpu_threads,
+        resident_blocks=args.resident_blocks, collective_timeout_s=max(1800.0, 4 * args.progress_timeout),
+    )
+    engine = Engine(cfg, limits=limits, facts=facts, model_id=args.served_model_name or model_dir.name,
+                    progress_timeout_s=args.progress_timeout, max_queue=args.max_queue,
+                    wave_window_ms=args.wave_window_ms)
+    engine.group.spawn()
+    app = create_app(engine, api_key)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=10))
+    engine.request_exit = lambda: setattr(server, "should_exit", True)
+    server.run()
+    code = engine.exit_code or (0 if server.started else 1)
+    log.info("dlo serve exiting with code %d%s", code, f": {engine.failure}" if engine.failure else "")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # a rank thread may still sit in a collective after a fault: never wait for it
+    os._exit(code)

@@ -1,0 +1,227 @@
+"""The OpenAI-compatible HTTP API of `dlo serve` (FastAPI), served by rank 0.
+
+Routes: `POST /v1/images/generations`, `POST /v1/videos` (JSON or multipart/form-data, as the
+official SDK sends it), `GET /v1/videos/{id}`, `GET /v1/videos/{id}/content`, `GET /v1/models`,
+`/health`, `/ready`, `/metrics`. Errors use OpenAI's body `{"error": {message, type, param, code}}`:
+400 invalid fields (FastAPI's 422 included), 401 wrong key, 404 unknown model or video, 429 queue
+full, 503 not ready or after a rank failure.
+Must never: answer a client's malformed input with a 5xx, or compare API keys in variable time.
+"""
+
+from __future__ import annotations
+
+import base64
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dlo.engine.api_models import (
+    ApiError,
+    ImageGenerationRequest,
+    ImagesResponse,
+    ModelList,
+    VideoCreateRequest,
+    VideoObject,
+    image_generation,
+    video_generation,
+)
+from dlo.engine.service import Engine, VideoJob
+
+log = logging.getLogger(__name__)
+
+_VIDEO_SCHEMA_REF = {"$ref": "#/components/schemas/VideoCreateRequest"}
+
+
+def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    first = errors[0] if errors else {}
+    loc = [str(x) for x in first.get("loc", ()) if x not in ("body",)]
+    param = ".".join(loc) or None
+    return f"{param or 'body'}: {first.get('msg', 'invalid request')}", param
+
+
+def _error(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await engine.startup()
+        yield
+        await engine.shutdown()
+
+    app = FastAPI(
+        title="dlo serve",
+        description="OpenAI-compatible image and video generation on the Distributed Layerwise Offload engine.",
+        version="1",
+        lifespan=lifespan,
+    )
+    expected = api_key.encode() if api_key else None
+
+    @app.middleware("http")
+    async def auth_and_metrics(request: Request, call_next: Any) -> Response:
+        t0 = time.perf_counter()
+        path = request.url.path
+        if expected is not None and path.startswith("/v1/"):
+            header = request.headers.get("authorization", "")
+            given = header[7:].encode() if header[:7].lower() == "bearer " else b""
+            if not hmac.compare_digest(given, expected):
+                response: Response = _error(ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)",
+                                                     code="invalid_api_key"))
+                _count(request, response, t0)
+                return response
+        response = await call_next(request)
+        _count(request, response, t0)
+        return response
+
+    def _count(request: Request, response: Response, t0: float) -> None:
+        route = request.scope.get("route")
+        endpoint = getattr(route, "path", None) or "unmatched"
+        engine.metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        if request.method == "POST":
+            engine.metrics.request_duration.labels(endpoint).observe(time.perf_counter() - t0)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, e: ApiError) -> JSONResponse:
+        return _error(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, e: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(list(e.errors()))
+        return _error(ApiError(400, message, param, "invalid_request"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_request: Request, e: StarletteHTTPException) -> JSONResponse:
+        status = e.status_code if e.status_code < 500 else 503
+        err = ApiError(status, str(e.detail), code="not_found" if status == 404 else None)
+        return JSONResponse(err.body(), status_code=status, headers=getattr(e, "headers", None))
+
+    # -- generation ---------------------------------------------------------------------------------
+    @app.post("/v1/images/generations", response_model=ImagesResponse,
+              summary="Create images (OpenAI Images API; extensions: seed, num_inference_steps, guidance_scale, "
+                      "negative_prompt)")
+    async def images(body: ImageGenerationRequest) -> ImagesResponse:
+        engine.check_available()
+        gen = image_generation(body, engine.facts, engine.limits, engine.model_id)
+        res = await engine.submit(gen)
+        return ImagesResponse(
+            created=int(time.time()),
+            data=[{"b64_json": base64.b64encode(png).decode()} for png in res["outputs"]],  # type: ignore[misc]
+        )
+
+    @app.post(
+        "/v1/videos", response_model=VideoObject, summary="Create a video job (OpenAI Videos API)",
+        openapi_extra={"requestBody": {"required": True, "content": {
+            "application/json": {"schema": _VIDEO_SCHEMA_REF},
+            "multipart/form-data": {"schema": _VIDEO_SCHEMA_REF},
+        }}},
+    )
+    async def create_video(request: Request) -> VideoObject:
+        engine.check_available()
+        body = await _video_body(request)
+        gen = video_generation(body, engine.facts, engine.limits, engine.model_id)
+        seconds = f"{gen.frames / gen.fps:g}"
+        return _video_object(engine.create_video(gen, seconds), engine.model_id)
+
+    @app.get("/v1/videos/{video_id}", response_model=VideoObject, summary="A video job's status")
+    async def get_video(video_id: str) -> VideoObject:
+        return _video_object(_job(engine, video_id), engine.model_id)
+
+    @app.get("/v1/videos/{video_id}/content", summary="The MP4 of a completed video job",
+             responses={200: {"content": {"video/mp4": {}}}})
+    async def video_content(video_id: str, variant: str = "video") -> Response:
+        job = _job(engine, video_id)
+        if variant != "video":
+            raise ApiError(400, f"variant {variant!r} is not available; only \"video\"", "variant", "invalid_value")
+        if job.status != "completed" or job.content is None:
+            raise ApiError(404 if job.status != "failed" else 400,
+                           f"video {video_id} is {job.status}; content is available once it is completed",
+                           code="video_not_ready")
+        return Response(job.content, media_type="video/mp4")
+
+    @app.get("/v1/models", response_model=ModelList, summary="The served model")
+    async def models() -> ModelList:
+        return ModelList(data=[{"id": engine.model_id, "created": engine.created}])  # type: ignore[list-item]
+
+    # -- operations ---------------------------------------------------------------------------------
+    @app.get("/health", summary="200 unless a rank failed")
+    async def health() -> JSONResponse:
+        if engine.state == "failed":
+            return JSONResponse({"status": "unhealthy", "reason": engine.failure}, status_code=503)
+        return JSONResponse({"status": "ok", "state": engine.state})
+
+    @app.get("/ready", summary="200 once every rank has loaded and none failed")
+    async def ready() -> JSONResponse:
+        if not engine.ready:
+            return JSONResponse({"ready": False, "state": engine.state, "reason": engine.failure}, status_code=503)
+        return JSONResponse({"ready": True, "mode": engine.cfg.mode, "dp": engine.cfg.dp,
+                             "ranks": engine.rank_summary()})
+
+    @app.get("/metrics", summary="Prometheus metrics (CONTRACTS.md section 5)")
+    async def metrics() -> Response:
+        return Response(engine.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def openapi() -> dict[str, Any]:
+        # /v1/videos parses its body itself (JSON or multipart): publish the body's schema too.
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            defs = schema.setdefault("components", {}).setdefault("schemas", {})
+            body = VideoCreateRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+            defs.update(body.pop("$defs", {}))
+            defs["VideoCreateRequest"] = body
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app
+
+
+async def _video_body(request: Request) -> VideoCreateRequest:
+    ctype = request.headers.get("content-type", "")
+    try:
+        if ctype.startswith("multipart/form-data") or ctype.startswith("application/x-www-form-urlencoded"):
+            form = await request.form()
+            data: Any = {}
+            for k, v in form.multi_items():
+                if not isinstance(v, str):
+                    raise ApiError(400, f"file upload {k!r} is not supported", k, "invalid_value")
+                data[k] = v
+        else:
+            data = await request.json()
+    except ApiError:
+        raise
+    except Exception as e:  # malformed JSON or form: the client's fault
+        raise ApiError(400, f"could not parse the request body as JSON or form data: {e}", None, "invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
+    try:
+        return VideoCreateRequest.model_validate(data)
+    except ValidationError as e:
+        message, param = _validation_message(list(e.errors()))
+        raise ApiError(400, message, param, "invalid_request") from None
+
+
+def _job(engine: Engine, video_id: str) -> VideoJob:
+    job = engine.videos.get(video_id)
+    if job is None:
+        raise ApiError(404, f"no video job {video_id!r}", "video_id", "not_found")
+    return job
+
+
+def _video_object(job: VideoJob, model_id: str) -> VideoObject:
+    progress = {"queued": 0, "in_progress": 50, "completed": 100, "failed": 100}[job.status]
+    return VideoObject(
+        id=job.id, created_at=job.created_at, completed_at=job.completed_at, model=model_id, progress=progress,
+        prompt=job.gen.prompt, seconds=job.seconds, size=f"{job.gen.width}x{job.gen.height}", status=job.status,
+        error=job.error,  # type: ignore[arg-type]
+    )

@@ -1,0 +1,240 @@
+"""The serving engine on rank 0: readiness, the wave scheduler, video jobs, fault handling.
+
+Owns: the lifecycle `loading -> ready -> (stopping | failed)`, the asyncio scheduler that drains
+`WaveQueue` into `RankGroup.run_wave` one wave at a time, the video job store, and what happens on a
+fault: every request of the wave and of the queue gets a 503 naming the cause, `/health` turns
+unhealthy, and the server is asked to exit non-zero (a hard exit follows if anything is stuck in a
+collective).
+Must never: block the event loop on the ranks (waves run in a daemon thread), or run a wave after
+a fault.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from dlo.engine.api_models import ApiError
+from dlo.engine.limits import Limits
+from dlo.engine.metrics import EngineMetrics
+from dlo.engine.pipeline import PipelineFacts
+from dlo.engine.ranks import RankConfig, RankGroup, WaveError
+from dlo.engine.waves import Generation, Pending, QueueFull, WaveQueue
+
+log = logging.getLogger(__name__)
+
+HARD_EXIT_AFTER_S = 15.0
+MAX_VIDEO_JOBS = 256
+
+
+@dataclass
+class VideoJob:
+    id: str
+    gen: Generation
+    seconds: str
+    created_at: int
+    status: str = "queued"
+    completed_at: int | None = None
+    content: bytes | None = None
+    error: dict[str, str] | None = None
+    task: asyncio.Task | None = field(default=None, repr=False)
+
+
+def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
+    """Run fn in a daemon thread: a rank stuck in a collective must never block process exit."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future = loop.create_future()
+
+    def target() -> None:
+        try:
+            res = fn()
+        except BaseException as e:  # handed to the awaiting coroutine
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(e))
+        else:
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(res))
+
+    threading.Thread(target=target, name="wave", daemon=True).start()
+    return fut
+
+
+class Engine:
+    def __init__(self, cfg: RankConfig, *, limits: Limits, facts: PipelineFacts, model_id: str,
+                 progress_timeout_s: float, max_queue: int, wave_window_ms: float):
+        self.cfg, self.limits, self.facts, self.model_id = cfg, limits, facts, model_id
+        self.max_queue, self.window_s = max_queue, wave_window_ms / 1000.0
+        self.state = "loading"
+        self.failure: str | None = None
+        self.exit_code = 0
+        self.request_exit: Callable[[], None] = lambda: None
+        self.group = RankGroup(cfg, progress_timeout_s, self._on_fault)
+        self.metrics = EngineMetrics(cfg.dp, self._rank_facts)
+        self.created = int(time.time())
+        self.videos: dict[str, VideoJob] = {}
+        self.waves_run = 0
+        self._queue: WaveQueue | None = None
+        self._inflight: list[Pending] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    async def startup(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._queue = WaveQueue(self.cfg.dp, self.window_s, self.max_queue)
+        self._tasks.append(asyncio.create_task(self._load()))
+
+    async def _load(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            await _in_daemon_thread(self.group.start)
+        except Exception as e:
+            log.exception("engine failed to start")
+            self._on_fault(f"engine failed to start: {e}")
+            return
+        if self.state != "loading":
+            return
+        report = self.group.ranks[0].ready["report"]  # type: ignore[index]
+        self.metrics.set_info(self.cfg.mode, self.cfg.dp, self.facts.family, self.cfg.device, report["weights_source"])
+        self.state = "ready"
+        self.metrics.ready.set(1)
+        log.info("engine ready mode=%s dp=%d family=%s device=%s seconds=%.1f", self.cfg.mode, self.cfg.dp,
+                 self.facts.family, self.cfg.device, time.perf_counter() - t0)
+        self._tasks.append(asyncio.create_task(self._schedule()))
+
+    async def shutdown(self) -> None:
+        if self.state not in ("failed",):
+            self.state = "stopping"
+        self.metrics.ready.set(0)
+        for t in self._tasks:
+            t.cancel()
+        self._fail_waiting(ApiError(503, "the server is shutting down", code="shutting_down"))
+        await _in_daemon_thread(self.group.stop)
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    def _rank_facts(self) -> dict[int, dict]:
+        return {st.rank: {"report": (st.ready or {}).get("report"), "stats": st.stats} for st in self.group.ranks}
+
+    def rank_summary(self) -> list[dict]:
+        return [{"rank": st.rank, **(st.ready or {})} for st in self.group.ranks]
+
+    # -- faults -----------------------------------------------------------------------------------
+    def _on_fault(self, reason: str) -> None:
+        """Any thread: fail everything waiting, turn unhealthy, exit non-zero."""
+        self.failure = reason
+        self.exit_code = 1
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._fail_all)
+        threading.Thread(target=self._hard_exit, name="hard-exit", daemon=True).start()
+
+    def _fail_all(self) -> None:
+        self.state = "failed"
+        self.metrics.ready.set(0)
+        err = ApiError(503, f"engine failed: {self.failure}; the server is restarting", code="engine_failed")
+        self._fail_waiting(err)
+        # let the 503s go out before the server stops
+        assert self._loop is not None
+        self._loop.call_later(0.5, self.request_exit)
+
+    def _fail_waiting(self, err: ApiError) -> None:
+        waiting = list(self._inflight) + (self._queue.drain() if self._queue else [])
+        for p in waiting:
+            if p.future is not None and not p.future.done():
+                p.future.set_exception(err)
+        self.metrics.queue_depth.set(0)
+
+    def _hard_exit(self) -> None:
+        time.sleep(HARD_EXIT_AFTER_S)
+        log.error("exiting: the server did not stop within %.0f s of the fault", HARD_EXIT_AFTER_S)
+        self.group.stopping = True
+        for st in self.group.ranks[1:]:
+            if st.proc is not None and st.proc.poll() is None:
+                st.proc.kill()
+        os._exit(1)
+
+    # -- requests ---------------------------------------------------------------------------------
+    def check_available(self) -> None:
+        if self.state == "failed":
+            raise ApiError(503, f"engine failed: {self.failure}; the server is restarting", code="engine_failed")
+        if self.state != "ready":
+            raise ApiError(503, f"the engine is {self.state}; retry shortly", code="not_ready")
+
+    def submit(self, gen: Generation, request_id: str = "") -> asyncio.Future:
+        """Queue one generation; the future resolves to its rank's result dict."""
+        self.check_available()
+        assert self._queue is not None and self._loop is not None
+        fut = self._loop.create_future()
+        try:
+            self._queue.put(Pending(gen, time.monotonic(), fut, request_id=request_id))
+        except QueueFull as e:
+            raise ApiError(429, str(e), code="queue_full") from None
+        self.metrics.queue_depth.set(len(self._queue))
+        return fut
+
+    async def _schedule(self) -> None:
+        assert self._queue is not None
+        while self.state == "ready":
+            wave = await self._queue.take_wave()
+            self.metrics.queue_depth.set(len(self._queue))
+            if self.state != "ready":
+                return
+            self._inflight = wave
+            for p in wave:
+                self._mark_video(p, "in_progress")
+            assignments: list[Generation | None] = [p.gen for p in wave] + [None] * (self.cfg.dp - len(wave))
+            t0 = time.perf_counter()
+            try:
+                results = await _in_daemon_thread(lambda: self.group.run_wave(assignments))
+            except WaveError as e:
+                log.error("wave failed: %s", e)
+                return  # _on_fault fails the futures and stops the server
+            except Exception as e:  # a bug, not a rank failure: still never reuse the group
+                log.exception("wave failed")
+                self.group.fault(f"wave failed: {type(e).__name__}: {e}")
+                return
+            self.waves_run += 1
+            self.metrics.wave_size.observe(len(wave))
+            self.metrics.wave_duration.observe(time.perf_counter() - t0)
+            log.info("wave %d size=%d key=%s seconds=%.2f", self.waves_run, len(wave), wave[0].key,
+                     time.perf_counter() - t0)
+            for p, res in zip(wave, results):
+                for s in res.get("step_seconds", []):
+                    self.metrics.step_duration.observe(s)
+                if p.future is not None and not p.future.done():
+                    p.future.set_result(res)
+            self._inflight = []
+
+    def _mark_video(self, p: Pending, status: str) -> None:
+        job = self.videos.get(p.request_id)
+        if job is not None and job.status == "queued":
+            job.status = status
+
+    # -- videos -----------------------------------------------------------------------------------
+    def create_video(self, gen: Generation, seconds: str) -> VideoJob:
+        job = VideoJob(id=f"video_{uuid.uuid4().hex}", gen=gen, seconds=seconds, created_at=int(time.time()))
+        fut = self.submit(gen, request_id=job.id)
+        job.task = asyncio.create_task(self._finish_video(job, fut))
+        self.videos[job.id] = job
+        self._evict_videos()
+        return job
+
+    async def _finish_video(self, job: VideoJob, fut: asyncio.Future) -> None:
+        try:
+            res = await fut
+        except ApiError as e:
+            job.status, job.error = "failed", {"code": e.code or "failed", "message": e.message}
+        else:
+            job.status, job.content = "completed", res["outputs"][0]
+        job.completed_at = int(time.time())
+
+    def _evict_videos(self) -> None:
+        done = [j for j in self.videos.values() if j.status in ("completed", "failed")]
+        for j in done[: max(0, len(self.videos) - MAX_VIDEO_JOBS)]:
+            del self.videos[j.id]

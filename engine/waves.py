@@ -1,0 +1,142 @@
+"""Waves: grouping queued requests that can run together on the ranks.
+
+Owns: `Generation` (one validated request, what travels to a rank), its compatibility key (every
+field that changes tensor shapes or the collective schedule), the pure wave-forming rule
+`next_wave`, and `WaveQueue`, the asyncio queue rank 0's scheduler drains.
+
+Rules (the published system's weaknesses we do not repeat):
+- a request is never rejected because of its neighbours: a request whose key differs from the
+  wave being formed waits for a later wave;
+- a partial wave is not padded with duplicated work: idle ranks only take part in the weight
+  gathers (`gather_only`);
+- the oldest request's key forms the next wave (no starvation); the wave starts when it holds dp
+  requests or when the oldest has waited the batching window.
+Must never: import torch, or run anything on the ranks (that is `dlo.engine.ranks`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One request, validated and with every default resolved."""
+
+    kind: Literal["image", "video"]
+    prompt: str
+    seed: int
+    width: int
+    height: int
+    steps: int
+    guidance_scale: float
+    n: int = 1
+    frames: int = 1
+    fps: int = 0
+    negative_prompt: str | None = None
+    lora_id: str | None = None
+    lora_scale: float = 1.0
+    extras: dict[str, Any] = field(default_factory=dict)  # pipeline extras, JSON values
+
+    def key(self) -> str:
+        """Compatibility key: requests with equal keys run the same shapes and gather schedule.
+
+        Seeds, prompts and negative-prompt text may differ inside a wave; whether a negative
+        prompt is present may not (it can add a CFG branch).
+        """
+        return json.dumps(
+            {
+                "height": self.height, "width": self.width, "frames": self.frames, "fps": self.fps,
+                "steps": self.steps, "guidance_scale": self.guidance_scale, "cfg": self.guidance_scale > 1.0,
+                "negative_prompt": self.negative_prompt is not None, "n": self.n,
+                "lora": [self.lora_id, self.lora_scale if self.lora_id else None],
+                "extras": self.extras,
+            },
+            sort_keys=True, separators=(",", ":"),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Generation":
+        return cls(**d)
+
+
+@dataclass
+class Pending:
+    """A request waiting for a wave, with the future its HTTP handler awaits."""
+
+    gen: Generation
+    enqueued: float
+    future: asyncio.Future | None = None
+    key: str = ""
+    request_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            self.key = self.gen.key()
+
+
+def next_wave(queue: list[Pending], dp: int, now: float, window_s: float) -> tuple[list[Pending], float | None]:
+    """The next wave to start now, or ([], seconds to wait) / ([], None) when the queue is empty.
+
+    The oldest request's key wins; the wave takes up to dp requests with that key in arrival order.
+    It starts when full, or once the oldest request has waited `window_s`.
+    """
+    if not queue:
+        return [], None
+    head = queue[0]
+    same = [p for p in queue if p.key == head.key][:dp]
+    if len(same) >= dp:
+        return same, None
+    wait = head.enqueued + window_s - now
+    if wait <= 0:
+        return same, None
+    return [], wait
+
+
+class QueueFull(Exception):
+    pass
+
+
+class WaveQueue:
+    """Requests waiting for a wave (rank 0, inside the event loop)."""
+
+    def __init__(self, dp: int, window_s: float, max_queue: int):
+        self.dp, self.window_s, self.max_queue = dp, window_s, max_queue
+        self._items: list[Pending] = []
+        self._changed = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, pending: Pending) -> None:
+        if len(self._items) >= self.max_queue:
+            raise QueueFull(f"{len(self._items)} requests are waiting (--max-queue {self.max_queue}); retry later")
+        self._items.append(pending)
+        self._changed.set()
+
+    def drain(self) -> list[Pending]:
+        items, self._items = self._items, []
+        return items
+
+    async def take_wave(self) -> list[Pending]:
+        """Wait until a wave is due, remove it from the queue and return it."""
+        while True:
+            # requests whose client went away (future cancelled) never reach the ranks
+            self._items = [p for p in self._items if p.future is None or not p.future.done()]
+            wave, wait = next_wave(self._items, self.dp, time.monotonic(), self.window_s)
+            if wave:
+                ids = {id(p) for p in wave}
+                self._items = [p for p in self._items if id(p) not in ids]
+                return wave
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout=wait)
+            except asyncio.TimeoutError:
+                pass
