@@ -79,9 +79,9 @@ def warm_command(spec: DLODeploymentSpec) -> list[str]:
     return ["dlo", "warm", MODEL_MOUNT, "--threshold", f"{spec.warmer.threshold:g}"]
 
 
-def _container_security(spec: DLODeploymentSpec) -> dict[str, Any]:
+def _container_security(ipc_lock: bool) -> dict[str, Any]:
     caps: dict[str, Any] = {"drop": ["ALL"]}
-    if spec.engine.pin_memory_lock:
+    if ipc_lock:
         caps["add"] = ["IPC_LOCK"]
     return {
         "allowPrivilegeEscalation": False,
@@ -154,7 +154,6 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
 
 def pod_template(owner: Owner, spec: DLODeploymentSpec, mode: ModeName) -> dict[str, Any]:
     """The engine pod template, annotated with its own hash (`dlo.dev/template-hash`)."""
-    security = _container_security(spec)
     engine = {
         "name": "engine",
         "image": spec.engine.image,
@@ -167,7 +166,7 @@ def pod_template(owner: Owner, spec: DLODeploymentSpec, mode: ModeName) -> dict[
         # Loading and gathering a large model takes minutes: liveness starts after /health answers.
         "startupProbe": _probe("/health", 10, 90),
         "resources": _resources(spec),
-        "securityContext": security,
+        "securityContext": _container_security(spec.engine.pin_memory_lock),
         "volumeMounts": [
             _model_mount(spec),
             {"name": "shm", "mountPath": "/dev/shm"},
@@ -201,7 +200,7 @@ def pod_template(owner: Owner, spec: DLODeploymentSpec, mode: ModeName) -> dict[
                 "imagePullPolicy": "IfNotPresent",
                 "command": warm_command(spec),
                 "env": [{"name": "HOME", "value": "/tmp"}],
-                "securityContext": security,
+                "securityContext": _container_security(ipc_lock=False),
                 "volumeMounts": [_model_mount(spec), {"name": "tmp", "mountPath": "/tmp"}],
             }
         ]

@@ -1,0 +1,205 @@
+"""operator/builders.py: spec (+ resolved mode) -> manifests, checked against golden files and the
+upstream Kubernetes schemas (strict: unknown fields are errors)."""
+
+import os
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from dlo.operator import builders
+from dlo.operator.builders import Owner
+from dlo.operator.models import parse_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).parent / "golden"
+K8S_VERSION = "1.37.0"
+OWNER = Owner("wan", "serving")
+
+
+def example_spec() -> dict:
+    docs = yaml.safe_load_all((ROOT / "examples" / "dlodeployment.yaml").read_text())
+    return next(d for d in docs if d and d["kind"] == "DLODeployment")["spec"]
+
+
+CASES = {
+    "example-allgather": (example_spec(), "allgather"),
+    "claim-rolling-vllm-omni-rank-local": (
+        {
+            "model": {"claimName": "models", "subPath": "wan2.1-14b"},
+            "replicas": 3,
+            "devicesPerNode": 4,
+            "acceleratorResource": "huawei.com/Ascend910",
+            "engine": {
+                "kind": "vllm-omni",
+                "image": "ghcr.io/dlo-dev/dlo-vllm-omni:0.1.0",
+                "device": "npu",
+                "env": [{"name": "ASCEND_RT_VISIBLE_DEVICES", "value": "0,1,2,3"}],
+                "pinMemoryLock": True,
+                "shmSize": "16Gi",
+            },
+            "warmer": {"enabled": True, "threshold": 0.9, "image": "ghcr.io/dlo-dev/dlo-slim:0.1.0"},
+            "placement": {
+                "nodeSelector": {"accelerator": "ascend-910b"},
+                "tolerations": [{"key": "huawei.com/Ascend910", "operator": "Exists", "effect": "NoSchedule"}],
+                "affinity": {
+                    "nodeAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": {
+                            "nodeSelectorTerms": [
+                                {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}
+                            ]
+                        }
+                    }
+                },
+                "priorityClassName": "inference",
+            },
+            "rollout": {"type": "RollingUpdate", "maxUnavailable": 1},
+            "service": {"type": "LoadBalancer", "port": 8080},
+            "monitoring": {"enabled": True, "kind": "ServiceMonitor", "labels": {"release": "prom"}},
+        },
+        "rank-local",
+    ),
+    "cpu-no-warmer-podmonitor": (
+        {
+            "model": {"path": "/models/tiny"},
+            "engine": {"device": "cpu", "args": ["--wave-window-ms", "10"]},
+            "warmer": {"enabled": False},
+            "monitoring": {"enabled": True},
+        },
+        "resident",
+    ),
+}
+
+
+def build(case: str) -> list[dict]:
+    spec, mode = CASES[case]
+    return builders.build_all(OWNER, parse_spec(spec), mode, monitor_crd_exists=True)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_objects_match_golden_file(case):
+    text = yaml.safe_dump_all(build(case), sort_keys=False, width=100)
+    path = GOLDEN / f"{case}.yaml"
+    if os.environ.get("DLO_UPDATE_GOLDEN"):
+        path.write_text(text)
+    assert text == path.read_text(), f"{path.name} differs: review, then DLO_UPDATE_GOLDEN=1 to rewrite"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_builtin_objects_are_strictly_valid_kubernetes(case):
+    for obj in build(case):
+        if obj["apiVersion"].startswith("monitoring.coreos.com"):
+            continue  # not a built-in kind; checked below
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_monitor_only_when_enabled_and_its_crd_exists():
+    spec = parse_spec(CASES["cpu-no-warmer-podmonitor"][0])
+    kinds = [o["kind"] for o in builders.build_all(OWNER, spec, "resident", monitor_crd_exists=True)]
+    assert kinds == ["Service", "Service", "PodDisruptionBudget", "StatefulSet", "PodMonitor"]
+    kinds = [o["kind"] for o in builders.build_all(OWNER, spec, "resident", monitor_crd_exists=False)]
+    assert "PodMonitor" not in kinds
+    spec = parse_spec(example_spec())
+    assert "PodMonitor" not in [o["kind"] for o in builders.build_all(OWNER, spec, "allgather", True)]
+
+
+def test_service_monitor_selects_only_the_client_service():
+    objs = build("claim-rolling-vllm-omni-rank-local")
+    monitor = objs[-1]
+    client = objs[1]
+    assert monitor["kind"] == "ServiceMonitor" and monitor["metadata"]["labels"]["release"] == "prom"
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert all(client["metadata"]["labels"][k] == v for k, v in selector.items())
+    assert objs[0]["metadata"]["labels"]["dlo.dev/service"] != selector["dlo.dev/service"]
+
+
+@pytest.mark.parametrize(
+    "rollout, expected",
+    [
+        ({"type": "Recreate"}, {"type": "OnDelete"}),
+        ({"type": "RollingUpdate"}, {"type": "RollingUpdate", "rollingUpdate": {"partition": 0, "maxUnavailable": 1}}),
+        (
+            {"type": "RollingUpdate", "maxUnavailable": "25%"},
+            {"type": "RollingUpdate", "rollingUpdate": {"partition": 0, "maxUnavailable": "25%"}},
+        ),
+    ],
+)
+def test_update_strategy_emits_only_valid_statefulset_values_and_never_surges(rollout, expected):
+    spec = parse_spec({"model": {"path": "/m"}, "rollout": rollout})
+    strategy = builders.build_statefulset(OWNER, spec, "allgather")["spec"]["updateStrategy"]
+    assert strategy == expected
+    assert strategy["type"] in builders.STATEFULSET_STRATEGIES
+    assert "maxSurge" not in strategy.get("rollingUpdate", {})
+
+
+def test_one_pod_per_node_by_required_anti_affinity_kept_beside_user_affinity():
+    objs = build("claim-rolling-vllm-omni-rank-local")
+    affinity = objs[3]["spec"]["template"]["spec"]["affinity"]
+    assert "nodeAffinity" in affinity
+    (term,) = affinity["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"]["matchLabels"] == builders.selector_labels("wan")
+
+
+def test_engine_command_dlo_and_vllm_omni():
+    spec = parse_spec({"model": {"path": "/m"}, "devicesPerNode": 4, "engine": {"device": "cuda"}})
+    assert builders.engine_command(spec, "allgather")[:9] == [
+        "dlo", "serve", "/model", "--dp", "4", "--mode", "allgather", "--device", "cuda"
+    ]
+    omni = parse_spec({"model": {"path": "/m"}, "devicesPerNode": 4, "engine": {"kind": "vllm-omni"}})
+    ag = builders.engine_command(omni, "allgather")
+    assert ag[:4] == ["vllm", "serve", "/model", "--omni"]
+    assert "--enable-distributed-layerwise-offload" in ag and "--dlo-no-use-allgather" not in ag
+    assert ag[ag.index("--data-parallel-size") + 1] == "4"
+    assert "--dlo-no-use-allgather" in builders.engine_command(omni, "rank-local")
+    assert "--enable-distributed-layerwise-offload" not in builders.engine_command(omni, "resident")
+
+
+def test_pod_is_non_root_read_only_without_escalation_and_ipc_lock_only_when_asked():
+    for case, lock in [("example-allgather", False), ("claim-rolling-vllm-omni-rank-local", True)]:
+        pod = build(case)[3]["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        for c in pod["containers"] + pod.get("initContainers", []):
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+            assert sc["capabilities"]["drop"] == ["ALL"]
+            wants_lock = lock and c["name"] == "engine"  # the warmer never pins
+            assert sc["capabilities"].get("add", []) == (["IPC_LOCK"] if wants_lock else [])
+
+
+def test_warmer_init_container_mounts_the_model_read_only():
+    pod = build("example-allgather")[3]["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    assert init["command"] == ["dlo", "warm", "/model", "--threshold", "0.99"]
+    assert {"name": "model", "mountPath": "/model", "readOnly": True} in init["volumeMounts"]
+    assert pod["volumes"][0] == {"name": "model", "hostPath": {"path": "/models/wan2.1-14b", "type": "Directory"}}
+    assert "initContainers" not in build("cpu-no-warmer-podmonitor")[3]["spec"]["template"]["spec"]
+
+
+def test_api_key_from_secret_probes_and_shm():
+    pod = build("example-allgather")[3]["spec"]["template"]["spec"]
+    engine = pod["containers"][0]
+    key = next(e for e in engine["env"] if e["name"] == "DLO_API_KEY")
+    assert key["valueFrom"]["secretKeyRef"] == {"name": "wan-api-key", "key": "api-key"}
+    assert engine["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert engine["livenessProbe"]["httpGet"]["path"] == "/health"
+    shm = next(v for v in pod["volumes"] if v["name"] == "shm")
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}  # 1Gi per rank, dp 8
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == 8
+
+
+def test_cpu_engine_requests_no_accelerator():
+    engine = build("cpu-no-warmer-podmonitor")[3]["spec"]["template"]["spec"]["containers"][0]
+    assert engine["resources"] == {}
+
+
+def test_template_hash_changes_with_the_mode_and_only_then():
+    spec = parse_spec(example_spec())
+    a = builders.pod_template(OWNER, spec, "allgather")
+    b = builders.pod_template(OWNER, spec, "allgather")
+    c = builders.pod_template(OWNER, spec, "rank-local")
+    h = builders.TEMPLATE_HASH
+    assert a["metadata"]["annotations"][h] == b["metadata"]["annotations"][h]
+    assert a["metadata"]["annotations"][h] != c["metadata"]["annotations"][h]
+    assert builders.template_hash(a) == a["metadata"]["annotations"][h]

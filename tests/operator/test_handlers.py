@@ -1,0 +1,155 @@
+"""operator/handlers.py against the kmock API emulator: real HTTP, real kopf, in its own thread."""
+
+import asyncio
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from cluster import dlodeployment, running_cluster
+from dlo.operator import builders
+from dlo.operator.models import API_VERSION
+
+ROOT = Path(__file__).resolve().parents[2]
+NS = "serving"
+SPEC = {"model": {"path": "/models/wan2.1-14b"}, "replicas": 2, "devicesPerNode": 8, "mode": "auto"}
+CHILDREN = [("Service", "wan-headless"), ("Service", "wan"), ("PodDisruptionBudget", "wan"), ("StatefulSet", "wan")]
+
+
+def status_of(cluster, name="wan"):
+    obj = cluster.get("DLODeployment", NS, name)
+    return (obj or {}).get("status") or {}
+
+
+def condition(cluster, type_, name="wan"):
+    return next((c for c in status_of(cluster, name).get("conditions", []) if c["type"] == type_), None)
+
+
+def gpu_node_profile(name: str, profile_file: str) -> dict:
+    profile = json.loads((ROOT / "examples" / "profiles" / profile_file).read_text())
+    return {"dlo.dev/node-profile": json.dumps(profile)}
+
+
+async def add_gpu_nodes(cluster, profile_file="h200-node.json", count=2):
+    for i in range(count):
+        await cluster.add_node(f"node-{i}", annotations=gpu_node_profile(f"node-{i}", profile_file),
+                               allocatable={"nvidia.com/gpu": "8"})
+
+
+async def test_create_makes_owned_children_resolves_mode_and_reports_ready():
+    async with running_cluster() as cluster:
+        await add_gpu_nodes(cluster)
+        await cluster.create(dlodeployment("wan", NS, SPEC))
+        await cluster.wait(lambda: all(cluster.get(k, NS, n) for k, n in CHILDREN), what="children")
+        owner_uid = cluster.get("DLODeployment", NS, "wan")["metadata"]["uid"]
+        for kind, name in CHILDREN:
+            (ref,) = cluster.get(kind, NS, name)["metadata"]["ownerReferences"]
+            assert (ref["uid"], ref["kind"], ref["controller"]) == (owner_uid, "DLODeployment", True)
+            assert ref["apiVersion"] == API_VERSION
+        await cluster.wait(lambda: (condition(cluster, "Ready") or {}).get("status") == "True", what="Ready")
+        status = status_of(cluster)
+        assert status["mode"] == "resident" and "fits one device" in status["modeReason"]
+        assert (status["replicas"], status["readyReplicas"], status["updatedReplicas"]) == (2, 2, 2)
+        assert status["selector"] == builders.selector_string("wan")
+        assert status["observedGeneration"] == 1
+        assert [n["name"] for n in status["nodes"]] == ["node-0", "node-1"]
+        assert status["nodes"][0]["cachedRatio"] == 0.998 and status["cachedRatio"] == 0.998
+        assert condition(cluster, "CacheWarmed")["status"] == "True"
+        assert condition(cluster, "Degraded")["status"] == "False"
+        sts = cluster.get("StatefulSet", NS, "wan")
+        assert "--mode" in (cmd := sts["spec"]["template"]["spec"]["containers"][0]["command"])
+        assert cmd[cmd.index("--mode") + 1] == "resident"
+        await cluster.wait(lambda: cluster.events("ModeResolved"), what="ModeResolved event")
+        assert cluster.events("StatefulSetCreated")
+
+
+async def test_mode_change_rolls_pods_with_recreate():
+    async with running_cluster() as cluster:
+        await add_gpu_nodes(cluster)
+        await cluster.create(dlodeployment("wan", NS, SPEC))
+        await cluster.wait(lambda: (condition(cluster, "Ready") or {}).get("status") == "True", what="Ready")
+        old = {p["metadata"]["name"]: p["metadata"]["uid"] for p in cluster.objects("Pod", NS)}
+        await cluster.patch_dlod(NS, "wan", {"spec": {"mode": "rank-local"}})
+        await cluster.wait(lambda: status_of(cluster).get("mode") == "rank-local", what="mode change")
+        sts = cluster.get("StatefulSet", NS, "wan")
+        assert sts["spec"]["updateStrategy"] == {"type": "OnDelete"}
+        want = sts["spec"]["template"]["metadata"]["annotations"][builders.TEMPLATE_HASH]
+
+        def rolled():
+            pods = cluster.objects("Pod", NS)
+            return len(pods) == 2 and all(
+                p["metadata"]["annotations"][builders.TEMPLATE_HASH] == want and p["metadata"]["uid"] != old[p["metadata"]["name"]]
+                for p in pods
+            )
+
+        await cluster.wait(rolled, what="pods recreated on the new template")
+        await cluster.wait(lambda: len(cluster.events("PodRecreated")) >= 2, what="PodRecreated events")
+        await cluster.wait(lambda: status_of(cluster).get("observedGeneration") == 2
+                           and (condition(cluster, "Ready") or {}).get("status") == "True", what="Ready again")
+        assert cluster.events("ModeChanged")
+
+
+async def test_auto_mode_is_re_resolved_when_node_profiles_change():
+    async with running_cluster() as cluster:
+        await add_gpu_nodes(cluster)
+        await cluster.create(dlodeployment("wan", NS, SPEC))
+        await cluster.wait(lambda: status_of(cluster).get("mode") == "resident", what="resident")
+        await cluster.call(cluster.kube.patch, "v1", "Node", None, "node-1",
+                           {"metadata": {"annotations": gpu_node_profile("node-1", "l4-node.json")}})
+        await cluster.wait(lambda: status_of(cluster).get("mode") == "allgather", what="re-resolution")
+        assert "node node-1" in status_of(cluster)["modeReason"]
+        assert cluster.events("ModeChanged")
+
+
+async def test_scale_by_patching_spec_replicas():
+    async with running_cluster() as cluster:
+        await add_gpu_nodes(cluster, count=3)
+        await cluster.create(dlodeployment("wan", NS, SPEC))
+        await cluster.wait(lambda: status_of(cluster).get("readyReplicas") == 2, what="2 ready")
+        await cluster.patch_dlod(NS, "wan", {"spec": {"replicas": 3}})
+        await cluster.wait(lambda: cluster.get("StatefulSet", NS, "wan")["spec"]["replicas"] == 3, what="sts scaled")
+        await cluster.wait(lambda: status_of(cluster).get("readyReplicas") == 3, what="3 ready")
+        await cluster.patch_dlod(NS, "wan", {"spec": {"replicas": 1}})
+        await cluster.wait(lambda: cluster.get("StatefulSet", NS, "wan")["spec"]["replicas"] == 1, what="sts scaled down")
+        await cluster.wait(lambda: len(cluster.objects("Pod", NS)) == 1, what="pod removed")
+        await cluster.wait(lambda: status_of(cluster).get("replicas") == 1, what="status scaled down")
+        assert status_of(cluster)["observedGeneration"] == 3
+
+
+async def test_invalid_spec_sets_degraded_instead_of_crashing_then_recovers():
+    async with running_cluster() as cluster:
+        bad = {**SPEC, "model": {"path": "/models/wan2.1-14b", "claimName": "models"}}
+        await cluster.create(dlodeployment("wan", NS, bad))
+        await cluster.wait(lambda: (condition(cluster, "Degraded") or {}).get("status") == "True", what="Degraded")
+        degraded = condition(cluster, "Degraded")
+        assert degraded["reason"] == "InvalidSpec" and "exactly one of model.path" in degraded["message"]
+        assert condition(cluster, "Ready")["status"] == "False"
+        assert cluster.get("StatefulSet", NS, "wan") is None
+        assert cluster.events("InvalidSpec")
+        await cluster.patch_dlod(NS, "wan", {"spec": {"model": {"claimName": None}}})
+        await cluster.wait(lambda: (condition(cluster, "Degraded") or {}).get("status") == "False", what="recovered")
+        assert cluster.get("StatefulSet", NS, "wan") is not None
+
+
+async def test_delete_removes_children_through_owner_references():
+    async with running_cluster() as cluster:
+        await add_gpu_nodes(cluster)
+        await cluster.create(dlodeployment("wan", NS, SPEC))
+        await cluster.wait(lambda: len(cluster.objects("Pod", NS)) == 2, what="pods")
+        assert await cluster.delete_dlod(NS, "wan")
+        await cluster.wait(
+            lambda: not any(cluster.objects(k, NS) for k in ("StatefulSet", "Service", "PodDisruptionBudget", "Pod")),
+            what="children collected",
+        )
+        assert cluster.get("DLODeployment", NS, "wan") is None
+
+
+async def test_reconcile_is_idempotent_children_are_not_rewritten():
+    async with running_cluster() as cluster:
+        await add_gpu_nodes(cluster)
+        await cluster.create(dlodeployment("wan", NS, SPEC))
+        await cluster.wait(lambda: (condition(cluster, "Ready") or {}).get("status") == "True", what="Ready")
+        versions = {k: cluster.get(k, NS, n)["metadata"]["resourceVersion"] for k, n in CHILDREN}
+        await asyncio.sleep(3 * float(os.environ["DLO_OPERATOR_STATUS_INTERVAL"]))  # several timer rounds
+        assert {k: cluster.get(k, NS, n)["metadata"]["resourceVersion"] for k, n in CHILDREN} == versions
