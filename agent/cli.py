@@ -1,10 +1,307 @@
-"""Subcommands owned by the agent: `dlo agent`, `dlo warm`, `dlo plan` (issue: node agent)."""
+"""Subcommands owned by the agent: `dlo agent`, `dlo warm`, `dlo plan` (CONTRACTS.md section 2).
+
+Owns: argument parsing, human output (rich tables, progress bars) and exit codes. The work lives in
+dlo.agent.exporter, dlo.agent.warm and dlo.agent.policy.
+Must never: import torch.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
 import sys
+import threading
+from pathlib import Path
+
+from pydantic import ValidationError
+
+EPILOG_UNITS = "Byte counts are integers (bytes), ratios are 0..1, times are seconds."
 
 
 def run(command: str, argv: list[str]) -> int:
-    print(f"dlo {command}: arrives with the node-agent issue", file=sys.stderr)
-    return 2
+    handlers = {"agent": run_agent, "warm": run_warm, "plan": run_plan}
+    if command not in handlers:
+        print(f"dlo: {command!r} is not an agent command", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=os.environ.get("DLO_LOG_LEVEL", "INFO").upper(),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        stream=sys.stderr,
+    )
+    return handlers[command](argv)
+
+
+# --- dlo warm --------------------------------------------------------------------------------
+
+
+def warm_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dlo warm",
+        description=(
+            "Bring model files into the OS page cache before an engine maps them. Every *.safetensors "
+            "file under each PATH is mapped read-only, advised WILLNEED and read in parallel; then its "
+            "page-cache residency is measured (cachestat, else mincore). Exits 0 only when every file "
+            "is at least --threshold resident, 1 when one is not, 2 on bad input. The process that "
+            "warms is charged for the pages (its memory cgroup): see docs/agent.md."
+        ),
+        epilog="example: dlo warm /models/wan2.1-14b --threshold 0.99 --json",
+    )
+    p.add_argument("paths", nargs="+", metavar="PATH", help="a model folder or a safetensors file")
+    p.add_argument("--threshold", type=float, default=0.99, help="residency every file must reach, 0..1 (default 0.99)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON on stdout (no progress bar)")
+    p.add_argument(
+        "--lock", action="store_true",
+        help="mlock the files and keep running until SIGTERM/SIGINT, so the pages cannot be evicted",
+    )
+    p.add_argument("--threads", type=int, default=None, help="parallel readers (default: 4 per CPU, at most 32)")
+    return p
+
+
+def run_warm(argv: list[str]) -> int:
+    args = warm_parser().parse_args(argv)
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    from dlo.agent.residency import ResidencyError, model_files
+    from dlo.agent.warm import warm
+
+    err = Console(stderr=True)
+    try:
+        total = sum(f.stat().st_size for p in args.paths for f in model_files(p))
+    except OSError as e:
+        err.print(f"dlo warm: {e}")
+        return 2
+    progress = Progress(
+        "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+        TimeRemainingColumn(), console=err, disable=args.json or not err.is_terminal,
+    )
+    try:
+        with progress:
+            task = progress.add_task("warming", total=total)
+            session = warm(
+                args.paths, threads=args.threads, threshold=args.threshold, lock=args.lock,
+                progress=lambda n: progress.advance(task, n),
+            )
+    except (OSError, ResidencyError, ValueError) as e:
+        err.print(f"dlo warm: {e}")
+        return 2
+    report = session.report()
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        for f in report["files"]:
+            err.print(f"{f['ratio']:7.2%}  {f['bytes'] / 1e9:8.2f} GB  {f['path']}")
+        rate = report["bytes"] / report["seconds"] / 1e9 if report["seconds"] else float("inf")
+        err.print(
+            f"{'ok' if report['ok'] else 'BELOW THRESHOLD'}: {report['ratio']:.2%} of {report['bytes'] / 1e9:.2f} GB "
+            f"resident in {report['seconds']:.1f} s ({rate:.2f} GB/s), threshold {args.threshold:.2%}"
+        )
+    if args.lock:
+        err.print("holding the locked pages until SIGTERM or SIGINT")
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
+        session.close()
+    return 0 if session.ok else 1
+
+
+# --- dlo plan --------------------------------------------------------------------------------
+
+
+def plan_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dlo plan",
+        description=(
+            "Estimate host memory, device memory and time per block for each mode (allgather, "
+            "rank-local, resident) and print the mode the policy chooses, with its reason. The node "
+            "is --profile FILE (a NodeProfile JSON, e.g. the agent's /profile), else this machine."
+        ),
+        epilog=(
+            "examples:\n  dlo plan --model /models/wan2.1-14b --dp 8 --tokens 32760\n"
+            "  dlo plan --model-bytes 60000000000 --max-block-bytes 1200000000 --dp 8 "
+            "--block-compute-seconds 0.012 --profile node.json --json\n" + EPILOG_UNITS
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", type=Path, metavar="MODEL_DIR", help="a diffusers pipeline or transformer folder")
+    src.add_argument("--model-bytes", type=int, metavar="B", help="model weight bytes (with --max-block-bytes)")
+    p.add_argument("--max-block-bytes", type=int, metavar="b", help="largest block's bytes (with --model-bytes)")
+    p.add_argument("--blocks", type=int, default=0, help="number of blocks (informational, with --model-bytes)")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel ranks on the node (default: device count, or 1)")
+    p.add_argument("--sp", type=int, default=1, help="sequence-parallel degree (default 1)")
+    work = p.add_mutually_exclusive_group()
+    work.add_argument("--block-compute-seconds", type=float, metavar="T", help="measured compute time of one block")
+    work.add_argument("--tokens", type=int, metavar="T", help="tokens per rank (estimates compute from the device rate)")
+    p.add_argument("--host-memory-bytes", type=int, metavar="H", help="override the profile's host RAM")
+    p.add_argument("--host-headroom-bytes", type=int, default=0, help="host RAM to keep free (default 0)")
+    p.add_argument("--profile", type=Path, metavar="FILE", help="NodeProfile JSON (default: detect this machine)")
+    p.add_argument("--calibration", type=Path, metavar="FILE", help="a `dlo calibrate` fragment to apply")
+    p.add_argument("--json", action="store_true", help='print {"choice": {...}, "modes": {...}} (CONTRACTS.md section 7)')
+    return p
+
+
+def run_plan(argv: list[str]) -> int:
+    parser = plan_parser()
+    args = parser.parse_args(argv)
+    from dlo.agent.policy import PolicyError, choose_mode
+    from dlo.agent.profile import CalibrationFragment, ModelProfile, NodeProfile, apply_calibration
+
+    if args.model_bytes is not None and args.max_block_bytes is None:
+        parser.error("--model-bytes needs --max-block-bytes")
+    try:
+        model = _plan_model(args)
+        if args.profile is not None:
+            profile = NodeProfile.model_validate_json(args.profile.read_text())
+        else:
+            profile = _local_profile()
+        if args.calibration is not None:
+            profile = apply_calibration(profile, CalibrationFragment.model_validate_json(args.calibration.read_text()))
+        if args.host_memory_bytes is not None:
+            profile = profile.model_copy(update={"host_memory_bytes": args.host_memory_bytes})
+    except (OSError, ValueError, KeyError, ValidationError) as e:
+        print(f"dlo plan: {e}", file=sys.stderr)
+        return 2
+    assert isinstance(model, ModelProfile)
+    dp = args.dp if args.dp is not None else max(1, profile.accelerator.count)
+    try:
+        decision = choose_mode(
+            profile, model, dp=dp, sp=args.sp, tokens_per_rank=args.tokens,
+            host_headroom_bytes=args.host_headroom_bytes, block_compute_seconds=args.block_compute_seconds,
+        )
+    except PolicyError as e:
+        if args.json:
+            print(json.dumps({"choice": None, "error": str(e),
+                              "modes": {k: v.model_dump() for k, v in e.estimates.items()}}, indent=1))
+        else:
+            if e.estimates:
+                _print_plan_table(e.estimates, model, profile, dp * args.sp)
+            print(f"dlo plan: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(decision.plan_json(), indent=1))
+    else:
+        _print_plan_table(decision.estimates, model, profile, dp * args.sp)
+        from rich.console import Console
+
+        Console().print(f"[bold]choice: {decision.engine_mode}[/bold] - {decision.reason}")
+    return 0
+
+
+def _plan_model(args: argparse.Namespace):  # -> ModelProfile
+    from dlo.agent.profile import ModelProfile
+
+    if args.model is not None:
+        from dlo.engine.families import describe
+
+        f = describe(args.model)
+        return ModelProfile(
+            bytes=f.bytes, largest_block_bytes=f.largest_block_bytes, blocks=f.blocks, nonblock_bytes=f.nonblock_bytes
+        )
+    return ModelProfile(bytes=args.model_bytes, largest_block_bytes=args.max_block_bytes, blocks=args.blocks)
+
+
+def _local_profile():  # -> NodeProfile
+    from dlo.agent.memory import ProcFS
+    from dlo.agent.topology import build_profile, detect_devices
+
+    return build_profile(socket.gethostname(), detect_devices(), proc=ProcFS(Path("/proc")))
+
+
+def _print_plan_table(estimates: dict, model, profile, g: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def gb(n: int) -> str:
+        return f"{n / 1e9:,.1f} GB"
+
+    t = Table(
+        title=(
+            f"model {gb(model.bytes)}, largest block {gb(model.largest_block_bytes)}; {g} ranks; "
+            f"host {gb(profile.host_memory_bytes)}, device {gb(profile.accelerator.memory_bytes)}"
+        )
+    )
+    for col in ("mode", "pinned host", "page cache", "cold-start peak", "device weights", "fits", "time/block"):
+        t.add_column(col, justify="left" if col == "mode" else "right")
+    for name, e in estimates.items():
+        t.add_row(
+            name.replace("_", "-"), gb(e.pinned_host_bytes), gb(e.page_cache_bytes), gb(e.cold_start_peak_bytes),
+            gb(e.device_weight_bytes), "yes" if e.fits else "no",
+            "n/a" if e.block_seconds is None else f"{e.block_seconds * 1e3:.2f} ms",
+        )
+    Console().print(t)
+
+
+# --- dlo agent -------------------------------------------------------------------------------
+
+
+def agent_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dlo agent",
+        description=(
+            "Run the node agent: serves /metrics (Prometheus, dlo_* agent metrics), /profile (this "
+            "node's NodeProfile JSON) and /health. It reads /proc and the cgroup tree (read-only), "
+            "scrapes each engine's dlo_host_pinned_bytes, and in a cluster publishes the profile as "
+            "node annotation dlo.dev/node-profile. Run with hostPID and read-only host mounts of "
+            "/proc and /sys/fs/cgroup (pass them with --proc-root/--cgroup-root)."
+        ),
+        epilog="example: dlo agent --port 9400 --models-root /models --engine-url http://127.0.0.1:8000",
+    )
+    p.add_argument("--port", type=int, default=9400, help="HTTP port (default 9400; 0 picks a free one)")
+    p.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
+    p.add_argument("--node-name", default=os.environ.get("NODE_NAME") or socket.gethostname(),
+                   help="this node's name (default: $NODE_NAME, else the host name)")
+    p.add_argument("--models-root", type=Path, help="folder whose sub-folders are models (facts, residency)")
+    p.add_argument("--proc-root", type=Path, default=Path("/proc"), help="host /proc (default /proc)")
+    p.add_argument("--cgroup-root", type=Path, default=Path("/sys/fs/cgroup"), help="host cgroup root")
+    p.add_argument("--sys-root", type=Path, default=Path("/sys"), help="host /sys for PCIe and NUMA (default /sys)")
+    p.add_argument("--engine-url", action="append", default=[], metavar="URL",
+                   help="an engine to scrape outside Kubernetes (repeatable), e.g. http://127.0.0.1:8000")
+    p.add_argument("--calibration", type=Path, metavar="FILE", help="a `dlo calibrate` fragment (measured bandwidths)")
+    p.add_argument("--kubernetes", choices=("auto", "on", "off"), default="auto",
+                   help="find pods and publish the profile through the API (auto: when in a cluster)")
+    p.add_argument("--publish-interval", type=float, default=60.0, help="seconds between profile checks (default 60)")
+    p.add_argument("--warm", action="store_true", help="keep every model under --models-root warm (agent warming)")
+    p.add_argument("--warm-threshold", type=float, default=0.99, help="residency that triggers a re-warm, 0..1")
+    p.add_argument("--warm-interval", type=float, default=300.0, help="seconds between residency checks (default 300)")
+    return p
+
+
+def run_agent(argv: list[str]) -> int:
+    args = agent_parser().parse_args(argv)
+    from dlo.agent.exporter import Agent, AgentConfig, KubernetesPods, publish_loop, serve, warm_loop
+
+    use_k8s = args.kubernetes == "on" or (args.kubernetes == "auto" and "KUBERNETES_SERVICE_HOST" in os.environ)
+    cfg = AgentConfig(
+        node_name=args.node_name, models_root=args.models_root, proc_root=args.proc_root,
+        cgroup_root=args.cgroup_root, sys_root=args.sys_root, engine_urls=args.engine_url,
+        calibration=args.calibration, kubernetes=use_k8s, warm=args.warm, warm_threshold=args.warm_threshold,
+    )
+    try:
+        pods = KubernetesPods(args.node_name) if use_k8s else None
+        agent = Agent(cfg, pods=pods)
+        server = serve(agent, args.host, args.port)
+    except (OSError, ValueError) as e:
+        print(f"dlo agent: {e}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    threads = []
+    if pods is not None:
+        threads.append(threading.Thread(target=publish_loop, args=(agent, pods.annotate_node, stop,
+                                                                   args.publish_interval), daemon=True))
+    if args.warm:
+        threads.append(threading.Thread(target=warm_loop, args=(agent, stop, args.warm_interval), daemon=True))
+    for t in threads:
+        t.start()
+    print(f"dlo agent: serving on http://{args.host}:{server.server_address[1]} node={args.node_name}",
+          file=sys.stderr, flush=True)
+    stop.wait()
+    server.shutdown()
+    return 0

@@ -1,0 +1,184 @@
+"""dlo.agent.cli: `dlo plan`, `dlo warm` and `dlo agent` as a user runs them (real subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from dlo.agent.policy import choose_mode
+from dlo.agent.profile import NodeProfile
+from dlo.engine.families import describe
+
+ROOT = Path(__file__).resolve().parents[2]
+GB = 1_000_000_000
+PROFILE = {
+    "version": "v1", "node": "gpu-1",
+    "accelerator": {"vendor": "nvidia", "model": "test", "count": 8, "memory_bytes": 48 * GB},
+    "interconnect": {"kind": "nvlink", "collective_bandwidth_bps": 400 * GB},
+    "h2d_bandwidth_bps": 55 * GB, "host_memory_bytes": 2000 * GB, "can_register_page_cache": False,
+}
+ESTIMATE_KEYS = {"pinned_host_bytes", "page_cache_bytes", "cold_start_peak_bytes", "device_weight_bytes",
+                 "block_seconds", "fits"}
+
+
+def dlo(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dlo.cli.main", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture
+def profile_file(tmp_path: Path) -> Path:
+    f = tmp_path / "profile.json"
+    f.write_text(json.dumps(PROFILE))
+    return f
+
+
+def test_plan_json_shape_for_byte_counts(profile_file: Path) -> None:
+    r = dlo("plan", "--model-bytes", str(60 * GB), "--max-block-bytes", str(1_200_000_000), "--dp", "8",
+            "--block-compute-seconds", "0.003", "--profile", str(profile_file), "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert set(doc) == {"choice", "modes"}
+    assert doc["choice"]["mode"] == "allgather" and doc["choice"]["reason"]
+    assert set(doc["modes"]) == {"allgather", "rank_local", "resident"}
+    assert all(set(v) == ESTIMATE_KEYS for v in doc["modes"].values())
+    assert doc["modes"]["rank_local"]["pinned_host_bytes"] == 8 * 60 * GB
+
+
+def test_plan_of_a_model_folder_uses_its_facts(models_root: Path, profile_file: Path) -> None:
+    folder = models_root / "tiny-wan"
+    r = dlo("plan", "--model", str(folder), "--dp", "2", "--profile", str(profile_file), "--json")
+    assert r.returncode == 0, r.stderr
+    facts = describe(folder)
+    expected = choose_mode(NodeProfile.model_validate(PROFILE), facts, dp=2)
+    assert json.loads(r.stdout) == json.loads(json.dumps(expected.plan_json()))
+    assert json.loads(r.stdout)["modes"]["resident"]["device_weight_bytes"] == facts.bytes
+
+
+def test_plan_table_names_the_choice(profile_file: Path) -> None:
+    r = dlo("plan", "--model-bytes", str(60 * GB), "--max-block-bytes", str(1_200_000_000), "--dp", "8",
+            "--block-compute-seconds", "0.025", "--profile", str(profile_file))
+    assert r.returncode == 0, r.stderr
+    assert "choice: rank-local" in r.stdout
+    for mode in ("allgather", "rank-local", "resident"):
+        assert mode in r.stdout
+
+
+def test_plan_host_memory_override_changes_the_choice(profile_file: Path) -> None:
+    r = dlo("plan", "--model-bytes", str(60 * GB), "--max-block-bytes", str(1_200_000_000), "--dp", "8",
+            "--block-compute-seconds", "0.025", "--profile", str(profile_file),
+            "--host-memory-bytes", str(256 * GB), "--json")
+    assert json.loads(r.stdout)["choice"]["mode"] == "allgather"
+
+
+def test_plan_nothing_fits_exits_1_with_estimates(profile_file: Path) -> None:
+    r = dlo("plan", "--model-bytes", str(60 * GB), "--max-block-bytes", str(1_200_000_000), "--dp", "8",
+            "--profile", str(profile_file), "--host-memory-bytes", str(50 * GB), "--json")
+    assert r.returncode == 1
+    doc = json.loads(r.stdout)
+    assert doc["choice"] is None and "no mode fits" in doc["error"]
+    assert not any(m["fits"] for m in doc["modes"].values())
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model-bytes", "10"], "--max-block-bytes"),
+        (["--model-bytes", "10", "--max-block-bytes", "1", "--tokens", "5", "--block-compute-seconds", "1"],
+         "not allowed with"),
+        ([], "required"),
+    ],
+)
+def test_plan_argument_errors_exit_2(args: list[str], message: str) -> None:
+    r = dlo("plan", *args)
+    assert r.returncode == 2 and message in r.stderr
+
+
+def test_plan_unreadable_profile_exits_2(tmp_path: Path) -> None:
+    bad = tmp_path / "p.json"
+    bad.write_text('{"version": "v9"}')
+    r = dlo("plan", "--model-bytes", "10", "--max-block-bytes", "1", "--profile", str(bad))
+    assert r.returncode == 2 and "version" in r.stderr
+
+
+def test_warm_json_reports_residency_and_exits_0(models_root: Path) -> None:
+    folder = models_root / "tiny-wan"
+    for f in folder.rglob("*.safetensors"):
+        fd = os.open(f, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    r = dlo("warm", str(folder), "--json", "--threshold", "0.99")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["ok"] and doc["ratio"] == 1.0 and len(doc["files"]) == 2
+    assert all(f["ratio_before"] == 0.0 for f in doc["files"])
+
+
+def test_warm_missing_path_exits_2(tmp_path: Path) -> None:
+    r = dlo("warm", str(tmp_path / "nope"))
+    assert r.returncode == 2 and "nope" in r.stderr
+
+
+def test_warm_lock_holds_until_sigterm(models_root: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dlo.cli.main", "warm", str(models_root / "tiny-wan"), "--lock"],
+        cwd=ROOT, stderr=subprocess.PIPE, text=True,
+    )
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if "holding the locked pages" in line:
+            break
+    status = Path(f"/proc/{proc.pid}/status").read_text()
+    locked_kb = int(re.search(r"VmLck:\s+(\d+) kB", status).group(1))  # type: ignore[union-attr]
+    files = sum(f.stat().st_size for f in (models_root / "tiny-wan").rglob("*.safetensors"))
+    assert locked_kb * 1024 >= files
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == 0
+
+
+@pytest.mark.parametrize("command, words", [
+    ("plan", ["--model", "--tokens", "--profile", "--json"]),
+    ("warm", ["--threshold", "--lock", "cgroup"]),
+    ("agent", ["--proc-root", "--cgroup-root", "--engine-url", "dlo.dev/node-profile"]),
+])
+def test_help_explains_each_command(command: str, words: list[str]) -> None:
+    r = dlo(command, "--help")
+    assert r.returncode == 0
+    text = " ".join(r.stdout.split())
+    for w in words:
+        assert w in text
+
+
+def test_agent_command_serves_until_sigterm(models_root: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dlo.cli.main", "agent", "--port", "0", "--host", "127.0.0.1",
+         "--models-root", str(models_root), "--kubernetes", "off", "--node-name", "cli-node"],
+        cwd=ROOT, stderr=subprocess.PIPE, text=True,
+    )
+    assert proc.stderr is not None
+    try:
+        port = None
+        for line in proc.stderr:
+            m = re.search(r"serving on http://127\.0\.0\.1:(\d+)", line)
+            if m:
+                port = int(m.group(1))
+                break
+        assert port
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/profile", timeout=10) as r:
+            p = NodeProfile.model_validate_json(r.read())
+        assert p.node == "cli-node" and "tiny-wan" in p.models
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            assert b'dlo_model_bytes{model="tiny-wan"}' in r.read()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
