@@ -40,7 +40,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dlo.engine.arena import Arena, build_arena
 from dlo.engine.checkpoint import Checkpoint
 from dlo.engine.dtypes import torch_dtype
 from dlo.engine.layout import BlockLayout, build_layout
@@ -53,6 +52,7 @@ from dlo.engine.model import (
     set_tensor,
 )
 from dlo.engine.platform import Platform, get_platform
+from dlo.engine.weights import HostWeights, WeightsChoice, prepare_host_weights
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class BlockPipeline:
         self,
         root: nn.Module,
         blocks: list[_Block],
-        arena: Arena,
+        copies: list[list[tuple[torch.Tensor, int]]],
         *,
         platform: Platform,
         device: torch.device,
@@ -123,7 +123,7 @@ class BlockPipeline:
     ):
         self.root = root
         self.blocks = blocks
-        self.arena = arena
+        self.copies = copies  # per block: (host bytes, offset in this rank's shard)
         self.platform = platform
         self.group = group
         self.g, self.r, self.collective = g, r, collective
@@ -137,7 +137,6 @@ class BlockPipeline:
         self.free = [platform.new_event() for _ in range(2)]
         self.stats = PipelineStats()
         self._timed = not platform.has_streams
-        self._arena_shards = [arena.shard(i) for i in range(len(blocks))]
         self._slot_in = [
             [s.narrow(0, r * b.shard, b.shard) for s in self.slots] for b in blocks
         ]
@@ -166,7 +165,9 @@ class BlockPipeline:
         blk = self.blocks[i]
         with p.use_stream(self.copy_stream):
             p.wait(self.copy_stream, self.free[k])  # [Note: stream lifetimes] rule 1
-            self._slot_in[i][k].copy_(self._arena_shards[i], non_blocking=True)
+            dst = self._slot_in[i][k]
+            for src, off in self.copies[i]:
+                dst[off : off + src.numel()].copy_(src, non_blocking=True)
             # without a collective the block is ready as soon as its bytes have landed
             p.record(self.h2d[k] if self.collective else self.ready[k], self.copy_stream)
         if self.collective:
@@ -228,8 +229,9 @@ class OffloadedModel:
     """What `load` returns: the module to call, the load report, and `gather_only`."""
 
     def __init__(self, module: nn.Module, report: LoadReport, pipeline: BlockPipeline | None,
-                 ckpt: Checkpoint, platform: Platform, device: torch.device):
+                 host: HostWeights | None, ckpt: Checkpoint, platform: Platform, device: torch.device):
         self.module = module
+        self.host = host
         self.report = report
         self.pipeline = pipeline
         self.platform = platform
@@ -247,10 +249,10 @@ class OffloadedModel:
         return self.pipeline.stats if self.pipeline is not None else PipelineStats()
 
     def close(self) -> None:
-        if self.pipeline is not None and self.pipeline.arena.pinned:
+        """Release DMA registrations (after in-flight copies finish). The model is unusable after."""
+        if self.host is not None and self.host.pinned:
             self.platform.synchronize()
-            self.platform.unpin(self.pipeline.arena.buffer)
-            self.pipeline.arena.pinned = False
+            self.host.release()
 
 
 def load(
@@ -260,6 +262,7 @@ def load(
     device: torch.device | str,
     group: Any = None,
     resident_blocks: int = 0,
+    weights: WeightsChoice = "auto",
 ) -> OffloadedModel:
     """Load a diffusers transformer folder for layerwise offload.
 
@@ -268,7 +271,10 @@ def load(
     device, and streams the other blocks through two device slots: `allgather` shards every block
     over the ranks of `group` (None: the default group) and rebuilds it on the device with an
     in-place AllGather; `rank-local` copies whole blocks from this rank's own arena; `resident` puts
-    everything on the device (the baseline).
+    everything on the device (the baseline). `weights` picks the host source of block bytes:
+    `registered` (the page cache itself, DMA-registered: no arena), `arena` (one pinned copy of
+    this rank's shards), or `auto` (registered where the platform allows it, else the arena; the
+    report says which and the log says why).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
@@ -298,18 +304,15 @@ def load(
     else:
         g, r = 1, 0
     pipeline = None
-    host_pinned = 0
+    host = None
     slot_bytes = 0
-    pinned = False
     if offloaded:
-        arena = build_arena(ckpt, layouts, meta.target_dtype, g, r, platform)
-        pinned = arena.pinned
-        host_pinned = arena.nbytes
+        host = prepare_host_weights(ckpt, layouts, meta.target_dtype, g, r, platform, weights)
         blocks = [
             _Block(meta.block_module(b), lay, lay.shard_bytes(g)) for b, lay in zip(offloaded, layouts)
         ]
         pipeline = BlockPipeline(
-            module, blocks, arena, platform=platform, device=device, group=group, g=g, r=r,
+            module, blocks, host.copies, platform=platform, device=device, group=group, g=g, r=r,
             collective=(mode == "allgather"),
         )
         pipeline.install_hooks()
@@ -317,21 +320,21 @@ def load(
     assert_nothing_on_meta(module, {k for b in offloaded for k in b.keys})
     report = LoadReport(
         mode=mode,
-        weights_source="resident" if mode == "resident" else "arena",
+        weights_source=host.source if host else "resident",
         blocks=len(offloaded),
         largest_block_bytes=max((lay.nbytes for lay in layouts), default=0),
-        host_pinned_bytes=host_pinned if pinned else 0,
+        host_pinned_bytes=host.pinned_bytes if host else 0,
         slot_bytes=slot_bytes,
         resident_bytes=resident_bytes,
         load_seconds=time.perf_counter() - t0,
         shard_group_size=g,
         rank=r,
         resident_blocks=n_resident,
-        pinned=pinned,
+        pinned=bool(host and host.pinned),
         model_bytes=ckpt.nbytes,
     )
     log.info("dlo loaded %s", " ".join(f"{k}={v}" for k, v in report.to_dict().items()))
-    return OffloadedModel(module, report, pipeline, ckpt, platform, device)
+    return OffloadedModel(module, report, pipeline, host, ckpt, platform, device)
 
 
 def _block_layout(ckpt: Checkpoint, meta: MetaModel, block) -> BlockLayout:

@@ -36,11 +36,13 @@ def _equal_to_resident(rank: int, world: int, models: dict) -> dict:
         dtype = next(ref_model.module.parameters()).dtype if kind != "bf16" else torch.bfloat16
         refs = [forward(ref_model.module, family, s, dtype) for s in range(CALLS)]
         for mode in ("allgather", "rank-local"):
-            m = load(path, mode=mode, device="cpu")
-            # different seeds per call and per rank: the gathers do not depend on the inputs
-            same = [torch.equal(forward(m.module, family, s, dtype), refs[s]) for s in range(CALLS)]
-            out[f"{family}-{kind}-{mode}"] = (same, m.report.host_pinned_bytes, m.report.shard_group_size)
-            m.close()
+            for weights in ("arena", "registered"):
+                m = load(path, mode=mode, device="cpu", weights=weights)
+                assert m.report.weights_source == weights
+                same = [torch.equal(forward(m.module, family, s, dtype), refs[s]) for s in range(CALLS)]
+                pinned = m.report.host_pinned_bytes if weights == "arena" else 1
+                out[f"{family}-{kind}-{weights}-{mode}"] = (same, pinned, m.report.shard_group_size)
+                m.close()
     return out
 
 
@@ -119,3 +121,40 @@ def test_out_of_order_block_breaks_pipeline_loudly(models):
         block1(torch.zeros(1))
     with pytest.raises(PipelineError):  # and stays broken: the engine must restart
         forward(m.module, "wan", 0, torch.bfloat16)
+
+
+def test_page_cache_runs_merge_per_dtype(models):
+    from dlo.engine.checkpoint import Checkpoint
+    from dlo.engine.families import FAMILIES, group_keys
+    from dlo.engine.layout import build_layout
+    from dlo.engine.weights import page_cache_runs
+
+    ck = Checkpoint(models[("wan", "bf16")])
+    blocks, _ = group_keys(set(ck.tensors), FAMILIES["wan"])
+    infos = sorted((ck.tensors[k] for k in blocks[1].keys), key=lambda i: i.start)
+    lay = build_layout([(i.name, i.dtype, i.shape) for i in infos])
+    runs = page_cache_runs(ck, lay, 1, 0)
+    # contiguous in the file and 256-byte sized tensors merge; never more runs than tensors
+    assert len(runs) < len(lay.tensors)
+    assert sum(r.n for r in runs) == sum(t.nbytes for t in lay.tensors)
+    for g in (2, 3):
+        total = sum(r.n for rank in range(g) for r in page_cache_runs(ck, lay, g, rank))
+        assert total == sum(t.nbytes for t in lay.tensors)
+
+
+def test_cast_needed_falls_back_to_arena_with_reason(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from dlo.engine import load
+
+    path = make_tiny_transformer(tmp_path / "t", "wan", layers=2, dtype="bfloat16")
+    f = path / "diffusion_pytorch_model.safetensors"
+    sd = load_file(f)
+    key = "blocks.0.scale_shift_table"  # an fp32-kept module stored in bf16: upcast on load
+    sd[key] = sd[key].to(torch.bfloat16)
+    save_file(sd, f)
+    m = load(path, mode="rank-local", device="cpu")
+    assert m.report.weights_source == "arena"
+    assert m.module.blocks[0].scale_shift_table.dtype == torch.float32
+    with pytest.raises(RuntimeError, match="dtype cast"):
+        load(path, mode="rank-local", device="cpu", weights="registered")
