@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import os
 import tempfile
 import time
@@ -74,7 +75,7 @@ class PipelineFacts:
             raise ValueError(f"{self.pipeline_class} makes images only")
         t = self.temporal_factor
         want = max(1.0, seconds * fps)
-        k = max(0, round((want - 1) / t))
+        k = max(0, math.floor((want - 1) / t + 0.5))  # ties round up: never shorter than asked
         return t * k + 1
 
     def uses_cfg(self, gen: Generation) -> bool:

@@ -122,6 +122,19 @@ def resolve_mode(mode: str, model_dir: Path, dp: int, device: str) -> tuple[str,
     return "rank-local", "fixed rule: dp = 1"
 
 
+def _server_class() -> type:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn re-raises SIGTERM/SIGINT after a graceful shutdown; a requested stop exits 0 instead."""
+
+        def handle_exit(self, sig: int, frame: object) -> None:
+            super().handle_exit(sig, frame)  # type: ignore[arg-type]
+            getattr(self, "_captured_signals", []).clear()
+
+    return Server
+
+
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="rank0 %(levelname)s %(name)s %(message)s")
     import uvicorn
@@ -159,7 +172,7 @@ def main(args: argparse.Namespace) -> int:
                     wave_window_ms=args.wave_window_ms)
     engine.group.spawn()
     app = create_app(engine, api_key)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    server = _server_class()(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=10))
     engine.request_exit = lambda: setattr(server, "should_exit", True)
     server.run()
