@@ -1,0 +1,76 @@
+"""operator/cli.py: `dlo crd`, `dlo operator render`, `dlo operator --help` (run as real commands)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from dlo.operator.cli import crd_yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "dlodeployment.yaml"
+PROFILES = ROOT / "examples" / "profiles"
+
+
+def dlo(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dlo.cli.main", *args], cwd=cwd, capture_output=True, text=True)
+
+
+def test_crd_prints_the_generated_crd():
+    proc = dlo("crd")
+    assert proc.returncode == 0 and proc.stdout == crd_yaml()
+    assert yaml.safe_load(proc.stdout)["metadata"]["name"] == "dlodeployments.dlo.dev"
+
+
+def test_crd_write_writes_both_copies(tmp_path):
+    proc = dlo("crd", "--write", "--root", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    for rel in ("crds/dlo.dev_dlodeployments.yaml", "charts/dlo/crds/dlo.dev_dlodeployments.yaml"):
+        assert (tmp_path / rel).read_text() == crd_yaml()
+
+
+def test_render_prints_every_object_as_a_yaml_stream():
+    proc = dlo("operator", "render", str(EXAMPLE))
+    assert proc.returncode == 0, proc.stderr
+    kinds = [d["kind"] for d in yaml.safe_load_all(proc.stdout)]
+    assert kinds == ["Service", "Service", "PodDisruptionBudget", "StatefulSet"]
+    assert "wan: mode allgather" in proc.stderr and "no eligible node" in proc.stderr
+
+
+def test_render_resolves_auto_from_profiles():
+    proc = dlo("operator", "render", str(EXAMPLE), "--profile", str(PROFILES / "h200-node.json"))
+    sts = [d for d in yaml.safe_load_all(proc.stdout) if d["kind"] == "StatefulSet"][0]
+    cmd = sts["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert cmd[cmd.index("--mode") + 1] == "resident"
+    proc = dlo("operator", "render", str(EXAMPLE), "--profile", str(PROFILES / "h200-node.json"),
+               "--profile", str(PROFILES / "l4-node.json"))
+    assert "mode allgather (node gpu-node-2" in proc.stderr
+
+
+def test_render_invalid_spec_exits_2_with_the_reason(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"apiVersion": "dlo.dev/v1alpha1", "kind": "DLODeployment",
+                                   "metadata": {"name": "x"}, "spec": {"model": {}}}))
+    proc = dlo("operator", "render", str(bad))
+    assert proc.returncode == 2 and "exactly one of model.path" in proc.stderr
+    other = tmp_path / "other.yaml"
+    other.write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n")
+    proc = dlo("operator", "render", str(other))
+    assert proc.returncode == 2 and "no dlo.dev/v1alpha1 DLODeployment" in proc.stderr
+
+
+def test_help_for_every_subcommand():
+    assert "render FILE" in dlo("operator", "--help").stdout
+    for args in (("operator", "run", "--help"), ("operator", "render", "--help"), ("crd", "--help")):
+        proc = dlo(*args)
+        assert proc.returncode == 0 and "usage: dlo" in proc.stdout, args
+    proc = dlo("operator", "frobnicate")
+    assert proc.returncode == 2 and "unknown subcommand" in proc.stderr
+
+
+def test_operator_never_imports_torch():
+    code = ("import sys, dlo.operator.cli, dlo.operator.handlers, dlo.operator.builders, dlo.operator.modes;"
+            "from dlo.operator.modes import resolve_mode; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.stdout.strip() == "False", out.stderr
