@@ -1,0 +1,185 @@
+"""Shared pieces of the GPU benchmarks: imports without install, a Wan2.1-14B-shaped checkpoint
+written from a seeded generator, the two workloads, timers and host-memory readers.
+
+Runs on the device machine (torch present, diffusers carried as a wheel) and on CPU for dry runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def ensure_dlo_importable() -> None:
+    """Make `dlo.engine` importable from a plain checkout (the device machine installs nothing)."""
+    try:
+        import dlo.engine  # noqa: F401
+
+        return
+    except ImportError:
+        pass
+    shim = Path(tempfile.gettempdir()) / "dlo_shim"
+    (shim / "dlo").mkdir(parents=True, exist_ok=True)
+    for part in ("engine", "agent", "cli"):
+        link = shim / "dlo" / part
+        if not link.exists():
+            link.symlink_to(REPO / part)
+    sys.path.insert(0, str(shim))
+    os.environ["PYTHONPATH"] = f"{shim}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+
+
+# Wan2.1-14B transformer dimensions; only the layer count varies.
+WAN14B = {
+    "_class_name": "WanTransformer3DModel",
+    "patch_size": [1, 2, 2],
+    "num_attention_heads": 40,
+    "attention_head_dim": 128,
+    "in_channels": 16,
+    "out_channels": 16,
+    "text_dim": 4096,
+    "freq_dim": 256,
+    "ffn_dim": 13824,
+    "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads",
+    "eps": 1e-6,
+    "rope_max_seq_len": 1024,
+}
+TINY = {**WAN14B, "num_attention_heads": 2, "attention_head_dim": 16, "text_dim": 32, "freq_dim": 32, "ffn_dim": 64}
+
+WORKLOADS = {
+    # (latent shape, text tokens): image-like 4,096 tokens and 480p video 32,760 tokens
+    "image": ((1, 16, 1, 128, 128), 512),
+    "video": ((1, 16, 21, 60, 104), 512),
+}
+TINY_WORKLOADS = {"image": ((1, 16, 1, 16, 16), 8), "video": ((1, 16, 3, 16, 16), 8)}
+
+
+def write_wan_checkpoint(out: Path, layers: int, device: str, tiny: bool = False, blocks_per_file: int = 5, seed: int = 0) -> dict:
+    """Random bf16 weights (fp32 for the class's fp32-kept modules), sharded like real checkpoints."""
+    import diffusers
+    import torch
+    from safetensors.torch import save_file
+
+    from dlo.engine.model import parameters_on_meta
+
+    config = {**(TINY if tiny else WAN14B), "num_layers": layers}
+    with parameters_on_meta():
+        model = diffusers.WanTransformer3DModel.from_config(config)
+    keep = set(diffusers.WanTransformer3DModel._keep_in_fp32_modules)
+    names = model.state_dict(keep_vars=True)
+    gen = torch.Generator(device).manual_seed(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    files: dict[str, dict] = {}
+    for name, t in names.items():
+        parts = name.split(".")
+        idx = int(parts[1]) // blocks_per_file + 1 if parts[0] == "blocks" else 0
+        files.setdefault(f"model-{idx:05d}.safetensors", {})[name] = t
+    weight_map = {}
+    total = 0
+    t0 = time.perf_counter()
+    for fname, group in sorted(files.items()):
+        tensors = {}
+        for name, t in group.items():
+            dtype = torch.float32 if keep.intersection(name.split(".")) else torch.bfloat16
+            fan_in = t.shape[-1] if t.dim() > 1 else 1
+            x = torch.randn(t.shape, generator=gen, device=device, dtype=torch.float32)
+            if t.dim() == 1 and name.endswith("weight"):
+                x = 1.0 + 0.1 * x  # norm scales near 1 keep activations sane through 40 layers
+            else:
+                x = x * (1.0 / fan_in) ** 0.5
+            tensors[name] = x.to(dtype).cpu()
+            weight_map[name] = fname
+            total += tensors[name].numel() * tensors[name].element_size()
+        save_file(tensors, out / fname)
+        del tensors
+    (out / "diffusion_pytorch_model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
+    (out / "config.json").write_text(json.dumps(config))
+    os.sync()
+    return {"bytes": total, "files": len(files), "write_seconds": time.perf_counter() - t0}
+
+
+def make_inputs(workload: str, device: str, tiny: bool = False, seed: int = 1) -> dict:
+    import torch
+
+    shape, text = (TINY_WORKLOADS if tiny else WORKLOADS)[workload]
+    gen = torch.Generator(device).manual_seed(seed)
+    dim = (TINY if tiny else WAN14B)["text_dim"]
+    return dict(
+        hidden_states=torch.randn(shape, generator=gen, device=device).to(torch.bfloat16),
+        timestep=torch.tensor([500], device=device),
+        encoder_hidden_states=torch.randn((1, text, dim), generator=gen, device=device).to(torch.bfloat16),
+        return_dict=False,
+    )
+
+
+class Timer:
+    """Elapsed milliseconds of a region: CUDA events on GPU, perf_counter on CPU."""
+
+    def __init__(self, device: str):
+        import torch
+
+        self.cuda = device.startswith("cuda")
+        self.torch = torch
+
+    def __call__(self, fn: Callable[[], Any]) -> tuple[float, Any]:
+        if self.cuda:
+            a, b = self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True)
+            a.record()
+            out = fn()
+            b.record()
+            b.synchronize()
+            return a.elapsed_time(b), out
+        t0 = time.perf_counter()
+        out = fn()
+        return (time.perf_counter() - t0) * 1e3, out
+
+
+def median_ms(timer: Timer, fn: Callable[[], Any], warmup: int, iters: int) -> tuple[float, list[float], Any]:
+    out = None
+    for _ in range(warmup):
+        _, out = timer(fn)
+    times = []
+    for _ in range(iters):
+        ms, out = timer(fn)
+        times.append(ms)
+    return statistics.median(times), times, out
+
+
+def sha256_of(t) -> str:
+    return hashlib.sha256(t.detach().contiguous().view(-1).view(__import__("torch").uint8).cpu().numpy().tobytes()).hexdigest()
+
+
+def smaps_rollup(pid: int | str = "self") -> dict[str, int]:
+    vals = {}
+    try:
+        for line in open(f"/proc/{pid}/smaps_rollup"):
+            parts = line.split()
+            if len(parts) >= 3 and parts[-1] == "kB":
+                vals[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    except OSError:
+        pass
+    return vals
+
+
+def h2d_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
+    """Pinned host-to-device bandwidth in bytes/s (median of 5)."""
+    import torch
+
+    if not device.startswith("cuda"):
+        return float("nan")
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    src.fill_(1)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    ms, _, _ = median_ms(Timer(device), lambda: dst.copy_(src, non_blocking=True), 2, 5)
+    return nbytes / (ms / 1e3)
