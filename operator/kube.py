@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 PLURALS = {
     "Pod": "pods",
     "Service": "services",
+    "Secret": "secrets",
     "Node": "nodes",
     "Event": "events",
     "StatefulSet": "statefulsets",
