@@ -34,17 +34,17 @@ class Limits(BaseModel):
     default_video_size: str = Field("832x480", pattern=r"^\d+x\d+$", description="video size when none is given")
 
     @classmethod
-    def load(cls, path: Path | str | None = None, **overrides: object) -> "Limits":
-        """Defaults, then the file (JSON or YAML), then non-None `overrides` (command-line flags)."""
-        data: dict = {}
+    def load(cls, path: Path | str | None = None, base: "Limits | None" = None, **overrides: object) -> "Limits":
+        """`base` (default: the defaults), then the file (JSON or YAML), then non-None `overrides` (flags)."""
+        data: dict = base.model_dump() if base is not None else {}
         if path is not None:
             text = Path(path).read_text()
             if str(path).endswith((".yaml", ".yml")):
                 import yaml
 
-                data = yaml.safe_load(text) or {}
+                data.update(yaml.safe_load(text) or {})
             else:
-                data = json.loads(text)
+                data.update(json.loads(text))
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls.model_validate(data)
 

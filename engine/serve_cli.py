@@ -148,9 +148,8 @@ def main(args: argparse.Namespace) -> int:
     model_dir: Path = args.model_dir.resolve()
     try:
         facts = PipelineFacts.from_dir(model_dir)
-        base = SMALL.model_dump() if args.small_limits else {}
-        limits = Limits.load(args.limits, **{**base, "max_steps": args.max_steps, "max_width": args.max_size,
-                                             "max_height": args.max_size})
+        limits = Limits.load(args.limits, SMALL if args.small_limits else None, max_steps=args.max_steps,
+                             max_width=args.max_size, max_height=args.max_size)
     except (ValueError, OSError) as e:
         print(f"dlo serve: {e}", file=sys.stderr)
         return 2
