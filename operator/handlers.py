@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 STATUS_INTERVAL_ENV = "DLO_OPERATOR_STATUS_INTERVAL"
 STATUS_INTERVAL = float(os.environ.get(STATUS_INTERVAL_ENV, "15"))
 RESOURCE = (GROUP, VERSION, PLURAL)
+# Fields a spec change can make absent, which a merge-patch would otherwise leave behind.
+PRUNE = {"StatefulSet": (("spec", "updateStrategy", "rollingUpdate"),)}
 
 
 @kopf.on.startup()
@@ -66,7 +68,7 @@ def reconcile(kube: Kube, body: kopf.Body, patch: kopf.Patch) -> None:
     try:
         spec = parse_spec(dict(body.get("spec") or {}))
     except SpecError as e:
-        if status.condition(conditions, "Degraded") is None or status.condition(conditions, "Degraded")["message"] != str(e):
+        if (status.condition(conditions, "Degraded") or {}).get("message") != str(e):
             kopf.warn(body, reason="InvalidSpec", message=str(e))
         patch.status["conditions"] = _condition_patch(
             conditions,
@@ -82,7 +84,7 @@ def reconcile(kube: Kube, body: kopf.Body, patch: kopf.Patch) -> None:
     objects = builders.build_all(owner, spec, mode, kube.has_resource("monitoring.coreos.com/v1", _monitor_plural(spec)))
     for obj in objects:
         kopf.append_owner_reference(obj, owner=body)
-        outcome = kube.apply(obj)
+        outcome = kube.apply(obj, PRUNE.get(obj["kind"], ()))
         if outcome != "unchanged":
             kopf.info(body, reason=f"{obj['kind']}{outcome.capitalize()}", message=f"{obj['kind']} {obj['metadata']['name']} {outcome}")
     template = objects[[o["kind"] for o in objects].index("StatefulSet")]["spec"]["template"]

@@ -132,8 +132,12 @@ class Kube:
             raise
         return True
 
-    def apply(self, obj: dict[str, Any]) -> str:
-        """Create `obj`, or merge-patch it where it differs. Returns created|patched|unchanged."""
+    def apply(self, obj: dict[str, Any], prune: tuple[tuple[str, ...], ...] = ()) -> str:
+        """Create `obj`, or merge-patch it where it differs. Returns created|patched|unchanged.
+
+        A merge-patch never removes a field `obj` lacks; `prune` names the paths to remove when
+        `obj` has nothing there (e.g. a StatefulSet's `rollingUpdate` after a switch to OnDelete).
+        """
         meta = obj["metadata"]
         key = (obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
         existing = self.get(*key)
@@ -145,9 +149,15 @@ class Kube:
                 if e.status != 409:
                     raise
                 existing = self.get(*key) or {}
-        if contains(existing, {k: v for k, v in obj.items() if k not in ("apiVersion", "kind")}):
+        desired = json.loads(json.dumps({k: v for k, v in obj.items() if k not in ("apiVersion", "kind")}))
+        for path in prune:
+            parent = desired
+            for part in path[:-1]:
+                parent = parent.setdefault(part, {})
+            parent.setdefault(path[-1], None)
+        if contains(existing, desired):
             return "unchanged"
-        self.patch(*key, {k: v for k, v in obj.items() if k not in ("apiVersion", "kind")})
+        self.patch(*key, desired)
         return "patched"
 
     def has_resource(self, api_version: str, plural: str) -> bool:

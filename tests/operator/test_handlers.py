@@ -153,3 +153,20 @@ async def test_reconcile_is_idempotent_children_are_not_rewritten():
         versions = {k: cluster.get(k, NS, n)["metadata"]["resourceVersion"] for k, n in CHILDREN}
         await asyncio.sleep(3 * float(os.environ["DLO_OPERATOR_STATUS_INTERVAL"]))  # several timer rounds
         assert {k: cluster.get(k, NS, n)["metadata"]["resourceVersion"] for k, n in CHILDREN} == versions
+
+
+async def test_rolling_update_leaves_replacement_to_the_statefulset_and_switches_back_cleanly():
+    async with running_cluster() as cluster:
+        await add_gpu_nodes(cluster)
+        rolling = {**SPEC, "mode": "allgather", "rollout": {"type": "RollingUpdate", "maxUnavailable": 1}}
+        await cluster.create(dlodeployment("wan", NS, rolling))
+        await cluster.wait(lambda: (condition(cluster, "Ready") or {}).get("status") == "True", what="Ready")
+        sts = cluster.get("StatefulSet", NS, "wan")
+        assert sts["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"partition": 0, "maxUnavailable": 1}}
+        await cluster.patch_dlod(NS, "wan", {"spec": {"mode": "rank-local"}})
+        await cluster.wait(lambda: status_of(cluster).get("updatedReplicas") == 2
+                           and status_of(cluster).get("mode") == "rank-local", what="pods replaced")
+        assert not cluster.events("PodRecreated")  # the StatefulSet controller rolled them
+        await cluster.patch_dlod(NS, "wan", {"spec": {"rollout": {"type": "Recreate", "maxUnavailable": None}}})
+        await cluster.wait(lambda: cluster.get("StatefulSet", NS, "wan")["spec"]["updateStrategy"] == {"type": "OnDelete"},
+                           what="OnDelete without a stale rollingUpdate")

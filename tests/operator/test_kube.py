@@ -38,6 +38,20 @@ async def test_apply_creates_then_is_unchanged_then_patches(emulator):
     assert got["spec"]["ports"] == [{"port": 81}]
 
 
+async def test_apply_prunes_fields_the_desired_object_no_longer_has(emulator):
+    kube = Kube.for_url(str(emulator.url))
+    rolling = service()
+    rolling["spec"]["strategy"] = {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}
+    prune = (("spec", "strategy", "rollingUpdate"),)
+    assert await asyncio.to_thread(kube.apply, rolling, prune) == "created"
+    on_delete = service()
+    on_delete["spec"]["strategy"] = {"type": "OnDelete"}
+    assert await asyncio.to_thread(kube.apply, on_delete, prune) == "patched"
+    got = await asyncio.to_thread(kube.get, "v1", "Service", "ns", "s")
+    assert got["spec"]["strategy"] == {"type": "OnDelete"}
+    assert await asyncio.to_thread(kube.apply, on_delete, prune) == "unchanged"
+
+
 async def test_get_and_delete_missing_object(emulator):
     kube = Kube.for_url(str(emulator.url))
     assert await asyncio.to_thread(kube.get, "v1", "Service", "ns", "nope") is None
