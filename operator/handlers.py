@@ -21,12 +21,14 @@ from dlo.operator import builders, modes, status
 from dlo.operator.kube import Kube
 from dlo.operator.models import GROUP, PLURAL, VERSION, DLODeploymentSpec, SpecError, parse_spec
 
-log = logging.getLogger(__name__)
 STATUS_INTERVAL_ENV = "DLO_OPERATOR_STATUS_INTERVAL"
 STATUS_INTERVAL = float(os.environ.get(STATUS_INTERVAL_ENV, "15"))
 RESOURCE = (GROUP, VERSION, PLURAL)
 # Fields a spec change can make absent, which a merge-patch would otherwise leave behind.
 PRUNE = {"StatefulSet": (("spec", "updateStrategy", "rollingUpdate"),)}
+MONITOR_PLURALS = {"PodMonitor": "podmonitors", "ServiceMonitor": "servicemonitors"}
+
+Verdict = tuple[str, str, str]  # (status, reason, message) of one condition
 
 
 @kopf.on.startup()
@@ -47,19 +49,13 @@ def on_change(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> 
     reconcile(memo.kube, body, patch)
 
 
-@kopf.timer(*RESOURCE, interval=STATUS_INTERVAL, initial_delay=STATUS_INTERVAL / 2, idle=None)
+@kopf.timer(*RESOURCE, interval=STATUS_INTERVAL, initial_delay=STATUS_INTERVAL / 2)
 def refresh(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
     reconcile(memo.kube, body, patch)
 
 
-def _condition_patch(conditions: list[dict[str, Any]], verdicts: dict[str, tuple[str, str, str]], gen: int | None) -> list[dict[str, Any]]:
-    for type_, (st, reason, message) in verdicts.items():
-        conditions = status.set_condition(conditions, type_, st, reason, message, gen)  # type: ignore[arg-type]
-    return conditions
-
-
 def reconcile(kube: Kube, body: kopf.Body, patch: kopf.Patch) -> None:
-    """Bring the children of one DLODeployment to its spec and write its status."""
+    """Bring the children of one DLODeployment to its spec and write its status into `patch`."""
     meta = body["metadata"]
     owner = builders.Owner(meta["name"], meta["namespace"])
     generation = meta.get("generation")
@@ -70,95 +66,79 @@ def reconcile(kube: Kube, body: kopf.Body, patch: kopf.Patch) -> None:
     except SpecError as e:
         if (status.condition(conditions, "Degraded") or {}).get("message") != str(e):
             kopf.warn(body, reason="InvalidSpec", message=str(e))
-        patch.status["conditions"] = _condition_patch(
-            conditions,
-            {"Degraded": ("True", "InvalidSpec", str(e)), "Ready": ("False", "InvalidSpec", "spec is invalid")},
-            generation,
-        )
+        verdicts = {"Degraded": ("True", "InvalidSpec", str(e)), "Ready": ("False", "InvalidSpec", "spec is invalid")}
+        patch.status["conditions"] = _conditions(conditions, verdicts, generation)
         patch.status["observedGeneration"] = generation
         return
 
     nodes = kube.list("v1", "Node")
-    mode, reason, inputs = _mode(body, spec, nodes, current)
+    resolution = _resolve(body, spec, nodes, current)
 
-    objects = builders.build_all(owner, spec, mode, kube.has_resource("monitoring.coreos.com/v1", _monitor_plural(spec)))
+    monitor_crd = kube.has_resource("monitoring.coreos.com/v1", MONITOR_PLURALS[spec.monitoring.kind])
+    objects = builders.build_all(owner, spec, resolution.mode, monitor_crd)
     for obj in objects:
         kopf.append_owner_reference(obj, owner=body)
         outcome = kube.apply(obj, PRUNE.get(obj["kind"], ()))
         if outcome != "unchanged":
-            kopf.info(body, reason=f"{obj['kind']}{outcome.capitalize()}", message=f"{obj['kind']} {obj['metadata']['name']} {outcome}")
-    template = objects[[o["kind"] for o in objects].index("StatefulSet")]["spec"]["template"]
-    template_hash = template["metadata"]["annotations"][builders.TEMPLATE_HASH]
+            kind, name = obj["kind"], obj["metadata"]["name"]
+            kopf.info(body, reason=f"{kind}{outcome.capitalize()}", message=f"{kind} {name} {outcome}")
+    (sts,) = [o for o in objects if o["kind"] == "StatefulSet"]
+    template_hash = sts["spec"]["template"]["metadata"]["annotations"][builders.TEMPLATE_HASH]
 
     pods = kube.list("v1", "Pod", owner.namespace, builders.selector_labels(owner.name))
     if spec.rollout.type == "Recreate":
-        pods = _recreate_old_pods(kube, body, pods, template_hash)
+        pods = _delete_old_pods(kube, body, pods, template_hash)
 
-    cached = _cached_ratios(nodes, spec)
     summary = status.summarize(
-        spec.replicas, template_hash, pods, cached, spec.warmer.threshold, spec.warmer.enabled, builders.TEMPLATE_HASH
+        spec.replicas,
+        template_hash,
+        pods,
+        modes.model_residency(nodes, spec),
+        spec.warmer.threshold,
+        spec.warmer.enabled,
+        builders.TEMPLATE_HASH,
     )
-    verdicts = dict(summary.pop("verdicts"))
-    verdicts["Degraded"] = ("False", "SpecValid", "")
+    verdicts = {**summary.pop("verdicts"), "Degraded": ("False", "SpecValid", "")}
     patch.status.update(summary)
     patch.status.update(
         {
             "observedGeneration": generation,
             "selector": builders.selector_string(owner.name),
-            "mode": mode,
-            "modeReason": reason,
-            "modeInputs": inputs,
-            "conditions": _condition_patch(conditions, verdicts, generation),
+            "mode": resolution.mode,
+            "modeReason": resolution.reason,
+            "modeInputs": resolution.inputs,
+            "conditions": _conditions(conditions, verdicts, generation),
         }
     )
 
 
-def _monitor_plural(spec: DLODeploymentSpec) -> str:
-    return "podmonitors" if spec.monitoring.kind == "PodMonitor" else "servicemonitors"
+def _conditions(conditions: list[dict[str, Any]], verdicts: dict[str, Verdict], generation: int | None) -> list[dict[str, Any]]:
+    for type_, (st, reason, message) in verdicts.items():
+        conditions = status.set_condition(conditions, type_, st, reason, message, generation)  # type: ignore[arg-type]
+    return conditions
 
 
-def _mode(body: kopf.Body, spec: DLODeploymentSpec, nodes: list[dict[str, Any]], current: dict[str, Any]) -> tuple[str, str, str]:
-    """The resolved mode; `auto` keeps its earlier decision while its inputs are unchanged."""
-    if spec.mode == "auto" and current.get("mode") and current.get("modeInputs") == modes.inputs_digest(
-        spec, modes.eligible_nodes(nodes, spec)
-    ):
-        return current["mode"], current.get("modeReason", ""), current["modeInputs"]
-    resolution = modes.resolve_mode(spec, nodes)
-    previous = current.get("mode")
-    if previous != resolution.mode:
-        if previous:
-            kopf.info(body, reason="ModeChanged", message=f"{previous} -> {resolution.mode}: {resolution.reason}; pods roll")
-        else:
-            kopf.info(body, reason="ModeResolved", message=f"{resolution.mode}: {resolution.reason}")
-    return resolution.mode, resolution.reason, resolution.inputs
+def _resolve(body: kopf.Body, spec: DLODeploymentSpec, nodes: list[dict[str, Any]], current: dict[str, Any]) -> modes.Resolution:
+    """The mode, keeping an earlier `auto` decision while its inputs stand; an Event on a change."""
+    previous = None
+    if current.get("mode"):
+        previous = modes.Resolution(current["mode"], current.get("modeReason", ""), current.get("modeInputs", ""))
+    resolution = modes.resolve_mode(spec, nodes, previous)
+    if previous is None:
+        kopf.info(body, reason="ModeResolved", message=f"{resolution.mode}: {resolution.reason}")
+    elif previous.mode != resolution.mode:
+        message = f"{previous.mode} -> {resolution.mode}: {resolution.reason}; the pods roll"
+        kopf.info(body, reason="ModeChanged", message=message)
+    return resolution
 
 
-def _recreate_old_pods(kube: Kube, body: kopf.Body, pods: list[dict[str, Any]], template_hash: str) -> list[dict[str, Any]]:
-    """Recreate rollout (StatefulSet OnDelete): delete every pod on an old template, keep the rest."""
+def _delete_old_pods(kube: Kube, body: kopf.Body, pods: list[dict[str, Any]], template_hash: str) -> list[dict[str, Any]]:
+    """Recreate rollout (StatefulSet OnDelete): delete every pod on an old template; return the rest."""
     kept = []
     for pod in pods:
-        pod_meta = pod["metadata"]
-        if pod_meta.get("deletionTimestamp") or pod_meta.get("annotations", {}).get(builders.TEMPLATE_HASH) == template_hash:
+        meta = pod["metadata"]
+        if meta.get("deletionTimestamp") or meta.get("annotations", {}).get(builders.TEMPLATE_HASH) == template_hash:
             kept.append(pod)
-            continue
-        if kube.delete("v1", "Pod", pod_meta["namespace"], pod_meta["name"]):
-            kopf.info(body, reason="PodRecreated", message=f"deleted pod {pod_meta['name']} (old template)")
+        elif kube.delete("v1", "Pod", meta["namespace"], meta["name"]):
+            kopf.info(body, reason="PodRecreated", message=f"deleted pod {meta['name']} (old template)")
     return kept
-
-
-def _cached_ratios(nodes: list[dict[str, Any]], spec: DLODeploymentSpec) -> dict[str, float | None]:
-    """node name -> page-cache residency of this model, as the node's profile reports it."""
-    from dlo.agent.profile import NodeProfile
-
-    out: dict[str, float | None] = {}
-    for node in nodes:
-        raw = modes.node_profile_json(node)
-        if raw is None:
-            continue
-        try:
-            entry = NodeProfile.from_annotation(raw).models.get(spec.model.folder_name)
-        except ValueError:
-            log.warning("unreadable node profile node=%s", node["metadata"]["name"])
-            continue
-        out[node["metadata"]["name"]] = entry.resident_ratio if entry else None
-    return out

@@ -68,13 +68,36 @@ def _policy() -> Any:
     return policy
 
 
-def resolve_mode(spec: DLODeploymentSpec, nodes: list[dict[str, Any]]) -> Resolution:
-    """The mode for `spec`; an explicit mode is taken as is, `auto` asks the policy per node."""
+def resolve_mode(spec: DLODeploymentSpec, nodes: list[dict[str, Any]], previous: Resolution | None = None) -> Resolution:
+    """The mode for `spec`: an explicit mode as is; `auto` asks the policy per eligible node.
+
+    `previous` (an earlier `auto` decision) is kept while its inputs are unchanged, so a decision
+    is made once and again only when the eligible nodes or their profiles change.
+    """
     eligible = eligible_nodes(nodes, spec)
     digest = inputs_digest(spec, eligible)
     if spec.mode != "auto":
         return Resolution(spec.mode, f"spec.mode is {spec.mode}", digest)
+    if previous is not None and previous.inputs == digest:
+        return previous
     return _resolve_with_policy(_policy(), spec, eligible, digest)
+
+
+def model_residency(nodes: list[dict[str, Any]], spec: DLODeploymentSpec) -> dict[str, float | None]:
+    """node name -> page-cache residency of the spec's model, as each node's profile reports it."""
+    from dlo.agent.profile import NodeProfile
+
+    out: dict[str, float | None] = {}
+    for node in nodes:
+        raw = node_profile_json(node)
+        if raw is None:
+            continue
+        try:
+            entry = NodeProfile.from_annotation(raw).models.get(spec.model.folder_name)
+        except ValueError:
+            continue  # an unreadable profile reports nothing; resolve_mode names it in its reason
+        out[node["metadata"]["name"]] = entry.resident_ratio if entry else None
+    return out
 
 
 def _resolve_with_policy(policy: Any, spec: DLODeploymentSpec, eligible: list[dict[str, Any]], digest: str) -> Resolution:

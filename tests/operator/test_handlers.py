@@ -5,7 +5,6 @@ import json
 import os
 from pathlib import Path
 
-import pytest
 
 from cluster import dlodeployment, running_cluster
 from dlo.operator import builders

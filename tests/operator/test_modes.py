@@ -90,3 +90,22 @@ def test_inputs_digest_changes_with_eligible_profiles_only():
     p["host_memory_bytes"] *= 2
     changed = modes.resolve_mode(spec, [node("a", p)]).inputs
     assert a == same and a != changed
+
+
+def test_previous_auto_decision_is_kept_while_its_inputs_stand():
+    spec = parse_spec(SPEC)
+    nodes = [node("a", profile("l4-node.json"))]
+    first = modes.resolve_mode(spec, nodes)
+    kept = modes.Resolution("rank-local", "decided earlier", first.inputs)
+    assert modes.resolve_mode(spec, nodes, kept) is kept
+    stale = modes.Resolution("rank-local", "decided earlier", "other-inputs")
+    assert modes.resolve_mode(spec, nodes, stale) == first
+    explicit = parse_spec({**SPEC, "mode": "resident"})
+    assert modes.resolve_mode(explicit, nodes, kept).mode == "resident"
+
+
+def test_model_residency_per_node_from_profiles():
+    nodes = [node("a", profile("l4-node.json")), node("b", profile("h200-node.json")), node("c", None)]
+    assert modes.model_residency(nodes, parse_spec(SPEC)) == {"a": 0.5, "b": 0.998}
+    other = parse_spec({**SPEC, "model": {"path": "/models/other"}})
+    assert modes.model_residency(nodes, other) == {"a": None, "b": None}
