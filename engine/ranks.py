@@ -368,8 +368,11 @@ class RankGroup:
         try:
             res0 = run_assignment(self.pipe, self.cfg.mode, mine, wave_gen)
         except Exception as e:
-            log.exception("rank 0 failed in wave %d", self._wave_no)
-            self.fault(f"rank 0 failed: {type(e).__name__}: {e}")
+            if self.failed:  # another rank failed first and broke the collective under us
+                log.warning("rank 0 stopped in wave %d after the fault: %s: %s", self._wave_no, type(e).__name__, e)
+            else:
+                log.exception("rank 0 failed in wave %d", self._wave_no)
+                self.fault(f"rank 0 failed: {type(e).__name__}: {e}")
             raise WaveError(self.failed or str(e)) from e
         with self._cond:
             st0 = self.ranks[0]

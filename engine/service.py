@@ -46,6 +46,15 @@ class VideoJob:
     task: asyncio.Task | None = field(default=None, repr=False)
 
 
+def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
+
+
 def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
     """Run fn in a daemon thread: a rank stuck in a collective must never block process exit."""
     loop = asyncio.get_running_loop()
@@ -55,9 +64,9 @@ def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
         try:
             res = fn()
         except BaseException as e:  # handed to the awaiting coroutine
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(e))
+            loop.call_soon_threadsafe(_settle, fut, None, e)
         else:
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(res))
+            loop.call_soon_threadsafe(_settle, fut, res, None)
 
     threading.Thread(target=target, name="wave", daemon=True).start()
     return fut
