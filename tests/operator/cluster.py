@@ -234,9 +234,9 @@ class Cluster:
 
 
 @contextlib.asynccontextmanager
-async def running_cluster(with_statefulset_controller: bool = True,
-                          ready_when: Callable[[dict], bool] | None = None) -> AsyncIterator[Cluster]:
-    """kmock + GC (+ StatefulSet controller) on this loop, the operator in a thread."""
+async def running_cluster(with_statefulset_controller: bool = True, ready_when: Callable[[dict], bool] | None = None,
+                          with_operator: bool = True) -> AsyncIterator[Cluster]:
+    """kmock + GC (+ StatefulSet controller) on this loop, (+ the operator in a thread)."""
     emulator = Emulator()
     emulator.resources.load_bundled()
     emulator.resources[f"{GROUP}/{VERSION}/{PLURAL}"] = kmock.ResourceInfo(
@@ -265,7 +265,8 @@ async def running_cluster(with_statefulset_controller: bool = True,
                 failure.append(e)
 
         thread = threading.Thread(target=operate, name="operator", daemon=True)
-        thread.start()
+        if with_operator:
+            thread.start()
         try:
             yield cluster
         finally:
