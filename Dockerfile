@@ -21,8 +21,10 @@ RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 
 # ---- slim: operator + agent (no torch) ---------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS slim
+ARG NVIDIA_ML_PY_VERSION=13.615.71
 COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir /wheels/*.whl \
+# nvidia-ml-py: the agent reads GPU topology through NVML when the node's runtime provides it.
+RUN pip install --no-cache-dir /wheels/*.whl "nvidia-ml-py==${NVIDIA_ML_PY_VERSION}" \
     && rm -rf /wheels \
     && useradd --uid 10001 --user-group --no-create-home --home-dir /tmp dlo
 USER 10001:10001
