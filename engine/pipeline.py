@@ -184,10 +184,8 @@ class ServingPipeline:
         return self.model.report
 
     def stats(self) -> dict[str, float]:
-        import torch
-
         s = self.model.stats()
-        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
+        peak = self.model.platform.memory_peak(self.device)
         return {"h2d_bytes": s.h2d_bytes, "collective_bytes": s.collective_bytes,
                 "gather_wait_seconds": s.gather_wait_seconds, "gathers": s.gathers,
                 "device_memory_peak_bytes": peak}
