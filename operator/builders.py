@@ -63,15 +63,17 @@ def engine_command(spec: DLODeploymentSpec, mode: ModeName) -> list[str]:
     """The engine container's command line."""
     dp = str(spec.devices_per_node)
     port = str(spec.service.port)
+    # The model id clients use: the model folder's name, not the mount point.
+    name = ["--served-model-name", spec.model.folder_name]
     if spec.engine.kind == "vllm-omni":
-        cmd = ["vllm", "serve", MODEL_MOUNT, "--omni", "--data-parallel-size", dp, "--port", port]
+        cmd = ["vllm", "serve", MODEL_MOUNT, "--omni", "--data-parallel-size", dp, "--port", port, *name]
         if mode != "resident":
             cmd.insert(4, "--enable-distributed-layerwise-offload")
         if mode == "rank-local":
             cmd.append("--dlo-no-use-allgather")
     else:
         cmd = ["dlo", "serve", MODEL_MOUNT, "--dp", dp, "--mode", mode, "--device", spec.engine.device]
-        cmd += ["--host", "0.0.0.0", "--port", port]
+        cmd += ["--host", "0.0.0.0", "--port", port, *name]
     return cmd + list(spec.engine.args)
 
 

@@ -92,12 +92,16 @@ async def test_custom_resource_to_served_image_and_back(tiny_model, tmp_path):
             assert service["metadata"]["labels"]["dlo.dev/service"] == "client"
             svc_port = service["spec"]["ports"][0]["port"]
             key = secret["stringData"]["api-key"]
-            body = {"prompt": "a lighthouse at dawn", "size": "64x64", "num_inference_steps": 2, "seed": 7}
+            body = {"model": "tiny-wan", "prompt": "a lighthouse at dawn", "size": "64x64",
+                    "num_inference_steps": 2, "seed": 7}
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+                auth = {"Authorization": f"Bearer {key}"}
+                async with session.get(f"http://127.0.0.1:{svc_port}/v1/models", headers=auth) as resp:
+                    assert [m["id"] for m in (await resp.json())["data"]] == ["tiny-wan"]  # the folder's name
                 url = f"http://127.0.0.1:{svc_port}/v1/images/generations"
                 async with session.post(url, json=body) as resp:
                     assert resp.status == 401  # the key from the Secret is required
-                async with session.post(url, json=body, headers={"Authorization": f"Bearer {key}"}) as resp:
+                async with session.post(url, json=body, headers=auth) as resp:
                     assert resp.status == 200, await resp.text()
                     payload = await resp.json()
             assert png_size(base64.b64decode(payload["data"][0]["b64_json"])) == (64, 64)
