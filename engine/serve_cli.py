@@ -8,6 +8,7 @@ encoders and the VAE load normally on every rank. See docs/serving.md for the AP
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -26,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="allgather: each rank keeps 1/dp of every block and gathers the rest; rank-local: every "
                              "rank streams whole blocks from its own host copy; resident: no offload; auto: the "
                              "node policy decides (dlo.agent.policy), logged at start")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="for --mode auto: a `dlo calibrate` fragment or a NodeProfile JSON (the agent's "
+                             "/profile) with this node's measured bandwidths")
     parser.add_argument("--device", choices=("auto", "cuda", "npu", "cpu"), default="auto",
                         help="auto: cuda, else npu, else cpu")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
@@ -52,6 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="intra-op threads per rank on cpu (fixed so results do not depend on dp)")
     parser.add_argument("--resident-blocks", type=int, default=0, help="blocks kept on the device (not streamed)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    parser.epilog = (
+        "Example: `dlo make-tiny-model /tmp/tiny --family wan` then `dlo serve /tmp/tiny --dp 2 --mode allgather "
+        "--device cpu --small-limits`. API: POST /v1/images/generations, POST /v1/videos, GET /v1/models, "
+        "/health, /ready, /metrics; see docs/serving.md."
+    )
 
 
 def read_api_key(path: Path | None) -> str | None:
@@ -90,29 +99,43 @@ def device_count(device: str) -> int:
     return 1
 
 
-def resolve_mode(mode: str, model_dir: Path, dp: int, device: str) -> tuple[str, str]:
+def resolve_mode(mode: str, model_dir: Path, dp: int, device: str, profile_path: Path | None = None) -> tuple[str, str]:
     """The engine mode and why: `--mode` as given, else the node policy, else a fixed rule."""
     if mode != "auto":
         return mode, "--mode given"
     try:
         from dlo.agent.policy import PolicyError, choose_mode
-        from dlo.agent.profile import Accelerator, NodeProfile, nominal_h2d_bps
+        from dlo.agent.profile import (
+            Accelerator,
+            CalibrationFragment,
+            NodeProfile,
+            apply_calibration,
+            nominal_h2d_bps,
+        )
     except ImportError:
-        pass
+        log.warning("dlo.agent.policy is not installed; using the fixed rule")
     else:
         import psutil
         import torch
 
         from dlo.engine.families import describe
 
-        accel = Accelerator()
+        host = psutil.virtual_memory().total
+        # on cpu the "device" memory is host memory
+        accel = Accelerator(model="cpu", count=1, memory_bytes=host)
         if device == "cuda":
             props = torch.cuda.get_device_properties(0)
             accel = Accelerator(vendor="nvidia", model=props.name, count=torch.cuda.device_count(),
                                 memory_bytes=props.total_memory)
-        profile = NodeProfile(accelerator=accel, host_memory_bytes=psutil.virtual_memory().total,
+        profile = NodeProfile(accelerator=accel, host_memory_bytes=host,
                               h2d_bandwidth_bps=nominal_h2d_bps(accel.model) if device == "cuda" else 0)
         try:
+            if profile_path is not None:
+                data = json.loads(profile_path.read_text())
+                if "version" in data:  # a whole NodeProfile (e.g. the agent's /profile)
+                    profile = NodeProfile.model_validate(data)
+                else:  # a `dlo calibrate` fragment
+                    profile = apply_calibration(profile, CalibrationFragment.model_validate(data))
             decision = choose_mode(profile, describe(model_dir / "transformer"), dp)
             return decision.engine_mode, f"policy: {decision.reason}"
         except (PolicyError, ValueError) as e:
@@ -159,7 +182,7 @@ def main(args: argparse.Namespace) -> int:
     if dp < 1:
         print("dlo serve: --dp must be >= 1", file=sys.stderr)
         return 2
-    mode, why = resolve_mode(args.mode, model_dir, dp, device)
+    mode, why = resolve_mode(args.mode, model_dir, dp, device, args.profile)
     log.info("serving %s family=%s mode=%s (%s) dp=%d device=%s", model_dir, facts.family, mode, why, dp, device)
     cfg = RankConfig(
         model_dir=str(model_dir), mode=mode, device=device, dp=dp, master_port=free_port(), control_port=free_port(),

@@ -1,0 +1,43 @@
+"""`dlo serve` option handling: mode resolution and the API key source."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dlo.engine.serve_cli import read_api_key, resolve_mode
+from tests.engine.serving_helpers import tiny_pipeline
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory):
+    return tiny_pipeline(tmp_path_factory, "wan")
+
+
+def test_explicit_mode_is_kept(wan):
+    assert resolve_mode("rank-local", wan, 4, "cpu") == ("rank-local", "--mode given")
+
+
+@pytest.mark.parametrize("dp,mode", [(1, "rank-local"), (2, "allgather")])
+def test_auto_without_measured_bandwidth_falls_back_to_the_fixed_rule(wan, dp, mode):
+    chosen, why = resolve_mode("auto", wan, dp, "cpu")
+    assert chosen == mode and why.startswith("fixed rule")
+
+
+def test_auto_with_a_calibration_fragment_asks_the_policy(wan, tmp_path):
+    frag = tmp_path / "fragment.json"
+    frag.write_text(json.dumps({"h2d_bandwidth_bps": 10**10, "collective_bandwidth_bps": 10**9}))
+    chosen, why = resolve_mode("auto", wan, 2, "cpu", frag)
+    assert why.startswith("policy: ")
+    assert chosen == "resident"  # a tiny model fits host memory: nothing to offload on cpu
+
+
+def test_api_key_from_file_or_environment_never_argv(tmp_path, monkeypatch):
+    monkeypatch.setenv("DLO_API_KEY", "from-env")
+    assert read_api_key(None) == "from-env"
+    f = tmp_path / "key"
+    f.write_text("from-file\n")
+    assert read_api_key(f) == "from-file"
+    monkeypatch.delenv("DLO_API_KEY")
+    assert read_api_key(None) is None
