@@ -46,6 +46,21 @@ def main() -> int:
             print(f"{system}: FAILED\n{proc.stderr[-2000:]}")
             return 1
         rows[system] = json.loads(rfile.read_text())
+    # two processes registering the same page cache at once: both must load and compute correctly
+    procs, files = [], []
+    for i in range(2):
+        rfile = Path(f"/tmp/cuda-check-twin{i}.json")
+        files.append(rfile)
+        procs.append(subprocess.Popen(
+            [sys.executable, str(HERE / "offload_h200.py"), "--child", "dlo_rank_local_registered", "--result",
+             str(rfile), "--ckpt", ckpt, "--device", args.device, "--workloads", "image", "--iters", "2",
+             "--layers", str(args.layers)] + (["--tiny"] if args.tiny else []), stderr=subprocess.PIPE, text=True))
+    for i, pr in enumerate(procs):
+        _, err = pr.communicate()
+        if pr.returncode:
+            print(f"twin {i}: FAILED\n{err[-2000:]}")
+            return 1
+        rows[f"twin{i}_registered"] = json.loads(files[i].read_text())
     ref = rows["resident"]["workloads"]["image"]["sha256"]
     lines = [f"# CUDA path check ({dt.date.today().isoformat()})", "",
              f"`python bench/cuda_check.py --layers {args.layers}`: Wan2.1-14B dims, {args.layers} layers, bf16.",

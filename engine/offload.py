@@ -59,8 +59,31 @@ log = logging.getLogger(__name__)
 Mode = Literal["allgather", "rank-local", "resident"]
 MODES: tuple[str, ...] = ("allgather", "rank-local", "resident")
 
-# torch >= 2.13 renames all_gather_into_tensor; keep one name that works on 2.11 and later.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def make_gather(group: Any) -> Any:
+    """In-place AllGather `fn(out, shard)` with the argument checks done once, not per block.
+
+    The public `all_gather_into_tensor` (renamed `all_gather_single` in torch 2.13) re-validates
+    its arguments and looks the group up on every call: ~100 us of Python per block. The shapes
+    here are fixed at load, so the hot path calls the process group's base allgather directly.
+    """
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    base = getattr(pg, "_allgather_base", None)
+    if base is None:  # pragma: no cover - older/other torch builds
+        public = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return lambda out, shard: public(out, shard, group=group)
+    opts = dist.distributed_c10d.AllgatherOptions()
+
+    def gather(out: torch.Tensor, shard: torch.Tensor) -> None:
+        base(out, shard, opts).wait()
+
+    return gather
+
+
+WAIT_RING = 256
+# Device memory kept free for activations when `resident_blocks="auto"` sizes resident blocks.
+AUTO_RESIDENT_RESERVE_BYTES = 24 * 1024**3
 
 
 class PipelineError(RuntimeError):
@@ -92,7 +115,9 @@ class PipelineStats:
     gathers: int = 0
     h2d_bytes: int = 0
     collective_bytes: int = 0  # bytes received from other ranks
-    gather_wait_seconds: float = 0.0  # CPU: time compute spent in (synchronous) gathers
+    # Time the compute stream stalled waiting for weights. CPU: host time in the (synchronous)
+    # gathers. Streams: event pairs around each wait, read back once complete (never a host sync).
+    gather_wait_seconds: float = 0.0
 
 
 @dataclass
@@ -120,6 +145,7 @@ class BlockPipeline:
         g: int,
         r: int,
         collective: bool,
+        time_waits: bool = True,
     ):
         self.root = root
         self.blocks = blocks
@@ -135,7 +161,15 @@ class BlockPipeline:
         self.h2d = [platform.new_event() for _ in range(2)]
         self.ready = [platform.new_event() for _ in range(2)]
         self.free = [platform.new_event() for _ in range(2)]
+        self._gather = make_gather(group) if collective else None
         self.stats = PipelineStats()
+        # ring of timing-event pairs around the compute stream's waits (streams only)
+        self._wait_ring = (
+            [(platform.new_event(True), platform.new_event(True)) for _ in range(WAIT_RING)]
+            if platform.has_streams and time_waits else []
+        )
+        self._wait_pending: list[int] = []
+        self._wait_next = 0
         self._timed = not platform.has_streams
         self._slot_in = [
             [s.narrow(0, r * b.shard, b.shard) for s in self.slots] for b in blocks
@@ -163,19 +197,20 @@ class BlockPipeline:
         p = self.platform
         t0 = time.perf_counter() if self._timed else 0.0
         blk = self.blocks[i]
-        with p.use_stream(self.copy_stream):
-            p.wait(self.copy_stream, self.free[k])  # [Note: stream lifetimes] rule 1
-            dst = self._slot_in[i][k]
-            for src, off in self.copies[i]:
-                dst[off : off + src.numel()].copy_(src, non_blocking=True)
-            # without a collective the block is ready as soon as its bytes have landed
-            p.record(self.h2d[k] if self.collective else self.ready[k], self.copy_stream)
-        if self.collective:
-            with p.use_stream(self.comm_stream):
-                p.wait(self.comm_stream, self.h2d[k])  # rule 2
-                _all_gather(self._slot_out[i][k], self._slot_in[i][k], group=self.group)
-                p.record(self.ready[k], self.comm_stream)
+        p.set_stream(self.copy_stream)
+        p.wait(self.copy_stream, self.free[k])  # [Note: stream lifetimes] rule 1
+        dst = self._slot_in[i][k]
+        for src, off in self.copies[i]:
+            dst[off : off + src.numel()].copy_(src, non_blocking=True)
+        # without a collective the block is ready as soon as its bytes have landed
+        p.record(self.h2d[k] if self.collective else self.ready[k], self.copy_stream)
+        if self._gather is not None:
+            p.set_stream(self.comm_stream)
+            p.wait(self.comm_stream, self.h2d[k])  # rule 2
+            self._gather(self._slot_out[i][k], self._slot_in[i][k])
+            p.record(self.ready[k], self.comm_stream)
             self.stats.collective_bytes += blk.shard * (self.g - 1)
+        p.set_stream(self.compute_stream)
         self.stats.gathers += 1
         self.stats.h2d_bytes += blk.shard
         if self._timed:
@@ -191,7 +226,10 @@ class BlockPipeline:
             )
             raise PipelineError(self.broken)
         k = self._cur
-        self.platform.wait(self.compute_stream, self.ready[k])  # rule 3
+        if self._wait_ring:
+            self._timed_wait(k)
+        else:
+            self.platform.wait(self.compute_stream, self.ready[k])  # rule 3
         blk = self.blocks[i]
         if blk.bound != k:
             for d, attr, view in blk.binds[k]:
@@ -200,6 +238,33 @@ class BlockPipeline:
         nxt = i + 1 if i + 1 < len(self.blocks) else 0
         self._issue(nxt, 1 - k)
         self._expected, self._cur, self._running = nxt, 1 - k, k
+
+    def _timed_wait(self, k: int) -> None:
+        """Rule 3 with timing events around it; a slot whose pair is still in flight goes untimed."""
+        p, cs = self.platform, self.compute_stream
+        j = self._wait_next
+        if j in self._wait_pending:
+            self.collect_waits()
+        if j in self._wait_pending:  # still in flight: skip timing rather than synchronise
+            p.wait(cs, self.ready[k])
+            return
+        start, end = self._wait_ring[j]
+        p.record(start, cs)
+        p.wait(cs, self.ready[k])
+        p.record(end, cs)
+        self._wait_pending.append(j)
+        self._wait_next = (j + 1) % len(self._wait_ring)
+
+    def collect_waits(self) -> None:
+        """Fold completed wait timings into the stats (non-blocking)."""
+        still = []
+        for j in self._wait_pending:
+            sec = self.platform.elapsed_seconds(*self._wait_ring[j])
+            if sec is None:
+                still.append(j)
+            else:
+                self.stats.gather_wait_seconds += sec
+        self._wait_pending = still
 
     def after_block(self) -> None:
         self.platform.record(self.free[self._running], self.compute_stream)
@@ -246,7 +311,11 @@ class OffloadedModel:
             self.pipeline.skip_call()
 
     def stats(self) -> PipelineStats:
-        return self.pipeline.stats if self.pipeline is not None else PipelineStats()
+        """Cumulative counters (gathers, H2D bytes, collective bytes, gather wait seconds)."""
+        if self.pipeline is None:
+            return PipelineStats()
+        self.pipeline.collect_waits()
+        return self.pipeline.stats
 
     def close(self) -> None:
         """Release DMA registrations (after in-flight copies finish). The model is unusable after."""
@@ -261,8 +330,9 @@ def load(
     mode: Mode,
     device: torch.device | str,
     group: Any = None,
-    resident_blocks: int = 0,
+    resident_blocks: int | Literal["auto"] = 0,
     weights: WeightsChoice = "auto",
+    time_waits: bool = True,
 ) -> OffloadedModel:
     """Load a diffusers transformer folder for layerwise offload.
 
@@ -274,19 +344,26 @@ def load(
     everything on the device (the baseline). `weights` picks the host source of block bytes:
     `registered` (the page cache itself, DMA-registered: no arena), `arena` (one pinned copy of
     this rank's shards), or `auto` (registered where the platform allows it, else the arena; the
-    report says which and the log says why).
+    report says which and the log says why). `resident_blocks="auto"` keeps as many leading blocks
+    resident as free device memory allows after `AUTO_RESIDENT_RESERVE_BYTES` for activations
+    (0 on cpu). `time_waits` times the compute stream's waits for weights with event pairs.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
-    if resident_blocks < 0:
-        raise ValueError(f"resident_blocks must be >= 0, got {resident_blocks}")
+    if resident_blocks != "auto" and (not isinstance(resident_blocks, int) or resident_blocks < 0):
+        raise ValueError(f"resident_blocks must be 'auto' or an integer >= 0, got {resident_blocks!r}")
     t0 = time.perf_counter()
     device = torch.device(device)
     platform = get_platform(device)
     ckpt = Checkpoint(component_dir)
     meta = build_meta_model(component_dir, ckpt)
     module = meta.module
-    n_resident = len(meta.blocks) if mode == "resident" else min(resident_blocks, len(meta.blocks))
+    if mode == "resident":
+        n_resident = len(meta.blocks)
+    elif resident_blocks == "auto":
+        n_resident = _auto_resident_blocks(ckpt, meta, platform, device)
+    else:
+        n_resident = min(resident_blocks, len(meta.blocks))
     resident_names = list(meta.nonblock) + [k for b in meta.blocks[:n_resident] for k in b.keys]
     resident_bytes = 0
     for name in resident_names:
@@ -313,7 +390,7 @@ def load(
         ]
         pipeline = BlockPipeline(
             module, blocks, host.copies, platform=platform, device=device, group=group, g=g, r=r,
-            collective=(mode == "allgather"),
+            collective=(mode == "allgather"), time_waits=time_waits,
         )
         pipeline.install_hooks()
         slot_bytes = 2 * pipeline.slot_bytes
@@ -341,3 +418,22 @@ def _block_layout(ckpt: Checkpoint, meta: MetaModel, block) -> BlockLayout:
     """The block's layout, tensors in file order (keeps runs contiguous with the file)."""
     names = sorted(block.keys, key=lambda k: (str(ckpt.tensors[k].path), ckpt.tensors[k].start))
     return build_layout([(k, meta.target_dtype[k], ckpt.tensors[k].shape) for k in names])
+
+
+def _auto_resident_blocks(ckpt: Checkpoint, meta: MetaModel, platform: Platform, device: torch.device) -> int:
+    """Leading blocks that fit in free device memory beside the non-block weights, two slots and
+    `AUTO_RESIDENT_RESERVE_BYTES` for activations."""
+    free = platform.free_memory(device)
+    if free <= 0:
+        return 0
+    sizes = [sum(ckpt.tensors[k].nbytes for k in b.keys) for b in meta.blocks]
+    budget = free - AUTO_RESIDENT_RESERVE_BYTES - sum(ckpt.tensors[k].nbytes for k in meta.nonblock)
+    budget -= 2 * max(sizes, default=0)
+    n = 0
+    for size in sizes:
+        if budget < size:
+            break
+        budget -= size
+        n += 1
+    log.info("resident_blocks=auto free=%d reserve=%d -> %d of %d blocks", free, AUTO_RESIDENT_RESERVE_BYTES, n, len(sizes))
+    return n
