@@ -75,28 +75,9 @@ def read_api_key(path: Path | None) -> str | None:
 def resolve_device(device: str) -> str:
     if device != "auto":
         return device
-    import torch
+    from dlo.engine.platform import detect_device
 
-    if torch.cuda.is_available():
-        return "cuda"
-    try:
-        import torch_npu  # noqa: F401
-
-        if torch.npu.is_available():
-            return "npu"
-    except ImportError:
-        pass
-    return "cpu"
-
-
-def device_count(device: str) -> int:
-    import torch
-
-    if device == "cuda":
-        return torch.cuda.device_count()
-    if device == "npu":
-        return torch.npu.device_count()
-    return 1
+    return detect_device()
 
 
 def resolve_mode(mode: str, model_dir: Path, dp: int, device: str, profile_path: Path | None = None) -> tuple[str, str]:
@@ -178,6 +159,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
     api_key = read_api_key(args.api_key_file)
     device = resolve_device(args.device)
+    from dlo.engine.platform import device_count
+
     dp = args.dp or max(1, device_count(device))
     if dp < 1:
         print("dlo serve: --dp must be >= 1", file=sys.stderr)

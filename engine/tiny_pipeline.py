@@ -20,6 +20,12 @@ TEXT_DIM = 32
 SPECIALS = ["<pad>", "</s>", "<unk>", "<s>"]  # ids 0..3
 VOCAB_SIZE = 256 + len(SPECIALS)
 CLIP_MAX_LENGTH = 77
+# Wan's UMT5 and Flux's T5 encoders: the same tiny shape.
+T5_CONFIG = dict(
+    vocab_size=VOCAB_SIZE, d_model=TEXT_DIM, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+    relative_attention_num_buckets=8, relative_attention_max_distance=32,
+    pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+)
 
 
 def _byte_level_tokenizer(model_max_length: int, bos: bool):
@@ -65,7 +71,9 @@ def _save(model, path: Path, dtype: str, seed: int) -> None:
     import torch
 
     _randomize(model, seed)
-    model.to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)
+    if dtype != "float32":
+        model = model.to(getattr(torch, dtype))
+    model.save_pretrained(path, safe_serialization=True)
 
 
 def _flow_scheduler(out: Path, **config) -> None:
@@ -85,13 +93,7 @@ def _write_wan(out: Path, seed: int, dtype: str) -> dict:
     vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1)
     # The VAE is the one component kept float32: its decoder output becomes the image bytes.
     _save(vae, out / "vae", "float32", seed + 1)
-    enc = UMT5EncoderModel(
-        UMT5Config(
-            vocab_size=VOCAB_SIZE, d_model=TEXT_DIM, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-            relative_attention_num_buckets=8, relative_attention_max_distance=32,
-            pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-        )
-    )
+    enc = UMT5EncoderModel(UMT5Config(**T5_CONFIG))
     _save(enc, out / "text_encoder", dtype, seed + 2)
     _byte_level_tokenizer(512, bos=False).save_pretrained(out / "tokenizer")
     _flow_scheduler(out, shift=5.0)
@@ -130,13 +132,7 @@ def _write_flux(out: Path, seed: int, dtype: str) -> dict:
         )
     )
     _save(clip, out / "text_encoder", dtype, seed + 2)
-    t5 = T5EncoderModel(
-        T5Config(
-            vocab_size=VOCAB_SIZE, d_model=TEXT_DIM, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-            relative_attention_num_buckets=8, relative_attention_max_distance=32,
-            pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-        )
-    )
+    t5 = T5EncoderModel(T5Config(**T5_CONFIG))
     _save(t5, out / "text_encoder_2", dtype, seed + 3)
     _byte_level_tokenizer(CLIP_MAX_LENGTH, bos=True).save_pretrained(out / "tokenizer")
     _byte_level_tokenizer(512, bos=False).save_pretrained(out / "tokenizer_2")

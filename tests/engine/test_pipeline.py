@@ -45,29 +45,18 @@ def test_seconds_map_to_wan_valid_frame_counts(wan, seconds, fps, frames):
     assert PipelineFacts.from_dir(wan).valid_frames(seconds, fps) == frames
 
 
-def _count_calls(pipe) -> list[int]:
+@pytest.mark.parametrize(
+    "family,change",
+    [
+        ("wan", {}), ("wan", {"guidance_scale": 1.0}), ("wan", {"steps": 3}), ("wan", {"negative_prompt": "blurry"}),
+        ("flux", {}), ("flux", {"negative_prompt": "blurry"}),
+        ("flux", {"negative_prompt": "blurry", "guidance_scale": 1.0}),
+    ],
+)
+def test_transformer_call_count_matches_what_the_pipeline_runs(tmp_path_factory, family, change):
+    pipe = _serving(tiny_pipeline(tmp_path_factory, family))
     calls = [0]
     pipe.pipe.transformer.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    return calls
-
-
-@pytest.mark.parametrize(
-    "change", [{}, {"guidance_scale": 1.0}, {"steps": 3}, {"negative_prompt": "blurry"}],
-)
-def test_transformer_call_count_matches_what_the_wan_pipeline_runs(wan, change):
-    pipe = _serving(wan)
-    calls = _count_calls(pipe)
-    gen = dataclasses.replace(GEN, **change)
-    pipe.run(gen)
-    assert calls[0] == pipe.facts.transformer_calls(gen) > 0
-
-
-@pytest.mark.parametrize(
-    "change", [{}, {"negative_prompt": "blurry"}, {"negative_prompt": "blurry", "guidance_scale": 1.0}],
-)
-def test_transformer_call_count_matches_what_the_flux_pipeline_runs(flux, change):
-    pipe = _serving(flux)
-    calls = _count_calls(pipe)
     gen = dataclasses.replace(GEN, **change)
     pipe.run(gen)
     assert calls[0] == pipe.facts.transformer_calls(gen) > 0
