@@ -75,20 +75,33 @@ class PodSource(Protocol):
 class KubernetesPods:
     """Pods on this node from the API (list pods with a `spec.nodeName` field selector)."""
 
-    def __init__(self, node_name: str):
+    def __init__(self, node_name: str, *, host: str | None = None):
+        """In-cluster credentials, else ~/.kube/config; `host` talks to that API URL instead."""
         from kubernetes import client, config
 
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:
-            config.load_kube_config()
-        self.api = client.CoreV1Api()
+        if host is not None:
+            api_client = client.ApiClient(client.Configuration(host=host))
+        else:
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                try:
+                    config.load_kube_config()
+                except (config.ConfigException, OSError) as e:
+                    raise ValueError(
+                        f"no Kubernetes credentials (not in a cluster, no kubeconfig): {e}; "
+                        "run with --kubernetes off outside a cluster"
+                    ) from e
+            api_client = client.ApiClient()
+        self.api = client.CoreV1Api(api_client)
         self.node_name = node_name
 
     def pods(self) -> list[PodInfo]:
         items = self.api.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={self.node_name}").items
         out = []
         for p in items:
+            if p.spec.node_name != self.node_name:
+                continue  # the field selector already does this on a real API server
             port = None
             for c in p.spec.containers or []:
                 for cp in c.ports or []:
@@ -143,6 +156,7 @@ class AgentConfig:
     warm: bool = False
     warm_threshold: float = 0.99
     models_ttl_s: float = 10.0
+    pods_ttl_s: float = 15.0
 
 
 class Agent:
@@ -157,6 +171,7 @@ class Agent:
         self.fragment = self._load_calibration(cfg.calibration)
         self.warm_records: dict[str, WarmRecord] = {}
         self._models: tuple[float, list[ModelFolder]] | None = None
+        self._pods: tuple[float, list[PodInfo]] | None = None
         self._lock = threading.Lock()
 
     @staticmethod
@@ -184,13 +199,19 @@ class Agent:
         return apply_calibration(p, self.fragment) if self.fragment else p
 
     def pods(self) -> list[PodInfo]:
+        """Pods on this node, listed at most every `pods_ttl_s` (scrapes must not hammer the API)."""
         if self.pod_source is None:
             return []
+        now = time.monotonic()
+        if self._pods is not None and now - self._pods[0] < self.cfg.pods_ttl_s:
+            return self._pods[1]
         try:
-            return self.pod_source.pods()
-        except Exception as e:  # API errors of any kind: the scrape goes on without pod names
+            pods = self.pod_source.pods()
+        except Exception as e:  # API errors of any kind: the scrape goes on with what it knew
             log.warning("pod listing failed error=%s", e)
-            return []
+            return self._pods[1] if self._pods is not None else []
+        self._pods = (now, pods)
+        return pods
 
     def engine_targets(self, pods: list[PodInfo]) -> list[EngineTarget]:
         targets = [EngineTarget(u, "", u) for u in self.cfg.engine_urls]

@@ -252,3 +252,67 @@ def test_unreachable_engine_and_pod_listing_failure_do_not_fail_the_scrape(model
     got = samples(generate_latest(make_registry(agent)).decode())
     assert got["dlo_pod_host_pinned_bytes"] == []
     assert got["dlo_node_memory_bytes"]
+
+
+async def test_kubernetes_pods_and_node_annotation_against_an_api_emulator() -> None:
+    """List this node's pods and patch only our annotation, over real HTTP (kmock's emulator)."""
+    import asyncio
+
+    import kmock
+
+    from dlo.agent.exporter import KubernetesPods
+
+    def pod(name: str, uid: str, node: str, labels: dict[str, str]) -> dict:
+        return {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "serving", "uid": uid, "resourceVersion": "1", "labels": labels},
+            "spec": {"nodeName": node, "containers": [
+                {"name": "engine", "image": "dlo", "ports": [{"name": "http", "containerPort": 8123}]}]},
+            "status": {"podIP": "10.1.2.3"},
+        }
+
+    engine_labels = {"app.kubernetes.io/part-of": "dlo", "app.kubernetes.io/component": "engine"}
+    emulator = kmock.KubernetesEmulator()
+    emulator.resources.load_bundled()
+    async with emulator, kmock.Server(emulator):
+        node = {"apiVersion": "v1", "kind": "Node",
+                "metadata": {"name": "n1", "uid": "n1", "resourceVersion": "1", "annotations": {"keep": "me"}}}
+        for path, body in [
+            ("/api/v1/nodes", node),
+            ("/api/v1/namespaces/serving/pods", pod("wan-0", V2_POD_A, "n1", engine_labels)),
+            ("/api/v1/namespaces/serving/pods", pod("wan-1", "other-uid", "n2", engine_labels)),
+        ]:
+            async with emulator.request("POST", path, json=body) as r:
+                assert r.status in (200, 201)
+        api = KubernetesPods("n1", host=str(emulator.url))
+        pods = await asyncio.to_thread(api.pods)
+        assert [(p.name, p.uid, p.ip, p.http_port, p.is_engine) for p in pods] == [
+            ("wan-0", V2_POD_A, "10.1.2.3", 8123, True)
+        ]
+        agent = make_agent(None, api)
+        listed = await asyncio.to_thread(agent.pods)  # the emulator serves on this loop
+        assert [t.url for t in agent.engine_targets(listed)] == ["http://10.1.2.3:8123"]
+        await asyncio.to_thread(api.annotate_node, '{"version": "v1"}')
+        async with emulator.request("GET", "/api/v1/nodes/n1") as r:
+            annotations = (await r.json())["metadata"]["annotations"]
+        assert annotations == {"keep": "me", "dlo.dev/node-profile": '{"version": "v1"}'}
+
+
+def test_pod_listing_is_cached_and_survives_an_api_outage(models_root: Path) -> None:
+    calls: list[int] = []
+
+    class Flaky:
+        def pods(self) -> list[PodInfo]:
+            calls.append(1)
+            if len(calls) > 1:
+                raise ConnectionError("API down")
+            return [PodInfo(V2_POD_A, "serving", "wan-0", None, {"app.kubernetes.io/part-of": "dlo"}, None)]
+
+    agent = make_agent(models_root, Flaky(), pods_ttl_s=0.0)
+    first = agent.pods()
+    assert agent.pods() == first and len(calls) == 2  # outage: the last answer stands
+    cached = make_agent(models_root, Flaky(), pods_ttl_s=60.0)
+    calls.clear()
+    cached.pods()
+    cached.pods()
+    assert len(calls) == 1
