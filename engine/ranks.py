@@ -16,7 +16,7 @@ Two planes:
   segments are created, so a killed rank leaks none.
 
 Watchdog: while a wave runs, every rank that still owes a result must tick (before each
-transformer block, after each step, or each gather-only call) at least once per
+transformer block, after each step, on each weight gather) at least once per
 `progress_timeout`; a long wave that keeps progressing is never cut. A death or a stall fails the
 wave (`on_fault`), after which the process group is never reused: the server answers 503 and
 exits non-zero so the pod restarts.
@@ -85,15 +85,32 @@ def _die_with_parent() -> None:
 
 
 class Progress:
-    """Monotonic tick counter and time of the last tick (written by the compute thread)."""
+    """Monotonic tick counter and time of the last tick (written by the compute thread).
 
-    def __init__(self) -> None:
+    `watch` (optional) is a counter the watchdog polls, such as the engine's gather count: it
+    moves once per block even on a rank that only gathers, whose own ticks come once per call.
+    """
+
+    def __init__(self, watch: Callable[[], int] | None = None) -> None:
         self.count = 0
         self.last = time.monotonic()
+        self.watch = watch
+        self._watched = watch() if watch else 0
 
     def tick(self) -> None:
         self.count += 1
         self.last = time.monotonic()
+
+    def poll(self) -> None:
+        if self.watch is not None:
+            value = self.watch()
+            if value != self._watched:
+                self._watched = value
+                self.tick()
+
+
+def _gathers(pipe: Any) -> Callable[[], int]:
+    return lambda: pipe.model.stats().gathers
 
 
 def device_for_rank(kind: str, rank: int) -> Any:
@@ -168,6 +185,7 @@ def worker_main() -> int:
     progress = Progress()
     try:
         pipe = init_rank(cfg, rank)
+        progress = Progress(_gathers(pipe))
         pipe.tick = progress.tick
         send({"type": "ready", **load_facts(pipe)})
     except Exception as e:
@@ -180,6 +198,7 @@ def worker_main() -> int:
     def report_progress() -> None:
         seen = progress.count
         while not stop.wait(0.2):
+            progress.poll()
             if progress.count != seen:
                 seen = progress.count
                 try:
@@ -274,6 +293,7 @@ class RankGroup:
             st.conn = conn
             threading.Thread(target=self._reader, args=(st,), name=f"rank{st.rank}-reader", daemon=True).start()
         self.pipe = init_rank(self.cfg, 0)
+        self.progress = Progress(_gathers(self.pipe))
         self.pipe.tick = self.progress.tick
         self.ranks[0].ready = load_facts(self.pipe)
         self.ranks[0].stats = self.ranks[0].ready["stats"]
@@ -333,6 +353,7 @@ class RankGroup:
                 if rc is not None and not self.stopping:
                     self.fault(f"rank {st.rank} (pid {st.pid}) {_exit_words(rc)}")
                     return
+            self.progress.poll()
             now = time.monotonic()
             with self._cond:
                 self.ranks[0].last_progress = max(self.ranks[0].last_progress, self.progress.last)
