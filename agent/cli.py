@@ -35,6 +35,14 @@ def run(command: str, argv: list[str]) -> int:
     return handlers[command](argv)
 
 
+def _stop_on_signals() -> threading.Event:
+    """An event set by SIGTERM or SIGINT (installed before we announce that we wait for it)."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
 # --- dlo warm --------------------------------------------------------------------------------
 
 
@@ -101,10 +109,8 @@ def run_warm(argv: list[str]) -> int:
             f"resident in {report['seconds']:.1f} s ({rate:.2f} GB/s), threshold {args.threshold:.2%}"
         )
     if args.lock:
+        stop = _stop_on_signals()
         err.print("holding the locked pages until SIGTERM or SIGINT")
-        stop = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
         stop.wait()
         session.close()
     return 0 if session.ok else 1
@@ -289,9 +295,7 @@ def run_agent(argv: list[str]) -> int:
     except (OSError, ValueError) as e:
         print(f"dlo agent: {e}", file=sys.stderr)
         return 2
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = _stop_on_signals()
     threads = []
     if pods is not None:
         threads.append(threading.Thread(target=publish_loop, args=(agent, pods.annotate_node, stop,
