@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from dlo.engine.api_models import (
     ApiError,
@@ -82,9 +83,15 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
         _count(request, response, t0)
         return response
 
-    def _count(request: Request, response: Response, t0: float) -> None:
+    def _endpoint(request: Request) -> str:
+        """The route template (low cardinality), also for requests answered before routing (401)."""
         route = request.scope.get("route")
-        endpoint = getattr(route, "path", None) or "unmatched"
+        if route is None:
+            route = next((r for r in app.routes if r.matches(request.scope)[0] == Match.FULL), None)
+        return getattr(route, "path", None) or "unmatched"
+
+    def _count(request: Request, response: Response, t0: float) -> None:
+        endpoint = _endpoint(request)
         engine.metrics.requests.labels(endpoint, str(response.status_code)).inc()
         if request.method == "POST":
             engine.metrics.request_duration.labels(endpoint).observe(time.perf_counter() - t0)

@@ -127,6 +127,7 @@ def test_health_ready_and_metrics_need_no_key_and_metrics_follow_the_contract(se
     assert m["dlo_ready"][0][1] == 1
     codes = {(lab["endpoint"], lab["code"]) for lab, _ in m["dlo_requests_total"]}
     assert ("/v1/images/generations", "200") in codes
+    assert ("/v1/images/generations", "401") in codes  # counted under the route even before routing
     assert m["dlo_step_duration_seconds_count"][0][1] >= 1
     assert {lab["rank"] for lab, _ in m["dlo_h2d_bytes_total"]} == {"0"}
     assert m["dlo_h2d_bytes_total"][0][1] > 0

@@ -20,8 +20,9 @@ SEED = 1234
 WINDOW_MS = 800  # generous: concurrent requests on a loaded 2-core machine still land in one wave
 
 
-def _image(client: OpenAI, seed: int, size: str = "64x64", steps: int = 2, **extra) -> bytes:
-    r = client.images.generate(model="tiny-wan-float32", prompt=f"a lighthouse {seed}", size=size,
+def _image(client: OpenAI, seed: int, size: str = "64x64", steps: int = 2, model: str = "tiny-wan-float32",
+           **extra) -> bytes:
+    r = client.images.generate(model=model, prompt=f"a lighthouse {seed}", size=size,
                                response_format="b64_json", extra_body={"seed": seed, "num_inference_steps": steps,
                                                                        **extra})
     return base64.b64decode(r.data[0].b64_json or "")
@@ -85,3 +86,28 @@ def test_same_seed_same_bytes_in_every_mode_and_dp_and_waves_form(tmp_path_facto
                     assert set(gathers.values()) == {0.0}
         assert srv.proc is not None and srv.proc.returncode == 0, f"{name}: server did not stop cleanly"
     assert len(set().union(*by_config.values())) == 1, f"same seed, different bytes across configs: {by_config}"
+
+
+def test_flux_partial_waves_keep_the_gathers_in_step_and_match_in_process_resident(tmp_path_factory, tmp_path):
+    """Flux has two block kinds and true CFG only with a negative prompt: the idle rank's
+    gather count must follow the key, or the wave stalls (503) instead of answering."""
+    import dataclasses
+
+    from dlo.engine.pipeline import ServingPipeline
+    from dlo.engine.waves import Generation
+
+    model = tiny_pipeline(tmp_path_factory, "flux")
+    srv = ServerProcess(model, "--dp", "2", "--mode", "allgather", "--device", "cpu", "--small-limits",
+                        "--progress-timeout", "20", log_path=tmp_path / "flux.log")
+    cases = [{"negative_prompt": "blurry", "guidance_scale": 4.0}, {}]
+    with srv:
+        client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        served = [_image(client, SEED, model=model.name, **extra) for extra in cases]  # partial waves: rank 1 only gathers
+        assert _wave_counts(srv) == (2, 2)
+    assert srv.proc is not None and srv.proc.returncode == 0
+    local = ServingPipeline(model, mode="resident", device="cpu", max_sequence_length=32)
+    base = Generation(kind="image", prompt=f"a lighthouse {SEED}", seed=SEED, width=64, height=64, steps=2,
+                      guidance_scale=local.facts.default_guidance)
+    for extra, png in zip(cases, served):
+        expected = local.run(dataclasses.replace(base, **extra)).outputs[0]
+        assert sha(png) == sha(expected), f"flux {extra}: served bytes differ from resident in-process"
