@@ -153,6 +153,7 @@ class ServingPipeline:
         self.device = torch.device(device)
         self.max_sequence_length = max_sequence_length
         self.tick: Callable[[], None] = lambda: None
+        self.steps_done = 0  # denoising steps of the running request (read by the progress reporter)
         t0 = time.perf_counter()
         self.model = dlo.engine.load(Path(model_dir) / "transformer", mode=mode, device=self.device, group=group,
                                      resident_blocks=resident_blocks)
@@ -220,13 +221,15 @@ class ServingPipeline:
         steps: list[float] = []
         last = [t0]
 
-        def on_step(_pipe: Any, _i: int, _t: Any, kwargs: dict) -> dict:
+        def on_step(_pipe: Any, i: int, _t: Any, kwargs: dict) -> dict:
             now = time.perf_counter()
             steps.append(now - last[0])
             last[0] = now
+            self.steps_done = i + 1
             self.tick()
             return kwargs
 
+        self.steps_done = 0
         self.tick()
         with torch.inference_mode():
             out = self.pipe(**self._call_kwargs(gen), callback_on_step_end=on_step)

@@ -202,7 +202,7 @@ def worker_main() -> int:
             if progress.count != seen:
                 seen = progress.count
                 try:
-                    send({"type": "progress"})
+                    send({"type": "progress", "steps_done": pipe.steps_done})
                 except OSError:
                     return
 
@@ -253,6 +253,7 @@ class RankState:
     stats: dict | None = None
     last_progress: float = 0.0
     pending: bool = False  # owes a result for the running wave
+    steps_done: int = 0  # denoising steps of its current request (last progress report)
     result: dict | None = None
 
 
@@ -335,7 +336,9 @@ class RankGroup:
             kind = msg["type"]
             with self._cond:
                 st.last_progress = time.monotonic()
-                if kind == "ready":
+                if kind == "progress":
+                    st.steps_done = msg.get("steps_done", 0)
+                elif kind == "ready":
                     st.ready = msg
                     st.stats = msg["stats"]
                 elif kind == "result":
@@ -379,7 +382,7 @@ class RankGroup:
         now = time.monotonic()
         with self._cond:
             for st in self.ranks:
-                st.pending, st.result, st.last_progress = True, None, now
+                st.pending, st.result, st.last_progress, st.steps_done = True, None, now, 0
         for st, gen in zip(self.ranks[1:], assignments[1:]):
             assert st.conn is not None
             st.conn.send({"type": "wave", "wave": self._wave_no, "wave_gen": wave_gen,
@@ -402,6 +405,10 @@ class RankGroup:
             if self.failed:
                 raise WaveError(self.failed)
             return [st.result for st in self.ranks]  # type: ignore[misc]
+
+    def steps_done(self, rank: int) -> int:
+        """Denoising steps the rank's current request has finished (rank 0: live; others: last report)."""
+        return self.pipe.steps_done if rank == 0 and self.pipe is not None else self.ranks[rank].steps_done
 
     # -- stop -------------------------------------------------------------------------------------
     def stop(self, grace_s: float = 10.0) -> None:

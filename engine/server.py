@@ -136,11 +136,11 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
         body = await _video_body(request)
         gen = video_generation(body, engine.facts, engine.limits, engine.model_id)
         seconds = f"{gen.frames / gen.fps:g}"
-        return _video_object(engine.create_video(gen, seconds), engine.model_id)
+        return _video_object(engine, engine.create_video(gen, seconds))
 
     @app.get("/v1/videos/{video_id}", response_model=VideoObject, summary="A video job's status")
     async def get_video(video_id: str) -> VideoObject:
-        return _video_object(_job(engine, video_id), engine.model_id)
+        return _video_object(engine, _job(engine, video_id))
 
     @app.get("/v1/videos/{video_id}/content", summary="The MP4 of a completed video job",
              responses={200: {"content": {"video/mp4": {}}}})
@@ -225,10 +225,10 @@ def _job(engine: Engine, video_id: str) -> VideoJob:
     return job
 
 
-def _video_object(job: VideoJob, model_id: str) -> VideoObject:
-    progress = {"queued": 0, "in_progress": 50, "completed": 100, "failed": 100}[job.status]
+def _video_object(engine: Engine, job: VideoJob) -> VideoObject:
     return VideoObject(
-        id=job.id, created_at=job.created_at, completed_at=job.completed_at, model=model_id, progress=progress,
+        id=job.id, created_at=job.created_at, completed_at=job.completed_at, model=engine.model_id,
+        progress=engine.video_progress(job),
         prompt=job.gen.prompt, seconds=job.seconds, size=f"{job.gen.width}x{job.gen.height}", status=job.status,
         error=job.error,  # type: ignore[arg-type]
     )

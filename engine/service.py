@@ -43,6 +43,7 @@ class VideoJob:
     completed_at: int | None = None
     content: bytes | None = None
     error: dict[str, str] | None = None
+    rank: int | None = None  # the rank running it, once its wave started
     task: asyncio.Task | None = field(default=None, repr=False)
 
 
@@ -195,8 +196,8 @@ class Engine:
             if self.state != "ready":
                 return
             self._inflight = wave
-            for p in wave:
-                self._mark_video(p, "in_progress")
+            for rank, p in enumerate(wave):
+                self._mark_video(p, rank)
             assignments: list[Generation | None] = [p.gen for p in wave] + [None] * (self.cfg.dp - len(wave))
             t0 = time.perf_counter()
             try:
@@ -220,10 +221,18 @@ class Engine:
                     p.future.set_result(res)
             self._inflight = []
 
-    def _mark_video(self, p: Pending, status: str) -> None:
+    def _mark_video(self, p: Pending, rank: int) -> None:
         job = self.videos.get(p.request_id)
         if job is not None and job.status == "queued":
-            job.status = status
+            job.status, job.rank = "in_progress", rank
+
+    def video_progress(self, job: VideoJob) -> int:
+        """Percent: denoising steps done on its rank (the last percent is the VAE decode and MP4)."""
+        if job.status in ("completed", "failed"):
+            return 100
+        if job.status == "queued" or job.rank is None:
+            return 0
+        return min(99, 100 * self.group.steps_done(job.rank) // max(1, job.gen.steps))
 
     # -- videos -----------------------------------------------------------------------------------
     def create_video(self, gen: Generation, seconds: str) -> VideoJob:

@@ -139,10 +139,13 @@ def test_videos_with_the_sdk_multipart_create_poll_and_download_mp4(client):
     assert video.status in ("queued", "in_progress", "completed") and video.object == "video"
     assert video.seconds == "4.5"  # 4 s at 2 fps -> 9 frames (4k+1)
     deadline = time.monotonic() + 60
+    seen = [video.progress]
     while video.status not in ("completed", "failed") and time.monotonic() < deadline:
-        time.sleep(0.2)
+        time.sleep(0.05)
         video = client.videos.retrieve(video.id)
+        seen.append(video.progress)
     assert video.status == "completed", video.error
+    assert seen == sorted(seen) and seen[-1] == 100 and all(0 <= p <= 100 for p in seen), seen
     mp4 = client.videos.download_content(video.id).read()
     assert mp4[4:8] == b"ftyp" and len(mp4) > 500
 
