@@ -287,8 +287,10 @@ class RankGroup:
 
     def start(self) -> None:
         """Load rank 0's pipeline and wait until every rank is ready (blocking; after `spawn`)."""
+        assert self._listener is not None
         for _ in self.ranks[1:]:
-            conn = self._accept()
+            # blocks; a child that dies before connecting is caught by the monitor (fault -> exit)
+            conn = self._listener.accept()
             hello = conn.recv()
             st = self.ranks[hello["rank"]]
             st.conn = conn
@@ -299,16 +301,10 @@ class RankGroup:
         self.ranks[0].ready = load_facts(self.pipe)
         self.ranks[0].stats = self.ranks[0].ready["stats"]
         with self._cond:
-            ok = self._cond.wait_for(lambda: self.failed or all(st.ready for st in self.ranks), timeout=None)
+            self._cond.wait_for(lambda: self.failed or all(st.ready for st in self.ranks))
         if self.failed:
             raise WaveError(self.failed)
-        assert ok
         log.info("all %d ranks ready", self.cfg.dp)
-
-    def _accept(self) -> Connection:
-        assert self._listener is not None
-        # accept() blocks; a child that dies before connecting is caught by the monitor
-        return self._listener.accept()
 
     # -- fault handling ---------------------------------------------------------------------------
     def fault(self, reason: str) -> None:

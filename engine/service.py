@@ -103,8 +103,9 @@ class Engine:
         try:
             await _in_daemon_thread(self.group.start)
         except Exception as e:
-            log.exception("engine failed to start")
-            self._on_fault(f"engine failed to start: {e}")
+            if self.failure is None:  # a rank's own fault report already said why
+                log.exception("engine failed to start")
+                self._on_fault(f"engine failed to start: {e}")
             return
         if self.state != "loading":
             return
