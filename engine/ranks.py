@@ -36,7 +36,6 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from multiprocessing.connection import Client, Connection, Listener
