@@ -15,7 +15,9 @@ import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
+from typing import Callable
 
 from pydantic import ValidationError
 
@@ -41,6 +43,27 @@ def _stop_on_signals() -> threading.Event:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     return stop
+
+
+class _ProgressLines:
+    """Plain progress lines (bytes, rate, ETA) at most every `every_s` seconds."""
+
+    def __init__(self, total: int, emit: Callable[[str], None], every_s: float = 5.0):
+        self.total, self.emit, self.every_s = total, emit, every_s
+        self.done = 0
+        self.start = self.last = time.monotonic()
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if now - self.last < self.every_s:
+            return
+        self.last = now
+        rate = self.done / max(now - self.start, 1e-9)
+        eta = (self.total - self.done) / rate if rate else float("inf")
+        self.emit(
+            f"warming {self.done / 1e9:.2f} / {self.total / 1e9:.2f} GB, {rate / 1e9:.2f} GB/s, ETA {eta:.0f} s"
+        )
 
 
 # --- dlo warm --------------------------------------------------------------------------------
@@ -87,12 +110,19 @@ def run_warm(argv: list[str]) -> int:
         "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
         TimeRemainingColumn(), console=err, disable=args.json or not err.is_terminal,
     )
+    # Without a terminal (an init container's log), a line every few seconds instead of a bar.
+    lines = None if args.json or err.is_terminal else _ProgressLines(total, lambda line: err.print(line))
     try:
         with progress:
             task = progress.add_task("warming", total=total)
+
+            def advance(n: int) -> None:
+                progress.advance(task, n)
+                if lines is not None:
+                    lines.advance(n)
+
             session = warm(
-                args.paths, threads=args.threads, threshold=args.threshold, lock=args.lock,
-                progress=lambda n: progress.advance(task, n),
+                args.paths, threads=args.threads, threshold=args.threshold, lock=args.lock, progress=advance,
             )
     except (OSError, ResidencyError, ValueError) as e:
         err.print(f"dlo warm: {e}")

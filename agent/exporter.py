@@ -29,7 +29,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dlo.agent.memory import CGROUP_KINDS, NODE_KINDS, CgroupFS, MemorySnapshot, ProcFS, snapshot
 from dlo.agent.profile import ANNOTATION, CalibrationFragment, NodeProfile, apply_calibration
-from dlo.agent.topology import Devices, ModelFolder, build_profile, detect_devices, model_folders
+from dlo.agent.topology import (
+    Devices,
+    ModelFolder,
+    build_profile,
+    can_register_page_cache,
+    detect_devices,
+    model_folders,
+)
 from dlo.agent.warm import warm
 
 log = logging.getLogger(__name__)
@@ -339,7 +346,7 @@ class AgentCollector:
         )
         fam.add_metric(
             [acc.model or acc.vendor, str(acc.count), a.devices.interconnect_kind,
-             str(acc.vendor == "nvidia").lower()],
+             str(can_register_page_cache(acc.vendor)).lower()],
             1.0,
         )
         return fam

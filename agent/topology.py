@@ -268,6 +268,11 @@ def model_folders(models_root: Path | None, *, residency: bool = True) -> list[M
 # --- the profile -----------------------------------------------------------------------------
 
 
+def can_register_page_cache(vendor: str) -> bool:
+    """Whether the engine can DMA from the page cache itself (module docstring)."""
+    return vendor == "nvidia"
+
+
 def detect_devices(sys_root: Path = Path("/sys")) -> Devices:
     return nvidia_devices() or ascend_devices(sys_root) or NO_DEVICES
 
@@ -296,7 +301,7 @@ def build_profile(
         h2d_bandwidth_bps=h2d,
         host_memory_bytes=proc.meminfo().get("MemTotal", 0),
         numa_nodes=numa_nodes(sys_root),
-        can_register_page_cache=acc.vendor == "nvidia",
+        can_register_page_cache=can_register_page_cache(acc.vendor),
         measured=False,
         models={m.name: m.facts for m in models if m.facts is not None},
     )

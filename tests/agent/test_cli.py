@@ -182,3 +182,16 @@ def test_agent_command_serves_until_sigterm(models_root: Path) -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0
+
+
+def test_progress_lines_report_bytes_rate_and_eta() -> None:
+    from dlo.agent.cli import _ProgressLines
+
+    out: list[str] = []
+    lines = _ProgressLines(4 * GB, out.append, every_s=0.0)
+    lines.advance(GB)
+    assert len(out) == 1 and out[0].startswith("warming 1.00 / 4.00 GB,")
+    assert re.search(r"[\d.]+ GB/s, ETA \d+ s$", out[0])
+    quiet = _ProgressLines(4 * GB, out.append, every_s=3600)
+    quiet.advance(GB)
+    assert len(out) == 1
