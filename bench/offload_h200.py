@@ -32,6 +32,8 @@ SYSTEMS = {
     "dlo_allgather": "DLO allgather over a world-1 NCCL group (collective path cost)",
     "dlo_resident_blocks": "DLO rank-local registered + the first K blocks resident (--resident-blocks)",
     "dlo_rank_local_untimed": "DLO rank-local registered without gather-wait timing events",
+    "dlo_rank_local_eager": "DLO rank-local registered, transfers launched eagerly (no CUDA graphs)",
+    "dlo_allgather_eager": "DLO allgather world 1, transfers launched eagerly (no CUDA graphs)",
     "diffusers_block_stream": "diffusers group offloading block_level, use_stream=True",
     "diffusers_leaf_stream": "diffusers group offloading leaf_level, use_stream=True",
     "diffusers_block_stream_record": "diffusers block_level, use_stream + record_stream + low_cpu_mem_usage",
@@ -53,7 +55,7 @@ def _build(system: str, ckpt: str, device: str, resident_blocks: int):
         return load(ckpt, mode="resident", device=device), None
     if system.startswith("dlo_"):
         kw = {}
-        if system == "dlo_allgather":
+        if system.startswith("dlo_allgather"):
             import torch.distributed as dist
 
             port = 29500 + os.getpid() % 1000
@@ -69,6 +71,8 @@ def _build(system: str, ckpt: str, device: str, resident_blocks: int):
             kw["resident_blocks"] = resident_blocks
         if system == "dlo_rank_local_untimed":
             kw["time_waits"] = False
+        if system.endswith("_eager"):
+            kw["transfer_graphs"] = False
         m = load(ckpt, mode=mode, device=device, **kw)
         return m, m.pipeline
     import diffusers
@@ -244,6 +248,7 @@ def summarise(results: dict, bbytes: list[int], model_bytes: int, layers: int) -
         summary["systems"][name] = s
     # headline keys (issue contract): the best DLO system is "dlo"
     dlo_names = [n for n in results if n.startswith("dlo_") and n not in ("dlo_resident_blocks", "dlo_rank_local_untimed")]
+    summary["dlo_systems"] = dlo_names
     for w in res["workloads"]:
         best = min(dlo_names, key=lambda n: summary["systems"][n]["workloads"][w]["call_ms"]) if dlo_names else None
         diff = [n for n in results if n.startswith("diffusers_")]
@@ -341,19 +346,24 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--tag", default=None)
     ap.add_argument("--resident-blocks", type=int, default=0)
+    ap.add_argument("--merge", nargs="+", help="summarise raw result files of earlier runs (no device work)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child(args)
     wb.ensure_dlo_importable()
+    if args.merge:
+        raws = [json.loads(Path(f).read_text()) for f in args.merge]
+        results = {k: v for raw in raws for k, v in raw["results"].items()}
+        return finish(results, raws[0]["block_bytes"], raws[0]["model_bytes"], raws[0]["layers"], raws[0]["meta"], Path(args.out), args.tag or raws[0]["tag"])
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = args.ckpt or f"/tmp/wan14b-{args.layers}{'-tiny' if args.tiny else ''}"
-    if not args.ckpt:
+    if not (Path(ckpt) / "config.json").exists():
         info = wb.write_wan_checkpoint(Path(ckpt), args.layers, args.device, tiny=args.tiny)
         print(f"wrote {ckpt}: {info}", flush=True)
     bbytes = block_bytes(ckpt)
@@ -375,9 +385,6 @@ def main() -> None:
         results[system] = json.loads(rfile.read_text())
         brief = {w: round(v["call_ms"], 2) for w, v in results[system]["workloads"].items()}
         print(f"[{system}] {time.perf_counter() - t0:.0f}s ready={results[system]['ready_seconds']:.2f}s ms={brief}", flush=True)
-    if "resident" not in results:
-        raise SystemExit("resident failed: no reference")
-    summary = summarise(results, bbytes, model_bytes, args.layers)
     import torch
 
     meta = {
@@ -387,8 +394,19 @@ def main() -> None:
         "torch": torch.__version__,
         "diffusers": __import__("diffusers").__version__,
     }
-    summary["meta"] = meta
     tag = args.tag or f"h200-{meta['date']}-{args.layers}l"
+    raw = {"results": results, "block_bytes": bbytes, "model_bytes": model_bytes, "layers": args.layers, "meta": meta, "tag": tag}
+    (out / f"raw-{tag}.json").write_text(json.dumps(raw))
+    if "resident" not in results:
+        print("no resident reference in this run: raw results only (summarise with --merge)")
+        return
+    finish(results, bbytes, model_bytes, args.layers, meta, out, tag)
+
+
+def finish(results: dict, bbytes: list[int], model_bytes: int, layers: int, meta: dict, out: Path, tag: str) -> None:
+    summary = summarise(results, bbytes, model_bytes, layers)
+    summary["meta"] = meta
+    out.mkdir(parents=True, exist_ok=True)
     (out / f"{tag}.json").write_text(json.dumps(summary, indent=1))
     write_markdown(summary, out / f"{tag}.md", meta)
     plot(summary, out / f"{tag}.png")

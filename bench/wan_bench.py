@@ -67,7 +67,6 @@ def write_wan_checkpoint(out: Path, layers: int, device: str, tiny: bool = False
     """Random bf16 weights (fp32 for the class's fp32-kept modules), sharded like real checkpoints."""
     import diffusers
     import torch
-    from safetensors.torch import save_file
 
     from dlo.engine.model import parameters_on_meta
 
@@ -86,21 +85,38 @@ def write_wan_checkpoint(out: Path, layers: int, device: str, tiny: bool = False
     weight_map = {}
     total = 0
     t0 = time.perf_counter()
+    from dlo.engine.dtypes import safetensors_name
+
     for fname, group in sorted(files.items()):
-        tensors = {}
+        # Written the way safetensors orders a file (dtype size descending, then name), streamed
+        # tensor by tensor: no second in-memory copy of a multi-GB shard.
+        specs = []
         for name, t in group.items():
             dtype = torch.float32 if keep.intersection(name.split(".")) else torch.bfloat16
-            fan_in = t.shape[-1] if t.dim() > 1 else 1
-            x = torch.randn(t.shape, generator=gen, device=device, dtype=torch.float32)
-            if t.dim() == 1 and name.endswith("weight"):
-                x = 1.0 + 0.1 * x  # norm scales near 1 keep activations sane through 40 layers
-            else:
-                x = x * (1.0 / fan_in) ** 0.5
-            tensors[name] = x.to(dtype).cpu()
-            weight_map[name] = fname
-            total += tensors[name].numel() * tensors[name].element_size()
-        save_file(tensors, out / fname)
-        del tensors
+            specs.append((-dtype.itemsize, name, dtype, tuple(t.shape)))
+        specs.sort()
+        header, offset = {}, 0
+        for _, name, dtype, shape in specs:
+            n = dtype.itemsize
+            for d in shape:
+                n *= d
+            header[name] = {"dtype": safetensors_name(dtype), "shape": list(shape), "data_offsets": [offset, offset + n]}
+            offset += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        with open(out / fname, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little") + raw)
+            for _, name, dtype, shape in specs:
+                fan_in = shape[-1] if len(shape) > 1 else 1
+                x = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+                if len(shape) == 1 and name.endswith("weight"):
+                    x = 1.0 + 0.1 * x  # norm scales near 1 keep activations sane through 40 layers
+                else:
+                    x = x * (1.0 / fan_in) ** 0.5
+                host = x.to(dtype).cpu().contiguous()
+                f.write(memoryview(host.view(torch.uint8).numpy()))
+                weight_map[name] = fname
+                total += host.numel() * host.element_size()
     (out / "diffusion_pytorch_model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
     )
