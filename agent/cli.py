@@ -173,12 +173,14 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--sp", type=int, default=1, help="sequence-parallel degree (default 1)")
     work = p.add_mutually_exclusive_group()
     work.add_argument("--block-compute-seconds", type=float, metavar="T", help="measured compute time of one block")
-    work.add_argument("--tokens", type=int, metavar="T", help="tokens per rank (estimates compute from the device rate)")
+    work.add_argument("--tokens", type=int, metavar="T",
+                      help="tokens per rank (estimates compute from the device rate)")
     p.add_argument("--host-memory-bytes", type=int, metavar="H", help="override the profile's host RAM")
     p.add_argument("--host-headroom-bytes", type=int, default=0, help="host RAM to keep free (default 0)")
     p.add_argument("--profile", type=Path, metavar="FILE", help="NodeProfile JSON (default: detect this machine)")
     p.add_argument("--calibration", type=Path, metavar="FILE", help="a `dlo calibrate` fragment to apply")
-    p.add_argument("--json", action="store_true", help='print {"choice": {...}, "modes": {...}} (CONTRACTS.md section 7)')
+    p.add_argument("--json", action="store_true",
+                   help='print {"choice": {...}, "modes": {...}} (CONTRACTS.md section 7)')
     return p
 
 

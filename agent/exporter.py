@@ -235,7 +235,8 @@ class Agent:
     def warm_models(self) -> None:
         """Warm every model folder whose residency is below the threshold; record the outcome."""
         for m in self.models(fresh=True):
-            if m.files_bytes and m.resident_bytes is not None and m.resident_bytes / m.files_bytes >= self.cfg.warm_threshold:
+            ratio = m.resident_bytes / m.files_bytes if m.files_bytes and m.resident_bytes is not None else 0.0
+            if ratio >= self.cfg.warm_threshold:
                 continue
             rec = self.warm_records.setdefault(m.name, WarmRecord())
             try:

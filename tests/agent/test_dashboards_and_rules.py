@@ -191,7 +191,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                 break
             time.sleep(0.5)
         else:
-            raise AssertionError("Prometheus did not scrape both targets: " + (tmp / "prometheus.log").read_text()[-2000:])
+            log = (tmp / "prometheus.log").read_text()[-2000:]
+            raise AssertionError(f"Prometheus did not scrape both targets: {log}")
         yield base
     finally:
         for p in reversed(procs):

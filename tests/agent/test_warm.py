@@ -93,10 +93,8 @@ def _cache_bytes(cgroup: Path) -> int:
 
 
 def _run_in(cgroup: Path, code: str) -> None:
-    subprocess.run(
-        [sys.executable, "-c", f"import os; open({str(cgroup / 'cgroup.procs')!r}, 'w').write(str(os.getpid()));" + code],
-        cwd=ROOT, check=True, capture_output=True,
-    )
+    join = f"import os; open({str(cgroup / 'cgroup.procs')!r}, 'w').write(str(os.getpid()))\n"
+    subprocess.run([sys.executable, "-c", join + code], cwd=ROOT, check=True, capture_output=True)
 
 
 def _can_make_v1_cgroups() -> bool:
