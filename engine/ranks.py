@@ -172,6 +172,10 @@ def worker_main() -> int:
     cfg = RankConfig(**json.loads(os.environ[CONFIG_ENV]))
     authkey = bytes.fromhex(os.environ.pop(AUTHKEY_ENV))
     _die_with_parent()
+    # Ctrl-C in a terminal (or a signal to the whole process group) is rank 0's to handle: it stops
+    # the children in order; a child dying first would look like a rank failure.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"rank{rank} %(levelname)s %(name)s %(message)s")
     conn = Client(("127.0.0.1", cfg.control_port), authkey=authkey)
     lock = threading.Lock()
