@@ -329,7 +329,10 @@ class RankGroup:
                 msg = st.conn.recv()
             except (EOFError, OSError):
                 if not self.stopping:
-                    rc = st.proc.wait(timeout=5) if st.proc else None
+                    try:
+                        rc = st.proc.wait(timeout=5) if st.proc else None
+                    except subprocess.TimeoutExpired:
+                        rc = None  # alive but cut off from rank 0: as broken as dead
                     self.fault(f"rank {st.rank} (pid {st.pid}) {_exit_words(rc)}")
                 return
             kind = msg["type"]
@@ -347,14 +350,20 @@ class RankGroup:
             if kind == "error":
                 self.fault(msg["message"])
 
+    def _check_children(self) -> bool:
+        """Fault (and True) if a child rank has exited."""
+        for st in self.ranks[1:]:
+            rc = st.proc.poll() if st.proc else None
+            if rc is not None and not self.stopping:
+                self.fault(f"rank {st.rank} (pid {st.pid}) {_exit_words(rc)}")
+                return True
+        return False
+
     def _monitor(self) -> None:
         while not self.failed and not self.stopping:
             time.sleep(0.1)
-            for st in self.ranks[1:]:
-                rc = st.proc.poll() if st.proc else None
-                if rc is not None and not self.stopping:
-                    self.fault(f"rank {st.rank} (pid {st.pid}) {_exit_words(rc)}")
-                    return
+            if self._check_children():
+                return
             self.progress.poll()
             now = time.monotonic()
             with self._cond:
@@ -391,6 +400,11 @@ class RankGroup:
         try:
             res0 = run_assignment(self.pipe, self.cfg.mode, mine, wave_gen)
         except Exception as e:
+            # A dead peer breaks the collective under rank 0, often before its exit is noticed:
+            # give the peer's fault a moment to be seen so the 503 names the rank that died.
+            deadline = time.monotonic() + 2.0
+            while not self.failed and not self._check_children() and time.monotonic() < deadline:
+                time.sleep(0.05)
             if self.failed:  # another rank failed first and broke the collective under us
                 log.warning("rank 0 stopped in wave %d after the fault: %s: %s", self._wave_no, type(e).__name__, e)
             else:
