@@ -309,15 +309,18 @@ class BlockPipeline:
         self._wait_next = (j + 1) % len(self._wait_ring)
 
     def collect_waits(self) -> None:
-        """Fold completed wait timings into the stats (non-blocking)."""
-        still = []
-        for j in self._wait_pending:
+        """Fold completed wait timings into the stats (non-blocking). Pairs complete in the order
+        they were recorded on the compute stream, so the scan stops at the first one in flight."""
+        pending = self._wait_pending
+        done = 0
+        for j in pending:
             sec = self.platform.elapsed_seconds(*self._wait_ring[j])
             if sec is None:
-                still.append(j)
-            else:
-                self.stats.gather_wait_seconds += sec
-        self._wait_pending = still
+                break
+            self.stats.gather_wait_seconds += sec
+            done += 1
+        if done:
+            del pending[:done]
 
     def after_block(self) -> None:
         self.platform.record(self.free[self._running], self.compute_stream)
