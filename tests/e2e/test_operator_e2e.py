@@ -51,7 +51,8 @@ def example(model: Path, port: int) -> tuple[dict, dict]:
     spec["replicas"] = 1
     spec["devicesPerNode"] = 2
     spec["engine"]["device"] = "cpu"
-    spec["engine"]["args"] = ["--small-limits"]
+    # A stalled rank fails the request with 503 within a minute instead of hanging the test.
+    spec["engine"]["args"] = ["--small-limits", "--progress-timeout", "60"]
     spec["service"]["port"] = port
     for obj in (secret, res):
         obj["metadata"]["namespace"] = NS
@@ -115,6 +116,9 @@ async def test_custom_resource_to_served_image_and_back(tiny_model, tmp_path):
             await cluster.wait(lambda: all(p.returncode is not None for p in processes), timeout=40,
                                what="engine processes stopped")
             assert cluster.get(KIND, NS, "wan", API_VERSION) is None
+        except BaseException:
+            print(f"---- pod wan-0 logs ----\n{kubelet.logs('wan-0')[-8000:]}")  # shown with the failure
+            raise
         finally:
             await kubelet.stop()
             kubelet_task.cancel()
