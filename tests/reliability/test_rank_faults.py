@@ -21,13 +21,13 @@ from tests.engine.serving_helpers import tiny_pipeline
 pytestmark = pytest.mark.slow
 
 PROGRESS_TIMEOUT = 3.0
-LONG = {"prompt": "a long one", "size": "128x128", "num_inference_steps": 400, "seed": 5}
+LONG = {"prompt": "a long one", "size": "128x128", "num_inference_steps": 1200, "seed": 5}
 
 
 @pytest.fixture(scope="module")
 def long_limits(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("limits") / "limits.json"
-    path.write_text(json.dumps({"max_steps": 400, "max_width": 128, "max_height": 128, "max_sequence_length": 32}))
+    path.write_text(json.dumps({"max_steps": 1200, "max_width": 128, "max_height": 128, "max_sequence_length": 32}))
     return path
 
 
