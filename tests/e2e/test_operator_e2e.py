@@ -117,7 +117,10 @@ async def test_custom_resource_to_served_image_and_back(tiny_model, tmp_path):
                                what="engine processes stopped")
             assert cluster.get(KIND, NS, "wan", API_VERSION) is None
         except BaseException:
-            print(f"---- pod wan-0 logs ----\n{kubelet.logs('wan-0')[-8000:]}")  # shown with the failure
+            # Shown with the failure: what the pod printed, what the kubelet saw, what the operator did.
+            print(f"---- pod wan-0 logs ----\n{kubelet.logs('wan-0')[-8000:]}")
+            print(f"---- kubelet failures: {kubelet.failures}; pods: {[p['metadata']['uid'] for p in cluster.objects('Pod', NS)]}")
+            print(f"---- events: {[(e['reason'], e['message']) for e in cluster.events_all()]}")
             raise
         finally:
             await kubelet.stop()

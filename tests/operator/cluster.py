@@ -203,13 +203,15 @@ class Cluster:
             if o.get("kind") == kind and (namespace is None or o["metadata"].get("namespace") == namespace)
         ]
 
-    def events(self, reason: str) -> list[dict[str, Any]]:
+    def events_all(self) -> list[dict[str, Any]]:
         # kopf posts events without apiVersion/kind: find them by resource.
         return [
-            obj.raw
-            for (resource, _, _), obj in self.emulator.objects.items()
-            if resource.plural == "events" and not obj.deleted and obj.raw.get("reason") == reason
+            obj.raw for (resource, _, _), obj in self.emulator.objects.items()
+            if resource.plural == "events" and not obj.deleted
         ]
+
+    def events(self, reason: str) -> list[dict[str, Any]]:
+        return [e for e in self.events_all() if e.get("reason") == reason]
 
     async def wait(self, predicate: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
         deadline = asyncio.get_running_loop().time() + timeout
