@@ -10,6 +10,8 @@ import pytest
 
 from tests.engine.serving_helpers import offline_env
 
+pytestmark = pytest.mark.slow  # subprocesses that import torch and diffusers
+
 
 @pytest.mark.parametrize("family", ["wan", "flux"])
 def test_make_tiny_model_writes_a_pipeline_diffusers_loads_offline_and_runs(tmp_path, family):
