@@ -62,6 +62,15 @@ def _read_text(path: Path) -> str | None:
         return None
 
 
+def _exists(path: Path, *, directory: bool = False) -> bool:
+    """`Path.exists`/`is_dir` that answer False (unknown) instead of raising on EACCES and the like."""
+    try:
+        return path.is_dir() if directory else path.exists()
+    except OSError as e:
+        log.debug("unreadable path=%s error=%s", path, e)
+        return False
+
+
 def _read_int(path: Path) -> int | None:
     text = _read_text(path)
     if text is None:
@@ -128,7 +137,7 @@ class CgroupFS:
 
     def __init__(self, cgroup_root: Path | str = "/sys/fs/cgroup"):
         self.root = Path(cgroup_root)
-        if (self.root / "memory" / "memory.usage_in_bytes").exists():
+        if _exists(self.root / "memory" / "memory.usage_in_bytes"):
             self.version: int | None = 1
             self.memory_root = self.root / "memory"
         elif "memory" in (_read_text(self.root / "cgroup.controllers") or "").split():
@@ -143,8 +152,8 @@ class CgroupFS:
         if self.version is None:
             return None
         d = self.memory_root / rel.strip("/")
-        if not d.is_dir():
-            return None
+        if not _exists(d, directory=True):
+            return None  # gone, or a directory this reader may not search
         if self.version == 1:
             return self._read_v1(d, rel)
         return self._read_v2(d, rel)
@@ -183,9 +192,17 @@ class CgroupFS:
             except OSError:
                 return None
             for child in children:
-                v = _read_int(child / "memory.current")
-                if v is not None:
-                    total, seen = total + v, True
+                current = child / "memory.current"
+                try:
+                    current.stat()
+                except (FileNotFoundError, NotADirectoryError):
+                    continue  # no memory controller there
+                except OSError:
+                    return None
+                v = _read_int(current)
+                if v is None:
+                    return None  # present but unreadable: a partial sum would inflate the estimate
+                total, seen = total + v, True
             return total if seen else None
         return None
 
