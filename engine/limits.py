@@ -32,6 +32,9 @@ class Limits(BaseModel):
     video_fps: int = Field(16, ge=1, le=120, description="frames per second of generated videos")
     default_size: str = Field("1024x1024", pattern=r"^\d+x\d+$", description="size when a request gives none")
     default_video_size: str = Field("832x480", pattern=r"^\d+x\d+$", description="video size when none is given")
+    max_body_bytes: int = Field(
+        1024 * 1024, ge=1024, description="largest request body; larger ones get 413 before any of it is parsed"
+    )
 
     @classmethod
     def load(cls, path: Path | str | None = None, base: "Limits | None" = None, **overrides: object) -> "Limits":
@@ -52,5 +55,6 @@ class Limits(BaseModel):
 SMALL = Limits(
     max_width=128, max_height=128, max_steps=4, default_steps=2, max_n=2, max_frames=9,
     max_prompt_chars=200, max_sequence_length=32, video_fps=2, default_size="64x64", default_video_size="64x64",
+    max_body_bytes=64 * 1024,
 )
 """The small profile tests and the demo use."""

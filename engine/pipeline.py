@@ -142,7 +142,7 @@ class ServingPipeline:
     """
 
     def __init__(self, model_dir: Path | str, *, mode: str, device: Any, group: Any = None,
-                 max_sequence_length: int = 512, resident_blocks: int = 0):
+                 max_sequence_length: int = 512, resident_blocks: int = 0, weights: str = "auto"):
         import diffusers
         import torch
 
@@ -156,7 +156,7 @@ class ServingPipeline:
         self.steps_done = 0  # denoising steps of the running request (read by the progress reporter)
         t0 = time.perf_counter()
         self.model = dlo.engine.load(Path(model_dir) / "transformer", mode=mode, device=self.device, group=group,
-                                     resident_blocks=resident_blocks)
+                                     resident_blocks=resident_blocks, weights=weights)  # type: ignore[arg-type]
         compute_dtype = next(p.dtype for p in self.model.module.parameters() if p.is_floating_point())
         cls = getattr(diffusers, self.facts.pipeline_class)
         # The VAE's output becomes the image bytes: it stays float32 whatever the transformer runs in.

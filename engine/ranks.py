@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 CONFIG_ENV = "DLO_RANK_CONFIG"
 RANK_ENV = "DLO_RANK"
 AUTHKEY_ENV = "DLO_CONTROL_AUTHKEY"
+# Rank 0 alone answers HTTP: the children never see the API key, not even in their environment.
+API_KEY_ENV = "DLO_API_KEY"
 
 
 class WaveError(RuntimeError):
@@ -66,6 +68,7 @@ class RankConfig:
     cpu_threads: int = 1
     resident_blocks: int = 0
     collective_timeout_s: float = 1800.0
+    weights: str = "auto"  # auto | arena | registered (dlo.engine.load's host source of block bytes)
 
 
 def free_port() -> int:
@@ -145,7 +148,7 @@ def init_rank(cfg: RankConfig, rank: int) -> Any:
         timeout=timedelta(seconds=cfg.collective_timeout_s),
     )
     return ServingPipeline(cfg.model_dir, mode=cfg.mode, device=device, max_sequence_length=cfg.max_sequence_length,
-                           resident_blocks=cfg.resident_blocks)
+                           resident_blocks=cfg.resident_blocks, weights=cfg.weights)
 
 
 def run_assignment(pipe: Any, mode: str, mine: dict | None, wave_gen: dict) -> dict:
@@ -282,7 +285,8 @@ class RankGroup:
         """Spawn ranks 1..dp-1. Call from the main thread: Linux sends the parent-death signal when
         the *thread* that forked a child exits, so a short-lived thread would kill the children."""
         self._listener = Listener(("127.0.0.1", self.cfg.control_port), authkey=self._authkey)
-        env = dict(os.environ, **{CONFIG_ENV: json.dumps(asdict(self.cfg)), AUTHKEY_ENV: self._authkey.hex()})
+        env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+        env.update({CONFIG_ENV: json.dumps(asdict(self.cfg)), AUTHKEY_ENV: self._authkey.hex()})
         for st in self.ranks[1:]:
             st.proc = subprocess.Popen([sys.executable, "-m", "dlo.engine.ranks"], env={**env, RANK_ENV: str(st.rank)})
             st.pid = st.proc.pid

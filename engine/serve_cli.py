@@ -55,6 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-threads", type=int, default=1,
                         help="intra-op threads per rank on cpu (fixed so results do not depend on dp)")
     parser.add_argument("--resident-blocks", type=int, default=0, help="blocks kept on the device (not streamed)")
+    parser.add_argument("--weights", choices=("auto", "arena", "registered"), default="auto",
+                        help="host source of block bytes: registered (the page cache itself, read in place; DMA-"
+                             "registered on cuda), arena (one pinned copy of this rank's shards), auto (registered "
+                             "where the platform allows it, else the arena; on cpu the arena)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     parser.epilog = (
         "Example: `dlo make-tiny-model /tmp/tiny --family wan` then `dlo serve /tmp/tiny --dp 2 --mode allgather "
@@ -171,6 +175,7 @@ def main(args: argparse.Namespace) -> int:
         model_dir=str(model_dir), mode=mode, device=device, dp=dp, master_port=free_port(), control_port=free_port(),
         max_sequence_length=limits.max_sequence_length, cpu_threads=args.cpu_threads,
         resident_blocks=args.resident_blocks, collective_timeout_s=max(1800.0, 4 * args.progress_timeout),
+        weights=args.weights,
     )
     engine = Engine(cfg, limits=limits, facts=facts, model_id=args.served_model_name or model_dir.name,
                     progress_timeout_s=args.progress_timeout, max_queue=args.max_queue,

@@ -3,19 +3,23 @@
 Routes: `POST /v1/images/generations`, `POST /v1/videos` (JSON or multipart/form-data, as the
 official SDK sends it), `GET /v1/videos/{id}`, `GET /v1/videos/{id}/content`, `GET /v1/models`,
 `/health`, `/ready`, `/metrics`. Errors use OpenAI's body `{"error": {message, type, param, code}}`:
-400 invalid fields (FastAPI's 422 included), 401 wrong key, 404 unknown model or video, 429 queue
-full, 503 not ready or after a rank failure.
-Must never: answer a client's malformed input with a 5xx, or compare API keys in variable time.
+400 invalid fields (FastAPI's 422 included), 401 wrong key, 404 unknown model or video, 413 body
+over `Limits.max_body_bytes` (refused before any of it is parsed), 429 queue full, 503 not ready or
+after a rank failure.
+Must never: answer a client's malformed input with a 5xx, hold more than the body limit of any one
+request in memory, or compare API keys in variable time.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import hmac
+import json
 import logging
 import time
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -52,6 +56,63 @@ def _error(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
+class BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` gets 413 before any of it is parsed.
+
+    A declared Content-Length over the limit is refused without reading a byte of the body. Any
+    other body (chunked included) is read here, counted as it arrives, refused the moment it passes
+    the limit, and otherwise handed on unchanged: no request holds more than the limit in memory.
+    """
+
+    def __init__(self, app: Any, max_bytes: int, on_reject: Callable[[dict], None]):
+        self.app, self.max_bytes, self.on_reject = app, max_bytes, on_reject
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self._reject(scope, send)
+            return
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left mid-body: nobody to answer
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._reject(scope, send)
+                return
+            more = message.get("more_body", False)
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _reject(self, scope: dict, send: Callable) -> None:
+        self.on_reject(scope)
+        err = ApiError(413, f"the request body exceeds this server's limit of {self.max_bytes} bytes",
+                       code="body_too_large")
+        body = json.dumps(err.body()).encode()
+        await send({"type": "http.response.start", "status": 413, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _digest(key: bytes) -> bytes:
+    """Keys are compared as digests: equal length, so the comparison time says nothing about the key."""
+    return hashlib.sha256(key).digest()
+
+
 def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -65,7 +126,7 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
         version="1",
         lifespan=lifespan,
     )
-    expected = api_key.encode() if api_key else None
+    expected = _digest(api_key.encode()) if api_key else None
 
     @app.middleware("http")
     async def auth_and_metrics(request: Request, call_next: Any) -> Response:
@@ -74,7 +135,7 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
         if expected is not None and path.startswith("/v1/"):
             header = request.headers.get("authorization", "")
             given = header[7:].encode() if header[:7].lower() == "bearer " else b""
-            if not hmac.compare_digest(given, expected):
+            if not hmac.compare_digest(_digest(given), expected):
                 response: Response = _error(ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)",
                                                      code="invalid_api_key"))
                 _count(request, response, t0)
@@ -95,6 +156,12 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
         engine.metrics.requests.labels(endpoint, str(response.status_code)).inc()
         if request.method == "POST":
             engine.metrics.request_duration.labels(endpoint).observe(time.perf_counter() - t0)
+
+    def _count_rejected(scope: dict) -> None:
+        engine.metrics.requests.labels(_endpoint(Request(scope)), "413").inc()
+
+    # outermost of our middleware: an oversized body never reaches authentication or parsing
+    app.add_middleware(BodyLimit, max_bytes=engine.limits.max_body_bytes, on_reject=_count_rejected)
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, e: ApiError) -> JSONResponse:
