@@ -1,5 +1,6 @@
-"""Rank faults in `dlo serve`: a killed or stalled rank fails its wave with 503 within the progress
-timeout, the server turns unhealthy and exits non-zero, and nothing is left behind (processes,
+"""Rank faults in `dlo serve`: a killed or stalled child rank fails its wave and the queue with 503
+within the progress timeout, the server turns unhealthy and exits non-zero; a killed rank 0 closes
+its clients' connections and takes its children with it. Nothing is left behind (processes,
 /dev/shm segments). A long wave that keeps progressing is never cut."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import requests
 
 from dlo.engine.launch import ServerProcess
 from tests.engine.serving_helpers import tiny_pipeline
+from tests.reliability.figures import record
 
 pytestmark = pytest.mark.slow
 
@@ -75,11 +77,29 @@ def test_a_wave_longer_than_the_progress_timeout_completes(tmp_path_factory, tmp
         assert took > PROGRESS_TIMEOUT, f"the request took {took:.1f} s: too short to prove anything"
         assert requests.get(srv.url + "/health").status_code == 200
     assert srv.proc is not None and srv.proc.returncode == 0
+    record("long_wave", steps=LONG["num_inference_steps"], seconds=round(took, 2), progress_timeout_s=PROGRESS_TIMEOUT,
+           status=r.status_code)
 
 
-@pytest.mark.parametrize("fault", ["kill", "stall"])
-def test_rank_fault_fails_the_wave_with_503_and_the_server_exits_cleanly(tmp_path_factory, tmp_path, long_limits,
-                                                                          fault):
+FAULTS = {
+    # victim, signal: a child rank killed or stalled mid-wave, or rank 0 itself killed mid-wave
+    "rank1-kill": (1, signal.SIGKILL),
+    "rank1-stall": (1, signal.SIGSTOP),
+    "rank0-kill": (0, signal.SIGKILL),
+}
+
+
+def _gone(procs: list[psutil.Process]) -> bool:
+    return not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs)
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_rank_fault_answers_every_request_and_leaves_nothing_behind(tmp_path_factory, tmp_path, long_limits, fault):
+    """Two requests run as one wave and two more wait in the queue when a rank fails. A child rank's
+    death or stall: all four get a 503 naming the rank, within the progress timeout, and the server
+    exits non-zero. Rank 0's death: all four clients see their connection close and the child rank
+    dies with it. Either way no process and no /dev/shm segment survives."""
+    victim_rank, sig = FAULTS[fault]
     shm_before = _shm()
     srv = _server(tmp_path_factory, tmp_path, long_limits)
     srv.start()
@@ -87,35 +107,57 @@ def test_rank_fault_fails_the_wave_with_503_and_the_server_exits_cleanly(tmp_pat
     try:
         server = psutil.Process(srv.proc.pid)
         tree = [server, *server.children(recursive=True)]
-        ranks = [p for p in tree if p.pid != srv.proc.pid]
-        assert len(ranks) == 1, f"expected one child rank, found {[p.cmdline() for p in ranks]}"
-        victim = ranks[0]
-        thread, out = _post_in_thread(srv, LONG)
+        children = [p for p in tree if p.pid != srv.proc.pid]
+        assert len(children) == 1, f"expected one child rank, found {[p.cmdline() for p in children]}"
+        victim = server if victim_rank == 0 else children[0]
+        posts = [_post_in_thread(srv, {**LONG, "seed": i}) for i in range(4)]
         _wait_for_steps(srv, srv.proc.pid)
-        assert "status" not in out, f"the long request finished before the fault: {out}"
+        assert not any("status" in out for _, out in posts), f"a request finished before the fault: {posts}"
+        in_flight = requests.get(srv.url + "/metrics", timeout=5).text
+        assert "dlo_queue_depth 2.0" in in_flight, "expected two requests running and two queued"
         t_fault = time.monotonic()
-        victim.send_signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
-        thread.join(60)
-        assert not thread.is_alive(), "the request hung after the fault"
-        assert out["status"] == 503, out
-        err = out["body"]["error"]
-        assert "rank 1" in err["message"] and err["code"] == "engine_failed", err
-        if fault == "stall":
-            assert "no progress" in err["message"]
-        assert out["at"] - t_fault < PROGRESS_TIMEOUT + 5, f"503 came {out['at'] - t_fault:.1f} s after the fault"
-        # unhealthy until it exits, and it exits non-zero
-        health = None
-        try:
-            health = requests.get(srv.url + "/health", timeout=5).status_code
-        except requests.ConnectionError:
-            pass  # already gone
-        assert health in (None, 503)
-        assert srv.wait_exit(timeout=30) != 0
+        victim.send_signal(sig)
+        for thread, _ in posts:
+            thread.join(60)
+        assert not any(thread.is_alive() for thread, _ in posts), "a request hung after the fault"
+        outs = [out for _, out in posts]
+        if victim_rank == 0:
+            assert all(out["status"] is None for out in outs), outs  # the connection closed under them
+            assert srv.wait_exit(timeout=10) == -signal.SIGKILL
+            t_exit = time.monotonic()
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not _gone(children):
+                time.sleep(0.05)
+            assert _gone(children), "the child rank outlived rank 0"
+            t_children = time.monotonic()
+        else:
+            for out in outs:
+                assert out["status"] == 503, out
+                err = out["body"]["error"]
+                assert "rank 1" in err["message"] and err["code"] == "engine_failed", err
+                if sig == signal.SIGSTOP:
+                    assert "no progress" in err["message"]
+            # unhealthy until it exits, and it exits non-zero
+            health = None
+            try:
+                health = requests.get(srv.url + "/health", timeout=5).status_code
+            except requests.ConnectionError:
+                pass  # already gone
+            assert health in (None, 503)
+            assert srv.wait_exit(timeout=30) not in (0, None)
+            t_exit = t_children = time.monotonic()
+        answer_s = max(out["at"] for out in outs) - t_fault
+        assert answer_s < PROGRESS_TIMEOUT + 5, f"the last answer came {answer_s:.1f} s after the fault"
     finally:
         srv.stop(timeout=5)
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in tree):
+    while time.monotonic() < deadline and not _gone(tree):
         time.sleep(0.1)
     left = [p.pid for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not left, f"orphan processes: {left}"
     assert _shm() - shm_before == set(), "leaked /dev/shm segments"
+    record("rank_fault", fault=fault, requests_in_flight=len(outs), running=2, queued=2,
+           answered_503=sum(out["status"] == 503 for out in outs),
+           connection_closed=sum(out["status"] is None for out in outs),
+           seconds_to_last_answer=round(answer_s, 2), seconds_to_server_exit=round(t_exit - t_fault, 2),
+           seconds_to_children_gone=round(t_children - t_fault, 2), progress_timeout_s=PROGRESS_TIMEOUT)
