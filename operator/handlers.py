@@ -23,6 +23,9 @@ from dlo.operator.models import GROUP, PLURAL, VERSION, DLODeploymentSpec, SpecE
 
 STATUS_INTERVAL_ENV = "DLO_OPERATOR_STATUS_INTERVAL"
 STATUS_INTERVAL = float(os.environ.get(STATUS_INTERVAL_ENV, "15"))
+# A failed reconcile (an API error, a timeout) is retried after one status interval, not after
+# kopf's default minute: a transient 500 must not hold a rollout or a status refresh that long.
+RETRY_BACKOFF = STATUS_INTERVAL
 RESOURCE = (GROUP, VERSION, PLURAL)
 # Fields a spec change can make absent, which a merge-patch would otherwise leave behind.
 PRUNE = {"StatefulSet": (("spec", "updateStrategy", "rollingUpdate"),)}
@@ -42,14 +45,14 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         memo.kube = Kube.from_environment()
 
 
-@kopf.on.resume(*RESOURCE)
-@kopf.on.create(*RESOURCE)
-@kopf.on.update(*RESOURCE, field="spec")
+@kopf.on.resume(*RESOURCE, backoff=RETRY_BACKOFF)
+@kopf.on.create(*RESOURCE, backoff=RETRY_BACKOFF)
+@kopf.on.update(*RESOURCE, field="spec", backoff=RETRY_BACKOFF)
 def on_change(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
     reconcile(memo.kube, body, patch)
 
 
-@kopf.timer(*RESOURCE, interval=STATUS_INTERVAL, initial_delay=STATUS_INTERVAL / 2)
+@kopf.timer(*RESOURCE, interval=STATUS_INTERVAL, initial_delay=STATUS_INTERVAL / 2, backoff=RETRY_BACKOFF)
 def refresh(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
     reconcile(memo.kube, body, patch)
 

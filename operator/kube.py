@@ -31,6 +31,11 @@ PLURALS = {
     "CustomResourceDefinition": "customresourcedefinitions",
 }
 CLUSTER_SCOPED = {"Node", "CustomResourceDefinition"}
+USER_AGENT = "dlo-operator"
+# Seconds one API call may take (connect + read). Without a bound, an API server that stops
+# answering mid-request would hold a handler thread forever and the resource would never reconcile
+# again; with it the call fails, the handler fails, and kopf (or the next timer round) retries.
+REQUEST_TIMEOUT_S = 30.0
 
 
 class KubeError(RuntimeError):
@@ -61,8 +66,10 @@ def contains(actual: Any, desired: Any) -> bool:
 
 
 class Kube:
-    def __init__(self, api_client: kubernetes.client.ApiClient) -> None:
+    def __init__(self, api_client: kubernetes.client.ApiClient, timeout: float = REQUEST_TIMEOUT_S) -> None:
         self._api = api_client
+        self._api.user_agent = USER_AGENT  # the operator's own calls, recognisable in audit logs
+        self.timeout = timeout
 
     @classmethod
     def from_environment(cls) -> Kube:
@@ -75,9 +82,9 @@ class Kube:
         return cls(kubernetes.client.ApiClient(config))
 
     @classmethod
-    def for_url(cls, url: str) -> Kube:
+    def for_url(cls, url: str, timeout: float = REQUEST_TIMEOUT_S) -> Kube:
         config = kubernetes.client.Configuration(host=url.rstrip("/"))
-        return cls(kubernetes.client.ApiClient(config))
+        return cls(kubernetes.client.ApiClient(config), timeout)
 
     def request(
         self, method: str, path: str, body: Any = None, content_type: str = "application/json", query: list | None = None
@@ -88,7 +95,7 @@ class Kube:
         m, url, hdrs, data, post = self._api.param_serialize(
             method, path, query_params=query or [], header_params=headers, body=body, auth_settings=["BearerToken"]
         )
-        response = self._api.call_api(m, url, hdrs, data, post)
+        response = self._api.call_api(m, url, hdrs, data, post, _request_timeout=self.timeout)
         raw = response.read()
         payload = json.loads(raw) if raw else None
         if response.status >= 400:

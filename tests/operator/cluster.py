@@ -168,12 +168,46 @@ class StatefulSetController:
             await asyncio.sleep(0.1)
 
 
-class Cluster:
-    """The emulator, a client for the test, and the operator's thread."""
+TEST_CLIENT_AGENT = "dlo-tests"  # the test's own requests, told apart from the operator's
 
-    def __init__(self, emulator: Emulator) -> None:
+
+class Cluster:
+    """The emulator, a client for the test, and the operator's thread (stop and start it again
+    to play an operator restart)."""
+
+    def __init__(self, emulator: Emulator, kube_timeout: float | None = None) -> None:
         self.emulator = emulator
         self.kube = Kube.for_url(str(emulator.url))
+        self.kube._api.user_agent = TEST_CLIENT_AGENT
+        self.kube_timeout = kube_timeout
+        self.failures: list[BaseException] = []
+        self._operator: tuple[threading.Thread, threading.Event] | None = None
+
+    def start_operator(self) -> None:
+        assert self._operator is None, "the operator runs already"
+        stop = threading.Event()
+        timeout = {} if self.kube_timeout is None else {"timeout": self.kube_timeout}
+        memo = kopf.Memo(kube=Kube.for_url(str(self.emulator.url), **timeout))
+
+        def operate() -> None:
+            try:
+                kopf.run(standalone=True, clusterwide=True, stop_flag=stop, memo=memo)
+            except BaseException as e:  # surfaced by running_cluster
+                self.failures.append(e)
+
+        thread = threading.Thread(target=operate, name="operator", daemon=True)
+        thread.start()
+        self._operator = (thread, stop)
+
+    async def stop_operator(self) -> None:
+        """Stop the operator and wait for its thread, serving its last requests meanwhile."""
+        if self._operator is None:
+            return
+        thread, stop = self._operator
+        stop.set()
+        while thread.is_alive():
+            await asyncio.sleep(0.1)
+        self._operator = None
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         # The emulator serves on this loop: blocking client calls go to a thread.
@@ -237,9 +271,14 @@ class Cluster:
 
 @contextlib.asynccontextmanager
 async def running_cluster(with_statefulset_controller: bool = True, ready_when: Callable[[dict], bool] | None = None,
-                          with_operator: bool = True) -> AsyncIterator[Cluster]:
-    """kmock + GC (+ StatefulSet controller) on this loop, (+ the operator in a thread)."""
-    emulator = Emulator()
+                          with_operator: bool = True, emulator: Emulator | None = None,
+                          kube_timeout: float | None = None) -> AsyncIterator[Cluster]:
+    """kmock + GC (+ StatefulSet controller) on this loop, (+ the operator in a thread).
+
+    `emulator`: an `Emulator` (subclass) to serve, e.g. one that injects faults;
+    `kube_timeout`: the operator client's per-request timeout (default: the operator's own).
+    """
+    emulator = emulator if emulator is not None else Emulator()
     emulator.resources.load_bundled()
     emulator.resources[f"{GROUP}/{VERSION}/{PLURAL}"] = kmock.ResourceInfo(
         kind=KIND, singular=SINGULAR, namespaced=True, shortnames={"dlod"},
@@ -248,39 +287,22 @@ async def running_cluster(with_statefulset_controller: bool = True, ready_when: 
     )
     async with emulator, kmock.Server(emulator):
         _LOGIN["url"] = str(emulator.url)
-        cluster = Cluster(emulator)
+        cluster = Cluster(emulator, kube_timeout)
         tasks = [asyncio.create_task(collect_garbage(emulator))]
         if with_statefulset_controller:
             tasks.append(asyncio.create_task(StatefulSetController(emulator, ready_when).run()))
-        stop = threading.Event()
-        failure: list[BaseException] = []
-
-        def operate() -> None:
-            try:
-                kopf.run(
-                    standalone=True,
-                    clusterwide=True,
-                    stop_flag=stop,
-                    memo=kopf.Memo(kube=Kube.for_url(str(emulator.url))),
-                )
-            except BaseException as e:  # surfaced by the fixture below
-                failure.append(e)
-
-        thread = threading.Thread(target=operate, name="operator", daemon=True)
         if with_operator:
-            thread.start()
+            cluster.start_operator()
         try:
             yield cluster
         finally:
-            stop.set()
-            while thread.is_alive():  # keep serving kopf's last requests while it stops
-                await asyncio.sleep(0.1)
+            await cluster.stop_operator()  # keep serving kopf's last requests while it stops
             for task in tasks:
                 task.cancel()
             results = await asyncio.gather(*tasks, return_exceptions=True)
-            failure += [r for r in results if isinstance(r, Exception)]  # the emulated controllers
-        if failure:
-            raise failure[0]
+            cluster.failures += [r for r in results if isinstance(r, Exception)]  # the emulated controllers
+        if cluster.failures:
+            raise cluster.failures[0]
 
 
 def dlodeployment(name: str, namespace: str, spec: dict[str, Any]) -> dict[str, Any]:
