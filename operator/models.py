@@ -9,6 +9,7 @@ Must never: talk to the API server or import torch.
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -122,12 +123,19 @@ _ROLLOUT_RULE = (
 )
 
 
+# 1% to 100%: "0%" would be a rollout that never moves. In the CRD as `pattern` (strings) and
+# `minimum` (integers) on the int-or-string field: plain schema checks, no CEL cost.
+_PERCENT = r"^([1-9][0-9]?|100)%$"
+
+
 class RolloutSpec(_Model):
     model_config = ConfigDict(json_schema_extra=_rules(_ROLLOUT_RULE))
 
     type: Literal["Recreate", "RollingUpdate"] = "Recreate"
     max_unavailable: int | str | None = Field(
-        None, description="pods (or a percentage) down at once during a RollingUpdate; never surges"
+        None,
+        description="pods (or a percentage) down at once during a RollingUpdate; never surges",
+        json_schema_extra={"minimum": 1, "pattern": _PERCENT},
     )
 
     @model_validator(mode="after")
@@ -136,10 +144,8 @@ class RolloutSpec(_Model):
             raise ValueError(_ROLLOUT_RULE[1])
         if isinstance(self.max_unavailable, int) and self.max_unavailable < 1:
             raise ValueError("rollout.maxUnavailable must be at least 1")
-        if isinstance(self.max_unavailable, str) and not (
-            self.max_unavailable.endswith("%") and self.max_unavailable[:-1].isdigit()
-        ):
-            raise ValueError("rollout.maxUnavailable must be an integer or a percentage like '25%'")
+        if isinstance(self.max_unavailable, str) and not re.fullmatch(_PERCENT, self.max_unavailable):
+            raise ValueError("rollout.maxUnavailable must be an integer or a percentage from 1% to 100% like '25%'")
         return self
 
 
@@ -205,7 +211,8 @@ class DLODeploymentStatus(_Model):
 def parse_spec(spec: dict[str, Any]) -> DLODeploymentSpec:
     """Validate a spec as the API server would (schema and CEL rules); raise SpecError naming fields."""
     try:
-        return DLODeploymentSpec.model_validate(spec)
+        # strict: no coercion the API server would not do ("3" is not an integer, "yes" no boolean)
+        return DLODeploymentSpec.model_validate(spec, strict=True)
     except ValidationError as e:
         problems = []
         for err in e.errors():
