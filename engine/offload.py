@@ -296,9 +296,10 @@ class BlockPipeline:
         """Rule 3 with timing events around it; a slot whose pair is still in flight goes untimed."""
         p, cs = self.platform, self.compute_stream
         j = self._wait_next
-        if j in self._wait_pending:
+        full = len(self._wait_ring)  # pending holds ring slots in order: full means j is pending
+        if len(self._wait_pending) == full:
             self.collect_waits()
-        if j in self._wait_pending:  # still in flight: skip timing rather than synchronise
+        if len(self._wait_pending) == full:  # still in flight: skip timing rather than synchronise
             p.wait(cs, self.ready[k])
             return
         start, end = self._wait_ring[j]
