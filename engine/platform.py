@@ -8,11 +8,10 @@ Must never: be imported without torch (it is engine-only), hide a failed pin (ca
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
 import logging
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -39,10 +38,6 @@ class Platform:
 
     def current_stream(self) -> Any:
         return None
-
-    @contextlib.contextmanager
-    def use_stream(self, stream: Any) -> Iterator[None]:
-        yield
 
     def set_stream(self, stream: Any) -> None:
         """Make `stream` current without a context manager (the hot path switches twice per block)."""
@@ -104,9 +99,6 @@ class CudaPlatform(Platform):
 
     def current_stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream()
-
-    def use_stream(self, stream: Any):  # type: ignore[override]
-        return torch.cuda.stream(stream)
 
     def set_stream(self, stream: torch.cuda.Stream) -> None:
         # torch.cuda.stream()'s context manager costs ~10 us per switch in Python; this is the
@@ -189,9 +181,6 @@ class NpuPlatform(CudaPlatform):
 
     def current_stream(self) -> Any:
         return self._npu.current_stream()
-
-    def use_stream(self, stream: Any):  # type: ignore[override]
-        return self._npu.stream(stream)
 
     def set_stream(self, stream: Any) -> None:
         self._npu.set_stream(stream)
