@@ -135,7 +135,8 @@ class CudaPlatform(Platform):
         err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_READ_ONLY)
         if int(err) != 0:
             log.info("read-only registration refused err=%s bytes=%d: falling back to the arena", int(err), nbytes)
-            torch.cuda.cudart().cudaGetLastError() if hasattr(torch.cuda.cudart(), "cudaGetLastError") else None
+            # Clear the error so a later, unrelated CUDA check does not report it.
+            getattr(torch.cuda.cudart(), "cudaGetLastError", lambda: None)()
             return False
         return True
 
