@@ -48,6 +48,8 @@ Memory model (bytes; `M` model bytes, `g` ranks on the node):
   ceil(S / g) rounded up to 256 B, CONTRACTS.md section 4) plus non-block bytes; rank-local two
   slots of `S` plus non-block bytes. A mode fits the device when its weights take at most
   `1 - DEVICE_RESERVE_RATIO` of one device's memory (the rest: activations, allocator, comms).
+  A node without accelerators (CPU ranks) holds every rank's "device" weights in host RAM: they
+  count into the host total and the host budget is the device budget.
 
 Choice: resident when it fits the device; else the fastest mode that fits; near-ties (within
 `NEAR_TIE` of the fastest) go to rank-local, which couples no ranks. Nothing fits: `PolicyError`,
@@ -184,13 +186,15 @@ def estimate_modes(
     }
     framework = g * framework_bytes(m)
     host_budget = profile.host_memory_bytes - host_headroom_bytes
-    device_budget = profile.accelerator.memory_bytes * (1 - DEVICE_RESERVE_RATIO)
+    on_host = _devices_are_host(profile)
+    device_budget = host_budget if on_host else _device_budget(profile)
     out: dict[str, ModeEstimate] = {}
     for name in MODES:
         # Registered pinned memory is the page cache itself; an arena is a second copy.
         extra_pinned = 0 if registered else pinned[name]
         visible_pinned = 0 if invisible_pinned else extra_pinned
-        host_needed = m + extra_pinned + framework
+        # CPU ranks: "device" weights (slots, resident blocks) are host memory too, one set per rank.
+        host_needed = m + extra_pinned + framework + (g * device[name] if on_host else 0)
         out[name] = ModeEstimate(
             pinned_host_bytes=pinned[name],
             page_cache_bytes=m,
@@ -200,6 +204,15 @@ def estimate_modes(
             fits=times[name] is not None and host_needed <= host_budget and device[name] <= device_budget,
         )
     return out
+
+
+def _devices_are_host(profile: NodeProfile) -> bool:
+    """No accelerator: ranks compute in host memory, so "device" memory is host RAM."""
+    return profile.accelerator.vendor == "none" or profile.accelerator.memory_bytes == 0
+
+
+def _device_budget(profile: NodeProfile) -> float:
+    return profile.accelerator.memory_bytes * (1 - DEVICE_RESERVE_RATIO)
 
 
 def _block_time(
@@ -258,7 +271,10 @@ def choose_mode(
         return Decision(
             mode="resident",
             reason=(
-                f"the model ({_gb(model.bytes)}) fits one device "
+                f"the model ({_gb(model.bytes)}) fits host memory ({_gb(profile.host_memory_bytes)}) "
+                "on every rank: no offload needed"
+                if _devices_are_host(profile)
+                else f"the model ({_gb(model.bytes)}) fits one device "
                 f"({_gb(profile.accelerator.memory_bytes)}): no offload needed"
             ),
             estimates=est,
@@ -301,7 +317,7 @@ def _why_not(est: dict[str, ModeEstimate], name: str, profile: NodeProfile, head
     e = est[name]
     if e.block_seconds is None:
         return f"{name} has no collective path between the devices"
-    budget = profile.accelerator.memory_bytes * (1 - DEVICE_RESERVE_RATIO)
+    budget = profile.host_memory_bytes - headroom if _devices_are_host(profile) else _device_budget(profile)
     if e.device_weight_bytes > budget:
         return f"{name} needs {_gb(e.device_weight_bytes)} of weights per device, over {_gb(int(budget))}"
     return (

@@ -258,3 +258,15 @@ def test_properties_of_any_decision(
         assert chosen.block_seconds is not None
         assert chosen.block_seconds <= min(others) * 1.05 + 1e-12
     assert not math.isnan(chosen.block_seconds or 0.0)
+
+
+def test_cpu_node_uses_host_memory_as_device_memory() -> None:
+    # A node without accelerators (CPU ranks): a model that fits host RAM is resident, and every
+    # rank's device weights count into host memory.
+    cpu = node(vendor="none", count=0, device_memory=0, ram=24 * GB, coll=1 * GB, kind="none")
+    small = ModelProfile(bytes=1 * GB, largest_block_bytes=50_000_000, blocks=20)
+    assert choose_mode(cpu, small, dp=2).mode == "resident"
+    big = ModelProfile(bytes=9 * GB, largest_block_bytes=300_000_000, blocks=30)
+    d = choose_mode(cpu, big, dp=2, block_compute_seconds=0.01)
+    # resident would need 2 x 9 GB of rank copies beside 9 GB of page cache: over 24 GB
+    assert not d.estimates["resident"].fits and d.mode in ("rank_local", "allgather")
