@@ -108,9 +108,10 @@ def run(args: argparse.Namespace) -> dict:
         return res
 
     try:
-        # warm-up at the run's concurrency (capped so nothing meets the queue limit), every key on every
-        # rank: the first waves at full concurrency grow the allocators' pools once
-        with ThreadPoolExecutor(min(args.concurrency, args.max_queue + args.dp)) as pool:
+        # warm-up at the run's concurrency, capped at the queue limit (a finished client may resubmit
+        # before the next wave leaves the queue), every key on every rank: the first waves at full
+        # concurrency grow the allocators' pools once
+        with ThreadPoolExecutor(min(args.concurrency, args.max_queue)) as pool:
             warm = list(pool.map(call, range(args.requests, args.requests + args.warmup)))
         assert all(w["status"] == 200 for w in warm), f"warm-up failed: {warm}"
         answered[0] = 0
