@@ -18,6 +18,7 @@ import requests
 from dlo.engine.launch import ServerProcess
 from tests.engine.serving_helpers import tiny_pipeline
 from tests.reliability.figures import record
+from tests.reliability.procs import survivors
 
 pytestmark = pytest.mark.slow
 
@@ -111,8 +112,8 @@ def test_a_broken_checkpoint_is_refused_at_load_naming_file_and_key(tmp_path_fac
         reason = ""
         try:
             while srv.proc.poll() is None and time.monotonic() - t0 < 120:
-                tree += [p for p in tree[0].children(recursive=True) if p not in tree] if tree[0].is_running() else []
                 try:
+                    tree += [p for p in tree[0].children(recursive=True) if p not in tree]
                     r = requests.get(srv.url + "/ready", timeout=5)
                     readies.append(r.status_code)
                     reason = r.json().get("reason") or reason
@@ -130,10 +131,8 @@ def test_a_broken_checkpoint_is_refused_at_load_naming_file_and_key(tmp_path_fac
     assert "CheckpointError" in text and where in text, f"expected {where!r} in the log:\n{text[-3000:]}"
     if reason:  # /ready said why while it was still up
         assert where in reason, reason
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in tree):
-        time.sleep(0.1)
-    assert not [p.pid for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], "a rank survived"
+    assert len(tree) == 2, "the child rank was never seen"
+    assert not survivors(tree, 10), "a rank survived"
     message = next(line for line in text.splitlines() if where in line)
     record("checkpoint_fault", fault=fault, exit_code=code, seconds_to_exit=round(seconds, 2),
            ready_polls=len(readies), ready_200=readies.count(200), message=message.strip()[-240:])

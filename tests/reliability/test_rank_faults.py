@@ -19,6 +19,7 @@ import requests
 from dlo.engine.launch import ServerProcess
 from tests.engine.serving_helpers import tiny_pipeline
 from tests.reliability.figures import record
+from tests.reliability.procs import survivors
 
 pytestmark = pytest.mark.slow
 
@@ -89,10 +90,6 @@ FAULTS = {
 }
 
 
-def _gone(procs: list[psutil.Process]) -> bool:
-    return not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs)
-
-
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_rank_fault_answers_every_request_and_leaves_nothing_behind(tmp_path_factory, tmp_path, long_limits, fault):
     """Two requests run as one wave and two more wait in the queue when a rank fails. A child rank's
@@ -125,10 +122,7 @@ def test_rank_fault_answers_every_request_and_leaves_nothing_behind(tmp_path_fac
             assert all(out["status"] is None for out in outs), outs  # the connection closed under them
             assert srv.wait_exit(timeout=10) == -signal.SIGKILL
             t_exit = time.monotonic()
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and not _gone(children):
-                time.sleep(0.05)
-            assert _gone(children), "the child rank outlived rank 0"
+            assert not survivors(children, 10), "the child rank outlived rank 0"
             t_children = time.monotonic()
         else:
             for out in outs:
@@ -150,10 +144,7 @@ def test_rank_fault_answers_every_request_and_leaves_nothing_behind(tmp_path_fac
         assert answer_s < PROGRESS_TIMEOUT + 5, f"the last answer came {answer_s:.1f} s after the fault"
     finally:
         srv.stop(timeout=5)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not _gone(tree):
-        time.sleep(0.1)
-    left = [p.pid for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    left = survivors(tree, 10)
     assert not left, f"orphan processes: {left}"
     assert _shm() - shm_before == set(), "leaked /dev/shm segments"
     record("rank_fault", fault=fault, requests_in_flight=len(outs), running=2, queued=2,
