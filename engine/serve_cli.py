@@ -147,6 +147,7 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="rank0 %(levelname)s %(name)s %(message)s")
     import uvicorn
 
+    from dlo.engine.checkpoint import Checkpoint, CheckpointError
     from dlo.engine.limits import SMALL, Limits
     from dlo.engine.pipeline import PipelineFacts
     from dlo.engine.ranks import RankConfig, free_port
@@ -156,8 +157,14 @@ def main(args: argparse.Namespace) -> int:
     model_dir: Path = args.model_dir.resolve()
     try:
         facts = PipelineFacts.from_dir(model_dir)
+        # Headers, index and shard files, torch-free: most broken checkpoints are refused here, before
+        # any rank starts; dtypes and shapes are checked against the model when each rank loads.
+        Checkpoint(model_dir / "transformer")
         limits = Limits.load(args.limits, SMALL if args.small_limits else None, max_steps=args.max_steps,
                              max_width=args.max_size, max_height=args.max_size)
+    except CheckpointError as e:
+        print(f"dlo serve: refusing a broken checkpoint: CheckpointError: {e}", file=sys.stderr)
+        return 2
     except (ValueError, OSError) as e:
         print(f"dlo serve: {e}", file=sys.stderr)
         return 2
