@@ -33,7 +33,8 @@ INTERVAL = float(os.environ["DLO_OPERATOR_STATUS_INTERVAL"])  # 1 s under test (
 
 @dataclass
 class Fault:
-    """What happens to the next `times` requests of the operator's own client that match.
+    """What happens to the next `times` requests of the operator's own client that match
+    (`method`/`plural` "*": any).
 
     `status`: answer this error instead of applying the request; with `after_commit`, apply it
     and then answer the error (the answer was lost). `hang`: hold the request before applying it
@@ -53,9 +54,9 @@ class Fault:
         return (
             self.fired < self.times
             and request.resource is not None
-            and request.method.value == self.method
-            and request.resource.plural == self.plural
-            and request.subresource == self.subresource
+            and self.method in (request.method.value, "*")
+            and self.plural in (request.resource.plural, "*")
+            and (self.subresource == request.subresource or self.plural == "*")
             and request.headers.get("User-Agent", "").startswith(USER_AGENT)
         )
 
@@ -71,6 +72,11 @@ class FaultyEmulator(Emulator):
         if fault is None:
             return await super()._handle(request)
         fault.fired += 1
+        # Shielded: a request the client gave up on (its timeout) is still applied when released,
+        # like a write already on its way to storage.
+        return await asyncio.shield(asyncio.ensure_future(self._faulty(request, fault)))
+
+    async def _faulty(self, request: Any, fault: Fault) -> Any:
         if fault.hang:
             try:
                 await asyncio.wait_for(self.release.wait(), fault.hang)
@@ -198,6 +204,45 @@ async def test_a_hung_api_call_times_out_and_status_keeps_refreshing():
             emulator.release.set()
         seconds = time.monotonic() - started
     figure("hung_call", client_timeout_s=1.0, seconds_to_status_refresh=seconds)
+
+
+async def test_slow_api_every_operator_call_answered_late_still_converges():
+    slow = Fault("*", "*", status=None, hang=0.3, times=10_000)
+    async with running_cluster(emulator=make_emulator(slow), kube_timeout=5.0) as cluster:
+        seconds = await create_and_wait_ready(cluster, timeout=60)
+        assert_converged(cluster)
+        assert slow.fired >= 10
+    figure("slow_api", delay_per_call_s=0.3, calls_delayed=slow.fired, seconds_to_ready=seconds)
+
+
+async def test_late_stale_write_of_a_stopped_operator_is_undone():
+    # Operator A's patch of the StatefulSet to spec v2 is held by the API server past A's client
+    # timeout; A is replaced by B, the user moves on to v3 and B applies it; then the held v2
+    # write lands. B must restore v3 by itself.
+    async with running_cluster(emulator=make_emulator(), kube_timeout=2.0) as cluster:
+        emulator: FaultyEmulator = cluster.emulator  # type: ignore[assignment]
+        await create_and_wait_ready(cluster)
+        hung_patch = Fault("PATCH", "statefulsets", status=None, hang=600.0)
+        emulator.plan.append(hung_patch)
+        await cluster.patch_dlod(NS, "wan", {"spec": {"mode": "rank-local"}})  # v2
+        await cluster.wait(lambda: hung_patch.fired, what="operator A's hung patch")
+        await cluster.stop_operator()  # A gives up on its call after its timeout; the server still holds it
+        cluster.start_operator()
+        await cluster.patch_dlod(NS, "wan", {"spec": {"mode": "allgather"}})  # v3
+
+        def template_mode() -> str:
+            return cluster.get("StatefulSet", NS, "wan")["spec"]["template"]["metadata"]["annotations"][builders.MODE_ANNOTATION]
+
+        await cluster.wait(lambda: template_mode() == "allgather" and ready(cluster), timeout=30, what="v3 applied")
+        emulator.release.set()  # A's stale v2 patch lands now
+        await cluster.wait(lambda: template_mode() == "rank-local", timeout=10, what="the stale write")
+        landed = time.monotonic()
+        await cluster.wait(lambda: template_mode() == "allgather", timeout=10, what="v3 restored")
+        restored = time.monotonic() - landed
+        await cluster.wait(lambda: ready(cluster) and status_of(cluster).get("mode") == "allgather", timeout=30,
+                           what="Ready on v3")
+        assert_converged(cluster)
+    figure("stale_write", seconds_to_undo=restored)
 
 
 async def test_operator_restart_mid_reconcile_converges_to_the_same_objects():
