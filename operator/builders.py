@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from dlo.operator.models import DLODeploymentSpec, ModeName
+from dlo.operator.models import API_KEY_ENV, DLODeploymentSpec, ModeName
 
 PART_OF = "app.kubernetes.io/part-of"
 COMPONENT = "app.kubernetes.io/component"
@@ -130,7 +130,7 @@ def _env(spec: DLODeploymentSpec) -> list[dict[str, Any]]:
     ]
     if spec.engine.api_key_secret is not None:
         ref = spec.engine.api_key_secret
-        env.append({"name": "DLO_API_KEY", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+        env.append({"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
     return env + [dict(e) for e in spec.engine.env]
 
 

@@ -25,6 +25,7 @@ SHORT_NAMES = ["dlod"]
 CRD_NAME = f"{PLURAL}.{GROUP}"
 
 DEFAULT_IMAGE = "ghcr.io/dlo-dev/dlo:0.1.0"
+API_KEY_ENV = "DLO_API_KEY"  # the engine reads its API key from this variable
 ModeName = Literal["allgather", "rank-local", "resident"]
 SpecMode = Literal["auto", "allgather", "rank-local", "resident"]
 ENGINE_MODES: tuple[ModeName, ...] = ("allgather", "rank-local", "resident")
@@ -102,6 +103,16 @@ class EngineSpec(_Model):
     pin_memory_lock: bool = Field(
         False, description="grant IPC_LOCK (only when pinning must mlock beyond the memlock limit)"
     )
+
+    @model_validator(mode="after")
+    def _api_key_only_from_a_secret(self) -> EngineSpec:
+        # The one rule only the operator checks (env items are free-form in the CRD): a key set
+        # here would be written into the StatefulSet's pod template for anyone who reads it.
+        if any(e.get("name") == API_KEY_ENV for e in self.env):
+            raise ValueError(
+                f"engine.env must not set {API_KEY_ENV}: put the key in a Secret and name it in engine.apiKeySecret"
+            )
+        return self
 
 
 class WarmerSpec(_Model):

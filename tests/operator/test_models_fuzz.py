@@ -9,6 +9,9 @@ under strict field validation (kubectl's default): unknown fields are errors, an
 mutations that break one are checked to pass the schema, to carry the rule in the CRD, and to be
 refused by pydantic with the rule's own message.
 
+One rule is the operator's alone: `engine.env` may not set `DLO_API_KEY` (env items are
+free-form in the CRD); tests/reliability/test_privilege.py covers it.
+
 Invalid specs are made by mutating a random valid spec at a random place of the schema, with a
 violation chosen from what the schema says there (type, enum, minimum/maximum, minLength,
 pattern, unknown field), so new fields are fuzzed without changing this test.

@@ -31,7 +31,7 @@ from cluster import dlodeployment, live_objects, running_cluster  # noqa: E402
 from dlo.operator import builders  # noqa: E402
 from dlo.operator.builders import Owner  # noqa: E402
 from dlo.operator.kube import USER_AGENT  # noqa: E402
-from dlo.operator.models import ENGINE_MODES, parse_spec  # noqa: E402
+from dlo.operator.models import ENGINE_MODES, SpecError, parse_spec  # noqa: E402
 from test_chart import CHART, VALUES, by_kind, render  # noqa: E402
 from test_cli import dlo  # noqa: E402
 from test_handlers import NS, SPEC, add_gpu_nodes, condition, status_of  # noqa: E402
@@ -208,6 +208,15 @@ def test_builders_reference_the_api_key_secret_and_never_carry_a_value(case):
     assert keyed == [{"name": "DLO_API_KEY", "valueFrom": {"secretKeyRef": {"name": "wan-api", "key": "token"}}}]
     assert not any("api-key" in a or "api_key" in a for a in engine["command"] + engine.get("args", []))
     assert not any(o["kind"] == "Secret" for o in objs)
+
+
+@pytest.mark.parametrize("item", [{"name": "DLO_API_KEY", "value": KEY},
+                                  {"name": "DLO_API_KEY", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}],
+                         ids=["literal", "secret-ref"])
+def test_api_key_in_engine_env_is_refused_in_favour_of_api_key_secret(item):
+    with pytest.raises(SpecError, match=r"spec\.engine: .*must not set DLO_API_KEY.*engine\.apiKeySecret") as refused:
+        parse_spec({"model": {"path": "/m"}, "engine": {"env": [{"name": "OTHER", "value": "x"}, item]}})
+    assert KEY not in str(refused.value)
 
 
 def test_chart_renders_no_secret_and_no_key():
