@@ -189,6 +189,51 @@ def test_agent_extra_rights_are_exactly_those_the_readme_lists_and_justifies():
     for path in ("/proc", "/sys/fs/cgroup", "/sys"):
         assert path in host_paths.values() and f"`{path}`" in section
     assert "**read-only**" in section and "runs as root" in section
+    env = {e["name"]: e.get("value") for e in agent["env"]}
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "all" and env["NVIDIA_DRIVER_CAPABILITIES"] == "utility"
+    assert "`NVIDIA_VISIBLE_DEVICES=all`" in section and "`NVIDIA_DRIVER_CAPABILITIES=utility`" in section
+
+
+# Volume types the `restricted` Pod Security Standard allows.
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                      "projected", "secret"}
+
+
+def restricted_violations(pod: dict) -> list[str]:
+    """What keeps a pod spec from the `restricted` Pod Security Standard (the checks that apply)."""
+    out = [f"volume {v['name']}" for v in pod.get("volumes", []) if not set(v) - {"name"} <= RESTRICTED_VOLUMES]
+    for c in pod.get("initContainers", []) + pod["containers"]:
+        sc = c.get("securityContext", {})
+        added = set(sc.get("capabilities", {}).get("add", [])) - {"NET_BIND_SERVICE"}
+        out += [f"{c['name']}: capability {a}" for a in sorted(added)]
+        if sc.get("capabilities", {}).get("drop") != ["ALL"]:
+            out.append(f"{c['name']}: capabilities not dropped")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            out.append(f"{c['name']}: privilege escalation")
+        if not sc.get("runAsNonRoot", pod.get("securityContext", {}).get("runAsNonRoot")):
+            out.append(f"{c['name']}: may run as root")
+    if pod.get("securityContext", {}).get("seccompProfile", {}).get("type") not in ("RuntimeDefault", "Localhost"):
+        out.append("seccomp")
+    return out
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("vllm-omni-claim", []),
+    ("default", ["volume model"]),
+    ("pinning", ["volume model", "engine: capability IPC_LOCK"]),
+])
+def test_engine_pod_security_level_is_as_the_readme_says(case, expected):
+    pod = builders.build_statefulset(OWNER, parse_spec(ENGINE_SPECS[case]), "allgather")["spec"]["template"]["spec"]
+    assert restricted_violations(pod) == expected
+    section = README.split("## Permissions", 1)[1]
+    assert "meet the `restricted` Pod Security Standard" in section
+    assert "`model.path` (a hostPath" in section and "`engine.pinMemoryLock` (`IPC_LOCK`)" in section
+
+
+@pytest.mark.parametrize("case", VALUES)
+def test_operator_pod_meets_the_restricted_pod_security_standard(case):
+    (deploy,) = by_kind(render(VALUES[case]), "Deployment")
+    assert restricted_violations(deploy["spec"]["template"]["spec"]) == []
 
 
 # ---- the API key -----------------------------------------------------------------------------
