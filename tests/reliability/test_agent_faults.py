@@ -238,5 +238,6 @@ def test_scans_of_the_live_host_survive_process_churn():
         stop.set()
         t.join(timeout=10)
     assert scans >= 3 and spawned >= 50, (scans, spawned)
+    print(f"FIGURE agent_churn cgroup_v{cgroups.version} scans={scans} processes_started_and_exited={spawned} seconds=3.0")
     if cgroups.version is not None:
         assert snapshot(proc, cgroups).cgroup_invisible_bytes is not None

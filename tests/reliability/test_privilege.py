@@ -321,6 +321,8 @@ async def test_operator_lifecycle_stays_inside_its_role_and_never_sees_the_api_k
     assert used - OPERATOR_RULES == set()  # everything it did, its role allows
     assert OPERATOR_RULES - used == set(UNUSED_BY_DESIGN)  # every other permission is accounted for
     assert not [r for r in operator_calls if r.resource.plural == "secrets"]
+    print(f"FIGURE rbac_lifecycle operator_calls={len(operator_calls)} permissions_used={len(used)}"
+          f" granted={len(OPERATOR_RULES)} unused_by_design={len(UNUSED_BY_DESIGN)}")
     assert KEY not in json.dumps(written)
     assert "wan-api" in json.dumps(cluster.get("StatefulSet", NS, "wan") or written)  # the reference is there
 
