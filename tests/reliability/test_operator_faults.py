@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import kmock
-import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
-from cluster import Cluster, Emulator, dlodeployment, live_objects, running_cluster  # noqa: E402
+from cluster import Cluster, Emulator, dlodeployment, running_cluster  # noqa: E402
 from dlo.operator import builders  # noqa: E402
 from dlo.operator.kube import USER_AGENT  # noqa: E402
 from test_handlers import CHILDREN, NS, SPEC, add_gpu_nodes, condition, status_of  # noqa: E402
@@ -129,6 +128,17 @@ async def create_and_wait_ready(cluster: Cluster, timeout: float = 30.0) -> floa
     return time.monotonic() - started
 
 
+async def ready_then_hang(cluster: Cluster, method: str, plural: str, spec_patch: dict | None = None) -> Fault:
+    """Converge, then hold the operator's next `method` on `plural` (after `spec_patch`, if any)."""
+    await create_and_wait_ready(cluster)
+    hang = Fault(method, plural, status=None, hang=600.0)
+    cluster.emulator.plan.append(hang)  # type: ignore[attr-defined]
+    if spec_patch is not None:
+        await cluster.patch_dlod(NS, "wan", {"spec": spec_patch})
+    await cluster.wait(lambda: hang.fired, what=f"the operator's hung {method} {plural}")
+    return hang
+
+
 async def test_baseline_without_faults():
     async with running_cluster() as cluster:
         seconds = await create_and_wait_ready(cluster)
@@ -189,10 +199,7 @@ async def test_a_hung_api_call_times_out_and_status_keeps_refreshing():
     # ever and status stops moving.
     async with running_cluster(emulator=make_emulator(), kube_timeout=1.0) as cluster:
         emulator: FaultyEmulator = cluster.emulator  # type: ignore[assignment]
-        await create_and_wait_ready(cluster)
-        hang = Fault("GET", "pods", status=None, hang=600.0)
-        emulator.plan.append(hang)
-        await cluster.wait(lambda: hang.fired, what="the hung pod listing")
+        await ready_then_hang(cluster, "GET", "pods")
         started = time.monotonic()
         # A pod turns unready (the emulated StatefulSet controller leaves Running pods alone).
         await cluster.call(cluster.kube.patch, "v1", "Pod", NS, "wan-1",
@@ -221,11 +228,7 @@ async def test_late_stale_write_of_a_stopped_operator_is_undone():
     # write lands. B must restore v3 by itself.
     async with running_cluster(emulator=make_emulator(), kube_timeout=2.0) as cluster:
         emulator: FaultyEmulator = cluster.emulator  # type: ignore[assignment]
-        await create_and_wait_ready(cluster)
-        hung_patch = Fault("PATCH", "statefulsets", status=None, hang=600.0)
-        emulator.plan.append(hung_patch)
-        await cluster.patch_dlod(NS, "wan", {"spec": {"mode": "rank-local"}})  # v2
-        await cluster.wait(lambda: hung_patch.fired, what="operator A's hung patch")
+        await ready_then_hang(cluster, "PATCH", "statefulsets", {"mode": "rank-local"})  # v2
         await cluster.stop_operator()  # A gives up on its call after its timeout; the server still holds it
         cluster.start_operator()
         await cluster.patch_dlod(NS, "wan", {"spec": {"mode": "allgather"}})  # v3
