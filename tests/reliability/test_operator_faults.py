@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import kmock
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
@@ -27,6 +28,7 @@ from dlo.operator import builders  # noqa: E402
 from dlo.operator.kube import USER_AGENT  # noqa: E402
 from test_handlers import CHILDREN, NS, SPEC, add_gpu_nodes, condition, status_of  # noqa: E402
 
+pytestmark = pytest.mark.slow  # about 55 s of emulator time on 2 cores
 INTERVAL = float(os.environ["DLO_OPERATOR_STATUS_INTERVAL"])  # 1 s under test (tests/operator/conftest.py)
 
 
