@@ -16,9 +16,10 @@ import os
 from typing import Any
 
 import kopf
+import urllib3
 
 from dlo.operator import builders, modes, status
-from dlo.operator.kube import Kube
+from dlo.operator.kube import Kube, KubeError
 from dlo.operator.models import GROUP, PLURAL, VERSION, DLODeploymentSpec, SpecError, parse_spec
 
 STATUS_INTERVAL_ENV = "DLO_OPERATOR_STATUS_INTERVAL"
@@ -49,12 +50,24 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
 @kopf.on.create(*RESOURCE, backoff=RETRY_BACKOFF)
 @kopf.on.update(*RESOURCE, field="spec", backoff=RETRY_BACKOFF)
 def on_change(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
-    reconcile(memo.kube, body, patch)
+    _reconcile_or_report(memo.kube, body, patch)
 
 
 @kopf.timer(*RESOURCE, interval=STATUS_INTERVAL, initial_delay=STATUS_INTERVAL / 2, backoff=RETRY_BACKOFF)
 def refresh(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
-    reconcile(memo.kube, body, patch)
+    _reconcile_or_report(memo.kube, body, patch)
+
+
+def _reconcile_or_report(kube: Kube, body: kopf.Body, patch: kopf.Patch) -> None:
+    """`reconcile`; an API failure sets `Degraded=True` (reason ApiError) with what failed, so
+    `kubectl describe` shows why nothing moves, and the handler is retried after the backoff."""
+    try:
+        reconcile(kube, body, patch)
+    except (KubeError, urllib3.exceptions.HTTPError) as e:
+        conditions = list((body.get("status") or {}).get("conditions") or [])
+        verdict = {"Degraded": ("True", "ApiError", f"{type(e).__name__}: {e}"[:1000])}
+        patch.status["conditions"] = _conditions(conditions, verdict, body["metadata"].get("generation"))
+        raise kopf.TemporaryError(str(e), delay=RETRY_BACKOFF) from e
 
 
 def reconcile(kube: Kube, body: kopf.Body, patch: kopf.Patch) -> None:

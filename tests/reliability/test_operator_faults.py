@@ -171,6 +171,30 @@ async def test_api_errors_on_every_call_kind_then_converges():
     figure("api_errors", injected=sum(f.times for f in faults), seconds_to_ready=seconds, seconds_to_roll=rolled)
 
 
+async def test_a_persistent_api_error_shows_as_degraded_and_clears_when_it_stops():
+    # e.g. a role without create on statefulsets: the resource says why nothing moves
+    forbidden = Fault("POST", "statefulsets", 403, times=1_000_000)
+    async with running_cluster(emulator=make_emulator(forbidden)) as cluster:
+        await add_gpu_nodes(cluster)
+        await cluster.create(dlodeployment("wan", NS, SPEC))
+
+        def degraded() -> dict | None:
+            c = condition(cluster, "Degraded")
+            return c if c and c["status"] == "True" else None
+
+        await cluster.wait(degraded, what="Degraded")
+        assert degraded()["reason"] == "ApiError"
+        assert "403" in degraded()["message"] and "statefulsets" in degraded()["message"]
+        assert cluster.get("StatefulSet", NS, "wan") is None
+        forbidden.times = forbidden.fired  # the role is fixed
+        started = time.monotonic()
+        await cluster.wait(lambda: ready(cluster), timeout=30, what="Ready once allowed")
+        seconds = time.monotonic() - started
+        assert condition(cluster, "Degraded")["status"] == "False"
+        assert_converged(cluster)
+    figure("persistent_error", refused_calls=forbidden.fired, seconds_to_ready_after_fix=seconds)
+
+
 async def test_lost_answers_after_applied_writes_do_not_duplicate_or_recreate():
     # The write happens, the answer is an error: the operator retries into AlreadyExists (409)
     # and must adopt what is there instead of failing for ever or replacing it.
