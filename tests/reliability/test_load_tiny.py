@@ -1,6 +1,11 @@
 """A scaled-down run of bench/load_tiny.py (60 requests, concurrency 8, --max-queue 4) against a
 real `dlo serve` with 2 ranks: every request answered 200, 429 or 503, none lost, no 5xx other
-than 503, the server's counters agree with the clients, no rank's memory grows past the bound."""
+than 503, the server's counters agree with the clients, no rank's memory grows past the bound.
+
+The memory bound here is a gross-leak check: 60 requests in about a second cannot tell a small leak
+from allocator pools growing once at this concurrency (seen: +56 MiB RSS on one rank in one CI run,
+flat afterwards). The 32 MiB no-leak bound belongs to the 1,000-request benchmark, whose trace
+shows the warm-up level off; 128 MiB still fails a leak of 2 MiB per request."""
 
 from __future__ import annotations
 
@@ -17,12 +22,14 @@ from tests.reliability.figures import record
 pytestmark = pytest.mark.slow
 
 REQUESTS = 60
+CI_RSS_BOUND_MIB = 128
 
 
 def test_scaled_down_load_loses_nothing(tmp_path_factory, tmp_path):
     model = tiny_pipeline(tmp_path_factory, "wan")
     cmd = [sys.executable, str(ROOT / "bench" / "load_tiny.py"), "--requests", str(REQUESTS), "--concurrency", "8",
-           "--max-queue", "4", "--model", str(model), "--out", str(tmp_path), "--name", "load"]
+           "--max-queue", "4", "--rss-bound-mib", str(CI_RSS_BOUND_MIB), "--model", str(model), "--out", str(tmp_path),
+           "--name", "load"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "load.json").read_text())
