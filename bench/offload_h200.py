@@ -344,7 +344,7 @@ def plot(summary: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(ws), figsize=(7 * len(ws), 4.5))
     axes = axes if len(ws) > 1 else [axes]
     for ax, w in zip(axes, ws):
-        names = [n for n in summary["systems"] if n != "sequential" or True]
+        names = list(summary["systems"])
         vals = [summary["systems"][n]["workloads"][w]["ms_per_block"] for n in names]
         ax.barh(names, vals, color=["#888" if n == "resident" else "#2a7" if n.startswith("dlo") else "#c64" for n in names])
         ax.axvline(summary[f"{w}_bound_ms"] / summary["layers"], color="k", ls="--", label="physical bound")
