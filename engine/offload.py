@@ -421,6 +421,12 @@ def load(
         n_resident = len(meta.blocks)
     elif resident_blocks == "auto":
         n_resident = _auto_resident_blocks(ckpt, meta, platform, device)
+        if mode == "allgather" and dist.is_initialized() and dist.get_world_size(group) > 1:
+            # Every rank of a shard group must stream the same blocks (same collectives): the
+            # rank with the least free memory decides.
+            agreed = torch.tensor([n_resident], dtype=torch.int64, device=device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+            n_resident = int(agreed.item())
     else:
         n_resident = min(resident_blocks, len(meta.blocks))
     keep = spread_resident(len(meta.blocks), n_resident)

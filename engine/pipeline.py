@@ -142,7 +142,7 @@ class ServingPipeline:
     """
 
     def __init__(self, model_dir: Path | str, *, mode: str, device: Any, group: Any = None,
-                 max_sequence_length: int = 512, resident_blocks: int = 0, weights: str = "auto"):
+                 max_sequence_length: int = 512, resident_blocks: int | str = 0, weights: str = "auto"):
         import diffusers
         import torch
 

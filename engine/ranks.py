@@ -66,7 +66,7 @@ class RankConfig:
     control_port: int
     max_sequence_length: int = 512
     cpu_threads: int = 1
-    resident_blocks: int = 0
+    resident_blocks: int | str = 0  # or "auto" (dlo.engine.load sizes it from free device memory)
     collective_timeout_s: float = 1800.0
     weights: str = "auto"  # auto | arena | registered (dlo.engine.load's host source of block bytes)
 

@@ -19,6 +19,18 @@ log = logging.getLogger(__name__)
 MODES = ("auto", "allgather", "rank-local", "resident")
 
 
+def _resident_blocks(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a whole number >= 0, got {value!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a whole number >= 0, got {value!r}")
+    return n
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_dir", type=Path, help="diffusers pipeline folder (model_index.json, transformer/, vae/, ...)")
     parser.add_argument("--dp", type=int, default=None,
@@ -54,7 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-size", type=int, default=None, help="override max_width and max_height")
     parser.add_argument("--cpu-threads", type=int, default=1,
                         help="intra-op threads per rank on cpu (fixed so results do not depend on dp)")
-    parser.add_argument("--resident-blocks", type=int, default=0, help="blocks kept on the device (not streamed)")
+    parser.add_argument("--resident-blocks", type=_resident_blocks, default=0,
+                        help="blocks kept on the device instead of streamed, spread evenly through the order; "
+                             "'auto': as many as free device memory allows after an activation reserve")
     parser.add_argument("--weights", choices=("auto", "arena", "registered"), default="auto",
                         help="host source of block bytes: registered (the page cache itself, read in place; DMA-"
                              "registered on cuda), arena (one pinned copy of this rank's shards), auto (registered "

@@ -158,3 +158,17 @@ def test_cast_needed_falls_back_to_arena_with_reason(tmp_path):
     assert m.module.blocks[0].scale_shift_table.dtype == torch.float32
     with pytest.raises(RuntimeError, match="dtype cast"):
         load(path, mode="rank-local", device="cpu", weights="registered")
+
+
+def _auto_resident(rank: int, world: int, path: str) -> tuple[int, bool]:
+    from dlo.engine import load
+
+    ref = forward(load(path, mode="resident", device="cpu").module, "wan", 0, torch.bfloat16)
+    m = load(path, mode="allgather", device="cpu", resident_blocks="auto")
+    # on cpu nothing is kept resident; the ranks agree (a collective) and stay exact
+    return m.report.resident_blocks, torch.equal(forward(m.module, "wan", 0, torch.bfloat16), ref)
+
+
+@pytest.mark.slow
+def test_resident_blocks_auto_agrees_across_the_shard_group(models):
+    assert run_ranks(2, _auto_resident, models[("wan", "bf16")]) == [(0, True), (0, True)]
