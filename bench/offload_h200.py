@@ -219,16 +219,11 @@ def child(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------------- parent side
 def block_bytes(ckpt: str) -> list[int]:
     from dlo.engine.checkpoint import Checkpoint
-    from dlo.engine.families import FAMILIES, group_keys
-    from dlo.engine.layout import build_layout
+    from dlo.engine.families import FAMILIES, block_layout, group_keys
 
     ck = Checkpoint(ckpt)
     blocks, _ = group_keys(set(ck.tensors), FAMILIES["wan"])
-    out = []
-    for b in blocks:
-        infos = sorted((ck.tensors[k] for k in b.keys), key=lambda i: (str(i.path), i.start))
-        out.append(build_layout([(i.name, i.dtype, i.shape) for i in infos]).nbytes)
-    return out
+    return [block_layout(ck, b).nbytes for b in blocks]
 
 
 def summarise(results: dict, bbytes: list[int], model_bytes: int, layers: int) -> dict:

@@ -23,8 +23,7 @@ def main() -> None:
 
     from dlo.engine.checkpoint import Checkpoint
     from dlo.engine.dtypes import safetensors_name
-    from dlo.engine.families import FAMILIES, group_keys
-    from dlo.engine.layout import build_layout
+    from dlo.engine.families import FAMILIES, block_layout, group_keys
     from dlo.engine.model import parameters_on_meta
     from dlo.engine.weights import page_cache_runs
 
@@ -55,8 +54,7 @@ def main() -> None:
         for g in (1, 2, 4, 8):
             counts = []
             for b in blocks:
-                infos = sorted((ck.tensors[k] for k in b.keys), key=lambda i: i.start)
-                lay = build_layout([(i.name, i.dtype, i.shape) for i in infos])
+                lay = block_layout(ck, b)
                 counts.append(max(len(page_cache_runs(ck, lay, g, r)) for r in range(g)))
             result[g] = {"max_runs": max(counts), "tensors_per_block": len(blocks[0].keys)}
         print(json.dumps(result))

@@ -177,15 +177,12 @@ def sha256_of(t) -> str:
 
 
 def smaps_rollup(pid: int | str = "self") -> dict[str, int]:
-    vals = {}
+    from dlo.agent.memory import parse_kb_table  # stdlib-only: fine on the device machine
+
     try:
-        for line in open(f"/proc/{pid}/smaps_rollup"):
-            parts = line.split()
-            if len(parts) >= 3 and parts[-1] == "kB":
-                vals[parts[0].rstrip(":")] = int(parts[1]) * 1024
+        return parse_kb_table(Path(f"/proc/{pid}/smaps_rollup").read_text())
     except OSError:
-        pass
-    return vals
+        return {}
 
 
 def h2d_bandwidth(device: str, nbytes: int = 1 << 30) -> float:

@@ -11,8 +11,10 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
-from dlo.engine.checkpoint import Checkpoint, CheckpointError, TensorInfo
+from dlo.engine.checkpoint import Checkpoint, CheckpointError
+from dlo.engine.layout import BlockLayout, build_layout
 
 
 @dataclass(frozen=True)
@@ -98,11 +100,13 @@ class ModelFacts:
     nonblock_bytes: int
 
 
-def block_bytes(tensors: list[TensorInfo]) -> int:
-    """Bytes of one block in the slot layout (CONTRACTS.md section 4)."""
-    from dlo.engine.layout import build_layout
-
-    return build_layout([(t.name, t.dtype, t.shape) for t in tensors]).nbytes
+def block_layout(ckpt: Checkpoint, block: BlockKeys, dtype_of: Mapping[str, str] | None = None) -> BlockLayout:
+    """The block's slot layout (CONTRACTS.md section 4), tensors in file order so that runs stay
+    contiguous with the file. `dtype_of` gives the dtype the model computes a tensor in where it
+    differs from the stored one (a cast on load)."""
+    infos = sorted((ckpt.tensors[k] for k in block.keys), key=lambda i: (str(i.path), i.start))
+    dtype_of = dtype_of or {}
+    return build_layout([(i.name, dtype_of.get(i.name, i.dtype), i.shape) for i in infos])
 
 
 def describe(component_dir: Path | str) -> ModelFacts:
@@ -113,7 +117,7 @@ def describe(component_dir: Path | str) -> ModelFacts:
     family = family_of(read_config(root)["_class_name"])
     ckpt = Checkpoint(root)
     blocks, nonblock = group_keys(set(ckpt.tensors), family)
-    sizes = [block_bytes([ckpt.tensors[k] for k in b.keys]) for b in blocks]
+    sizes = [block_layout(ckpt, b).nbytes for b in blocks]
     return ModelFacts(
         family=family.name,
         bytes=ckpt.nbytes,

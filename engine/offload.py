@@ -31,6 +31,7 @@ pipeline for good: `PipelineError`, and the engine must restart (collectives may
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -42,7 +43,8 @@ from torch import nn
 
 from dlo.engine.checkpoint import Checkpoint
 from dlo.engine.dtypes import torch_dtype
-from dlo.engine.layout import BlockLayout, build_layout
+from dlo.engine.families import block_layout
+from dlo.engine.layout import BlockLayout
 from dlo.engine.model import (
     MetaModel,
     assert_nothing_on_meta,
@@ -153,7 +155,6 @@ class BlockPipeline:
         self.blocks = blocks
         self.copies = copies  # per block: (host bytes, offset in this rank's shard)
         self.platform = platform
-        self.group = group
         self.g, self.r, self.collective = g, r, collective
         self.slot_bytes = max(b.shard * g for b in blocks)
         self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
@@ -172,6 +173,9 @@ class BlockPipeline:
         )
         self._wait_pending: list[int] = []
         self._wait_next = 0
+        # collect_waits runs on the compute thread (ring full) and from stats() on any thread
+        # (serving's progress watchdog): one fold at a time, or a pair would count twice.
+        self._wait_lock = threading.Lock()
         self._timed = not platform.has_streams
         self._slot_in = [
             [s.narrow(0, r * b.shard, b.shard) for s in self.slots] for b in blocks
@@ -184,9 +188,11 @@ class BlockPipeline:
         self._running = 0
         self.broken: str | None = None
         self._graphs: list[list[Any]] | None = None
+        # Block 0 is gathered eagerly first either way: NCCL must set up its communicator outside
+        # graph capture, and the next call starts from it.
+        self._issue(0, 0)
         if graphs:
             self._capture_graphs()
-        self._issue(0, 0)
 
     def _views(self, b: _Block, slot: torch.Tensor) -> list[tuple[dict, str, torch.Tensor]]:
         out = []
@@ -203,9 +209,7 @@ class BlockPipeline:
         collective's Python and bookkeeping. Ordering rule 2 then holds by stream order."""
         p = self.platform
         try:
-            # NCCL must initialise its communicator outside capture: run block 0's gather eagerly.
-            self._issue_eager(0, 0)
-            p.synchronize()
+            p.synchronize()  # block 0's eager gather (issued first) is complete before capture
             graphs = []
             for i in range(len(self.blocks)):
                 pair = []
@@ -220,15 +224,25 @@ class BlockPipeline:
         except Exception as e:  # capture unsupported here: stay eager, say so
             log.warning("transfer graphs unavailable (%s: %s); using eager transfers", type(e).__name__, e)
             self._graphs = None
-        self.stats = PipelineStats()
 
-    def _transfer(self, i: int, k: int) -> None:
-        """H2D this rank's bytes of block i into slot k, then AllGather, on the current stream."""
+    def _copy_in(self, i: int, k: int) -> None:
+        """H2D this rank's bytes of block i into its part of slot k, on the current stream."""
         dst = self._slot_in[i][k]
         for src, off in self.copies[i]:
             dst[off : off + src.numel()].copy_(src, non_blocking=True)
+
+    def _transfer(self, i: int, k: int) -> None:
+        """`_copy_in`, then the in-place AllGather, on the current stream (what a graph captures)."""
+        self._copy_in(i, k)
         if self._gather is not None:
-            self._gather(self._slot_out[i][k], dst)
+            self._gather(self._slot_out[i][k], self._slot_in[i][k])
+
+    def _count(self, i: int) -> None:
+        shard = self.blocks[i].shard
+        self.stats.gathers += 1
+        self.stats.h2d_bytes += shard
+        if self.collective:
+            self.stats.collective_bytes += shard * (self.g - 1)
 
     def _issue(self, i: int, k: int) -> None:
         if self._graphs is None:
@@ -239,22 +253,15 @@ class BlockPipeline:
         self._graphs[i][k].replay()
         p.record(self.ready[k], self.copy_stream)
         p.set_stream(self.compute_stream)
-        blk = self.blocks[i]
-        self.stats.gathers += 1
-        self.stats.h2d_bytes += blk.shard
-        if self.collective:
-            self.stats.collective_bytes += blk.shard * (self.g - 1)
+        self._count(i)
 
     def _issue_eager(self, i: int, k: int) -> None:
         """Gather block i into slot k (asynchronously where the platform has streams)."""
         p = self.platform
         t0 = time.perf_counter() if self._timed else 0.0
-        blk = self.blocks[i]
         p.set_stream(self.copy_stream)
         p.wait(self.copy_stream, self.free[k])  # [Note: stream lifetimes] rule 1
-        dst = self._slot_in[i][k]
-        for src, off in self.copies[i]:
-            dst[off : off + src.numel()].copy_(src, non_blocking=True)
+        self._copy_in(i, k)
         # without a collective the block is ready as soon as its bytes have landed
         p.record(self.h2d[k] if self.collective else self.ready[k], self.copy_stream)
         if self._gather is not None:
@@ -262,10 +269,8 @@ class BlockPipeline:
             p.wait(self.comm_stream, self.h2d[k])  # rule 2
             self._gather(self._slot_out[i][k], self._slot_in[i][k])
             p.record(self.ready[k], self.comm_stream)
-            self.stats.collective_bytes += blk.shard * (self.g - 1)
         p.set_stream(self.compute_stream)
-        self.stats.gathers += 1
-        self.stats.h2d_bytes += blk.shard
+        self._count(i)
         if self._timed:
             self.stats.gather_wait_seconds += time.perf_counter() - t0
 
@@ -312,16 +317,17 @@ class BlockPipeline:
     def collect_waits(self) -> None:
         """Fold completed wait timings into the stats (non-blocking). Pairs complete in the order
         they were recorded on the compute stream, so the scan stops at the first one in flight."""
-        pending = self._wait_pending
-        done = 0
-        for j in pending:
-            sec = self.platform.elapsed_seconds(*self._wait_ring[j])
-            if sec is None:
-                break
-            self.stats.gather_wait_seconds += sec
-            done += 1
-        if done:
-            del pending[:done]
+        with self._wait_lock:
+            pending = self._wait_pending
+            done = 0
+            for j in pending:
+                sec = self.platform.elapsed_seconds(*self._wait_ring[j])
+                if sec is None:
+                    break
+                self.stats.gather_wait_seconds += sec
+                done += 1
+            if done:
+                del pending[:done]
 
     def after_block(self) -> None:
         self.platform.record(self.free[self._running], self.compute_stream)
@@ -439,7 +445,7 @@ def load(
     resident_bytes += move_free_buffers(module, device, set(meta.target_dtype))
 
     offloaded = [b for i, b in enumerate(meta.blocks) if i not in keep]
-    layouts = [_block_layout(ckpt, meta, b) for b in offloaded]
+    layouts = [block_layout(ckpt, b, meta.target_dtype) for b in offloaded]
     if mode == "allgather":
         if not dist.is_initialized():
             raise RuntimeError("mode 'allgather' needs torch.distributed initialised (world size 1 is fine)")
@@ -481,11 +487,6 @@ def load(
     log.info("dlo loaded %s", " ".join(f"{k}={v}" for k, v in report.to_dict().items()))
     return OffloadedModel(module, report, pipeline, host, ckpt, platform, device)
 
-
-def _block_layout(ckpt: Checkpoint, meta: MetaModel, block) -> BlockLayout:
-    """The block's layout, tensors in file order (keeps runs contiguous with the file)."""
-    names = sorted(block.keys, key=lambda k: (str(ckpt.tensors[k].path), ckpt.tensors[k].start))
-    return build_layout([(k, meta.target_dtype[k], ckpt.tensors[k].shape) for k in names])
 
 
 def spread_resident(n_blocks: int, k: int) -> set[int]:

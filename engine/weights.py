@@ -42,6 +42,7 @@ class HostWeights:
     pinned: bool
     reason: str
     _release: list[Callable[[], None]] = field(default_factory=list)
+    _keepalive: object = None  # the arena whose buffer the copies view
 
     def release(self) -> None:
         for fn in self._release:
@@ -108,10 +109,10 @@ def prepare_host_weights(
         pinned_bytes=arena.nbytes if arena.pinned else 0,
         pinned=arena.pinned,
         reason=reason or "requested",
+        _keepalive=arena,
     )
     if arena.pinned:
         hw._release.append(lambda: platform.unpin(arena.buffer))
-    hw.arena = arena  # type: ignore[attr-defined]  # keeps the buffer alive with the copies
     log.info("weights source=arena bytes=%d pinned=%s reason=%r", arena.nbytes, arena.pinned, hw.reason)
     return hw
 

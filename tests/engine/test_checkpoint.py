@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
+from dlo.agent.memory import parse_kb_table
 from dlo.engine.checkpoint import Checkpoint, CheckpointError, read_header
 
 
@@ -178,12 +179,7 @@ def _map_and_report(path: str, barrier, out) -> None:
 
 
 def _rollup() -> dict[str, int]:
-    vals = {}
-    for line in open("/proc/self/smaps_rollup"):
-        parts = line.split()
-        if len(parts) >= 3 and parts[-1] == "kB":
-            vals[parts[0].rstrip(":")] = int(parts[1]) * 1024
-    return vals
+    return parse_kb_table(Path("/proc/self/smaps_rollup").read_text())
 
 
 @pytest.mark.slow

@@ -10,7 +10,11 @@ from __future__ import annotations
 import threading
 import time
 
+from pathlib import Path
+
 import pytest
+
+from dlo.agent.memory import parse_kb_table
 
 from dlo.engine.tiny import make_tiny_transformer
 from tests.engine.dist_utils import run_ranks
@@ -18,18 +22,16 @@ from tests.engine.dist_utils import run_ranks
 FRAMEWORK_SLACK = 48 * 1024 * 1024
 
 
+def _status() -> dict[str, int]:
+    return parse_kb_table(Path("/proc/self/status").read_text())
+
+
 def _rss_anon() -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no RssAnon")
+    return _status()["RssAnon"]
 
 
 def _vm_lck() -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmLck:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    return _status().get("VmLck", 0)
 
 
 def _load_and_measure(rank: int, world: int, path: str) -> dict:
@@ -68,17 +70,14 @@ def big_model(tmp_path_factory):
 @pytest.mark.parametrize("world", [2, 4])
 def test_allgather_rank_holds_only_its_shards(big_model, world):
     from dlo.engine.checkpoint import Checkpoint
-    from dlo.engine.families import FAMILIES, group_keys
-    from dlo.engine.layout import build_layout
+    from dlo.engine.families import FAMILIES, block_layout, group_keys
 
     ck = Checkpoint(big_model)
     assert ck.nbytes >= 256 * 1024 * 1024
     blocks, _ = group_keys(set(ck.tensors), FAMILIES["wan"])
     shard_total = 0
     for b in blocks:
-        infos = sorted((ck.tensors[k] for k in b.keys), key=lambda i: i.start)
-        lay = build_layout([(i.name, i.dtype, i.shape) for i in infos])
-        shard_total += lay.shard_bytes(world)
+        shard_total += block_layout(ck, b).shard_bytes(world)
     results = run_ranks(world, _load_and_measure, str(big_model))
     for rank, res in enumerate(results):
         assert res["g"] == world

@@ -125,14 +125,12 @@ def test_out_of_order_block_breaks_pipeline_loudly(models):
 
 def test_page_cache_runs_merge_per_dtype(models):
     from dlo.engine.checkpoint import Checkpoint
-    from dlo.engine.families import FAMILIES, group_keys
-    from dlo.engine.layout import build_layout
+    from dlo.engine.families import FAMILIES, block_layout, group_keys
     from dlo.engine.weights import page_cache_runs
 
     ck = Checkpoint(models[("wan", "bf16")])
     blocks, _ = group_keys(set(ck.tensors), FAMILIES["wan"])
-    infos = sorted((ck.tensors[k] for k in blocks[1].keys), key=lambda i: i.start)
-    lay = build_layout([(i.name, i.dtype, i.shape) for i in infos])
+    lay = block_layout(ck, blocks[1])
     runs = page_cache_runs(ck, lay, 1, 0)
     # contiguous in the file and 256-byte sized tensors merge; never more runs than tensors
     assert len(runs) < len(lay.tensors)
