@@ -45,10 +45,9 @@ def measure_h2d(device: str, nbytes: int, iters: int) -> int:
     import torch
 
     from dlo.engine.platform import get_platform
-    from dlo.engine.ranks import device_for_rank
 
-    dev = device_for_rank(device, 0)
-    platform = get_platform(dev)
+    platform = get_platform(device)
+    dev = platform.device(0)
     host = torch.empty(nbytes, dtype=torch.uint8)
     host.fill_(1)
     pinned = platform.pin(host)
@@ -67,18 +66,17 @@ def _gather_rank(rank: int, world: int, port: int, device: str, nbytes: int, ite
     import torch.distributed as dist
 
     from dlo.engine.platform import get_platform
-    from dlo.engine.ranks import device_for_rank
 
-    dev = device_for_rank(device, rank)
-    backend = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[device]
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    platform = get_platform(device)
+    dev = platform.device(rank)
+    dist.init_process_group(platform.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         shard = nbytes // world
         buf = torch.zeros(shard * world, dtype=torch.uint8, device=dev)
         mine = buf.narrow(0, rank * shard, shard)
         # the name the engine uses: all_gather_single on torch >= 2.13, all_gather_into_tensor before
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        seconds = _best(lambda: gather(buf, mine), get_platform(dev).synchronize, iters)
+        seconds = _best(lambda: gather(buf, mine), platform.synchronize, iters)
         t = torch.tensor([seconds], dtype=torch.float64, device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         if rank == 0:

@@ -30,6 +30,7 @@ class Platform:
     has_streams = False
 
     def device(self, local_rank: int = 0) -> torch.device:
+        """This rank's device (ranks share devices round-robin), made the current one."""
         return torch.device("cpu")
 
     # ---- streams and events (no-ops on CPU: work is synchronous and in program order) ----------
@@ -91,7 +92,9 @@ class CudaPlatform(Platform):
     has_streams = True
 
     def device(self, local_rank: int = 0) -> torch.device:
-        return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+        dev = torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+        torch.cuda.set_device(dev)
+        return dev
 
     def new_stream(self, role: str) -> torch.cuda.Stream:
         # Weight traffic gets high priority so a long compute kernel queue never starves it.
@@ -175,7 +178,9 @@ class NpuPlatform(CudaPlatform):
         self._npu = torch.npu  # type: ignore[attr-defined]
 
     def device(self, local_rank: int = 0) -> torch.device:
-        return torch.device("npu", local_rank % max(1, self._npu.device_count()))
+        dev = torch.device("npu", local_rank % max(1, self._npu.device_count()))
+        self._npu.set_device(dev)
+        return dev
 
     def new_stream(self, role: str) -> Any:
         return self._npu.Stream()

@@ -115,34 +115,20 @@ def _gathers(pipe: Any) -> Callable[[], int]:
     return lambda: pipe.model.stats().gathers
 
 
-def device_for_rank(kind: str, rank: int) -> Any:
-    import torch
-
-    if kind == "cuda":
-        idx = rank % torch.cuda.device_count()
-        torch.cuda.set_device(idx)
-        return torch.device("cuda", idx)
-    if kind == "npu":
-        import torch_npu  # noqa: F401
-
-        idx = rank % torch.npu.device_count()
-        torch.npu.set_device(idx)
-        return torch.device("npu", idx)
-    return torch.device("cpu")
-
-
 def init_rank(cfg: RankConfig, rank: int) -> Any:
     """Join the weight plane and load the pipeline; returns the `ServingPipeline`."""
     import torch
     import torch.distributed as dist
 
     from dlo.engine.pipeline import ServingPipeline
+    from dlo.engine.platform import get_platform
 
     if cfg.device == "cpu":
         # A fixed thread count keeps CPU results bit-identical whatever dp is.
         torch.set_num_threads(cfg.cpu_threads)
-    device = device_for_rank(cfg.device, rank)
-    backend = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[cfg.device]
+    platform = get_platform(cfg.device)
+    device = platform.device(rank)
+    backend = platform.backend
     dist.init_process_group(
         backend, init_method=f"tcp://127.0.0.1:{cfg.master_port}", rank=rank, world_size=cfg.dp,
         timeout=timedelta(seconds=cfg.collective_timeout_s),
