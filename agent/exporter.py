@@ -41,7 +41,6 @@ from dlo.agent.warm import warm
 
 log = logging.getLogger(__name__)
 
-ENGINE_SELECTOR = "app.kubernetes.io/part-of=dlo,app.kubernetes.io/component=engine"
 PART_OF_DLO = ("app.kubernetes.io/part-of", "dlo")
 DEFAULT_ENGINE_PORT = 8000
 SCRAPE_TIMEOUT_S = 2.0

@@ -19,6 +19,7 @@ import logging
 import re
 import shutil
 import subprocess
+from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -220,12 +221,38 @@ class ModelFolder:
     facts: ModelProfile | None  # the transformer's facts; None when the folder has none we know
 
 
+# folder -> (signature of its transformer files, facts): headers are parsed again only when a file
+# changes; residency is measured on every call.
+_FACTS_CACHE: dict[Path, tuple[tuple, Any]] = {}
+
+
+def _facts_signature(folder: Path) -> tuple:
+    root = folder / "transformer" if (folder / "transformer").is_dir() else folder
+    sig = []
+    for p in sorted(root.glob("*")):
+        if p.suffix in (".safetensors", ".json"):
+            st = p.stat()
+            sig.append((p.name, st.st_mtime_ns, st.st_size))
+    return tuple(sig)
+
+
+def _cached_describe(folder: Path) -> Any:
+    from dlo.engine.families import describe
+
+    sig = _facts_signature(folder)
+    hit = _FACTS_CACHE.get(folder)
+    if hit is not None and hit[0] == sig:
+        return hit[1]
+    facts = describe(folder)
+    _FACTS_CACHE[folder] = (sig, facts)
+    return facts
+
+
 def model_folders(models_root: Path | None, *, residency: bool = True) -> list[ModelFolder]:
     """Every folder directly under `models_root`, with its facts; broken folders are logged."""
     if models_root is None:
         return []
     from dlo.engine.checkpoint import CheckpointError
-    from dlo.engine.families import describe
 
     try:
         folders = sorted(p for p in Path(models_root).iterdir() if p.is_dir())
@@ -243,7 +270,7 @@ def model_folders(models_root: Path | None, *, residency: bool = True) -> list[M
             continue  # not a model folder
         facts = None
         try:
-            f = describe(folder)
+            f = _cached_describe(folder)
             facts = ModelProfile(
                 bytes=f.bytes,
                 largest_block_bytes=f.largest_block_bytes,

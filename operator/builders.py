@@ -26,7 +26,6 @@ MODE_ANNOTATION = "dlo.dev/mode"
 MODEL_MOUNT = "/model"
 HTTP_PORT_NAME = "http"
 STATEFULSET_STRATEGIES = ("OnDelete", "RollingUpdate")  # the only values apps/v1 accepts
-GIB = 1 << 30
 NON_ROOT_UID = 10001
 
 

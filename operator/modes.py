@@ -15,9 +15,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from dlo.agent.profile import ANNOTATION as PROFILE_ANNOTATION  # the agent writes it; one key
 from dlo.operator.models import ENGINE_MODES, DLODeploymentSpec, ModeName
-
-PROFILE_ANNOTATION = "dlo.dev/node-profile"
 
 
 @dataclass(frozen=True)

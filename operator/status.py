@@ -31,7 +31,7 @@ def set_condition(
     at: str | None = None,
 ) -> list[dict[str, Any]]:
     """A copy of `conditions` with `type_` set; its lastTransitionTime moves only on a status change."""
-    previous = next((c for c in conditions if c.get("type") == type_), None)
+    previous = condition(conditions, type_)
     changed = previous is None or previous.get("status") != status
     cond = {
         "type": type_,

@@ -95,6 +95,17 @@ def test_model_folders_read_facts_and_residency(models_root: Path) -> None:
     assert m.resident_bytes == m.files_bytes and m.facts.resident_ratio == 1.0
 
 
+def test_model_facts_are_parsed_again_only_when_the_transformer_files_change(tmp_path: Path) -> None:
+    root = tmp_path / "models"
+    write_wan_folder(root / "m", blocks=3)
+    (first,) = model_folders(root)
+    (again,) = model_folders(root)
+    assert again.facts == first.facts and first.facts is not None and first.facts.blocks == 3
+    write_wan_folder(root / "m", blocks=5)  # rewritten in place: new sizes and mtimes
+    (changed,) = model_folders(root)
+    assert changed.facts is not None and changed.facts.blocks == 5
+
+
 def test_folder_with_unknown_model_class_keeps_bytes_without_facts(tmp_path: Path) -> None:
     root = tmp_path / "models"
     write_wan_folder(root / "odd")
