@@ -189,6 +189,7 @@ def run_plan(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     from dlo.agent.policy import PolicyError, choose_mode
     from dlo.agent.profile import CalibrationFragment, ModelProfile, NodeProfile, apply_calibration
+    from dlo.agent.topology import local_profile
 
     if args.model_bytes is not None and args.max_block_bytes is None:
         parser.error("--model-bytes needs --max-block-bytes")
@@ -197,7 +198,7 @@ def run_plan(argv: list[str]) -> int:
         if args.profile is not None:
             profile = NodeProfile.model_validate_json(args.profile.read_text())
         else:
-            profile = _local_profile()
+            profile = local_profile()
         if args.calibration is not None:
             profile = apply_calibration(profile, CalibrationFragment.model_validate_json(args.calibration.read_text()))
         if args.host_memory_bytes is not None:
@@ -242,13 +243,6 @@ def _plan_model(args: argparse.Namespace):  # -> ModelProfile
             bytes=f.bytes, largest_block_bytes=f.largest_block_bytes, blocks=f.blocks, nonblock_bytes=f.nonblock_bytes
         )
     return ModelProfile(bytes=args.model_bytes, largest_block_bytes=args.max_block_bytes, blocks=args.blocks)
-
-
-def _local_profile():  # -> NodeProfile
-    from dlo.agent.memory import ProcFS
-    from dlo.agent.topology import build_profile, detect_devices
-
-    return build_profile(socket.gethostname(), detect_devices(), proc=ProcFS(Path("/proc")))
 
 
 def _print_plan_table(estimates: dict, model, profile, g: int) -> None:

@@ -18,10 +18,11 @@ from __future__ import annotations
 import logging
 import re
 import shutil
+import socket
 import subprocess
-from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dlo.agent.memory import ProcFS
 from dlo.agent.profile import (
@@ -332,3 +333,9 @@ def build_profile(
         measured=False,
         models={m.name: m.facts for m in models if m.facts is not None},
     )
+
+
+def local_profile() -> NodeProfile:
+    """This machine's profile (devices, host memory, nominal bandwidths), as `dlo plan` and the
+    engine's `--mode auto` see it without an agent."""
+    return build_profile(socket.gethostname(), detect_devices(), proc=ProcFS(Path("/proc")))

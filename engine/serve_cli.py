@@ -104,30 +104,16 @@ def resolve_mode(mode: str, model_dir: Path, dp: int, device: str, profile_path:
         return mode, "--mode given"
     try:
         from dlo.agent.policy import PolicyError, choose_mode
-        from dlo.agent.profile import (
-            Accelerator,
-            CalibrationFragment,
-            NodeProfile,
-            apply_calibration,
-            nominal_h2d_bps,
-        )
+        from dlo.agent.profile import CalibrationFragment, NodeProfile, apply_calibration
+        from dlo.agent.topology import local_profile
     except ImportError:
         log.warning("dlo.agent.policy is not installed; using the fixed rule")
     else:
-        import psutil
-        import torch
-
         from dlo.engine.families import describe
 
-        host = psutil.virtual_memory().total
-        # on cpu the "device" memory is host memory
-        accel = Accelerator(model="cpu", count=1, memory_bytes=host)
-        if device == "cuda":
-            props = torch.cuda.get_device_properties(0)
-            accel = Accelerator(vendor="nvidia", model=props.name, count=torch.cuda.device_count(),
-                                memory_bytes=props.total_memory)
-        profile = NodeProfile(accelerator=accel, host_memory_bytes=host,
-                              h2d_bandwidth_bps=nominal_h2d_bps(accel.model) if device == "cuda" else 0)
+        # The agent's view of this machine (NVML/npu-smi devices, interconnect, host memory,
+        # nominal bandwidths); with no accelerator the policy budgets "device" weights in host RAM.
+        profile = local_profile()
         try:
             if profile_path is not None:
                 data = json.loads(profile_path.read_text())

@@ -64,6 +64,16 @@ def test_plan_of_a_model_folder_uses_its_facts(models_root: Path, profile_file: 
     assert json.loads(r.stdout)["modes"]["resident"]["device_weight_bytes"] == facts.bytes
 
 
+def test_plan_without_a_profile_detects_this_machine(models_root: Path, tmp_path: Path) -> None:
+    # No accelerator here: the detected profile budgets device weights in host RAM, and the
+    # calibration fragment supplies the bandwidths nothing nominal gives a CPU.
+    frag = tmp_path / "calibration.json"
+    frag.write_text(json.dumps({"h2d_bandwidth_bps": 10**10, "collective_bandwidth_bps": 10**9}))
+    r = dlo("plan", "--model", str(models_root / "tiny-wan"), "--dp", "2", "--calibration", str(frag), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["choice"]["mode"] == "resident"
+
+
 def test_plan_table_names_the_choice(profile_file: Path) -> None:
     r = dlo("plan", "--model-bytes", str(60 * GB), "--max-block-bytes", str(1_200_000_000), "--dp", "8",
             "--block-compute-seconds", "0.025", "--profile", str(profile_file))
