@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Mapping
 
 from dlo.engine.checkpoint import Checkpoint, CheckpointError
+from dlo.engine.facts import ModelFacts
 from dlo.engine.layout import BlockLayout, build_layout
 
 
@@ -87,17 +88,6 @@ def read_config(component_dir: Path | str) -> dict:
     if not isinstance(config, dict) or "_class_name" not in config:
         raise CheckpointError(path, "config.json has no _class_name (is this a diffusers model folder?)")
     return config
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What the policy needs to know of a model, read without loading a weight."""
-
-    family: str
-    bytes: int
-    blocks: int
-    largest_block_bytes: int
-    nonblock_bytes: int
 
 
 def block_layout(ckpt: Checkpoint, block: BlockKeys, dtype_of: Mapping[str, str] | None = None) -> BlockLayout:
