@@ -42,7 +42,9 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
 MODES = ("resident", "rank-local", "allgather", "allgather-eager")
 TOKENS = {"image": 4096, "video": 32760}
 ITERS = {"image": 7, "video": 3}
-NEAR_TIE = 0.05  # the policy's near-tie rule (rank-local wins ties): the measured winner uses it too
+NEAR_TIE = 0.05
+_HANG_S = 150  # a rank group that has not finished a mode by then is stuck: dump stacks and exit
+_HOST_GROUP = None  # the policy's near-tie rule (rank-local wins ties): the measured winner uses it too
 
 
 def _free_port() -> int:
@@ -55,15 +57,39 @@ def _init(rank: int, world: int, port: int, device_kind: str):
     import torch
     import torch.distributed as dist
 
+    global _HOST_GROUP
+    import faulthandler
+
+    # A hang dumps every thread's stack (stderr) instead of eating the device call in silence.
+    faulthandler.dump_traceback_later(_HANG_S, exit=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if device_kind == "cuda":
         torch.cuda.set_device(rank)
         dev = torch.device("cuda", rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+        # As `dlo serve` does: no device_id (the communicator is made by the engine's first gather).
+        dist.init_process_group("nccl", rank=rank, world_size=world)
     else:
         dev = torch.device("cpu")
         dist.init_process_group("gloo", rank=rank, world_size=world)
+    # Barriers and result gathering go through gloo, so the accelerator communicator carries the
+    # engine's gathers only, in the engine's order (as in serving, where control is a socket).
+    _HOST_GROUP = dist.new_group(backend="gloo")
     return dev
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    dist.barrier(group=_HOST_GROUP)
+
+
+def _gather_results(res: dict, world: int, rank: int, out: str) -> None:
+    import torch.distributed as dist
+
+    gathered = [None] * world
+    dist.all_gather_object(gathered, res, group=_HOST_GROUP)
+    if rank == 0:
+        Path(out).write_text(json.dumps(gathered))
 
 
 def _sync(dev) -> None:
@@ -75,17 +101,15 @@ def _sync(dev) -> None:
 
 def _timed(fn, dev, iters: int) -> list[float]:
     """Wall seconds of fn per iteration across ranks (barrier before, device sync + barrier after)."""
-    import torch.distributed as dist
-
     fn()
     times = []
     for _ in range(iters):
         _sync(dev)
-        dist.barrier()
+        _barrier()
         t0 = time.perf_counter()
         fn()
         _sync(dev)
-        dist.barrier()
+        _barrier()
         times.append(time.perf_counter() - t0)
     return times
 
@@ -116,11 +140,19 @@ def rank_collectives(rank: int, world: int, port: int, args: argparse.Namespace,
     th_half = statistics.median(_timed(lambda: dst.narrow(0, 0, shard).copy_(half, non_blocking=True), dev, 10))
     res = {"allgather_seconds": t, "allgather_busbw_bps": (world - 1) / world * shard * world / t,
            "concurrent_h2d_bps": nbytes / th, "shard_h2d_seconds": th_half, "block_h2d_seconds": th}
-    gathered = [None] * world
-    dist.all_gather_object(gathered, res)
+    _gather_results(res, world, rank, out)
+    _leave(rank)
+
+
+def _leave(rank: int) -> None:
+    """Leave the group (bounded: see `leave_group`), then exit without interpreter teardown."""
+    from dlo.engine.platform import leave_group
+
+    clean = leave_group(5.0)
     if rank == 0:
-        Path(out).write_text(json.dumps(gathered))
-    dist.destroy_process_group()
+        print(f"  left the process group {'cleanly' if clean else 'by timeout'}", flush=True)
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def _host_us_per_block(m, call, dev) -> float | None:
@@ -156,11 +188,13 @@ def rank_mode(rank: int, world: int, port: int, args: argparse.Namespace, mode: 
     cached0 = _meminfo_kb("Cached") * 1024
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    dist.barrier()
+    _barrier()
     t0 = time.perf_counter()
     m = load(args.ckpt, mode=engine_mode, device=dev, transfer_graphs=False if mode == "allgather-eager" else None)
     _sync(dev)
-    dist.barrier()
+    _barrier()
+    if rank == 0:
+        print(f"  [{mode}] loaded in {time.perf_counter() - t0:.1f} s", flush=True)
     res: dict = {
         "rank": rank, "load_seconds": time.perf_counter() - t0, "report": m.report.to_dict(),
         "anon_growth_bytes": wb.smaps_rollup().get("Anonymous", 0) - anon0,
@@ -192,6 +226,8 @@ def rank_mode(rank: int, world: int, port: int, args: argparse.Namespace, mode: 
         if rank != 0:
             m.gather_only(1)
         _sync(dev)
+        if rank == 0:
+            print(f"  [{mode}] {w} done", flush=True)
         res["workloads"][w] = {
             "wave_seconds": statistics.median(waves) if waves else None, "wave_all": waves,
             "single_seconds": statistics.median(singles), "single_all": singles,
@@ -199,12 +235,9 @@ def rank_mode(rank: int, world: int, port: int, args: argparse.Namespace, mode: 
             "sha256_seed1": wb.sha256_of(out_ref) if out_ref is not None else None,
             "peak_device_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
         }
-    gathered = [None] * world
-    dist.all_gather_object(gathered, res)
-    if rank == 0:
-        Path(out).write_text(json.dumps(gathered))
+    _gather_results(res, world, rank, out)
     m.close()
-    dist.destroy_process_group()
+    _leave(rank)
 
 
 def spawn(fn, world: int, *args) -> None:

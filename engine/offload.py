@@ -204,25 +204,39 @@ class BlockPipeline:
 
     # ---- the hot path ----------------------------------------------------------------------------
     def _capture_graphs(self) -> None:
-        """Capture each (block, slot) transfer - its H2D runs and the in-place AllGather - as one
-        CUDA graph on the copy stream: one launch per block instead of one per run plus the
-        collective's Python and bookkeeping. Ordering rule 2 then holds by stream order."""
+        """Capture each (block, slot) transfer as CUDA graphs: its H2D runs as one graph on the copy
+        stream and its in-place AllGather as one on the comm stream, one launch each instead of one
+        per run plus the collective's Python and bookkeeping. Two graphs, not one: the next block's
+        H2D (PCIe) then overlaps this block's AllGather (NVLink) instead of queueing behind it on
+        one stream, so a block's transfer costs max(H2D, AllGather), not their sum."""
         p = self.platform
         try:
             p.synchronize()  # block 0's eager gather (issued first) is complete before capture
             graphs = []
             for i in range(len(self.blocks)):
-                pair = []
+                per_slot = []
                 for k in range(2):
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, stream=self.copy_stream, capture_error_mode="thread_local"):
-                        self._transfer(i, k)
-                    pair.append(graph)
-                graphs.append(pair)
+                    copy = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(copy, stream=self.copy_stream, capture_error_mode="thread_local"):
+                        self._copy_in(i, k)
+                    gather = None
+                    if self._gather is not None:
+                        gather = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(gather, stream=self.comm_stream, capture_error_mode="thread_local"):
+                            self._gather(self._slot_out[i][k], self._slot_in[i][k])
+                    per_slot.append((copy, gather))
+                graphs.append(per_slot)
             p.synchronize()
             self._graphs = graphs
         except Exception as e:  # capture unsupported here: stay eager, say so
             log.warning("transfer graphs unavailable (%s: %s); using eager transfers", type(e).__name__, e)
+            self._graphs = None
+
+    def release_graphs(self) -> None:
+        """Drop the transfer graphs (after in-flight work): NCCL cannot tear a communicator down
+        while graphs holding its collectives are alive, so this comes before leaving the group."""
+        if self._graphs is not None:
+            self.platform.synchronize()
             self._graphs = None
 
     def _copy_in(self, i: int, k: int) -> None:
@@ -230,12 +244,6 @@ class BlockPipeline:
         dst = self._slot_in[i][k]
         for src, off in self.copies[i]:
             dst[off : off + src.numel()].copy_(src, non_blocking=True)
-
-    def _transfer(self, i: int, k: int) -> None:
-        """`_copy_in`, then the in-place AllGather, on the current stream (what a graph captures)."""
-        self._copy_in(i, k)
-        if self._gather is not None:
-            self._gather(self._slot_out[i][k], self._slot_in[i][k])
 
     def _count(self, i: int) -> None:
         shard = self.blocks[i].shard
@@ -248,10 +256,18 @@ class BlockPipeline:
         if self._graphs is None:
             return self._issue_eager(i, k)
         p = self.platform
+        copy, gather = self._graphs[i][k]
         p.set_stream(self.copy_stream)
-        p.wait(self.copy_stream, self.free[k])  # rule 1; rule 2 holds by stream order in the graph
-        self._graphs[i][k].replay()
-        p.record(self.ready[k], self.copy_stream)
+        p.wait(self.copy_stream, self.free[k])  # [Note: stream lifetimes] rule 1
+        copy.replay()
+        if gather is None:
+            p.record(self.ready[k], self.copy_stream)
+        else:
+            p.record(self.h2d[k], self.copy_stream)
+            p.set_stream(self.comm_stream)
+            p.wait(self.comm_stream, self.h2d[k])  # rule 2
+            gather.replay()
+            p.record(self.ready[k], self.comm_stream)
         p.set_stream(self.compute_stream)
         self._count(i)
 
@@ -382,6 +398,8 @@ class OffloadedModel:
 
     def close(self) -> None:
         """Release DMA registrations (after in-flight copies finish). The model is unusable after."""
+        if self.pipeline is not None:
+            self.pipeline.release_graphs()
         if self.host is not None and self.host.pinned:
             self.platform.synchronize()
             self.host.release()

@@ -273,3 +273,33 @@ def _mlock(ptr: int, nbytes: int) -> bool:
 def _munlock(ptr: int, nbytes: int) -> None:
     if nbytes:
         _lib().munlock(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes))
+
+
+def leave_group(timeout_s: float = 5.0) -> bool:
+    """Leave the default process group, waiting at most `timeout_s`; True if it was left cleanly.
+
+    Tearing down an NCCL communicator waits for every peer and for in-flight work; a peer that is
+    gone, or already exiting, can make that wait for ever (seen: `dlo serve` in allgather mode never
+    exited after SIGTERM). The teardown runs in a daemon thread: when it does not finish in time the
+    caller exits anyway (`os._exit`) and the driver reclaims the communicator with the process.
+    """
+    import threading
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return True
+    done = threading.Event()
+
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a broken group after a fault: the process is exiting anyway
+            log.debug("destroy_process_group failed", exc_info=True)
+        done.set()
+
+    threading.Thread(target=destroy, name="leave-group", daemon=True).start()
+    if not done.wait(timeout_s):
+        log.warning("leaving the process group took over %.0f s; exiting without it", timeout_s)
+        return False
+    return True
