@@ -1,7 +1,8 @@
 """Subcommands owned by the agent: `dlo agent`, `dlo warm`, `dlo plan` (CONTRACTS.md section 2).
 
 Owns: argument parsing, human output (rich tables, progress bars) and exit codes. The work lives in
-dlo.agent.exporter, dlo.agent.warm and dlo.agent.policy.
+dlo.agent.node (with dlo.agent.pods, dlo.agent.collector, dlo.agent.server), dlo.agent.warm and
+dlo.agent.policy.
 Must never: import torch.
 """
 
@@ -17,9 +18,12 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from pydantic import ValidationError
+
+if TYPE_CHECKING:
+    from dlo.engine.facts import ModelFacts
 
 EPILOG_UNITS = "Byte counts are integers (bytes), ratios are 0..1, times are seconds."
 
@@ -188,7 +192,7 @@ def run_plan(argv: list[str]) -> int:
     parser = plan_parser()
     args = parser.parse_args(argv)
     from dlo.agent.policy import PolicyError, choose_mode
-    from dlo.agent.profile import CalibrationFragment, ModelProfile, NodeProfile, apply_calibration
+    from dlo.agent.profile import CalibrationFragment, NodeProfile, apply_calibration
     from dlo.agent.topology import local_profile
 
     if args.model_bytes is not None and args.max_block_bytes is None:
@@ -206,7 +210,6 @@ def run_plan(argv: list[str]) -> int:
     except (OSError, ValueError, KeyError, ValidationError) as e:
         print(f"dlo plan: {e}", file=sys.stderr)
         return 2
-    assert isinstance(model, ModelProfile)
     dp = args.dp if args.dp is not None else max(1, profile.accelerator.count)
     try:
         decision = choose_mode(
@@ -232,17 +235,14 @@ def run_plan(argv: list[str]) -> int:
     return 0
 
 
-def _plan_model(args: argparse.Namespace):  # -> ModelProfile
-    from dlo.agent.profile import ModelProfile
+def _plan_model(args: argparse.Namespace) -> ModelFacts:
+    from dlo.engine.facts import ModelFacts
 
     if args.model is not None:
         from dlo.engine.families import describe
 
-        f = describe(args.model)
-        return ModelProfile(
-            bytes=f.bytes, largest_block_bytes=f.largest_block_bytes, blocks=f.blocks, nonblock_bytes=f.nonblock_bytes
-        )
-    return ModelProfile(bytes=args.model_bytes, largest_block_bytes=args.max_block_bytes, blocks=args.blocks)
+        return describe(args.model)
+    return ModelFacts(bytes=args.model_bytes, largest_block_bytes=args.max_block_bytes, blocks=args.blocks)
 
 
 def _print_plan_table(estimates: dict, model, profile, g: int) -> None:
@@ -306,7 +306,9 @@ def agent_parser() -> argparse.ArgumentParser:
 
 def run_agent(argv: list[str]) -> int:
     args = agent_parser().parse_args(argv)
-    from dlo.agent.exporter import Agent, AgentConfig, KubernetesPods, publish_loop, serve, warm_loop
+    from dlo.agent.node import Agent, AgentConfig, publish_loop, warm_loop
+    from dlo.agent.pods import KubernetesPods
+    from dlo.agent.server import serve
 
     use_k8s = args.kubernetes == "on" or (args.kubernetes == "auto" and "KUBERNETES_SERVICE_HOST" in os.environ)
     cfg = AgentConfig(

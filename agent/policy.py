@@ -5,12 +5,13 @@ model. Consumers: the operator (`spec.mode: auto`, most constrained node wins), 
 (`dlo serve --mode auto`) and `dlo plan`.
 Must never: do I/O, log, or import torch. Every input arrives as an argument.
 
-Model facts input: any object with integer attributes `bytes`, `largest_block_bytes` and `blocks`
-(and optionally `nonblock_bytes`): the dataclass `dlo.engine.families.ModelFacts` and
-`dlo.agent.profile.ModelProfile` both qualify (`ModelLike` below).
+Model facts input: `dlo.engine.facts.ModelFacts`, the one model-facts type of every part (a node
+profile's entry converts with `ModelProfile.facts()`, the operator's override with
+`ModelFactsOverride.facts()`).
 
-Mode names: `Decision.mode` and the keys of `Decision.estimates` use the JSON names `allgather`,
-`rank_local`, `resident`; `Decision.engine_mode` gives the engine's CLI spelling (`rank-local`).
+Mode names come from `dlo.engine.facts`: `Decision.mode` and the keys of `Decision.estimates` use
+the JSON keys (`ModeKey`: `allgather`, `rank_local`, `resident`); `Decision.engine_mode` gives the
+engine's and the CLI's spelling (`Mode`: `rank-local`).
 
 Time model, per block, with `S` the largest block's bytes, `g = dp * sp` ranks sharing the weights
 on the node, `B_h2d` the pinned host-to-device rate of one device and `B_coll` the AllGather bus
@@ -59,15 +60,11 @@ carrying the estimates.
 from __future__ import annotations
 
 import math
-from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
 from dlo.agent.profile import NodeProfile, compute_rate
-
-ModeName = Literal["allgather", "rank_local", "resident"]
-MODES: tuple[ModeName, ...] = ("allgather", "rank_local", "resident")
-ENGINE_MODE: dict[str, str] = {"allgather": "allgather", "rank_local": "rank-local", "resident": "resident"}
+from dlo.engine.facts import MODE_KEYS, Mode, ModeKey, ModelFacts, mode_of_key
 
 FRAMEWORK_BASE_BYTES = 91_000_000
 FRAMEWORK_MODEL_RATIO = 0.1033
@@ -80,18 +77,9 @@ SLOT_ALIGN = 256
 class PolicyError(ValueError):
     """No mode fits, or the inputs cannot describe a deployment. Carries the estimates when known."""
 
-    def __init__(self, message: str, estimates: "dict[str, ModeEstimate] | None" = None):
+    def __init__(self, message: str, estimates: "dict[ModeKey, ModeEstimate] | None" = None):
         super().__init__(message)
         self.estimates = estimates or {}
-
-
-class ModelLike(Protocol):
-    @property
-    def bytes(self) -> int: ...
-    @property
-    def largest_block_bytes(self) -> int: ...
-    @property
-    def blocks(self) -> int: ...
 
 
 class ModeEstimate(BaseModel):
@@ -108,14 +96,14 @@ class ModeEstimate(BaseModel):
 class Decision(BaseModel):
     model_config = ConfigDict(frozen=True)
 
-    mode: ModeName
+    mode: ModeKey
     reason: str
-    estimates: dict[str, ModeEstimate]
+    estimates: dict[ModeKey, ModeEstimate]
 
     @property
-    def engine_mode(self) -> str:
+    def engine_mode(self) -> Mode:
         """The mode as `dlo serve --mode` spells it."""
-        return ENGINE_MODE[self.mode]
+        return mode_of_key(self.mode)
 
     def plan_json(self) -> dict:
         """The `dlo plan --json` document (CONTRACTS.md section 7)."""
@@ -146,15 +134,17 @@ def block_compute_time(profile: NodeProfile, block_bytes: int, tokens_per_rank: 
 
 def estimate_modes(
     profile: NodeProfile,
-    model: ModelLike,
+    model: ModelFacts,
     dp: int,
     sp: int = 1,
     tokens_per_rank: int | None = None,
     host_headroom_bytes: int = 0,
     *,
     block_compute_seconds: float | None = None,
-) -> dict[str, ModeEstimate]:
+) -> dict[ModeKey, ModeEstimate]:
     """Memory and time per mode (see the module docstring for every formula)."""
+    if not isinstance(model, ModelFacts):
+        raise TypeError(f"model must be a dlo.engine.facts.ModelFacts, not {type(model).__name__}")
     if dp < 1 or sp < 1:
         raise PolicyError(f"dp and sp must be >= 1 (got dp={dp}, sp={sp})")
     if model.bytes <= 0 or model.largest_block_bytes <= 0:
@@ -167,11 +157,11 @@ def estimate_modes(
     g = dp * sp
     m = model.bytes
     s = model.largest_block_bytes
-    nonblock = int(getattr(model, "nonblock_bytes", 0) or 0)
+    nonblock = model.nonblock_bytes
     t_c = _compute_seconds(profile, s, tokens_per_rank, block_compute_seconds)
     b_h2d = profile.h2d_bandwidth_bps
     b_coll = profile.interconnect.collective_bandwidth_bps
-    times = {name: _block_time(name, t_c, s, g, b_h2d, b_coll)[0] for name in MODES}
+    times = {name: _block_time(name, t_c, s, g, b_h2d, b_coll)[0] for name in MODE_KEYS}
     registered = profile.can_register_page_cache
     invisible_pinned = profile.accelerator.vendor == "ascend"
     pinned = {
@@ -188,8 +178,8 @@ def estimate_modes(
     host_budget = profile.host_memory_bytes - host_headroom_bytes
     on_host = _devices_are_host(profile)
     device_budget = host_budget if on_host else _device_budget(profile)
-    out: dict[str, ModeEstimate] = {}
-    for name in MODES:
+    out: dict[ModeKey, ModeEstimate] = {}
+    for name in MODE_KEYS:
         # Registered pinned memory is the page cache itself; an arena is a second copy.
         extra_pinned = 0 if registered else pinned[name]
         visible_pinned = 0 if invisible_pinned else extra_pinned
@@ -248,7 +238,7 @@ def _compute_seconds(
 
 def choose_mode(
     profile: NodeProfile,
-    model: ModelLike,
+    model: ModelFacts,
     dp: int,
     sp: int = 1,
     tokens_per_rank: int | None = None,
@@ -313,7 +303,7 @@ def choose_mode(
     )
 
 
-def _why_not(est: dict[str, ModeEstimate], name: str, profile: NodeProfile, headroom: int) -> str:
+def _why_not(est: dict[ModeKey, ModeEstimate], name: ModeKey, profile: NodeProfile, headroom: int) -> str:
     e = est[name]
     if e.block_seconds is None:
         return f"{name} has no collective path between the devices"

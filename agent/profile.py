@@ -16,6 +16,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dlo.engine.facts import ModelFacts
+
 PROFILE_VERSION = "v1"
 ANNOTATION = "dlo.dev/node-profile"
 
@@ -47,13 +49,40 @@ class PcieLink(_Model):
 
 
 class ModelProfile(_Model):
-    """Facts of one model folder under the agent's models root (keyed by folder name)."""
+    """One entry of `NodeProfile.models` (keyed by the model's folder name under the models root):
+    the wire form of `dlo.engine.facts.ModelFacts` plus the folder's page-cache residency.
+
+    The JSON shape is a contract (CONTRACTS.md section 6: flat `bytes`, `largest_block_bytes`,
+    `blocks`, `nonblock_bytes`, `resident_ratio`), so the facts are not nested. Convert with
+    `ModelProfile.of(facts, resident_ratio)` and `.facts()`; nothing else builds one from the other.
+    The model family is not on the wire (`facts().family` is "").
+    """
 
     bytes: int = Field(ge=0)
     largest_block_bytes: int = Field(ge=0)
     blocks: int = Field(ge=0)
     nonblock_bytes: int = Field(0, ge=0)
     resident_ratio: float | None = Field(None, ge=0, le=1, description="page-cache residency, 0..1")
+
+    @classmethod
+    def of(cls, facts: ModelFacts, resident_ratio: float | None = None) -> "ModelProfile":
+        """The profile entry of a model with `facts` and the given residency."""
+        return cls(
+            bytes=facts.bytes,
+            largest_block_bytes=facts.largest_block_bytes,
+            blocks=facts.blocks,
+            nonblock_bytes=facts.nonblock_bytes,
+            resident_ratio=resident_ratio,
+        )
+
+    def facts(self) -> ModelFacts:
+        """The model facts this entry carries (what `dlo.agent.policy` takes)."""
+        return ModelFacts(
+            bytes=self.bytes,
+            largest_block_bytes=self.largest_block_bytes,
+            blocks=self.blocks,
+            nonblock_bytes=self.nonblock_bytes,
+        )
 
 
 class NodeProfile(_Model):

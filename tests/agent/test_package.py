@@ -9,7 +9,9 @@ from pathlib import Path
 from .conftest import write_wan_folder
 
 ROOT = Path(__file__).resolve().parents[2]
-MODULES = ["cli", "exporter", "memory", "policy", "profile", "residency", "topology", "warm"]
+MODULES = [
+    "cli", "collector", "memory", "node", "pods", "policy", "profile", "residency", "server", "topology", "warm",
+]
 
 
 def loaded_after(code: str) -> set[str]:

@@ -85,3 +85,21 @@ def test_compute_rate_prefers_the_profile_figure() -> None:
     assert compute_rate(p.accelerator) == 738e12
     faster = p.accelerator.model_copy(update={"bf16_flops": 1e15})
     assert compute_rate(faster) == 1e15
+
+
+def test_model_profile_is_the_wire_form_of_model_facts() -> None:
+    from dlo.agent.profile import ModelProfile
+    from dlo.engine.facts import ModelFacts
+
+    facts = ModelFacts(bytes=28_600_000_000, largest_block_bytes=703_000_000, blocks=40, nonblock_bytes=5_000_000)
+    entry = ModelProfile.of(facts, resident_ratio=0.5)
+    # flat on the wire (CONTRACTS.md section 6), facts back out unchanged
+    assert json.loads(entry.model_dump_json()) == {
+        "bytes": 28_600_000_000, "largest_block_bytes": 703_000_000, "blocks": 40, "nonblock_bytes": 5_000_000,
+        "resident_ratio": 0.5,
+    }
+    assert entry.facts() == facts
+    # the family is not on the wire: a described model comes back without it
+    assert ModelProfile.of(ModelFacts(bytes=1, largest_block_bytes=1, family="wan")).facts().family == ""
+    parsed = NodeProfile.from_annotation(CONTRACT_EXAMPLE).models["wan2.1-14b"].facts()
+    assert parsed == ModelFacts(bytes=28_600_000_000, largest_block_bytes=703_000_000, blocks=40)
