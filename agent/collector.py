@@ -1,6 +1,7 @@
 """The agent's Prometheus collector: every agent metric of CONTRACTS.md section 5, at scrape time.
 
-Owns: the metric names, help texts, labels and units of the agent table (a contract), which pods
+Owns: the metric names, help texts, labels and units of the agent table (a contract; plus
+`dlo_model_transformer_bytes`, see [Note: model bytes]), which pods
 get per-pod series (DLO pods only in a cluster, every pod by UID outside one), and the registry
 the HTTP server exposes (`make_registry`).
 Must never: import torch, keep state between scrapes (the node agent, `dlo.agent.node`, owns the
@@ -96,7 +97,21 @@ class AgentCollector:
         return fam
 
     def _models(self, models: list[ModelFolder]) -> Iterable[Metric]:
-        size = GaugeMetricFamily("dlo_model_bytes", "safetensors bytes of a model folder", labels=["model"])
+        # [Note: model bytes] Two sizes of one model, never to be confused: dlo_model_bytes is every
+        # safetensors file of the folder (transformer, VAE, text encoders: what the page cache and
+        # the warmer hold); dlo_model_transformer_bytes is the transformer alone (what the policy
+        # and the engine move block by block), the same figure as /profile models[].bytes.
+        size = GaugeMetricFamily(
+            "dlo_model_bytes",
+            "safetensors bytes of every file of the model folder (transformer, VAE, text encoders); "
+            "the transformer alone is dlo_model_transformer_bytes",
+            labels=["model"],
+        )
+        transformer = GaugeMetricFamily(
+            "dlo_model_transformer_bytes",
+            "safetensors bytes of the model's transformer (what is offloaded; /profile models[].bytes)",
+            labels=["model"],
+        )
         res = GaugeMetricFamily(
             "dlo_model_page_cache_resident_bytes", "bytes of the model's files in the page cache", labels=["model"]
         )
@@ -105,10 +120,12 @@ class AgentCollector:
         )
         for m in models:
             size.add_metric([m.name], float(m.files_bytes))
+            if m.facts is not None:
+                transformer.add_metric([m.name], float(m.facts.bytes))
             if m.resident_bytes is not None and m.resident_ratio is not None:
                 res.add_metric([m.name], float(m.resident_bytes))
                 ratio.add_metric([m.name], m.resident_ratio)
-        yield from (size, res, ratio)
+        yield from (size, transformer, res, ratio)
         dur = GaugeMetricFamily("dlo_warm_duration_seconds", "duration of the last warm", labels=["model"])
         runs = CounterMetricFamily("dlo_warm_runs", "warms run by this agent", labels=["model", "result"])
         for name, rec in sorted(self.agent.warm_records.items()):

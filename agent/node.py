@@ -21,7 +21,7 @@ from typing import Callable
 
 from dlo.agent.memory import CgroupFS, MemorySnapshot, ProcFS, snapshot
 from dlo.agent.pods import EngineTarget, PodInfo, PodSource, engine_targets
-from dlo.agent.profile import CalibrationFragment, NodeProfile, apply_calibration
+from dlo.agent.profile import CalibrationFragment, NodeProfile, apply_calibration, parse_file
 from dlo.agent.topology import Devices, ModelFolder, build_profile, detect_devices, model_folders
 from dlo.agent.warm import warm
 
@@ -71,9 +71,9 @@ class Agent:
         if path is None:
             return None
         try:
-            return CalibrationFragment.model_validate_json(Path(path).read_text())
+            return parse_file(CalibrationFragment, Path(path).read_text(), str(path))
         except (OSError, ValueError) as e:
-            raise ValueError(f"{path}: not a usable calibration fragment ({e})") from e
+            raise ValueError(f"not a usable calibration fragment: {e}") from e
 
     # -- sources ------------------------------------------------------------------------------
 

@@ -281,3 +281,50 @@ def test_the_policy_takes_model_facts_and_names_modes_from_the_shared_vocabulary
         choose_mode(node(), entry, dp=8)  # type: ignore[arg-type]
     d = choose_mode(node(), entry.facts(), dp=8, block_compute_seconds=0.003)
     assert tuple(d.estimates) == MODE_KEYS and d.engine_mode in MODES
+
+
+def test_without_bandwidth_memory_and_fit_are_answered_and_times_are_unknown() -> None:
+    from dlo.agent.policy import NoModeFits
+
+    no_bw = node(h2d=0)
+    with pytest.raises(PolicyError, match="h2d_bandwidth_bps"):
+        choose_mode(no_bw, MODEL_60, dp=8)  # the default: the engine and the operator need times
+    est = estimate_modes(no_bw, MODEL_60, dp=8, require_bandwidth=False)
+    timed = estimate_modes(node(), MODEL_60, dp=8)
+    for name in ("allgather", "rank_local", "resident"):
+        # the memory model is the same with or without a bandwidth
+        assert est[name].model_dump(exclude={"block_seconds"}) == timed[name].model_dump(exclude={"block_seconds"})
+    assert est["allgather"].block_seconds is None and est["rank_local"].block_seconds is None
+    assert est["resident"].block_seconds == 0.0  # no weight moves: compute only
+    d = choose_mode(no_bw, MODEL_60, dp=8, require_bandwidth=False)
+    assert d.mode == "allgather" and "both fit" in d.reason and "no H2D bandwidth" in d.reason
+    one = choose_mode(no_bw, MODEL_60, dp=8, host_headroom_bytes=1800 * GB, require_bandwidth=False)
+    assert one.mode == "allgather" and "rank_local does not fit" in one.reason and "unknown" in one.reason
+    small = ModelFacts(bytes=10 * GB, largest_block_bytes=200_000_000, blocks=50)
+    assert choose_mode(no_bw, small, dp=8, require_bandwidth=False).mode == "resident"
+    with pytest.raises(NoModeFits):
+        choose_mode(node(h2d=0, ram=100 * GB), MODEL_60, dp=8, require_bandwidth=False)
+
+
+def test_nothing_fits_is_no_mode_fits_and_bad_input_is_not() -> None:
+    from dlo.agent.policy import NoModeFits
+
+    with pytest.raises(NoModeFits) as err:
+        choose_mode(node(ram=100 * GB), MODEL_60, dp=8)
+    assert err.value.estimates
+    for kwargs in ({"dp": 0}, {"dp": 2, "tokens_per_rank": 0}):
+        with pytest.raises(PolicyError) as bad:
+            choose_mode(node(), MODEL_60, **kwargs)
+        assert not isinstance(bad.value, NoModeFits)
+
+
+def test_host_ranks_without_a_collective_bandwidth_can_still_gather() -> None:
+    # CPU ranks gather through host memory (gloo): an unknown collective bandwidth leaves allgather's
+    # time unknown; on accelerators the same zero means no path and allgather cannot run.
+    cpu = node(vendor="none", count=0, device_memory=0, ram=400 * GB, coll=0, kind="none")
+    est = estimate_modes(cpu, MODEL_60, dp=8, block_compute_seconds=0.01)
+    assert est["allgather"].fits and est["allgather"].block_seconds is None
+    d = choose_mode(cpu, MODEL_60, dp=8, block_compute_seconds=0.01)
+    assert d.mode == "allgather" and "collective bandwidth between host ranks" in d.reason
+    gpu = estimate_modes(node(kind="none", coll=0), MODEL_60, dp=8)
+    assert not gpu["allgather"].fits and gpu["allgather"].block_seconds is None

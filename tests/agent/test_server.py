@@ -62,3 +62,37 @@ def test_profile_and_health_endpoints(models_root: Path) -> None:
         assert get(base + "/nope")[0] == 404
     finally:
         server.shutdown()
+
+
+def test_model_bytes_say_which_size_they_are(models_root: Path) -> None:
+    """dlo_model_bytes is the whole folder, /profile models[].bytes the transformer: a second
+    metric carries the transformer's size, and both help texts say which is which."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from dlo.engine.families import describe
+
+    agent = make_agent(models_root)
+    server = serve(agent, "127.0.0.1", 0)
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        _, text = get(base + "/metrics")
+        _, body = get(base + "/profile")
+    finally:
+        server.shutdown()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    folder = models_root / "tiny-wan"
+    whole = sum(f.stat().st_size for f in folder.rglob("*.safetensors"))
+    transformer = describe(folder).bytes  # the transformer's tensor bytes (headers excluded)
+    transformer_files = sum(f.stat().st_size for f in (folder / "transformer").glob("*.safetensors"))
+    assert transformer <= transformer_files < whole  # the VAE makes the difference
+    got = samples(text)
+    assert got["dlo_model_bytes"] == [({"model": "tiny-wan"}, whole)]
+    assert got["dlo_model_transformer_bytes"] == [({"model": "tiny-wan"}, transformer)]
+    profile = NodeProfile.model_validate_json(body)
+    assert profile.models["tiny-wan"].bytes == transformer
+    assert "every file of the model folder" in families["dlo_model_bytes"].documentation
+    assert "dlo_model_transformer_bytes" in families["dlo_model_bytes"].documentation
+    assert "/profile models[].bytes" in families["dlo_model_transformer_bytes"].documentation
+    # the profile's schema says the same (kubectl-style readers and `dlo plan --help` users)
+    fields = NodeProfile.model_json_schema()["$defs"]["ModelProfile"]["properties"]
+    assert "transformer only" in fields["bytes"]["description"] and "dlo_model_bytes" in fields["bytes"]["description"]
