@@ -1,7 +1,9 @@
 """Subcommands owned by the agent: `dlo agent`, `dlo warm`, `dlo plan` (CONTRACTS.md section 2).
 
-Owns: argument parsing, human output (rich tables, progress bars) and exit codes. The work lives in
-dlo.agent.exporter, dlo.agent.warm and dlo.agent.policy.
+Owns: argument parsing, human output (progress bars) and exit codes of `dlo agent` and `dlo warm`,
+and the dispatch to `dlo plan` (dlo.agent.plan_cli). Bad input is one line on stderr and exit 2
+(`dlo.cli.args`). The work lives in dlo.agent.node (with dlo.agent.pods, dlo.agent.collector,
+dlo.agent.server) and dlo.agent.warm.
 Must never: import torch.
 """
 
@@ -19,12 +21,23 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from pydantic import ValidationError
-
-EPILOG_UNITS = "Byte counts are integers (bytes), ratios are 0..1, times are seconds."
+from dlo.cli.args import (
+    Parser,
+    existing_dir,
+    existing_file,
+    existing_path,
+    fail,
+    http_url,
+    port,
+    positive_int,
+    positive_seconds,
+    ratio,
+)
 
 
 def run(command: str, argv: list[str]) -> int:
+    from dlo.agent.plan_cli import run_plan
+
     handlers = {"agent": run_agent, "warm": run_warm, "plan": run_plan}
     if command not in handlers:
         print(f"dlo: {command!r} is not an agent command", file=sys.stderr)
@@ -70,7 +83,7 @@ class _ProgressLines:
 
 
 def warm_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="dlo warm",
         description=(
             "Bring model files into the OS page cache before an engine maps them. Every *.safetensors "
@@ -81,14 +94,15 @@ def warm_parser() -> argparse.ArgumentParser:
         ),
         epilog="example: dlo warm /models/wan2.1-14b --threshold 0.99 --json",
     )
-    p.add_argument("paths", nargs="+", metavar="PATH", help="a model folder or a safetensors file")
-    p.add_argument("--threshold", type=float, default=0.99, help="residency every file must reach, 0..1 (default 0.99)")
+    p.add_argument("paths", nargs="+", metavar="PATH", type=existing_path, help="a model folder or a safetensors file")
+    p.add_argument("--threshold", type=ratio, default=0.99, help="residency every file must reach, 0..1 (default 0.99)")
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout (no progress bar)")
     p.add_argument(
         "--lock", action="store_true",
         help="mlock the files and keep running until SIGTERM/SIGINT, so the pages cannot be evicted",
     )
-    p.add_argument("--threads", type=int, default=None, help="parallel readers (default: 4 per CPU, at most 32)")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="parallel readers, at least 1 (default: 4 per CPU, at most 32)")
     return p
 
 
@@ -102,10 +116,12 @@ def run_warm(argv: list[str]) -> int:
 
     err = Console(stderr=True)
     try:
-        total = sum(f.stat().st_size for p in args.paths for f in model_files(p))
-    except OSError as e:
-        err.print(f"dlo warm: {e}")
-        return 2
+        files = [f for p in args.paths for f in model_files(p)]
+        total = sum(f.stat().st_size for f in files)
+    except (OSError, ResidencyError) as e:
+        return fail("dlo warm", e)
+    if not files:
+        return fail("dlo warm", f"no *.safetensors file under {', '.join(map(str, args.paths))}")
     progress = Progress(
         "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
         TimeRemainingColumn(), console=err, disable=args.json or not err.is_terminal,
@@ -125,8 +141,7 @@ def run_warm(argv: list[str]) -> int:
                 args.paths, threads=args.threads, threshold=args.threshold, lock=args.lock, progress=advance,
             )
     except (OSError, ResidencyError, ValueError) as e:
-        err.print(f"dlo warm: {e}")
-        return 2
+        return fail("dlo warm", e)
     report = session.report()
     if args.json:
         print(json.dumps(report, indent=1))
@@ -146,134 +161,11 @@ def run_warm(argv: list[str]) -> int:
     return 0 if session.ok else 1
 
 
-# --- dlo plan --------------------------------------------------------------------------------
-
-
-def plan_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="dlo plan",
-        description=(
-            "Estimate host memory, device memory and time per block for each mode (allgather, "
-            "rank-local, resident) and print the mode the policy chooses, with its reason. The node "
-            "is --profile FILE (a NodeProfile JSON, e.g. the agent's /profile), else this machine."
-        ),
-        epilog=(
-            "examples:\n  dlo plan --model /models/wan2.1-14b --dp 8 --tokens 32760\n"
-            "  dlo plan --model-bytes 60000000000 --max-block-bytes 1200000000 --dp 8 "
-            "--block-compute-seconds 0.012 --profile node.json --json\n" + EPILOG_UNITS
-        ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", type=Path, metavar="MODEL_DIR", help="a diffusers pipeline or transformer folder")
-    src.add_argument("--model-bytes", type=int, metavar="B", help="model weight bytes (with --max-block-bytes)")
-    p.add_argument("--max-block-bytes", type=int, metavar="b", help="largest block's bytes (with --model-bytes)")
-    p.add_argument("--blocks", type=int, default=0, help="number of blocks (informational, with --model-bytes)")
-    p.add_argument("--dp", type=int, default=None, help="data-parallel ranks on the node (default: device count, or 1)")
-    p.add_argument("--sp", type=int, default=1, help="sequence-parallel degree (default 1)")
-    work = p.add_mutually_exclusive_group()
-    work.add_argument("--block-compute-seconds", type=float, metavar="T", help="measured compute time of one block")
-    work.add_argument("--tokens", type=int, metavar="T",
-                      help="tokens per rank (estimates compute from the device rate)")
-    p.add_argument("--host-memory-bytes", type=int, metavar="H", help="override the profile's host RAM")
-    p.add_argument("--host-headroom-bytes", type=int, default=0, help="host RAM to keep free (default 0)")
-    p.add_argument("--profile", type=Path, metavar="FILE", help="NodeProfile JSON (default: detect this machine)")
-    p.add_argument("--calibration", type=Path, metavar="FILE", help="a `dlo calibrate` fragment to apply")
-    p.add_argument("--json", action="store_true",
-                   help='print {"choice": {...}, "modes": {...}} (CONTRACTS.md section 7)')
-    return p
-
-
-def run_plan(argv: list[str]) -> int:
-    parser = plan_parser()
-    args = parser.parse_args(argv)
-    from dlo.agent.policy import PolicyError, choose_mode
-    from dlo.agent.profile import CalibrationFragment, ModelProfile, NodeProfile, apply_calibration
-    from dlo.agent.topology import local_profile
-
-    if args.model_bytes is not None and args.max_block_bytes is None:
-        parser.error("--model-bytes needs --max-block-bytes")
-    try:
-        model = _plan_model(args)
-        if args.profile is not None:
-            profile = NodeProfile.model_validate_json(args.profile.read_text())
-        else:
-            profile = local_profile()
-        if args.calibration is not None:
-            profile = apply_calibration(profile, CalibrationFragment.model_validate_json(args.calibration.read_text()))
-        if args.host_memory_bytes is not None:
-            profile = profile.model_copy(update={"host_memory_bytes": args.host_memory_bytes})
-    except (OSError, ValueError, KeyError, ValidationError) as e:
-        print(f"dlo plan: {e}", file=sys.stderr)
-        return 2
-    assert isinstance(model, ModelProfile)
-    dp = args.dp if args.dp is not None else max(1, profile.accelerator.count)
-    try:
-        decision = choose_mode(
-            profile, model, dp=dp, sp=args.sp, tokens_per_rank=args.tokens,
-            host_headroom_bytes=args.host_headroom_bytes, block_compute_seconds=args.block_compute_seconds,
-        )
-    except PolicyError as e:
-        if args.json:
-            print(json.dumps({"choice": None, "error": str(e),
-                              "modes": {k: v.model_dump() for k, v in e.estimates.items()}}, indent=1))
-        else:
-            if e.estimates:
-                _print_plan_table(e.estimates, model, profile, dp * args.sp)
-            print(f"dlo plan: {e}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(decision.plan_json(), indent=1))
-    else:
-        _print_plan_table(decision.estimates, model, profile, dp * args.sp)
-        from rich.console import Console
-
-        Console().print(f"[bold]choice: {decision.engine_mode}[/bold] - {decision.reason}")
-    return 0
-
-
-def _plan_model(args: argparse.Namespace):  # -> ModelProfile
-    from dlo.agent.profile import ModelProfile
-
-    if args.model is not None:
-        from dlo.engine.families import describe
-
-        f = describe(args.model)
-        return ModelProfile(
-            bytes=f.bytes, largest_block_bytes=f.largest_block_bytes, blocks=f.blocks, nonblock_bytes=f.nonblock_bytes
-        )
-    return ModelProfile(bytes=args.model_bytes, largest_block_bytes=args.max_block_bytes, blocks=args.blocks)
-
-
-def _print_plan_table(estimates: dict, model, profile, g: int) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    def gb(n: int) -> str:
-        return f"{n / 1e9:,.1f} GB"
-
-    t = Table(
-        title=(
-            f"model {gb(model.bytes)}, largest block {gb(model.largest_block_bytes)}; {g} ranks; "
-            f"host {gb(profile.host_memory_bytes)}, device {gb(profile.accelerator.memory_bytes)}"
-        )
-    )
-    for col in ("mode", "pinned host", "page cache", "cold-start peak", "device weights", "fits", "time/block"):
-        t.add_column(col, justify="left" if col == "mode" else "right")
-    for name, e in estimates.items():
-        t.add_row(
-            name.replace("_", "-"), gb(e.pinned_host_bytes), gb(e.page_cache_bytes), gb(e.cold_start_peak_bytes),
-            gb(e.device_weight_bytes), "yes" if e.fits else "no",
-            "n/a" if e.block_seconds is None else f"{e.block_seconds * 1e3:.2f} ms",
-        )
-    Console().print(t)
-
-
 # --- dlo agent -------------------------------------------------------------------------------
 
 
 def agent_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="dlo agent",
         description=(
             "Run the node agent: serves /metrics (Prometheus, dlo_* agent metrics), /profile (this "
@@ -284,29 +176,34 @@ def agent_parser() -> argparse.ArgumentParser:
         ),
         epilog="example: dlo agent --port 9400 --models-root /models --engine-url http://127.0.0.1:8000",
     )
-    p.add_argument("--port", type=int, default=9400, help="HTTP port (default 9400; 0 picks a free one)")
+    p.add_argument("--port", type=port, default=9400, help="HTTP port (default 9400; 0 picks a free one)")
     p.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
     p.add_argument("--node-name", default=os.environ.get("NODE_NAME") or socket.gethostname(),
                    help="this node's name (default: $NODE_NAME, else the host name)")
-    p.add_argument("--models-root", type=Path, help="folder whose sub-folders are models (facts, residency)")
-    p.add_argument("--proc-root", type=Path, default=Path("/proc"), help="host /proc (default /proc)")
-    p.add_argument("--cgroup-root", type=Path, default=Path("/sys/fs/cgroup"), help="host cgroup root")
-    p.add_argument("--sys-root", type=Path, default=Path("/sys"), help="host /sys for PCIe and NUMA (default /sys)")
-    p.add_argument("--engine-url", action="append", default=[], metavar="URL",
+    p.add_argument("--models-root", type=existing_dir, help="folder whose sub-folders are models (facts, residency)")
+    p.add_argument("--proc-root", type=existing_dir, default=Path("/proc"), help="host /proc (default /proc)")
+    p.add_argument("--cgroup-root", type=existing_dir, default=Path("/sys/fs/cgroup"), help="host cgroup root")
+    p.add_argument("--sys-root", type=existing_dir, default=Path("/sys"), help="host /sys for PCIe and NUMA (default /sys)")
+    p.add_argument("--engine-url", action="append", default=[], metavar="URL", type=http_url,
                    help="an engine to scrape outside Kubernetes (repeatable), e.g. http://127.0.0.1:8000")
-    p.add_argument("--calibration", type=Path, metavar="FILE", help="a `dlo calibrate` fragment (measured bandwidths)")
+    p.add_argument("--calibration", type=existing_file, metavar="FILE", help="a `dlo calibrate` fragment (measured bandwidths)")
     p.add_argument("--kubernetes", choices=("auto", "on", "off"), default="auto",
                    help="find pods and publish the profile through the API (auto: when in a cluster)")
-    p.add_argument("--publish-interval", type=float, default=60.0, help="seconds between profile checks (default 60)")
+    p.add_argument("--publish-interval", type=positive_seconds, default=60.0, help="seconds between profile checks (default 60)")
     p.add_argument("--warm", action="store_true", help="keep every model under --models-root warm (agent warming)")
-    p.add_argument("--warm-threshold", type=float, default=0.99, help="residency that triggers a re-warm, 0..1")
-    p.add_argument("--warm-interval", type=float, default=300.0, help="seconds between residency checks (default 300)")
+    p.add_argument("--warm-threshold", type=ratio, default=0.99, help="residency that triggers a re-warm, 0..1")
+    p.add_argument("--warm-interval", type=positive_seconds, default=300.0, help="seconds between residency checks (default 300)")
     return p
 
 
 def run_agent(argv: list[str]) -> int:
-    args = agent_parser().parse_args(argv)
-    from dlo.agent.exporter import Agent, AgentConfig, KubernetesPods, publish_loop, serve, warm_loop
+    parser = agent_parser()
+    args = parser.parse_args(argv)
+    if not args.node_name.strip():
+        parser.error("--node-name must not be empty (set it, or $NODE_NAME)")
+    from dlo.agent.node import Agent, AgentConfig, publish_loop, warm_loop
+    from dlo.agent.pods import KubernetesPods
+    from dlo.agent.server import serve
 
     use_k8s = args.kubernetes == "on" or (args.kubernetes == "auto" and "KUBERNETES_SERVICE_HOST" in os.environ)
     cfg = AgentConfig(
@@ -319,8 +216,7 @@ def run_agent(argv: list[str]) -> int:
         agent = Agent(cfg, pods=pods)
         server = serve(agent, args.host, args.port)
     except (OSError, ValueError) as e:
-        print(f"dlo agent: {e}", file=sys.stderr)
-        return 2
+        return fail("dlo agent", e)
     stop = _stop_on_signals()
     threads = []
     if pods is not None:

@@ -5,12 +5,13 @@ model. Consumers: the operator (`spec.mode: auto`, most constrained node wins), 
 (`dlo serve --mode auto`) and `dlo plan`.
 Must never: do I/O, log, or import torch. Every input arrives as an argument.
 
-Model facts input: any object with integer attributes `bytes`, `largest_block_bytes` and `blocks`
-(and optionally `nonblock_bytes`): the dataclass `dlo.engine.families.ModelFacts` and
-`dlo.agent.profile.ModelProfile` both qualify (`ModelLike` below).
+Model facts input: `dlo.engine.facts.ModelFacts`, the one model-facts type of every part (a node
+profile's entry converts with `ModelProfile.facts()`, the operator's override with
+`ModelFactsOverride.facts()`).
 
-Mode names: `Decision.mode` and the keys of `Decision.estimates` use the JSON names `allgather`,
-`rank_local`, `resident`; `Decision.engine_mode` gives the engine's CLI spelling (`rank-local`).
+Mode names come from `dlo.engine.facts`: `Decision.mode` and the keys of `Decision.estimates` use
+the JSON keys (`ModeKey`: `allgather`, `rank_local`, `resident`); `Decision.engine_mode` gives the
+engine's and the CLI's spelling (`Mode`: `rank-local`).
 
 Time model, per block, with `S` the largest block's bytes, `g = dp * sp` ranks sharing the weights
 on the node, `B_h2d` the pinned host-to-device rate of one device and `B_coll` the AllGather bus
@@ -52,22 +53,27 @@ Memory model (bytes; `M` model bytes, `g` ranks on the node):
   count into the host total and the host budget is the device budget.
 
 Choice: resident when it fits the device; else the fastest mode that fits; near-ties (within
-`NEAR_TIE` of the fastest) go to rank-local, which couples no ranks. Nothing fits: `PolicyError`,
-carrying the estimates.
+`NEAR_TIE` of the fastest) go to rank-local, which couples no ranks. Nothing fits: `NoModeFits` (a
+`PolicyError`), carrying the estimates; inputs that describe no deployment: a plain `PolicyError`.
+
+Unknown bandwidth: the memory model needs no bandwidth, the time model does. By default a profile
+without `h2d_bandwidth_bps` is a `PolicyError` (the engine then falls back to its fixed rule, the
+operator skips the node). With `require_bandwidth=False` (`dlo plan`), the offload modes get
+`block_seconds = None` ("n/a") but `fits` is still decided on memory; among offload modes that fit
+with an unknown time the choice is allgather, the least host and device memory, and the reason says
+the times are unknown. On a node without accelerators the ranks gather through host memory (gloo),
+so a missing collective bandwidth there leaves allgather's time unknown; on accelerators it means
+there is no collective path and allgather cannot run (`block_seconds = None`, `fits = False`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
 from dlo.agent.profile import NodeProfile, compute_rate
-
-ModeName = Literal["allgather", "rank_local", "resident"]
-MODES: tuple[ModeName, ...] = ("allgather", "rank_local", "resident")
-ENGINE_MODE: dict[str, str] = {"allgather": "allgather", "rank_local": "rank-local", "resident": "resident"}
+from dlo.engine.facts import MODE_KEYS, Mode, ModeKey, ModelFacts, mode_of_key
 
 FRAMEWORK_BASE_BYTES = 91_000_000
 FRAMEWORK_MODEL_RATIO = 0.1033
@@ -80,18 +86,13 @@ SLOT_ALIGN = 256
 class PolicyError(ValueError):
     """No mode fits, or the inputs cannot describe a deployment. Carries the estimates when known."""
 
-    def __init__(self, message: str, estimates: "dict[str, ModeEstimate] | None" = None):
+    def __init__(self, message: str, estimates: "dict[ModeKey, ModeEstimate] | None" = None):
         super().__init__(message)
         self.estimates = estimates or {}
 
 
-class ModelLike(Protocol):
-    @property
-    def bytes(self) -> int: ...
-    @property
-    def largest_block_bytes(self) -> int: ...
-    @property
-    def blocks(self) -> int: ...
+class NoModeFits(PolicyError):
+    """The inputs are valid but no mode fits the node's memory (the estimates say by how much)."""
 
 
 class ModeEstimate(BaseModel):
@@ -108,14 +109,14 @@ class ModeEstimate(BaseModel):
 class Decision(BaseModel):
     model_config = ConfigDict(frozen=True)
 
-    mode: ModeName
+    mode: ModeKey
     reason: str
-    estimates: dict[str, ModeEstimate]
+    estimates: dict[ModeKey, ModeEstimate]
 
     @property
-    def engine_mode(self) -> str:
+    def engine_mode(self) -> Mode:
         """The mode as `dlo serve --mode` spells it."""
-        return ENGINE_MODE[self.mode]
+        return mode_of_key(self.mode)
 
     def plan_json(self) -> dict:
         """The `dlo plan --json` document (CONTRACTS.md section 7)."""
@@ -146,15 +147,18 @@ def block_compute_time(profile: NodeProfile, block_bytes: int, tokens_per_rank: 
 
 def estimate_modes(
     profile: NodeProfile,
-    model: ModelLike,
+    model: ModelFacts,
     dp: int,
     sp: int = 1,
     tokens_per_rank: int | None = None,
     host_headroom_bytes: int = 0,
     *,
     block_compute_seconds: float | None = None,
-) -> dict[str, ModeEstimate]:
+    require_bandwidth: bool = True,
+) -> dict[ModeKey, ModeEstimate]:
     """Memory and time per mode (see the module docstring for every formula)."""
+    if not isinstance(model, ModelFacts):
+        raise TypeError(f"model must be a dlo.engine.facts.ModelFacts, not {type(model).__name__}")
     if dp < 1 or sp < 1:
         raise PolicyError(f"dp and sp must be >= 1 (got dp={dp}, sp={sp})")
     if model.bytes <= 0 or model.largest_block_bytes <= 0:
@@ -162,16 +166,17 @@ def estimate_modes(
             f"model facts need positive bytes and largest_block_bytes (got {model.bytes}, "
             f"{model.largest_block_bytes})"
         )
-    if profile.h2d_bandwidth_bps <= 0:
+    if require_bandwidth and profile.h2d_bandwidth_bps <= 0:
         raise PolicyError("the node profile has no h2d_bandwidth_bps: give a profile or a calibration")
     g = dp * sp
     m = model.bytes
     s = model.largest_block_bytes
-    nonblock = int(getattr(model, "nonblock_bytes", 0) or 0)
+    nonblock = model.nonblock_bytes
     t_c = _compute_seconds(profile, s, tokens_per_rank, block_compute_seconds)
     b_h2d = profile.h2d_bandwidth_bps
     b_coll = profile.interconnect.collective_bandwidth_bps
-    times = {name: _block_time(name, t_c, s, g, b_h2d, b_coll)[0] for name in MODES}
+    on_host = _devices_are_host(profile)
+    times = {name: _block_time(name, t_c, s, g, b_h2d, b_coll, on_host)[0] for name in MODE_KEYS}
     registered = profile.can_register_page_cache
     invisible_pinned = profile.accelerator.vendor == "ascend"
     pinned = {
@@ -186,10 +191,9 @@ def estimate_modes(
     }
     framework = g * framework_bytes(m)
     host_budget = profile.host_memory_bytes - host_headroom_bytes
-    on_host = _devices_are_host(profile)
     device_budget = host_budget if on_host else _device_budget(profile)
-    out: dict[str, ModeEstimate] = {}
-    for name in MODES:
+    out: dict[ModeKey, ModeEstimate] = {}
+    for name in MODE_KEYS:
         # Registered pinned memory is the page cache itself; an arena is a second copy.
         extra_pinned = 0 if registered else pinned[name]
         visible_pinned = 0 if invisible_pinned else extra_pinned
@@ -201,7 +205,7 @@ def estimate_modes(
             cold_start_peak_bytes=m + visible_pinned + framework,
             device_weight_bytes=device[name],
             block_seconds=times[name],
-            fits=times[name] is not None and host_needed <= host_budget and device[name] <= device_budget,
+            fits=_runnable(name, g, profile) and host_needed <= host_budget and device[name] <= device_budget,
         )
     return out
 
@@ -215,17 +219,28 @@ def _device_budget(profile: NodeProfile) -> float:
     return profile.accelerator.memory_bytes * (1 - DEVICE_RESERVE_RATIO)
 
 
+def _runnable(mode: str, g: int, profile: NodeProfile) -> bool:
+    """False only for allgather over several accelerators with no collective path between them."""
+    no_path = profile.interconnect.collective_bandwidth_bps <= 0 and not _devices_are_host(profile)
+    return not (mode == "allgather" and g > 1 and no_path)
+
+
 def _block_time(
-    mode: str, t_c: float, s: int, g: int, b_h2d: int, b_coll: int
+    mode: str, t_c: float, s: int, g: int, b_h2d: int, b_coll: int, on_host: bool
 ) -> tuple[float | None, str]:
-    """Seconds per block of `mode` and what bounds it (compute, H2D or collective)."""
+    """Seconds per block of `mode` and what bounds it (compute, H2D or collective); None and why
+    when the mode cannot run or a bandwidth it needs is unknown."""
     terms: dict[str, float] = {"compute": t_c}
+    if mode in ("rank_local", "allgather") and b_h2d <= 0:
+        return None, "unknown: the profile has no H2D bandwidth"
     if mode == "rank_local":
         terms["H2D"] = s / b_h2d
     elif mode == "allgather":
         terms["H2D"] = s / (g * b_h2d)
         if g > 1:
             if b_coll <= 0:
+                if on_host:
+                    return None, "unknown: the profile has no collective bandwidth between host ranks"
                 return None, "no collective path between the devices"
             terms["collective"] = s * (g - 1) / (g * b_coll)
     bound = max(terms, key=lambda k: terms[k])
@@ -248,20 +263,23 @@ def _compute_seconds(
 
 def choose_mode(
     profile: NodeProfile,
-    model: ModelLike,
+    model: ModelFacts,
     dp: int,
     sp: int = 1,
     tokens_per_rank: int | None = None,
     host_headroom_bytes: int = 0,
     *,
     block_compute_seconds: float | None = None,
+    require_bandwidth: bool = True,
 ) -> Decision:
     """Pick the mode for `dp x sp` ranks on a node described by `profile` (module docstring)."""
     est = estimate_modes(
-        profile, model, dp, sp, tokens_per_rank, host_headroom_bytes, block_compute_seconds=block_compute_seconds
+        profile, model, dp, sp, tokens_per_rank, host_headroom_bytes,
+        block_compute_seconds=block_compute_seconds, require_bandwidth=require_bandwidth,
     )
     g = dp * sp
     b_h2d, b_coll = profile.h2d_bandwidth_bps, profile.interconnect.collective_bandwidth_bps
+    on_host = _devices_are_host(profile)
     t_c = est["resident"].block_seconds or 0.0
     workload = (
         "" if tokens_per_rank is not None or block_compute_seconds is not None
@@ -281,18 +299,33 @@ def choose_mode(
         )
     feasible = [name for name in ("allgather", "rank_local") if est[name].fits]
     if not feasible:
-        raise PolicyError(
-            f"no mode fits: {_why_not(est, 'allgather', profile, host_headroom_bytes)}; "
-            f"{_why_not(est, 'rank_local', profile, host_headroom_bytes)}",
+        raise NoModeFits(
+            f"no mode fits: {_why_not(est, 'allgather', profile, host_headroom_bytes, g)}; "
+            f"{_why_not(est, 'rank_local', profile, host_headroom_bytes, g)}",
             est,
         )
     if len(feasible) == 1:
         only = feasible[0]
-        other = "rank_local" if only == "allgather" else "allgather"
+        other: ModeKey = "rank_local" if only == "allgather" else "allgather"
+        seconds = est[only].block_seconds
+        at = (
+            f"at {_ms(seconds)} per block{workload}" if seconds is not None
+            else f"time per block {_block_time(only, t_c, model.largest_block_bytes, g, b_h2d, b_coll, on_host)[1]}"
+        )
         return Decision(
             mode=only,
-            reason=f"{other} does not fit ({_why_not(est, other, profile, host_headroom_bytes)}); "
-            f"{only} does, at {_ms(est[only].block_seconds)} per block{workload}",
+            reason=f"{other} does not fit ({_why_not(est, other, profile, host_headroom_bytes, g)}); {only} does, {at}",
+            estimates=est,
+        )
+    unknown = [
+        _block_time(name, t_c, model.largest_block_bytes, g, b_h2d, b_coll, on_host)[1]
+        for name in feasible if est[name].block_seconds is None
+    ]
+    if unknown:
+        return Decision(
+            mode="allgather",
+            reason="allgather and rank-local both fit; time per block " + unknown[0]
+            + ", so the one with the least host and device memory: allgather",
             estimates=est,
         )
     ag, rl = est["allgather"].block_seconds or 0.0, est["rank_local"].block_seconds or 0.0
@@ -307,15 +340,15 @@ def choose_mode(
     return Decision(
         mode="allgather",
         reason=f"allgather over {g} ranks takes {_ms(ag)} per block vs rank-local {_ms(rl)} "
-        f"({_block_time('allgather', t_c, model.largest_block_bytes, g, b_h2d, b_coll)[1]}, rank-local "
-        f"{_block_time('rank_local', t_c, model.largest_block_bytes, g, b_h2d, b_coll)[1]}){workload}",
+        f"({_block_time('allgather', t_c, model.largest_block_bytes, g, b_h2d, b_coll, on_host)[1]}, rank-local "
+        f"{_block_time('rank_local', t_c, model.largest_block_bytes, g, b_h2d, b_coll, on_host)[1]}){workload}",
         estimates=est,
     )
 
 
-def _why_not(est: dict[str, ModeEstimate], name: str, profile: NodeProfile, headroom: int) -> str:
+def _why_not(est: dict[ModeKey, ModeEstimate], name: ModeKey, profile: NodeProfile, headroom: int, g: int) -> str:
     e = est[name]
-    if e.block_seconds is None:
+    if not _runnable(name, g, profile):
         return f"{name} has no collective path between the devices"
     budget = profile.host_memory_bytes - headroom if _devices_are_host(profile) else _device_budget(profile)
     if e.device_weight_bytes > budget:

@@ -7,14 +7,20 @@ Consumers: the operator (`spec.mode: auto`), the engine (`--mode auto`), `dlo pl
 Must never: do I/O or import torch. Reading the host is `dlo.agent.topology`'s job; this module only
 describes and validates.
 
-Unknown fields are ignored when parsing, so an older reader accepts a newer agent's annotation.
+Unknown fields are ignored when parsing an annotation, so an older reader accepts a newer agent's
+annotation. Files a person gives on the command line (`dlo plan --profile`, `--calibration`,
+`dlo operator render --profile`) are read with `parse_file`, which rejects unknown keys by name: a
+typo there would otherwise silently fall back to a default.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Any, Literal, TypeVar, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dlo.engine.facts import ModelFacts
 
 PROFILE_VERSION = "v1"
 ANNOTATION = "dlo.dev/node-profile"
@@ -25,6 +31,10 @@ InterconnectKind = Literal["nvlink", "hccs", "pcie", "none"]
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class ProfileError(ValueError):
+    """A profile or calibration file that cannot be used; the message is one line naming the key."""
 
 
 class Accelerator(_Model):
@@ -47,13 +57,48 @@ class PcieLink(_Model):
 
 
 class ModelProfile(_Model):
-    """Facts of one model folder under the agent's models root (keyed by folder name)."""
+    """One entry of `NodeProfile.models` (keyed by the model's folder name under the models root):
+    the wire form of `dlo.engine.facts.ModelFacts` plus the folder's page-cache residency.
 
-    bytes: int = Field(ge=0)
+    The JSON shape is a contract (CONTRACTS.md section 6: flat `bytes`, `largest_block_bytes`,
+    `blocks`, `nonblock_bytes`, `resident_ratio`), so the facts are not nested. Convert with
+    `ModelProfile.of(facts, resident_ratio)` and `.facts()`; nothing else builds one from the other.
+    The model family is not on the wire (`facts().family` is "").
+    """
+
+    bytes: int = Field(
+        ge=0,
+        description="safetensors bytes of the transformer only (what the policy moves); the whole "
+        "folder with VAE and text encoders is the agent metric dlo_model_bytes",
+    )
     largest_block_bytes: int = Field(ge=0)
     blocks: int = Field(ge=0)
     nonblock_bytes: int = Field(0, ge=0)
-    resident_ratio: float | None = Field(None, ge=0, le=1, description="page-cache residency, 0..1")
+    resident_ratio: float | None = Field(
+        None, ge=0, le=1,
+        description="page-cache residency of every safetensors file of the folder, 0..1 "
+        "(dlo_model_page_cache_resident_ratio)",
+    )
+
+    @classmethod
+    def of(cls, facts: ModelFacts, resident_ratio: float | None = None) -> "ModelProfile":
+        """The profile entry of a model with `facts` and the given residency."""
+        return cls(
+            bytes=facts.bytes,
+            largest_block_bytes=facts.largest_block_bytes,
+            blocks=facts.blocks,
+            nonblock_bytes=facts.nonblock_bytes,
+            resident_ratio=resident_ratio,
+        )
+
+    def facts(self) -> ModelFacts:
+        """The model facts this entry carries (what `dlo.agent.policy` takes)."""
+        return ModelFacts(
+            bytes=self.bytes,
+            largest_block_bytes=self.largest_block_bytes,
+            blocks=self.blocks,
+            nonblock_bytes=self.nonblock_bytes,
+        )
 
 
 class NodeProfile(_Model):
@@ -77,6 +122,68 @@ class NodeProfile(_Model):
     @classmethod
     def from_annotation(cls, value: str) -> "NodeProfile":
         return cls.model_validate_json(value)
+
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def parse_file(model: type[_M], text: str, where: str) -> _M:
+    """`text` (JSON written by a person) as `model`, rejecting keys the model does not know.
+
+    Every problem is a `ProfileError` with a one-line message that starts with `where` (the file).
+    """
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"{where}: not JSON ({e})") from None
+    unknown = unknown_keys(model, data)
+    if unknown:
+        listed = ", ".join(f"{key!r} (known there: {', '.join(known)})" for key, known in unknown)
+        raise ProfileError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {listed}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'document'}: {err['msg']}" for err in e.errors()
+        )
+        raise ProfileError(f"{where}: {problems}") from None
+
+
+def unknown_keys(model: type[BaseModel], data: Any, prefix: str = "") -> list[tuple[str, list[str]]]:
+    """Dotted paths of the keys in `data` that `model` (and its nested models) do not define, each
+    with the keys that would be known at that place."""
+    if not isinstance(data, dict):
+        return []
+    out: list[tuple[str, list[str]]] = []
+    known = list(model.model_fields)
+    for key, value in data.items():
+        field = model.model_fields.get(key)
+        if field is None:
+            out.append((f"{prefix}{key}", known))
+            continue
+        nested, mapping = _nested_model(field.annotation)
+        if nested is None:
+            continue
+        if mapping and isinstance(value, dict):
+            for name, item in value.items():
+                out += unknown_keys(nested, item, f"{prefix}{key}.{name}.")
+        elif not mapping:
+            out += unknown_keys(nested, value, f"{prefix}{key}.")
+    return out
+
+
+def _nested_model(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
+    """(model, is a dict of it) for `Model`, `Model | None` and `dict[str, Model]`; else (None, False)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation, False
+    if get_origin(annotation) is dict:
+        value = get_args(annotation)[1]
+        return (value, True) if isinstance(value, type) and issubclass(value, BaseModel) else (None, False)
+    for arg in get_args(annotation):  # Optional / unions
+        found = _nested_model(arg)
+        if found[0] is not None:
+            return found
+    return None, False
 
 
 class CalibrationFragment(_Model):

@@ -22,7 +22,6 @@ import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from dlo.agent.memory import ProcFS
 from dlo.agent.profile import (
@@ -36,6 +35,7 @@ from dlo.agent.profile import (
     nominal_h2d_bps,
 )
 from dlo.agent.residency import ResidencyError, folder_residency
+from dlo.engine.facts import ModelFacts
 
 log = logging.getLogger(__name__)
 
@@ -215,16 +215,29 @@ def numa_nodes(sys_root: Path = Path("/sys")) -> int:
 
 @dataclass(frozen=True)
 class ModelFolder:
+    """A model folder under the models root: its files on disk and its transformer's facts."""
+
     name: str
     path: Path
     files_bytes: int  # every safetensors file of the folder (transformer, VAE, text encoders)
-    resident_bytes: int | None
-    facts: ModelProfile | None  # the transformer's facts; None when the folder has none we know
+    resident_bytes: int | None  # of those files, in the page cache; None: unknown
+    facts: ModelFacts | None  # the transformer's facts; None when the folder has none we know
+
+    @property
+    def resident_ratio(self) -> float | None:
+        """Page-cache residency of the folder's files, 0..1 (None: unknown)."""
+        if self.resident_bytes is None:
+            return None
+        return self.resident_bytes / self.files_bytes if self.files_bytes else 1.0
+
+    def profile_entry(self) -> ModelProfile | None:
+        """This folder's entry of `NodeProfile.models` (None without facts)."""
+        return None if self.facts is None else ModelProfile.of(self.facts, self.resident_ratio)
 
 
 # folder -> (signature of its transformer files, facts): headers are parsed again only when a file
 # changes; residency is measured on every call.
-_FACTS_CACHE: dict[Path, tuple[tuple, Any]] = {}
+_FACTS_CACHE: dict[Path, tuple[tuple, ModelFacts]] = {}
 
 
 def _facts_signature(folder: Path) -> tuple:
@@ -237,7 +250,7 @@ def _facts_signature(folder: Path) -> tuple:
     return tuple(sig)
 
 
-def _cached_describe(folder: Path) -> Any:
+def _cached_describe(folder: Path) -> ModelFacts:
     from dlo.engine.families import describe
 
     sig = _facts_signature(folder)
@@ -249,7 +262,7 @@ def _cached_describe(folder: Path) -> Any:
     return facts
 
 
-def model_folders(models_root: Path | None, *, residency: bool = True) -> list[ModelFolder]:
+def model_folders(models_root: Path | None) -> list[ModelFolder]:
     """Every folder directly under `models_root`, with its facts; broken folders are logged."""
     if models_root is None:
         return []
@@ -271,14 +284,7 @@ def model_folders(models_root: Path | None, *, residency: bool = True) -> list[M
             continue  # not a model folder
         facts = None
         try:
-            f = _cached_describe(folder)
-            facts = ModelProfile(
-                bytes=f.bytes,
-                largest_block_bytes=f.largest_block_bytes,
-                blocks=f.blocks,
-                nonblock_bytes=f.nonblock_bytes,
-                resident_ratio=res.ratio if (residency and res is not None) else None,
-            )
+            facts = _cached_describe(folder)
         except (CheckpointError, KeyError, OSError) as e:
             log.info("no model facts model=%s reason=%s", folder.name, e)
         out.append(
@@ -331,7 +337,7 @@ def build_profile(
         numa_nodes=numa_nodes(sys_root),
         can_register_page_cache=can_register_page_cache(acc.vendor),
         measured=False,
-        models={m.name: m.facts for m in models if m.facts is not None},
+        models={m.name: e for m in models if (e := m.profile_entry()) is not None},
     )
 
 

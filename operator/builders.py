@@ -15,7 +15,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from dlo.operator.models import API_KEY_ENV, DLODeploymentSpec, ModeName
+from dlo.engine.facts import Mode
+from dlo.operator.models import API_KEY_ENV, DLODeploymentSpec
 
 PART_OF = "app.kubernetes.io/part-of"
 COMPONENT = "app.kubernetes.io/component"
@@ -58,7 +59,7 @@ def headless_service_name(name: str) -> str:
     return f"{name}-headless"
 
 
-def engine_command(spec: DLODeploymentSpec, mode: ModeName) -> list[str]:
+def engine_command(spec: DLODeploymentSpec, mode: Mode) -> list[str]:
     """The engine container's command line."""
     dp = str(spec.devices_per_node)
     port = str(spec.service.port)
@@ -153,7 +154,7 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
     }
 
 
-def pod_template(owner: Owner, spec: DLODeploymentSpec, mode: ModeName) -> dict[str, Any]:
+def pod_template(owner: Owner, spec: DLODeploymentSpec, mode: Mode) -> dict[str, Any]:
     """The engine pod template, annotated with its own hash (`dlo.dev/template-hash`)."""
     engine = {
         "name": "engine",
@@ -235,7 +236,7 @@ def update_strategy(spec: DLODeploymentSpec) -> dict[str, Any]:
     return {"type": "RollingUpdate", "rollingUpdate": rolling}
 
 
-def build_statefulset(owner: Owner, spec: DLODeploymentSpec, mode: ModeName) -> dict[str, Any]:
+def build_statefulset(owner: Owner, spec: DLODeploymentSpec, mode: Mode) -> dict[str, Any]:
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -308,7 +309,7 @@ def build_monitor(owner: Owner, spec: DLODeploymentSpec) -> dict[str, Any]:
     }
 
 
-def build_all(owner: Owner, spec: DLODeploymentSpec, mode: ModeName, monitor_crd_exists: bool) -> list[dict[str, Any]]:
+def build_all(owner: Owner, spec: DLODeploymentSpec, mode: Mode, monitor_crd_exists: bool) -> list[dict[str, Any]]:
     """Every object the operator keeps for one DLODeployment, in apply order."""
     objects = [
         build_headless_service(owner, spec),

@@ -2,6 +2,8 @@
 
 Owns: argument parsing and the glue from files to the pure modules (`models`, `modes`,
 `builders`) and to kopf. Output goes to stdout/stderr here only; library modules never print.
+Bad input (a flag out of range, a missing file, an invalid spec or profile) is one line on stderr
+and exit 2, never a traceback (`dlo.cli.args`).
 Must never: import torch.
 """
 
@@ -10,11 +12,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from dlo.cli.args import Parser, existing_dir, existing_file, fail, http_url, positive_seconds
 
 CRD_FILE = "dlo.dev_dlodeployments.yaml"
 CRD_PATHS = (Path("crds") / CRD_FILE, Path("charts") / "dlo" / "crds" / CRD_FILE)
@@ -28,7 +33,7 @@ def crd_yaml() -> str:
 
 
 def _crd(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="dlo crd",
         description="Print the DLODeployment CustomResourceDefinition (generated from the operator's "
         "pydantic models), or write it into the repository with --write.",
@@ -38,7 +43,7 @@ def _crd(argv: list[str]) -> int:
         action="store_true",
         help=f"write {' and '.join(map(str, CRD_PATHS))} under --root instead of printing",
     )
-    parser.add_argument("--root", type=Path, default=Path("."), help="repository root for --write")
+    parser.add_argument("--root", type=existing_dir, default=Path("."), help="repository root for --write")
     args = parser.parse_args(argv)
     text = crd_yaml()
     if not args.write:
@@ -46,8 +51,11 @@ def _crd(argv: list[str]) -> int:
         return 0
     for rel in CRD_PATHS:
         path = args.root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        except OSError as e:
+            return fail("dlo crd", e)
         print(f"wrote {path}", file=sys.stderr)
     return 0
 
@@ -68,9 +76,9 @@ def profile_node(path: Path, spec: Any) -> dict[str, Any]:
 
     The user names the nodes the pods may land on, so the node matches the spec's placement.
     """
-    from dlo.agent.profile import ANNOTATION, NodeProfile
+    from dlo.agent.profile import ANNOTATION, NodeProfile, parse_file
 
-    profile = NodeProfile.model_validate_json(path.read_text())
+    profile = parse_file(NodeProfile, path.read_text(), str(path))  # a typo'd key is an error
     name = profile.node or path.stem
     return {
         "apiVersion": "v1",
@@ -88,19 +96,20 @@ def _render(argv: list[str]) -> int:
     from dlo.operator import builders, modes
     from dlo.operator.models import SpecError, parse_spec
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="dlo operator render",
         description="Print every object the operator would create for the DLODeployment(s) in FILE, "
         "as a YAML stream. Mode `auto` is resolved from the node profiles given with --profile.",
     )
-    parser.add_argument("file", type=Path, help="YAML file with a DLODeployment (e.g. examples/dlodeployment.yaml)")
+    parser.add_argument("file", type=existing_file, help="YAML file with a DLODeployment (e.g. examples/dlodeployment.yaml)")
     parser.add_argument(
         "--profile",
-        type=Path,
+        type=existing_file,
         action="append",
         default=[],
         metavar="FILE",
-        help="a node profile JSON (what `dlo agent` serves at /profile); repeat for each node",
+        help="a node profile JSON (what `dlo agent` serves at /profile; unknown keys are errors); "
+        "repeat for each node",
     )
     parser.add_argument(
         "--no-monitoring-crd",
@@ -111,8 +120,7 @@ def _render(argv: list[str]) -> int:
     try:
         resources = _load_resources(args.file)
     except (OSError, ValueError, yaml.YAMLError) as e:
-        print(f"dlo operator render: {e}", file=sys.stderr)
-        return 2
+        return fail("dlo operator render", e)
     out: list[dict[str, Any]] = []
     for res in resources:
         meta = res.get("metadata", {})
@@ -121,8 +129,7 @@ def _render(argv: list[str]) -> int:
             spec = parse_spec(res.get("spec") or {})
             nodes = [profile_node(p, spec) for p in args.profile]
         except (SpecError, OSError, ValueError) as e:
-            print(f"dlo operator render: {args.file}: {name}: {e}", file=sys.stderr)
-            return 2
+            return fail("dlo operator render", f"{args.file}: {name}: {e}")
         resolution = modes.resolve_mode(spec, nodes)
         print(f"# {name}: mode {resolution.mode} ({resolution.reason})", file=sys.stderr)
         owner = builders.Owner(name, meta.get("namespace") or "default")
@@ -131,20 +138,35 @@ def _render(argv: list[str]) -> int:
     return 0
 
 
+def _namespace(text: str) -> str:
+    """A Kubernetes namespace name (an RFC 1123 label)."""
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a namespace name (lower-case letters, digits and '-', at most 63)"
+        )
+    return text
+
+
+def _liveness(text: str) -> str:
+    return text if text == "" else http_url(text)
+
+
 def _run(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="dlo operator run",
         description="Run the DLODeployment operator (kopf) against the current cluster: in-cluster "
         "service account, else the current kubeconfig context. Run one replica.",
     )
     scope = parser.add_mutually_exclusive_group()
-    scope.add_argument("--namespace", "-n", action="append", default=[], help="watch this namespace (repeatable)")
+    scope.add_argument("--namespace", "-n", action="append", default=[], type=_namespace,
+                       help="watch this namespace (repeatable)")
     scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace (default)")
     parser.add_argument(
-        "--liveness", default="http://0.0.0.0:8080/healthz", help="liveness endpoint URL ('' to disable)"
+        "--liveness", default="http://0.0.0.0:8080/healthz", type=_liveness,
+        help="liveness endpoint URL ('' to disable)"
     )
     parser.add_argument(
-        "--status-interval", type=float, default=15.0, help="seconds between status and mode refreshes"
+        "--status-interval", type=positive_seconds, default=15.0, help="seconds between status and mode refreshes"
     )
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     args = parser.parse_args(argv)
@@ -177,13 +199,14 @@ Run `dlo operator <subcommand> --help` for its options."""
 def run(command: str, argv: list[str]) -> int:
     if command == "crd":
         return _crd(argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
+    if argv and argv[0] in ("-h", "--help", "help"):
         print(_OPERATOR_USAGE)
-        return 0 if argv else 2
+        return 0
+    if not argv:
+        return fail("dlo operator", "a subcommand is needed: run or render (see `dlo operator --help`)")
     sub, rest = argv[0], argv[1:]
     if sub == "run":
         return _run(rest)
     if sub == "render":
         return _render(rest)
-    print(f"dlo operator: unknown subcommand {sub!r}\n\n{_OPERATOR_USAGE}", file=sys.stderr)
-    return 2
+    return fail("dlo operator", f"unknown subcommand {sub!r}: run or render (see `dlo operator --help`)")

@@ -15,6 +15,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
+from dlo.engine.facts import Mode, ModelFacts, ModeOrAuto
+
 GROUP = "dlo.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -26,9 +28,6 @@ CRD_NAME = f"{PLURAL}.{GROUP}"
 
 DEFAULT_IMAGE = "ghcr.io/dlo-dev/dlo:0.1.0"
 API_KEY_ENV = "DLO_API_KEY"  # the engine reads its API key from this variable
-ModeName = Literal["allgather", "rank-local", "resident"]
-SpecMode = Literal["auto", "allgather", "rank-local", "resident"]
-ENGINE_MODES: tuple[ModeName, ...] = ("allgather", "rank-local", "resident")
 
 
 class SpecError(ValueError):
@@ -46,12 +45,20 @@ class _Model(BaseModel):
     )
 
 
-class ModelFacts(_Model):
-    """Model facts that override what node profiles report (bytes in base units)."""
+class ModelFactsOverride(_Model):
+    """`spec.model.facts`: model facts that override what node profiles report (bytes in base units).
+
+    The user-facing form of `dlo.engine.facts.ModelFacts` (camelCase, `blocks` optional);
+    `facts()` is the one conversion.
+    """
 
     bytes: int = Field(ge=1, description="safetensors bytes of the transformer")
     largest_block_bytes: int = Field(ge=1, description="bytes of the largest block in the slot layout")
     blocks: int | None = Field(None, ge=1, description="number of blocks (optional)")
+
+    def facts(self) -> ModelFacts:
+        """The model facts the policy takes (`blocks` defaults to 1: it only informs)."""
+        return ModelFacts(bytes=self.bytes, largest_block_bytes=self.largest_block_bytes, blocks=self.blocks or 1)
 
 
 _MODEL_SOURCE_RULE = (
@@ -68,7 +75,7 @@ class ModelSource(_Model):
     )
     claim_name: str | None = Field(None, min_length=1, description="PersistentVolumeClaim holding the model")
     sub_path: str = Field("", description="folder of the model inside the claim")
-    facts: ModelFacts | None = Field(None, description="override the model facts node profiles report")
+    facts: ModelFactsOverride | None = Field(None, description="override the model facts node profiles report")
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSource:
@@ -177,7 +184,7 @@ class DLODeploymentSpec(_Model):
     replicas: int = Field(1, ge=0, description="nodes: one engine pod per node")
     devices_per_node: int = Field(1, ge=1, description="data-parallel ranks per node (dp)")
     accelerator_resource: str = Field("nvidia.com/gpu", min_length=1)
-    mode: SpecMode = "auto"
+    mode: ModeOrAuto = "auto"
     engine: EngineSpec = Field(default_factory=EngineSpec)
     warmer: WarmerSpec = Field(default_factory=WarmerSpec)
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
@@ -211,7 +218,7 @@ class DLODeploymentStatus(_Model):
     ready_replicas: int = 0
     updated_replicas: int = 0
     selector: str = ""
-    mode: ModeName | None = None
+    mode: Mode | None = None
     mode_reason: str = ""
     mode_inputs: str = Field("", description="digest of what the mode was decided from")
     cached_ratio: float | None = Field(None, ge=0, le=1, description="lowest page-cache residency over nodes")

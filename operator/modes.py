@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from dlo.agent.profile import ANNOTATION as PROFILE_ANNOTATION  # the agent writes it; one key
-from dlo.operator.models import ENGINE_MODES, DLODeploymentSpec, ModeName
+from dlo.engine.facts import MODES, Mode, ModelFacts
+from dlo.operator.models import DLODeploymentSpec
 
 
 @dataclass(frozen=True)
 class Resolution:
-    mode: ModeName
+    mode: Mode
     reason: str
     # Digest of the inputs (spec fields and eligible profiles): re-resolve only when it changes.
     inputs: str
@@ -133,17 +134,15 @@ def _resolve_with_policy(policy: Any, spec: DLODeploymentSpec, eligible: list[di
         return Resolution("allgather", f"auto resolved to allgather (the frugal default): {why}", digest)
     _, name, decision = min(decisions, key=lambda d: (d[0], d[1]))
     mode = decision.engine_mode
-    if mode not in ENGINE_MODES:
+    if mode not in MODES:
         raise ValueError(f"the policy chose an unknown mode {decision.mode!r}")
     suffix = f" (most constrained of {len(decisions)} nodes)" if len(decisions) > 1 else ""
     return Resolution(mode, f"node {name}: {decision.reason}{suffix}", digest)
 
 
-def model_facts(spec: DLODeploymentSpec, profile: Any) -> Any | None:
+def model_facts(spec: DLODeploymentSpec, profile: Any) -> ModelFacts | None:
     """The model facts for the policy: the spec's override, else the profile's entry for the folder."""
-    from dlo.agent.profile import ModelProfile
-
     if spec.model.facts is not None:
-        f = spec.model.facts
-        return ModelProfile(bytes=f.bytes, largest_block_bytes=f.largest_block_bytes, blocks=f.blocks or 1)
-    return profile.models.get(spec.model.folder_name)
+        return spec.model.facts.facts()
+    entry = profile.models.get(spec.model.folder_name)
+    return None if entry is None else entry.facts()

@@ -205,3 +205,122 @@ def test_progress_lines_report_bytes_rate_and_eta() -> None:
     quiet = _ProgressLines(4 * GB, out.append, every_s=3600)
     quiet.advance(GB)
     assert len(out) == 1
+
+
+CPU_PROFILE = {
+    "version": "v1", "node": "cpu-1", "accelerator": {"vendor": "none", "count": 0, "memory_bytes": 0},
+    "interconnect": {"kind": "none", "collective_bandwidth_bps": 0},
+    "h2d_bandwidth_bps": 0, "host_memory_bytes": 400 * GB,
+}
+PLAN_60 = ["--model-bytes", str(60 * GB), "--max-block-bytes", str(1_200_000_000), "--dp", "8"]
+
+
+def test_plan_without_bandwidth_answers_memory_and_fit_with_time_na(tmp_path: Path) -> None:
+    cpu = tmp_path / "cpu.json"
+    cpu.write_text(json.dumps(CPU_PROFILE))
+    r = dlo("plan", *PLAN_60, "--profile", str(cpu), "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    modes = doc["modes"]
+    # the memory model needs no bandwidth: every figure is there, and the fit is decided on memory
+    assert modes["allgather"]["pinned_host_bytes"] == 60 * GB and modes["rank_local"]["pinned_host_bytes"] == 480 * GB
+    assert (modes["allgather"]["fits"], modes["rank_local"]["fits"], modes["resident"]["fits"]) == (True, False, False)
+    assert modes["allgather"]["block_seconds"] is None and modes["rank_local"]["block_seconds"] is None
+    assert doc["choice"]["mode"] == "allgather"
+    assert "no H2D bandwidth" in doc["choice"]["reason"] and "rank_local does not fit" in doc["choice"]["reason"]
+    # accelerators without a bandwidth, both offload modes fit: allgather, the least memory, and the
+    # reason says the times are unknown
+    gpu = tmp_path / "gpu-without-bandwidth.json"
+    gpu.write_text(json.dumps({**PROFILE, "h2d_bandwidth_bps": 0}))
+    big = dlo("plan", *PLAN_60, "--profile", str(gpu), "--json")
+    choice = json.loads(big.stdout)["choice"]
+    assert big.returncode == 0 and choice["mode"] == "allgather"
+    assert "both fit" in choice["reason"] and "no H2D bandwidth" in choice["reason"]
+    # the table says n/a and why
+    table = dlo("plan", *PLAN_60, "--profile", str(cpu))
+    assert table.returncode == 0, table.stderr
+    assert "n/a" in table.stdout and "no H2D bandwidth" in " ".join(table.stdout.split())
+    assert "choice: allgather" in table.stdout
+
+
+def test_plan_on_a_machine_without_accelerators_gives_a_memory_verdict() -> None:
+    # The command: no profile, no accelerator. Memory and fit come out; only "nothing fits"
+    # may exit 1, never the missing bandwidth.
+    if Path("/dev/nvidiactl").exists():
+        pytest.skip("this host has an NVIDIA driver: it has a nominal bandwidth")
+    r = dlo("plan", *PLAN_60, "--host-memory-bytes", str(4000 * GB), "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["modes"]["allgather"]["fits"] and doc["modes"]["allgather"]["block_seconds"] is None
+    small = dlo("plan", *PLAN_60, "--host-memory-bytes", str(50 * GB))
+    assert small.returncode == 1 and "no mode fits" in small.stderr and "h2d_bandwidth_bps" not in small.stderr
+    assert "rank-local" in small.stdout  # the table is still printed
+
+
+def test_plan_with_a_typo_in_the_profile_names_the_key(tmp_path: Path) -> None:
+    typo = tmp_path / "p.json"
+    typo.write_text(json.dumps({**PROFILE, "can_register_pagecache": True}))
+    r = dlo("plan", *PLAN_60, "--profile", str(typo))
+    assert r.returncode == 2 and "unknown key 'can_register_pagecache'" in r.stderr
+    assert "can_register_page_cache" in r.stderr  # the keys known there, to spot the typo
+    assert r.stdout == ""
+
+
+def _plan_rows(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.strip().split(" ")[0] in ("allgather", "rank-local", "resident")]
+
+
+@pytest.mark.parametrize("columns", [None, "80"], ids=["piped", "COLUMNS=80"])
+@pytest.mark.parametrize("with_bandwidth", [True, False], ids=["timed", "no-bandwidth"])
+def test_plan_table_keeps_mode_names_whole_when_piped_or_at_80_columns(
+    tmp_path: Path, columns: str | None, with_bandwidth: bool
+) -> None:
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(PROFILE if with_bandwidth else CPU_PROFILE))
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    if columns:
+        env["COLUMNS"] = columns
+    r = subprocess.run(
+        [sys.executable, "-m", "dlo.cli.main", "plan", *PLAN_60, "--host-memory-bytes", str(9000 * GB),
+         "--block-compute-seconds", "0.004", "--profile", str(f)],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, env=env,
+    )
+    assert r.returncode == 0, r.stderr
+    rows = _plan_rows(r.stdout)
+    assert [row.split()[0] for row in rows] == ["allgather", "rank-local", "resident"]
+    assert "…" not in r.stdout and "rank-loc…" not in r.stdout
+    assert all(len(line) <= 80 for line in r.stdout.splitlines() if line in rows or "GB" in line)
+    # every value is whole: 9,000.0 GB of host memory and 540.0 GB of cold-start peak (rank-local)
+    assert "9,000.0" in r.stdout
+
+
+def test_plan_table_keeps_mode_names_whole_in_an_80_column_terminal(profile_file: Path) -> None:
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dlo.cli.main", "plan", *PLAN_60, "--block-compute-seconds", "0.004",
+         "--profile", str(profile_file)],
+        cwd=ROOT, stdout=follower, stderr=follower, env=env,
+    )
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            data = os.read(leader, 4096)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(leader)
+    assert proc.wait(timeout=60) == 0
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode())  # colours and styles
+    rows = _plan_rows(text.replace("\r", ""))
+    assert [row.split()[0] for row in rows] == ["allgather", "rank-local", "resident"]
+    assert "…" not in text and all(len(row) <= 80 for row in rows)

@@ -9,7 +9,10 @@ from pathlib import Path
 from .conftest import write_wan_folder
 
 ROOT = Path(__file__).resolve().parents[2]
-MODULES = ["cli", "exporter", "memory", "policy", "profile", "residency", "topology", "warm"]
+MODULES = [
+    "cli", "collector", "memory", "node", "plan_cli", "pods", "policy", "profile", "residency", "server",
+    "topology", "warm",
+]
 
 
 def loaded_after(code: str) -> set[str]:
@@ -43,3 +46,8 @@ def test_reading_model_facts_and_building_a_profile_stays_torch_free(tmp_path: P
 def test_policy_and_profile_load_no_io_libraries() -> None:
     mods = loaded_after("import dlo.agent.policy, dlo.agent.profile")
     assert not {"torch", "kubernetes", "prometheus_client", "urllib.request", "subprocess"} & mods
+
+
+def test_the_shared_argument_rules_load_only_the_standard_library() -> None:
+    mods = loaded_after("import dlo.cli.args")
+    assert not {"torch", "pydantic", "rich", "kubernetes", "prometheus_client"} & mods

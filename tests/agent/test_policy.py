@@ -19,11 +19,11 @@ from dlo.agent.policy import (
     framework_bytes,
     padded_shard_bytes,
 )
-from dlo.agent.profile import Accelerator, Interconnect, ModelProfile, NodeProfile
-from dlo.engine.families import ModelFacts
+from dlo.agent.profile import Accelerator, Interconnect, NodeProfile
+from dlo.engine.facts import ModelFacts
 
 GB = 1_000_000_000
-MODEL_60 = ModelProfile(bytes=60 * GB, largest_block_bytes=1_200_000_000, blocks=50)
+MODEL_60 = ModelFacts(bytes=60 * GB, largest_block_bytes=1_200_000_000, blocks=50)
 
 
 def node(
@@ -66,7 +66,7 @@ def test_issue_vectors_8_gpus_60gb_model(compute_ms: float, profile: NodeProfile
 
 
 def test_20gb_model_on_141gb_device_is_resident() -> None:
-    model = ModelProfile(bytes=20 * GB, largest_block_bytes=500_000_000, blocks=40)
+    model = ModelFacts(bytes=20 * GB, largest_block_bytes=500_000_000, blocks=40)
     d = choose_mode(node(device_memory=141 * GB), model, dp=8, block_compute_seconds=0.003)
     assert d.mode == "resident"
     assert d.engine_mode == "resident"
@@ -120,7 +120,7 @@ def test_ascend_pinned_memory_is_not_in_the_cold_start_peak() -> None:
 def test_cold_start_peak_matches_published_ascend_measurements(
     model_gb: int, dp: int, measured_gb: int, tolerance: float
 ) -> None:
-    model = ModelProfile(bytes=model_gb * GB, largest_block_bytes=model_gb * GB // 100, blocks=100)
+    model = ModelFacts(bytes=model_gb * GB, largest_block_bytes=model_gb * GB // 100, blocks=100)
     est = estimate_modes(node(vendor="ascend"), model, dp=dp)
     assert est["allgather"].cold_start_peak_bytes == pytest.approx(measured_gb * GB, rel=tolerance)
 
@@ -140,7 +140,7 @@ def test_padded_shard_is_ceil_then_256_aligned() -> None:
 
 
 def test_tokens_estimate_matches_wan_block_on_h200() -> None:
-    wan_block = ModelProfile(bytes=28_600_000_000, largest_block_bytes=703_000_000, blocks=40)
+    wan_block = ModelFacts(bytes=28_600_000_000, largest_block_bytes=703_000_000, blocks=40)
     h200 = NodeProfile(
         accelerator=Accelerator(vendor="nvidia", model="NVIDIA H200", count=1, memory_bytes=141 * GB),
         h2d_bandwidth_bps=55_300_000_000,
@@ -238,7 +238,7 @@ def test_framework_constants_are_the_documented_fit() -> None:
 def test_properties_of_any_decision(
     model_gb: int, block_frac: float, dp: int, compute_ms: float, coll_gb: int, ram_gb: int, device_gb: int
 ) -> None:
-    model = ModelProfile(bytes=model_gb * GB, largest_block_bytes=max(1, int(model_gb * GB * block_frac)), blocks=10)
+    model = ModelFacts(bytes=model_gb * GB, largest_block_bytes=max(1, int(model_gb * GB * block_frac)), blocks=10)
     profile = node(coll=coll_gb * GB, ram=ram_gb * GB, device_memory=device_gb * GB)
     try:
         d = choose_mode(profile, model, dp=dp, block_compute_seconds=compute_ms / 1e3)
@@ -264,9 +264,67 @@ def test_cpu_node_uses_host_memory_as_device_memory() -> None:
     # A node without accelerators (CPU ranks): a model that fits host RAM is resident, and every
     # rank's device weights count into host memory.
     cpu = node(vendor="none", count=0, device_memory=0, ram=24 * GB, coll=1 * GB, kind="none")
-    small = ModelProfile(bytes=1 * GB, largest_block_bytes=50_000_000, blocks=20)
+    small = ModelFacts(bytes=1 * GB, largest_block_bytes=50_000_000, blocks=20)
     assert choose_mode(cpu, small, dp=2).mode == "resident"
-    big = ModelProfile(bytes=9 * GB, largest_block_bytes=300_000_000, blocks=30)
+    big = ModelFacts(bytes=9 * GB, largest_block_bytes=300_000_000, blocks=30)
     d = choose_mode(cpu, big, dp=2, block_compute_seconds=0.01)
     # resident would need 2 x 9 GB of rank copies beside 9 GB of page cache: over 24 GB
     assert not d.estimates["resident"].fits and d.mode in ("rank_local", "allgather")
+
+
+def test_the_policy_takes_model_facts_and_names_modes_from_the_shared_vocabulary() -> None:
+    from dlo.agent.profile import ModelProfile
+    from dlo.engine.facts import MODE_KEYS, MODES
+
+    entry = ModelProfile(bytes=60 * GB, largest_block_bytes=1_200_000_000, blocks=50)
+    with pytest.raises(TypeError, match="ModelFacts"):
+        choose_mode(node(), entry, dp=8)  # type: ignore[arg-type]
+    d = choose_mode(node(), entry.facts(), dp=8, block_compute_seconds=0.003)
+    assert tuple(d.estimates) == MODE_KEYS and d.engine_mode in MODES
+
+
+def test_without_bandwidth_memory_and_fit_are_answered_and_times_are_unknown() -> None:
+    from dlo.agent.policy import NoModeFits
+
+    no_bw = node(h2d=0)
+    with pytest.raises(PolicyError, match="h2d_bandwidth_bps"):
+        choose_mode(no_bw, MODEL_60, dp=8)  # the default: the engine and the operator need times
+    est = estimate_modes(no_bw, MODEL_60, dp=8, require_bandwidth=False)
+    timed = estimate_modes(node(), MODEL_60, dp=8)
+    for name in ("allgather", "rank_local", "resident"):
+        # the memory model is the same with or without a bandwidth
+        assert est[name].model_dump(exclude={"block_seconds"}) == timed[name].model_dump(exclude={"block_seconds"})
+    assert est["allgather"].block_seconds is None and est["rank_local"].block_seconds is None
+    assert est["resident"].block_seconds == 0.0  # no weight moves: compute only
+    d = choose_mode(no_bw, MODEL_60, dp=8, require_bandwidth=False)
+    assert d.mode == "allgather" and "both fit" in d.reason and "no H2D bandwidth" in d.reason
+    one = choose_mode(no_bw, MODEL_60, dp=8, host_headroom_bytes=1800 * GB, require_bandwidth=False)
+    assert one.mode == "allgather" and "rank_local does not fit" in one.reason and "unknown" in one.reason
+    small = ModelFacts(bytes=10 * GB, largest_block_bytes=200_000_000, blocks=50)
+    assert choose_mode(no_bw, small, dp=8, require_bandwidth=False).mode == "resident"
+    with pytest.raises(NoModeFits):
+        choose_mode(node(h2d=0, ram=100 * GB), MODEL_60, dp=8, require_bandwidth=False)
+
+
+def test_nothing_fits_is_no_mode_fits_and_bad_input_is_not() -> None:
+    from dlo.agent.policy import NoModeFits
+
+    with pytest.raises(NoModeFits) as err:
+        choose_mode(node(ram=100 * GB), MODEL_60, dp=8)
+    assert err.value.estimates
+    for kwargs in ({"dp": 0}, {"dp": 2, "tokens_per_rank": 0}):
+        with pytest.raises(PolicyError) as bad:
+            choose_mode(node(), MODEL_60, **kwargs)
+        assert not isinstance(bad.value, NoModeFits)
+
+
+def test_host_ranks_without_a_collective_bandwidth_can_still_gather() -> None:
+    # CPU ranks gather through host memory (gloo): an unknown collective bandwidth leaves allgather's
+    # time unknown; on accelerators the same zero means no path and allgather cannot run.
+    cpu = node(vendor="none", count=0, device_memory=0, ram=400 * GB, coll=0, kind="none")
+    est = estimate_modes(cpu, MODEL_60, dp=8, block_compute_seconds=0.01)
+    assert est["allgather"].fits and est["allgather"].block_seconds is None
+    d = choose_mode(cpu, MODEL_60, dp=8, block_compute_seconds=0.01)
+    assert d.mode == "allgather" and "collective bandwidth between host ranks" in d.reason
+    gpu = estimate_modes(node(kind="none", coll=0), MODEL_60, dp=8)
+    assert not gpu["allgather"].fits and gpu["allgather"].block_seconds is None

@@ -85,3 +85,47 @@ def test_compute_rate_prefers_the_profile_figure() -> None:
     assert compute_rate(p.accelerator) == 738e12
     faster = p.accelerator.model_copy(update={"bf16_flops": 1e15})
     assert compute_rate(faster) == 1e15
+
+
+def test_model_profile_is_the_wire_form_of_model_facts() -> None:
+    from dlo.agent.profile import ModelProfile
+    from dlo.engine.facts import ModelFacts
+
+    facts = ModelFacts(bytes=28_600_000_000, largest_block_bytes=703_000_000, blocks=40, nonblock_bytes=5_000_000)
+    entry = ModelProfile.of(facts, resident_ratio=0.5)
+    # flat on the wire (CONTRACTS.md section 6), facts back out unchanged
+    assert json.loads(entry.model_dump_json()) == {
+        "bytes": 28_600_000_000, "largest_block_bytes": 703_000_000, "blocks": 40, "nonblock_bytes": 5_000_000,
+        "resident_ratio": 0.5,
+    }
+    assert entry.facts() == facts
+    # the family is not on the wire: a described model comes back without it
+    assert ModelProfile.of(ModelFacts(bytes=1, largest_block_bytes=1, family="wan")).facts().family == ""
+    parsed = NodeProfile.from_annotation(CONTRACT_EXAMPLE).models["wan2.1-14b"].facts()
+    assert parsed == ModelFacts(bytes=28_600_000_000, largest_block_bytes=703_000_000, blocks=40)
+
+
+def test_parse_file_rejects_unknown_keys_by_name_at_any_depth() -> None:
+    from dlo.agent.profile import ModelProfile, ProfileError, parse_file
+
+    good = parse_file(NodeProfile, CONTRACT_EXAMPLE, "node.json")
+    assert good == NodeProfile.from_annotation(CONTRACT_EXAMPLE)
+    doc = json.loads(CONTRACT_EXAMPLE)
+    doc["h2d_bandwith_bps"] = 1
+    doc["interconnect"]["knd"] = "pcie"
+    doc["models"]["wan2.1-14b"]["resident_ration"] = 0.5
+    with pytest.raises(ProfileError) as err:
+        parse_file(NodeProfile, json.dumps(doc), "node.json")
+    message = str(err.value)
+    assert message.startswith("node.json: unknown keys") and "\n" not in message
+    for key in ("'h2d_bandwith_bps'", "'interconnect.knd'", "'models.wan2.1-14b.resident_ration'"):
+        assert key in message
+    assert ", ".join(ModelProfile.model_fields) in message  # the keys known at that place
+    # an annotation (a newer agent's) still parses leniently
+    assert NodeProfile.from_annotation(json.dumps(doc)).h2d_bandwidth_bps == 55300000000
+    with pytest.raises(ProfileError, match=r"^c.json: unknown key 'h2d_bandwith_bps' \(known there: "):
+        parse_file(CalibrationFragment, '{"h2d_bandwith_bps": 5}', "c.json")
+    with pytest.raises(ProfileError, match=r"^c.json: h2d_bandwidth_bps: Input should be greater than 0$"):
+        parse_file(CalibrationFragment, '{"h2d_bandwidth_bps": 0}', "c.json")
+    with pytest.raises(ProfileError, match=r"^c.json: not JSON"):
+        parse_file(CalibrationFragment, "{", "c.json")

@@ -92,7 +92,7 @@ def test_model_folders_read_facts_and_residency(models_root: Path) -> None:
     files = sorted((models_root / "tiny-wan").rglob("*.safetensors"))
     assert m.files_bytes == sum(f.stat().st_size for f in files)
     # just written: the page cache holds it
-    assert m.resident_bytes == m.files_bytes and m.facts.resident_ratio == 1.0
+    assert m.resident_bytes == m.files_bytes and m.resident_ratio == 1.0
 
 
 def test_model_facts_are_parsed_again_only_when_the_transformer_files_change(tmp_path: Path) -> None:

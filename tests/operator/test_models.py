@@ -137,3 +137,17 @@ def test_defaults_and_folder_name():
     assert spec.mode == "auto" and spec.replicas == 1 and spec.accelerator_resource == "nvidia.com/gpu"
     assert spec.rollout.type == "Recreate" and spec.service.port == 8000 and spec.warmer.threshold == 0.99
     assert spec.model.folder_name == "dev"
+
+
+def test_mode_enums_and_the_facts_override_use_the_shared_vocabulary():
+    from dlo.engine.facts import MODES, MODES_OR_AUTO, ModelFacts
+    from dlo.operator.models import ModelFactsOverride
+
+    schema = crd_schema()
+    assert tuple(schema["properties"]["spec"]["properties"]["mode"]["enum"]) == MODES_OR_AUTO
+    assert tuple(schema["properties"]["status"]["properties"]["mode"]["enum"]) == MODES
+    spec = parse_spec({"model": {"path": "/models/wan", "facts": {"bytes": 10, "largestBlockBytes": 2}}})
+    assert isinstance(spec.model.facts, ModelFactsOverride)
+    assert spec.model.facts.facts() == ModelFacts(bytes=10, largest_block_bytes=2, blocks=1)
+    with_blocks = ModelFactsOverride(bytes=10, largest_block_bytes=2, blocks=7)
+    assert with_blocks.facts() == ModelFacts(bytes=10, largest_block_bytes=2, blocks=7)

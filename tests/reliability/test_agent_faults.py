@@ -25,8 +25,9 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dlo.agent.exporter import Agent, AgentConfig, make_registry
+from dlo.agent.collector import make_registry
 from dlo.agent.memory import CgroupFS, ProcFS, snapshot
+from dlo.agent.node import Agent, AgentConfig
 from dlo.agent.profile import Accelerator
 from dlo.agent.topology import Devices
 

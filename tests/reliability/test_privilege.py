@@ -31,7 +31,8 @@ from cluster import dlodeployment, live_objects, running_cluster  # noqa: E402
 from dlo.operator import builders  # noqa: E402
 from dlo.operator.builders import Owner  # noqa: E402
 from dlo.operator.kube import USER_AGENT  # noqa: E402
-from dlo.operator.models import ENGINE_MODES, SpecError, parse_spec  # noqa: E402
+from dlo.engine.facts import MODES  # noqa: E402
+from dlo.operator.models import SpecError, parse_spec  # noqa: E402
 from test_chart import CHART, VALUES, by_kind, render  # noqa: E402
 from test_cli import dlo  # noqa: E402
 from test_handlers import NS, SPEC, add_gpu_nodes, condition, status_of  # noqa: E402
@@ -154,7 +155,7 @@ ENGINE_SPECS = {
 }
 
 
-@pytest.mark.parametrize("mode", ENGINE_MODES)
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", ENGINE_SPECS)
 def test_engine_and_warmer_containers_are_locked_down_ipc_lock_only_when_asked(case, mode):
     spec = parse_spec(ENGINE_SPECS[case])

@@ -1,0 +1,156 @@
+"""The agent's Prometheus collector: every agent metric of CONTRACTS.md section 5, at scrape time.
+
+Owns: the metric names, help texts, labels and units of the agent table (a contract; plus
+`dlo_model_transformer_bytes`, see [Note: model bytes]), which pods
+get per-pod series (DLO pods only in a cluster, every pod by UID outside one), and the registry
+the HTTP server exposes (`make_registry`).
+Must never: import torch, keep state between scrapes (the node agent, `dlo.agent.node`, owns the
+sources and their caches), or let one failing source fail the scrape (an engine that cannot be
+scraped is logged and its series are left out; an unknown value is left out, never reported as 0).
+"""
+
+from __future__ import annotations
+
+import logging
+import urllib.error
+from typing import Iterable
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from dlo.agent.memory import CGROUP_KINDS, NODE_KINDS, MemorySnapshot
+from dlo.agent.node import Agent
+from dlo.agent.pods import EngineTarget, PodInfo, scrape_pinned
+from dlo.agent.topology import ModelFolder, can_register_page_cache
+
+log = logging.getLogger(__name__)
+
+# pod cgroup kinds exported (the contract's six, plus the peak where the kernel reports one)
+POD_CGROUP_KINDS = ("usage", "peak", "anon", "file", "shmem", "file_mapped", "kernel")
+assert set(POD_CGROUP_KINDS) <= set(CGROUP_KINDS)
+
+
+class AgentCollector:
+    """Prometheus collector: every agent metric, computed at scrape time."""
+
+    def __init__(self, agent: Agent):
+        self.agent = agent
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # no scrape at registration time
+
+    def collect(self) -> Iterable[Metric]:
+        a = self.agent
+        pods = a.pods()
+        by_uid = {p.uid: p for p in pods}
+        yield from self._memory(a.memory(), by_uid, kubernetes=a.pod_source is not None)
+        yield self._pinned(a.engine_targets(pods))
+        yield from self._models(a.models())
+        yield self._profile_info(a)
+
+    def _memory(self, snap: MemorySnapshot, by_uid: dict[str, PodInfo], kubernetes: bool) -> Iterable[Metric]:
+        node = GaugeMetricFamily("dlo_node_memory_bytes", "node memory from /proc/meminfo", labels=["kind"])
+        for kind in NODE_KINDS:
+            if snap.node.get(kind) is not None:
+                node.add_metric([kind], float(snap.node[kind]))  # type: ignore[arg-type]
+        yield node
+        cg = GaugeMetricFamily(
+            "dlo_pod_cgroup_memory_bytes", "memory charged to the pod's cgroup", labels=["namespace", "pod", "kind"]
+        )
+        pss = GaugeMetricFamily("dlo_pod_pss_bytes", "sum of the pod's processes' PSS", labels=["namespace", "pod"])
+        for uid, pm in sorted(snap.pods.items()):
+            info = by_uid.get(uid)
+            if kubernetes and (info is None or not info.is_dlo):
+                continue  # only DLO pods, by name, in a cluster
+            ns, name = (info.namespace, info.name) if info else ("", uid)
+            if pm.cgroup is not None:
+                for kind in POD_CGROUP_KINDS:
+                    v = pm.cgroup.get(kind)
+                    if v is not None:
+                        cg.add_metric([ns, name, kind], float(v))
+            if pm.pss is not None:
+                pss.add_metric([ns, name], float(pm.pss))
+        yield cg
+        yield pss
+        inv = GaugeMetricFamily(
+            "dlo_node_cgroup_invisible_bytes",
+            "estimate: node used memory (MemTotal - MemFree) minus what the cgroup hierarchy accounts for",
+        )
+        if snap.cgroup_invisible_bytes is not None:
+            inv.add_metric([], float(snap.cgroup_invisible_bytes))
+        yield inv
+
+    def _pinned(self, targets: list[EngineTarget]) -> Metric:
+        fam = GaugeMetricFamily(
+            "dlo_pod_host_pinned_bytes",
+            "host memory the pod's engine made DMA-able (scraped from dlo_host_pinned_bytes)",
+            labels=["namespace", "pod", "source"],
+        )
+        for t in targets:
+            try:
+                pinned = scrape_pinned(t.url)
+            except (OSError, ValueError, urllib.error.URLError) as e:
+                log.warning("engine scrape failed url=%s error=%s", t.url, e)
+                continue
+            for source, value in sorted(pinned.items()):
+                fam.add_metric([t.namespace, t.pod, source], value)
+        return fam
+
+    def _models(self, models: list[ModelFolder]) -> Iterable[Metric]:
+        # [Note: model bytes] Two sizes of one model, never to be confused: dlo_model_bytes is every
+        # safetensors file of the folder (transformer, VAE, text encoders: what the page cache and
+        # the warmer hold); dlo_model_transformer_bytes is the transformer alone (what the policy
+        # and the engine move block by block), the same figure as /profile models[].bytes.
+        size = GaugeMetricFamily(
+            "dlo_model_bytes",
+            "safetensors bytes of every file of the model folder (transformer, VAE, text encoders); "
+            "the transformer alone is dlo_model_transformer_bytes",
+            labels=["model"],
+        )
+        transformer = GaugeMetricFamily(
+            "dlo_model_transformer_bytes",
+            "safetensors bytes of the model's transformer (what is offloaded; /profile models[].bytes)",
+            labels=["model"],
+        )
+        res = GaugeMetricFamily(
+            "dlo_model_page_cache_resident_bytes", "bytes of the model's files in the page cache", labels=["model"]
+        )
+        ratio = GaugeMetricFamily(
+            "dlo_model_page_cache_resident_ratio", "page-cache residency of the model's files, 0..1", labels=["model"]
+        )
+        for m in models:
+            size.add_metric([m.name], float(m.files_bytes))
+            if m.facts is not None:
+                transformer.add_metric([m.name], float(m.facts.bytes))
+            if m.resident_bytes is not None and m.resident_ratio is not None:
+                res.add_metric([m.name], float(m.resident_bytes))
+                ratio.add_metric([m.name], m.resident_ratio)
+        yield from (size, transformer, res, ratio)
+        dur = GaugeMetricFamily("dlo_warm_duration_seconds", "duration of the last warm", labels=["model"])
+        runs = CounterMetricFamily("dlo_warm_runs", "warms run by this agent", labels=["model", "result"])
+        for name, rec in sorted(self.agent.warm_records.items()):
+            if rec.seconds is not None:
+                dur.add_metric([name], rec.seconds)
+            for result, n in rec.runs.items():
+                runs.add_metric([name, result], float(n))
+        yield from (dur, runs)
+
+    def _profile_info(self, a: Agent) -> Metric:
+        acc = a.devices.accelerator
+        fam = GaugeMetricFamily(
+            "dlo_node_profile_info",
+            "node topology",
+            labels=["accelerator", "count", "interconnect", "can_register_page_cache"],
+        )
+        fam.add_metric(
+            [acc.model or acc.vendor, str(acc.count), a.devices.interconnect_kind,
+             str(can_register_page_cache(acc.vendor)).lower()],
+            1.0,
+        )
+        return fam
+
+
+def make_registry(agent: Agent) -> CollectorRegistry:
+    reg = CollectorRegistry()
+    reg.register(AgentCollector(agent))  # type: ignore[arg-type]
+    return reg

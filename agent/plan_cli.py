@@ -1,0 +1,201 @@
+"""`dlo plan`: memory and time estimates per mode, and the mode the policy chooses.
+
+Owns: the arguments of `dlo plan` (every count, ratio and path checked up front: bad input is one
+line on stderr and exit 2), reading the node (`--profile`, strict keys, else this machine) and the
+model (`--model` folder or byte counts), the table (mode names never cut, at 80 columns or piped)
+and the exit codes: 0 with a choice, 1 only when no mode fits, 2 for bad input.
+Must never: import torch, or compute an estimate itself (dlo.agent.policy does, with
+`require_bandwidth=False`: memory and fit are answered without a bandwidth, the time is n/a).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import TYPE_CHECKING
+
+from dlo.cli.args import (
+    UNITS,
+    Parser,
+    existing_dir,
+    existing_file,
+    fail,
+    non_negative_int,
+    non_negative_seconds,
+    positive_int,
+)
+
+if TYPE_CHECKING:
+    from dlo.agent.policy import ModeEstimate
+    from dlo.agent.profile import NodeProfile
+    from dlo.engine.facts import ModelFacts
+
+
+def plan_parser() -> argparse.ArgumentParser:
+    p = Parser(
+        prog="dlo plan",
+        description=(
+            "Estimate host memory, device memory and time per block for each mode (allgather, "
+            "rank-local, resident) and print the mode the policy chooses, with its reason. The node "
+            "is --profile FILE (a NodeProfile JSON, e.g. the agent's /profile), else this machine. "
+            "Memory and fit need no bandwidth: without an H2D bandwidth (a machine without "
+            "accelerators, or a profile without one) the time per block is n/a and the reason says "
+            "why. Exits 0 with a choice, 1 when no mode fits (the table is still printed), 2 on bad "
+            "input."
+        ),
+        epilog=(
+            "examples:\n  dlo plan --model /models/wan2.1-14b --dp 8 --tokens 32760\n"
+            "  dlo plan --model-bytes 60000000000 --max-block-bytes 1200000000 --dp 8 "
+            "--block-compute-seconds 0.012 --profile node.json --json\n" + UNITS
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", type=existing_dir, metavar="MODEL_DIR",
+                     help="a diffusers pipeline or transformer folder")
+    src.add_argument("--model-bytes", type=positive_int, metavar="B",
+                     help="transformer weight bytes (with --max-block-bytes)")
+    p.add_argument("--max-block-bytes", type=positive_int, metavar="b",
+                   help="largest block's bytes (with --model-bytes)")
+    p.add_argument("--blocks", type=non_negative_int, default=0,
+                   help="number of blocks (informational, with --model-bytes)")
+    p.add_argument("--dp", type=positive_int, default=None,
+                   help="data-parallel ranks on the node (default: device count, or 1)")
+    p.add_argument("--sp", type=positive_int, default=1, help="sequence-parallel degree (default 1)")
+    work = p.add_mutually_exclusive_group()
+    work.add_argument("--block-compute-seconds", type=non_negative_seconds, metavar="T",
+                      help="measured compute time of one block")
+    work.add_argument("--tokens", type=positive_int, metavar="T",
+                      help="tokens per rank (estimates compute from the device rate)")
+    p.add_argument("--host-memory-bytes", type=positive_int, metavar="H", help="override the profile's host RAM")
+    p.add_argument("--host-headroom-bytes", type=non_negative_int, default=0,
+                   help="host RAM to keep free (default 0)")
+    p.add_argument("--profile", type=existing_file, metavar="FILE",
+                   help="NodeProfile JSON (default: detect this machine); unknown keys are errors")
+    p.add_argument("--calibration", type=existing_file, metavar="FILE", help="a `dlo calibrate` fragment to apply")
+    p.add_argument("--json", action="store_true",
+                   help='print {"choice": {...}, "modes": {...}} (CONTRACTS.md section 7)')
+    return p
+
+
+def run_plan(argv: list[str]) -> int:
+    parser = plan_parser()
+    args = parser.parse_args(argv)
+    from dlo.agent.policy import NoModeFits, PolicyError, choose_mode
+    from dlo.agent.profile import CalibrationFragment, NodeProfile, apply_calibration, parse_file
+    from dlo.agent.topology import local_profile
+
+    if args.model_bytes is not None and args.max_block_bytes is None:
+        parser.error("--model-bytes needs --max-block-bytes")
+    if args.model is not None and args.max_block_bytes is not None:
+        parser.error("--max-block-bytes goes with --model-bytes (--model reads it from the folder)")
+    if args.model_bytes is not None and args.max_block_bytes > args.model_bytes:
+        parser.error(f"--max-block-bytes ({args.max_block_bytes}) is larger than --model-bytes ({args.model_bytes})")
+    try:
+        model = _plan_model(args)
+        if args.profile is not None:
+            profile = parse_file(NodeProfile, args.profile.read_text(), str(args.profile))
+        else:
+            profile = local_profile()
+        if args.calibration is not None:
+            fragment = parse_file(CalibrationFragment, args.calibration.read_text(), str(args.calibration))
+            profile = apply_calibration(profile, fragment)
+        if args.host_memory_bytes is not None:
+            profile = profile.model_copy(update={"host_memory_bytes": args.host_memory_bytes})
+    except (OSError, ValueError) as e:  # ProfileError, CheckpointError: one-line messages
+        return fail("dlo plan", e)
+    except KeyError as e:  # a model class without a DLO family
+        return fail("dlo plan", e.args[0] if e.args else e)
+    if args.host_headroom_bytes >= profile.host_memory_bytes:
+        return fail("dlo plan", f"--host-headroom-bytes ({args.host_headroom_bytes}) leaves nothing of the "
+                     f"host's {profile.host_memory_bytes} bytes of memory")
+    dp = args.dp if args.dp is not None else max(1, profile.accelerator.count)
+    try:
+        decision = choose_mode(
+            profile, model, dp=dp, sp=args.sp, tokens_per_rank=args.tokens,
+            host_headroom_bytes=args.host_headroom_bytes, block_compute_seconds=args.block_compute_seconds,
+            require_bandwidth=False,
+        )
+    except NoModeFits as e:
+        if args.json:
+            print(json.dumps({"choice": None, "error": str(e),
+                              "modes": {k: v.model_dump() for k, v in e.estimates.items()}}, indent=1))
+        else:
+            _print_plan_table(e.estimates, model, profile, dp * args.sp)
+            print(f"dlo plan: {e}", file=sys.stderr)
+        return 1
+    except PolicyError as e:  # inputs that describe no deployment
+        return fail("dlo plan", e)
+    if args.json:
+        print(json.dumps(decision.plan_json(), indent=1))
+    else:
+        _print_plan_table(decision.estimates, model, profile, dp * args.sp)
+        from rich.console import Console
+
+        Console().print(f"[bold]choice: {decision.engine_mode}[/bold] - {decision.reason}", markup=True,
+                        highlight=False)
+    return 0
+
+
+def _plan_model(args: argparse.Namespace) -> ModelFacts:
+    from dlo.engine.facts import ModelFacts
+
+    if args.model is not None:
+        from dlo.engine.families import describe
+
+        return describe(args.model)
+    return ModelFacts(bytes=args.model_bytes, largest_block_bytes=args.max_block_bytes, blocks=args.blocks)
+
+
+def _print_plan_table(estimates: dict[str, ModeEstimate], model: ModelFacts, profile: NodeProfile, g: int) -> None:
+    from rich import box
+    from rich.console import Console
+    from rich.measure import Measurement
+    from rich.table import Table
+
+    from dlo.engine.facts import MODE_KEYS, mode_of_key
+
+    def gb(n: int) -> str:
+        return f"{n / 1e9:,.1f}"
+
+    title = (
+        f"model {gb(model.bytes)} GB, largest block {gb(model.largest_block_bytes)} GB; {g} ranks; "
+        f"host {gb(profile.host_memory_bytes)} GB, device {gb(profile.accelerator.memory_bytes)} GB"
+    )
+    # No vertical rules and the units in the headers: the table fits 80 columns (a pipe, a log,
+    # a small terminal) without cutting anything.
+    t = Table(box=box.SIMPLE_HEAD)
+    # The mode is never cut (`rank-loc…`): its column keeps its width whatever the console's.
+    t.add_column("mode", justify="left", no_wrap=True, min_width=max(len(mode_of_key(k)) for k in MODE_KEYS))
+    for col in ("pinned\nhost GB", "page\ncache GB", "cold-start\npeak GB", "device\nweights GB", "fits",
+                "time per\nblock ms"):
+        t.add_column(col, justify="right")
+    for name, e in estimates.items():
+        t.add_row(
+            mode_of_key(name), gb(e.pinned_host_bytes), gb(e.page_cache_bytes), gb(e.cold_start_peak_bytes),  # type: ignore[arg-type]
+            gb(e.device_weight_bytes), "yes" if e.fits else "no",
+            "n/a" if e.block_seconds is None else f"{e.block_seconds * 1e3:.2f}",
+        )
+    console = Console(highlight=False)
+    widest = Measurement.get(console, console.options.update_width(10_000), t).maximum
+    if widest > console.width:  # a narrower console: let long lines wrap rather than cut a number
+        console = Console(highlight=False, width=widest)
+    console.print(title, markup=False)
+    console.print(t)
+    note = _why_no_time(profile, g)
+    if note:
+        console.print(note, markup=False)
+
+
+def _why_no_time(profile: NodeProfile, g: int) -> str | None:
+    """Why a time is n/a because a bandwidth is unknown (None: every time is known or explained)."""
+    if profile.h2d_bandwidth_bps <= 0:
+        what = "no accelerator on the node" if profile.accelerator.vendor == "none" else "none measured or given"
+        return (f"time per block n/a: the profile has no H2D bandwidth ({what}); memory and fit need none. "
+                "Give --profile FILE or --calibration FILE (`dlo calibrate`) to compare times.")
+    host_ranks = profile.accelerator.vendor == "none" or profile.accelerator.memory_bytes == 0
+    if host_ranks and g > 1 and profile.interconnect.collective_bandwidth_bps <= 0:
+        return ("time per block n/a for allgather: the profile has no collective bandwidth between host "
+                "ranks. Give --calibration FILE (`dlo calibrate`) to compare times.")
+    return None

@@ -1,0 +1,128 @@
+"""This node's engines: the pods on the node, their metrics endpoints, and the node annotation.
+
+Owns: `PodInfo` (what the agent needs of a pod), the `PodSource` interface and its Kubernetes
+implementation (`KubernetesPods`: pods with a `spec.nodeName` field selector, and the patch of this
+node's `dlo.dev/node-profile` annotation), which pods are DLO engines
+(`app.kubernetes.io/part-of=dlo,app.kubernetes.io/component=engine`) and where to scrape them
+(`engine_targets`), and reading an engine's `dlo_host_pinned_bytes` (`scrape_pinned`).
+Must never: import torch, patch any node but its own or any annotation but `dlo.dev/node-profile`,
+or cache anything (the node agent decides how often to list; `dlo.agent.node`).
+"""
+
+from __future__ import annotations
+
+import urllib.request
+from dataclasses import dataclass
+from typing import Protocol
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from dlo.agent.profile import ANNOTATION
+
+PART_OF_DLO = ("app.kubernetes.io/part-of", "dlo")
+ENGINE_COMPONENT = ("app.kubernetes.io/component", "engine")
+DEFAULT_ENGINE_PORT = 8000
+SCRAPE_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class PodInfo:
+    uid: str
+    namespace: str
+    name: str
+    ip: str | None
+    labels: dict[str, str]
+    http_port: int | None
+
+    @property
+    def is_dlo(self) -> bool:
+        return self.labels.get(PART_OF_DLO[0]) == PART_OF_DLO[1]
+
+    @property
+    def is_engine(self) -> bool:
+        return self.is_dlo and self.labels.get(ENGINE_COMPONENT[0]) == ENGINE_COMPONENT[1]
+
+
+@dataclass(frozen=True)
+class EngineTarget:
+    url: str  # base URL; /metrics is appended
+    namespace: str
+    pod: str
+
+
+class PodSource(Protocol):
+    def pods(self) -> list[PodInfo]: ...
+
+
+def engine_targets(engine_urls: list[str], pods: list[PodInfo]) -> list[EngineTarget]:
+    """Engines to scrape: the `--engine-url`s (labelled by URL), then the DLO engine pods with an IP."""
+    targets = [EngineTarget(u, "", u) for u in engine_urls]
+    for p in pods:
+        if p.is_engine and p.ip:
+            targets.append(EngineTarget(f"http://{p.ip}:{p.http_port or DEFAULT_ENGINE_PORT}", p.namespace, p.name))
+    return targets
+
+
+class KubernetesPods:
+    """Pods on this node from the API (list pods with a `spec.nodeName` field selector)."""
+
+    def __init__(self, node_name: str, *, host: str | None = None):
+        """In-cluster credentials, else ~/.kube/config; `host` talks to that API URL instead."""
+        from kubernetes import client, config
+
+        if host is not None:
+            api_client = client.ApiClient(client.Configuration(host=host))
+        else:
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                try:
+                    config.load_kube_config()
+                except (config.ConfigException, OSError) as e:
+                    raise ValueError(
+                        f"no Kubernetes credentials (not in a cluster, no kubeconfig): {e}; "
+                        "run with --kubernetes off outside a cluster"
+                    ) from e
+            api_client = client.ApiClient()
+        self.api = client.CoreV1Api(api_client)
+        self.node_name = node_name
+
+    def pods(self) -> list[PodInfo]:
+        items = self.api.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={self.node_name}").items
+        out = []
+        for p in items:
+            if p.spec.node_name != self.node_name:
+                continue  # the field selector already does this on a real API server
+            port = None
+            for c in p.spec.containers or []:
+                for cp in c.ports or []:
+                    if cp.name == "http":
+                        port = cp.container_port
+            out.append(
+                PodInfo(
+                    uid=p.metadata.uid,
+                    namespace=p.metadata.namespace,
+                    name=p.metadata.name,
+                    ip=p.status.pod_ip,
+                    labels=dict(p.metadata.labels or {}),
+                    http_port=port,
+                )
+            )
+        return out
+
+    def annotate_node(self, value: str) -> None:
+        self.api.patch_node(self.node_name, {"metadata": {"annotations": {ANNOTATION: value}}})
+
+
+def scrape_pinned(url: str, timeout: float = SCRAPE_TIMEOUT_S) -> dict[str, float]:
+    """Sum of an engine's `dlo_host_pinned_bytes` over ranks, by `source`."""
+    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "dlo_host_pinned_bytes":
+            continue
+        for s in family.samples:
+            source = s.labels.get("source", "unknown")
+            out[source] = out.get(source, 0.0) + s.value
+    return out

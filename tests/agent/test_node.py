@@ -1,0 +1,86 @@
+"""dlo.agent.node: the node agent's sources, caches, warming and profile publishing."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from dlo.agent.node import publish_loop
+from dlo.agent.pods import PodInfo
+from dlo.agent.profile import NodeProfile
+
+from .conftest import V2_POD_A, make_agent
+
+
+def test_agent_warming_is_counted(models_root: Path) -> None:
+    agent = make_agent(models_root, warm_threshold=0.99)
+    (m,) = agent.models(fresh=True)
+    for f in m.path.rglob("*.safetensors"):
+        import os
+
+        fd = os.open(f, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    agent.warm_models()
+    agent.warm_models()  # resident now: no second warm
+    rec = agent.warm_records["tiny-wan"]
+    assert rec.runs["ok"] == 1 and rec.seconds is not None
+    assert agent.models()[0].resident_bytes == agent.models()[0].files_bytes
+
+
+def test_bad_calibration_file_is_a_clear_error(tmp_path: Path) -> None:
+    bad = tmp_path / "cal.json"
+    bad.write_text('{"h2d_bandwidth_bps": -1}')
+    with pytest.raises(ValueError, match="calibration fragment"):
+        make_agent(None, calibration=bad)
+
+
+def test_publish_loop_patches_only_when_the_profile_changes(models_root: Path) -> None:
+    agent = make_agent(models_root)
+    patches: list[str] = []
+    stop = threading.Event()
+
+    def annotate(value: str) -> None:
+        patches.append(value)
+        if len(patches) == 1:
+            (models_root / "tiny-wan").rename(models_root / "renamed")  # the profile changes
+            agent.models(fresh=True)
+        if len(patches) == 2:
+            stop.set()
+
+    def failing_then_ok(value: str) -> None:
+        if not hasattr(failing_then_ok, "failed"):
+            failing_then_ok.failed = True  # type: ignore[attr-defined]
+            raise RuntimeError("API unavailable")
+        annotate(value)
+
+    t = threading.Thread(target=publish_loop, args=(agent, failing_then_ok, stop, 0.01))
+    t.start()
+    t.join(timeout=10)
+    assert not t.is_alive()
+    assert len(patches) == 2
+    assert set(NodeProfile.from_annotation(patches[0]).models) == {"tiny-wan"}
+    assert set(NodeProfile.from_annotation(patches[1]).models) == {"renamed"}
+
+
+def test_pod_listing_is_cached_and_survives_an_api_outage(models_root: Path) -> None:
+    calls: list[int] = []
+
+    class Flaky:
+        def pods(self) -> list[PodInfo]:
+            calls.append(1)
+            if len(calls) > 1:
+                raise ConnectionError("API down")
+            return [PodInfo(V2_POD_A, "serving", "wan-0", None, {"app.kubernetes.io/part-of": "dlo"}, None)]
+
+    agent = make_agent(models_root, Flaky(), pods_ttl_s=0.0)
+    first = agent.pods()
+    assert agent.pods() == first and len(calls) == 2  # outage: the last answer stands
+    cached = make_agent(models_root, Flaky(), pods_ttl_s=60.0)
+    calls.clear()
+    cached.pods()
+    cached.pods()
+    assert len(calls) == 1

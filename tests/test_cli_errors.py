@@ -1,0 +1,172 @@
+"""Every `dlo` subcommand answers a bad value with one line on stderr and exit 2, never a traceback.
+
+One row per bad value: (argv, a fragment the message must contain). `{tmp}` in an argument is a
+folder holding the inputs `inputs` writes (a model folder, an empty folder, profile and calibration
+files with a typo'd key, DLODeployment files). Each row runs the real `dlo` entry point in a
+subprocess. To cover a new flag, add a row to the table of the part that owns the subcommand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from .agent.conftest import write_wan_folder
+
+ROOT = Path(__file__).resolve().parents[1]
+DLO = Path(sys.executable).parent / "dlo"  # the console script `pip install` made
+
+BYTES = ["--model-bytes", "60000000000", "--max-block-bytes", "1200000000"]
+PROFILE = {
+    "version": "v1", "node": "gpu-1",
+    "accelerator": {"vendor": "nvidia", "model": "NVIDIA H200", "count": 8, "memory_bytes": 150_000_000_000},
+    "interconnect": {"kind": "nvlink", "collective_bandwidth_bps": 360_000_000_000},
+    "h2d_bandwidth_bps": 55_000_000_000, "host_memory_bytes": 2_000_000_000_000,
+}
+DLOD = {"apiVersion": "dlo.dev/v1alpha1", "kind": "DLODeployment", "metadata": {"name": "wan"},
+        "spec": {"model": {"path": "/models/wan"}}}
+
+AGENT_ROWS: list[tuple[list[str], str]] = [
+    # dlo warm
+    (["warm", "--threads", "0", "{tmp}/model"], "--threads: must be at least 1 (got 0)"),
+    (["warm", "--threads", "-4", "{tmp}/model"], "--threads: must be at least 1 (got -4)"),
+    (["warm", "--threads", "two", "{tmp}/model"], "'two' is not an integer"),
+    (["warm", "--threshold", "1.5", "{tmp}/model"], "--threshold: must be a ratio from 0 to 1"),
+    (["warm", "--threshold", "99", "{tmp}/model"], "--threshold: must be a ratio from 0 to 1"),
+    (["warm", "--threshold", "-0.1", "{tmp}/model"], "--threshold: must be a ratio from 0 to 1"),
+    (["warm", "--threshold", "nan", "{tmp}/model"], "'nan' is not a finite number"),
+    (["warm", "{tmp}/missing"], "{tmp}/missing: no such file or folder"),
+    (["warm", "{tmp}/empty"], "no *.safetensors file under {tmp}/empty"),
+    (["warm"], "the following arguments are required: PATH"),
+    # dlo plan
+    (["plan", "--model-bytes", "0", "--max-block-bytes", "1"], "--model-bytes: must be at least 1 (got 0)"),
+    (["plan", "--model-bytes", "-5", "--max-block-bytes", "1"], "--model-bytes: must be at least 1 (got -5)"),
+    (["plan", "--model-bytes", "ten", "--max-block-bytes", "1"], "'ten' is not an integer"),
+    (["plan", "--model-bytes", "10", "--max-block-bytes", "0"], "--max-block-bytes: must be at least 1"),
+    (["plan", "--model-bytes", "10", "--max-block-bytes", "20"], "--max-block-bytes (20) is larger than --model-bytes (10)"),
+    (["plan", "--model-bytes", "10"], "--model-bytes needs --max-block-bytes"),
+    (["plan", *BYTES, "--dp", "0"], "--dp: must be at least 1 (got 0)"),
+    (["plan", *BYTES, "--dp", "-2"], "--dp: must be at least 1 (got -2)"),
+    (["plan", *BYTES, "--sp", "0"], "--sp: must be at least 1 (got 0)"),
+    (["plan", *BYTES, "--tokens", "0"], "--tokens: must be at least 1 (got 0)"),
+    (["plan", *BYTES, "--blocks", "-1"], "--blocks: must be 0 or more (got -1)"),
+    (["plan", *BYTES, "--block-compute-seconds", "-1"], "--block-compute-seconds: must be 0 seconds or more"),
+    (["plan", *BYTES, "--host-memory-bytes", "0"], "--host-memory-bytes: must be at least 1 (got 0)"),
+    (["plan", *BYTES, "--host-headroom-bytes", "-1"], "--host-headroom-bytes: must be 0 or more"),
+    (["plan", *BYTES, "--profile", "{tmp}/profile.json", "--host-headroom-bytes", str(10**13)],
+     "--host-headroom-bytes (10000000000000) leaves nothing"),
+    (["plan", "--model", "{tmp}/missing"], "--model: {tmp}/missing: no such file or folder"),
+    (["plan", "--model", "{tmp}/empty"], "{tmp}/empty/config.json: unreadable model config"),
+    (["plan", "--model", "{tmp}/model", "--max-block-bytes", "5"], "--max-block-bytes goes with --model-bytes"),
+    (["plan", *BYTES, "--profile", "{tmp}/missing.json"], "--profile: {tmp}/missing.json: no such file or folder"),
+    (["plan", *BYTES, "--profile", "{tmp}"], "--profile: {tmp}: not a file"),
+    (["plan", *BYTES, "--profile", "{tmp}/typo-profile.json"], "unknown key 'host_memory_byte'"),
+    (["plan", *BYTES, "--profile", "{tmp}/typo-nested-profile.json"], "unknown key 'accelerator.memory_byte'"),
+    (["plan", *BYTES, "--profile", "{tmp}/not-json.json"], "{tmp}/not-json.json: not JSON"),
+    (["plan", *BYTES, "--profile", "{tmp}/bad-version-profile.json"], "version: Input should be 'v1'"),
+    (["plan", *BYTES, "--profile", "{tmp}/profile.json", "--calibration", "{tmp}/typo-calibration.json"],
+     "unknown key 'h2d_bandwith_bps'"),
+    (["plan", *BYTES, "--profile", "{tmp}/profile.json", "--calibration", "{tmp}/negative-calibration.json"],
+     "h2d_bandwidth_bps: Input should be greater than 0"),
+    # dlo agent
+    (["agent", "--port", "99999"], "--port: must be a port from 0 to 65535 (got 99999)"),
+    (["agent", "--port", "-1"], "--port: must be a port from 0 to 65535 (got -1)"),
+    (["agent", "--warm-threshold", "2"], "--warm-threshold: must be a ratio from 0 to 1"),
+    (["agent", "--publish-interval", "0"], "--publish-interval: must be more than 0 seconds"),
+    (["agent", "--warm-interval", "-5"], "--warm-interval: must be more than 0 seconds"),
+    (["agent", "--models-root", "{tmp}/missing"], "--models-root: {tmp}/missing: no such file or folder"),
+    (["agent", "--proc-root", "{tmp}/missing"], "--proc-root: {tmp}/missing: no such file or folder"),
+    (["agent", "--cgroup-root", "{tmp}/profile.json"], "--cgroup-root: {tmp}/profile.json: not a folder"),
+    (["agent", "--calibration", "{tmp}/missing.json"], "--calibration: {tmp}/missing.json: no such file"),
+    (["agent", "--kubernetes", "off", "--port", "0", "--calibration", "{tmp}/typo-calibration.json"],
+     "unknown key 'h2d_bandwith_bps'"),
+    (["agent", "--engine-url", "localhost:8000"], "'localhost:8000' is not an http:// or https:// URL"),
+    (["agent", "--engine-url", "http://127.0.0.1:99999"], "the port must be from 0 to 65535"),
+    (["agent", "--node-name", " "], "--node-name must not be empty"),
+    (["agent", "--kubernetes", "maybe"], "--kubernetes: invalid choice: 'maybe'"),
+]
+
+OPERATOR_ROWS: list[tuple[list[str], str]] = [
+    (["crd", "--write", "--root", "{tmp}/missing"], "--root: {tmp}/missing: no such file or folder"),
+    (["operator"], "a subcommand is needed: run or render"),
+    (["operator", "bogus"], "unknown subcommand 'bogus'"),
+    (["operator", "render"], "the following arguments are required: file"),
+    (["operator", "render", "{tmp}/missing.yaml"], "{tmp}/missing.yaml: no such file or folder"),
+    (["operator", "render", "{tmp}/not-yaml.yaml"], "{tmp}/not-yaml.yaml"),
+    (["operator", "render", "{tmp}/profile.json"], "no dlo.dev/v1alpha1 DLODeployment document"),
+    (["operator", "render", "{tmp}/negative-replicas.yaml"], "spec.replicas: Input should be greater than or equal to 0"),
+    (["operator", "render", "{tmp}/dlod.yaml", "--profile", "{tmp}/typo-profile.json"], "unknown key 'host_memory_byte'"),
+    (["operator", "render", "{tmp}/dlod.yaml", "--profile", "{tmp}/missing.json"], "--profile: {tmp}/missing.json: no such file"),
+    (["operator", "run", "--status-interval", "0"], "--status-interval: must be more than 0 seconds"),
+    (["operator", "run", "--status-interval", "-1"], "--status-interval: must be more than 0 seconds"),
+    (["operator", "run", "--namespace", "Bad_NS"], "'Bad_NS' is not a namespace name"),
+    (["operator", "run", "--liveness", "ftp://example"], "'ftp://example' is not an http:// or https:// URL"),
+]
+
+# [Note: engine rows] The engine's subcommands are being moved to dlo.engine.serving in parallel;
+# these rows state what they must answer. They are NOT run yet (no test parametrizes this list): the
+# lead enables them after that merge by adding ENGINE_ROWS to ALL_ROWS below.
+ENGINE_ROWS: list[tuple[list[str], str]] = [
+    (["serve", "{tmp}/model", "--port", "99999"], "--port: must be a port from 0 to 65535 (got 99999)"),
+    (["serve", "{tmp}/model", "--dp", "0"], "--dp: must be at least 1 (got 0)"),
+    (["make-tiny-model", "{tmp}/new-tiny", "--dim", "17"], "--dim"),
+    (["make-tiny-model", "{tmp}/model"], "{tmp}/model"),  # a folder that is not empty
+]
+
+ALL_ROWS = AGENT_ROWS + OPERATOR_ROWS
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("cli-inputs")
+    write_wan_folder(tmp / "model")
+    (tmp / "empty").mkdir()
+    (tmp / "profile.json").write_text(json.dumps(PROFILE))
+    typo = {**PROFILE, "host_memory_byte": PROFILE["host_memory_bytes"]}
+    del typo["host_memory_bytes"]
+    (tmp / "typo-profile.json").write_text(json.dumps(typo))
+    nested = {**PROFILE, "accelerator": {**PROFILE["accelerator"], "memory_byte": 1}}  # type: ignore[dict-item]
+    (tmp / "typo-nested-profile.json").write_text(json.dumps(nested))
+    (tmp / "bad-version-profile.json").write_text(json.dumps({**PROFILE, "version": "v9"}))
+    (tmp / "not-json.json").write_text('{"version": "v1",')
+    (tmp / "typo-calibration.json").write_text(json.dumps({"h2d_bandwith_bps": 10**10}))
+    (tmp / "negative-calibration.json").write_text(json.dumps({"h2d_bandwidth_bps": -1}))
+    (tmp / "dlod.yaml").write_text(yaml.safe_dump(DLOD))
+    (tmp / "negative-replicas.yaml").write_text(yaml.safe_dump({**DLOD, "spec": {**DLOD["spec"], "replicas": -1}}))
+    (tmp / "not-yaml.yaml").write_text("spec: [unclosed\n  - : :\n")
+    return tmp
+
+
+def _row_id(row: tuple[list[str], str]) -> str:
+    return " ".join(row[0]).replace("{tmp}/", "")
+
+
+@pytest.mark.parametrize("argv, fragment", ALL_ROWS, ids=[_row_id(r) for r in ALL_ROWS])
+def test_bad_value_is_one_line_and_exit_2(inputs: Path, argv: list[str], fragment: str) -> None:
+    args = [a.replace("{tmp}", str(inputs)) for a in argv]
+    env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"}  # never a cluster here
+    env.update(COLUMNS="80", DLO_LOG_LEVEL="WARNING")
+    r = subprocess.run([str(DLO), *args], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+    message = r.stderr.strip()
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
+    assert "\n" not in message, f"more than one line:\n{r.stderr}"
+    assert fragment.replace("{tmp}", str(inputs)) in message
+    assert r.stdout == ""
+
+
+def test_every_agent_and_operator_subcommand_has_rows() -> None:
+    from dlo.cli.main import COMMANDS
+
+    covered = {argv[0] for argv, _ in ALL_ROWS}
+    owned = {c for c, (part, _) in COMMANDS.items() if part in ("agent", "operator")}
+    assert owned <= covered
+    assert {"run", "render"} <= {argv[1] for argv, _ in OPERATOR_ROWS if argv[0] == "operator" and len(argv) > 1}
+    engine = {c for c, (part, _) in COMMANDS.items() if part == "engine"}
+    assert {argv[0] for argv, _ in ENGINE_ROWS} <= engine  # waiting rows name real engine commands
