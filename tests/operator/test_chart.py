@@ -3,6 +3,8 @@ and for a values file that turns every option on; built-in objects strictly vali
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import helm_python as helm
@@ -24,7 +26,9 @@ MONITORING_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 
 def render(values, chart: Path = CHART) -> list[dict]:
     out = helm.Chart.load(str(chart)).render(values, name="dlo", namespace="dlo-system")
-    return [doc for text in out.values() for doc in yaml.safe_load_all(text) if doc]
+    # NOTES.txt is text for the user, not manifests (Helm prints it, never applies it)
+    return [doc for path, text in out.items() if not path.endswith("NOTES.txt")
+            for doc in yaml.safe_load_all(text) if doc]
 
 
 def by_kind(objs: list[dict], kind: str) -> list[dict]:
@@ -304,3 +308,51 @@ def test_monitors_label_targets_as_the_dashboards_and_rules_expect():
 def test_values_schema_rejects_malformed_new_keys(values, where):
     with pytest.raises(Exception, match=f"(?s)don't meet the specifications of the schema.*at '{where}'"):
         render(values)
+
+
+def notes(values) -> str:
+    return helm.Chart.load(str(CHART)).render(values, name="dlo", namespace="dlo-system")["dlo/templates/NOTES.txt"]
+
+
+@pytest.mark.parametrize("case", VALUES)
+def test_notes_say_what_was_installed_and_what_to_do_next(case):
+    text = notes(VALUES[case])
+    values = VALUES[case] or {}
+    assert 'release "dlo" in namespace "dlo-system"' in text
+    assert "kubectl apply -n <namespace> -f examples/dlodeployment.yaml" in text
+    assert (ROOT / "examples" / "dlodeployment.yaml").is_file()
+    assert "kubectl get dlod -A" in text and "kubectl describe dlod" in text
+    agent_on = values.get("agent", {}).get("enabled", True)
+    assert ("DaemonSet dlo-agent" in text) == agent_on
+    assert ("fall back to allgather" in text) == (not agent_on)
+    assert ("PodMonitor dlo-engines" in text) == values.get("podMonitor", {}).get("enabled", False)
+    assert ("grafana_dashboard" in text) == values.get("dashboards", {}).get("enabled", True)
+    assert "never upgrades" in text
+
+
+def test_notes_and_readme_ship_a_crd_upgrade_that_applies_the_generated_crd():
+    """Helm never upgrades crds/: NOTES.txt and the README give commands; what they apply is the CRD."""
+    readme = (CHART / "README.md").read_text()
+    chart_apply = "kubectl apply --server-side --force-conflicts -f charts/dlo/crds/"
+    cli_apply = "dlo crd | kubectl apply --server-side --force-conflicts -f -"
+    for text in (notes(None), readme):
+        assert chart_apply in text and cli_apply in text
+    # what `kubectl apply -f charts/dlo/crds/` reads: one strictly valid CRD, the generated one
+    files = list((ROOT / "charts" / "dlo" / "crds").iterdir())
+    docs = [d for f in files for d in yaml.safe_load_all(f.read_text()) if d]
+    assert [d["metadata"]["name"] for d in docs] == ["dlodeployments.dlo.dev"]
+    kubernetes_validate.validate(docs[0], "1.37.0", strict=True)
+    # what `dlo crd |` pipes: the same object
+    out = subprocess.run([sys.executable, "-m", "dlo.cli.main", "crd"], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert list(yaml.safe_load_all(out.stdout)) == docs
+
+
+def test_monitor_relabelings_are_appended_after_the_charts_own():
+    objs = render(VALUES["all-on"])
+    (sm,) = by_kind(objs, "ServiceMonitor")
+    relabelings = sm["spec"]["endpoints"][0]["relabelings"]
+    assert relabelings[-1] == {"sourceLabels": ["__meta_kubernetes_pod_label_topology_kubernetes_io_zone"], "targetLabel": "zone"}
+    assert relabelings[-2] == {"targetLabel": "job", "replacement": "dlo-agent"}
+    (pm,) = by_kind(objs, "PodMonitor")
+    assert pm["spec"]["podMetricsEndpoints"][0]["metricRelabelings"] == [
+        {"sourceLabels": ["__name__"], "regex": "python_gc_.*", "action": "drop"}]
