@@ -356,3 +356,19 @@ def test_monitor_relabelings_are_appended_after_the_charts_own():
     (pm,) = by_kind(objs, "PodMonitor")
     assert pm["spec"]["podMetricsEndpoints"][0]["metricRelabelings"] == [
         {"sourceLabels": ["__name__"], "regex": "python_gc_.*", "action": "drop"}]
+
+
+def test_readme_values_table_names_every_value():
+    rows = [line for line in (CHART / "README.md").read_text().splitlines() if line.startswith("| `")]
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    missing = []
+    for key, value in values.items():
+        if isinstance(value, dict):
+            for child in value:
+                # "`operator.serviceAccount.create`, ..." or "`operator.podAnnotations`, `podLabels`"
+                cells = [row.split("|")[1] for row in rows]
+                if not any(f"`{key}.{child}" in c or (f"`{key}." in c and f"`{child}`" in c) for c in cells):
+                    missing.append(f"{key}.{child}")
+        elif not any(f"`{key}`" in row.split("|")[1] for row in rows):
+            missing.append(key)
+    assert not missing, missing
