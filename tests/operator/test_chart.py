@@ -328,6 +328,8 @@ def test_notes_say_what_was_installed_and_what_to_do_next(case):
     assert ("PodMonitor dlo-engines" in text) == values.get("podMonitor", {}).get("enabled", False)
     assert ("grafana_dashboard" in text) == values.get("dashboards", {}).get("enabled", True)
     assert "never upgrades" in text
+    watched = values.get("operator", {}).get("watchNamespaces")
+    assert (f"The operator only watches {', '.join(watched)}" in text) if watched else ("only watches" not in text)
 
 
 def test_notes_and_readme_ship_a_crd_upgrade_that_applies_the_generated_crd():
