@@ -374,3 +374,21 @@ def test_readme_values_table_names_every_value():
         elif not any(f"`{key}`" in row.split("|")[1] for row in rows):
             missing.append(key)
     assert not missing, missing
+
+
+def test_rendered_prometheusrule_holds_the_rule_files_and_passes_their_unit_tests(tmp_path):
+    """What the PrometheusRule carries is what promtool checked: multi-line expressions and templated
+    annotations survive Helm's fromYaml/toYaml round trip."""
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is missing (Debian's prometheus package)"
+    (rule,) = by_kind(render(VALUES["all-on"]), "PrometheusRule")
+    files = sorted((CHART / "rules").glob("*.yaml"))
+    assert rule["spec"]["groups"] == [g for f in files for g in yaml.safe_load(f.read_text())["groups"]]
+    rendered = tmp_path / "rendered.yaml"
+    rendered.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    for test_file in sorted((CHART / "rules" / "tests").glob("*.yaml")):
+        doc = yaml.safe_load(test_file.read_text())
+        doc["rule_files"] = [str(rendered)]
+        (tmp_path / test_file.name).write_text(yaml.safe_dump(doc))
+        r = subprocess.run([promtool, "test", "rules", str(tmp_path / test_file.name)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout + r.stderr
