@@ -3,6 +3,8 @@ and for a values file that turns every option on; built-in objects strictly vali
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import helm_python as helm
@@ -24,7 +26,9 @@ MONITORING_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 
 def render(values, chart: Path = CHART) -> list[dict]:
     out = helm.Chart.load(str(chart)).render(values, name="dlo", namespace="dlo-system")
-    return [doc for text in out.values() for doc in yaml.safe_load_all(text) if doc]
+    # NOTES.txt is text for the user, not manifests (Helm prints it, never applies it)
+    return [doc for path, text in out.items() if not path.endswith("NOTES.txt")
+            for doc in yaml.safe_load_all(text) if doc]
 
 
 def by_kind(objs: list[dict], kind: str) -> list[dict]:
@@ -158,3 +162,233 @@ def test_values_schema_rejects_typos_and_bad_types():
         render({"operatr": {}})
     with pytest.raises(Exception, match="(?i)port|integer|type"):
         render({"agent": {"port": "ninety"}})
+
+
+def pod_spec(objs: list[dict], kind: str) -> dict:
+    (obj,) = by_kind(objs, kind)
+    return obj["spec"]["template"]
+
+
+def test_name_overrides_rename_every_object():
+    objs = render({"fullnameOverride": "serving-stack"})
+    named = [o["metadata"]["name"] for o in objs if o["kind"] != "ConfigMap"]
+    assert named and all(n.startswith("serving-stack-") for n in named), named
+    objs = render({"nameOverride": "offload"})
+    assert {o["metadata"]["name"] for o in by_kind(objs, "DaemonSet")} == {"dlo-offload-agent"}
+    assert all(o["metadata"]["labels"]["app.kubernetes.io/name"] == "offload" for o in objs)
+    with pytest.raises(Exception, match="(?i)fullnameOverride|pattern|does not match"):
+        render({"fullnameOverride": "Not_A_DNS_Name"})
+
+
+@pytest.mark.parametrize("component, kind", [("operator", "Deployment"), ("agent", "DaemonSet")])
+def test_service_accounts_are_configurable_per_component(component, kind):
+    values = {component: {"serviceAccount": {"annotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/x"}}}}
+    objs = render(values)
+    (sa,) = [s for s in by_kind(objs, "ServiceAccount") if s["metadata"]["name"] == f"dlo-{component}"]
+    assert sa["metadata"]["annotations"] == {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/x"}
+    assert pod_spec(objs, kind)["spec"]["serviceAccountName"] == f"dlo-{component}"
+
+    # not created: the pods and the binding use the given (existing) account
+    objs = render({component: {"serviceAccount": {"create": False, "name": "platform-sa"}}})
+    assert f"dlo-{component}" not in [s["metadata"]["name"] for s in by_kind(objs, "ServiceAccount")]
+    assert pod_spec(objs, kind)["spec"]["serviceAccountName"] == "platform-sa"
+    (binding,) = [b for b in by_kind(objs, "ClusterRoleBinding") if b["metadata"]["name"] == f"dlo-{component}"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "platform-sa", "namespace": "dlo-system"}]
+
+
+def test_rbac_create_false_renders_no_roles_or_bindings():
+    objs = render({"rbac": {"create": False}})
+    assert not by_kind(objs, "ClusterRole") and not by_kind(objs, "ClusterRoleBinding")
+    assert {s["metadata"]["name"] for s in by_kind(objs, "ServiceAccount")} == {"dlo-operator", "dlo-agent"}
+    for obj in objs:
+        kubernetes_validate.validate(obj, "1.37.0", strict=True)
+
+
+@pytest.mark.parametrize("component, kind", [("operator", "Deployment"), ("agent", "DaemonSet")])
+def test_pod_metadata_security_contexts_and_extras_reach_the_pods(component, kind):
+    values = {component: {
+        "podAnnotations": {"example.com/a": "1"},
+        "podLabels": {"team": "ml"},
+        "podSecurityContext": {"fsGroup": 2000},
+        "securityContext": {"runAsGroup": 3000},
+        "extraEnv": [{"name": "EXTRA", "value": "x"}],
+        "extraVolumes": [{"name": "extra", "emptyDir": {}}],
+        "extraVolumeMounts": [{"name": "extra", "mountPath": "/extra"}],
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}]}}},
+        "tolerations": [{"key": "gpu", "operator": "Exists"}],
+        "nodeSelector": {"pool": "gpu"},
+    }}
+    objs = render(values)
+    template = pod_spec(objs, kind)
+    pod, (container,) = template["spec"], template["spec"]["containers"]
+    assert template["metadata"]["annotations"] == {"example.com/a": "1"}
+    assert template["metadata"]["labels"]["team"] == "ml"
+    assert template["metadata"]["labels"]["app.kubernetes.io/component"] == component  # chart labels stay
+    # maps merge with the defaults (Helm's values merge), so the hardening stays unless set to null
+    assert pod["securityContext"]["fsGroup"] == 2000 and pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert container["securityContext"]["runAsGroup"] == 3000
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert {"name": "EXTRA", "value": "x"} in container["env"]
+    assert {"name": "extra", "emptyDir": {}} in pod["volumes"]
+    assert {"name": "extra", "mountPath": "/extra"} in container["volumeMounts"]
+    assert pod["affinity"] == values[component]["affinity"]
+    assert pod["tolerations"] == values[component]["tolerations"]
+    assert pod["nodeSelector"] == {"pool": "gpu"}
+    for obj in objs:
+        if obj["kind"] not in MONITORING_KINDS:
+            kubernetes_validate.validate(obj, "1.37.0", strict=True)
+
+
+def test_default_security_contexts_are_unchanged_by_the_values_keys():
+    objs = render(None)
+    operator = pod_spec(objs, "Deployment")["spec"]
+    assert operator["securityContext"] == {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
+                                           "seccompProfile": {"type": "RuntimeDefault"}}
+    assert operator["containers"][0]["securityContext"] == {
+        "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+    agent = pod_spec(objs, "DaemonSet")["spec"]
+    assert agent["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
+    assert agent["containers"][0]["securityContext"]["runAsUser"] == 0
+
+
+def operator_env(objs: list[dict]) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in pod_spec(objs, "Deployment")["spec"]["containers"][0]["env"]}
+
+
+def test_engine_image_default_reaches_the_operator():
+    assert operator_env(render(None))["DLO_DEFAULT_ENGINE_IMAGE"] == "ghcr.io/dlo-dev/dlo:0.1.0"
+    env = operator_env(render({"engine": {"image": {"repository": "registry.example.com/dlo", "tag": "1.2.3"}}}))
+    assert env["DLO_DEFAULT_ENGINE_IMAGE"] == "registry.example.com/dlo:1.2.3"
+    assert operator_env(render(VALUES["all-on"]))["DLO_DEFAULT_ENGINE_IMAGE"] == "registry.example.com/dlo/dlo:0.1.0"
+
+
+def test_agent_port_is_not_dcgm_exporters():
+    objs = render(None)
+    (container,) = pod_spec(objs, "DaemonSet")["spec"]["containers"]
+    assert container["ports"] == [{"name": "metrics", "containerPort": 9435}]
+    assert "--port=9435" in container["args"]
+    (svc,) = [s for s in by_kind(objs, "Service") if s["metadata"]["name"] == "dlo-agent"]
+    assert svc["spec"]["ports"][0]["port"] == 9435
+    assert yaml.safe_load((CHART / "values.yaml").read_text())["agent"]["port"] != 9400  # dcgm-exporter's
+
+
+def test_dashboard_folder_is_an_annotation():
+    objs = render(VALUES["all-on"])
+    for cm in by_kind(objs, "ConfigMap"):
+        assert cm["metadata"]["annotations"] == {"grafana_folder": "DLO"}
+        assert "grafana_folder" not in cm["metadata"]["labels"]
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+
+
+def test_monitors_label_targets_as_the_dashboards_and_rules_expect():
+    objs = render(VALUES["all-on"])
+    (sm,) = by_kind(objs, "ServiceMonitor")
+    (endpoint,) = sm["spec"]["endpoints"]
+    assert endpoint["honorLabels"] is True  # dlo_pod_* keep the engine pod's namespace and pod
+    assert {"targetLabel": "job", "replacement": "dlo-agent"} in endpoint["relabelings"]
+    assert {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"} in endpoint["relabelings"]
+    (pm,) = by_kind(objs, "PodMonitor")
+    (endpoint,) = pm["spec"]["podMetricsEndpoints"]
+    targets = {r["targetLabel"]: r for r in endpoint["relabelings"]}
+    assert targets["job"]["replacement"] == "dlo-engine"
+    assert targets["deployment"]["sourceLabels"] == ["__meta_kubernetes_pod_label_app_kubernetes_io_instance"]
+    assert targets["node"]["sourceLabels"] == ["__meta_kubernetes_pod_node_name"]
+
+
+@pytest.mark.parametrize("values, where", [
+    ({"operator": {"serviceAccount": {"craete": True}}}, "/operator/serviceAccount"),
+    ({"agent": {"extraVolumeMounts": [{"name": "x"}]}}, "/agent/extraVolumeMounts/0"),  # no mountPath
+    ({"agent": {"extraEnv": [{"value": "x"}]}}, "/agent/extraEnv/0"),  # no name
+    ({"dashboards": {"annotations": {"grafana_folder": 1}}}, "/dashboards/annotations/grafana_folder"),
+    ({"rbac": {"create": "yes"}}, "/rbac/create"),
+    ({"engine": {"image": {"repository": ""}}}, "/engine/image/repository"),
+])
+def test_values_schema_rejects_malformed_new_keys(values, where):
+    with pytest.raises(Exception, match=f"(?s)don't meet the specifications of the schema.*at '{where}'"):
+        render(values)
+
+
+def notes(values) -> str:
+    return helm.Chart.load(str(CHART)).render(values, name="dlo", namespace="dlo-system")["dlo/templates/NOTES.txt"]
+
+
+@pytest.mark.parametrize("case", VALUES)
+def test_notes_say_what_was_installed_and_what_to_do_next(case):
+    text = notes(VALUES[case])
+    values = VALUES[case] or {}
+    assert 'release "dlo" in namespace "dlo-system"' in text
+    assert "kubectl apply -n <namespace> -f examples/dlodeployment.yaml" in text
+    assert (ROOT / "examples" / "dlodeployment.yaml").is_file()
+    assert "kubectl get dlod -A" in text and "kubectl describe dlod" in text
+    agent_on = values.get("agent", {}).get("enabled", True)
+    assert ("DaemonSet dlo-agent" in text) == agent_on
+    assert ("fall back to allgather" in text) == (not agent_on)
+    assert ("PodMonitor dlo-engines" in text) == values.get("podMonitor", {}).get("enabled", False)
+    assert ("grafana_dashboard" in text) == values.get("dashboards", {}).get("enabled", True)
+    assert "never upgrades" in text
+    watched = values.get("operator", {}).get("watchNamespaces")
+    assert (f"The operator only watches {', '.join(watched)}" in text) if watched else ("only watches" not in text)
+
+
+def test_notes_and_readme_ship_a_crd_upgrade_that_applies_the_generated_crd():
+    """Helm never upgrades crds/: NOTES.txt and the README give commands; what they apply is the CRD."""
+    readme = (CHART / "README.md").read_text()
+    chart_apply = "kubectl apply --server-side --force-conflicts -f charts/dlo/crds/"
+    cli_apply = "dlo crd | kubectl apply --server-side --force-conflicts -f -"
+    for text in (notes(None), readme):
+        assert chart_apply in text and cli_apply in text
+    # what `kubectl apply -f charts/dlo/crds/` reads: one strictly valid CRD, the generated one
+    files = list((ROOT / "charts" / "dlo" / "crds").iterdir())
+    docs = [d for f in files for d in yaml.safe_load_all(f.read_text()) if d]
+    assert [d["metadata"]["name"] for d in docs] == ["dlodeployments.dlo.dev"]
+    kubernetes_validate.validate(docs[0], "1.37.0", strict=True)
+    # what `dlo crd |` pipes: the same object
+    out = subprocess.run([sys.executable, "-m", "dlo.cli.main", "crd"], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert list(yaml.safe_load_all(out.stdout)) == docs
+
+
+def test_monitor_relabelings_are_appended_after_the_charts_own():
+    objs = render(VALUES["all-on"])
+    (sm,) = by_kind(objs, "ServiceMonitor")
+    relabelings = sm["spec"]["endpoints"][0]["relabelings"]
+    assert relabelings[-1] == {"sourceLabels": ["__meta_kubernetes_pod_label_topology_kubernetes_io_zone"], "targetLabel": "zone"}
+    assert relabelings[-2] == {"targetLabel": "job", "replacement": "dlo-agent"}
+    (pm,) = by_kind(objs, "PodMonitor")
+    assert pm["spec"]["podMetricsEndpoints"][0]["metricRelabelings"] == [
+        {"sourceLabels": ["__name__"], "regex": "python_gc_.*", "action": "drop"}]
+
+
+def test_readme_values_table_names_every_value():
+    rows = [line for line in (CHART / "README.md").read_text().splitlines() if line.startswith("| `")]
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    missing = []
+    for key, value in values.items():
+        if isinstance(value, dict):
+            for child in value:
+                # "`operator.serviceAccount.create`, ..." or "`operator.podAnnotations`, `podLabels`"
+                cells = [row.split("|")[1] for row in rows]
+                if not any(f"`{key}.{child}" in c or (f"`{key}." in c and f"`{child}`" in c) for c in cells):
+                    missing.append(f"{key}.{child}")
+        elif not any(f"`{key}`" in row.split("|")[1] for row in rows):
+            missing.append(key)
+    assert not missing, missing
+
+
+def test_rendered_prometheusrule_holds_the_rule_files_and_passes_their_unit_tests(tmp_path):
+    """What the PrometheusRule carries is what promtool checked: multi-line expressions and templated
+    annotations survive Helm's fromYaml/toYaml round trip."""
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is missing (Debian's prometheus package)"
+    (rule,) = by_kind(render(VALUES["all-on"]), "PrometheusRule")
+    files = sorted((CHART / "rules").glob("*.yaml"))
+    assert rule["spec"]["groups"] == [g for f in files for g in yaml.safe_load(f.read_text())["groups"]]
+    rendered = tmp_path / "rendered.yaml"
+    rendered.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    for test_file in sorted((CHART / "rules" / "tests").glob("*.yaml")):
+        doc = yaml.safe_load(test_file.read_text())
+        doc["rule_files"] = [str(rendered)]
+        (tmp_path / test_file.name).write_text(yaml.safe_dump(doc))
+        r = subprocess.run([promtool, "test", "rules", str(tmp_path / test_file.name)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout + r.stderr
