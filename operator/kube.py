@@ -13,6 +13,9 @@ import logging
 from typing import Any
 
 import kubernetes
+import urllib3
+
+from dlo.operator import metrics
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +98,16 @@ class Kube:
         m, url, hdrs, data, post = self._api.param_serialize(
             method, path, query_params=query or [], header_params=headers, body=body, auth_settings=["BearerToken"]
         )
-        response = self._api.call_api(m, url, hdrs, data, post, _request_timeout=self.timeout)
+        try:
+            response = self._api.call_api(m, url, hdrs, data, post, _request_timeout=self.timeout)
+        except urllib3.exceptions.HTTPError:
+            metrics.API_ERRORS.labels("none").inc()
+            raise
         raw = response.read()
         payload = json.loads(raw) if raw else None
         if response.status >= 400:
+            if response.status != 404:  # "not there" is an answer (a child not created yet)
+                metrics.API_ERRORS.labels(str(response.status)).inc()
             message = payload.get("message", "") if isinstance(payload, dict) else str(raw[:200])
             raise KubeError(response.status, method, path, message)
         return payload
