@@ -152,3 +152,17 @@ async def test_operator_run_reconciles_from_a_kubeconfig_and_serves_liveness_and
         finally:
             proc.terminate()
             assert await asyncio.wait_for(proc.wait(), timeout=30) is not None
+
+
+def test_render_refuses_typos_in_kubernetes_types_naming_the_field(tmp_path):
+    res = {"apiVersion": "dlo.dev/v1alpha1", "kind": "DLODeployment", "metadata": {"name": "wan"},
+           "spec": {"model": {"path": "/models/wan"},
+                    "engine": {"resources": {"limts": {"cpu": "1"}}, "env": [{"nmae": "A", "value": "b"}]},
+                    "placement": {"affinity": {"nodeAfinity": {}}}}}
+    path = tmp_path / "typos.yaml"
+    path.write_text(yaml.safe_dump(res))
+    proc = dlo("operator", "render", str(path))
+    assert proc.returncode == 2 and proc.stdout == ""
+    for field in ("spec.engine.resources.limts", "spec.engine.env.0.nmae", "spec.placement.affinity.nodeAfinity"):
+        assert f"{field}: unknown field" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr

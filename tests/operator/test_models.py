@@ -85,6 +85,16 @@ def test_crd_is_strictly_valid_kubernetes():
     kubernetes_validate.validate(build_crd(), "1.37.0", strict=True)
 
 
+def schema_nodes(node, path=""):
+    """Every schema node (not the maps of property names, rule lists or enums)."""
+    yield path, node
+    for key, child in node.get("properties", {}).items():
+        yield from schema_nodes(child, f"{path}.{key}")
+    for key in ("items", "additionalProperties"):
+        if isinstance(node.get(key), dict):
+            yield from schema_nodes(node[key], f"{path}[{key}]")
+
+
 def test_crd_schema_is_structural():
     for path, node in walk(crd_schema()):
         assert "$ref" not in node and "title" not in node, path
@@ -92,6 +102,26 @@ def test_crd_schema_is_structural():
         if "properties" in node:
             assert node.get("type") == "object", path
             assert "additionalProperties" not in node, path
+    scalar = {"string", "integer", "number", "boolean"}
+    for path, node in schema_nodes(crd_schema()):
+        # a type on every node, except int-or-string (which must have none) and preserved objects
+        if node.get("x-kubernetes-int-or-string"):
+            assert "type" not in node, path
+        else:
+            assert node.get("type") in scalar | {"object", "array"}, path
+        assert node.get("format") in (None, "int32", "int64", "double", "float", "byte", "date-time"), path
+        if node.get("type") == "array":
+            assert "items" in node, path
+        list_type = node.get("x-kubernetes-list-type")
+        if list_type == "map":  # keys: required (or defaulted) scalar fields of the items
+            items = node["items"]
+            for key in node["x-kubernetes-list-map-keys"]:
+                assert key in items.get("required", []) or "default" in items["properties"][key], (path, key)
+                assert items["properties"][key]["type"] in scalar, (path, key)
+        elif list_type == "set":
+            assert node["items"].get("type") in scalar, path
+        else:
+            assert "x-kubernetes-list-map-keys" not in node, path
 
 
 def test_crd_carries_the_cel_rules_the_models_check():
