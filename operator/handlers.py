@@ -4,8 +4,9 @@ Owns: the kopf wiring (startup settings, create/resume/update handlers and a sta
 `reconcile`, which validates the spec (an invalid spec sets `Degraded` instead of crash-looping),
 resolves the mode (`auto`: once, again only when the eligible nodes' profiles change), applies the
 builders' objects with create-or-patch and owner references, deletes pods still on an old template
-when the rollout is Recreate, and writes status (replica counts, nodes, conditions,
-observedGeneration). Every decision is an Event on the resource.
+when the rollout is Recreate, and writes status (replica counts, nodes, URL, conditions,
+observedGeneration; `Degraded` also while an engine pod crash-loops). Every decision is an Event
+on the resource; every reconcile is counted and timed in `metrics`.
 Must never: build manifests itself (`builders`), decide a mode itself (`modes`), or import torch.
 """
 

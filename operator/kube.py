@@ -3,6 +3,7 @@
 Owns: REST paths of the kinds the operator touches, get/list/create/merge-patch/delete, and
 `apply` (create-or-patch, idempotent, AlreadyExists tolerated; no server-side apply). Label
 selectors are also applied client-side, so a server that ignores them cannot widen a listing.
+Failed requests are counted in `metrics.API_ERRORS`.
 Must never: decide what to create (that is `builders`) or hold state beyond the connection.
 """
 

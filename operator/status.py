@@ -1,8 +1,9 @@
 """Status of a DLODeployment: metav1.Condition bookkeeping and the status computed from children.
 
-Owns: `set_condition` (lastTransitionTime moves only when a condition's status changes) and
+Owns: `set_condition` (lastTransitionTime moves only when a condition's status changes),
 `summarize`, a pure function from the StatefulSet, its pods and the node profiles to the status
-fields the operator patches.
+fields the operator patches, and `crash_looping`, which finds the engine pods' crash-looping
+containers in the pods' container statuses.
 Must never: talk to the API server.
 """
 
