@@ -112,6 +112,8 @@ def check(value: Any, node: dict[str, Any], path: str = "") -> list[Problem]:
     if isinstance(value, str):
         if "enum" in node and value not in node["enum"]:
             problems.append((path, f"must be one of {', '.join(map(str, node['enum']))}"))
+        if "maxLength" in node and len(value) > node["maxLength"]:
+            problems.append((path, f"longer than {node['maxLength']} characters"))
         if "pattern" in node and not re.search(node["pattern"], value):
             what = "a quantity like 500m, 8Gi or 2" if node["pattern"] == QUANTITY_PATTERN else node["pattern"]
             problems.append((path, f"{value!r} is not {what}"))
@@ -131,6 +133,8 @@ def check(value: Any, node: dict[str, Any], path: str = "") -> list[Problem]:
         elif isinstance(node.get("additionalProperties"), dict):
             for key, sub in value.items():
                 problems += check(sub, node["additionalProperties"], f"{path}.{key}" if path else key)
+    if isinstance(value, list) and "maxItems" in node and len(value) > node["maxItems"]:
+        problems.append((path, f"more than {node['maxItems']} items"))
     if isinstance(value, list) and "items" in node:
         for i, item in enumerate(value):
             problems += check(item, node["items"], f"{path}.{i}" if path else str(i))

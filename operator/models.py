@@ -48,14 +48,31 @@ def _rules(*rules: tuple[str, str]) -> dict[str, Any]:
     return {"x-kubernetes-validations": [{"rule": r, "message": m} for r, m in rules]}
 
 
-def _kubernetes(kind: str, *, many: bool = False, description: str) -> Any:
+def _kubernetes(
+    kind: str,
+    *,
+    many: bool = False,
+    description: str,
+    item_rules: tuple[tuple[str, str], ...] = (),
+    max_items: int | None = None,
+    name_max_length: int | None = None,
+) -> Any:
     """A pass-through field checked against the Kubernetes schema of core/v1 `kind`: the CRD
     carries that schema (so the API server refuses `limts`), and pydantic checks the same schema
-    with `k8s_schemas.check` (so `dlo operator render` and the operator refuse it too)."""
+    with `k8s_schemas.check` (so `dlo operator render` and the operator refuse it too).
+    `item_rules`: CEL rules on each item (the models check them in a validator of their own);
+    `max_items` and `name_max_length` bound the list and its items' `name`, which keeps the API
+    server's cost estimate of those rules small (unbounded, it assumes a request's worth)."""
     node = k8s_schemas.schema(kind)
     node.pop("description", None)
+    if item_rules:
+        node.update(_rules(*item_rules))
+    if name_max_length is not None:
+        node["properties"]["name"]["maxLength"] = name_max_length
     if many:
         node = {"type": "array", "items": node}
+        if max_items is not None:
+            node["maxItems"] = max_items
     node["description"] = description
 
     def validate(value: Any) -> Any:
@@ -126,6 +143,14 @@ class SecretKeyRef(_Model):
     key: str = Field("api-key", min_length=1, description="key in the Secret holding the API key")
 
 
+# A key set in engine.env would be written into the StatefulSet's pod template for anyone who reads it.
+_API_KEY_ENV_RULE = (
+    f"self.name != '{API_KEY_ENV}' && self.name != '{VLLM_API_KEY_ENV}'",
+    f"engine.env must not set {API_KEY_ENV} or {VLLM_API_KEY_ENV}: put the key in a Secret and name it in "
+    "engine.apiKeySecret",
+)
+
+
 class EngineSpec(_Model):
     """The engine container: which server, its image, device, extra arguments and resources."""
 
@@ -142,7 +167,12 @@ class EngineSpec(_Model):
     )
     args: list[str] = Field(default_factory=list, description="extra arguments appended to the engine's command")
     env: _kubernetes(  # type: ignore[valid-type]
-        "EnvVar", many=True, description="extra environment variables of the engine container (core/v1 EnvVar)"
+        "EnvVar",
+        many=True,
+        description="extra environment variables of the engine container (core/v1 EnvVar); not the API key",
+        item_rules=(_API_KEY_ENV_RULE,),
+        max_items=256,
+        name_max_length=1024,
     ) = Field(default_factory=list)
     resources: _kubernetes(  # type: ignore[valid-type]
         "ResourceRequirements",
@@ -161,13 +191,8 @@ class EngineSpec(_Model):
 
     @model_validator(mode="after")
     def _api_key_only_from_a_secret(self) -> EngineSpec:
-        # The one rule only the operator checks: a key set here would be written into the
-        # StatefulSet's pod template for anyone who reads it.
-        for name in (API_KEY_ENV, VLLM_API_KEY_ENV):
-            if any(e.get("name") == name for e in self.env):
-                raise ValueError(
-                    f"engine.env must not set {name}: put the key in a Secret and name it in engine.apiKeySecret"
-                )
+        if any(e.get("name") in (API_KEY_ENV, VLLM_API_KEY_ENV) for e in self.env):
+            raise ValueError(_API_KEY_ENV_RULE[1])
         return self
 
 

@@ -57,8 +57,29 @@ def evaluate(rule: str, self_value: Any) -> bool:
 
 def at(node: dict, path: tuple[str, ...]) -> dict:
     for part in path:
-        node = node["properties"][part]
+        node = node["items"] if part == "[]" else node["properties"][part]
     return node
+
+
+def values_at(value: Any, path: tuple[str, ...]) -> list[Any]:
+    """The values a rule at `path` sees in `value` (one per list item below a `[]`)."""
+    if not path:
+        return [value]
+    head, rest = path[0], path[1:]
+    if head == "[]":
+        return [v for item in (value if isinstance(value, list) else []) for v in values_at(item, rest)]
+    if isinstance(value, dict) and head in value:
+        return values_at(value[head], rest)
+    return []
+
+
+def placed(path: tuple[str, ...], value: Any) -> dict:
+    """A spec holding `value` at `path` (a list of one item for `[]`)."""
+    spec: dict[str, Any] = {"model": {"path": "/m"}}
+    for part in reversed(path):
+        value = [value] if part == "[]" else {part: value}
+    spec.update(value)
+    return spec
 
 
 # (rule place, object there, the rule holds): at least one valid and one invalid object per rule.
@@ -77,6 +98,12 @@ CASES: dict[str, list[tuple[dict, bool]]] = {
         ({"type": "RollingUpdate", "maxUnavailable": "25%"}, True),
         ({"type": "Recreate", "maxUnavailable": 1}, False),
         ({"maxUnavailable": 1}, False),  # type defaults to Recreate first
+    ],
+    "self.name != 'DLO_API_KEY' && self.name != 'VLLM_API_KEY'": [
+        ({"name": "HF_HOME", "value": "/tmp/hf"}, True),
+        ({"name": "DLO_API_KEY_FILE", "value": "/k"}, True),
+        ({"name": "DLO_API_KEY", "value": "sk-123"}, False),
+        ({"name": "VLLM_API_KEY", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}, False),
     ],
 }
 
@@ -100,11 +127,7 @@ def test_each_rule_holds_exactly_on_its_valid_objects(path, rule):
 @pytest.mark.parametrize("path, rule", [(p, r) for p, r in RULES], ids=[r["rule"] for _, r in RULES])
 def test_the_models_refuse_exactly_what_the_rule_refuses_with_its_message(path, rule):
     for value, ok in CASES[rule["rule"]]:
-        spec: dict[str, Any] = {"model": {"path": "/m"}}
-        parent = spec
-        for part in path[:-1]:
-            parent = parent.setdefault(part, {})
-        parent[path[-1]] = value
+        spec = placed(path, value)
         if ok:
             parse_spec(json.loads(json.dumps(spec)))
         else:
@@ -117,10 +140,7 @@ def cel_verdict(spec: dict) -> list[str]:
     full = defaulted(spec, SPEC_SCHEMA)
     broken = []
     for path, rule in RULES:
-        value: Any = full
-        for part in path:
-            value = value.get(part) if isinstance(value, dict) else None
-        if value is not None and not evaluate(rule["rule"], value):
+        if not all(evaluate(rule["rule"], value) for value in values_at(full, path)):
             broken.append(rule["message"])
     return broken
 
@@ -141,3 +161,23 @@ def test_random_rule_breaking_specs_fail_the_rule_the_models_name(case):
     with pytest.raises(SpecError) as refused:
         parse_spec(json.loads(json.dumps(spec)))
     assert all(message in str(refused.value) for message in broken)
+
+
+def test_rules_on_list_items_read_only_bounded_lists_and_strings():
+    """The API server refuses a CRD whose rules' estimated cost is too high, and estimates an
+    unbounded list or string at a whole request's size: rules under a list read bounded values."""
+    import re as _re
+
+    for path, rule in RULES:
+        if "[]" not in path:
+            continue
+        node = SPEC_SCHEMA
+        for part in path:
+            if part == "[]":
+                assert node.get("maxItems"), (path, rule["rule"])
+                node = node["items"]
+            else:
+                node = node["properties"][part]
+        for field in set(_re.findall(r"self\.(\w+)", rule["rule"])):
+            prop = node["properties"][field]
+            assert prop.get("type") != "string" or prop.get("maxLength"), (path, field)

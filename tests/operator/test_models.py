@@ -250,8 +250,11 @@ def test_typos_in_kubernetes_types_are_refused_by_the_crd_schema_naming_the_fiel
         ({"placement": {"tolerations": [{"tolerationSeconds": "5"}]}}, "spec.placement.tolerations.0.tolerationSeconds: must be an integer"),
         ({"placement": {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {}}}}},
          "required field 'nodeSelectorTerms' is missing"),
+        ({"engine": {"env": [{"name": f"V{i}"} for i in range(257)]}}, "spec.engine.env: more than 256 items"),
+        ({"engine": {"env": [{"name": "V" * 1025}]}}, "spec.engine.env.0.name: longer than 1024 characters"),
     ],
-    ids=["quantity", "bool-quantity", "env-no-name", "env-map", "string-seconds", "no-terms"],
+    ids=["quantity", "bool-quantity", "env-no-name", "env-map", "string-seconds", "no-terms", "env-count",
+         "env-name-length"],
 )
 def test_kubernetes_types_are_checked_for_types_quantities_and_required_fields(spec, message):
     with pytest.raises(SpecError, match=re.escape(message)):

@@ -9,8 +9,8 @@ under strict field validation (kubectl's default): unknown fields are errors, an
 mutations that break one are checked to pass the schema, to carry the rule in the CRD, and to be
 refused by pydantic with the rule's own message.
 
-One rule is the operator's alone: `engine.env` may not set `DLO_API_KEY` or `VLLM_API_KEY`;
-tests/reliability/test_privilege.py covers it. The Kubernetes types inside the spec (`engine.env`,
+The rule that `engine.env` may not set `DLO_API_KEY` or `VLLM_API_KEY` is a CEL rule on the env
+items; test_crd_cel.py and tests/reliability/test_privilege.py cover it. The Kubernetes types inside the spec (`engine.env`,
 `engine.resources`, `placement.affinity`, `placement.tolerations`) carry their upstream schemas, so
 the mutations reach into them too.
 
