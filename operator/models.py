@@ -151,6 +151,13 @@ _API_KEY_ENV_RULE = (
 )
 
 
+# vLLM flags vllm-omni (0.30.0) refuses under --omni: the operator sets the ranks (--num-gpus).
+VLLM_OMNI_REFUSED_FLAGS = (
+    "--data-parallel-address", "--data-parallel-backend", "--data-parallel-rpc-port", "--data-parallel-size",
+    "--data-parallel-size-local", "--data-parallel-start-rank", "--enable-expert-parallel",
+)
+
+
 class EngineSpec(_Model):
     """The engine container: which server, its image, device, extra arguments and resources."""
 
@@ -193,6 +200,19 @@ class EngineSpec(_Model):
     def _api_key_only_from_a_secret(self) -> EngineSpec:
         if any(e.get("name") in (API_KEY_ENV, VLLM_API_KEY_ENV) for e in self.env):
             raise ValueError(_API_KEY_ENV_RULE[1])
+        return self
+
+    @model_validator(mode="after")
+    def _no_args_vllm_omni_refuses(self) -> EngineSpec:
+        # Only the operator checks this (args are free strings in the CRD): the pods would exit at
+        # start with vllm-omni's own error, crash-looping.
+        if self.kind == "vllm-omni":
+            refused = sorted({a.split("=", 1)[0] for a in self.args} & set(VLLM_OMNI_REFUSED_FLAGS))
+            if refused:
+                raise ValueError(
+                    f"engine.args: vllm-omni refuses {', '.join(refused)} under --omni; the operator sets the "
+                    "ranks per node from devicesPerNode (--num-gpus)"
+                )
         return self
 
 

@@ -98,3 +98,14 @@ def test_extract_flags_script_reads_wheels(tmp_path):
     assert out["prohibited_with_omni"] == ["--data-parallel-size"]
     assert out["flags"] == {"--data-parallel-size": True, "--enable-ssl": False, "--flag": False, "--omni": False,
                             "--port": True, "--ulysses-degree": True, "--usp": True}
+
+
+def test_args_vllm_omni_refuses_under_omni_are_refused_up_front():
+    from dlo.operator.models import VLLM_OMNI_REFUSED_FLAGS, SpecError
+
+    assert sorted(VLLM_OMNI_REFUSED_FLAGS) == FLAGS["prohibited_with_omni"]
+    for args in (["--data-parallel-size", "2"], ["--data-parallel-size=2"], ["--enable-expert-parallel"]):
+        with pytest.raises(SpecError, match=r"spec\.engine: .*vllm-omni refuses --"):
+            parse_spec({"model": {"path": "/m"}, "engine": {"kind": "vllm-omni", "args": args}})
+    # dlo serve has no such flags, and other vLLM flags pass
+    parse_spec({"model": {"path": "/m"}, "engine": {"kind": "vllm-omni", "args": ["--log-stats"]}})
