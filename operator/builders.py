@@ -17,6 +17,7 @@ from typing import Any
 
 from dlo.engine.facts import Mode
 from dlo.operator.models import API_KEY_ENV, DLODeploymentSpec
+from dlo.operator.models import DEFAULT_IMAGE, VLLM_API_KEY_ENV
 
 PART_OF = "app.kubernetes.io/part-of"
 COMPONENT = "app.kubernetes.io/component"
@@ -59,6 +60,16 @@ def headless_service_name(name: str) -> str:
     return f"{name}-headless"
 
 
+def service_url(owner: Owner, spec: DLODeploymentSpec) -> str:
+    """The client Service's URL inside the cluster (`status.url`)."""
+    return f"http://{owner.name}.{owner.namespace}.svc:{spec.service.port}"
+
+
+def engine_image(spec: DLODeploymentSpec) -> str:
+    """The engine image; the handlers fill the operator's default in first (`with_default_image`)."""
+    return spec.engine.image or DEFAULT_IMAGE
+
+
 def engine_command(spec: DLODeploymentSpec, mode: Mode) -> list[str]:
     """The engine container's command line."""
     dp = str(spec.devices_per_node)
@@ -66,7 +77,10 @@ def engine_command(spec: DLODeploymentSpec, mode: Mode) -> list[str]:
     # The model id clients use: the model folder's name, not the mount point.
     name = ["--served-model-name", spec.model.folder_name]
     if spec.engine.kind == "vllm-omni":
-        cmd = ["vllm", "serve", MODEL_MOUNT, "--omni", "--data-parallel-size", dp, "--port", port, *name]
+        # vllm-omni refuses vLLM's --data-parallel-size under --omni: a diffusion model's ranks are
+        # --num-gpus (data parallel without sequence parallelism). Flags checked against its parser
+        # in tests/operator/test_vllm_omni_flags.py. The API key comes as VLLM_API_KEY (env).
+        cmd = ["vllm", "serve", MODEL_MOUNT, "--omni", "--num-gpus", dp, "--port", port, *name]
         if mode != "resident":
             cmd.insert(4, "--enable-distributed-layerwise-offload")
         if mode == "rank-local":
@@ -130,7 +144,8 @@ def _env(spec: DLODeploymentSpec) -> list[dict[str, Any]]:
     ]
     if spec.engine.api_key_secret is not None:
         ref = spec.engine.api_key_secret
-        env.append({"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+        key_env = VLLM_API_KEY_ENV if spec.engine.kind == "vllm-omni" else API_KEY_ENV
+        env.append({"name": key_env, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
     return env + [dict(e) for e in spec.engine.env]
 
 
@@ -154,16 +169,22 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
     }
 
 
+def readiness_path(spec: DLODeploymentSpec) -> str:
+    """What says the engine can serve: `dlo serve`'s /ready; vLLM serves no /ready, and its
+    /v1/models needs the API key when one is set, so /health (200 once the engine is up)."""
+    return "/health" if spec.engine.kind == "vllm-omni" else "/ready"
+
+
 def pod_template(owner: Owner, spec: DLODeploymentSpec, mode: Mode) -> dict[str, Any]:
     """The engine pod template, annotated with its own hash (`dlo.dev/template-hash`)."""
     engine = {
         "name": "engine",
-        "image": spec.engine.image,
+        "image": engine_image(spec),
         "imagePullPolicy": "IfNotPresent",
         "command": engine_command(spec, mode),
         "env": _env(spec),
         "ports": [{"name": HTTP_PORT_NAME, "containerPort": spec.service.port, "protocol": "TCP"}],
-        "readinessProbe": _probe("/ready", 5, 3),
+        "readinessProbe": _probe(readiness_path(spec), 5, 3),
         "livenessProbe": _probe("/health", 10, 6),
         # Loading and gathering a large model takes minutes: liveness starts after /health answers.
         "startupProbe": _probe("/health", 10, 90),
@@ -198,7 +219,7 @@ def pod_template(owner: Owner, spec: DLODeploymentSpec, mode: Mode) -> dict[str,
         pod_spec["initContainers"] = [
             {
                 "name": "warm",
-                "image": spec.warmer.image or spec.engine.image,
+                "image": spec.warmer.image or engine_image(spec),
                 "imagePullPolicy": "IfNotPresent",
                 "command": warm_command(spec),
                 "env": [{"name": "HOME", "value": "/tmp"}],

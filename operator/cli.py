@@ -94,12 +94,14 @@ def profile_node(path: Path, spec: Any) -> dict[str, Any]:
 
 def _render(argv: list[str]) -> int:
     from dlo.operator import builders, modes
-    from dlo.operator.models import SpecError, parse_spec
+    from dlo.operator.models import SpecError, default_engine_image, parse_spec, with_default_image
 
     parser = Parser(
         prog="dlo operator render",
         description="Print every object the operator would create for the DLODeployment(s) in FILE, "
-        "as a YAML stream. Mode `auto` is resolved from the node profiles given with --profile.",
+        "as a YAML stream. Mode `auto` is resolved from the node profiles given with --profile. "
+        "A spec without engine.image gets $DLO_DEFAULT_ENGINE_IMAGE (else the built-in default), as "
+        "the operator does.",
     )
     parser.add_argument("file", type=existing_file, help="YAML file with a DLODeployment (e.g. examples/dlodeployment.yaml)")
     parser.add_argument(
@@ -126,7 +128,7 @@ def _render(argv: list[str]) -> int:
         meta = res.get("metadata", {})
         name = meta.get("name", "")
         try:
-            spec = parse_spec(res.get("spec") or {})
+            spec = with_default_image(parse_spec(res.get("spec") or {}), default_engine_image(os.environ))
             nodes = [profile_node(p, spec) for p in args.profile]
         except (SpecError, OSError, ValueError) as e:
             return fail("dlo operator render", f"{args.file}: {name}: {e}")
@@ -151,6 +153,20 @@ def _liveness(text: str) -> str:
     return text if text == "" else http_url(text)
 
 
+METRICS_PORT = 8081  # dlo.operator.metrics.METRICS_PORT; kopf's liveness endpoint has 8080
+METRICS_PORT_ENV = "DLO_OPERATOR_METRICS_PORT"
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number (0..65535; 0 disables)")
+    return port
+
+
 def _run(argv: list[str]) -> int:
     parser = Parser(
         prog="dlo operator run",
@@ -168,6 +184,13 @@ def _run(argv: list[str]) -> int:
     parser.add_argument(
         "--status-interval", type=positive_seconds, default=15.0, help="seconds between status and mode refreshes"
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=int(os.environ.get(METRICS_PORT_ENV, METRICS_PORT)),
+        help=f"serve the operator's own Prometheus metrics at :PORT/metrics (default {METRICS_PORT}, or "
+        f"${METRICS_PORT_ENV}); 0 disables",
+    )
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -178,6 +201,10 @@ def _run(argv: list[str]) -> int:
     import kopf
 
     import dlo.operator.handlers  # noqa: F401  (registers the handlers)
+    from dlo.operator import metrics
+
+    if args.metrics_port:
+        metrics.serve(args.metrics_port)
 
     kopf.run(
         standalone=True,

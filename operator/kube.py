@@ -3,6 +3,7 @@
 Owns: REST paths of the kinds the operator touches, get/list/create/merge-patch/delete, and
 `apply` (create-or-patch, idempotent, AlreadyExists tolerated; no server-side apply). Label
 selectors are also applied client-side, so a server that ignores them cannot widen a listing.
+Failed requests are counted in `metrics.API_ERRORS`.
 Must never: decide what to create (that is `builders`) or hold state beyond the connection.
 """
 
@@ -13,6 +14,9 @@ import logging
 from typing import Any
 
 import kubernetes
+import urllib3
+
+from dlo.operator import metrics
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +99,16 @@ class Kube:
         m, url, hdrs, data, post = self._api.param_serialize(
             method, path, query_params=query or [], header_params=headers, body=body, auth_settings=["BearerToken"]
         )
-        response = self._api.call_api(m, url, hdrs, data, post, _request_timeout=self.timeout)
+        try:
+            response = self._api.call_api(m, url, hdrs, data, post, _request_timeout=self.timeout)
+        except urllib3.exceptions.HTTPError:
+            metrics.API_ERRORS.labels("none").inc()
+            raise
         raw = response.read()
         payload = json.loads(raw) if raw else None
         if response.status >= 400:
+            if response.status != 404:  # "not there" is an answer (a child not created yet)
+                metrics.API_ERRORS.labels(str(response.status)).inc()
             message = payload.get("message", "") if isinstance(payload, dict) else str(raw[:200])
             raise KubeError(response.status, method, path, message)
         return payload

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, WithJsonSchema, model_validator
 from pydantic.alias_generators import to_camel
+from pydantic_core import PydanticCustomError
+
+from dlo.operator import k8s_schemas
 
 from dlo.engine.facts import Mode, ModelFacts, ModeOrAuto
 
@@ -26,6 +30,10 @@ SINGULAR = "dlodeployment"
 SHORT_NAMES = ["dlod"]
 CRD_NAME = f"{PLURAL}.{GROUP}"
 
+# The engine image when spec.engine.image is unset: the operator's environment (the chart sets it),
+# else this one.
+DEFAULT_IMAGE_ENV = "DLO_DEFAULT_ENGINE_IMAGE"
+VLLM_API_KEY_ENV = "VLLM_API_KEY"  # where vLLM (engine.kind vllm-omni) reads its API key
 DEFAULT_IMAGE = "ghcr.io/dlo-dev/dlo:0.1.0"
 API_KEY_ENV = "DLO_API_KEY"  # the engine reads its API key from this variable
 
@@ -37,6 +45,48 @@ class SpecError(ValueError):
 def _rules(*rules: tuple[str, str]) -> dict[str, Any]:
     """CEL rules for the CRD (`x-kubernetes-validations`); the same rule is checked in Python."""
     return {"x-kubernetes-validations": [{"rule": r, "message": m} for r, m in rules]}
+
+
+def _kubernetes(
+    kind: str,
+    *,
+    many: bool = False,
+    description: str,
+    item_rules: tuple[tuple[str, str], ...] = (),
+    max_items: int | None = None,
+    name_max_length: int | None = None,
+) -> Any:
+    """A pass-through field checked against the Kubernetes schema of core/v1 `kind`: the CRD
+    carries that schema (so the API server refuses `limts`), and pydantic checks the same schema
+    with `k8s_schemas.check` (so `dlo operator render` and the operator refuse it too).
+    `item_rules`: CEL rules on each item (the models check them in a validator of their own);
+    `max_items` and `name_max_length` bound the list and its items' `name`, which keeps the API
+    server's cost estimate of those rules small (unbounded, it assumes a request's worth)."""
+    node = k8s_schemas.schema(kind)
+    node.pop("description", None)
+    if item_rules:
+        node.update(_rules(*item_rules))
+    if name_max_length is not None:
+        node["properties"]["name"]["maxLength"] = name_max_length
+    if many:
+        node = {"type": "array", "items": node}
+        if max_items is not None:
+            node["maxItems"] = max_items
+    node["description"] = description
+
+    def validate(value: Any) -> Any:
+        problems = k8s_schemas.check(value, node)
+        if problems:
+            text = "; ".join(f"{where}: {what}" if where else what for where, what in problems)
+            raise PydanticCustomError("kubernetes_schema", "{text}", {"text": text, "problems": problems})
+        return copy.deepcopy(value)
+
+    return Annotated[list[dict[str, Any]] if many else dict[str, Any], PlainValidator(validate), WithJsonSchema(node)]
+
+
+def default_engine_image(environ: Mapping[str, str]) -> str:
+    """The engine image for specs that name none: `DLO_DEFAULT_ENGINE_IMAGE`, else DEFAULT_IMAGE."""
+    return environ.get(DEFAULT_IMAGE_ENV) or DEFAULT_IMAGE
 
 
 class _Model(BaseModel):
@@ -68,13 +118,16 @@ _MODEL_SOURCE_RULE = (
 
 
 class ModelSource(_Model):
+    """The model to serve: a diffusers-format folder on every node (hostPath) or on a
+    PersistentVolumeClaim, mounted read-only at /model."""
+
     model_config = ConfigDict(json_schema_extra=_rules(_MODEL_SOURCE_RULE))
 
     path: str | None = Field(
         None, min_length=1, description="hostPath of a diffusers-format folder, mounted read-only"
     )
     claim_name: str | None = Field(None, min_length=1, description="PersistentVolumeClaim holding the model")
-    sub_path: str = Field("", description="folder of the model inside the claim")
+    sub_path: str = Field("", description="folder of the model inside the claim (with claimName)")
     facts: ModelFactsOverride | None = Field(None, description="override the model facts node profiles report")
 
     @model_validator(mode="after")
@@ -91,21 +144,60 @@ class ModelSource(_Model):
 
 
 class SecretKeyRef(_Model):
-    name: str = Field(min_length=1)
-    key: str = Field("api-key", min_length=1)
+    """A key of a Secret in the resource's namespace."""
+
+    name: str = Field(min_length=1, description="name of the Secret")
+    key: str = Field("api-key", min_length=1, description="key in the Secret holding the API key")
+
+
+# A key set in engine.env would be written into the StatefulSet's pod template for anyone who reads it.
+_API_KEY_ENV_RULE = (
+    f"self.name != '{API_KEY_ENV}' && self.name != '{VLLM_API_KEY_ENV}'",
+    f"engine.env must not set {API_KEY_ENV} or {VLLM_API_KEY_ENV}: put the key in a Secret and name it in "
+    "engine.apiKeySecret",
+)
+
+
+# vLLM flags vllm-omni (0.30.0) refuses under --omni: the operator sets the ranks (--num-gpus).
+VLLM_OMNI_REFUSED_FLAGS = (
+    "--data-parallel-address", "--data-parallel-backend", "--data-parallel-rpc-port", "--data-parallel-size",
+    "--data-parallel-size-local", "--data-parallel-start-rank", "--enable-expert-parallel",
+)
 
 
 class EngineSpec(_Model):
-    kind: Literal["dlo", "vllm-omni"] = "dlo"
-    image: str = Field(DEFAULT_IMAGE, min_length=1)
-    device: Literal["auto", "cuda", "npu", "cpu"] = "auto"
-    args: list[str] = Field(default_factory=list, description="extra arguments for the engine")
-    env: list[dict[str, Any]] = Field(default_factory=list, description="extra core/v1 EnvVar items")
-    resources: dict[str, Any] = Field(
-        default_factory=dict,
-        description="core/v1 ResourceRequirements; the accelerator limit is added from devicesPerNode",
+    """The engine container: which server, its image, device, extra arguments and resources."""
+
+    kind: Literal["dlo", "vllm-omni"] = Field(
+        "dlo",
+        description="dlo: `dlo serve` (probes /ready and /health, metrics dlo_*); vllm-omni: upstream "
+        "`vllm serve --omni` (probes /health, metrics vllm:*, API key as VLLM_API_KEY)",
     )
-    api_key_secret: SecretKeyRef | None = Field(None, description="Secret key exposed as DLO_API_KEY")
+    image: str | None = Field(
+        None, min_length=1, description="engine image; default: the operator's default engine image"
+    )
+    device: Literal["auto", "cuda", "npu", "cpu"] = Field(
+        "auto", description="device the dlo engine runs on (auto: cuda, else npu, else cpu); cpu requests no accelerator"
+    )
+    args: list[str] = Field(default_factory=list, description="extra arguments appended to the engine's command")
+    env: _kubernetes(  # type: ignore[valid-type]
+        "EnvVar",
+        many=True,
+        description="extra environment variables of the engine container (core/v1 EnvVar); not the API key",
+        item_rules=(_API_KEY_ENV_RULE,),
+        max_items=256,
+        name_max_length=1024,
+    ) = Field(default_factory=list)
+    resources: _kubernetes(  # type: ignore[valid-type]
+        "ResourceRequirements",
+        description="compute resources of the engine container (core/v1 ResourceRequirements); the "
+        "accelerator limit is added from devicesPerNode",
+    ) = Field(default_factory=dict)
+    api_key_secret: SecretKeyRef | None = Field(
+        None,
+        description="Secret key given to the engine as its API key (DLO_API_KEY for dlo, VLLM_API_KEY for "
+        "vllm-omni); clients send Authorization: Bearer KEY",
+    )
     shm_size: str | None = Field(None, description="size of /dev/shm; default 1Gi per rank")
     pin_memory_lock: bool = Field(
         False, description="grant IPC_LOCK (only when pinning must mlock beyond the memlock limit)"
@@ -113,26 +205,45 @@ class EngineSpec(_Model):
 
     @model_validator(mode="after")
     def _api_key_only_from_a_secret(self) -> EngineSpec:
-        # The one rule only the operator checks (env items are free-form in the CRD): a key set
-        # here would be written into the StatefulSet's pod template for anyone who reads it.
-        if any(e.get("name") == API_KEY_ENV for e in self.env):
-            raise ValueError(
-                f"engine.env must not set {API_KEY_ENV}: put the key in a Secret and name it in engine.apiKeySecret"
-            )
+        if any(e.get("name") in (API_KEY_ENV, VLLM_API_KEY_ENV) for e in self.env):
+            raise ValueError(_API_KEY_ENV_RULE[1])
+        return self
+
+    @model_validator(mode="after")
+    def _no_args_vllm_omni_refuses(self) -> EngineSpec:
+        # Only the operator checks this (args are free strings in the CRD): the pods would exit at
+        # start with vllm-omni's own error, crash-looping.
+        if self.kind == "vllm-omni":
+            refused = sorted({a.split("=", 1)[0] for a in self.args} & set(VLLM_OMNI_REFUSED_FLAGS))
+            if refused:
+                raise ValueError(
+                    f"engine.args: vllm-omni refuses {', '.join(refused)} under --omni; the operator sets the "
+                    "ranks per node from devicesPerNode (--num-gpus)"
+                )
         return self
 
 
 class WarmerSpec(_Model):
-    enabled: bool = True
+    """An init container that runs `dlo warm /model` so the page cache is hot before the engine starts."""
+
+    enabled: bool = Field(True, description="run the warmer init container")
     threshold: float = Field(0.99, ge=0, le=1, description="page-cache residency to reach, 0..1")
-    image: str | None = Field(None, description="default: the engine image")
+    image: str | None = Field(None, description="warmer image; default: the engine image")
 
 
 class PlacementSpec(_Model):
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    affinity: dict[str, Any] = Field(default_factory=dict, description="core/v1 Affinity")
-    tolerations: list[dict[str, Any]] = Field(default_factory=list, description="core/v1 Toleration items")
-    priority_class_name: str | None = None
+    """Where the engine pods may run; merged into the pod (one pod per node is always added)."""
+
+    node_selector: dict[str, str] = Field(default_factory=dict, description="node labels the pods require")
+    affinity: _kubernetes(  # type: ignore[valid-type]
+        "Affinity",
+        description="scheduling affinity of the pods (core/v1 Affinity); a required pod anti-affinity on "
+        "kubernetes.io/hostname is always added",
+    ) = Field(default_factory=dict)
+    tolerations: _kubernetes(  # type: ignore[valid-type]
+        "Toleration", many=True, description="taints the pods tolerate (core/v1 Toleration)"
+    ) = Field(default_factory=list)
+    priority_class_name: str | None = Field(None, description="PriorityClass of the pods")
 
 
 _ROLLOUT_RULE = (
@@ -147,9 +258,16 @@ _PERCENT = r"^([1-9][0-9]?|100)%$"
 
 
 class RolloutSpec(_Model):
+    """How pods move to a new template (a new mode, image or spec). Never surges: accelerator
+    nodes have no spare capacity."""
+
     model_config = ConfigDict(json_schema_extra=_rules(_ROLLOUT_RULE))
 
-    type: Literal["Recreate", "RollingUpdate"] = "Recreate"
+    type: Literal["Recreate", "RollingUpdate"] = Field(
+        "Recreate",
+        description="Recreate: the operator deletes every pod on an old template at once (StatefulSet "
+        "OnDelete); RollingUpdate: the StatefulSet replaces maxUnavailable pods at a time",
+    )
     max_unavailable: int | str | None = Field(
         None,
         description="pods (or a percentage) down at once during a RollingUpdate; never surges",
@@ -168,23 +286,36 @@ class RolloutSpec(_Model):
 
 
 class ServiceSpec(_Model):
-    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    """The client Service in front of the engine pods."""
+
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field("ClusterIP", description="Service type")
     port: int = Field(8000, ge=1, le=65535, description="Service port; the engine listens on it too")
 
 
 class MonitoringSpec(_Model):
+    """A Prometheus Operator monitor for the engine's /metrics (dlo_* for dlo, vllm:* for vllm-omni)."""
+
     enabled: bool = Field(False, description="create a PodMonitor/ServiceMonitor (when its CRD exists)")
-    kind: Literal["PodMonitor", "ServiceMonitor"] = "PodMonitor"
+    kind: Literal["PodMonitor", "ServiceMonitor"] = Field(
+        "PodMonitor", description="PodMonitor (each pod) or ServiceMonitor (through the client Service)"
+    )
     labels: dict[str, str] = Field(default_factory=dict, description="labels your Prometheus selects")
-    interval: str = "15s"
+    interval: str = Field("15s", description="scrape interval")
 
 
 class DLODeploymentSpec(_Model):
+    """What to serve, on how many nodes, with which engine and offload mode."""
+
     model: ModelSource
     replicas: int = Field(1, ge=0, description="nodes: one engine pod per node")
     devices_per_node: int = Field(1, ge=1, description="data-parallel ranks per node (dp)")
-    accelerator_resource: str = Field("nvidia.com/gpu", min_length=1)
-    mode: ModeOrAuto = "auto"
+    accelerator_resource: str = Field(
+        "nvidia.com/gpu", min_length=1, description="extended resource of the accelerators, e.g. huawei.com/Ascend910"
+    )
+    mode: ModeOrAuto = Field(
+        "auto",
+        description="offload mode: auto (decided from the node profiles), allgather, rank-local or resident",
+    )
     engine: EngineSpec = Field(default_factory=EngineSpec)
     warmer: WarmerSpec = Field(default_factory=WarmerSpec)
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
@@ -196,34 +327,54 @@ class DLODeploymentSpec(_Model):
 class Condition(_Model):
     """metav1.Condition."""
 
-    type: str
-    status: Literal["True", "False", "Unknown"]
-    observed_generation: int | None = None
-    last_transition_time: str
-    reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
-    message: str = ""
+    type: str = Field(description="Ready, Progressing, CacheWarmed or Degraded")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown")
+    observed_generation: int | None = Field(None, description="metadata.generation the condition was set for")
+    last_transition_time: str = Field(description="when the status last changed (RFC 3339)")
+    reason: str = Field(
+        pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", description="why, in one CamelCase word"
+    )
+    message: str = Field("", description="why, for humans")
 
 
 class NodeStatus(_Model):
-    name: str
-    phase: str = "Unknown"
-    cached_ratio: float | None = Field(None, ge=0, le=1)
+    """One engine pod's node."""
+
+    name: str = Field(description="node name")
+    phase: str = Field("Unknown", description="phase of the engine pod on that node")
+    cached_ratio: float | None = Field(
+        None, ge=0, le=1, description="page-cache residency of the model on that node, from its profile"
+    )
 
 
 class DLODeploymentStatus(_Model):
+    """What the operator observed; written by the operator only."""
+
     model_config = ConfigDict(extra="ignore")
 
-    observed_generation: int | None = None
-    replicas: int = 0
-    ready_replicas: int = 0
-    updated_replicas: int = 0
-    selector: str = ""
-    mode: Mode | None = None
-    mode_reason: str = ""
+    observed_generation: int | None = Field(None, description="metadata.generation this status is for")
+    replicas: int = Field(0, description="engine pods (not terminating)")
+    ready_replicas: int = Field(0, description="engine pods that are Ready")
+    updated_replicas: int = Field(0, description="engine pods on the current pod template")
+    selector: str = Field("", description="label selector of the engine pods (scale subresource)")
+    url: str = Field("", description="URL of the client Service inside the cluster")
+    mode: Mode | None = Field(None, description="the offload mode the pods run")
+    mode_reason: str = Field("", description="why that mode (for auto: the deciding node and its estimates)")
     mode_inputs: str = Field("", description="digest of what the mode was decided from")
     cached_ratio: float | None = Field(None, ge=0, le=1, description="lowest page-cache residency over nodes")
-    nodes: list[NodeStatus] = Field(default_factory=list)
-    conditions: list[Condition] = Field(default_factory=list)
+    nodes: list[NodeStatus] = Field(default_factory=list, description="the nodes the engine pods run on")
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        description="Ready, Progressing, CacheWarmed and Degraded (metav1.Condition, one per type)",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+
+
+def with_default_image(spec: DLODeploymentSpec, image: str) -> DLODeploymentSpec:
+    """`spec` with `image` as its engine image when it names none."""
+    if spec.engine.image:
+        return spec
+    return spec.model_copy(update={"engine": spec.engine.model_copy(update={"image": image})})
 
 
 def parse_spec(spec: dict[str, Any]) -> DLODeploymentSpec:
@@ -234,8 +385,12 @@ def parse_spec(spec: dict[str, Any]) -> DLODeploymentSpec:
     except ValidationError as e:
         problems = []
         for err in e.errors():
-            where = ".".join(str(p) for p in err["loc"]) or "spec"
-            problems.append(f"spec.{where}: {err['msg']}")
+            where = ".".join(str(p) for p in err["loc"])
+            if err["type"] == "kubernetes_schema":  # a Kubernetes type's own fields: name each one
+                for below, what in err["ctx"]["problems"]:
+                    problems.append(f"spec.{'.'.join(p for p in (where, below) if p)}: {what}")
+                continue
+            problems.append(f"spec.{where or 'spec'}: {err['msg']}")
         raise SpecError("; ".join(problems)) from None
 
 
@@ -274,8 +429,8 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
             out[key] = value
     extra = node.get("additionalProperties")
     if out.get("type") == "object" and "properties" not in out:
-        if isinstance(extra, dict) and extra.get("type") == "string":
-            out["additionalProperties"] = {"type": "string"}
+        if isinstance(extra, dict) and (extra.get("type") or extra.get("x-kubernetes-int-or-string")):
+            out["additionalProperties"] = _structural(extra, defs)  # a map: string, or a Quantity
         else:
             out["x-kubernetes-preserve-unknown-fields"] = True
     if "default" in out and isinstance(out["default"], (dict, list)) and not out["default"]:
@@ -298,11 +453,30 @@ def build_crd() -> dict[str, Any]:
         if prop.get("type") == "object" and name not in spec_schema.get("required", []):
             prop["default"] = {}
     columns = [
-        {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
-        {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas"},
-        {"name": "Mode", "type": "string", "jsonPath": ".status.mode"},
-        {"name": "Cached", "type": "number", "jsonPath": ".status.cachedRatio"},
+        {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas", "description": "engine pods Ready"},
+        {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas", "description": "engine pods wanted"},
+        {
+            "name": "Up-to-date",
+            "type": "integer",
+            "jsonPath": ".status.updatedReplicas",
+            "description": "engine pods on the current template",
+        },
+        {"name": "Mode", "type": "string", "jsonPath": ".status.mode", "description": "offload mode"},
+        {"name": "Cached", "type": "number", "jsonPath": ".status.cachedRatio", "description": "page-cache residency"},
+        {
+            "name": "Status",
+            "type": "string",
+            "jsonPath": '.status.conditions[?(@.type=="Ready")].reason',
+            "description": "reason of the Ready condition",
+        },
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        {
+            "name": "URL",
+            "type": "string",
+            "jsonPath": ".status.url",
+            "priority": 1,  # -o wide
+            "description": "client Service URL inside the cluster",
+        },
     ]
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
@@ -331,9 +505,9 @@ def build_crd() -> dict[str, Any]:
                             "Offload: one engine pod per node.",
                             "required": ["spec"],
                             "properties": {
-                                "apiVersion": {"type": "string"},
-                                "kind": {"type": "string"},
-                                "metadata": {"type": "object"},
+                                "apiVersion": {"type": "string", "description": "dlo.dev/v1alpha1"},
+                                "kind": {"type": "string", "description": "DLODeployment"},
+                                "metadata": {"type": "object", "description": "standard object metadata"},
                                 "spec": spec_schema,
                                 "status": status_schema,
                             },

@@ -1,8 +1,9 @@
 """Status of a DLODeployment: metav1.Condition bookkeeping and the status computed from children.
 
-Owns: `set_condition` (lastTransitionTime moves only when a condition's status changes) and
+Owns: `set_condition` (lastTransitionTime moves only when a condition's status changes),
 `summarize`, a pure function from the StatefulSet, its pods and the node profiles to the status
-fields the operator patches.
+fields the operator patches, and `crash_looping`, which finds the engine pods' crash-looping
+containers in the pods' container statuses.
 Must never: talk to the API server.
 """
 
@@ -48,6 +49,33 @@ def set_condition(
 
 def condition(conditions: list[dict[str, Any]], type_: str) -> dict[str, Any] | None:
     return next((c for c in conditions if c.get("type") == type_), None)
+
+
+# A container that is not running and has restarted this often is crash-looping even before the
+# kubelet says CrashLoopBackOff (it says so only while it waits between restarts).
+CRASH_RESTARTS = 3
+
+
+def crash_looping(pods: list[dict[str, Any]]) -> list[str]:
+    """One line per crash-looping container of the engine pods (engine or warmer), e.g.
+    `pod wan-0 container engine: CrashLoopBackOff, 5 restarts, last exit 1 (Error)`; empty when
+    none. A container running again (or a pod replaced) is no longer reported: Degraded clears."""
+    out = []
+    for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
+        if pod.get("metadata", {}).get("deletionTimestamp"):
+            continue
+        st = pod.get("status", {}) or {}
+        for cs in (st.get("initContainerStatuses") or []) + (st.get("containerStatuses") or []):
+            state = cs.get("state") or {}
+            waiting = (state.get("waiting") or {}).get("reason", "")
+            restarts = int(cs.get("restartCount") or 0)
+            if waiting != "CrashLoopBackOff" and (restarts < CRASH_RESTARTS or "running" in state):
+                continue
+            last = (cs.get("lastState") or {}).get("terminated") or state.get("terminated") or {}
+            exit_info = f", last exit {last['exitCode']} ({last.get('reason', '')})" if "exitCode" in last else ""
+            what = waiting or "restarting"
+            out.append(f"pod {pod['metadata']['name']} container {cs.get('name')}: {what}, {restarts} restarts{exit_info}")
+    return out
 
 
 def _pod_ready(pod: dict[str, Any]) -> bool:

@@ -151,7 +151,8 @@ def test_engine_command_dlo_and_vllm_omni():
     ag = builders.engine_command(omni, "allgather")
     assert ag[:4] == ["vllm", "serve", "/model", "--omni"]
     assert "--enable-distributed-layerwise-offload" in ag and "--dlo-no-use-allgather" not in ag
-    assert ag[ag.index("--data-parallel-size") + 1] == "4"
+    assert ag[ag.index("--num-gpus") + 1] == "4"
+    assert "--data-parallel-size" not in ag  # vllm-omni refuses it under --omni
     assert "--dlo-no-use-allgather" in builders.engine_command(omni, "rank-local")
     assert "--enable-distributed-layerwise-offload" not in builders.engine_command(omni, "resident")
 
@@ -203,3 +204,40 @@ def test_template_hash_changes_with_the_mode_and_only_then():
     assert a["metadata"]["annotations"][h] == b["metadata"]["annotations"][h]
     assert a["metadata"]["annotations"][h] != c["metadata"]["annotations"][h]
     assert builders.template_hash(a) == a["metadata"]["annotations"][h]
+
+
+def test_vllm_omni_pods_probe_what_vllm_serves_and_get_the_key_as_vllm_reads_it():
+    spec = parse_spec({"model": {"path": "/m"}, "engine": {"kind": "vllm-omni", "apiKeySecret": {"name": "k"}}})
+    engine = builders.build_statefulset(OWNER, spec, "allgather")["spec"]["template"]["spec"]["containers"][0]
+    # vLLM serves /health and /v1/models (the latter behind the API key), no /ready
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert engine[probe]["httpGet"]["path"] == "/health", probe
+    keys = [e for e in engine["env"] if "API_KEY" in e["name"]]
+    assert keys == [{"name": "VLLM_API_KEY", "valueFrom": {"secretKeyRef": {"name": "k", "key": "api-key"}}}]
+    assert not any("key" in a for a in engine["command"])  # never on the command line
+
+
+@pytest.mark.parametrize("name", ["DLO_API_KEY", "VLLM_API_KEY"])
+def test_engine_env_may_not_set_either_api_key_variable(name):
+    from dlo.operator.models import SpecError
+
+    with pytest.raises(SpecError, match="must not set DLO_API_KEY or VLLM_API_KEY"):
+        parse_spec({"model": {"path": "/m"}, "engine": {"kind": "vllm-omni", "env": [{"name": name, "value": "x"}]}})
+
+
+def test_engine_image_default_is_filled_in_and_the_spec_wins():
+    from dlo.operator.models import DEFAULT_IMAGE, with_default_image
+
+    spec = parse_spec({"model": {"path": "/m"}})
+    pod = builders.pod_template(OWNER, spec, "allgather")["spec"]
+    assert pod["containers"][0]["image"] == DEFAULT_IMAGE == pod["initContainers"][0]["image"]
+    pod = builders.pod_template(OWNER, with_default_image(spec, "reg/dlo:9"), "allgather")["spec"]
+    assert pod["containers"][0]["image"] == "reg/dlo:9" == pod["initContainers"][0]["image"]
+    named = with_default_image(parse_spec({"model": {"path": "/m"}, "engine": {"image": "mine:1"}}), "reg/dlo:9")
+    assert builders.pod_template(OWNER, named, "allgather")["spec"]["containers"][0]["image"] == "mine:1"
+
+
+def test_service_url_names_the_client_service_and_port():
+    spec = parse_spec({"model": {"path": "/m"}, "service": {"port": 8080}})
+    client = builders.build_client_service(OWNER, spec)
+    assert builders.service_url(OWNER, spec) == f"http://{client['metadata']['name']}.serving.svc:8080"

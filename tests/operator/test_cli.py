@@ -81,11 +81,24 @@ def test_operator_never_imports_torch():
     assert out.stdout.strip() == "False", out.stderr
 
 
-async def test_operator_run_reconciles_from_a_kubeconfig_and_serves_liveness(tmp_path):
-    """`dlo operator run` as a real process: kubeconfig login, the handlers, the liveness endpoint."""
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        health_port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def samples(text: str) -> dict[tuple[str, tuple], float]:
+    """(sample name, sorted labels) -> value of a Prometheus text exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+async def test_operator_run_reconciles_from_a_kubeconfig_and_serves_liveness_and_metrics(tmp_path):
+    """`dlo operator run` as a real process: kubeconfig login, the handlers, the liveness endpoint,
+    its own metrics on --metrics-port, and the default engine image from DLO_DEFAULT_ENGINE_IMAGE."""
+    health_port, metrics_port = free_port(), free_port()
     async with running_cluster(with_operator=False) as cluster:
         kubeconfig = tmp_path / "kubeconfig"
         kubeconfig.write_text(yaml.safe_dump({
@@ -94,12 +107,12 @@ async def test_operator_run_reconciles_from_a_kubeconfig_and_serves_liveness(tmp
             "users": [{"name": "test", "user": {"token": "test"}}],
             "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "test"}}],
         }))
-        env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+        env = {**os.environ, "KUBECONFIG": str(kubeconfig), "DLO_DEFAULT_ENGINE_IMAGE": "registry.example/dlo:7"}
         log = (tmp_path / "operator.log").open("wb")
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "dlo.cli.main", "operator", "run", "--status-interval", "1",
             # Cluster-wide: kmock 0.8 cannot parse kopf's namespace listing (GET /api/v1/namespaces).
-            "--liveness", f"http://127.0.0.1:{health_port}/healthz",
+            "--liveness", f"http://127.0.0.1:{health_port}/healthz", "--metrics-port", str(metrics_port),
             cwd=ROOT, env=env, stdout=asyncio.subprocess.DEVNULL, stderr=log,
         )
         log.close()
@@ -111,6 +124,45 @@ async def test_operator_run_reconciles_from_a_kubeconfig_and_serves_liveness(tmp
             async with aiohttp.ClientSession() as session:
                 async with session.get(f"http://127.0.0.1:{health_port}/healthz") as resp:
                     assert resp.status == 200
+            sts = cluster.get("StatefulSet", "serving", "tiny")
+            assert sts["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.example/dlo:7"
+            status = cluster.get("DLODeployment", "serving", "tiny")["status"]
+            assert status["url"] == "http://tiny.serving.svc:8000"
+
+            async def scrape() -> dict:
+                async with aiohttp.ClientSession() as session:
+                    async with session.get(f"http://127.0.0.1:{metrics_port}/metrics") as resp:
+                        assert resp.status == 200
+                        return samples(await resp.text())
+
+            async def ready_counted() -> bool:
+                got = await scrape()
+                return got.get(("dlo_operator_dlodeployments", (("condition", "Ready"), ("status", "True")))) == 1
+
+            for _ in range(100):
+                if await ready_counted():
+                    break
+                await asyncio.sleep(0.2)
+            got = await scrape()
+            assert got[("dlo_operator_dlodeployments", (("condition", "Ready"), ("status", "True")))] == 1
+            assert got[("dlo_operator_dlodeployments", (("condition", "Degraded"), ("status", "False")))] == 1
+            assert got[("dlo_operator_reconciles_total", (("result", "success"),))] >= 1
+            assert got[("dlo_operator_reconciles_total", (("result", "api_error"),))] == 0
+            assert got[("dlo_operator_reconcile_duration_seconds_count", ())] >= 1
         finally:
             proc.terminate()
             assert await asyncio.wait_for(proc.wait(), timeout=30) is not None
+
+
+def test_render_refuses_typos_in_kubernetes_types_naming_the_field(tmp_path):
+    res = {"apiVersion": "dlo.dev/v1alpha1", "kind": "DLODeployment", "metadata": {"name": "wan"},
+           "spec": {"model": {"path": "/models/wan"},
+                    "engine": {"resources": {"limts": {"cpu": "1"}}, "env": [{"nmae": "A", "value": "b"}]},
+                    "placement": {"affinity": {"nodeAfinity": {}}}}}
+    path = tmp_path / "typos.yaml"
+    path.write_text(yaml.safe_dump(res))
+    proc = dlo("operator", "render", str(path))
+    assert proc.returncode == 2 and proc.stdout == ""
+    for field in ("spec.engine.resources.limts", "spec.engine.env.0.nmae", "spec.placement.affinity.nodeAfinity"):
+        assert f"{field}: unknown field" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr

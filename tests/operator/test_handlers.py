@@ -169,3 +169,38 @@ async def test_rolling_update_leaves_replacement_to_the_statefulset_and_switches
         await cluster.patch_dlod(NS, "wan", {"spec": {"rollout": {"type": "Recreate", "maxUnavailable": None}}})
         await cluster.wait(lambda: cluster.get("StatefulSet", NS, "wan")["spec"]["updateStrategy"] == {"type": "OnDelete"},
                            what="OnDelete without a stale rollingUpdate")
+
+
+async def test_crash_looping_engine_pod_sets_degraded_until_it_recovers():
+    async with running_cluster() as cluster:
+        await add_gpu_nodes(cluster)
+        await cluster.create(dlodeployment("wan", NS, SPEC))
+        await cluster.wait(lambda: (condition(cluster, "Ready") or {}).get("status") == "True", what="Ready")
+        crashing = {"status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "False"}],
+                               "containerStatuses": [{"name": "engine", "ready": False, "restartCount": 4,
+                                                      "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                                                      "lastState": {"terminated": {"exitCode": 1, "reason": "Error"}}}]}}
+        await cluster.call(cluster.kube.patch, "v1", "Pod", NS, "wan-1", crashing)
+        await cluster.wait(lambda: (condition(cluster, "Degraded") or {}).get("status") == "True", what="Degraded")
+        degraded = condition(cluster, "Degraded")
+        assert degraded["reason"] == "EngineCrashLooping"
+        assert degraded["message"] == "pod wan-1 container engine: CrashLoopBackOff, 4 restarts, last exit 1 (Error)"
+        assert condition(cluster, "Ready")["status"] == "False"
+        await cluster.wait(lambda: cluster.events("EngineCrashLooping"), what="a Warning Event")
+        recovered = {"status": {"conditions": [{"type": "Ready", "status": "True"}],
+                                "containerStatuses": [{"name": "engine", "ready": True, "restartCount": 4,
+                                                       "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}}]}}
+        await cluster.call(cluster.kube.patch, "v1", "Pod", NS, "wan-1", recovered)
+        await cluster.wait(lambda: (condition(cluster, "Degraded") or {}).get("status") == "False", what="cleared")
+        assert condition(cluster, "Degraded")["reason"] == "SpecValid"
+        await cluster.wait(lambda: (condition(cluster, "Ready") or {}).get("status") == "True", what="Ready again")
+        assert len(cluster.events("EngineCrashLooping")) == 1
+
+
+async def test_status_url_names_the_client_service():
+    async with running_cluster() as cluster:
+        await add_gpu_nodes(cluster)
+        await cluster.create(dlodeployment("wan", NS, {**SPEC, "service": {"port": 8080}}))
+        await cluster.wait(lambda: status_of(cluster).get("url"), what="url")
+        assert status_of(cluster)["url"] == f"http://wan.{NS}.svc:8080"
+        assert cluster.get("Service", NS, "wan")["spec"]["ports"][0]["port"] == 8080

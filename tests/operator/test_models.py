@@ -1,9 +1,11 @@
 """operator/models.py: the spec and status models, and the CRD generated from them."""
 
 import json
+import re
 from pathlib import Path
 
 import jsonschema
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -47,8 +49,50 @@ def test_crd_names_and_printer_columns():
     spec = build_crd()["spec"]
     assert spec["group"] == "dlo.dev" and spec["scope"] == "Namespaced"
     assert spec["names"]["plural"] == "dlodeployments" and spec["names"]["shortNames"] == ["dlod"]
-    cols = [c["name"] for c in spec["versions"][0]["additionalPrinterColumns"]]
-    assert cols == ["Ready", "Desired", "Mode", "Cached", "Age"]
+    columns = {c["name"]: c for c in spec["versions"][0]["additionalPrinterColumns"]}
+    assert list(columns) == ["Ready", "Desired", "Up-to-date", "Mode", "Cached", "Status", "Age", "URL"]
+    assert columns["Up-to-date"]["jsonPath"] == ".status.updatedReplicas"
+    assert columns["Status"]["jsonPath"] == '.status.conditions[?(@.type=="Ready")].reason'
+    assert columns["URL"]["jsonPath"] == ".status.url" and columns["URL"]["priority"] == 1  # -o wide
+    status = crd_schema()["properties"]["status"]["properties"]
+    for column in columns.values():  # every column reads a field the schema declares
+        path = column["jsonPath"].split("[")[0].strip(".").split(".")
+        if path[0] == "status":
+            assert path[1] in status, column
+
+
+def test_every_property_of_the_crd_has_a_description():
+    """`kubectl explain dlod.spec` (and every field below it, status too) explains."""
+    missing = []
+    for path, node in walk(crd_schema()):
+        for name, prop in node.get("properties", {}).items() if isinstance(node.get("properties"), dict) else ():
+            if not prop.get("description", "").strip():
+                missing.append(f"{path}/properties/{name}")
+    assert missing == []
+    props = crd_schema()["properties"]
+    assert len(list(walk(props["spec"]))) > 100  # the Kubernetes types are inlined, with their descriptions
+
+
+def test_conditions_are_a_list_map_keyed_by_type():
+    conditions = crd_schema()["properties"]["status"]["properties"]["conditions"]
+    assert conditions["x-kubernetes-list-type"] == "map"
+    assert conditions["x-kubernetes-list-map-keys"] == ["type"]
+    assert "type" in conditions["items"]["required"]  # a list-map key must be required
+    assert crd_schema()["properties"]["status"]["properties"]["url"]["type"] == "string"
+
+
+def test_crd_is_strictly_valid_kubernetes():
+    kubernetes_validate.validate(build_crd(), "1.37.0", strict=True)
+
+
+def schema_nodes(node, path=""):
+    """Every schema node (not the maps of property names, rule lists or enums)."""
+    yield path, node
+    for key, child in node.get("properties", {}).items():
+        yield from schema_nodes(child, f"{path}.{key}")
+    for key in ("items", "additionalProperties"):
+        if isinstance(node.get(key), dict):
+            yield from schema_nodes(node[key], f"{path}[{key}]")
 
 
 def test_crd_schema_is_structural():
@@ -58,6 +102,26 @@ def test_crd_schema_is_structural():
         if "properties" in node:
             assert node.get("type") == "object", path
             assert "additionalProperties" not in node, path
+    scalar = {"string", "integer", "number", "boolean"}
+    for path, node in schema_nodes(crd_schema()):
+        # a type on every node, except int-or-string (which must have none) and preserved objects
+        if node.get("x-kubernetes-int-or-string"):
+            assert "type" not in node, path
+        else:
+            assert node.get("type") in scalar | {"object", "array"}, path
+        assert node.get("format") in (None, "int32", "int64", "double", "float", "byte", "date-time"), path
+        if node.get("type") == "array":
+            assert "items" in node, path
+        list_type = node.get("x-kubernetes-list-type")
+        if list_type == "map":  # keys: required (or defaulted) scalar fields of the items
+            items = node["items"]
+            for key in node["x-kubernetes-list-map-keys"]:
+                assert key in items.get("required", []) or "default" in items["properties"][key], (path, key)
+                assert items["properties"][key]["type"] in scalar, (path, key)
+        elif list_type == "set":
+            assert node["items"].get("type") in scalar, path
+        else:
+            assert "x-kubernetes-list-map-keys" not in node, path
 
 
 def test_crd_carries_the_cel_rules_the_models_check():
@@ -151,3 +215,103 @@ def test_mode_enums_and_the_facts_override_use_the_shared_vocabulary():
     assert spec.model.facts.facts() == ModelFacts(bytes=10, largest_block_bytes=2, blocks=1)
     with_blocks = ModelFactsOverride(bytes=10, largest_block_bytes=2, blocks=7)
     assert with_blocks.facts() == ModelFacts(bytes=10, largest_block_bytes=2, blocks=7)
+
+
+# ---- the Kubernetes types inside the spec ------------------------------------------------------
+
+TYPOS = {
+    "limts": ({"engine": {"resources": {"limts": {"cpu": "1"}}}}, "spec.engine.resources.limts"),
+    "nmae": ({"engine": {"env": [{"nmae": "A", "value": "b"}]}}, "spec.engine.env.0.nmae"),
+    "nodeAfinity": ({"placement": {"affinity": {"nodeAfinity": {}}}}, "spec.placement.affinity.nodeAfinity"),
+    "tolerationSecond": (
+        {"placement": {"tolerations": [{"key": "k", "operator": "Exists", "tolerationSecond": 5}]}},
+        "spec.placement.tolerations.0.tolerationSecond",
+    ),
+    "deep": (
+        {"placement": {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpression": []}]}}}}},
+        "spec.placement.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms.0"
+        ".matchExpression",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", TYPOS)
+def test_typos_in_kubernetes_types_are_refused_by_the_models_naming_the_field(case):
+    spec, field = TYPOS[case]
+    with pytest.raises(SpecError) as refused:
+        parse_spec({"model": {"path": "/m"}, **spec})
+    assert f"{field}: unknown field" in str(refused.value)
+
+
+@pytest.mark.parametrize("case", TYPOS)
+def test_typos_in_kubernetes_types_are_refused_by_the_crd_schema_naming_the_field(case):
+    from test_models_fuzz import schema_errors  # the CRD schema as the API server applies it
+
+    spec, field = TYPOS[case]
+    errors = schema_errors({"model": {"path": "/m"}, **spec})
+    unknown = field.rsplit(".", 1)[-1]
+    assert any(unknown in e and "Additional properties" in e for e in errors), errors
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ({"engine": {"resources": {"limits": {"memory": "8 GB"}}}}, "spec.engine.resources.limits.memory: '8 GB' is not a quantity"),
+        ({"engine": {"resources": {"limits": {"cpu": True}}}}, "spec.engine.resources.limits.cpu: must be an integer or a string"),
+        ({"engine": {"env": [{"value": "x"}]}}, "spec.engine.env.0: required field 'name' is missing"),
+        ({"engine": {"env": {"A": "b"}}}, "spec.engine.env: must be a list"),
+        ({"placement": {"tolerations": [{"tolerationSeconds": "5"}]}}, "spec.placement.tolerations.0.tolerationSeconds: must be an integer"),
+        ({"placement": {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {}}}}},
+         "required field 'nodeSelectorTerms' is missing"),
+        ({"engine": {"env": [{"name": f"V{i}"} for i in range(257)]}}, "spec.engine.env: more than 256 items"),
+        ({"engine": {"env": [{"name": "V" * 1025}]}}, "spec.engine.env.0.name: longer than 1024 characters"),
+    ],
+    ids=["quantity", "bool-quantity", "env-no-name", "env-map", "string-seconds", "no-terms", "env-count",
+         "env-name-length"],
+)
+def test_kubernetes_types_are_checked_for_types_quantities_and_required_fields(spec, message):
+    with pytest.raises(SpecError, match=re.escape(message)):
+        parse_spec({"model": {"path": "/m"}, **spec})
+
+
+def test_valid_kubernetes_types_pass_unchanged():
+    raw = {
+        "model": {"path": "/m"},
+        "engine": {
+            "env": [{"name": "A", "value": "b"}, {"name": "N", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
+            "resources": {"requests": {"cpu": "500m", "memory": "64Gi"}, "limits": {"memory": 68719476736}},
+        },
+        "placement": {
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule", "tolerationSeconds": 30}],
+            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]}}},
+        },
+    }
+    spec = parse_spec(json.loads(json.dumps(raw)))
+    assert spec.engine.env == raw["engine"]["env"] and spec.engine.resources == raw["engine"]["resources"]
+    assert spec.placement.affinity == raw["placement"]["affinity"]
+    from test_models_fuzz import schema_errors
+
+    assert schema_errors(raw) == []
+
+
+def test_kubernetes_schemas_are_extracted_from_the_upstream_definitions():
+    """operator/k8s_schemas.json is what `python -m dlo.operator.k8s_schemas` makes from the
+    Kubernetes OpenAPI definitions (bundled with kubernetes-validate): not stale, not hand-edited."""
+    from dlo.operator import k8s_schemas
+
+    assert json.loads(k8s_schemas.SCHEMA_FILE.read_text()) == k8s_schemas.extract()
+
+
+def test_engine_image_defaults_to_the_operators_default():
+    from dlo.operator.models import DEFAULT_IMAGE, default_engine_image, with_default_image
+
+    spec = parse_spec({"model": {"path": "/m"}})
+    assert spec.engine.image is None
+    assert "default" not in crd_schema()["properties"]["spec"]["properties"]["engine"]["properties"]["image"]
+    assert default_engine_image({}) == DEFAULT_IMAGE
+    assert default_engine_image({"DLO_DEFAULT_ENGINE_IMAGE": "reg/dlo:2"}) == "reg/dlo:2"
+    assert with_default_image(spec, "reg/dlo:2").engine.image == "reg/dlo:2"
+    named = parse_spec({"model": {"path": "/m"}, "engine": {"image": "mine:1"}})
+    assert with_default_image(named, "reg/dlo:2").engine.image == "mine:1"  # the spec wins

@@ -9,8 +9,10 @@ under strict field validation (kubectl's default): unknown fields are errors, an
 mutations that break one are checked to pass the schema, to carry the rule in the CRD, and to be
 refused by pydantic with the rule's own message.
 
-One rule is the operator's alone: `engine.env` may not set `DLO_API_KEY` (env items are
-free-form in the CRD); tests/reliability/test_privilege.py covers it.
+The rule that `engine.env` may not set `DLO_API_KEY` or `VLLM_API_KEY` is a CEL rule on the env
+items; test_crd_cel.py and tests/reliability/test_privilege.py cover it. The Kubernetes types inside the spec (`engine.env`,
+`engine.resources`, `placement.affinity`, `placement.tolerations`) carry their upstream schemas, so
+the mutations reach into them too.
 
 Invalid specs are made by mutating a random valid spec at a random place of the schema, with a
 violation chosen from what the schema says there (type, enum, minimum/maximum, minLength,
@@ -67,6 +69,7 @@ def cel_rules(path: tuple[str, ...]) -> list[dict]:
 names = st.from_regex(r"[a-z][a-z0-9-]{0,20}", fullmatch=True)
 paths = st.from_regex(r"/[a-z0-9._/-]{1,30}", fullmatch=True)
 text = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=20)
+quantities = st.one_of(st.integers(0, 1 << 40), st.from_regex(r"[1-9][0-9]{0,3}(m|Mi|Gi|k|)", fullmatch=True))
 
 
 @st.composite
@@ -91,6 +94,9 @@ def valid_specs(draw: st.DrawFn) -> dict:
             "device": st.sampled_from(["auto", "cuda", "npu", "cpu"]),
             "args": st.lists(text, max_size=3),
             "env": st.lists(st.fixed_dictionaries({"name": names, "value": text}), max_size=2),
+            "resources": st.fixed_dictionaries({}, optional={
+                "requests": st.dictionaries(st.sampled_from(["cpu", "memory"]), quantities, max_size=2),
+                "limits": st.dictionaries(st.sampled_from(["cpu", "memory", "nvidia.com/gpu"]), quantities, max_size=2)}),
             "apiKeySecret": st.fixed_dictionaries({"name": names}, optional={"key": names}),
             "shmSize": st.sampled_from(["1Gi", "64Gi"]),
             "pinMemoryLock": st.booleans(),
@@ -98,7 +104,17 @@ def valid_specs(draw: st.DrawFn) -> dict:
         "warmer": st.fixed_dictionaries({}, optional={
             "enabled": st.booleans(), "threshold": st.floats(0, 1), "image": names}),
         "placement": st.fixed_dictionaries({}, optional={
-            "nodeSelector": st.dictionaries(names, names, max_size=2), "priorityClassName": names}),
+            "nodeSelector": st.dictionaries(names, names, max_size=2), "priorityClassName": names,
+            "tolerations": st.lists(st.fixed_dictionaries({"key": names}, optional={
+                "operator": st.sampled_from(["Exists", "Equal"]), "value": names,
+                "effect": st.sampled_from(["NoSchedule", "NoExecute"]), "tolerationSeconds": st.integers(0, 600)}),
+                max_size=2),
+            "affinity": st.fixed_dictionaries({}, optional={"nodeAffinity": st.fixed_dictionaries({}, optional={
+                "preferredDuringSchedulingIgnoredDuringExecution": st.lists(st.fixed_dictionaries({
+                    "weight": st.integers(1, 100),
+                    "preference": st.fixed_dictionaries({"matchExpressions": st.lists(st.fixed_dictionaries({
+                        "key": names, "operator": st.sampled_from(["In", "NotIn", "Exists"]),
+                        "values": st.lists(names, max_size=2)}), max_size=2)})}), max_size=2)})})}),
         "rollout": st.one_of(
             st.fixed_dictionaries({}, optional={"type": st.just("Recreate")}),
             st.fixed_dictionaries({"type": st.just("RollingUpdate")}, optional={"maxUnavailable": st.one_of(

@@ -61,3 +61,42 @@ def test_cache_verdicts():
 def test_scaled_to_zero_is_ready():
     s = summarize([], desired=0)
     assert s["verdicts"]["Ready"][:2] == ("True", "ScaledToZero") and s["verdicts"]["Progressing"][0] == "False"
+
+
+def pod_with(name: str, *statuses: dict, init: tuple[dict, ...] = (), deleting: bool = False) -> dict:
+    meta = {"name": name, **({"deletionTimestamp": "2026-01-01T00:00:00Z"} if deleting else {})}
+    return {"metadata": meta, "status": {"containerStatuses": list(statuses), "initContainerStatuses": list(init)}}
+
+
+CRASHING = {"name": "engine", "restartCount": 5, "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+            "lastState": {"terminated": {"exitCode": 1, "reason": "Error"}}}
+RUNNING = {"name": "engine", "restartCount": 5, "ready": True, "state": {"running": {}}}
+
+
+def test_crash_looping_names_pod_container_restarts_and_last_exit():
+    from dlo.operator.status import crash_looping
+
+    assert crash_looping([pod_with("wan-1", RUNNING), pod_with("wan-0", CRASHING)]) == [
+        "pod wan-0 container engine: CrashLoopBackOff, 5 restarts, last exit 1 (Error)"
+    ]
+
+
+def test_repeated_restarts_count_before_the_kubelet_says_crash_loop_and_a_running_container_does_not():
+    from dlo.operator.status import CRASH_RESTARTS, crash_looping
+
+    terminated = {"name": "engine", "restartCount": CRASH_RESTARTS,
+                  "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}
+    assert crash_looping([pod_with("wan-0", terminated)]) == [
+        f"pod wan-0 container engine: restarting, {CRASH_RESTARTS} restarts, last exit 137 (OOMKilled)"
+    ]
+    few = {**terminated, "restartCount": CRASH_RESTARTS - 1}
+    assert crash_looping([pod_with("wan-0", few)]) == []
+    assert crash_looping([pod_with("wan-0", RUNNING)]) == []  # restarted in the past, running now
+    assert crash_looping([pod_with("wan-0", CRASHING, deleting=True)]) == []  # on its way out
+
+
+def test_a_crash_looping_warmer_counts_too():
+    from dlo.operator.status import crash_looping
+
+    warm = {**CRASHING, "name": "warm"}
+    assert crash_looping([pod_with("wan-0", init=(warm,))])[0].startswith("pod wan-0 container warm: CrashLoopBackOff")

@@ -8,7 +8,8 @@ operator's builders' output.
 - RBAC: the rendered ClusterRoles equal the minimal sets below; every API call the operator makes
   through a whole lifecycle on the API emulator is allowed by its role, and every permission is
   either used in that lifecycle or one of the few documented exceptions.
-- The API key: a Secret reference (`DLO_API_KEY` via `secretKeyRef`) and never its value, neither
+- The API key: a Secret reference (`DLO_API_KEY`, or `VLLM_API_KEY` for vllm-omni, via
+  `secretKeyRef`) and never its value, neither
   in rendered manifests nor in anything the operator writes; the operator never reads Secrets.
 """
 
@@ -250,8 +251,10 @@ def test_builders_reference_the_api_key_secret_and_never_carry_a_value(case):
     objs = builders.build_all(OWNER, spec, "allgather", monitor_crd_exists=True)
     (sts,) = [o for o in objs if o["kind"] == "StatefulSet"]
     (engine,) = sts["spec"]["template"]["spec"]["containers"]
-    keyed = [e for e in engine["env"] if e["name"] == "DLO_API_KEY"]
-    assert keyed == [{"name": "DLO_API_KEY", "valueFrom": {"secretKeyRef": {"name": "wan-api", "key": "token"}}}]
+    # vLLM reads its key from VLLM_API_KEY; dlo serve from DLO_API_KEY
+    name = "VLLM_API_KEY" if spec.engine.kind == "vllm-omni" else "DLO_API_KEY"
+    keyed = [e for e in engine["env"] if e["name"].endswith("API_KEY")]
+    assert keyed == [{"name": name, "valueFrom": {"secretKeyRef": {"name": "wan-api", "key": "token"}}}]
     assert not any("api-key" in a or "api_key" in a for a in engine["command"] + engine.get("args", []))
     assert not any(o["kind"] == "Secret" for o in objs)
 

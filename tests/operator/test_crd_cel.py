@@ -1,0 +1,183 @@
+"""The CRD's CEL rules (`x-kubernetes-validations`), evaluated with a CEL implementation (celpy,
+from cel-python) the way the API server runs them: on the object after the schema's defaults are
+applied, with `self` bound to the object at the rule's place. The API emulator in the other tests
+does not evaluate CEL; here every rule of the generated CRD runs against valid and invalid objects,
+and agrees with the operator's pydantic models on random specs."""
+
+from __future__ import annotations
+
+import copy
+import re
+import json
+from typing import Any
+
+import celpy
+import pytest
+from hypothesis import given
+from test_models_fuzz import EXAMPLES, cel_breaking_specs, schema_errors, valid_specs
+
+from dlo.operator.models import SpecError, build_crd, parse_spec
+
+SPEC_SCHEMA = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+ENV = celpy.Environment()
+
+
+def rules(node: dict, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], dict]]:
+    """Every CEL rule of the schema, with the path of the object it validates."""
+    out = [(path, r) for r in node.get("x-kubernetes-validations", [])]
+    for key, child in node.get("properties", {}).items():
+        out += rules(child, path + (key,))
+    if "items" in node:
+        out += rules(node["items"], path + ("[]",))
+    return out
+
+
+RULES = rules(SPEC_SCHEMA)
+PROGRAMS = {r["rule"]: ENV.program(ENV.compile(r["rule"])) for _, r in RULES}
+
+
+def defaulted(value: Any, node: dict) -> Any:
+    """`value` with the schema's defaults filled in, as the API server does before validating."""
+    if isinstance(value, dict) and "properties" in node:
+        value = dict(value)
+        for key, child in node["properties"].items():
+            if key not in value and "default" in child:
+                value[key] = copy.deepcopy(child["default"])
+            if key in value:
+                value[key] = defaulted(value[key], child)
+    return value
+
+
+def evaluate(rule: str, self_value: Any) -> bool:
+    result = PROGRAMS[rule].evaluate({"self": celpy.json_to_cel(self_value)})
+    if isinstance(result, celpy.CELEvalError):
+        raise AssertionError(f"{rule!r} fails to evaluate on {self_value}: {result}")
+    return bool(result)
+
+
+def at(node: dict, path: tuple[str, ...]) -> dict:
+    for part in path:
+        node = node["items"] if part == "[]" else node["properties"][part]
+    return node
+
+
+def values_at(value: Any, path: tuple[str, ...]) -> list[Any]:
+    """The values a rule at `path` sees in `value` (one per list item below a `[]`)."""
+    if not path:
+        return [value]
+    head, rest = path[0], path[1:]
+    if head == "[]":
+        return [v for item in (value if isinstance(value, list) else []) for v in values_at(item, rest)]
+    if isinstance(value, dict) and head in value:
+        return values_at(value[head], rest)
+    return []
+
+
+def placed(path: tuple[str, ...], value: Any) -> dict:
+    """A spec holding `value` at `path` (a list of one item for `[]`)."""
+    spec: dict[str, Any] = {"model": {"path": "/m"}}
+    for part in reversed(path):
+        value = [value] if part == "[]" else {part: value}
+    spec.update(value)
+    return spec
+
+
+# (rule place, object there, the rule holds): at least one valid and one invalid object per rule.
+CASES: dict[str, list[tuple[dict, bool]]] = {
+    "has(self.path) != has(self.claimName)": [
+        ({"path": "/models/wan"}, True),
+        ({"claimName": "models", "subPath": "wan"}, True),
+        ({"path": "/models/wan", "claimName": "models"}, False),
+        ({"subPath": "wan"}, False),
+        ({}, False),
+    ],
+    "!has(self.maxUnavailable) || self.type == 'RollingUpdate'": [
+        ({}, True),
+        ({"type": "RollingUpdate"}, True),
+        ({"type": "RollingUpdate", "maxUnavailable": 2}, True),
+        ({"type": "RollingUpdate", "maxUnavailable": "25%"}, True),
+        ({"type": "Recreate", "maxUnavailable": 1}, False),
+        ({"maxUnavailable": 1}, False),  # type defaults to Recreate first
+    ],
+    "self.name != 'DLO_API_KEY' && self.name != 'VLLM_API_KEY'": [
+        ({"name": "HF_HOME", "value": "/tmp/hf"}, True),
+        ({"name": "DLO_API_KEY_FILE", "value": "/k"}, True),
+        ({"name": "DLO_API_KEY", "value": "sk-123"}, False),
+        ({"name": "VLLM_API_KEY", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}, False),
+    ],
+}
+
+
+def test_every_rule_of_the_crd_has_valid_and_invalid_cases():
+    in_crd = {r["rule"] for _, r in RULES}
+    assert in_crd == set(CASES), "a CEL rule without cases here (or cases for a rule gone from the CRD)"
+    for rule, cases in CASES.items():
+        assert {ok for _, ok in cases} == {True, False}, rule
+    for _, r in RULES:
+        assert r["message"], r  # the API server answers with it
+
+
+@pytest.mark.parametrize("path, rule", [(p, r) for p, r in RULES], ids=[r["rule"] for _, r in RULES])
+def test_each_rule_holds_exactly_on_its_valid_objects(path, rule):
+    node = at(SPEC_SCHEMA, path)
+    for value, ok in CASES[rule["rule"]]:
+        assert evaluate(rule["rule"], defaulted(value, node)) is ok, (rule["rule"], value)
+
+
+@pytest.mark.parametrize("path, rule", [(p, r) for p, r in RULES], ids=[r["rule"] for _, r in RULES])
+def test_the_models_refuse_exactly_what_the_rule_refuses_with_its_message(path, rule):
+    for value, ok in CASES[rule["rule"]]:
+        spec = placed(path, value)
+        if ok:
+            parse_spec(json.loads(json.dumps(spec)))
+        else:
+            with pytest.raises(SpecError, match=re.escape(rule["message"])):
+                parse_spec(json.loads(json.dumps(spec)))
+
+
+def cel_verdict(spec: dict) -> list[str]:
+    """The messages of the rules a spec breaks, as the API server would evaluate them."""
+    full = defaulted(spec, SPEC_SCHEMA)
+    broken = []
+    for path, rule in RULES:
+        if not all(evaluate(rule["rule"], value) for value in values_at(full, path)):
+            broken.append(rule["message"])
+    return broken
+
+
+@EXAMPLES
+@given(valid_specs())
+def test_random_valid_specs_pass_every_rule(spec):
+    assert cel_verdict(spec) == []
+
+
+@EXAMPLES
+@given(cel_breaking_specs())
+def test_random_rule_breaking_specs_fail_the_rule_the_models_name(case):
+    spec, _path = case
+    assert schema_errors(spec) == []
+    broken = cel_verdict(spec)
+    assert broken
+    with pytest.raises(SpecError) as refused:
+        parse_spec(json.loads(json.dumps(spec)))
+    assert all(message in str(refused.value) for message in broken)
+
+
+def test_rules_on_list_items_read_only_bounded_lists_and_strings():
+    """The API server refuses a CRD whose rules' estimated cost is too high, and estimates an
+    unbounded list or string at a whole request's size: rules under a list read bounded values."""
+    import re as _re
+
+    for path, rule in RULES:
+        if "[]" not in path:
+            continue
+        node = SPEC_SCHEMA
+        for part in path:
+            if part == "[]":
+                assert node.get("maxItems"), (path, rule["rule"])
+                node = node["items"]
+            else:
+                node = node["properties"][part]
+        for field in set(_re.findall(r"self\.(\w+)", rule["rule"])):
+            prop = node["properties"][field]
+            assert prop.get("type") != "string" or prop.get("maxLength"), (path, field)
