@@ -89,7 +89,7 @@ def _gather_rank(rank: int, world: int, port: int, device: str, nbytes: int, ite
 def measure_allgather(device: str, world: int, nbytes: int, iters: int) -> int:
     import torch.multiprocessing as mp
 
-    from dlo.engine.ranks import free_port
+    from dlo.engine.ports import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -109,8 +109,7 @@ def measure_allgather(device: str, world: int, nbytes: int, iters: int) -> int:
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    from dlo.engine.platform import device_count
-    from dlo.engine.serve_cli import resolve_device
+    from dlo.engine.platform import device_count, resolve_device
 
     device = resolve_device(args.device)
     world = args.ranks or (device_count(device) if device != "cpu" else 2)

@@ -11,9 +11,9 @@ import sys
 
 # command -> module exposing `add_arguments(parser)` and `main(args) -> int`
 _MODULES = {
-    "make-tiny-model": "dlo.engine.tiny",
-    "serve": "dlo.engine.serve_cli",
-    "demo": "dlo.engine.demo",
+    "make-tiny-model": "dlo.engine.families.tiny",
+    "serve": "dlo.engine.serving.cli",
+    "demo": "dlo.engine.serving.demo",
     "calibrate": "dlo.engine.calibrate",
 }
 

@@ -128,7 +128,7 @@ def test_validate_missing_unexpected_shape_dtype(good):
 
 def test_load_refuses_wrong_shape_and_dtype_naming_key(tmp_path):
     from dlo.engine import load
-    from dlo.engine.tiny import make_tiny_transformer
+    from dlo.engine.families.tiny import make_tiny_transformer
 
     path = make_tiny_transformer(tmp_path / "t", "wan", layers=2)
     f = path / "diffusion_pytorch_model.safetensors"

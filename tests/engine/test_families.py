@@ -35,7 +35,7 @@ def test_unknown_class_names_known_ones():
 
 
 def test_describe_reads_facts_without_torch(tmp_path):
-    from dlo.engine.tiny import make_tiny_transformer
+    from dlo.engine.families.tiny import make_tiny_transformer
 
     make_tiny_transformer(tmp_path / "transformer", "wan", layers=3)
     (tmp_path / "model_index.json").write_text("{}")

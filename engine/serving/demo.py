@@ -14,13 +14,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from dlo.engine.facts import MODES
+
 log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("demo-output"), help="folder for the model, PNGs and log")
     parser.add_argument("--dp", type=int, default=2, help="CPU ranks (one request each)")
-    parser.add_argument("--mode", default="allgather", choices=("allgather", "rank-local", "resident"))
+    parser.add_argument("--mode", default="allgather", choices=MODES)
     parser.add_argument("--steps", type=int, default=4, help="denoising steps per request")
     parser.add_argument("--size", default="128x128", help="image size WIDTHxHEIGHT (multiple of 16)")
 
@@ -33,9 +35,8 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from openai import OpenAI
 
-    from dlo.engine.launch import ServerProcess
-    from dlo.engine.tiny import make_tiny_transformer
-    from dlo.engine.tiny_pipeline import write_pipeline_components
+    from dlo.engine.serving.launch import ServerProcess
+    from dlo.engine.families.tiny import make_tiny_transformer, write_pipeline_components
 
     out: Path = args.out.resolve()
     model = out / "tiny-wan"
