@@ -4,6 +4,9 @@ The fragment is JSON with the `NodeProfile` fields `h2d_bandwidth_bps` (one devi
 rate) and `collective_bandwidth_bps` (AllGather bus bandwidth over --ranks local ranks, the
 nccl/hccl/gloo backend the engine uses); the agent marks bandwidths from it as measured. On a
 CPU-only host the copy is host-to-host and the collective runs over gloo.
+
+Owns: the `dlo calibrate` subcommand and its two measurements.
+Must never: import the serving side (`dlo.engine.serving`), or report a bandwidth it did not measure.
 """
 
 from __future__ import annotations

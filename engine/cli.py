@@ -1,6 +1,9 @@
 """Subcommands owned by the engine: `serve`, `make-tiny-model`, `demo`, `calibrate`.
 
 Each subcommand's implementation module is imported only when that subcommand runs.
+
+Owns: the map from subcommand to module (`add_arguments(parser)`, `main(args)`).
+Must never: import torch or a subcommand's module before that subcommand runs.
 """
 
 from __future__ import annotations

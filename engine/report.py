@@ -11,12 +11,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from dlo.engine.facts import Mode
+
 
 @dataclass(frozen=True)
 class LoadReport:
     """How `dlo.engine.load` placed the weights (CONTRACTS.md section 3)."""
 
-    mode: str
+    mode: Mode
     weights_source: str  # "registered" | "arena" | "resident"
     blocks: int  # offloaded blocks
     largest_block_bytes: int

@@ -3,6 +3,8 @@
 Makes a tiny random Wan pipeline, starts `dlo serve` with 2 ranks, sends 2 concurrent image
 requests with the official openai SDK (they run as one wave), writes the PNGs to the output folder,
 prints a short report (wave size, per-rank pinned bytes, mode, latency) and stops the server.
+
+Owns: `dlo demo` (what `make demo` runs). Must never: download anything or leave the server running.
 """
 
 from __future__ import annotations

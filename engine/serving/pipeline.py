@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from dlo.engine.facts import Mode
 from dlo.engine.families import pipeline_facts
 from dlo.engine.serving.control import RankStats
 from dlo.engine.serving.encode import encode
@@ -42,7 +43,7 @@ class ServingPipeline:
     rank's progress signal for the wave watchdog.
     """
 
-    def __init__(self, model_dir: Path | str, *, mode: str, device: Any, group: Any = None,
+    def __init__(self, model_dir: Path | str, *, mode: Mode, device: Any, group: Any = None,
                  max_sequence_length: int = 512, resident_blocks: int | str = 0, weights: str = "auto"):
         import diffusers
         import torch
