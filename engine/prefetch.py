@@ -246,6 +246,8 @@ class SlotPrefetcher:
             self.stats.gather_wait_seconds += time.perf_counter() - t0
 
     def before_block(self, i: int) -> None:
+        """Wait for block i's slot, bind it, gather the next block ([Note: collective order]: loud
+        `PrefetchOrderError` when i is not the block expected)."""
         if self.broken is not None:
             raise PrefetchOrderError(self.broken)
         if i != self._expected:
@@ -312,7 +314,8 @@ class SlotPrefetcher:
         self.platform.record(self.free[self._running], self.compute_stream)
 
     def gather_only(self) -> None:
-        """Walk one forward's gathers without compute (idle rank in a partial wave)."""
+        """Walk one forward's gathers without compute (idle rank in a partial wave; the same
+        sequence as a forward, see [Note: collective order])."""
         for i in range(len(self.blocks)):
             self.before_block(i)
             self.after_block()

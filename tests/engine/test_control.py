@@ -11,19 +11,7 @@ import pytest
 
 from dlo.engine.report import LoadReport
 from dlo.engine.serving import control
-from dlo.engine.serving.control import (
-    Hello,
-    RankConfig,
-    RankFacts,
-    RankFailure,
-    RankStats,
-    Ready,
-    Result,
-    StepProgress,
-    Stop,
-    WaveAssignment,
-    summary,
-)
+from dlo.engine.serving.control import RankConfig, RankStats, summary
 from dlo.engine.serving.errors import EngineFailed, EngineUnavailable, QueueFull, ServiceError, ShuttingDown
 from dlo.engine.serving.waves import Generation
 
@@ -31,15 +19,15 @@ GEN = Generation(kind="image", prompt="a lighthouse", seed=1, width=64, height=6
 REPORT = LoadReport(mode="allgather", weights_source="arena", blocks=3, largest_block_bytes=10, host_pinned_bytes=20,
                     slot_bytes=40, resident_bytes=5, load_seconds=0.1, shard_group_size=2, rank=1)
 MESSAGES = [
-    Hello(1, 1234),
-    Ready(RankFacts(REPORT, {"vae": 7}), RankStats(gathers=1)),
-    StepProgress(2),
-    Result(3, RankStats(gathers=9, h2d_bytes=4), (b"png",), "image/png", (0.1, 0.2), 0.3),
-    Result(3, RankStats()),
-    RankFailure("rank 1 failed"),
-    WaveAssignment(3, GEN, None),
-    WaveAssignment(3, GEN, GEN),
-    Stop(),
+    control.Hello(1, 1234),
+    control.Ready(control.RankFacts(REPORT, {"vae": 7}), RankStats(gathers=1)),
+    control.StepProgress(2),
+    control.Result(3, RankStats(gathers=9, h2d_bytes=4), (b"png",), "image/png", (0.1, 0.2), 0.3),
+    control.Result(3, RankStats()),
+    control.RankFailure("rank 1 failed"),
+    control.WaveAssignment(3, GEN, None),
+    control.WaveAssignment(3, GEN, GEN),
+    control.Stop(),
 ]
 
 
