@@ -105,8 +105,8 @@ def load(
     this rank's shards), or `auto` (registered where the platform allows it, else the arena; the
     report says which and the log says why). `resident_blocks` blocks stay on the device, spread
     evenly through the execution order (`spread_resident`); "auto" keeps as many as free device
-    memory allows after `AUTO_RESIDENT_RESERVE_BYTES` for activations (0 on cpu). `time_waits` times the compute stream's waits for weights with event pairs.
-    `transfer_graphs` (default: on for cuda) replays each block's transfer as one CUDA graph.
+    memory allows after `AUTO_RESIDENT_RESERVE_BYTES` for activations (0 on cpu). `time_waits`
+    times the compute stream's waits for weights with event pairs. `transfer_graphs` (default: on for cuda) replays each block's transfer as one CUDA graph.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
@@ -115,38 +115,18 @@ def load(
     t0 = time.perf_counter()
     device = torch.device(device)
     platform = get_platform(device)
+    # 1. parse (once per process) and build on meta, validating the checkpoint against the model
     ckpt = cached_checkpoint(component_dir)
     meta = build_meta_model(component_dir, ckpt)
     module = meta.module
-    if mode == "resident":
-        n_resident = len(meta.blocks)
-    elif resident_blocks == "auto":
-        n_resident = _auto_resident_blocks(ckpt, meta, platform, device)
-        if mode == "allgather" and dist.is_initialized() and dist.get_world_size(group) > 1:
-            # Every rank of a shard group must stream the same blocks (same collectives): the
-            # rank with the least free memory decides.
-            agreed = torch.tensor([n_resident], dtype=torch.int64, device=device)
-            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
-            n_resident = int(agreed.item())
-    else:
-        n_resident = min(resident_blocks, len(meta.blocks))
+    # 2. which blocks stay on the device; put them and the non-block weights there
+    n_resident = _resident_count(mode, resident_blocks, ckpt, meta, platform, device, group)
     keep = spread_resident(len(meta.blocks), n_resident)
-    resident_names = list(meta.nonblock) + [k for i in sorted(keep) for k in meta.blocks[i].keys]
-    resident_bytes = 0
-    for name in resident_names:
-        value = ckpt.view(name).to(device=device, dtype=torch_dtype(meta.target_dtype[name]), copy=True)
-        set_tensor(module, name, value)
-        resident_bytes += value.numel() * value.element_size()
-    resident_bytes += move_free_buffers(module, device, set(meta.target_dtype))
-
+    resident_bytes = _place_resident(ckpt, meta, keep, device)
+    # 3. the other blocks stream: host weights, the slot prefetcher, its hooks
     offloaded = [b for i, b in enumerate(meta.blocks) if i not in keep]
     layouts = [block_layout(ckpt, b, meta.target_dtype) for b in offloaded]
-    if mode == "allgather":
-        if not dist.is_initialized():
-            raise RuntimeError("mode 'allgather' needs torch.distributed initialised (world size 1 is fine)")
-        g, r = dist.get_world_size(group), dist.get_rank(group)
-    else:
-        g, r = 1, 0
+    g, r = _shard_group(mode, group)
     prefetcher = None
     host = None
     hooks = HookSet()
@@ -163,6 +143,7 @@ def load(
         )
         attach_prefetcher(prefetcher, hooks)
         slot_bytes = 2 * prefetcher.slot_bytes
+    # 4. nothing left on meta; report
     assert_nothing_on_meta(module, {k for b in offloaded for k in b.keys})
     report = LoadReport(
         mode=mode,
@@ -183,6 +164,42 @@ def load(
     log.info("dlo loaded %s", " ".join(f"{k}={v}" for k, v in report.to_dict().items()))
     return OffloadedModel(module, report, prefetcher, host, ckpt, platform, device, hooks)
 
+
+def _resident_count(mode: Mode, resident_blocks: int | Literal["auto"], ckpt: Checkpoint, meta: MetaModel,
+                    platform: Platform, device: torch.device, group: Any) -> int:
+    """How many blocks stay on the device (all of them in `resident` mode)."""
+    if mode == "resident":
+        return len(meta.blocks)
+    if resident_blocks != "auto":
+        return min(resident_blocks, len(meta.blocks))
+    n = _auto_resident_blocks(ckpt, meta, platform, device)
+    if mode == "allgather" and dist.is_initialized() and dist.get_world_size(group) > 1:
+        # Every rank of a shard group must stream the same blocks (same collectives): the rank with
+        # the least free memory decides.
+        agreed = torch.tensor([n], dtype=torch.int64, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+        n = int(agreed.item())
+    return n
+
+
+def _place_resident(ckpt: Checkpoint, meta: MetaModel, keep: set[int], device: torch.device) -> int:
+    """Copy the non-block weights and the kept blocks to the device; returns their bytes."""
+    names = list(meta.nonblock) + [k for i in sorted(keep) for k in meta.blocks[i].keys]
+    placed = 0
+    for name in names:
+        value = ckpt.view(name).to(device=device, dtype=torch_dtype(meta.target_dtype[name]), copy=True)
+        set_tensor(meta.module, name, value)
+        placed += value.numel() * value.element_size()
+    return placed + move_free_buffers(meta.module, device, set(meta.target_dtype))
+
+
+def _shard_group(mode: Mode, group: Any) -> tuple[int, int]:
+    """(g, r): ranks sharing the weights and this rank's index among them (1, 0 unless allgather)."""
+    if mode != "allgather":
+        return 1, 0
+    if not dist.is_initialized():
+        raise RuntimeError("mode 'allgather' needs torch.distributed initialised (world size 1 is fine)")
+    return dist.get_world_size(group), dist.get_rank(group)
 
 
 def spread_resident(n_blocks: int, k: int) -> set[int]:
