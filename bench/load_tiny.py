@@ -29,7 +29,7 @@ from pathlib import Path
 import psutil
 import requests
 
-from dlo.engine.launch import ServerProcess
+from dlo.engine.serving.launch import ServerProcess
 
 MIB = 1024 * 1024
 ENDPOINT = "/v1/images/generations"
@@ -81,8 +81,7 @@ def one(session: requests.Session, url: str, i: int, timeout: float) -> dict:
 def run(args: argparse.Namespace) -> dict:
     model = args.model
     if model is None:
-        from dlo.engine.tiny import make_tiny_transformer
-        from dlo.engine.tiny_pipeline import write_pipeline_components
+        from dlo.engine.families.tiny import make_tiny_transformer, write_pipeline_components
 
         model = Path(tempfile.mkdtemp(prefix="dlo-load-")) / "tiny-wan"
         make_tiny_transformer(model / "transformer", "wan", dtype="float32")

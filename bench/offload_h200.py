@@ -74,7 +74,7 @@ def _build(system: str, ckpt: str, device: str, resident_blocks: int):
         if system.endswith("_eager"):
             kw["transfer_graphs"] = False
         m = load(ckpt, mode=mode, device=device, **kw)
-        return m, m.pipeline
+        return m, m.prefetcher
     import diffusers
 
     model = diffusers.WanTransformer3DModel.from_pretrained(ckpt, torch_dtype=torch.bfloat16)

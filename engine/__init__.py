@@ -1,8 +1,15 @@
 """dlo.engine: the Distributed Layerwise Offload engine.
 
 Importing this package must not import torch (the agent and operator import the torch-free
-`dlo.engine.checkpoint` and `dlo.engine.families`). `load` and the types it returns are resolved
-lazily from `dlo.engine.offload`.
+`dlo.engine.checkpoint` and `dlo.engine.families`). `load` and `OffloadedModel` are resolved lazily from
+`dlo.engine.offload`; `LoadReport` and `GatherStats` from the torch-free `dlo.engine.report`.
+
+Map: the offload core sits here (checkpoint, layout, dtypes, facts, model, weights, arena,
+prefetch, hooks, platform, report, offload = `load`); one adapter per model family in
+`families/`; the server in `serving/` (see docs/engine.md).
+
+Owns: the public API names (`load`, `OffloadedModel`, `LoadReport`, `GatherStats`).
+Must never: import torch at package import.
 """
 
 from __future__ import annotations
@@ -10,12 +17,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from dlo.engine.offload import LoadReport, OffloadedModel, load
+    from dlo.engine.offload import OffloadedModel, load
+    from dlo.engine.report import GatherStats, LoadReport
 
-__all__ = ["load", "OffloadedModel", "LoadReport"]
+__all__ = ["load", "OffloadedModel", "LoadReport", "GatherStats"]
 
 
 def __getattr__(name: str) -> Any:
+    if name in ("LoadReport", "GatherStats"):
+        from dlo.engine import report
+
+        return getattr(report, name)
     if name in __all__:
         from dlo.engine import offload
 

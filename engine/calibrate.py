@@ -4,6 +4,9 @@ The fragment is JSON with the `NodeProfile` fields `h2d_bandwidth_bps` (one devi
 rate) and `collective_bandwidth_bps` (AllGather bus bandwidth over --ranks local ranks, the
 nccl/hccl/gloo backend the engine uses); the agent marks bandwidths from it as measured. On a
 CPU-only host the copy is host-to-host and the collective runs over gloo.
+
+Owns: the `dlo calibrate` subcommand and its two measurements.
+Must never: import the serving side (`dlo.engine.serving`), or report a bandwidth it did not measure.
 """
 
 from __future__ import annotations
@@ -89,7 +92,7 @@ def _gather_rank(rank: int, world: int, port: int, device: str, nbytes: int, ite
 def measure_allgather(device: str, world: int, nbytes: int, iters: int) -> int:
     import torch.multiprocessing as mp
 
-    from dlo.engine.ranks import free_port
+    from dlo.engine.ports import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -109,8 +112,7 @@ def measure_allgather(device: str, world: int, nbytes: int, iters: int) -> int:
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    from dlo.engine.platform import device_count
-    from dlo.engine.serve_cli import resolve_device
+    from dlo.engine.platform import device_count, resolve_device
 
     device = resolve_device(args.device)
     world = args.ranks or (device_count(device) if device != "cpu" else 2)

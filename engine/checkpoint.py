@@ -2,7 +2,9 @@
 
 Owns: reading a safetensors directory (one file, several files, or `*.index.json` shards), checking
 every byte of metadata we rely on, and handing out read-only tensor views over ONE shared `mmap` per
-file (the OS page cache: N ranks on a node cost one copy of the model).
+file (the OS page cache: N ranks on a node cost one copy of the model); the one JSON config reader
+(`read_json_config`) and the per-process parse cache (`cached_checkpoint`: a folder's headers are
+parsed once per process, again only when its files change).
 Must never: import torch at module import (the agent and operator use this module), copy tensor
 data, or let a malformed file through as anything but `CheckpointError` naming the file and key.
 """
@@ -132,6 +134,51 @@ def _check_no_overlap(path: Path, tensors: Iterable[TensorInfo]) -> None:
         if prev is not None and t.start < prev.end:
             raise _fail(path, f"data overlaps tensor {prev.name!r}", t.name)
         prev = t
+
+
+def read_json_config(path: Path | str) -> dict[str, Any]:
+    """The one reader of a model folder's JSON configs (config.json, model_index.json): a JSON
+    object, or `CheckpointError` naming the file."""
+    path = Path(path)
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(path, f"unreadable model config: {e}") from e
+    if not isinstance(config, dict):
+        raise CheckpointError(path, "a model config must be a JSON object")
+    return config
+
+
+_CACHE: dict[tuple[str, tuple], "Checkpoint"] = {}
+_CACHE_MAX = 8
+
+
+def _signature(root: Path) -> tuple:
+    """What identifies a checkpoint's files on disk: names, sizes, modification times, inodes."""
+    paths = [root] if root.is_file() else sorted(
+        p for p in root.glob("*") if p.name.endswith(".safetensors") or p.name.endswith(INDEX_SUFFIX)
+    ) if root.is_dir() else []
+    out = []
+    for p in paths:
+        st = p.stat()
+        out.append((p.name, st.st_size, st.st_mtime_ns, st.st_ino))
+    return tuple(out)
+
+
+def cached_checkpoint(root: Path | str) -> "Checkpoint":
+    """`Checkpoint(root)`, parsed once per process while the folder's files stay the same (the
+    validation before start-up, the policy's model facts and `dlo.engine.load` share one parse)."""
+    path = Path(root).resolve()
+    key = (str(path), _signature(path))
+    ckpt = _CACHE.get(key)
+    if ckpt is None:
+        ckpt = Checkpoint(path)
+        for old in [k for k in _CACHE if k[0] == key[0]]:
+            del _CACHE[old]  # the files changed: the old parse is stale
+        while len(_CACHE) >= _CACHE_MAX:
+            del _CACHE[next(iter(_CACHE))]
+        _CACHE[key] = ckpt
+    return ckpt
 
 
 class Checkpoint:

@@ -1,6 +1,9 @@
 """Subcommands owned by the engine: `serve`, `make-tiny-model`, `demo`, `calibrate`.
 
 Each subcommand's implementation module is imported only when that subcommand runs.
+
+Owns: the map from subcommand to module (`add_arguments(parser)`, `main(args)`).
+Must never: import torch or a subcommand's module before that subcommand runs.
 """
 
 from __future__ import annotations
@@ -11,9 +14,9 @@ import sys
 
 # command -> module exposing `add_arguments(parser)` and `main(args) -> int`
 _MODULES = {
-    "make-tiny-model": "dlo.engine.tiny",
-    "serve": "dlo.engine.serve_cli",
-    "demo": "dlo.engine.demo",
+    "make-tiny-model": "dlo.engine.families.tiny",
+    "serve": "dlo.engine.serving.cli",
+    "demo": "dlo.engine.serving.demo",
     "calibrate": "dlo.engine.calibrate",
 }
 

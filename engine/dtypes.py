@@ -1,4 +1,8 @@
-"""safetensors dtype names <-> torch dtypes (torch imported at call time only)."""
+"""safetensors dtype names <-> torch dtypes (torch imported at call time only).
+
+Owns: the one map between safetensors dtype names and torch dtypes.
+Must never: import torch at module import (the torch-free checkpoint code shares these names).
+"""
 
 from __future__ import annotations
 

@@ -4,6 +4,9 @@ Per block, every tensor sits at a 256-byte aligned offset of one flat byte buffe
 allowed). A shard group of g ranks cuts that buffer into g equal shards of S bytes,
 S = ceil(nbytes / g) rounded up to 256; rank r owns bytes [r*S, (r+1)*S). The device slot holds
 g*S bytes; the tail past `nbytes` is zero padding.
+
+Owns: `BlockLayout` (offsets of a block's tensors) and the shard arithmetic.
+Must never: import torch or do I/O (the agent and operator reach it through `families`).
 """
 
 from __future__ import annotations

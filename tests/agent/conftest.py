@@ -105,8 +105,8 @@ RANK_FACTS = {
 
 @pytest.fixture
 def engine_url() -> Iterator[str]:
-    """A real HTTP endpoint serving the engine's own exposition (dlo.engine.metrics) for 3 ranks."""
-    from dlo.engine.metrics import EngineMetrics
+    """A real HTTP endpoint serving the engine's own exposition (dlo.engine.serving.metrics) for 3 ranks."""
+    from dlo.engine.serving.metrics import EngineMetrics
 
     body = EngineMetrics(dp=3, rank_facts=lambda: RANK_FACTS).exposition()
 

@@ -11,8 +11,7 @@ import pytest
 
 def tiny_pipeline(tmp_path_factory: pytest.TempPathFactory, family: str = "wan", dtype: str = "float32") -> Path:
     """A tiny random diffusers pipeline folder, written once per test session."""
-    from dlo.engine.tiny import make_tiny_transformer
-    from dlo.engine.tiny_pipeline import write_pipeline_components
+    from dlo.engine.families.tiny import make_tiny_transformer, write_pipeline_components
 
     root = tmp_path_factory.getbasetemp() / f"tiny-{family}-{dtype}"
     if not (root / "model_index.json").exists():

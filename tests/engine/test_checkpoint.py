@@ -128,7 +128,7 @@ def test_validate_missing_unexpected_shape_dtype(good):
 
 def test_load_refuses_wrong_shape_and_dtype_naming_key(tmp_path):
     from dlo.engine import load
-    from dlo.engine.tiny import make_tiny_transformer
+    from dlo.engine.families.tiny import make_tiny_transformer
 
     path = make_tiny_transformer(tmp_path / "t", "wan", layers=2)
     f = path / "diffusion_pytorch_model.safetensors"
@@ -203,3 +203,31 @@ def test_two_processes_share_one_page_cache_copy(tmp_path):
         # each of two mappers is charged about half of the file, and no private copy appears
         assert 0.4 * size < pss_file < 0.6 * size, (pss_file, size)
         assert anon < 16 * 1024 * 1024, anon
+
+
+def test_a_folder_is_parsed_once_per_process_until_its_files_change(tmp_path, monkeypatch):
+    import dlo.engine.checkpoint as checkpoint
+    from dlo.engine.families import describe
+    from dlo.engine.families.tiny import make_tiny_transformer
+
+    path = make_tiny_transformer(tmp_path / "t", "wan", layers=2)
+    parsed = []
+    real = checkpoint.read_header
+    monkeypatch.setattr(checkpoint, "read_header", lambda p: parsed.append(p) or real(p))
+    first = checkpoint.cached_checkpoint(path)
+    describe(path)
+    assert checkpoint.cached_checkpoint(str(path)) is first and len(parsed) == 1
+    f = next(path.glob("*.safetensors"))
+    f.write_bytes(f.read_bytes())  # same bytes, a new modification: parsed again
+    os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 1_000_000))
+    assert checkpoint.cached_checkpoint(path) is not first and len(parsed) == 2
+
+
+def test_one_config_reader_names_the_file(tmp_path):
+    from dlo.engine.checkpoint import CheckpointError, read_json_config
+
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match="config.json"):
+        read_json_config(tmp_path / "config.json")
+    with pytest.raises(CheckpointError, match="unreadable"):
+        read_json_config(tmp_path / "missing.json")

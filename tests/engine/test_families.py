@@ -35,7 +35,7 @@ def test_unknown_class_names_known_ones():
 
 
 def test_describe_reads_facts_without_torch(tmp_path):
-    from dlo.engine.tiny import make_tiny_transformer
+    from dlo.engine.families.tiny import make_tiny_transformer
 
     make_tiny_transformer(tmp_path / "transformer", "wan", layers=3)
     (tmp_path / "model_index.json").write_text("{}")
@@ -43,3 +43,23 @@ def test_describe_reads_facts_without_torch(tmp_path):
     assert facts.family == "wan" and facts.blocks == 3
     assert 0 < facts.largest_block_bytes * 3 + facts.nonblock_bytes
     assert facts.bytes >= facts.nonblock_bytes + 3 * (facts.largest_block_bytes - 256 * 40)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_every_family_adapter_implements_the_whole_interface(name):
+    from dlo.engine.families.base import Family
+
+    fam = FAMILIES[name]
+    assert fam.name == name and fam.class_names and fam.block_lists and fam.pipeline_class
+    for method in ("pipeline_facts", "call_kwargs", "decode", "tiny_transformer_config", "write_tiny_components"):
+        assert getattr(type(fam), method) is not getattr(Family, method), f"{name} lacks {method}"
+    assert family_of(fam.class_names[0]) is fam
+
+
+def test_serving_pipeline_has_no_family_branch():
+    from pathlib import Path
+
+    import dlo.engine.serving.pipeline as pipeline
+
+    text = Path(pipeline.__file__).read_text()
+    assert not any(f'"{name}"' in text for name in FAMILIES)

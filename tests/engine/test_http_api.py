@@ -12,7 +12,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from dlo.engine.launch import ServerProcess
+from dlo.engine.serving.launch import ServerProcess
 from tests.engine.serving_helpers import tiny_pipeline
 
 pytestmark = pytest.mark.slow

@@ -16,7 +16,7 @@ import pytest
 
 from dlo.agent.memory import parse_kb_table
 
-from dlo.engine.tiny import make_tiny_transformer
+from dlo.engine.families.tiny import make_tiny_transformer
 from tests.engine.dist_utils import run_ranks
 
 FRAMEWORK_SLACK = 48 * 1024 * 1024

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dlo.engine.tiny import make_tiny_transformer
+from dlo.engine.families.tiny import make_tiny_transformer
 from tests.engine.dist_utils import run_ranks
 from tests.engine.inputs import forward
 
@@ -111,15 +111,15 @@ def test_single_process_modes_and_report(models):
         load(path, mode="sideways", device="cpu")  # type: ignore[arg-type]
 
 
-def test_out_of_order_block_breaks_pipeline_loudly(models):
+def test_out_of_order_block_breaks_prefetcher_loudly(models):
     from dlo.engine import load
-    from dlo.engine.offload import PipelineError
+    from dlo.engine.prefetch import PrefetchOrderError
 
     m = load(models[("wan", "bf16")], mode="rank-local", device="cpu")
     block1 = m.module.blocks[1]
-    with pytest.raises(PipelineError, match="block 1 ran but block 0 was expected"):
+    with pytest.raises(PrefetchOrderError, match="block 1 ran but block 0 was expected"):
         block1(torch.zeros(1))
-    with pytest.raises(PipelineError):  # and stays broken: the engine must restart
+    with pytest.raises(PrefetchOrderError):  # and stays broken: the engine must restart
         forward(m.module, "wan", 0, torch.bfloat16)
 
 

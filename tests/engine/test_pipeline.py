@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from dlo.engine.pipeline import PipelineFacts
-from dlo.engine.waves import Generation
+from dlo.engine.families import PipelineFacts
+from dlo.engine.serving.waves import Generation
 from tests.engine.serving_helpers import sha, tiny_pipeline
 
 GEN = Generation(kind="image", prompt="a cat", seed=3, width=32, height=32, steps=2, guidance_scale=5.0)
@@ -24,7 +24,7 @@ def flux(tmp_path_factory):
 
 
 def _serving(model_dir):
-    from dlo.engine.pipeline import ServingPipeline
+    from dlo.engine.serving.pipeline import ServingPipeline
 
     return ServingPipeline(model_dir, mode="resident", device="cpu", max_sequence_length=16)
 

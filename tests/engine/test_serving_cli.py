@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dlo.engine.serve_cli import read_api_key, resolve_mode
+from dlo.engine.serving.cli import read_api_key, resolve_mode
 from tests.engine.serving_helpers import tiny_pipeline
 
 

@@ -3,7 +3,7 @@ back without ever synchronising, in order, and a full ring skips timing instead 
 
 Streams exist only on accelerators, so an accelerator clock stands in for the device here: every
 wait the compute stream does advances it by WAIT seconds, and events complete once the clock's
-"device" has reached them. The pipeline code under test is the real one.
+"device" has reached them. The prefetcher code under test is the real one.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from dlo.engine.offload import WAIT_RING, BlockPipeline
+from dlo.engine.prefetch import WAIT_RING, SlotPrefetcher
 from dlo.engine.platform import Platform
-from dlo.engine.tiny import make_tiny_transformer
+from dlo.engine.families.tiny import make_tiny_transformer
 
 WAIT = 0.001
 
@@ -54,14 +54,14 @@ def pipeline(tmp_path):
     from dlo.engine import load
 
     m = load(make_tiny_transformer(tmp_path / "t", "wan", layers=3), mode="rank-local", device="cpu")
-    src = m.pipeline
+    src = m.prefetcher
     clock = ClockPlatform()
-    pipe = BlockPipeline(m.module, src.blocks, src.copies, platform=clock, device=src.slots[0].device,
+    pipe = SlotPrefetcher(m.module, src.blocks, src.copies, platform=clock, device=src.slots[0].device,
                          group=None, g=1, r=0, collective=False, time_waits=True)
     return pipe, clock
 
 
-def run_blocks(pipe: BlockPipeline, n: int) -> None:
+def run_blocks(pipe: SlotPrefetcher, n: int) -> None:
     for step in range(n):
         pipe.before_block(step % len(pipe.blocks))
         pipe.after_block()

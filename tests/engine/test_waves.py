@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlo.engine.waves import Generation, Pending, QueueFull, WaveQueue, next_wave
+from dlo.engine.serving.waves import Generation, Pending, QueueFull, WaveQueue, next_wave
 
 BASE = Generation(kind="image", prompt="a cat", seed=1, width=64, height=64, steps=2, guidance_scale=5.0)
 

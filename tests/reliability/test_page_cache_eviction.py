@@ -24,7 +24,7 @@ import pytest
 import requests
 
 from dlo.agent.residency import folder_residency, model_files
-from dlo.engine.launch import ServerProcess
+from dlo.engine.serving.launch import ServerProcess
 from tests.engine.serving_helpers import sha, tiny_pipeline
 from tests.reliability.figures import record
 

@@ -16,9 +16,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from dlo.engine.limits import Limits
-from dlo.engine.pipeline import PipelineFacts
-from dlo.engine.waves import Generation
+from dlo.engine.serving.limits import Limits
+from dlo.engine.families import PipelineFacts
+from dlo.engine.serving.waves import Generation
 
 MAX_SEED = 2**63 - 1
 _SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")

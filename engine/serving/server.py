@@ -6,7 +6,9 @@ official SDK sends it), `GET /v1/videos/{id}`, `GET /v1/videos/{id}/content`, `G
 400 invalid fields (FastAPI's 422 included), 401 wrong key, 404 unknown model or video, 413 body
 over `Limits.max_body_bytes` (refused before any of it is parsed), 429 queue full, 503 not ready or
 after a rank failure.
-Must never: answer a client's malformed input with a 5xx, hold more than the body limit of any one
+Owns: HTTP only: routes, authentication, body limits, OpenAI error bodies, and the one mapping of
+the service's domain errors (`dlo.engine.serving.errors`) to status codes (`status_of`).
+Must never: hold serving logic (queueing, waves, jobs: `service.py`), answer a client's malformed input with a 5xx, hold more than the body limit of any one
 request in memory, or compare API keys in variable time.
 """
 
@@ -28,7 +30,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from dlo.engine.api_models import (
+from dlo.engine.serving.api_models import (
     ApiError,
     ImageGenerationRequest,
     ImagesResponse,
@@ -38,7 +40,8 @@ from dlo.engine.api_models import (
     image_generation,
     video_generation,
 )
-from dlo.engine.service import Engine, VideoJob
+from dlo.engine.serving.errors import EngineUnavailable, QueueFull, ServiceError
+from dlo.engine.serving.service import Engine, VideoJob
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,20 @@ def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
 
 def _error(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
+
+
+def status_of(e: ServiceError) -> int:
+    """The HTTP status of a domain error: 429 for a full queue (retry later), 503 when the engine
+    cannot serve (loading, stopping, failed), 500 for anything the service did not expect."""
+    if isinstance(e, QueueFull):
+        return 429
+    if isinstance(e, EngineUnavailable):
+        return 503
+    return 500
+
+
+def api_error(e: ServiceError) -> ApiError:
+    return ApiError(status_of(e), e.message, code=e.code)
 
 
 class BodyLimit:
@@ -167,6 +184,10 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
     async def _api_error(_request: Request, e: ApiError) -> JSONResponse:
         return _error(e)
 
+    @app.exception_handler(ServiceError)
+    async def _service_error(_request: Request, e: ServiceError) -> JSONResponse:
+        return _error(api_error(e))
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, e: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(list(e.errors()))
@@ -188,7 +209,7 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
         res = await engine.submit(gen)
         return ImagesResponse(
             created=int(time.time()),
-            data=[{"b64_json": base64.b64encode(png).decode()} for png in res["outputs"]],  # type: ignore[misc]
+            data=[{"b64_json": base64.b64encode(png).decode()} for png in res.outputs or ()],  # type: ignore[misc]
         )
 
     @app.post(

@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from dlo.engine.ranks import free_port
+from dlo.engine.ports import free_port
 
 
 class ServerProcess:

@@ -11,7 +11,7 @@ Rules (the published system's weaknesses we do not repeat):
   gathers (`gather_only`);
 - the oldest request's key forms the next wave (no starvation); the wave starts when it holds dp
   requests or when the oldest has waited the batching window.
-Must never: import torch, or run anything on the ranks (that is `dlo.engine.ranks`).
+Must never: import torch, or run anything on the ranks (that is `dlo.engine.serving.ranks`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from dlo.engine.serving.errors import QueueFull
 
 
 @dataclass(frozen=True)
@@ -59,13 +61,6 @@ class Generation:
             sort_keys=True, separators=(",", ":"),
         )
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Generation":
-        return cls(**d)
-
 
 @dataclass
 class Pending:
@@ -98,10 +93,6 @@ def next_wave(queue: list[Pending], dp: int, now: float, window_s: float) -> tup
     if wait <= 0:
         return same, None
     return [], wait
-
-
-class QueueFull(Exception):
-    pass
 
 
 class WaveQueue:

@@ -12,6 +12,8 @@ from typing import Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from dlo.engine.facts import Mode
+
 # `_created` series double the exposition and no dashboard reads them.
 disable_created_metrics()
 
@@ -69,7 +71,7 @@ class EngineMetrics:
                                        registry=reg)
         reg.register(_RankCollector(rank_facts))  # type: ignore[arg-type]
 
-    def set_info(self, mode: str, dp: int, family: str, device: str, weights_source: str) -> None:
+    def set_info(self, mode: Mode, dp: int, family: str, device: str, weights_source: str) -> None:
         self.info.clear()
         self.info.labels(mode, str(dp), family, device, weights_source).set(1)
 

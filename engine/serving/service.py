@@ -1,12 +1,13 @@
 """The serving engine on rank 0: readiness, the wave scheduler, video jobs, fault handling.
 
-Owns: the lifecycle `loading -> ready -> (stopping | failed)`, the asyncio scheduler that drains
-`WaveQueue` into `RankGroup.run_wave` one wave at a time, the video job store, and what happens on a
-fault: every request of the wave and of the queue gets a 503 naming the cause, `/health` turns
-unhealthy, and the server is asked to exit non-zero (a hard exit follows if anything is stuck in a
-collective).
-Must never: block the event loop on the ranks (waves run in a daemon thread), or run a wave after
-a fault.
+Owns: the lifecycle `loading -> ready -> (stopping | failed)` (`State`, changed only through
+`_enter`), the asyncio scheduler that drains `WaveQueue` into `RankGroup.run_wave` one wave at a
+time, the video job store, and what happens on a fault: every request of the wave and of the queue
+fails with `EngineFailed` naming the cause, `/health` turns unhealthy, and the server is asked to
+exit non-zero (`RankGroup.kill` and a hard exit follow if anything is stuck in a collective).
+Refusals are domain errors (`dlo.engine.serving.errors`); the server maps them to HTTP.
+Must never: speak HTTP (no status codes here), block the event loop on the ranks (waves run in a
+daemon thread), signal the ranks' processes itself (ask `RankGroup`), or run a wave after a fault.
 """
 
 from __future__ import annotations
@@ -18,19 +19,24 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import asdict
+from typing import Any, Callable, Literal
 
-from dlo.engine.api_models import ApiError
-from dlo.engine.limits import Limits
-from dlo.engine.metrics import EngineMetrics
-from dlo.engine.pipeline import PipelineFacts
-from dlo.engine.ranks import RankConfig, RankGroup, WaveError
-from dlo.engine.waves import Generation, Pending, QueueFull, WaveQueue
+from dlo.engine.families import PipelineFacts
+from dlo.engine.serving.control import RankConfig, Result, WaveError, summary
+from dlo.engine.serving.errors import EngineFailed, EngineUnavailable, ServiceError, ShuttingDown
+from dlo.engine.serving.limits import Limits
+from dlo.engine.serving.metrics import EngineMetrics
+from dlo.engine.serving.ranks import RankGroup
+from dlo.engine.serving.waves import Generation, Pending, WaveQueue
 
 log = logging.getLogger(__name__)
 
 HARD_EXIT_AFTER_S = 15.0
 MAX_VIDEO_JOBS = 256
+
+# loading -> ready -> stopping; any state -> failed (a fault is final: the process exits).
+State = Literal["loading", "ready", "stopping", "failed"]
 
 
 @dataclass
@@ -78,7 +84,7 @@ class Engine:
                  progress_timeout_s: float, max_queue: int, wave_window_ms: float):
         self.cfg, self.limits, self.facts, self.model_id = cfg, limits, facts, model_id
         self.max_queue, self.window_s = max_queue, wave_window_ms / 1000.0
-        self.state = "loading"
+        self.state: State = "loading"
         self.failure: str | None = None
         self.exit_code = 0
         self.request_exit: Callable[[], None] = lambda: None
@@ -109,21 +115,28 @@ class Engine:
             return
         if self.state != "loading":
             return
-        report = self.group.ranks[0].ready["report"]  # type: ignore[index]
-        self.metrics.set_info(self.cfg.mode, self.cfg.dp, self.facts.family, self.cfg.device, report["weights_source"])
-        self.state = "ready"
-        self.metrics.ready.set(1)
+        ready0 = self.group.ranks[0].ready
+        assert ready0 is not None  # start() returned: every rank is ready
+        self.metrics.set_info(self.cfg.mode, self.cfg.dp, self.facts.family, self.cfg.device,
+                              ready0.facts.report.weights_source)
+        self._enter("ready")
         log.info("engine ready mode=%s dp=%d family=%s device=%s seconds=%.1f", self.cfg.mode, self.cfg.dp,
                  self.facts.family, self.cfg.device, time.perf_counter() - t0)
         self._tasks.append(asyncio.create_task(self._schedule()))
 
+    def _enter(self, state: State) -> None:
+        """The one place the lifecycle changes (and `dlo_ready` with it); `failed` is final."""
+        if self.state == "failed" or self.state == state:
+            return
+        log.info("engine state %s -> %s", self.state, state)
+        self.state = state
+        self.metrics.ready.set(1 if state == "ready" else 0)
+
     async def shutdown(self) -> None:
-        if self.state not in ("failed",):
-            self.state = "stopping"
-        self.metrics.ready.set(0)
+        self._enter("stopping")
         for t in self._tasks:
             t.cancel()
-        self._fail_waiting(ApiError(503, "the server is shutting down", code="shutting_down"))
+        self._fail_waiting(ShuttingDown("the server is shutting down"))
         await _in_daemon_thread(self.group.stop)
 
     @property
@@ -131,10 +144,12 @@ class Engine:
         return self.state == "ready"
 
     def _rank_facts(self) -> dict[int, dict]:
-        return {st.rank: {"report": (st.ready or {}).get("report"), "stats": st.stats} for st in self.group.ranks}
+        """Per rank, the latest load report and stats as plain numbers (the metrics exposition)."""
+        return {st.rank: {"report": st.ready.facts.report.to_dict() if st.ready else None,
+                          "stats": asdict(st.stats) if st.stats else None} for st in self.group.ranks}
 
     def rank_summary(self) -> list[dict]:
-        return [{"rank": st.rank, **(st.ready or {})} for st in self.group.ranks]
+        return [summary(st.rank, st.ready) for st in self.group.ranks]
 
     # -- faults -----------------------------------------------------------------------------------
     def _on_fault(self, reason: str) -> None:
@@ -146,15 +161,16 @@ class Engine:
         threading.Thread(target=self._hard_exit, name="hard-exit", daemon=True).start()
 
     def _fail_all(self) -> None:
-        self.state = "failed"
-        self.metrics.ready.set(0)
-        err = ApiError(503, f"engine failed: {self.failure}; the server is restarting", code="engine_failed")
-        self._fail_waiting(err)
+        self._enter("failed")
+        self._fail_waiting(self._failed_error())
         # let the 503s go out before the server stops
         assert self._loop is not None
         self._loop.call_later(0.5, self.request_exit)
 
-    def _fail_waiting(self, err: ApiError) -> None:
+    def _failed_error(self) -> EngineFailed:
+        return EngineFailed(f"engine failed: {self.failure}; the server is restarting")
+
+    def _fail_waiting(self, err: ServiceError) -> None:
         waiting = list(self._inflight) + (self._queue.drain() if self._queue else [])
         for p in waiting:
             if p.future is not None and not p.future.done():
@@ -164,28 +180,23 @@ class Engine:
     def _hard_exit(self) -> None:
         time.sleep(HARD_EXIT_AFTER_S)
         log.error("exiting: the server did not stop within %.0f s of the fault", HARD_EXIT_AFTER_S)
-        self.group.stopping = True
-        for st in self.group.ranks[1:]:
-            if st.proc is not None and st.proc.poll() is None:
-                st.proc.kill()
+        self.group.kill()
         os._exit(1)
 
     # -- requests ---------------------------------------------------------------------------------
     def check_available(self) -> None:
+        """Raise `EngineFailed` or `EngineUnavailable` unless requests are taken now."""
         if self.state == "failed":
-            raise ApiError(503, f"engine failed: {self.failure}; the server is restarting", code="engine_failed")
+            raise self._failed_error()
         if self.state != "ready":
-            raise ApiError(503, f"the engine is {self.state}; retry shortly", code="not_ready")
+            raise EngineUnavailable(f"the engine is {self.state}; retry shortly")
 
     def submit(self, gen: Generation, request_id: str = "") -> asyncio.Future:
-        """Queue one generation; the future resolves to its rank's result dict."""
+        """Queue one generation; the future resolves to its rank's `Result` (raises `QueueFull`)."""
         self.check_available()
         assert self._queue is not None and self._loop is not None
         fut = self._loop.create_future()
-        try:
-            self._queue.put(Pending(gen, time.monotonic(), fut, request_id=request_id))
-        except QueueFull as e:
-            raise ApiError(429, str(e), code="queue_full") from None
+        self._queue.put(Pending(gen, time.monotonic(), fut, request_id=request_id))
         self.metrics.queue_depth.set(len(self._queue))
         return fut
 
@@ -202,7 +213,7 @@ class Engine:
             assignments: list[Generation | None] = [p.gen for p in wave] + [None] * (self.cfg.dp - len(wave))
             t0 = time.perf_counter()
             try:
-                results = await _in_daemon_thread(lambda: self.group.run_wave(assignments))
+                results: list[Result] = await _in_daemon_thread(lambda: self.group.run_wave(assignments))
             except WaveError as e:
                 log.error("wave failed: %s", e)
                 return  # _on_fault fails the futures and stops the server
@@ -216,7 +227,7 @@ class Engine:
             log.info("wave %d size=%d key=%s seconds=%.2f", self.waves_run, len(wave), wave[0].key,
                      time.perf_counter() - t0)
             for p, res in zip(wave, results):
-                for s in res.get("step_seconds", []):
+                for s in res.step_seconds:
                     self.metrics.step_duration.observe(s)
                 if p.future is not None and not p.future.done():
                     p.future.set_result(res)
@@ -247,10 +258,11 @@ class Engine:
     async def _finish_video(self, job: VideoJob, fut: asyncio.Future) -> None:
         try:
             res = await fut
-        except ApiError as e:
-            job.status, job.error = "failed", {"code": e.code or "failed", "message": e.message}
+        except ServiceError as e:
+            job.status, job.error = "failed", {"code": e.code, "message": e.message}
         else:
-            job.status, job.content = "completed", res["outputs"][0]
+            assert res.outputs is not None
+            job.status, job.content = "completed", res.outputs[0]
         job.completed_at = int(time.time())
 
     def _evict_videos(self) -> None:

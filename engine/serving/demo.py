@@ -3,6 +3,8 @@
 Makes a tiny random Wan pipeline, starts `dlo serve` with 2 ranks, sends 2 concurrent image
 requests with the official openai SDK (they run as one wave), writes the PNGs to the output folder,
 prints a short report (wave size, per-rank pinned bytes, mode, latency) and stops the server.
+
+Owns: `dlo demo` (what `make demo` runs). Must never: download anything or leave the server running.
 """
 
 from __future__ import annotations
@@ -14,13 +16,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from dlo.engine.facts import MODES
+
 log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("demo-output"), help="folder for the model, PNGs and log")
     parser.add_argument("--dp", type=int, default=2, help="CPU ranks (one request each)")
-    parser.add_argument("--mode", default="allgather", choices=("allgather", "rank-local", "resident"))
+    parser.add_argument("--mode", default="allgather", choices=MODES)
     parser.add_argument("--steps", type=int, default=4, help="denoising steps per request")
     parser.add_argument("--size", default="128x128", help="image size WIDTHxHEIGHT (multiple of 16)")
 
@@ -33,9 +37,8 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from openai import OpenAI
 
-    from dlo.engine.launch import ServerProcess
-    from dlo.engine.tiny import make_tiny_transformer
-    from dlo.engine.tiny_pipeline import write_pipeline_components
+    from dlo.engine.serving.launch import ServerProcess
+    from dlo.engine.families.tiny import make_tiny_transformer, write_pipeline_components
 
     out: Path = args.out.resolve()
     model = out / "tiny-wan"

@@ -3,6 +3,12 @@
 `dlo serve MODEL_DIR` starts rank 0 (this process: HTTP, wave scheduler, and a compute rank) and
 spawns ranks 1..dp-1. The transformer runs through the DLO engine in the chosen mode; text
 encoders and the VAE load normally on every rank. See docs/serving.md for the API.
+
+Owns: the `dlo serve` options, refusing a broken folder before any rank starts, resolving
+`--mode auto` (the pure `dlo.agent.policy` over a profile built from the engine's own device facts),
+and wiring the service, the rank group and the HTTP server together.
+Must never: import anything of `dlo.agent` but the pure `policy` and `profile` (CONTRACTS.md
+section 1), or take a secret from the command line.
 """
 
 from __future__ import annotations
@@ -11,12 +17,14 @@ import argparse
 import json
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
-MODES = ("auto", "allgather", "rank-local", "resident")
+from dlo.engine.facts import MODES_OR_AUTO, Mode, ModeOrAuto
 
 
 def _resident_blocks(value: str) -> int | str:
@@ -35,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_dir", type=Path, help="diffusers pipeline folder (model_index.json, transformer/, vae/, ...)")
     parser.add_argument("--dp", type=int, default=None,
                         help="ranks (one request each per wave); default: the device count (1 on cpu)")
-    parser.add_argument("--mode", choices=MODES, default="auto",
+    parser.add_argument("--mode", choices=MODES_OR_AUTO, default="auto",
                         help="allgather: each rank keeps 1/dp of every block and gathers the rest; rank-local: every "
                              "rank streams whole blocks from its own host copy; resident: no offload; auto: the "
                              "node policy decides (dlo.agent.policy), logged at start")
@@ -90,30 +98,39 @@ def read_api_key(path: Path | None) -> str | None:
     return os.environ.get("DLO_API_KEY") or None
 
 
-def resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
-    from dlo.engine.platform import detect_device
+def local_profile(device: str) -> Any:
+    """This host's `NodeProfile` from the engine's own device facts (torch, NVML for NVLink) and the
+    nominal bandwidths of `dlo.agent.profile`; with no accelerator (cpu) the policy budgets
+    "device" weights in host RAM."""
+    from dlo.agent.profile import Accelerator, Interconnect, NodeProfile, nominal_collective_bps, nominal_h2d_bps
+    from dlo.engine.platform import device_facts
 
-    return detect_device()
+    f = device_facts(device)
+    acc = Accelerator(vendor=f.vendor, model=f.model, count=f.count, memory_bytes=f.memory_bytes)  # type: ignore[arg-type]
+    h2d = nominal_h2d_bps(f.model) if f.vendor != "none" else 0
+    coll = nominal_collective_bps(f.model, f.interconnect, None) if f.vendor != "none" else 0  # type: ignore[arg-type]
+    return NodeProfile(
+        node=socket.gethostname(), accelerator=acc,
+        interconnect=Interconnect(kind=f.interconnect, collective_bandwidth_bps=coll),  # type: ignore[arg-type]
+        h2d_bandwidth_bps=h2d, host_memory_bytes=f.host_memory_bytes,
+        can_register_page_cache=f.vendor == "nvidia",  # the engine DMAs from the page cache on cuda
+    )
 
 
-def resolve_mode(mode: str, model_dir: Path, dp: int, device: str, profile_path: Path | None = None) -> tuple[str, str]:
+def resolve_mode(mode: ModeOrAuto, model_dir: Path, dp: int, device: str,
+                 profile_path: Path | None = None) -> tuple[Mode, str]:
     """The engine mode and why: `--mode` as given, else the node policy, else a fixed rule."""
     if mode != "auto":
         return mode, "--mode given"
     try:
         from dlo.agent.policy import PolicyError, choose_mode
         from dlo.agent.profile import CalibrationFragment, NodeProfile, apply_calibration
-        from dlo.agent.topology import local_profile
     except ImportError:
         log.warning("dlo.agent.policy is not installed; using the fixed rule")
     else:
         from dlo.engine.families import describe
 
-        # The agent's view of this machine (NVML/npu-smi devices, interconnect, host memory,
-        # nominal bandwidths); with no accelerator the policy budgets "device" weights in host RAM.
-        profile = local_profile()
+        profile = local_profile(device)
         try:
             if profile_path is not None:
                 data = json.loads(profile_path.read_text())
@@ -147,19 +164,22 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="rank0 %(levelname)s %(name)s %(message)s")
     import uvicorn
 
-    from dlo.engine.checkpoint import Checkpoint, CheckpointError
-    from dlo.engine.limits import SMALL, Limits
-    from dlo.engine.pipeline import PipelineFacts
-    from dlo.engine.ranks import RankConfig, free_port
-    from dlo.engine.server import create_app
-    from dlo.engine.service import Engine
+    from dlo.engine.checkpoint import CheckpointError, cached_checkpoint
+    from dlo.engine.families import pipeline_facts
+    from dlo.engine.platform import device_count, resolve_device
+    from dlo.engine.ports import free_port
+    from dlo.engine.serving.control import RankConfig
+    from dlo.engine.serving.limits import SMALL, Limits
+    from dlo.engine.serving.server import create_app
+    from dlo.engine.serving.service import Engine
 
     model_dir: Path = args.model_dir.resolve()
     try:
-        facts = PipelineFacts.from_dir(model_dir)
+        facts = pipeline_facts(model_dir)
         # Headers, index and shard files, torch-free: most broken checkpoints are refused here, before
-        # any rank starts; dtypes and shapes are checked against the model when each rank loads.
-        Checkpoint(model_dir / "transformer")
+        # any rank starts; dtypes and shapes are checked against the model when each rank loads. The
+        # parse is cached: the mode policy's model facts and rank 0's load reuse it.
+        cached_checkpoint(model_dir / "transformer")
         limits = Limits.load(args.limits, SMALL if args.small_limits else None, max_steps=args.max_steps,
                              max_width=args.max_size, max_height=args.max_size)
     except CheckpointError as e:
@@ -170,8 +190,6 @@ def main(args: argparse.Namespace) -> int:
         return 2
     api_key = read_api_key(args.api_key_file)
     device = resolve_device(args.device)
-    from dlo.engine.platform import device_count
-
     dp = args.dp or max(1, device_count(device))
     if dp < 1:
         print("dlo serve: --dp must be >= 1", file=sys.stderr)

@@ -1,49 +1,64 @@
-"""Model families: which module lists are the offloaded blocks, and how checkpoint keys group.
+"""Model families: the registry of family adapters, checkpoint key grouping, and model facts.
 
-Owns: the registry from a diffusers `_class_name` to its block lists (execution order), and the
-torch-free model facts (bytes, blocks, largest block) the agent and operator use.
-Must never: import torch or diffusers (the agent and operator import this module).
+Owns: `Family` (the adapter interface: block lists in execution order, the diffusers pipeline
+class, what a request implies for that pipeline, output decoding, the tiny-model writer), the
+registry `FAMILIES` (one module per family: `wan.py`, `flux.py`), `family_of`, `group_keys` /
+`BlockKeys`, the slot layout of a block (`block_layout`), the pipeline facts a request is validated
+against (`PipelineFacts`), and `describe` (the torch-free `ModelFacts` the agent and operator use).
+Adding a family is one module here and its tests.
+Must never: import torch or diffusers at import time (the agent and operator import this package;
+adapters import them inside the functions that need them).
 """
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from dlo.engine.checkpoint import Checkpoint, CheckpointError
+from dlo.engine.checkpoint import Checkpoint, CheckpointError, cached_checkpoint, read_json_config
 from dlo.engine.facts import ModelFacts
+from dlo.engine.families.base import Family, PipelineFacts, read_config
+from dlo.engine.families.flux import FluxFamily
+from dlo.engine.families.wan import WanFamily
 from dlo.engine.layout import BlockLayout, build_layout
 
+__all__ = [
+    "FAMILIES", "BlockKeys", "Family", "ModelFacts", "PipelineFacts", "block_layout", "describe", "family_of",
+    "group_keys", "pipeline_facts", "read_config",
+]
 
-@dataclass(frozen=True)
-class Family:
-    name: str
-    class_names: tuple[str, ...]
-    # Attribute names of the nn.ModuleLists holding the blocks, in the order forward runs them.
-    block_lists: tuple[str, ...]
-    pipeline_class: str
-
-
-FAMILIES: dict[str, Family] = {
-    "wan": Family("wan", ("WanTransformer3DModel",), ("blocks",), "WanPipeline"),
-    "flux": Family(
-        "flux",
-        ("FluxTransformer2DModel",),
-        ("transformer_blocks", "single_transformer_blocks"),
-        "FluxPipeline",
-    ),
-}
+FAMILIES: dict[str, Family] = {f.name: f for f in (WanFamily(), FluxFamily())}
 
 
 def family_of(class_name: str) -> Family:
+    """The family of a transformer class (`_class_name` of its config.json); KeyError names the known ones."""
     for fam in FAMILIES.values():
         if class_name in fam.class_names:
             return fam
     known = sorted(c for f in FAMILIES.values() for c in f.class_names)
     raise KeyError(f"model class {class_name!r} has no DLO family; known: {', '.join(known)}")
+
+
+def pipeline_facts(model_dir: Path | str) -> PipelineFacts:
+    """What a request may ask of a pipeline folder, from its configs (torch-free; ValueError if unsupported)."""
+    root = Path(model_dir)
+    try:
+        index = read_json_config(root / "model_index.json")
+        transformer = read_json_config(root / "transformer" / "config.json")
+        vae = read_json_config(root / "vae" / "config.json")
+    except CheckpointError as e:
+        raise ValueError(
+            f"{root} is not a diffusers pipeline folder (model_index.json, transformer/ and vae/ "
+            f"with config.json): {e}"
+        ) from e
+    name = index.get("_class_name")
+    for fam in FAMILIES.values():
+        if fam.pipeline_class == name:
+            return fam.pipeline_facts(root, index, transformer, vae)
+    supported = ", ".join(f.pipeline_class for f in FAMILIES.values())
+    raise ValueError(f"{root}: pipeline class {name!r} is not supported; supported: {supported}")
 
 
 @dataclass(frozen=True)
@@ -79,17 +94,6 @@ def group_keys(names: list[str] | set[str], family: Family) -> tuple[list[BlockK
     return blocks, nonblock
 
 
-def read_config(component_dir: Path | str) -> dict:
-    path = Path(component_dir) / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(path, f"unreadable model config: {e}") from e
-    if not isinstance(config, dict) or "_class_name" not in config:
-        raise CheckpointError(path, "config.json has no _class_name (is this a diffusers model folder?)")
-    return config
-
-
 def block_layout(ckpt: Checkpoint, block: BlockKeys, dtype_of: Mapping[str, str] | None = None) -> BlockLayout:
     """The block's slot layout (CONTRACTS.md section 4), tensors in file order so that runs stay
     contiguous with the file. `dtype_of` gives the dtype the model computes a tensor in where it
@@ -105,7 +109,7 @@ def describe(component_dir: Path | str) -> ModelFacts:
     if (root / "model_index.json").is_file() and (root / "transformer").is_dir():
         root = root / "transformer"
     family = family_of(read_config(root)["_class_name"])
-    ckpt = Checkpoint(root)
+    ckpt = cached_checkpoint(root)
     blocks, nonblock = group_keys(set(ckpt.tensors), family)
     sizes = [block_layout(ckpt, b).nbytes for b in blocks]
     return ModelFacts(

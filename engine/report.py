@@ -1,0 +1,49 @@
+"""What a loaded model reports: `LoadReport` (how it was loaded) and `GatherStats` (what it moved).
+
+Owns: the two plain data types `dlo.engine.load` hands out, so that torch-free code (the serving
+control messages between ranks, metrics, benchmarks) can carry and read them without importing torch.
+Must never: import torch, or hold anything but plain numbers and strings (they are pickled between
+processes and printed as JSON).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from dlo.engine.facts import Mode
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """How `dlo.engine.load` placed the weights (CONTRACTS.md section 3)."""
+
+    mode: Mode
+    weights_source: str  # "registered" | "arena" | "resident"
+    blocks: int  # offloaded blocks
+    largest_block_bytes: int
+    host_pinned_bytes: int
+    slot_bytes: int  # both slots together
+    resident_bytes: int  # non-block + resident-block weights on the device
+    load_seconds: float
+    shard_group_size: int = 1
+    rank: int = 0
+    resident_blocks: int = 0
+    pinned: bool = False  # the host weights are really page-locked (DMA-able)
+    transfer: str = "none"  # "graph" | "eager" | "none" (resident)
+    model_bytes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class GatherStats:
+    """Cumulative counters of the slot prefetcher (`OffloadedModel.stats()`), updated in place."""
+
+    gathers: int = 0
+    h2d_bytes: int = 0
+    collective_bytes: int = 0  # bytes received from other ranks
+    # Time the compute stream stalled waiting for weights. CPU: host time in the (synchronous)
+    # gathers. Streams: event pairs around each wait, read back once complete (never a host sync).
+    gather_wait_seconds: float = 0.0

@@ -1,0 +1,161 @@
+"""The control plane's vocabulary: every message between rank 0 and its children, as frozen data.
+
+Owns: `RankConfig` (what every rank is started with), the messages of the control plane (children
+send `Hello`, `Ready`, `StepProgress`, `Result`, `RankFailure`; rank 0 sends `WaveAssignment` and
+`Stop`), `RankFacts` and `RankStats` (what a rank knows of itself, carried by `Ready` and `Result`),
+`Progress` (the tick counter the watchdog reads) and `WaveError`. Messages are pickled as they are
+through `multiprocessing.connection`; nothing crosses the process boundary as a string-keyed dict.
+Must never: import torch or anything that does I/O (rank 0's HTTP side and the metrics read these).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Union
+
+from dlo.engine.facts import Mode
+from dlo.engine.report import GatherStats, LoadReport
+from dlo.engine.serving.waves import Generation
+
+
+class WaveError(RuntimeError):
+    """A wave could not finish: a rank died, stalled, or failed. The engine must restart."""
+
+
+@dataclass(frozen=True)
+class RankConfig:
+    """Every rank's start-up settings (rank 0 passes them to children through the environment)."""
+
+    model_dir: str
+    mode: Mode  # already resolved (never "auto")
+    device: str  # cpu | cuda | npu
+    dp: int
+    master_port: int
+    control_port: int
+    max_sequence_length: int = 512
+    cpu_threads: int = 1
+    resident_blocks: int | str = 0  # or "auto" (dlo.engine.load sizes it from free device memory)
+    collective_timeout_s: float = 1800.0
+    weights: str = "auto"  # auto | arena | registered (dlo.engine.load's host source of block bytes)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "RankConfig":
+        return cls(**json.loads(text))
+
+
+@dataclass(frozen=True)
+class RankStats:
+    """A snapshot of one rank's counters: `GatherStats` plus the device allocator's peak."""
+
+    gathers: int = 0
+    h2d_bytes: int = 0
+    collective_bytes: int = 0
+    gather_wait_seconds: float = 0.0
+    device_memory_peak_bytes: int = 0
+
+    @classmethod
+    def of(cls, stats: GatherStats, device_memory_peak_bytes: int) -> "RankStats":
+        return cls(stats.gathers, stats.h2d_bytes, stats.collective_bytes, stats.gather_wait_seconds,
+                   device_memory_peak_bytes)
+
+
+@dataclass(frozen=True)
+class RankFacts:
+    """What a loaded rank knows of itself: the load report and the bytes of the other components."""
+
+    report: LoadReport
+    components: dict[str, int] = field(default_factory=dict)  # component name -> parameter bytes
+
+
+# ---- child -> rank 0 ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Hello:
+    rank: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class Ready:
+    facts: RankFacts
+    stats: RankStats
+
+
+@dataclass(frozen=True)
+class StepProgress:
+    """A progress tick; `steps_done` counts the denoising steps of the rank's current request."""
+
+    steps_done: int
+
+
+@dataclass(frozen=True)
+class Result:
+    """One rank's share of a wave: its request's encoded outputs, or None for a gather-only rank."""
+
+    wave: int
+    stats: RankStats
+    outputs: tuple[bytes, ...] | None = None  # PNG per image, or one MP4
+    media_type: str = ""
+    step_seconds: tuple[float, ...] = ()
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    message: str
+
+
+# ---- rank 0 -> child ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WaveAssignment:
+    """This rank's part of wave `wave`: `mine` to run, or None to only gather what `wave_gen` implies."""
+
+    wave: int
+    wave_gen: Generation
+    mine: Generation | None
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+ChildMessage = Union[Hello, Ready, StepProgress, Result, RankFailure]
+ParentMessage = Union[WaveAssignment, Stop]
+
+
+class Progress:
+    """Monotonic tick counter and time of the last tick (written by the compute thread).
+
+    `watch` (optional) is a counter the watchdog polls, such as the engine's gather count: it
+    moves once per block even on a rank that only gathers, whose own ticks come once per call.
+    """
+
+    def __init__(self, watch: Callable[[], int] | None = None) -> None:
+        self.count = 0
+        self.last = time.monotonic()
+        self.watch = watch
+        self._watched = watch() if watch else 0
+
+    def tick(self) -> None:
+        self.count += 1
+        self.last = time.monotonic()
+
+    def poll(self) -> None:
+        if self.watch is not None:
+            value = self.watch()
+            if value != self._watched:
+                self._watched = value
+                self.tick()
+
+
+def summary(rank: int, ready: Ready | None) -> dict[str, Any]:
+    """One rank's entry of `/ready` (JSON): its load report, component bytes and stats at load."""
+    if ready is None:
+        return {"rank": rank}
+    return {"rank": rank, "report": ready.facts.report.to_dict(), "components": dict(ready.facts.components),
+            "stats": asdict(ready.stats)}

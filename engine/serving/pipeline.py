@@ -1,0 +1,142 @@
+"""A diffusers pipeline on the DLO engine, run one request at a time (`ServingPipeline`).
+
+Owns: building the family's diffusers pipeline (looked up from its adapter in
+`dlo.engine.families`) with the transformer from `dlo.engine.load` in place of diffusers' own,
+the progress ticks of a rank (a pre-hook on every block, through `dlo.engine.hooks`), and running
+one request through the pipeline's single-request path into encoded PNG or MP4 bytes (`encode.py`).
+Everything family-specific (pipeline class, call count, call arguments, output decoding) is the
+adapter's.
+Must never: branch on a family name, batch requests of different ranks together, or touch the
+collective schedule except through `dlo.engine.load`'s module and `gather_only` (every rank of a
+wave must issue the same gathers in the same order).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from dlo.engine.facts import Mode
+from dlo.engine.families import pipeline_facts
+from dlo.engine.serving.control import RankStats
+from dlo.engine.serving.encode import encode
+from dlo.engine.serving.waves import Generation
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    outputs: list[bytes]  # PNG per image, or one MP4
+    media_type: str  # "image/png" | "video/mp4"
+    step_seconds: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+class ServingPipeline:
+    """A diffusers pipeline whose transformer runs through DLO, run one request at a time.
+
+    `tick` (settable) is called before every transformer block and at every phase boundary: the
+    rank's progress signal for the wave watchdog.
+    """
+
+    def __init__(self, model_dir: Path | str, *, mode: Mode, device: Any, group: Any = None,
+                 max_sequence_length: int = 512, resident_blocks: int | str = 0, weights: str = "auto"):
+        import diffusers
+        import torch
+
+        import dlo.engine
+        from dlo.engine.hooks import HookSet
+
+        self.facts = pipeline_facts(model_dir)
+        self.adapter = self.facts.adapter
+        self.device = torch.device(device)
+        self.max_sequence_length = max_sequence_length
+        self.tick: Callable[[], None] = lambda: None
+        self.steps_done = 0  # denoising steps of the running request (read by the progress reporter)
+        t0 = time.perf_counter()
+        self.model = dlo.engine.load(Path(model_dir) / "transformer", mode=mode, device=self.device, group=group,
+                                     resident_blocks=resident_blocks, weights=weights)  # type: ignore[arg-type]
+        compute_dtype = next(p.dtype for p in self.model.module.parameters() if p.is_floating_point())
+        cls = getattr(diffusers, self.facts.pipeline_class)
+        # The VAE's output becomes the image bytes: it stays float32 whatever the transformer runs in.
+        self.pipe = cls.from_pretrained(
+            model_dir, transformer=self.model.module,
+            torch_dtype={"default": compute_dtype, "vae": torch.float32},
+        )
+        self.pipe.set_progress_bar_config(disable=True)
+        self.component_bytes: dict[str, int] = {}
+        for name, comp in self.pipe.components.items():
+            if name == "transformer" or not isinstance(comp, torch.nn.Module):
+                continue
+            comp.to(self.device)
+            comp.eval()
+            self.component_bytes[name] = sum(p.numel() * p.element_size() for p in comp.parameters())
+        # the watchdog's progress signal: one tick before every transformer block
+        self.hooks = HookSet()
+        for list_name in self.adapter.block_lists:
+            for block in getattr(self.model.module, list_name):
+                self.hooks.add_pre(block, lambda *_: self.tick())
+        self.load_seconds = time.perf_counter() - t0
+        log.info("pipeline loaded family=%s mode=%s device=%s components=%s seconds=%.2f", self.facts.family,
+                 mode, self.device, self.component_bytes, self.load_seconds)
+
+    @property
+    def report(self) -> Any:
+        return self.model.report
+
+    def stats(self) -> RankStats:
+        return RankStats.of(self.model.stats(), self.model.platform.memory_peak(self.device))
+
+    def gather_only(self, gen: Generation) -> None:
+        """Idle rank in a partial wave: the gathers of every transformer call `gen` implies."""
+        for _ in range(self.adapter.transformer_calls(gen)):
+            self.model.gather_only(1)
+            self.tick()
+
+    def _call_kwargs(self, gen: Generation) -> dict[str, Any]:
+        import torch
+
+        kw: dict[str, Any] = dict(
+            prompt=gen.prompt, negative_prompt=gen.negative_prompt, height=gen.height, width=gen.width,
+            num_inference_steps=gen.steps, guidance_scale=gen.guidance_scale,
+            # A CPU generator makes the initial noise identical on every device and rank.
+            generator=torch.Generator("cpu").manual_seed(gen.seed), output_type="np",
+            max_sequence_length=self.max_sequence_length,
+        )
+        kw.update(self.adapter.call_kwargs(gen))
+        return kw
+
+    def run(self, gen: Generation) -> RunResult:
+        import torch
+
+        t0 = time.perf_counter()
+        steps: list[float] = []
+        last = [t0]
+
+        def on_step(_pipe: Any, i: int, _t: Any, kwargs: dict) -> dict:
+            now = time.perf_counter()
+            steps.append(now - last[0])
+            last[0] = now
+            self.steps_done = i + 1
+            self.tick()
+            return kwargs
+
+        self.steps_done = 0
+        self.tick()
+        with torch.inference_mode():
+            out = self.pipe(**self._call_kwargs(gen), callback_on_step_end=on_step)
+        self.tick()
+        result = RunResult(*encode(self.adapter.decode(out, gen), gen.fps))
+        self.tick()
+        result.step_seconds = steps
+        result.seconds = time.perf_counter() - t0
+        return result
+
+    def close(self) -> None:
+        """Remove the progress hooks and release the transformer's weights."""
+        self.hooks.remove()
+        self.model.close()

@@ -1,0 +1,170 @@
+"""The compute side of a rank, and the main of ranks 1..dp-1 (`python -m dlo.engine.serving.rank_main`).
+
+Owns: joining the weight plane and loading the `ServingPipeline` (`init_rank`, every rank, rank 0
+included), running one rank's share of a wave (`run_assignment`), and a child's loop: `Hello`, then
+`Ready` (or `RankFailure`), then one `Result` per `WaveAssignment` until `Stop` or end-of-file, with
+`StepProgress` ticks from a reporter thread. Messages are the frozen types of `control.py`.
+Must never: outlive rank 0 (parent-death signal; end-of-file on the control connection exits), or
+handle SIGINT/SIGTERM itself (rank 0 stops the children in order).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+from datetime import timedelta
+from multiprocessing.connection import Client
+from typing import Any, Callable
+
+from dlo.engine.serving.control import (
+    Hello,
+    Progress,
+    RankConfig,
+    RankFacts,
+    RankFailure,
+    Ready,
+    Result,
+    StepProgress,
+    Stop,
+    WaveAssignment,
+)
+from dlo.engine.serving.waves import Generation
+
+log = logging.getLogger(__name__)
+
+CONFIG_ENV = "DLO_RANK_CONFIG"
+RANK_ENV = "DLO_RANK"
+AUTHKEY_ENV = "DLO_CONTROL_AUTHKEY"
+
+
+def die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent exits (no orphans even if rank 0 is killed)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        log.warning("parent-death signal unavailable; relying on control-plane end-of-file")
+
+
+def gathers(pipe: Any) -> Callable[[], int]:
+    """The watchdog's second progress signal: the engine's gather count."""
+    return lambda: pipe.model.stats().gathers
+
+
+def init_rank(cfg: RankConfig, rank: int) -> Any:
+    """Join the weight plane and load the pipeline; returns the `ServingPipeline`."""
+    import torch
+    import torch.distributed as dist
+
+    from dlo.engine.platform import get_platform
+    from dlo.engine.serving.pipeline import ServingPipeline
+
+    if cfg.device == "cpu":
+        # A fixed thread count keeps CPU results bit-identical whatever dp is.
+        torch.set_num_threads(cfg.cpu_threads)
+    platform = get_platform(cfg.device)
+    device = platform.device(rank)
+    dist.init_process_group(
+        platform.backend, init_method=f"tcp://127.0.0.1:{cfg.master_port}", rank=rank, world_size=cfg.dp,
+        timeout=timedelta(seconds=cfg.collective_timeout_s),
+    )
+    return ServingPipeline(cfg.model_dir, mode=cfg.mode, device=device, max_sequence_length=cfg.max_sequence_length,
+                           resident_blocks=cfg.resident_blocks, weights=cfg.weights)
+
+
+def ready_message(pipe: Any) -> Ready:
+    return Ready(RankFacts(pipe.report, dict(pipe.component_bytes)), pipe.stats())
+
+
+def run_assignment(pipe: Any, cfg: RankConfig, wave: int, mine: Generation | None, wave_gen: Generation) -> Result:
+    """Run this rank's share of a wave: its own request, or only the gathers the wave implies."""
+    if mine is not None:
+        res = pipe.run(mine)
+        return Result(wave, pipe.stats(), tuple(res.outputs), res.media_type, tuple(res.step_seconds), res.seconds)
+    if cfg.mode == "allgather":
+        pipe.gather_only(wave_gen)
+    return Result(wave, pipe.stats())
+
+
+def destroy_group() -> None:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # the group may be broken after a fault; the process is exiting anyway
+        log.debug("destroy_process_group failed", exc_info=True)
+
+
+def main() -> int:
+    rank = int(os.environ[RANK_ENV])
+    cfg = RankConfig.from_json(os.environ[CONFIG_ENV])
+    authkey = bytes.fromhex(os.environ.pop(AUTHKEY_ENV))
+    die_with_parent()
+    # Ctrl-C in a terminal (or a signal to the whole process group) is rank 0's to handle: it stops
+    # the children in order; a child dying first would look like a rank failure.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format=f"rank{rank} %(levelname)s %(name)s %(message)s")
+    conn = Client(("127.0.0.1", cfg.control_port), authkey=authkey)
+    lock = threading.Lock()
+
+    def send(msg: object) -> None:
+        with lock:
+            conn.send(msg)
+
+    send(Hello(rank, os.getpid()))
+    try:
+        pipe = init_rank(cfg, rank)
+        progress = Progress(gathers(pipe))
+        pipe.tick = progress.tick
+        send(ready_message(pipe))
+    except Exception as e:
+        log.exception("rank %d failed to load", rank)
+        send(RankFailure(f"rank {rank} failed to load: {e}"))
+        return 1
+
+    stop = threading.Event()
+
+    def report_progress() -> None:
+        seen = progress.count
+        while not stop.wait(0.2):
+            progress.poll()
+            if progress.count != seen:
+                seen = progress.count
+                try:
+                    send(StepProgress(pipe.steps_done))
+                except OSError:
+                    return
+
+    threading.Thread(target=report_progress, name="progress", daemon=True).start()
+    try:
+        while True:
+            try:
+                msg = conn.recv()
+            except EOFError:
+                log.warning("rank %d: control connection closed by rank 0; exiting", rank)
+                return 1
+            if isinstance(msg, Stop):
+                return 0
+            if isinstance(msg, WaveAssignment):
+                progress.tick()
+                send(run_assignment(pipe, cfg, msg.wave, msg.mine, msg.wave_gen))
+    except Exception as e:
+        log.exception("rank %d failed", rank)
+        try:
+            send(RankFailure(f"rank {rank} failed: {type(e).__name__}: {e}"))
+        except OSError:
+            pass
+        return 1
+    finally:
+        stop.set()
+        destroy_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,292 @@
+"""Rank 0's side of the rank processes of `dlo serve`: process tree, control plane, progress watchdog.
+
+Process tree: the `dlo serve` process is rank 0 (HTTP, scheduler, and a compute rank); it spawns
+ranks 1..dp-1 as children (`python -m dlo.engine.serving.rank_main`). A child dies with its parent
+(Linux parent-death signal, and end-of-file on its control connection); the parent exits non-zero
+when a child dies.
+
+Two planes:
+- the *weight plane* is torch.distributed (gloo on CPU, nccl/hccl on accelerators): only the
+  engine's gathers travel there, in the same order on every rank;
+- the *control plane* is one authenticated local socket per child (`multiprocessing.connection`,
+  key passed through the environment) carrying the frozen messages of `control.py`: rank 0 sends
+  each wave's assignments, children send progress ticks, results and errors back. It lives outside
+  the collective so that a dead or stalled rank is seen at once (end-of-file, or no progress tick)
+  instead of hanging everyone in a collective, and idle periods between waves never hit a
+  collective timeout. No shared memory segments are created, so a killed rank leaks none.
+
+Watchdog: while a wave runs, every rank that still owes a result must tick (before each
+transformer block, after each step, on each weight gather) at least once per
+`progress_timeout`; a long wave that keeps progressing is never cut. A death or a stall fails the
+wave (`on_fault`), after which the process group is never reused: the server answers 503 and
+exits non-zero so the pod restarts.
+
+Owns: `RankGroup` (spawn, start, run_wave, stop, kill) and the watchdog.
+Must never: let a child outlive rank 0, or reuse a communicator after a fault.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, Listener
+from typing import Any, Callable
+
+from dlo.engine.ports import free_port
+from dlo.engine.serving.control import (
+    Hello,
+    Progress,
+    RankConfig,
+    RankFailure,
+    RankStats,
+    Ready,
+    Result,
+    StepProgress,
+    Stop,
+    WaveAssignment,
+    WaveError,
+)
+from dlo.engine.serving.rank_main import (
+    AUTHKEY_ENV,
+    CONFIG_ENV,
+    RANK_ENV,
+    destroy_group,
+    gathers,
+    init_rank,
+    ready_message,
+    run_assignment,
+)
+from dlo.engine.serving.waves import Generation
+
+log = logging.getLogger(__name__)
+
+# Rank 0 alone answers HTTP: the children never see the API key, not even in their environment.
+API_KEY_ENV = "DLO_API_KEY"
+
+__all__ = ["RankGroup", "RankState", "RankConfig", "WaveError", "free_port"]
+
+
+@dataclass
+class RankState:
+    rank: int
+    pid: int = 0
+    proc: subprocess.Popen | None = None
+    conn: Connection | None = None
+    ready: Ready | None = None
+    stats: RankStats | None = None
+    last_progress: float = 0.0
+    pending: bool = False  # owes a result for the running wave
+    steps_done: int = 0  # denoising steps of its current request (last progress report)
+    result: Result | None = None
+
+
+class RankGroup:
+    """Rank 0's view of all ranks: spawns the children, runs waves, watches progress."""
+
+    def __init__(self, cfg: RankConfig, progress_timeout_s: float, on_fault: Callable[[str], None]):
+        self.cfg = cfg
+        self.progress_timeout_s = progress_timeout_s
+        self.on_fault = on_fault
+        self.ranks = [RankState(r) for r in range(cfg.dp)]
+        self.progress = Progress()
+        self.pipe: Any = None
+        self.failed: str | None = None
+        self.stopping = False
+        self._wave_no = 0
+        self._cond = threading.Condition()
+        self._authkey = secrets.token_bytes(32)
+        self._listener: Listener | None = None
+
+    # -- start ------------------------------------------------------------------------------------
+    def spawn(self) -> None:
+        """Spawn ranks 1..dp-1. Call from the main thread: Linux sends the parent-death signal when
+        the *thread* that forked a child exits, so a short-lived thread would kill the children."""
+        self._listener = Listener(("127.0.0.1", self.cfg.control_port), authkey=self._authkey)
+        env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+        env.update({CONFIG_ENV: self.cfg.to_json(), AUTHKEY_ENV: self._authkey.hex()})
+        for st in self.ranks[1:]:
+            st.proc = subprocess.Popen([sys.executable, "-m", "dlo.engine.serving.rank_main"],
+                                       env={**env, RANK_ENV: str(st.rank)})
+            st.pid = st.proc.pid
+        threading.Thread(target=self._monitor, name="rank-monitor", daemon=True).start()
+
+    def start(self) -> None:
+        """Load rank 0's pipeline and wait until every rank is ready (blocking; after `spawn`)."""
+        assert self._listener is not None
+        for _ in self.ranks[1:]:
+            # blocks; a child that dies before connecting is caught by the monitor (fault -> exit)
+            conn = self._listener.accept()
+            hello = conn.recv()
+            if not isinstance(hello, Hello):
+                raise WaveError(f"a rank opened the control connection with {type(hello).__name__}, not Hello")
+            st = self.ranks[hello.rank]
+            st.conn = conn
+            threading.Thread(target=self._reader, args=(st,), name=f"rank{st.rank}-reader", daemon=True).start()
+        self.pipe = init_rank(self.cfg, 0)
+        self.progress = Progress(gathers(self.pipe))
+        self.pipe.tick = self.progress.tick
+        self.ranks[0].ready = ready_message(self.pipe)
+        self.ranks[0].stats = self.ranks[0].ready.stats
+        with self._cond:
+            self._cond.wait_for(lambda: self.failed or all(st.ready for st in self.ranks))
+        if self.failed:
+            raise WaveError(self.failed)
+        log.info("all %d ranks ready", self.cfg.dp)
+
+    # -- fault handling ---------------------------------------------------------------------------
+    def fault(self, reason: str) -> None:
+        with self._cond:
+            if self.failed or self.stopping:
+                return
+            self.failed = reason
+            self._cond.notify_all()
+        log.error("engine fault: %s", reason)
+        try:
+            self.on_fault(reason)
+        except Exception:
+            log.exception("fault handler failed")
+
+    def _reader(self, st: RankState) -> None:
+        assert st.conn is not None
+        while True:
+            try:
+                msg = st.conn.recv()
+            except (EOFError, OSError):
+                if not self.stopping:
+                    try:
+                        rc = st.proc.wait(timeout=5) if st.proc else None
+                    except subprocess.TimeoutExpired:
+                        rc = None  # alive but cut off from rank 0: as broken as dead
+                    self.fault(f"rank {st.rank} (pid {st.pid}) {_exit_words(rc)}")
+                return
+            with self._cond:
+                st.last_progress = time.monotonic()
+                if isinstance(msg, StepProgress):
+                    st.steps_done = msg.steps_done
+                elif isinstance(msg, Ready):
+                    st.ready, st.stats = msg, msg.stats
+                elif isinstance(msg, Result):
+                    st.result, st.pending, st.stats = msg, False, msg.stats
+                self._cond.notify_all()
+            if isinstance(msg, RankFailure):
+                self.fault(msg.message)
+
+    def _check_children(self) -> bool:
+        """Fault (and True) if a child rank has exited."""
+        for st in self.ranks[1:]:
+            rc = st.proc.poll() if st.proc else None
+            if rc is not None and not self.stopping:
+                self.fault(f"rank {st.rank} (pid {st.pid}) {_exit_words(rc)}")
+                return True
+        return False
+
+    def _monitor(self) -> None:
+        while not self.failed and not self.stopping:
+            time.sleep(0.1)
+            if self._check_children():
+                return
+            self.progress.poll()
+            now = time.monotonic()
+            with self._cond:
+                self.ranks[0].last_progress = max(self.ranks[0].last_progress, self.progress.last)
+                stalled = [st for st in self.ranks if st.pending and now - st.last_progress > self.progress_timeout_s]
+            if stalled:
+                st = stalled[0]
+                self.fault(f"rank {st.rank} made no progress for {now - st.last_progress:.1f} s "
+                           f"(--progress-timeout {self.progress_timeout_s:g})")
+                return
+
+    # -- waves ------------------------------------------------------------------------------------
+    def run_wave(self, assignments: list[Generation | None]) -> list[Result]:
+        """Run one wave (blocking): assignments[r] runs on rank r, None ranks only gather.
+
+        Returns every rank's `Result` (rank order). Raises `WaveError` on a fault.
+        """
+        if self.failed:
+            raise WaveError(self.failed)
+        if len(assignments) != self.cfg.dp:
+            raise ValueError(f"a wave needs {self.cfg.dp} assignments, got {len(assignments)}")
+        wave_gen = next(g for g in assignments if g is not None)
+        self._wave_no += 1
+        now = time.monotonic()
+        with self._cond:
+            for st in self.ranks:
+                st.pending, st.result, st.last_progress, st.steps_done = True, None, now, 0
+        for st, gen in zip(self.ranks[1:], assignments[1:]):
+            assert st.conn is not None
+            st.conn.send(WaveAssignment(self._wave_no, wave_gen, gen))
+        self.progress.tick()
+        try:
+            res0 = run_assignment(self.pipe, self.cfg, self._wave_no, assignments[0], wave_gen)
+        except Exception as e:
+            # A dead peer breaks the collective under rank 0, often before its exit is noticed:
+            # give the peer's fault a moment to be seen so the 503 names the rank that died.
+            deadline = time.monotonic() + 2.0
+            while not self.failed and not self._check_children() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if self.failed:  # another rank failed first and broke the collective under us
+                log.warning("rank 0 stopped in wave %d after the fault: %s: %s", self._wave_no, type(e).__name__, e)
+            else:
+                log.exception("rank 0 failed in wave %d", self._wave_no)
+                self.fault(f"rank 0 failed: {type(e).__name__}: {e}")
+            raise WaveError(self.failed or str(e)) from e
+        with self._cond:
+            st0 = self.ranks[0]
+            st0.result, st0.pending, st0.stats = res0, False, res0.stats
+            self._cond.wait_for(lambda: self.failed or not any(st.pending for st in self.ranks))
+            if self.failed:
+                raise WaveError(self.failed)
+            return [st.result for st in self.ranks]  # type: ignore[misc]
+
+    def steps_done(self, rank: int) -> int:
+        """Denoising steps the rank's current request has finished (rank 0: live; others: last report)."""
+        return self.pipe.steps_done if rank == 0 and self.pipe is not None else self.ranks[rank].steps_done
+
+    def kill(self) -> None:
+        """Last resort (a fault left a thread stuck in a collective): SIGKILL every live child now."""
+        self.stopping = True
+        for st in self.ranks[1:]:
+            if st.proc is not None and st.proc.poll() is None:
+                st.proc.kill()
+
+    # -- stop -------------------------------------------------------------------------------------
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Stop every child (politely, then SIGKILL) and leave the process group."""
+        self.stopping = True
+        for st in self.ranks[1:]:
+            if st.conn is not None and not self.failed:
+                try:
+                    st.conn.send(Stop())
+                except OSError:
+                    pass
+        deadline = time.monotonic() + (grace_s if not self.failed else 0.5)
+        for st in self.ranks[1:]:
+            if st.proc is None:
+                continue
+            try:
+                st.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                st.proc.kill()
+                st.proc.wait()
+        if not self.failed:
+            destroy_group()
+        if self._listener is not None:
+            self._listener.close()
+
+
+def _exit_words(rc: int | None) -> str:
+    if rc is None:
+        return "closed its control connection"
+    if rc < 0:
+        try:
+            return f"was killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"was killed by signal {-rc}"
+    return f"exited with code {rc}"
