@@ -115,7 +115,9 @@ class KubernetesPods:
 
 
 def scrape_pinned(url: str, timeout: float = SCRAPE_TIMEOUT_S) -> dict[str, float]:
-    """Sum of an engine's `dlo_host_pinned_bytes` over ranks, by `source`."""
+    """An engine's `dlo_host_pinned_bytes` for the whole pod, by `source`: private arenas
+    (`shared="false"`) add up over ranks; the registered page cache (`shared="true"`) is one set of
+    pages every rank registers, so it counts once (the largest rank's figure)."""
     with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout) as resp:
         text = resp.read().decode()
     out: dict[str, float] = {}
@@ -124,5 +126,8 @@ def scrape_pinned(url: str, timeout: float = SCRAPE_TIMEOUT_S) -> dict[str, floa
             continue
         for s in family.samples:
             source = s.labels.get("source", "unknown")
-            out[source] = out.get(source, 0.0) + s.value
+            if s.labels.get("shared") == "true":
+                out[source] = max(out.get(source, 0.0), s.value)
+            else:
+                out[source] = out.get(source, 0.0) + s.value
     return out

@@ -65,6 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a rank may go without progress (a transformer block, a step) inside a wave "
                              "before the wave fails with 503 and the server exits; a wave that progresses never "
                              "times out")
+    parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                        help="every rank runs one smallest-size generation before /ready turns 200, so the "
+                             "first clients do not pay start-up costs (graph capture, library set-up, first "
+                             "text-encoder and VAE calls); its seconds are in the ready log and /ready")
     parser.add_argument("--limits", type=Path, default=None,
                         help="JSON or YAML file of request limits (max_width, max_height, max_steps, max_n, "
                              "max_frames, max_prompt_chars, max_sequence_length, video_fps, ...)")
@@ -204,7 +208,7 @@ def main(args: argparse.Namespace) -> int:
     )
     engine = Engine(cfg, limits=limits, facts=facts, model_id=args.served_model_name or model_dir.name,
                     progress_timeout_s=args.progress_timeout, max_queue=args.max_queue,
-                    wave_window_ms=args.wave_window_ms)
+                    wave_window_ms=args.wave_window_ms, warmup=args.warmup)
     engine.group.spawn()
     app = create_app(engine, api_key)
     server = _server_class()(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

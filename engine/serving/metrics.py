@@ -32,8 +32,12 @@ class _RankCollector:
         wait = CounterMetricFamily("dlo_gather_wait_seconds", "compute time spent waiting for weights", labels=["rank"])
         h2d = CounterMetricFamily("dlo_h2d_bytes", "host-to-device weight bytes", labels=["rank"])
         coll = CounterMetricFamily("dlo_collective_bytes", "bytes received by weight gathers", labels=["rank"])
-        pinned = GaugeMetricFamily("dlo_host_pinned_bytes", "host memory made DMA-able by this rank",
-                                   labels=["rank", "source"])
+        pinned = GaugeMetricFamily(
+            "dlo_host_pinned_bytes",
+            "host memory made DMA-able by this rank; shared=\"true\": the registered page cache, the same "
+            "pages for every rank of the pod (count once per pod: max over ranks); shared=\"false\": the "
+            "rank's own arena (sum over ranks)",
+            labels=["rank", "source", "shared"])
         slot = GaugeMetricFamily("dlo_device_slot_bytes", "the two device slots", labels=["rank"])
         resident = GaugeMetricFamily("dlo_device_resident_bytes", "non-block and resident-block weights on the device",
                                      labels=["rank"])
@@ -46,7 +50,8 @@ class _RankCollector:
             coll.add_metric([r], float(stats.get("collective_bytes", 0)))
             source = report.get("weights_source", "arena")
             if source in ("arena", "registered"):
-                pinned.add_metric([r, source], float(report.get("host_pinned_bytes", 0)))
+                shared = "true" if source == "registered" else "false"
+                pinned.add_metric([r, source, shared], float(report.get("host_pinned_bytes", 0)))
             slot.add_metric([r], float(report.get("slot_bytes", 0)))
             resident.add_metric([r], float(report.get("resident_bytes", 0)))
             peak.add_metric([r], float(stats.get("device_memory_peak_bytes", 0)))

@@ -90,14 +90,23 @@ def run_assignment(pipe: Any, cfg: RankConfig, wave: int, mine: Generation | Non
     return Result(wave, pipe.stats())
 
 
-def destroy_group() -> None:
-    try:
-        import torch.distributed as dist
+LEAVE_GROUP_TIMEOUT_S = 5.0
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:  # the group may be broken after a fault; the process is exiting anyway
-        log.debug("destroy_process_group failed", exc_info=True)
+
+def leave(pipe: Any, clean: bool) -> None:
+    """A rank's teardown: the pipeline (transfer graphs, hooks, DMA registrations) first, then the
+    process group, bounded. After a fault (`clean` False) the communicator is not touched: a peer may
+    be gone and the teardown would wait for it; the process exit reclaims everything."""
+    from dlo.engine.platform import leave_group
+
+    if not clean:
+        return
+    if pipe is not None:
+        try:
+            pipe.close()
+        except Exception:  # exiting anyway: say so, never hang on it
+            log.warning("closing the pipeline failed", exc_info=True)
+    leave_group(LEAVE_GROUP_TIMEOUT_S)
 
 
 def main() -> int:
@@ -118,6 +127,8 @@ def main() -> int:
             conn.send(msg)
 
     send(Hello(rank, os.getpid()))
+    pipe = None
+    clean = False
     try:
         pipe = init_rank(cfg, rank)
         progress = Progress(gathers(pipe))
@@ -150,6 +161,7 @@ def main() -> int:
                 log.warning("rank %d: control connection closed by rank 0; exiting", rank)
                 return 1
             if isinstance(msg, Stop):
+                clean = True
                 return 0
             if isinstance(msg, WaveAssignment):
                 progress.tick()
@@ -163,8 +175,11 @@ def main() -> int:
         return 1
     finally:
         stop.set()
-        destroy_group()
+        leave(pipe, clean)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    logging.shutdown()
+    # No interpreter teardown: a communicator left by timeout must not be destroyed again there.
+    os._exit(code)

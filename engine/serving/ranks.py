@@ -57,7 +57,7 @@ from dlo.engine.serving.rank_main import (
     AUTHKEY_ENV,
     CONFIG_ENV,
     RANK_ENV,
-    destroy_group,
+    leave,
     gathers,
     init_rank,
     ready_message,
@@ -267,16 +267,19 @@ class RankGroup:
                 except OSError:
                     pass
         deadline = time.monotonic() + (grace_s if not self.failed else 0.5)
+        # Rank 0 leaves the group while the children leave theirs: an NCCL teardown waits for its
+        # peers, so rank 0 waiting for the children to exit first would wait for ever (bounded
+        # anyway by `leave`).
+        leave(self.pipe, clean=not self.failed)
         for st in self.ranks[1:]:
             if st.proc is None:
                 continue
             try:
                 st.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                log.warning("rank %d did not exit within the grace; killing it", st.rank)
                 st.proc.kill()
                 st.proc.wait()
-        if not self.failed:
-            destroy_group()
         if self._listener is not None:
             self._listener.close()
 

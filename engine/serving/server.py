@@ -258,7 +258,7 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
         if not engine.ready:
             return JSONResponse({"ready": False, "state": engine.state, "reason": engine.failure}, status_code=503)
         return JSONResponse({"ready": True, "mode": engine.cfg.mode, "dp": engine.cfg.dp,
-                             "ranks": engine.rank_summary()})
+                             "warmup_seconds": engine.warmup_seconds, "ranks": engine.rank_summary()})
 
     @app.get("/metrics", summary="Prometheus metrics (CONTRACTS.md section 5)")
     async def metrics() -> Response:

@@ -81,7 +81,7 @@ def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
 
 class Engine:
     def __init__(self, cfg: RankConfig, *, limits: Limits, facts: PipelineFacts, model_id: str,
-                 progress_timeout_s: float, max_queue: int, wave_window_ms: float):
+                 progress_timeout_s: float, max_queue: int, wave_window_ms: float, warmup: bool = True):
         self.cfg, self.limits, self.facts, self.model_id = cfg, limits, facts, model_id
         self.max_queue, self.window_s = max_queue, wave_window_ms / 1000.0
         self.state: State = "loading"
@@ -93,6 +93,8 @@ class Engine:
         self.created = int(time.time())
         self.videos: dict[str, VideoJob] = {}
         self.waves_run = 0
+        self.warmup = warmup
+        self.warmup_seconds: float | None = None
         self._queue: WaveQueue | None = None
         self._inflight: list[Pending] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -117,12 +119,34 @@ class Engine:
             return
         ready0 = self.group.ranks[0].ready
         assert ready0 is not None  # start() returned: every rank is ready
+        if self.warmup:
+            t1 = time.perf_counter()
+            try:
+                await _in_daemon_thread(lambda: self.group.run_wave([self.warmup_generation()] * self.cfg.dp))
+            except Exception as e:  # a pipeline that cannot run its smallest request never serves
+                if self.failure is None:
+                    log.exception("warm-up failed")
+                    self._on_fault(f"warm-up failed: {type(e).__name__}: {e}")
+                return
+            self.warmup_seconds = time.perf_counter() - t1
+        if self.state != "loading":
+            return
         self.metrics.set_info(self.cfg.mode, self.cfg.dp, self.facts.family, self.cfg.device,
                               ready0.facts.report.weights_source)
         self._enter("ready")
-        log.info("engine ready mode=%s dp=%d family=%s device=%s seconds=%.1f", self.cfg.mode, self.cfg.dp,
-                 self.facts.family, self.cfg.device, time.perf_counter() - t0)
+        log.info("engine ready mode=%s dp=%d family=%s device=%s seconds=%.1f warmup_seconds=%s", self.cfg.mode,
+                 self.cfg.dp, self.facts.family, self.cfg.device, time.perf_counter() - t0,
+                 "off" if self.warmup_seconds is None else f"{self.warmup_seconds:.2f}")
         self._tasks.append(asyncio.create_task(self._schedule()))
+
+    def warmup_generation(self) -> Generation:
+        """The smallest valid request, run once by every rank before `/ready` turns 200: it goes
+        through every path a request uses (text encoder, transformer with its gathers and transfer
+        graphs, every CFG branch, scheduler, VAE decode, encoding), so library initialisation and
+        first-call costs are paid before the first client, not by it."""
+        m = self.facts.size_multiple
+        return Generation(kind="image", prompt="warm-up", seed=0, width=m, height=m, steps=2,
+                          guidance_scale=self.facts.default_guidance)
 
     def _enter(self, state: State) -> None:
         """The one place the lifecycle changes (and `dlo_ready` with it); `failed` is final."""

@@ -1,0 +1,63 @@
+"""`dlo serve` start and stop: every rank warms up before /ready, an idle server exits 0 on SIGTERM.
+
+Real processes (rank 0 + a child rank over gloo) and real HTTP. The teardown these tests guard is the
+one that hung on NCCL (allgather mode): ranks leave the process group together and bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import psutil
+import pytest
+
+from dlo.engine.serving.launch import ServerProcess
+from tests.engine.serving_helpers import tiny_pipeline
+from tests.reliability.procs import survivors
+
+pytestmark = pytest.mark.slow
+
+EXIT_WITHIN_S = 10.0  # issue goal for an idle server on SIGTERM, in every mode
+
+
+@pytest.mark.parametrize("mode,dp", [("allgather", 2), ("rank-local", 2), ("resident", 1)])
+def test_idle_server_warms_up_then_exits_zero_on_sigterm(tmp_path_factory, tmp_path, mode, dp):
+    model = tiny_pipeline(tmp_path_factory, "wan")
+    log = tmp_path / "serve.log"
+    srv = ServerProcess(model, "--dp", str(dp), "--mode", mode, "--device", "cpu", "--small-limits", log_path=log)
+    srv.start(ready_timeout_s=240)
+    try:
+        ready = srv.ready_info()
+        # Warm-up ran on every rank before ready: its seconds are reported, and every rank already
+        # gathered weights (the children's stats come from their warm-up Result).
+        assert ready["warmup_seconds"] is not None and ready["warmup_seconds"] > 0
+        if mode != "resident":
+            gathers = [r["stats"]["gathers"] for r in ready["ranks"]]
+            assert len(gathers) == dp and all(g > 0 for g in gathers), gathers
+        # Warm-up is not a client request: no wave or request metric counts it.
+        metrics = srv.metrics()
+        assert not any(v for _, v in metrics.get("dlo_wave_size_count", []))
+        tree = [psutil.Process(srv.proc.pid), *psutil.Process(srv.proc.pid).children(recursive=True)]
+        assert len(tree) >= dp
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        rc = srv.proc.wait(timeout=EXIT_WITHIN_S + 20)
+        exited = time.monotonic() - t0
+        left = survivors(tree, 5.0)
+    finally:
+        srv.stop()
+    assert rc == 0, log.read_text()[-3000:]
+    assert not left, f"processes left behind: {left}"
+    print(json.dumps({"mode": mode, "dp": dp, "exit_seconds": round(exited, 2),
+                      "warmup_seconds": round(ready["warmup_seconds"], 3)}))
+    assert exited <= EXIT_WITHIN_S, f"{mode} dp{dp} took {exited:.1f} s to exit after SIGTERM"
+    assert "warmup_seconds=" in log.read_text()
+
+
+def test_no_warmup_flag_reports_none(tmp_path_factory, tmp_path):
+    model = tiny_pipeline(tmp_path_factory, "wan")
+    with ServerProcess(model, "--dp", "1", "--mode", "rank-local", "--device", "cpu", "--small-limits",
+                       "--no-warmup", log_path=tmp_path / "serve.log") as srv:
+        assert srv.ready_info()["warmup_seconds"] is None
