@@ -5,7 +5,7 @@
 
 Per configuration (resident dp1, then allgather and rank-local at --dp) one server is started:
 - `ready_seconds` from start to `/ready` 200, and the warm-up the server reports in `/ready`;
-- the first request after ready against the median of 3 warm single requests (`first_request_over_warm`);
+- the first request after ready against the median of 5 warm single requests (`first_request_over_warm`);
 - throughput of 8 sequential single requests against 8 waves of dp concurrent requests
   (`wave_throughput_over_single`);
 - SHA256 of the PNG bytes per seed (identical across configurations is the claim);
@@ -69,6 +69,8 @@ def run_config(args: argparse.Namespace, model: Path, mode: str, dp: int, log: P
     from dlo.engine.serving.launch import ServerProcess
 
     extra = ["--dp", str(dp), "--mode", mode, "--device", args.device]
+    if args.warmup_size:
+        extra += ["--warmup-size", args.warmup_size]
     srv = ServerProcess(model, *extra, log_path=log)
     t0 = time.perf_counter()
     srv.start(ready_timeout_s=420)
@@ -76,7 +78,7 @@ def run_config(args: argparse.Namespace, model: Path, mode: str, dp: int, log: P
     try:
         client = _client(srv.url)
         first, _ = _generate(client, args, 100)
-        warm = [_generate(client, args, 101 + i)[0] for i in range(3)]
+        warm = [_generate(client, args, 101 + i)[0] for i in range(5)]
         t1 = time.perf_counter()
         singles = [_generate(client, args, 200 + i) for i in range(8)]
         t_single = time.perf_counter() - t1
@@ -109,6 +111,7 @@ def main() -> None:
     ap.add_argument("--size", default="512x512")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--warmup-size", default=None, help="dlo serve --warmup-size (default: the smallest valid size)")
     ap.add_argument("--configs", default="resident:1,allgather:DP,rank-local:DP")
     ap.add_argument("--raw", required=True)
     args = ap.parse_args()

@@ -69,6 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="every rank runs one smallest-size generation before /ready turns 200, so the "
                              "first clients do not pay start-up costs (graph capture, library set-up, first "
                              "text-encoder and VAE calls); its seconds are in the ready log and /ready")
+    parser.add_argument("--warmup-size", default=None, metavar="WxH",
+                        help="size of the warm-up generation (default: the smallest valid size); the size most "
+                             "requests ask for also warms the kernels chosen per shape, which a fresh node "
+                             "otherwise loads on the first such request")
     parser.add_argument("--limits", type=Path, default=None,
                         help="JSON or YAML file of request limits (max_width, max_height, max_steps, max_n, "
                              "max_frames, max_prompt_chars, max_sequence_length, video_fps, ...)")
@@ -174,6 +178,7 @@ def main(args: argparse.Namespace) -> int:
     from dlo.engine.ports import free_port
     from dlo.engine.serving.control import RankConfig
     from dlo.engine.serving.limits import SMALL, Limits
+    from dlo.engine.serving.api_models import ApiError, parse_size
     from dlo.engine.serving.server import create_app
     from dlo.engine.serving.service import Engine
 
@@ -186,6 +191,10 @@ def main(args: argparse.Namespace) -> int:
         cached_checkpoint(model_dir / "transformer")
         limits = Limits.load(args.limits, SMALL if args.small_limits else None, max_steps=args.max_steps,
                              max_width=args.max_size, max_height=args.max_size)
+        warmup_size = parse_size(args.warmup_size, facts, limits) if args.warmup_size else None
+    except ApiError as e:
+        print(f"dlo serve: --warmup-size: {e.message}", file=sys.stderr)
+        return 2
     except CheckpointError as e:
         print(f"dlo serve: refusing a broken checkpoint: CheckpointError: {e}", file=sys.stderr)
         return 2
@@ -208,7 +217,7 @@ def main(args: argparse.Namespace) -> int:
     )
     engine = Engine(cfg, limits=limits, facts=facts, model_id=args.served_model_name or model_dir.name,
                     progress_timeout_s=args.progress_timeout, max_queue=args.max_queue,
-                    wave_window_ms=args.wave_window_ms, warmup=args.warmup)
+                    wave_window_ms=args.wave_window_ms, warmup=args.warmup, warmup_size=warmup_size)
     engine.group.spawn()
     app = create_app(engine, api_key)
     server = _server_class()(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

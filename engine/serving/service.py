@@ -81,7 +81,8 @@ def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
 
 class Engine:
     def __init__(self, cfg: RankConfig, *, limits: Limits, facts: PipelineFacts, model_id: str,
-                 progress_timeout_s: float, max_queue: int, wave_window_ms: float, warmup: bool = True):
+                 progress_timeout_s: float, max_queue: int, wave_window_ms: float, warmup: bool = True,
+                 warmup_size: tuple[int, int] | None = None):
         self.cfg, self.limits, self.facts, self.model_id = cfg, limits, facts, model_id
         self.max_queue, self.window_s = max_queue, wave_window_ms / 1000.0
         self.state: State = "loading"
@@ -94,6 +95,7 @@ class Engine:
         self.videos: dict[str, VideoJob] = {}
         self.waves_run = 0
         self.warmup = warmup
+        self.warmup_size = warmup_size
         self.warmup_seconds: float | None = None
         self._queue: WaveQueue | None = None
         self._inflight: list[Pending] = []
@@ -140,12 +142,13 @@ class Engine:
         self._tasks.append(asyncio.create_task(self._schedule()))
 
     def warmup_generation(self) -> Generation:
-        """The smallest valid request, run once by every rank before `/ready` turns 200: it goes
+        """The smallest valid request (or `--warmup-size`), run once by every rank before `/ready` turns 200: it goes
         through every path a request uses (text encoder, transformer with its gathers and transfer
         graphs, every CFG branch, scheduler, VAE decode, encoding), so library initialisation and
         first-call costs are paid before the first client, not by it."""
         m = self.facts.size_multiple
-        return Generation(kind="image", prompt="warm-up", seed=0, width=m, height=m, steps=2,
+        w, h = self.warmup_size or (m, m)
+        return Generation(kind="image", prompt="warm-up", seed=0, width=w, height=h, steps=2,
                           guidance_scale=self.facts.default_guidance)
 
     def _enter(self, state: State) -> None:
