@@ -419,11 +419,15 @@ def merge(args: argparse.Namespace) -> None:
                                       "measured_ms": {"allgather": ag * 1e3, "rank-local": rl * 1e3},
                                       "on_this_node": ((pol.get("plans") or {}).get(f"node/{w}") or {}).get("choice")}
     if args.serve:
-        serve = json.loads(Path(args.serve).read_text())
-        rec["serve"] = serve
-        s["serve_wave_throughput_over_single"] = serve.get("summary", {}).get("wave_throughput_over_single")
-        s["first_request_over_warm"] = serve.get("summary", {}).get("first_request_over_warm")
-        s["shutdown_seconds"] = serve.get("summary", {}).get("shutdown_seconds")
+        # One entry per serve run (each a device call), keyed by file name; the first run's figures
+        # head the summary, every run's are kept under `serve_runs`.
+        serves = {Path(p).stem: json.loads(Path(p).read_text()) for p in args.serve}
+        rec["serve"] = serves
+        s["serve_runs"] = {k: {**v.get("summary", {}), "command": v.get("command")} for k, v in serves.items()}
+        first = next(iter(serves.values())).get("summary", {})
+        s["serve_wave_throughput_over_single"] = first.get("wave_throughput_over_single")
+        s["first_request_over_warm"] = {k: v.get("first_request_over_warm") for k, v in s["serve_runs"].items()}
+        s["shutdown_seconds"] = {k: v.get("shutdown_seconds") for k, v in s["serve_runs"].items()}
     rec["summary"] = s
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -521,7 +525,7 @@ def main() -> None:
     m = sub.add_parser("merge", help="raw files -> <tag>.{json,md,png}")
     m.add_argument("raw_files", nargs="+")
     m.add_argument("--tag", required=True)
-    m.add_argument("--serve", default=None, help="the serve benchmark's raw JSON (bench/serve_h200.py)")
+    m.add_argument("--serve", nargs="*", default=None, help="raw JSON of serve runs (bench/serve_h200.py)")
     m.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     run(args) if args.cmd == "run" else merge(args)
