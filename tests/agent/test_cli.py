@@ -169,6 +169,19 @@ def test_help_explains_each_command(command: str, words: list[str]) -> None:
         assert w in text
 
 
+def test_agent_default_port_is_the_charts_not_dcgm_exporters() -> None:
+    import yaml
+
+    from dlo.agent.cli import DEFAULT_PORT, agent_parser
+
+    chart_port = yaml.safe_load((ROOT / "charts/dlo/values.yaml").read_text())["agent"]["port"]
+    assert agent_parser().parse_args([]).port == DEFAULT_PORT == chart_port == 9435
+    r = dlo("agent", "--help")
+    text = " ".join(r.stdout.split())
+    assert "default 9435" in text and "9400" in text  # 9400 only where it says whose port that is
+    assert "--port 9435" in text
+
+
 def test_agent_command_serves_until_sigterm(models_root: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "dlo.cli.main", "agent", "--port", "0", "--host", "127.0.0.1",
