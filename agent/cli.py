@@ -222,6 +222,7 @@ def run_agent(argv: list[str]) -> int:
     except (OSError, ValueError) as e:
         return fail("dlo agent", e)
     stop = _stop_on_signals()
+    agent.start_model_loop(stop)  # model folders are scanned here, never on a scrape
     threads = []
     if pods is not None:
         threads.append(threading.Thread(target=publish_loop, args=(agent, pods.annotate_node, stop,

@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -197,8 +198,14 @@ def test_agent_command_serves_until_sigterm(models_root: Path) -> None:
                 port = int(m.group(1))
                 break
         assert port
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/profile", timeout=10) as r:
-            p = NodeProfile.model_validate_json(r.read())
+        # the node loop scans the models root next to the server: wait for its first scan to be in
+        deadline = time.monotonic() + 30
+        while True:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/profile", timeout=10) as r:
+                p = NodeProfile.model_validate_json(r.read())
+            if p.models or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         assert p.node == "cli-node" and "tiny-wan" in p.models
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
             assert b'dlo_model_bytes{model="tiny-wan"}' in r.read()
