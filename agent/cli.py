@@ -34,6 +34,9 @@ from dlo.cli.args import (
     ratio,
 )
 
+# The agent's port, the chart's `agent.port`: not 9400, which dcgm-exporter serves on the same nodes.
+DEFAULT_PORT = 9435
+
 
 def run(command: str, argv: list[str]) -> int:
     from dlo.agent.plan_cli import run_plan
@@ -174,9 +177,10 @@ def agent_parser() -> argparse.ArgumentParser:
             "node annotation dlo.dev/node-profile. Run with hostPID and read-only host mounts of "
             "/proc and /sys/fs/cgroup (pass them with --proc-root/--cgroup-root)."
         ),
-        epilog="example: dlo agent --port 9400 --models-root /models --engine-url http://127.0.0.1:8000",
+        epilog="example: dlo agent --port 9435 --models-root /models --engine-url http://127.0.0.1:8000",
     )
-    p.add_argument("--port", type=port, default=9400, help="HTTP port (default 9400; 0 picks a free one)")
+    p.add_argument("--port", type=port, default=DEFAULT_PORT,
+                   help=f"HTTP port (default {DEFAULT_PORT}; not 9400, dcgm-exporter's; 0 picks a free one)")
     p.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
     p.add_argument("--node-name", default=os.environ.get("NODE_NAME") or socket.gethostname(),
                    help="this node's name (default: $NODE_NAME, else the host name)")
@@ -218,6 +222,7 @@ def run_agent(argv: list[str]) -> int:
     except (OSError, ValueError) as e:
         return fail("dlo agent", e)
     stop = _stop_on_signals()
+    agent.start_model_loop(stop)  # model folders are scanned here, never on a scrape
     threads = []
     if pods is not None:
         threads.append(threading.Thread(target=publish_loop, args=(agent, pods.annotate_node, stop,

@@ -1,7 +1,8 @@
 """The agent's Prometheus collector: every agent metric of CONTRACTS.md section 5, at scrape time.
 
 Owns: the metric names, help texts, labels and units of the agent table (a contract; plus
-`dlo_model_transformer_bytes`, see [Note: model bytes]), which pods
+`dlo_model_transformer_bytes`, see [Note: model bytes], and `dlo_model_error`, see
+[Note: broken models]), which pods
 get per-pod series (DLO pods only in a cluster, every pod by UID outside one), and the registry
 the HTTP server exposes (`make_registry`).
 Must never: import torch, keep state between scrapes (the node agent, `dlo.agent.node`, owns the
@@ -19,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from dlo.agent.memory import CGROUP_KINDS, NODE_KINDS, MemorySnapshot
+from dlo.agent.modelcheck import REASONS
 from dlo.agent.node import Agent
 from dlo.agent.pods import EngineTarget, PodInfo, scrape_pinned
 from dlo.agent.topology import ModelFolder, can_register_page_cache
@@ -118,6 +120,20 @@ class AgentCollector:
         ratio = GaugeMetricFamily(
             "dlo_model_page_cache_resident_ratio", "page-cache residency of the model's files, 0..1", labels=["model"]
         )
+        # [Note: broken models] A folder that cannot be loaded (dlo.agent.modelcheck) has no
+        # residency and no transformer size (absent, never 1.0 or 0: its pages are not the model's),
+        # and dlo_model_error{reason} is 1 for the reason it is broken. Every folder has one series
+        # per reason (0 when not that), as kube-state-metrics does for waiting reasons: the series
+        # exist before anything breaks, and a change of reason is a 1 -> 0 and a 0 -> 1.
+        error = GaugeMetricFamily(
+            "dlo_model_error",
+            "1 while the model folder cannot be loaded, for the reason it cannot (truncated, unreadable, "
+            "bad_header, bad_index, no_config, missing_shard), else 0; residency is then unknown (absent)",
+            labels=["model", "reason"],
+        )
+        for m in models:
+            for reason in REASONS:
+                error.add_metric([m.name, reason], 1.0 if m.error is not None and m.error.reason == reason else 0.0)
         for m in models:
             size.add_metric([m.name], float(m.files_bytes))
             if m.facts is not None:
@@ -125,7 +141,7 @@ class AgentCollector:
             if m.resident_bytes is not None and m.resident_ratio is not None:
                 res.add_metric([m.name], float(m.resident_bytes))
                 ratio.add_metric([m.name], m.resident_ratio)
-        yield from (size, transformer, res, ratio)
+        yield from (size, transformer, res, ratio, error)
         dur = GaugeMetricFamily("dlo_warm_duration_seconds", "duration of the last warm", labels=["model"])
         runs = CounterMetricFamily("dlo_warm_runs", "warms run by this agent", labels=["model", "result"])
         for name, rec in sorted(self.agent.warm_records.items()):

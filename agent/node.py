@@ -1,13 +1,16 @@
 """The node agent's state and background loops: what one scrape or one publish reads.
 
 Owns: `AgentConfig` (what `dlo agent` was started with), `Agent` (the sources every scrape and
-`/profile` read: memory snapshot, model folders cached for `models_ttl_s`, pods listed at most every
-`pods_ttl_s` and kept through API outages, the `NodeProfile` with the calibration applied, the
-engines to scrape), agent-side warming with its per-model records, and the two loops `dlo agent`
-runs in threads: `publish_loop` (patch the node annotation when the profile changes) and
-`warm_loop`.
-Must never: import torch, write anything on the host but the page cache it warms, or let an API
-error or one unreadable source end a loop (it is logged and the next round retries).
+`/profile` read: memory snapshot, model folders scanned by the node loop every `models_ttl_s`, pods
+listed at most every `pods_ttl_s` and kept through API outages, the `NodeProfile` with the
+calibration applied, the engines to scrape), the log of broken model folders (one WARNING per change
+of state), agent-side warming with its per-model records, and the loops `dlo agent` runs in threads:
+`model_loop` (scan the model folders: facts, residency, broken files), `publish_loop` (patch the node
+annotation when the profile changes) and `warm_loop`.
+Must never: import torch, write anything on the host but the page cache it warms, let an API
+error or one unreadable source end a loop (it is logged and the next round retries), or scan the
+models root on a scrape while `model_loop` runs (a scan reads every header and measures every
+file's residency: with many or huge files it takes longer than a scrape may).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from dlo.agent.memory import CgroupFS, MemorySnapshot, ProcFS, snapshot
+from dlo.agent.modelcheck import ModelError
 from dlo.agent.pods import EngineTarget, PodInfo, PodSource, engine_targets
 from dlo.agent.profile import CalibrationFragment, NodeProfile, apply_calibration, parse_file
 from dlo.agent.topology import Devices, ModelFolder, build_profile, detect_devices, model_folders
@@ -64,7 +68,11 @@ class Agent:
         self.warm_records: dict[str, WarmRecord] = {}
         self._models: tuple[float, list[ModelFolder]] | None = None
         self._pods: tuple[float, list[PodInfo]] | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the last scan (a swap, never held during a scan)
+        self._scan_lock = threading.Lock()  # one scan at a time (node loop, warming)
+        self._model_loop = False
+        self.models_scanned = threading.Event()  # set once the first scan finished
+        self.model_errors: dict[str, ModelError] = {}  # broken folders of the last scan
 
     @staticmethod
     def _load_calibration(path: Path | None) -> CalibrationFragment | None:
@@ -78,11 +86,52 @@ class Agent:
     # -- sources ------------------------------------------------------------------------------
 
     def models(self, fresh: bool = False) -> list[ModelFolder]:
+        """The model folders of the last scan. While `model_loop` runs, this never scans (before its
+        first scan finishes there are none: their series are absent, not 0); without the loop
+        (library use) a missing or stale scan is made here. `fresh`: scan now, whatever."""
+        if fresh:
+            return self.scan_models()
         with self._lock:
-            now = time.monotonic()
-            if fresh or self._models is None or now - self._models[0] > self.cfg.models_ttl_s:
-                self._models = (now, model_folders(self.cfg.models_root))
-            return self._models[1]
+            last, looping = self._models, self._model_loop
+        if last is not None and (looping or time.monotonic() - last[0] <= self.cfg.models_ttl_s):
+            return last[1]
+        return [] if looping else self.scan_models()
+
+    def scan_models(self) -> list[ModelFolder]:
+        """Scan the models root (facts, residency, broken files), keep the result, log changes."""
+        with self._scan_lock:
+            folders = model_folders(self.cfg.models_root)
+            self._note_errors(folders)
+            with self._lock:
+                self._models = (time.monotonic(), folders)
+            self.models_scanned.set()
+        return folders
+
+    def _note_errors(self, folders: list[ModelFolder]) -> None:
+        """One log line per change of state of a folder (broken, reason changed, repaired), never
+        one per scan."""
+        now = {m.name: m.error for m in folders if m.error is not None}
+        for name, err in sorted(now.items()):
+            before = self.model_errors.get(name)
+            if before is None or before.reason != err.reason:
+                log.warning("model broken model=%s reason=%s error=%s", name, err.reason, err.message)
+        present = {m.name for m in folders}
+        for name in sorted(self.model_errors.keys() - now.keys()):
+            log.info("model %s model=%s", "no longer broken" if name in present else "folder removed", name)
+        self.model_errors = now
+
+    @property
+    def model_loop_running(self) -> bool:
+        return self._model_loop
+
+    def start_model_loop(self, stop: threading.Event) -> threading.Thread:
+        """Run `model_loop` in a daemon thread; from now on scrapes only read its last scan."""
+        with self._lock:
+            self._model_loop = True
+        t = threading.Thread(target=model_loop, args=(self, stop, self.cfg.models_ttl_s),
+                             name="dlo-agent-models", daemon=True)
+        t.start()
+        return t
 
     def profile(self) -> NodeProfile:
         p = build_profile(
@@ -116,6 +165,8 @@ class Agent:
     def warm_models(self) -> None:
         """Warm every model folder whose residency is below the threshold; record the outcome."""
         for m in self.models(fresh=True):
+            if m.error is not None:
+                continue  # warming a truncated or unreadable folder cannot help (it is logged as broken)
             ratio = m.resident_ratio if m.files_bytes and m.resident_ratio is not None else 0.0
             if ratio >= self.cfg.warm_threshold:
                 continue
@@ -130,9 +181,22 @@ class Agent:
         self.models(fresh=True)
 
 
+def model_loop(agent: Agent, stop: threading.Event, interval_s: float) -> None:
+    """Scan the model folders every `interval_s` (the node loop behind every scrape's model series)."""
+    while not stop.is_set():
+        try:
+            agent.scan_models()
+        except Exception as e:  # a scan that fails keeps the last one; the next round retries
+            log.warning("model scan failed error=%s", e)
+        stop.wait(interval_s)
+
+
 def publish_loop(agent: Agent, annotate: Callable[[str], None], stop: threading.Event, interval_s: float) -> None:
     """Patch the node annotation whenever the profile changes (checked every `interval_s`)."""
     last = None
+    # With the node loop on, publish once its first scan is in (the models), not before.
+    while agent.model_loop_running and not agent.models_scanned.wait(1.0) and not stop.is_set():
+        pass
     while not stop.is_set():
         try:
             value = agent.profile().to_annotation()

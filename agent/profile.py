@@ -101,6 +101,14 @@ class ModelProfile(_Model):
         )
 
 
+class ModelErrorProfile(_Model):
+    """One entry of `NodeProfile.model_errors`: a model folder that cannot be loaded (truncated,
+    unreadable, ...; dlo.agent.modelcheck). Such a folder has no `models` entry."""
+
+    reason: str = Field(description="one of dlo.agent.modelcheck.REASONS (the dlo_model_error reason label)")
+    message: str = Field("", description="what is wrong, naming the file")
+
+
 class NodeProfile(_Model):
     version: Literal["v1"] = PROFILE_VERSION
     node: str = ""
@@ -114,6 +122,9 @@ class NodeProfile(_Model):
     # True when the bandwidths come from a `dlo calibrate` fragment, False when nominal.
     measured: bool = False
     models: dict[str, ModelProfile] = Field(default_factory=dict)
+    # Optional (absent when none; older readers ignore it): model folders that cannot be loaded,
+    # keyed by folder name. A broken folder is never in `models` (its facts and residency are unknown).
+    model_errors: dict[str, ModelErrorProfile] | None = None
 
     def to_annotation(self) -> str:
         """The compact JSON value of the `dlo.dev/node-profile` node annotation."""

@@ -29,6 +29,11 @@ _CACHESTAT_NR = {"x86_64": 451, "aarch64": 451, "arm64": 451}.get(platform.machi
 MADV_WILLNEED = 3
 
 
+# mincore is asked about this many pages at a time (1 GiB of 4 KiB pages: a 256 KiB vector).
+_MINCORE_CHUNK_PAGES = 1 << 18
+_LOW_BIT = bytes(b & 1 for b in range(256))
+
+
 class ResidencyError(OSError):
     """A file's residency could not be measured (unreadable, or neither syscall works)."""
 
@@ -97,13 +102,22 @@ class Mapping:
             raise _errno_error("mlock", self.path)
 
     def resident_pages(self) -> int:
+        """Resident pages by mincore(2), asked in chunks so that no single call holds the GIL for
+        long (a scan runs next to the agent's HTTP threads) nor allocates a vector per page of a
+        whole multi-TB file."""
         if self.addr is None:
             return 0
         pages = -(-self.size // PAGE)
-        vec = (ctypes.c_ubyte * pages)()
-        if libc.mincore(self.addr, self.size, vec) != 0:
-            raise _errno_error("mincore", self.path)
-        return sum(b & 1 for b in bytes(vec))
+        chunk = min(pages, _MINCORE_CHUNK_PAGES)
+        vec = (ctypes.c_ubyte * chunk)()
+        resident = 0
+        for first in range(0, pages, chunk):
+            n = min(chunk, pages - first)
+            length = min(n * PAGE, self.size - first * PAGE)
+            if libc.mincore(self.addr + first * PAGE, length, vec) != 0:
+                raise _errno_error("mincore", self.path)
+            resident += ctypes.string_at(vec, n).translate(_LOW_BIT).count(1)  # bit 0: resident
+        return resident
 
     def close(self) -> None:
         if self.addr is not None:

@@ -24,17 +24,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dlo.agent.memory import ProcFS
+from dlo.agent.modelcheck import ModelError, check_folder, describe_error, is_model_folder
 from dlo.agent.profile import (
     Accelerator,
     Interconnect,
     InterconnectKind,
+    ModelErrorProfile,
     ModelProfile,
     NodeProfile,
     PcieLink,
     nominal_collective_bps,
     nominal_h2d_bps,
 )
-from dlo.agent.residency import ResidencyError, folder_residency
+from dlo.agent.residency import Residency, ResidencyError, folder_residency, model_files
 from dlo.engine.facts import ModelFacts
 
 log = logging.getLogger(__name__)
@@ -215,59 +217,79 @@ def numa_nodes(sys_root: Path = Path("/sys")) -> int:
 
 @dataclass(frozen=True)
 class ModelFolder:
-    """A model folder under the models root: its files on disk and its transformer's facts."""
+    """A model folder under the models root: its files on disk, its transformer's facts, and why it
+    cannot be loaded when it cannot (`error`, dlo.agent.modelcheck)."""
 
     name: str
     path: Path
     files_bytes: int  # every safetensors file of the folder (transformer, VAE, text encoders)
     resident_bytes: int | None  # of those files, in the page cache; None: unknown
     facts: ModelFacts | None  # the transformer's facts; None when the folder has none we know
+    error: ModelError | None = None  # set while the folder is broken (truncated, unreadable, ...)
 
     @property
     def resident_ratio(self) -> float | None:
-        """Page-cache residency of the folder's files, 0..1 (None: unknown)."""
-        if self.resident_bytes is None:
+        """Page-cache residency of the folder's files, 0..1; None: unknown, as for a broken folder
+        (the pages of a truncated file are not the model's: never report it as resident)."""
+        if self.resident_bytes is None or self.error is not None:
             return None
         return self.resident_bytes / self.files_bytes if self.files_bytes else 1.0
 
     def profile_entry(self) -> ModelProfile | None:
-        """This folder's entry of `NodeProfile.models` (None without facts)."""
-        return None if self.facts is None else ModelProfile.of(self.facts, self.resident_ratio)
+        """This folder's entry of `NodeProfile.models` (None without facts, or while broken)."""
+        if self.facts is None or self.error is not None:
+            return None
+        return ModelProfile.of(self.facts, self.resident_ratio)
 
 
-# folder -> (signature of its transformer files, facts): headers are parsed again only when a file
-# changes; residency is measured on every call.
-_FACTS_CACHE: dict[Path, tuple[tuple, ModelFacts]] = {}
+# folder -> (signature of its files, (error, facts)): headers, indexes and configs are read again only
+# when a file changes (name, size, mtime, ctime: a chmod counts); residency is measured on every call.
+_CHECK_CACHE: dict[Path, tuple[tuple, tuple[ModelError | None, ModelFacts | None]]] = {}
 
 
-def _facts_signature(folder: Path) -> tuple:
-    root = folder / "transformer" if (folder / "transformer").is_dir() else folder
+def _folder_signature(folder: Path) -> tuple:
     sig = []
-    for p in sorted(root.glob("*")):
+    for p in sorted(folder.rglob("*")):
         if p.suffix in (".safetensors", ".json"):
             st = p.stat()
-            sig.append((p.name, st.st_mtime_ns, st.st_size))
+            sig.append((str(p.relative_to(folder)), st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_mode))
     return tuple(sig)
 
 
-def _cached_describe(folder: Path) -> ModelFacts:
+def _check_and_describe(folder: Path) -> tuple[ModelError | None, ModelFacts | None]:
+    """(why the folder is broken or None, its transformer's facts or None); cached per signature."""
+    from dlo.engine.checkpoint import CheckpointError
     from dlo.engine.families import describe
 
-    sig = _facts_signature(folder)
-    hit = _FACTS_CACHE.get(folder)
+    try:
+        sig = _folder_signature(folder)
+    except OSError as e:
+        return ModelError.of("unreadable", f"{folder}: cannot list: {e.strerror or e}"), None
+    hit = _CHECK_CACHE.get(folder)
     if hit is not None and hit[0] == sig:
         return hit[1]
-    facts = describe(folder)
-    _FACTS_CACHE[folder] = (sig, facts)
-    return facts
+    error, facts = check_folder(folder), None
+    if error is None:
+        try:
+            facts = describe(folder)
+        except KeyError as e:  # a model class without a DLO family: not ours to load, not broken
+            log.info("no model facts model=%s reason=%s", folder.name, e)
+        except CheckpointError as e:
+            if e.path.endswith("config.json"):  # a config that is not a diffusers model's: as above
+                log.info("no model facts model=%s reason=%s", folder.name, e)
+            else:
+                error = describe_error(folder, e)
+        except OSError as e:
+            error = ModelError.of("unreadable", e)
+    _CHECK_CACHE[folder] = (sig, (error, facts))
+    return error, facts
 
 
 def model_folders(models_root: Path | None) -> list[ModelFolder]:
-    """Every folder directly under `models_root`, with its facts; broken folders are logged."""
+    """Every model folder directly under `models_root`, with its facts and residency, or why it is
+    broken (`ModelFolder.error`). Logs nothing per folder: the node agent logs each change of state."""
     if models_root is None:
         return []
-    from dlo.engine.checkpoint import CheckpointError
-
     try:
         folders = sorted(p for p in Path(models_root).iterdir() if p.is_dir())
     except OSError as e:
@@ -276,24 +298,34 @@ def model_folders(models_root: Path | None) -> list[ModelFolder]:
     out: list[ModelFolder] = []
     for folder in folders:
         try:
-            res = folder_residency(folder)
-        except (ResidencyError, FileNotFoundError) as e:
-            log.warning("model residency unknown model=%s error=%s", folder.name, e)
-            res = None
-        if res is not None and not res.files:
-            continue  # not a model folder
-        facts = None
-        try:
-            facts = _cached_describe(folder)
-        except (CheckpointError, KeyError, OSError) as e:
-            log.info("no model facts model=%s reason=%s", folder.name, e)
+            if not is_model_folder(folder):
+                continue
+        except OSError as e:
+            out.append(ModelFolder(folder.name, folder, 0, None, None,
+                                   ModelError.of("unreadable", f"{folder}: cannot list: {e.strerror or e}")))
+            continue
+        error, facts = _check_and_describe(folder)
+        res: Residency | None = None
+        if error is None:  # a broken folder's residency is unknown whatever its pages: not measured
+            try:
+                res = folder_residency(folder)
+            except (ResidencyError, FileNotFoundError) as e:
+                error = ModelError.of("unreadable", e)
+        if res is None:
+            try:
+                files_bytes = sum(f.stat().st_size for f in model_files(folder))
+            except OSError:
+                files_bytes = 0
+        else:
+            files_bytes = res.bytes
         out.append(
             ModelFolder(
                 name=folder.name,
                 path=folder,
-                files_bytes=res.bytes if res else 0,
+                files_bytes=files_bytes,
                 resident_bytes=res.resident_bytes if res else None,
-                facts=facts,
+                facts=None if error is not None else facts,
+                error=error,
             )
         )
     return out
@@ -338,6 +370,9 @@ def build_profile(
         can_register_page_cache=can_register_page_cache(acc.vendor),
         measured=False,
         models={m.name: e for m in models if (e := m.profile_entry()) is not None},
+        model_errors={
+            m.name: ModelErrorProfile(reason=m.error.reason, message=m.error.message) for m in models if m.error
+        } or None,
     )
 
 

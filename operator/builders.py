@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -314,8 +315,23 @@ def build_pdb(owner: Owner, spec: DLODeploymentSpec) -> dict[str, Any]:
     }
 
 
+# The target labels the dashboards and alert rules select on (charts/dlo/rules, charts/dlo/dashboards):
+# the DLODeployment, the node and one job name, besides the namespace and pod every monitor adds.
+# The same list as the chart's PodMonitor (charts/dlo/templates/monitoring.yaml); a test holds them
+# equal, so a DLODeployment's own monitor and the chart's label its engines alike.
+ENGINE_RELABELINGS: tuple[dict[str, Any], ...] = (
+    {"sourceLabels": ["__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", INSTANCE)],
+     "targetLabel": "deployment"},
+    {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"},
+    {"targetLabel": "job", "replacement": "dlo-engine"},
+)
+
+
 def build_monitor(owner: Owner, spec: DLODeploymentSpec) -> dict[str, Any]:
-    endpoint = {"port": HTTP_PORT_NAME, "path": "/metrics", "interval": spec.monitoring.interval}
+    endpoint = {
+        "port": HTTP_PORT_NAME, "path": "/metrics", "interval": spec.monitoring.interval,
+        "relabelings": [dict(r) for r in ENGINE_RELABELINGS],
+    }
     body: dict[str, Any]
     if spec.monitoring.kind == "PodMonitor":
         body = {"selector": {"matchLabels": selector_labels(owner.name)}, "podMetricsEndpoints": [endpoint]}

@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -169,6 +170,19 @@ def test_help_explains_each_command(command: str, words: list[str]) -> None:
         assert w in text
 
 
+def test_agent_default_port_is_the_charts_not_dcgm_exporters() -> None:
+    import yaml
+
+    from dlo.agent.cli import DEFAULT_PORT, agent_parser
+
+    chart_port = yaml.safe_load((ROOT / "charts/dlo/values.yaml").read_text())["agent"]["port"]
+    assert agent_parser().parse_args([]).port == DEFAULT_PORT == chart_port == 9435
+    r = dlo("agent", "--help")
+    text = " ".join(r.stdout.split())
+    assert "default 9435" in text and "9400" in text  # 9400 only where it says whose port that is
+    assert "--port 9435" in text
+
+
 def test_agent_command_serves_until_sigterm(models_root: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "dlo.cli.main", "agent", "--port", "0", "--host", "127.0.0.1",
@@ -184,8 +198,14 @@ def test_agent_command_serves_until_sigterm(models_root: Path) -> None:
                 port = int(m.group(1))
                 break
         assert port
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/profile", timeout=10) as r:
-            p = NodeProfile.model_validate_json(r.read())
+        # the node loop scans the models root next to the server: wait for its first scan to be in
+        deadline = time.monotonic() + 30
+        while True:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/profile", timeout=10) as r:
+                p = NodeProfile.model_validate_json(r.read())
+            if p.models or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         assert p.node == "cli-node" and "tiny-wan" in p.models
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
             assert b'dlo_model_bytes{model="tiny-wan"}' in r.read()

@@ -248,6 +248,8 @@ def test_alerts_cover_down_absent_queue_and_error_ratios() -> None:
     exprs = {rule["alert"]: rule["expr"] for rule in all_alerts()}
     assert 'up{job="dlo-engine"} == 0' in exprs["DLOEngineDown"]
     assert 'up{job="dlo-agent"} == 0' in exprs["DLOAgentDown"]
+    assert 'up{job="dlo-operator"} == 0' in exprs["DLOOperatorDown"]
+    assert exprs["DLOModelBroken"] == "dlo_model_error == 1"
     assert "by (namespace, deployment)" in exprs["DLODeploymentEnginesAbsent"]
     assert "CrashLoopBackOff" in exprs["DLOEngineCrashLooping"]
     assert "dlo_queue_depth" in exprs["DLOQueueDepthHigh"]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,7 @@ from dlo.agent.node import publish_loop
 from dlo.agent.pods import PodInfo
 from dlo.agent.profile import NodeProfile
 
-from .conftest import V2_POD_A, make_agent
+from .conftest import V2_POD_A, make_agent, write_wan_folder
 
 
 def test_agent_warming_is_counted(models_root: Path) -> None:
@@ -84,3 +86,65 @@ def test_pod_listing_is_cached_and_survives_an_api_outage(models_root: Path) -> 
     cached.pods()
     cached.pods()
     assert len(calls) == 1
+
+
+def truncate_weights(folder: Path, by: int = 100) -> None:
+    path = folder / "transformer" / "diffusion_pytorch_model.safetensors"
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - by)
+
+
+def test_a_broken_model_is_logged_once_per_change_of_state(models_root: Path, caplog: pytest.LogCaptureFixture) -> None:
+    agent = make_agent(models_root)
+    caplog.set_level(logging.INFO, logger="dlo.agent.node")
+
+    def lines(level: int) -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "dlo.agent.node" and r.levelno == level]
+
+    agent.scan_models()
+    assert not lines(logging.WARNING)
+    truncate_weights(models_root / "tiny-wan")
+    for _ in range(3):  # three scans (three scrape intervals) of the same broken state: one line
+        agent.scan_models()
+    (warning,) = lines(logging.WARNING)
+    assert "model broken model=tiny-wan reason=truncated" in warning
+    assert agent.model_errors["tiny-wan"].reason == "truncated"
+    (models_root / "tiny-wan" / "transformer" / "diffusion_pytorch_model.safetensors").unlink()
+    agent.scan_models()
+    agent.scan_models()
+    assert len(lines(logging.WARNING)) == 2 and "reason=missing_shard" in lines(logging.WARNING)[1]
+    write_wan_folder(models_root / "tiny-wan")  # repaired
+    agent.scan_models()
+    agent.scan_models()
+    assert len(lines(logging.WARNING)) == 2
+    assert lines(logging.INFO).count("model no longer broken model=tiny-wan") == 1
+    assert agent.model_errors == {}
+
+
+def test_with_the_node_loop_running_reads_never_scan(models_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import dlo.agent.node as node
+
+    agent = make_agent(models_root, models_ttl_s=0.05)
+    scans: list[threading.Thread] = []
+    real = node.model_folders
+
+    def counted(root: Path | None):  # type: ignore[no-untyped-def]
+        scans.append(threading.current_thread())
+        return real(root)
+
+    monkeypatch.setattr(node, "model_folders", counted)
+    stop = threading.Event()
+    loop = agent.start_model_loop(stop)
+    try:
+        assert agent.models_scanned.wait(10)
+        for _ in range(20):
+            assert [m.name for m in agent.models()] == ["tiny-wan"]
+            agent.profile()
+        deadline = time.monotonic() + 10
+        while len(scans) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(scans) >= 3  # the loop rescans every models_ttl_s ...
+        assert set(scans) == {loop}  # ... and only the loop does
+    finally:
+        stop.set()
+        loop.join(timeout=10)

@@ -10,7 +10,7 @@ from .conftest import write_wan_folder
 
 ROOT = Path(__file__).resolve().parents[2]
 MODULES = [
-    "cli", "collector", "memory", "node", "plan_cli", "pods", "policy", "profile", "residency", "server",
+    "cli", "collector", "memory", "modelcheck", "node", "plan_cli", "pods", "policy", "profile", "residency", "server",
     "topology", "warm",
 ]
 

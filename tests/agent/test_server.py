@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import json
+import struct
+import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
+from dlo.agent.modelcheck import REASONS
 from dlo.agent.profile import NodeProfile
 from dlo.agent.server import serve
 
-from .conftest import AGENT_METRICS, MiB, get, make_agent, pods_for, samples
+from .conftest import AGENT_METRICS, MiB, get, make_agent, pods_for, samples, write_wan_folder
 
 
 def test_metrics_endpoint_serves_every_agent_metric_with_contract_labels(models_root: Path, engine_url: str) -> None:
@@ -96,3 +101,108 @@ def test_model_bytes_say_which_size_they_are(models_root: Path) -> None:
     # the profile's schema says the same (kubectl-style readers and `dlo plan --help` users)
     fields = NodeProfile.model_json_schema()["$defs"]["ModelProfile"]["properties"]
     assert "transformer only" in fields["bytes"]["description"] and "dlo_model_bytes" in fields["bytes"]["description"]
+
+
+def _truncate(path: Path, by: int) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - by)
+
+
+def test_a_broken_model_is_flagged_with_residency_unknown(models_root: Path) -> None:
+    write_wan_folder(models_root / "cut")
+    _truncate(models_root / "cut" / "transformer" / "diffusion_pytorch_model.safetensors", 100)
+    agent = make_agent(models_root)
+    server = serve(agent, "127.0.0.1", 0)
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        _, text = get(base + "/metrics")
+        _, body = get(base + "/profile")
+    finally:
+        server.shutdown()
+    got = samples(text)
+    errors = {(lab["model"], lab["reason"]): v for lab, v in got["dlo_model_error"]}
+    assert errors == {(m, r): float(m == "cut" and r == "truncated") for m in ("cut", "tiny-wan") for r in REASONS}
+    # residency and transformer size: unknown for the broken folder (absent), never 1.0
+    assert [lab["model"] for lab, _ in got["dlo_model_page_cache_resident_ratio"]] == ["tiny-wan"]
+    assert [lab["model"] for lab, _ in got["dlo_model_page_cache_resident_bytes"]] == ["tiny-wan"]
+    assert [lab["model"] for lab, _ in got["dlo_model_transformer_bytes"]] == ["tiny-wan"]
+    assert {lab["model"] for lab, _ in got["dlo_model_bytes"]} == {"cut", "tiny-wan"}  # what is on disk
+    # /profile: the broken folder has no models entry (its facts are unknown) and a model_errors one
+    doc = json.loads(body)
+    assert set(doc["models"]) == {"tiny-wan"}
+    assert doc["model_errors"]["cut"]["reason"] == "truncated"
+    assert "diffusion_pytorch_model.safetensors" in doc["model_errors"]["cut"]["message"]
+    # a reader of the contract's v1 shape still parses it (the field is optional and additive)
+    NodeProfile.model_validate_json(body)
+    healthy = make_agent(models_root.parent / "nothing-here")
+    assert "model_errors" not in json.loads(healthy.profile().model_dump_json(exclude_none=True))
+
+
+def test_metrics_answer_within_a_second_whatever_the_models_root_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many folders, huge sparse files (`truncate -s`) and broken files; the scan made slow on purpose
+    (mincore instead of cachestat: it walks every page of a 128 GiB file). Scrapes during the first
+    scan and after it answer within 1 s: the node loop scans, never the scrape."""
+    import dlo.agent.residency as residency
+
+    monkeypatch.setattr(residency, "_cachestat_works", False)
+    root = tmp_path / "models"
+    for i in range(120):
+        write_wan_folder(root / f"m{i:03d}", blocks=2, dim=16)
+    # a sound 128 GiB transformer (one sparse tensor) and a 64 GiB one cut short
+    for name, size, cut in (("huge", 128 << 30, 0), ("huge-cut", 64 << 30, 1 << 30)):
+        t = root / name
+        t.mkdir(parents=True)
+        (t / "config.json").write_text(json.dumps({"_class_name": "WanTransformer3DModel"}))
+        n = size // 2
+        header = json.dumps({"blocks.0.attn1.to_q.weight": {"dtype": "BF16", "shape": [n],
+                                                             "data_offsets": [0, 2 * n]}}).encode()
+        path = t / "diffusion_pytorch_model.safetensors"
+        path.write_bytes(struct.pack("<Q", len(header)) + header)
+        subprocess.run(["truncate", "-s", str(8 + len(header) + 2 * n - cut), str(path)], check=True)
+    write_wan_folder(root / "bad-header")
+    (root / "bad-header" / "vae" / "diffusion_pytorch_model.safetensors").write_bytes(
+        struct.pack("<Q", 4) + b"nope")
+    write_wan_folder(root / "no-config")
+    (root / "no-config" / "transformer" / "config.json").unlink()
+
+    agent = make_agent(root)
+    server = serve(agent, "127.0.0.1", 0)
+    stop = threading.Event()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    scrape_s: list[float] = []
+
+    def scrape() -> str:
+        start = time.monotonic()
+        code, text = get(base + "/metrics")
+        scrape_s.append(time.monotonic() - start)
+        assert code == 200
+        return text
+
+    try:
+        scan_start = time.monotonic()
+        agent.start_model_loop(stop)
+        during = 0
+        while not agent.models_scanned.is_set():
+            scrape()
+            during += 1
+            if time.monotonic() - scan_start > 120:
+                raise AssertionError("the first scan did not finish in 120 s")
+        scan_s = time.monotonic() - scan_start
+        for _ in range(5):
+            text = scrape()
+        code, body = get(base + "/profile")
+    finally:
+        stop.set()
+        server.shutdown()
+    print(f"\nfirst scan of {len(list(root.iterdir()))} folders: {scan_s:.2f} s; {len(scrape_s)} scrapes "
+          f"({during} during the scan): max {max(scrape_s) * 1000:.1f} ms, "
+          f"median {sorted(scrape_s)[len(scrape_s) // 2] * 1000:.1f} ms")
+    assert max(scrape_s) < 1.0
+    got = samples(text)
+    broken = {lab["model"]: lab["reason"] for lab, v in got["dlo_model_error"] if v == 1}
+    assert broken == {"huge-cut": "truncated", "bad-header": "bad_header", "no-config": "no_config"}
+    ratios = {lab["model"] for lab, _ in got["dlo_model_page_cache_resident_ratio"]}
+    assert "huge" in ratios and len(ratios) == 121 and not ratios & set(broken)
+    assert code == 200 and set(json.loads(body)["model_errors"]) == set(broken)

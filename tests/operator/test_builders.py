@@ -114,6 +114,30 @@ def test_service_monitor_selects_only_the_client_service():
     assert objs[0]["metadata"]["labels"]["dlo.dev/service"] != selector["dlo.dev/service"]
 
 
+@pytest.mark.parametrize("case", ["cpu-no-warmer-podmonitor", "claim-rolling-vllm-omni-rank-local"])
+def test_own_monitor_relabels_targets_as_the_charts_podmonitor(case):
+    """Dashboards and alerts select job, deployment and node: a DLODeployment's own PodMonitor or
+    ServiceMonitor sets exactly the chart PodMonitor's relabelings (the chart's own, without the
+    user's podMonitor.relabelings), so the two cannot drift."""
+    import helm_python as helm
+
+    rendered = helm.Chart.load(str(ROOT / "charts" / "dlo")).render(
+        {"podMonitor": {"enabled": True}}, name="dlo", namespace="dlo-system")
+    (chart_pm,) = [d for path, text in rendered.items() if not path.endswith("NOTES.txt")
+                   for d in yaml.safe_load_all(text) if d and d.get("kind") == "PodMonitor"]
+    (chart_endpoint,) = chart_pm["spec"]["podMetricsEndpoints"]
+    monitor = build(case)[-1]
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints" if monitor["kind"] == "PodMonitor" else "endpoints"]
+    assert endpoint["relabelings"] == chart_endpoint["relabelings"]
+    targets = {r["targetLabel"]: r for r in endpoint["relabelings"]}
+    assert targets["deployment"]["sourceLabels"] == ["__meta_kubernetes_pod_label_app_kubernetes_io_instance"]
+    assert targets["node"]["sourceLabels"] == ["__meta_kubernetes_pod_node_name"]
+    assert targets["job"]["replacement"] == "dlo-engine"
+    # the pod label the deployment label comes from is the DLODeployment's name on the engine pods
+    sts = build(case)[3]
+    assert sts["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/instance"] == OWNER.name
+
+
 @pytest.mark.parametrize(
     "rollout, expected",
     [

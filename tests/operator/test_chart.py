@@ -2,6 +2,7 @@
 and for a values file that turns every option on; built-in objects strictly valid Kubernetes."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -35,6 +36,11 @@ def by_kind(objs: list[dict], kind: str) -> list[dict]:
     return [o for o in objs if o["kind"] == kind]
 
 
+def named(objs: list[dict], kind: str, name: str) -> dict:
+    (obj,) = [o for o in by_kind(objs, kind) if o["metadata"]["name"] == name]
+    return obj
+
+
 @pytest.mark.parametrize("case", VALUES)
 def test_chart_lints_clean(case):
     report = helm.lint(str(CHART), VALUES[case], strict=True)
@@ -65,9 +71,9 @@ def test_default_values_render_operator_and_agent_without_monitors():
 
 def test_all_on_renders_monitors_namespaces_and_agent_options():
     objs = render(VALUES["all-on"])
-    (sm,) = by_kind(objs, "ServiceMonitor")
+    sm = named(objs, "ServiceMonitor", "dlo-agent")
     (pm,) = by_kind(objs, "PodMonitor")
-    for monitor in (sm, pm):
+    for monitor in (sm, named(objs, "ServiceMonitor", "dlo-operator"), pm):
         assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     assert pm["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/part-of": "dlo", "app.kubernetes.io/component": "engine"}
     args = by_kind(objs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -284,7 +290,7 @@ def test_dashboard_folder_is_an_annotation():
 
 def test_monitors_label_targets_as_the_dashboards_and_rules_expect():
     objs = render(VALUES["all-on"])
-    (sm,) = by_kind(objs, "ServiceMonitor")
+    sm = named(objs, "ServiceMonitor", "dlo-agent")
     (endpoint,) = sm["spec"]["endpoints"]
     assert endpoint["honorLabels"] is True  # dlo_pod_* keep the engine pod's namespace and pod
     assert {"targetLabel": "job", "replacement": "dlo-agent"} in endpoint["relabelings"]
@@ -351,10 +357,11 @@ def test_notes_and_readme_ship_a_crd_upgrade_that_applies_the_generated_crd():
 
 def test_monitor_relabelings_are_appended_after_the_charts_own():
     objs = render(VALUES["all-on"])
-    (sm,) = by_kind(objs, "ServiceMonitor")
-    relabelings = sm["spec"]["endpoints"][0]["relabelings"]
-    assert relabelings[-1] == {"sourceLabels": ["__meta_kubernetes_pod_label_topology_kubernetes_io_zone"], "targetLabel": "zone"}
-    assert relabelings[-2] == {"targetLabel": "job", "replacement": "dlo-agent"}
+    for component in ("agent", "operator"):
+        sm = named(objs, "ServiceMonitor", f"dlo-{component}")
+        relabelings = sm["spec"]["endpoints"][0]["relabelings"]
+        assert relabelings[-1] == {"sourceLabels": ["__meta_kubernetes_pod_label_topology_kubernetes_io_zone"], "targetLabel": "zone"}
+        assert relabelings[-2] == {"targetLabel": "job", "replacement": f"dlo-{component}"}
     (pm,) = by_kind(objs, "PodMonitor")
     assert pm["spec"]["podMetricsEndpoints"][0]["metricRelabelings"] == [
         {"sourceLabels": ["__name__"], "regex": "python_gc_.*", "action": "drop"}]
@@ -392,3 +399,76 @@ def test_rendered_prometheusrule_holds_the_rule_files_and_passes_their_unit_test
         (tmp_path / test_file.name).write_text(yaml.safe_dump(doc))
         r = subprocess.run([promtool, "test", "rules", str(tmp_path / test_file.name)], capture_output=True, text=True)
         assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_operator_metrics_port_is_served_named_and_scraped_as_dlo_operator():
+    from dlo.operator import cli as operator_cli
+    from dlo.operator import metrics
+
+    objs = render(VALUES["all-on"])
+    container = pod_spec(objs, "Deployment")["spec"]["containers"][0]
+    assert {"name": "metrics", "containerPort": 8081} in container["ports"]
+    assert "--metrics-port=8081" in container["args"]
+    assert metrics.METRICS_PORT == operator_cli.METRICS_PORT == 8081  # what the operator serves by default
+    svc = named(objs, "Service", "dlo-operator")
+    pod_labels = pod_spec(objs, "Deployment")["metadata"]["labels"]
+    assert all(pod_labels[k] == v for k, v in svc["spec"]["selector"].items())
+    assert svc["spec"]["ports"] == [{"name": "metrics", "port": 8081, "targetPort": "metrics"}]
+    sm = named(objs, "ServiceMonitor", "dlo-operator")
+    assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"  # serviceMonitor.additionalLabels
+    assert all(svc["metadata"]["labels"][k] == v for k, v in sm["spec"]["selector"]["matchLabels"].items())
+    (endpoint,) = sm["spec"]["endpoints"]
+    assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+    assert {"targetLabel": "job", "replacement": "dlo-operator"} in endpoint["relabelings"]
+    # the alert selects what the monitor sets
+    rules = yaml.safe_load((CHART / "rules" / "dlo-alerts.yaml").read_text())
+    exprs = {r["alert"]: r["expr"] for g in rules["groups"] for r in g["rules"]}
+    assert exprs["DLOOperatorDown"] == 'up{job="dlo-operator"} == 0'
+
+
+def test_operator_service_monitor_follows_the_switches():
+    # the Service is always there (any scraper); the ServiceMonitor only with serviceMonitor.enabled
+    objs = render(None)
+    assert named(objs, "Service", "dlo-operator")
+    assert not by_kind(objs, "ServiceMonitor")
+    on = {"serviceMonitor": {"enabled": True}}
+    assert [m["metadata"]["name"] for m in by_kind(render(on), "ServiceMonitor")] == ["dlo-agent", "dlo-operator"]
+    only_operator = render({**on, "agent": {"enabled": False}})
+    assert [m["metadata"]["name"] for m in by_kind(only_operator, "ServiceMonitor")] == ["dlo-operator"]
+    no_operator = render({**on, "operator": {"enabled": False}})
+    assert [m["metadata"]["name"] for m in by_kind(no_operator, "ServiceMonitor")] == ["dlo-agent"]
+    assert not [s for s in by_kind(no_operator, "Service") if s["metadata"]["name"] == "dlo-operator"]
+
+
+def test_render_and_the_chart_agree_on_the_default_engine_image(tmp_path):
+    """A spec without engine.image runs the same image under `dlo operator render` (no env: the
+    built-in default) as under the chart's operator (DLO_DEFAULT_ENGINE_IMAGE from engine.image)."""
+    import tomllib
+
+    from dlo.operator.models import DEFAULT_IMAGE, DEFAULT_IMAGE_ENV
+
+    chart_default = operator_env(render(None))[DEFAULT_IMAGE_ENV]
+    chart_yaml = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert chart_default == DEFAULT_IMAGE == f"ghcr.io/dlo-dev/dlo:{chart_yaml['appVersion']}"
+    assert chart_yaml["appVersion"] == project  # one release number for the package, image and chart
+
+    spec = tmp_path / "no-image.yaml"
+    spec.write_text(yaml.safe_dump({
+        "apiVersion": "dlo.dev/v1alpha1", "kind": "DLODeployment",
+        "metadata": {"name": "wan", "namespace": "serving"},
+        "spec": {"model": {"path": "/models/wan"}, "mode": "allgather"},
+    }))
+
+    def rendered_image(env: dict[str, str]) -> str:
+        proc = subprocess.run([sys.executable, "-m", "dlo.cli.main", "operator", "render", str(spec)],
+                              cwd=ROOT, capture_output=True, text=True, env=env)
+        assert proc.returncode == 0, proc.stderr
+        (sts,) = [d for d in yaml.safe_load_all(proc.stdout) if d["kind"] == "StatefulSet"]
+        return sts["spec"]["template"]["spec"]["containers"][0]["image"]
+
+    env = {k: v for k, v in os.environ.items() if k != DEFAULT_IMAGE_ENV}
+    assert rendered_image(env) == chart_default
+    # and the chart's override reaches a rendered spec the same way it reaches the operator
+    custom = operator_env(render({"engine": {"image": {"repository": "registry.example.com/dlo", "tag": "1.2.3"}}}))
+    assert rendered_image({**env, DEFAULT_IMAGE_ENV: custom[DEFAULT_IMAGE_ENV]}) == "registry.example.com/dlo:1.2.3"
