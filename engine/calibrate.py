@@ -19,16 +19,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dlo.cli.args import positive_int
+
 log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None, help="write the JSON fragment here (default: stdout)")
     parser.add_argument("--device", choices=("auto", "cuda", "npu", "cpu"), default="auto")
-    parser.add_argument("--ranks", type=int, default=None,
+    parser.add_argument("--ranks", type=positive_int, default=None,
                         help="ranks for the AllGather measurement (default: device count, 2 on cpu; 1 skips it)")
-    parser.add_argument("--mib", type=int, default=256, help="buffer size per measurement, MiB")
-    parser.add_argument("--iters", type=int, default=5, help="timed repetitions (best one counts)")
+    parser.add_argument("--mib", type=positive_int, default=256, help="buffer size per measurement, MiB")
+    parser.add_argument("--iters", type=positive_int, default=5, help="timed repetitions (best one counts)")
 
 
 def _best(fn: Any, sync: Any, iters: int) -> float:

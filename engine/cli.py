@@ -29,7 +29,10 @@ def run(command: str, argv: list[str]) -> int:
             print(f"dlo {command}: not available yet in this build", file=sys.stderr)
             return 2
         raise
-    parser = argparse.ArgumentParser(
+    from dlo.cli.args import Parser
+
+    # One-line errors and exit 2 for bad values, as every `dlo` subcommand (CONTRACTS.md section 2).
+    parser = Parser(
         prog=f"dlo {command}",
         description=module.__doc__.strip().splitlines()[0] if module.__doc__ else None,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,

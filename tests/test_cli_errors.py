@@ -109,17 +109,22 @@ OPERATOR_ROWS: list[tuple[list[str], str]] = [
     (["operator", "run", "--liveness", "ftp://example"], "'ftp://example' is not an http:// or https:// URL"),
 ]
 
-# [Note: engine rows] The engine's subcommands are being moved to dlo.engine.serving in parallel;
-# these rows state what they must answer. They are NOT run yet (no test parametrizes this list): the
-# lead enables them after that merge by adding ENGINE_ROWS to ALL_ROWS below.
 ENGINE_ROWS: list[tuple[list[str], str]] = [
     (["serve", "{tmp}/model", "--port", "99999"], "--port: must be a port from 0 to 65535 (got 99999)"),
     (["serve", "{tmp}/model", "--dp", "0"], "--dp: must be at least 1 (got 0)"),
-    (["make-tiny-model", "{tmp}/new-tiny", "--dim", "17"], "--dim"),
-    (["make-tiny-model", "{tmp}/model"], "{tmp}/model"),  # a folder that is not empty
+    (["serve", "{tmp}/model", "--max-queue", "0"], "--max-queue: must be at least 1 (got 0)"),
+    (["serve", "{tmp}/model", "--cpu-threads", "-2"], "--cpu-threads: must be at least 1 (got -2)"),
+    (["serve", "{tmp}/model", "--progress-timeout", "0"], "--progress-timeout: must be more than 0 seconds"),
+    (["serve", "{tmp}/model", "--mode", "fast"], "--mode: invalid choice: 'fast'"),
+    (["make-tiny-model", "{tmp}/new-tiny", "--dim", "17"], "--dim: must be a multiple of"),
+    (["make-tiny-model", "{tmp}/new-tiny", "--layers", "0"], "--layers: must be at least 1 (got 0)"),
+    (["make-tiny-model", "{tmp}/model"], "{tmp}/model exists and is not an empty folder"),
+    (["calibrate", "--ranks", "0"], "--ranks: must be at least 1 (got 0)"),
+    (["calibrate", "--mib", "x"], "--mib: 'x' is not an integer"),
+    (["demo", "--dp", "0"], "--dp: must be at least 1 (got 0)"),
 ]
 
-ALL_ROWS = AGENT_ROWS + OPERATOR_ROWS
+ALL_ROWS = AGENT_ROWS + OPERATOR_ROWS + ENGINE_ROWS
 
 
 @pytest.fixture(scope="module")
@@ -161,12 +166,9 @@ def test_bad_value_is_one_line_and_exit_2(inputs: Path, argv: list[str], fragmen
     assert r.stdout == ""
 
 
-def test_every_agent_and_operator_subcommand_has_rows() -> None:
+def test_every_subcommand_has_rows() -> None:
     from dlo.cli.main import COMMANDS
 
     covered = {argv[0] for argv, _ in ALL_ROWS}
-    owned = {c for c, (part, _) in COMMANDS.items() if part in ("agent", "operator")}
-    assert owned <= covered
+    assert {c for c, (part, _) in COMMANDS.items() if part in ("agent", "operator", "engine")} <= covered
     assert {"run", "render"} <= {argv[1] for argv, _ in OPERATOR_ROWS if argv[0] == "operator" and len(argv) > 1}
-    engine = {c for c, (part, _) in COMMANDS.items() if part == "engine"}
-    assert {argv[0] for argv, _ in ENGINE_ROWS} <= engine  # waiting rows name real engine commands

@@ -17,6 +17,8 @@ import json
 import logging
 from pathlib import Path
 
+from dlo.cli.args import positive_int
+
 log = logging.getLogger(__name__)
 
 # Wan needs head_dim splittable into (t, h, w) rope parts; Flux's rope axes must sum to head_dim.
@@ -157,11 +159,25 @@ def make_tiny_transformer(
     return out
 
 
+def _dim(text: str) -> int:
+    value = positive_int(text)
+    if value % HEAD_DIM:
+        raise argparse.ArgumentTypeError(f"must be a multiple of {HEAD_DIM} (the head size; got {value})")
+    return value
+
+
+def _new_folder(text: str) -> Path:
+    path = Path(text)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise argparse.ArgumentTypeError(f"{path} exists and is not an empty folder: choose a new one")
+    return path
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("out_dir", type=Path, help="folder to write the pipeline into (created)")
+    parser.add_argument("out_dir", type=_new_folder, help="folder to write the pipeline into (created; must be new or empty)")
     parser.add_argument("--family", choices=["wan", "flux"], default="wan")  # FAMILIES' names
-    parser.add_argument("--layers", type=int, default=3, help="transformer blocks (flux: double-stream blocks)")
-    parser.add_argument("--dim", type=int, default=32, help=f"hidden size, a multiple of {HEAD_DIM}")
+    parser.add_argument("--layers", type=positive_int, default=3, help="transformer blocks (flux: double-stream blocks)")
+    parser.add_argument("--dim", type=_dim, default=32, help=f"hidden size, a multiple of {HEAD_DIM}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--transformer-only", action="store_true", help="write only OUT_DIR/transformer")

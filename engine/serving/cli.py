@@ -24,6 +24,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+from dlo.cli.args import non_negative_seconds, port, positive_int, positive_seconds
 from dlo.engine.facts import MODES_OR_AUTO, Mode, ModeOrAuto
 
 
@@ -41,7 +42,7 @@ def _resident_blocks(value: str) -> int | str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_dir", type=Path, help="diffusers pipeline folder (model_index.json, transformer/, vae/, ...)")
-    parser.add_argument("--dp", type=int, default=None,
+    parser.add_argument("--dp", type=positive_int, default=None,
                         help="ranks (one request each per wave); default: the device count (1 on cpu)")
     parser.add_argument("--mode", choices=MODES_OR_AUTO, default="auto",
                         help="allgather: each rank keeps 1/dp of every block and gathers the rest; rank-local: every "
@@ -53,15 +54,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("auto", "cuda", "npu", "cpu"), default="auto",
                         help="auto: cuda, else npu, else cpu")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=port, default=8000, help="TCP port (0: any free port)")
     parser.add_argument("--served-model-name", default=None, help="model id in the API; default: the folder name")
     parser.add_argument("--api-key-file", type=Path, default=None,
                         help="file holding the API key clients must send as 'Authorization: Bearer KEY' "
                              "(or set DLO_API_KEY; keys are never taken from the command line)")
-    parser.add_argument("--max-queue", type=int, default=64, help="requests waiting for a wave before 429")
-    parser.add_argument("--wave-window-ms", type=float, default=5.0,
+    parser.add_argument("--max-queue", type=positive_int, default=64, help="requests waiting for a wave before 429")
+    parser.add_argument("--wave-window-ms", type=non_negative_seconds, default=5.0,
                         help="how long the oldest request waits for compatible company before a partial wave starts")
-    parser.add_argument("--progress-timeout", type=float, default=300.0,
+    parser.add_argument("--progress-timeout", type=positive_seconds, default=300.0,
                         help="seconds a rank may go without progress (a transformer block, a step) inside a wave "
                              "before the wave fails with 503 and the server exits; a wave that progresses never "
                              "times out")
@@ -78,9 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "max_frames, max_prompt_chars, max_sequence_length, video_fps, ...)")
     parser.add_argument("--small-limits", action="store_true",
                         help="the small test profile (size <= 128, steps <= 4) instead of the defaults")
-    parser.add_argument("--max-steps", type=int, default=None, help="override the limits file's max_steps")
-    parser.add_argument("--max-size", type=int, default=None, help="override max_width and max_height")
-    parser.add_argument("--cpu-threads", type=int, default=1,
+    parser.add_argument("--max-steps", type=positive_int, default=None, help="override the limits file's max_steps")
+    parser.add_argument("--max-size", type=positive_int, default=None, help="override max_width and max_height")
+    parser.add_argument("--cpu-threads", type=positive_int, default=1,
                         help="intra-op threads per rank on cpu (fixed so results do not depend on dp)")
     parser.add_argument("--resident-blocks", type=_resident_blocks, default=0,
                         help="blocks kept on the device instead of streamed, spread evenly through the order; "

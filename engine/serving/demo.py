@@ -16,6 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from dlo.cli.args import positive_int
 from dlo.engine.facts import MODES
 
 log = logging.getLogger(__name__)
@@ -23,9 +24,9 @@ log = logging.getLogger(__name__)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("demo-output"), help="folder for the model, PNGs and log")
-    parser.add_argument("--dp", type=int, default=2, help="CPU ranks (one request each)")
+    parser.add_argument("--dp", type=positive_int, default=2, help="CPU ranks (one request each)")
     parser.add_argument("--mode", default="allgather", choices=MODES)
-    parser.add_argument("--steps", type=int, default=4, help="denoising steps per request")
+    parser.add_argument("--steps", type=positive_int, default=4, help="denoising steps per request")
     parser.add_argument("--size", default="128x128", help="image size WIDTHxHEIGHT (multiple of 16)")
 
 
