@@ -16,7 +16,8 @@ import pytest
 from hypothesis import given
 from test_models_fuzz import EXAMPLES, cel_breaking_specs, schema_errors, valid_specs
 
-from dlo.operator.models import SpecError, build_crd, parse_spec
+from dlo.operator.crd import build_crd
+from dlo.operator.models import SpecError, parse_spec
 
 SPEC_SCHEMA = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
 ENV = celpy.Environment()

@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from dlo.operator.cli import CRD_PATHS, crd_yaml
-from dlo.operator.models import DLODeploymentSpec, SpecError, build_crd, parse_spec
+from dlo.operator.crd import build_crd
+from dlo.operator.models import DLODeploymentSpec, SpecError, parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 

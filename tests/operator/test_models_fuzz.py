@@ -30,7 +30,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dlo.operator.models import SpecError, build_crd, parse_spec
+from dlo.operator.crd import build_crd
+from dlo.operator.models import SpecError, parse_spec
 
 CRD_SPEC = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
 EXAMPLES = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,0 +1,156 @@
+"""The DLODeployment CustomResourceDefinition, generated from the pydantic models of `models.py`.
+
+Owns: turning pydantic's JSON schema into a Kubernetes structural schema (no $ref, no nulls,
+int-or-string, maps), the printer columns, the scale and status subresources, and `build_crd()`
+(what `dlo crd --write` writes to `crds/` and the chart's `crds/`).
+Must never: define a field of the resource (the models do), talk to the API server or import torch.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from pydantic import BaseModel
+
+from dlo.operator.models import (
+    CRD_NAME,
+    GROUP,
+    KIND,
+    PLURAL,
+    SHORT_NAMES,
+    SINGULAR,
+    VERSION,
+    DLODeploymentSpec,
+    DLODeploymentStatus,
+)
+
+def _structural(node: Any, defs: dict[str, Any]) -> Any:
+    """Turn pydantic's JSON schema into a Kubernetes structural schema (no $ref, no nulls)."""
+    if isinstance(node, list):
+        return [_structural(n, defs) for n in node]
+    if not isinstance(node, dict):
+        return node
+    node = dict(node)
+    variants = node.pop("anyOf", None)
+    if variants is not None:
+        non_null = [v for v in variants if v.get("type") != "null"]
+        types = {v.get("type") for v in non_null}
+        if types == {"integer", "string"}:
+            node["x-kubernetes-int-or-string"] = True
+        elif len(non_null) == 1:
+            node = {**non_null[0], **node}
+        else:
+            raise TypeError(f"cannot express {variants} in a structural schema")
+    if "$ref" in node:
+        target = copy.deepcopy(defs[node.pop("$ref").rsplit("/", 1)[-1]])
+        return _structural({**target, **node}, defs)
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in ("title", "additionalProperties", "$defs") or (key == "default" and value is None):
+            continue
+        if key == "properties":
+            out[key] = {k: _structural(v, defs) for k, v in value.items()}
+        elif key == "items":
+            out[key] = _structural(value, defs)
+        else:
+            out[key] = value
+    extra = node.get("additionalProperties")
+    if out.get("type") == "object" and "properties" not in out:
+        if isinstance(extra, dict) and (extra.get("type") or extra.get("x-kubernetes-int-or-string")):
+            out["additionalProperties"] = _structural(extra, defs)  # a map: string, or a Quantity
+        else:
+            out["x-kubernetes-preserve-unknown-fields"] = True
+    if "default" in out and isinstance(out["default"], (dict, list)) and not out["default"]:
+        del out["default"]
+    return out
+
+
+def openapi_schema(model: type[BaseModel]) -> dict[str, Any]:
+    raw = model.model_json_schema(by_alias=True, mode="validation")
+    return _structural(raw, raw.get("$defs", {}))
+
+
+def build_crd() -> dict[str, Any]:
+    """The CustomResourceDefinition of DLODeployment, generated from the models above."""
+    spec_schema = openapi_schema(DLODeploymentSpec)
+    status_schema = openapi_schema(DLODeploymentStatus)
+    # Nested objects with all-default fields (engine, warmer, ...) default to {} so that the API
+    # server fills their own defaults in.
+    for name, prop in spec_schema["properties"].items():
+        if prop.get("type") == "object" and name not in spec_schema.get("required", []):
+            prop["default"] = {}
+    columns = [
+        {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas", "description": "engine pods Ready"},
+        {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas", "description": "engine pods wanted"},
+        {
+            "name": "Up-to-date",
+            "type": "integer",
+            "jsonPath": ".status.updatedReplicas",
+            "description": "engine pods on the current template",
+        },
+        {"name": "Mode", "type": "string", "jsonPath": ".status.mode", "description": "offload mode"},
+        {"name": "Cached", "type": "number", "jsonPath": ".status.cachedRatio", "description": "page-cache residency"},
+        {
+            "name": "Status",
+            "type": "string",
+            "jsonPath": '.status.conditions[?(@.type=="Ready")].reason',
+            "description": "reason of the Ready condition",
+        },
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        {
+            "name": "URL",
+            "type": "string",
+            "jsonPath": ".status.url",
+            "priority": 1,  # -o wide
+            "description": "client Service URL inside the cluster",
+        },
+    ]
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": CRD_NAME, "labels": {"app.kubernetes.io/part-of": "dlo"}},
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": SINGULAR,
+                "shortNames": SHORT_NAMES,
+                "categories": ["dlo"],
+            },
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "description": "A Diffusion Transformer served with Distributed Layerwise "
+                            "Offload: one engine pod per node.",
+                            "required": ["spec"],
+                            "properties": {
+                                "apiVersion": {"type": "string", "description": "dlo.dev/v1alpha1"},
+                                "kind": {"type": "string", "description": "DLODeployment"},
+                                "metadata": {"type": "object", "description": "standard object metadata"},
+                                "spec": spec_schema,
+                                "status": status_schema,
+                            },
+                        }
+                    },
+                    "subresources": {
+                        "status": {},
+                        "scale": {
+                            "specReplicasPath": ".spec.replicas",
+                            "statusReplicasPath": ".status.replicas",
+                            "labelSelectorPath": ".status.selector",
+                        },
+                    },
+                    "additionalPrinterColumns": columns,
+                }
+            ],
+        },
+    }
