@@ -2,7 +2,7 @@
 
 Owns: the lifecycle `loading -> ready -> (stopping | failed)` (`State`, changed only through
 `_enter`), the asyncio scheduler that drains `WaveQueue` into `RankGroup.run_wave` one wave at a
-time, the video job store, and what happens on a fault: every request of the wave and of the queue
+time, running video jobs (their records live in `videos.VideoStore`), and what happens on a fault: every request of the wave and of the queue
 fails with `EngineFailed` naming the cause, `/health` turns unhealthy, and the server is asked to
 exit non-zero (`RankGroup.kill` and a hard exit follow if anything is stuck in a collective).
 Refusals are domain errors (`dlo.engine.serving.errors`); the server maps them to HTTP.
@@ -16,41 +16,28 @@ import asyncio
 import logging
 import os
 import threading
+import math
 import time
-import uuid
-from dataclasses import dataclass, field
 from dataclasses import asdict
 from typing import Any, Callable, Literal
 
 from dlo.engine.families import PipelineFacts
 from dlo.engine.serving.control import RankConfig, Result, WaveError, summary
-from dlo.engine.serving.errors import EngineFailed, EngineUnavailable, ServiceError, ShuttingDown
+from dlo.engine.serving.errors import EngineFailed, EngineUnavailable, QueueFull, ServiceError, ShuttingDown
 from dlo.engine.serving.limits import Limits
 from dlo.engine.serving.metrics import EngineMetrics
 from dlo.engine.serving.ranks import RankGroup
+from dlo.engine.serving.videos import VideoJob, VideoStore, default_video_dir
 from dlo.engine.serving.waves import Generation, Pending, WaveQueue
 
 log = logging.getLogger(__name__)
 
 HARD_EXIT_AFTER_S = 15.0
-MAX_VIDEO_JOBS = 256
+VIDEO_SWEEP_S = 60.0  # how often expired video jobs are removed even when nobody asks
+MAX_RETRY_AFTER_S = 60
 
 # loading -> ready -> stopping; any state -> failed (a fault is final: the process exits).
 State = Literal["loading", "ready", "stopping", "failed"]
-
-
-@dataclass
-class VideoJob:
-    id: str
-    gen: Generation
-    seconds: str
-    created_at: int
-    status: str = "queued"
-    completed_at: int | None = None
-    content: bytes | None = None
-    error: dict[str, str] | None = None
-    rank: int | None = None  # the rank running it, once its wave started
-    task: asyncio.Task | None = field(default=None, repr=False)
 
 
 def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
@@ -81,7 +68,8 @@ def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
 
 class Engine:
     def __init__(self, cfg: RankConfig, *, limits: Limits, facts: PipelineFacts, model_id: str,
-                 progress_timeout_s: float, max_queue: int, wave_window_ms: float):
+                 progress_timeout_s: float, max_queue: int, wave_window_ms: float,
+                 videos: VideoStore | None = None):
         self.cfg, self.limits, self.facts, self.model_id = cfg, limits, facts, model_id
         self.max_queue, self.window_s = max_queue, wave_window_ms / 1000.0
         self.state: State = "loading"
@@ -91,7 +79,8 @@ class Engine:
         self.group = RankGroup(cfg, progress_timeout_s, self._on_fault)
         self.metrics = EngineMetrics(cfg.dp, self._rank_facts)
         self.created = int(time.time())
-        self.videos: dict[str, VideoJob] = {}
+        self.videos = videos if videos is not None else VideoStore(default_video_dir(0))
+        self._video_tasks: set[asyncio.Task] = set()
         self.waves_run = 0
         self._queue: WaveQueue | None = None
         self._inflight: list[Pending] = []
@@ -102,6 +91,8 @@ class Engine:
     async def startup(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._queue = WaveQueue(self.cfg.dp, self.window_s, self.max_queue)
+        self.videos.load()
+        self._tasks.append(asyncio.create_task(self._sweep_videos()))
         self._tasks.append(asyncio.create_task(self._load()))
 
     async def _load(self) -> None:
@@ -196,7 +187,11 @@ class Engine:
         self.check_available()
         assert self._queue is not None and self._loop is not None
         fut = self._loop.create_future()
-        self._queue.put(Pending(gen, time.monotonic(), fut, request_id=request_id))
+        try:
+            self._queue.put(Pending(gen, time.monotonic(), fut, request_id=request_id))
+        except QueueFull as e:
+            e.retry_after_s = self._retry_after_s()
+            raise
         self.metrics.queue_depth.set(len(self._queue))
         return fut
 
@@ -233,10 +228,23 @@ class Engine:
                     p.future.set_result(res)
             self._inflight = []
 
+    def _retry_after_s(self) -> int:
+        """A hint for a refused client: the waves queued ahead of it times the mean wave time so far."""
+        count = total = 0.0
+        for metric in self.metrics.wave_duration.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_count"):
+                    count = sample.value
+                elif sample.name.endswith("_sum"):
+                    total = sample.value
+        waves_ahead = math.ceil(len(self._queue or ()) / self.cfg.dp)
+        mean = total / count if count else 1.0
+        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(mean * max(1, waves_ahead))))
+
+    # -- videos -----------------------------------------------------------------------------------
     def _mark_video(self, p: Pending, rank: int) -> None:
-        job = self.videos.get(p.request_id)
-        if job is not None and job.status == "queued":
-            job.status, job.rank = "in_progress", rank
+        if p.request_id in self.videos:
+            self.videos.start(p.request_id, rank)
 
     def video_progress(self, job: VideoJob) -> int:
         """Percent: denoising steps done on its rank (the last percent is the VAE decode and MP4)."""
@@ -244,28 +252,35 @@ class Engine:
             return 100
         if job.status == "queued" or job.rank is None:
             return 0
-        return min(99, 100 * self.group.steps_done(job.rank) // max(1, job.gen.steps))
+        return min(99, 100 * self.group.steps_done(job.rank) // max(1, job.steps))
 
-    # -- videos -----------------------------------------------------------------------------------
     def create_video(self, gen: Generation, seconds: str) -> VideoJob:
-        job = VideoJob(id=f"video_{uuid.uuid4().hex}", gen=gen, seconds=seconds, created_at=int(time.time()))
+        """Queue a video job (raises `QueueFull` before anything is recorded) and record it."""
+        job = VideoJob(id=self.videos.new_id(), created_at=int(time.time()), model=self.model_id, prompt=gen.prompt,
+                       seconds=seconds, size=f"{gen.width}x{gen.height}", steps=gen.steps)
         fut = self.submit(gen, request_id=job.id)
-        job.task = asyncio.create_task(self._finish_video(job, fut))
-        self.videos[job.id] = job
-        self._evict_videos()
+        self.videos.add(job)
+        task = asyncio.create_task(self._finish_video(job.id, fut))
+        self._video_tasks.add(task)
+        task.add_done_callback(self._video_tasks.discard)
         return job
 
-    async def _finish_video(self, job: VideoJob, fut: asyncio.Future) -> None:
+    async def _finish_video(self, video_id: str, fut: asyncio.Future) -> None:
         try:
             res = await fut
         except ServiceError as e:
-            job.status, job.error = "failed", {"code": e.code, "message": e.message}
+            self.videos.fail(video_id, e.code, e.message)
+            return
+        assert res.outputs is not None
+        try:  # the MP4 goes to disk off the event loop; the record changes in it
+            await asyncio.to_thread(self.videos.write_content, video_id, res.outputs[0])
+        except OSError as e:
+            log.error("video %s: could not write its MP4: %s", video_id, e)
+            self.videos.fail(video_id, "storage_error", f"the server could not store the video: {e}")
         else:
-            assert res.outputs is not None
-            job.status, job.content = "completed", res.outputs[0]
-        job.completed_at = int(time.time())
+            self.videos.complete(video_id)
 
-    def _evict_videos(self) -> None:
-        done = [j for j in self.videos.values() if j.status in ("completed", "failed")]
-        for j in done[: max(0, len(self.videos) - MAX_VIDEO_JOBS)]:
-            del self.videos[j.id]
+    async def _sweep_videos(self) -> None:
+        while True:
+            await asyncio.sleep(min(VIDEO_SWEEP_S, self.videos.ttl_s / 4))
+            self.videos.sweep()
