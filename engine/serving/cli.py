@@ -214,9 +214,10 @@ def main(args: argparse.Namespace) -> int:
     try:  # video jobs: the store names this pod in its ids; peers answer for the other pods' jobs
         videos = VideoStore(args.video_dir or default_video_dir(args.port), ttl_s=args.video_ttl,
                             pod=os.environ.get("DLO_POD_NAME") or None)
+        videos.load()
         peers = Peers.from_env()
-    except ValueError as e:
-        print(f"dlo serve: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:
+        print(f"dlo serve: video jobs: {e}", file=sys.stderr)
         return 2
     engine = Engine(cfg, limits=limits, facts=facts, model_id=args.served_model_name or model_dir.name,
                     progress_timeout_s=args.progress_timeout, max_queue=args.max_queue,

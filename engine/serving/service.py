@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 import math
+import tempfile
 import time
 from dataclasses import asdict
 from typing import Any, Callable, Literal
@@ -27,7 +28,7 @@ from dlo.engine.serving.errors import EngineFailed, EngineUnavailable, QueueFull
 from dlo.engine.serving.limits import Limits
 from dlo.engine.serving.metrics import EngineMetrics
 from dlo.engine.serving.ranks import RankGroup
-from dlo.engine.serving.videos import VideoJob, VideoStore, default_video_dir
+from dlo.engine.serving.videos import VideoJob, VideoStore
 from dlo.engine.serving.waves import Generation, Pending, WaveQueue
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,10 @@ class Engine:
         self.group = RankGroup(cfg, progress_timeout_s, self._on_fault)
         self.metrics = EngineMetrics(cfg.dp, self._rank_facts)
         self.created = int(time.time())
-        self.videos = videos if videos is not None else VideoStore(default_video_dir(0))
+        if videos is None:  # callers other than `dlo serve`: a store of its own, gone with the temp dir
+            videos = VideoStore(tempfile.mkdtemp(prefix="dlo-videos-"))
+            videos.load()
+        self.videos = videos  # loaded by the caller (`dlo serve` refuses an unusable --video-dir up front)
         self._video_tasks: set[asyncio.Task] = set()
         self.waves_run = 0
         self._queue: WaveQueue | None = None
@@ -91,7 +95,6 @@ class Engine:
     async def startup(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._queue = WaveQueue(self.cfg.dp, self.window_s, self.max_queue)
-        self.videos.load()
         self._tasks.append(asyncio.create_task(self._sweep_videos()))
         self._tasks.append(asyncio.create_task(self._load()))
 

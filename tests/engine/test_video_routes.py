@@ -10,17 +10,18 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import requests
 import uvicorn
 
 from dlo.engine.ports import free_port
-from dlo.engine.serving.errors import QueueFull
+from dlo.engine.serving.errors import QueueFull, VideoElsewhere, VideoNotFinished, VideoNotFound, VideoNotReady
 from dlo.engine.serving.limits import Limits
 from dlo.engine.serving.metrics import EngineMetrics
 from dlo.engine.serving.peers import Peers
-from dlo.engine.serving.server import create_app
+from dlo.engine.serving.server import api_error, create_app, status_of
 from dlo.engine.serving.videos import VideoJob, VideoStore
 
 KEY = "stub-key"
@@ -217,3 +218,22 @@ def test_peer_addresses_come_from_the_template_or_the_map():
     with pytest.raises(ValueError):
         Peers.from_env({"DLO_PEER_URLS": "[1]"})
     asyncio.run(peers.close())
+
+
+@pytest.mark.parametrize("err,status,code", [
+    (VideoNotFound("no video job 'x'"), 404, "not_found"),
+    (VideoNotReady("video x is queued"), 404, "video_not_ready"),
+    (VideoNotReady("video x is failed", failed=True), 400, "video_not_ready"),
+    (VideoNotFinished("video x is in_progress"), 409, "video_not_finished"),
+    (VideoElsewhere("wan-1", "video_wan-1_x"), 404, "video_elsewhere"),
+])
+def test_the_server_maps_each_video_error_to_one_status(err, status, code):
+    api = api_error(err)
+    assert (status_of(err), api.status, api.code, api.message) == (status, status, code, err.message)
+
+
+def test_the_video_store_speaks_no_http():
+    import dlo.engine.serving.videos as videos
+
+    text = Path(videos.__file__).read_text()
+    assert "ApiError" not in text and "fastapi" not in text.lower() and "aiohttp" not in text
