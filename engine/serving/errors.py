@@ -82,3 +82,9 @@ class VideoElsewhere(ServiceError):
     def __init__(self, pod: str, video_id: str) -> None:
         super().__init__(f"video {video_id} belongs to pod {pod}")
         self.pod, self.video_id = pod, video_id
+
+
+class VideoStorageError(ServiceError):
+    """The video folder could not be written (full, read-only): the job was not recorded."""
+
+    code = "storage_error"

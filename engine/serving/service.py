@@ -2,9 +2,9 @@
 
 Owns: the lifecycle `loading -> ready -> (stopping | failed)` (`State`, changed only through
 `_enter`), the asyncio scheduler that drains `WaveQueue` into `RankGroup.run_wave` one wave at a
-time, running video jobs (their records live in `videos.VideoStore`), and what happens on a fault: every request of the wave and of the queue
-fails with `EngineFailed` naming the cause, `/health` turns unhealthy, and the server is asked to
-exit non-zero (`RankGroup.kill` and a hard exit follow if anything is stuck in a collective).
+time, running video jobs (their records live in `videos.VideoStore`), and what happens on a fault:
+every request of the wave and of the queue fails with `EngineFailed` naming the cause, `/health`
+turns unhealthy, and the server is asked to exit non-zero (`RankGroup.kill` and a hard exit follow if anything is stuck in a collective).
 Refusals are domain errors (`dlo.engine.serving.errors`); the server maps them to HTTP.
 Must never: speak HTTP (no status codes here), block the event loop on the ranks (waves run in a
 daemon thread), signal the ranks' processes itself (ask `RankGroup`), or run a wave after a fault.
@@ -14,17 +14,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import threading
 import math
+import os
 import tempfile
+import threading
 import time
 from dataclasses import asdict
 from typing import Any, Callable, Literal
 
 from dlo.engine.families import PipelineFacts
 from dlo.engine.serving.control import RankConfig, Result, WaveError, summary
-from dlo.engine.serving.errors import EngineFailed, EngineUnavailable, QueueFull, ServiceError, ShuttingDown
+from dlo.engine.serving.errors import (
+    EngineFailed,
+    EngineUnavailable,
+    QueueFull,
+    ServiceError,
+    ShuttingDown,
+    VideoStorageError,
+)
 from dlo.engine.serving.limits import Limits
 from dlo.engine.serving.metrics import EngineMetrics
 from dlo.engine.serving.ranks import RankGroup
@@ -258,11 +265,21 @@ class Engine:
         return min(99, 100 * self.group.steps_done(job.rank) // max(1, job.steps))
 
     def create_video(self, gen: Generation, seconds: str) -> VideoJob:
-        """Queue a video job (raises `QueueFull` before anything is recorded) and record it."""
+        """Record a video job, then queue it: a job that could not be recorded never runs, and one the
+        queue refuses (`QueueFull`) leaves no record."""
         job = VideoJob(id=self.videos.new_id(), created_at=int(time.time()), model=self.model_id, prompt=gen.prompt,
                        seconds=seconds, size=f"{gen.width}x{gen.height}", steps=gen.steps)
-        fut = self.submit(gen, request_id=job.id)
-        self.videos.add(job)
+        self.check_available()
+        try:
+            self.videos.add(job)
+        except OSError as e:
+            log.error("video %s: could not record the job: %s", job.id, e)
+            raise VideoStorageError(f"the server could not record the video job: {e}") from None
+        try:
+            fut = self.submit(gen, request_id=job.id)
+        except ServiceError:
+            self.videos.forget(job.id)
+            raise
         task = asyncio.create_task(self._finish_video(job.id, fut))
         self._video_tasks.add(task)
         task.add_done_callback(self._video_tasks.discard)
@@ -273,6 +290,10 @@ class Engine:
             res = await fut
         except ServiceError as e:
             self.videos.fail(video_id, e.code, e.message)
+            return
+        except Exception as e:  # never leave a job in_progress for ever
+            log.exception("video %s failed", video_id)
+            self.videos.fail(video_id, "internal_error", f"{type(e).__name__}: {e}")
             return
         assert res.outputs is not None
         try:  # the MP4 goes to disk off the event loop; the record changes in it

@@ -158,6 +158,10 @@ class VideoStore:
         self._evict_over_cap()
         return job
 
+    def forget(self, video_id: str) -> None:
+        """Remove a job that never ran (the queue refused it) and its record."""
+        self._drop(video_id)
+
     def owner(self, video_id: str) -> str | None:
         """The other pod a job id names, or None when the job is this pod's (or names no pod)."""
         pod = pod_of(video_id)
@@ -245,9 +249,12 @@ class VideoStore:
     def _finish(self, job: VideoJob, status: VideoStatus, now: int, error: dict[str, str] | None = None) -> None:
         job.status, job.completed_at, job.error = status, now, error
         job.expires_at = now + int(self.ttl_s)
-        if status == "failed":
-            self._mp4(job.id).unlink(missing_ok=True)
-        self._write_sidecar(job)
+        try:
+            if status == "failed":
+                self._mp4(job.id).unlink(missing_ok=True)
+            self._write_sidecar(job)
+        except OSError as e:  # the job's state here is right; after a restart it would read as interrupted
+            log.error("video store: could not record %s as %s: %s", job.id, status, e)
 
     def _evict_over_cap(self) -> None:
         """Beyond `max_jobs`, the oldest finished jobs go first (running ones are never evicted)."""

@@ -17,7 +17,14 @@ import requests
 import uvicorn
 
 from dlo.engine.ports import free_port
-from dlo.engine.serving.errors import QueueFull, VideoElsewhere, VideoNotFinished, VideoNotFound, VideoNotReady
+from dlo.engine.serving.errors import (
+    QueueFull,
+    VideoElsewhere,
+    VideoNotFinished,
+    VideoNotFound,
+    VideoNotReady,
+    VideoStorageError,
+)
 from dlo.engine.serving.limits import Limits
 from dlo.engine.serving.metrics import EngineMetrics
 from dlo.engine.serving.peers import Peers
@@ -226,6 +233,7 @@ def test_peer_addresses_come_from_the_template_or_the_map():
     (VideoNotReady("video x is failed", failed=True), 400, "video_not_ready"),
     (VideoNotFinished("video x is in_progress"), 409, "video_not_finished"),
     (VideoElsewhere("wan-1", "video_wan-1_x"), 404, "video_elsewhere"),
+    (VideoStorageError("the server could not record the video job: disk full"), 500, "storage_error"),
 ])
 def test_the_server_maps_each_video_error_to_one_status(err, status, code):
     api = api_error(err)
