@@ -27,6 +27,7 @@ MANAGED_BY = "app.kubernetes.io/managed-by"
 TEMPLATE_HASH = "dlo.dev/template-hash"
 MODE_ANNOTATION = "dlo.dev/mode"
 MODEL_MOUNT = "/model"
+VIDEO_MOUNT = "/var/lib/dlo/videos"  # finished video jobs: an emptyDir, so they outlive a container restart
 HTTP_PORT_NAME = "http"
 STATEFULSET_STRATEGIES = ("OnDelete", "RollingUpdate")  # the only values apps/v1 accepts
 NON_ROOT_UID = 10001
@@ -88,7 +89,7 @@ def engine_command(spec: DLODeploymentSpec, mode: Mode) -> list[str]:
             cmd.append("--dlo-no-use-allgather")
     else:
         cmd = ["dlo", "serve", MODEL_MOUNT, "--dp", dp, "--mode", mode, "--device", spec.engine.device]
-        cmd += ["--host", "0.0.0.0", "--port", port, *name]
+        cmd += ["--host", "0.0.0.0", "--port", port, *name, "--video-dir", VIDEO_MOUNT]
     return cmd + list(spec.engine.args)
 
 
@@ -137,12 +138,20 @@ def _resources(spec: DLODeploymentSpec) -> dict[str, Any]:
     return resources
 
 
-def _env(spec: DLODeploymentSpec) -> list[dict[str, Any]]:
+def peer_url_template(owner: Owner, spec: DLODeploymentSpec) -> str:
+    """How one engine pod reaches another through the headless Service (`{pod}`: the pod's name);
+    `dlo serve` forwards a video request for a job of another pod there."""
+    return f"http://{{pod}}.{headless_service_name(owner.name)}.{owner.namespace}.svc:{spec.service.port}"
+
+
+def _env(owner: Owner, spec: DLODeploymentSpec) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "HOME", "value": "/tmp"},
         {"name": "DLO_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
         {"name": "DLO_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
     ]
+    if spec.engine.kind != "vllm-omni":
+        env.append({"name": "DLO_PEER_URL_TEMPLATE", "value": peer_url_template(owner, spec)})
     if spec.engine.api_key_secret is not None:
         ref = spec.engine.api_key_secret
         key_env = VLLM_API_KEY_ENV if spec.engine.kind == "vllm-omni" else API_KEY_ENV
@@ -183,7 +192,7 @@ def pod_template(owner: Owner, spec: DLODeploymentSpec, mode: Mode) -> dict[str,
         "image": engine_image(spec),
         "imagePullPolicy": "IfNotPresent",
         "command": engine_command(spec, mode),
-        "env": _env(spec),
+        "env": _env(owner, spec),
         "ports": [{"name": HTTP_PORT_NAME, "containerPort": spec.service.port, "protocol": "TCP"}],
         "readinessProbe": _probe(readiness_path(spec), 5, 3),
         "livenessProbe": _probe("/health", 10, 6),
@@ -197,6 +206,8 @@ def pod_template(owner: Owner, spec: DLODeploymentSpec, mode: Mode) -> dict[str,
             {"name": "tmp", "mountPath": "/tmp"},
         ],
     }
+    if spec.engine.kind != "vllm-omni":
+        engine["volumeMounts"].append({"name": "videos", "mountPath": VIDEO_MOUNT})
     pod_spec: dict[str, Any] = {
         "affinity": _affinity(owner.name, spec),
         "automountServiceAccountToken": False,
@@ -216,6 +227,8 @@ def pod_template(owner: Owner, spec: DLODeploymentSpec, mode: Mode) -> dict[str,
             {"name": "tmp", "emptyDir": {}},
         ],
     }
+    if spec.engine.kind != "vllm-omni":
+        pod_spec["volumes"].append({"name": "videos", "emptyDir": {}})
     if spec.warmer.enabled:
         pod_spec["initContainers"] = [
             {

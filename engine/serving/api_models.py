@@ -35,8 +35,9 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
-                          "param": self.param, "code": self.code}}
+        # any other 4xx (404 route, 405 method, 409 conflict) is still the client's request
+        kind = self.TYPES.get(self.status) or ("invalid_request_error" if self.status < 500 else "server_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
 class _Extensions(BaseModel):
@@ -122,6 +123,22 @@ class VideoObject(BaseModel):
     size: str
     status: Literal["queued", "in_progress", "completed", "failed"]
     error: VideoError | None = None
+
+
+class VideoList(BaseModel):
+    """`GET /v1/videos`: OpenAI's cursor page (`after` = the `last_id` of the previous page)."""
+
+    object: Literal["list"] = "list"
+    data: list[VideoObject]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
+class VideoDeleted(BaseModel):
+    id: str
+    object: Literal["video.deleted"] = "video.deleted"
+    deleted: bool = True
 
 
 # ---- translation --------------------------------------------------------------------------------

@@ -90,10 +90,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="host source of block bytes: registered (the page cache itself, read in place; DMA-"
                              "registered on cuda), arena (one pinned copy of this rank's shards), auto (registered "
                              "where the platform allows it, else the arena; on cpu the arena)")
+    # -- video jobs (dlo.engine.serving.videos) --
+    parser.add_argument("--video-dir", type=Path, default=None,
+                        help="folder keeping finished videos and job records across restarts (an emptyDir in a "
+                             "pod); default: dlo-videos-PORT under the system temp dir")
+    parser.add_argument("--video-ttl", type=float, default=3600.0,
+                        help="seconds a finished video job and its MP4 are kept (expires_at = finish + TTL)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     parser.epilog = (
         "Example: `dlo make-tiny-model /tmp/tiny --family wan` then `dlo serve /tmp/tiny --dp 2 --mode allgather "
-        "--device cpu --small-limits`. API: POST /v1/images/generations, POST /v1/videos, GET /v1/models, "
+        "--device cpu --small-limits`. API: POST /v1/images/generations, POST|GET /v1/videos, "
+        "GET|DELETE /v1/videos/ID, GET /v1/models, "
         "/health, /ready, /metrics; see docs/serving.md."
     )
 
@@ -181,7 +188,9 @@ def main(args: argparse.Namespace) -> int:
     from dlo.engine.serving.limits import SMALL, Limits
     from dlo.engine.serving.api_models import ApiError, parse_size
     from dlo.engine.serving.server import create_app
+    from dlo.engine.serving.peers import Peers
     from dlo.engine.serving.service import Engine
+    from dlo.engine.serving.videos import VideoStore, default_video_dir
 
     model_dir: Path = args.model_dir.resolve()
     try:
@@ -216,11 +225,20 @@ def main(args: argparse.Namespace) -> int:
         resident_blocks=args.resident_blocks, collective_timeout_s=max(1800.0, 4 * args.progress_timeout),
         weights=args.weights,
     )
+    try:  # video jobs: the store names this pod in its ids; peers answer for the other pods' jobs
+        videos = VideoStore(args.video_dir or default_video_dir(args.port), ttl_s=args.video_ttl,
+                            pod=os.environ.get("DLO_POD_NAME") or None)
+        videos.load()
+        peers = Peers.from_env()
+    except (ValueError, OSError) as e:
+        print(f"dlo serve: video jobs: {e}", file=sys.stderr)
+        return 2
     engine = Engine(cfg, limits=limits, facts=facts, model_id=args.served_model_name or model_dir.name,
                     progress_timeout_s=args.progress_timeout, max_queue=args.max_queue,
-                    wave_window_ms=args.wave_window_ms, warmup=args.warmup, warmup_size=warmup_size)
+                    wave_window_ms=args.wave_window_ms, warmup=args.warmup, warmup_size=warmup_size,
+                    videos=videos)
     engine.group.spawn()
-    app = create_app(engine, api_key)
+    app = create_app(engine, api_key, peers)
     server = _server_class()(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=10))
     engine.request_exit = lambda: setattr(server, "should_exit", True)

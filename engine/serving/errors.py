@@ -20,9 +20,13 @@ class ServiceError(Exception):
 
 
 class QueueFull(ServiceError):
-    """The wave queue holds `--max-queue` requests: retry later."""
+    """The wave queue holds `--max-queue` requests: retry after `retry_after_s` seconds (a hint)."""
 
     code = "queue_full"
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class EngineUnavailable(ServiceError):
@@ -41,3 +45,46 @@ class ShuttingDown(EngineUnavailable):
     """The server is stopping (SIGTERM, or after a fault)."""
 
     code = "shutting_down"
+
+
+# -- video jobs (dlo.engine.serving.videos) ---------------------------------------------------------
+class VideoNotFound(ServiceError):
+    """No such video job here (never created, deleted, or expired); `param` names the field."""
+
+    code = "not_found"
+
+    def __init__(self, message: str, *, param: str = "video_id") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class VideoNotReady(ServiceError):
+    """A job's content was asked for before it completed (`failed`: it never will)."""
+
+    code = "video_not_ready"
+
+    def __init__(self, message: str, *, failed: bool = False) -> None:
+        super().__init__(message)
+        self.failed = failed
+
+
+class VideoNotFinished(ServiceError):
+    """A queued or running job cannot be deleted: it holds a place in a wave."""
+
+    code = "video_not_finished"
+
+
+class VideoElsewhere(ServiceError):
+    """The job id names another pod: ask that pod (the server forwards the request)."""
+
+    code = "video_elsewhere"
+
+    def __init__(self, pod: str, video_id: str) -> None:
+        super().__init__(f"video {video_id} belongs to pod {pod}")
+        self.pod, self.video_id = pod, video_id
+
+
+class VideoStorageError(ServiceError):
+    """The video folder could not be written (full, read-only): the job was not recorded."""
+
+    code = "storage_error"

@@ -1,16 +1,20 @@
 """Run `dlo serve` as a child process: start it, wait until it is ready, read its metrics, stop it.
 
 Owns: the one way the demo, the benchmarks and the tests start a real server (a separate process
-tree, real HTTP). Must never: leave a server running after `stop()` or the context exits.
+tree, real HTTP). Unless `--video-dir` is given, each server keeps its video jobs in a temp folder
+of its own, removed by `stop()`. Must never: leave a server running after `stop()` or the context
+exits.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -27,6 +31,10 @@ class ServerProcess:
                  env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.video_dir: str | None = None  # ours to remove
+        if "--video-dir" not in args:
+            self.video_dir = tempfile.mkdtemp(prefix="dlo-videos-")
+            args = (*args, "--video-dir", self.video_dir)
         self.cmd = [sys.executable, "-m", "dlo.cli.main", "serve", str(model_dir), "--port", str(self.port), *args]
         self.env = {**os.environ, **(env or {})}
         self.env.pop("DLO_API_KEY", None)
@@ -80,6 +88,7 @@ class ServerProcess:
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM (graceful: ranks stop, exit code 0), SIGKILL of the whole group after `timeout`."""
         if self.proc is None:
+            self._remove_video_dir()
             return None
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -90,7 +99,12 @@ class ServerProcess:
                 self.proc.wait()
         if self._log not in (None, subprocess.DEVNULL):
             self._log.close()
+        self._remove_video_dir()
         return self.proc.returncode
+
+    def _remove_video_dir(self) -> None:
+        if self.video_dir is not None:
+            shutil.rmtree(self.video_dir, ignore_errors=True)
 
     def __enter__(self) -> "ServerProcess":
         return self.start()

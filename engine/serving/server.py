@@ -1,11 +1,14 @@
 """The OpenAI-compatible HTTP API of `dlo serve` (FastAPI), served by rank 0.
 
 Routes: `POST /v1/images/generations`, `POST /v1/videos` (JSON or multipart/form-data, as the
-official SDK sends it), `GET /v1/videos/{id}`, `GET /v1/videos/{id}/content`, `GET /v1/models`,
-`/health`, `/ready`, `/metrics`. Errors use OpenAI's body `{"error": {message, type, param, code}}`:
-400 invalid fields (FastAPI's 422 included), 401 wrong key, 404 unknown model or video, 413 body
-over `Limits.max_body_bytes` (refused before any of it is parsed), 429 queue full, 503 not ready or
-after a rank failure.
+official SDK sends it), `GET /v1/videos` (list), `GET` and `DELETE /v1/videos/{id}`,
+`GET /v1/videos/{id}/content`, `GET /v1/models`, `/health`, `/ready`, `/metrics`. Errors use
+OpenAI's body `{"error": {message, type, param, code}}`: 400 invalid fields (FastAPI's 422
+included), 401 wrong key, 404 unknown model, video or route, 405 wrong method, 409 deleting an
+unfinished video, 413 body over `Limits.max_body_bytes` (refused before any of it is parsed), 429
+queue full (with Retry-After), 502/504 the pod of a video job could not answer a forwarded request,
+503 not ready or after a rank failure. A video request for a job of another pod is forwarded to it
+(`peers.py`).
 Owns: HTTP only: routes, authentication, body limits, OpenAI error bodies, and the one mapping of
 the service's domain errors (`dlo.engine.serving.errors`) to status codes (`status_of`).
 Must never: hold serving logic (queueing, waves, jobs: `service.py`), answer a client's malformed input with a 5xx, hold more than the body limit of any one
@@ -19,13 +22,14 @@ import hashlib
 import hmac
 import json
 import logging
+import os
 import time
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Iterator, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
@@ -36,12 +40,24 @@ from dlo.engine.serving.api_models import (
     ImagesResponse,
     ModelList,
     VideoCreateRequest,
+    VideoDeleted,
+    VideoList,
     VideoObject,
     image_generation,
     video_generation,
 )
-from dlo.engine.serving.errors import EngineUnavailable, QueueFull, ServiceError
-from dlo.engine.serving.service import Engine, VideoJob
+from dlo.engine.serving.errors import (
+    EngineUnavailable,
+    QueueFull,
+    ServiceError,
+    VideoElsewhere,
+    VideoNotFinished,
+    VideoNotFound,
+    VideoNotReady,
+)
+from dlo.engine.serving.peers import FORWARDED_HEADER, PeerError, Peers
+from dlo.engine.serving.service import Engine
+from dlo.engine.serving.videos import VideoJob
 
 log = logging.getLogger(__name__)
 
@@ -61,16 +77,32 @@ def _error(e: ApiError) -> JSONResponse:
 
 def status_of(e: ServiceError) -> int:
     """The HTTP status of a domain error: 429 for a full queue (retry later), 503 when the engine
-    cannot serve (loading, stopping, failed), 500 for anything the service did not expect."""
+    cannot serve (loading, stopping, failed), 404/409 for video jobs, 500 for anything the service
+    did not expect."""
     if isinstance(e, QueueFull):
         return 429
+    if isinstance(e, (VideoNotFound, VideoElsewhere)):
+        return 404
+    if isinstance(e, VideoNotReady):
+        return 400 if e.failed else 404
+    if isinstance(e, VideoNotFinished):
+        return 409
     if isinstance(e, EngineUnavailable):
         return 503
     return 500
 
 
 def api_error(e: ServiceError) -> ApiError:
-    return ApiError(status_of(e), e.message, code=e.code)
+    return ApiError(status_of(e), e.message, getattr(e, "param", None), e.code)
+
+
+def _service_response(e: ServiceError) -> JSONResponse:
+    """The error body, plus `Retry-After` (seconds) where the domain error carries a hint."""
+    response = _error(api_error(e))
+    retry_after = getattr(e, "retry_after_s", None)
+    if retry_after is not None:
+        response.headers["Retry-After"] = str(int(retry_after))
+    return response
 
 
 class BodyLimit:
@@ -130,12 +162,16 @@ def _digest(key: bytes) -> bytes:
     return hashlib.sha256(key).digest()
 
 
-def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
+def create_app(engine: Engine, api_key: str | None = None, peers: Peers | None = None) -> FastAPI:
+    """The app; `peers` (None: a single pod) says where the pods named by other video ids answer."""
+
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await engine.startup()
         yield
         await engine.shutdown()
+        if peers is not None:
+            await peers.close()
 
     app = FastAPI(
         title="dlo serve",
@@ -186,7 +222,19 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
 
     @app.exception_handler(ServiceError)
     async def _service_error(_request: Request, e: ServiceError) -> JSONResponse:
-        return _error(api_error(e))
+        return _service_response(e)
+
+    @app.exception_handler(VideoElsewhere)
+    async def _elsewhere(request: Request, e: VideoElsewhere) -> Response:
+        """A job of another pod: ask that pod, unless this request was forwarded already."""
+        if peers is None or peers.url(e.pod) is None or FORWARDED_HEADER in request.headers:
+            return _error(ApiError(404, f"no video job {e.video_id!r} here (it names pod {e.pod!r}, which this "
+                                        "server cannot reach)", "video_id", "not_found"))
+        try:
+            return await peers.forward(request, e.pod)
+        except PeerError as pe:
+            log.warning("forwarding %s %s to pod %s failed: %s", request.method, request.url.path, e.pod, pe)
+            return _error(ApiError(pe.status, pe.message, None, pe.code))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, e: RequestValidationError) -> JSONResponse:
@@ -194,9 +242,15 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
         return _error(ApiError(400, message, param, "invalid_request"))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_request: Request, e: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
         status = e.status_code if e.status_code < 500 else 503
-        err = ApiError(status, str(e.detail), code="not_found" if status == 404 else None)
+        message, code = str(e.detail), None
+        if status == 404:
+            message, code = f"no route {request.method} {request.url.path}", "not_found"
+        elif status == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+            code = "method_not_allowed"
+        err = ApiError(status, message, code=code)
         return JSONResponse(err.body(), status_code=status, headers=getattr(e, "headers", None))
 
     # -- generation ---------------------------------------------------------------------------------
@@ -226,21 +280,41 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
         seconds = f"{gen.frames / gen.fps:g}"
         return _video_object(engine, engine.create_video(gen, seconds))
 
+    @app.get("/v1/videos", response_model=VideoList,
+             summary="This pod's video jobs, newest first by default (OpenAI cursor: limit, after, order)")
+    async def list_videos(limit: int = Query(20, ge=1, le=100), after: str | None = Query(None, max_length=200),
+                          order: Literal["asc", "desc"] = "desc") -> VideoList:
+        jobs, has_more = engine.videos.list(limit=limit, after=after, order=order)
+        return VideoList(data=[_video_object(engine, j) for j in jobs], has_more=has_more,
+                         first_id=jobs[0].id if jobs else None, last_id=jobs[-1].id if jobs else None)
+
     @app.get("/v1/videos/{video_id}", response_model=VideoObject, summary="A video job's status")
     async def get_video(video_id: str) -> VideoObject:
-        return _video_object(engine, _job(engine, video_id))
+        return _video_object(engine, engine.videos.get(video_id))
+
+    @app.delete("/v1/videos/{video_id}", response_model=VideoDeleted,
+                summary="Delete a completed or failed video job and its file (409 while queued or running)")
+    async def delete_video(video_id: str) -> VideoDeleted:
+        return VideoDeleted(id=engine.videos.delete(video_id).id)
 
     @app.get("/v1/videos/{video_id}/content", summary="The MP4 of a completed video job",
              responses={200: {"content": {"video/mp4": {}}}})
     async def video_content(video_id: str, variant: str = "video") -> Response:
-        job = _job(engine, video_id)
+        path = engine.videos.content_path(video_id)
         if variant != "video":
             raise ApiError(400, f"variant {variant!r} is not available; only \"video\"", "variant", "invalid_value")
-        if job.status != "completed" or job.content is None:
-            raise ApiError(404 if job.status != "failed" else 400,
-                           f"video {video_id} is {job.status}; content is available once it is completed",
-                           code="video_not_ready")
-        return Response(job.content, media_type="video/mp4")
+        try:  # opened now: a job that expires or is deleted while it streams still streams whole
+            f = open(path, "rb")
+        except FileNotFoundError:
+            raise VideoNotFound(f"no video job {video_id!r}") from None
+        size = os.fstat(f.fileno()).st_size
+
+        def chunks() -> Iterator[bytes]:
+            with f:
+                while block := f.read(1 << 16):
+                    yield block
+
+        return StreamingResponse(chunks(), media_type="video/mp4", headers={"Content-Length": str(size)})
 
     @app.get("/v1/models", response_model=ModelList, summary="The served model")
     async def models() -> ModelList:
@@ -306,17 +380,9 @@ async def _video_body(request: Request) -> VideoCreateRequest:
         raise ApiError(400, message, param, "invalid_request") from None
 
 
-def _job(engine: Engine, video_id: str) -> VideoJob:
-    job = engine.videos.get(video_id)
-    if job is None:
-        raise ApiError(404, f"no video job {video_id!r}", "video_id", "not_found")
-    return job
-
-
 def _video_object(engine: Engine, job: VideoJob) -> VideoObject:
     return VideoObject(
-        id=job.id, created_at=job.created_at, completed_at=job.completed_at, model=engine.model_id,
-        progress=engine.video_progress(job),
-        prompt=job.gen.prompt, seconds=job.seconds, size=f"{job.gen.width}x{job.gen.height}", status=job.status,
-        error=job.error,  # type: ignore[arg-type]
+        id=job.id, created_at=job.created_at, completed_at=job.completed_at, expires_at=job.expires_at,
+        model=job.model, progress=engine.video_progress(job), prompt=job.prompt, seconds=job.seconds, size=job.size,
+        status=job.status, error=job.error,  # type: ignore[arg-type]
     )

@@ -2,9 +2,9 @@
 
 Owns: the lifecycle `loading -> ready -> (stopping | failed)` (`State`, changed only through
 `_enter`), the asyncio scheduler that drains `WaveQueue` into `RankGroup.run_wave` one wave at a
-time, the video job store, and what happens on a fault: every request of the wave and of the queue
-fails with `EngineFailed` naming the cause, `/health` turns unhealthy, and the server is asked to
-exit non-zero (`RankGroup.kill` and a hard exit follow if anything is stuck in a collective).
+time, running video jobs (their records live in `videos.VideoStore`), and what happens on a fault:
+every request of the wave and of the queue fails with `EngineFailed` naming the cause, `/health`
+turns unhealthy, and the server is asked to exit non-zero (`RankGroup.kill` and a hard exit follow if anything is stuck in a collective).
 Refusals are domain errors (`dlo.engine.serving.errors`); the server maps them to HTTP.
 Must never: speak HTTP (no status codes here), block the event loop on the ranks (waves run in a
 daemon thread), signal the ranks' processes itself (ask `RankGroup`), or run a wave after a fault.
@@ -14,43 +14,38 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
+import tempfile
 import threading
 import time
-import uuid
-from dataclasses import dataclass, field
 from dataclasses import asdict
 from typing import Any, Callable, Literal
 
 from dlo.engine.families import PipelineFacts
 from dlo.engine.serving.control import RankConfig, Result, WaveError, summary
-from dlo.engine.serving.errors import EngineFailed, EngineUnavailable, ServiceError, ShuttingDown
+from dlo.engine.serving.errors import (
+    EngineFailed,
+    EngineUnavailable,
+    QueueFull,
+    ServiceError,
+    ShuttingDown,
+    VideoStorageError,
+)
 from dlo.engine.serving.limits import Limits
 from dlo.engine.serving.metrics import EngineMetrics
 from dlo.engine.serving.ranks import RankGroup
+from dlo.engine.serving.videos import VideoJob, VideoStore
 from dlo.engine.serving.waves import Generation, Pending, WaveQueue
 
 log = logging.getLogger(__name__)
 
 HARD_EXIT_AFTER_S = 15.0
-MAX_VIDEO_JOBS = 256
+VIDEO_SWEEP_S = 60.0  # how often expired video jobs are removed even when nobody asks
+MAX_RETRY_AFTER_S = 60
 
 # loading -> ready -> stopping; any state -> failed (a fault is final: the process exits).
 State = Literal["loading", "ready", "stopping", "failed"]
-
-
-@dataclass
-class VideoJob:
-    id: str
-    gen: Generation
-    seconds: str
-    created_at: int
-    status: str = "queued"
-    completed_at: int | None = None
-    content: bytes | None = None
-    error: dict[str, str] | None = None
-    rank: int | None = None  # the rank running it, once its wave started
-    task: asyncio.Task | None = field(default=None, repr=False)
 
 
 def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
@@ -82,7 +77,7 @@ def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
 class Engine:
     def __init__(self, cfg: RankConfig, *, limits: Limits, facts: PipelineFacts, model_id: str,
                  progress_timeout_s: float, max_queue: int, wave_window_ms: float, warmup: bool = True,
-                 warmup_size: tuple[int, int] | None = None):
+                 warmup_size: tuple[int, int] | None = None, videos: VideoStore | None = None):
         self.cfg, self.limits, self.facts, self.model_id = cfg, limits, facts, model_id
         self.max_queue, self.window_s = max_queue, wave_window_ms / 1000.0
         self.state: State = "loading"
@@ -92,7 +87,11 @@ class Engine:
         self.group = RankGroup(cfg, progress_timeout_s, self._on_fault)
         self.metrics = EngineMetrics(cfg.dp, self._rank_facts)
         self.created = int(time.time())
-        self.videos: dict[str, VideoJob] = {}
+        if videos is None:  # callers other than `dlo serve`: a store of its own, gone with the temp dir
+            videos = VideoStore(tempfile.mkdtemp(prefix="dlo-videos-"))
+            videos.load()
+        self.videos = videos  # loaded by the caller (`dlo serve` refuses an unusable --video-dir up front)
+        self._video_tasks: set[asyncio.Task] = set()
         self.waves_run = 0
         self.warmup = warmup
         self.warmup_size = warmup_size
@@ -106,6 +105,7 @@ class Engine:
     async def startup(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._queue = WaveQueue(self.cfg.dp, self.window_s, self.max_queue)
+        self._tasks.append(asyncio.create_task(self._sweep_videos()))
         self._tasks.append(asyncio.create_task(self._load()))
 
     async def _load(self) -> None:
@@ -223,7 +223,11 @@ class Engine:
         self.check_available()
         assert self._queue is not None and self._loop is not None
         fut = self._loop.create_future()
-        self._queue.put(Pending(gen, time.monotonic(), fut, request_id=request_id))
+        try:
+            self._queue.put(Pending(gen, time.monotonic(), fut, request_id=request_id))
+        except QueueFull as e:
+            e.retry_after_s = self._retry_after_s()
+            raise
         self.metrics.queue_depth.set(len(self._queue))
         return fut
 
@@ -260,10 +264,23 @@ class Engine:
                     p.future.set_result(res)
             self._inflight = []
 
+    def _retry_after_s(self) -> int:
+        """A hint for a refused client: the waves queued ahead of it times the mean wave time so far."""
+        count = total = 0.0
+        for metric in self.metrics.wave_duration.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_count"):
+                    count = sample.value
+                elif sample.name.endswith("_sum"):
+                    total = sample.value
+        waves_ahead = math.ceil(len(self._queue or ()) / self.cfg.dp)
+        mean = total / count if count else 1.0
+        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(mean * max(1, waves_ahead))))
+
+    # -- videos -----------------------------------------------------------------------------------
     def _mark_video(self, p: Pending, rank: int) -> None:
-        job = self.videos.get(p.request_id)
-        if job is not None and job.status == "queued":
-            job.status, job.rank = "in_progress", rank
+        if p.request_id in self.videos:
+            self.videos.start(p.request_id, rank)
 
     def video_progress(self, job: VideoJob) -> int:
         """Percent: denoising steps done on its rank (the last percent is the VAE decode and MP4)."""
@@ -271,28 +288,49 @@ class Engine:
             return 100
         if job.status == "queued" or job.rank is None:
             return 0
-        return min(99, 100 * self.group.steps_done(job.rank) // max(1, job.gen.steps))
+        return min(99, 100 * self.group.steps_done(job.rank) // max(1, job.steps))
 
-    # -- videos -----------------------------------------------------------------------------------
     def create_video(self, gen: Generation, seconds: str) -> VideoJob:
-        job = VideoJob(id=f"video_{uuid.uuid4().hex}", gen=gen, seconds=seconds, created_at=int(time.time()))
-        fut = self.submit(gen, request_id=job.id)
-        job.task = asyncio.create_task(self._finish_video(job, fut))
-        self.videos[job.id] = job
-        self._evict_videos()
+        """Record a video job, then queue it: a job that could not be recorded never runs, and one the
+        queue refuses (`QueueFull`) leaves no record."""
+        job = VideoJob(id=self.videos.new_id(), created_at=int(time.time()), model=self.model_id, prompt=gen.prompt,
+                       seconds=seconds, size=f"{gen.width}x{gen.height}", steps=gen.steps)
+        self.check_available()
+        try:
+            self.videos.add(job)
+        except OSError as e:
+            log.error("video %s: could not record the job: %s", job.id, e)
+            raise VideoStorageError(f"the server could not record the video job: {e}") from None
+        try:
+            fut = self.submit(gen, request_id=job.id)
+        except ServiceError:
+            self.videos.forget(job.id)
+            raise
+        task = asyncio.create_task(self._finish_video(job.id, fut))
+        self._video_tasks.add(task)
+        task.add_done_callback(self._video_tasks.discard)
         return job
 
-    async def _finish_video(self, job: VideoJob, fut: asyncio.Future) -> None:
+    async def _finish_video(self, video_id: str, fut: asyncio.Future) -> None:
         try:
             res = await fut
         except ServiceError as e:
-            job.status, job.error = "failed", {"code": e.code, "message": e.message}
+            self.videos.fail(video_id, e.code, e.message)
+            return
+        except Exception as e:  # never leave a job in_progress for ever
+            log.exception("video %s failed", video_id)
+            self.videos.fail(video_id, "internal_error", f"{type(e).__name__}: {e}")
+            return
+        assert res.outputs is not None
+        try:  # the MP4 goes to disk off the event loop; the record changes in it
+            await asyncio.to_thread(self.videos.write_content, video_id, res.outputs[0])
+        except OSError as e:
+            log.error("video %s: could not write its MP4: %s", video_id, e)
+            self.videos.fail(video_id, "storage_error", f"the server could not store the video: {e}")
         else:
-            assert res.outputs is not None
-            job.status, job.content = "completed", res.outputs[0]
-        job.completed_at = int(time.time())
+            self.videos.complete(video_id)
 
-    def _evict_videos(self) -> None:
-        done = [j for j in self.videos.values() if j.status in ("completed", "failed")]
-        for j in done[: max(0, len(self.videos) - MAX_VIDEO_JOBS)]:
-            del self.videos[j.id]
+    async def _sweep_videos(self) -> None:
+        while True:
+            await asyncio.sleep(min(VIDEO_SWEEP_S, self.videos.ttl_s / 4))
+            self.videos.sweep()

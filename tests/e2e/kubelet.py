@@ -7,6 +7,13 @@ itself; emptyDir: a fresh folder; the memory-backed /dev/shm stays the host's). 
 readiness endpoint and writes the pod status (phase, Ready condition) back to the emulator, and it
 terminates a pod's processes once the pod object is gone. Images are ignored: the commands run from
 this checkout's environment.
+
+Networking, as far as the engine pods need it: every pod gets its own local port (stable per pod
+name) for its container port (`--port N` in its command is rewritten), so replicas can share this
+host; each client Service port is a round-robin TCP proxy to the ready pods it selects (kube-proxy's
+part); and the headless Service's names `<pod>.<headless>.<ns>.svc` (the engine's
+`DLO_PEER_URL_TEMPLATE`) resolve to the pods' local ports through `DLO_PEER_URLS`, which the kubelet
+adds to the environment of a container that has the template (cluster DNS's part).
 """
 
 from __future__ import annotations
@@ -14,7 +21,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import itertools
+import json
 import os
+import socket
 import signal
 import sys
 import tempfile
@@ -38,6 +48,22 @@ class LocalKubelet:
         self.tasks: dict[str, asyncio.Task] = {}
         self.processes: dict[str, list[asyncio.subprocess.Process]] = {}
         self.failures: list[str] = []
+        self.ports: dict[str, int] = {}  # pod name -> the local port its container port maps to
+        self.ready: set[str] = set()  # names of pods whose readiness probe passed
+        self.names: dict[str, str] = {}  # pod uid -> name
+        self.proxies: dict[int, asyncio.Server] = {}  # client Service port -> its proxy
+        self._turn = itertools.count()
+
+    def pod_url(self, pod: str) -> str:
+        """Where a pod answers on this host (what `<pod>.<headless>` would reach in a cluster)."""
+        return f"http://127.0.0.1:{self._port(pod)}"
+
+    def _port(self, pod: str) -> int:
+        if pod not in self.ports:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                self.ports[pod] = s.getsockname()[1]
+        return self.ports[pod]
 
     def logs(self, pod: str) -> str:
         return "".join(p.read_text(errors="replace") for p in sorted(self.workdir.glob(f"{pod}.*.log")))
@@ -51,18 +77,62 @@ class LocalKubelet:
             for uid in [u for u in self.tasks if u not in pods]:
                 await self._stop(uid)
                 self.tasks.pop(uid).cancel()
+            await self._serve_services()
             await asyncio.sleep(0.2)
 
     async def stop(self) -> None:
         for uid in list(self.tasks):
             await self._stop(uid)
             self.tasks.pop(uid).cancel()
+        for proxy in self.proxies.values():
+            proxy.close()
+        self.proxies.clear()
+
+    # ---- Services: a round-robin proxy per client Service port --------------------------------
+
+    async def _serve_services(self) -> None:
+        for svc in live_objects(self.cluster.emulator):
+            if svc.get("kind") != "Service" or svc["spec"].get("clusterIP") == "None":
+                continue
+            for port in svc["spec"]["ports"]:
+                if port["port"] not in self.proxies:
+                    self.proxies[port["port"]] = await asyncio.start_server(
+                        lambda r, w, svc=svc: self._proxy(svc, r, w), "127.0.0.1", port["port"])
+
+    async def _proxy(self, svc: dict[str, Any], reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        selector = svc["spec"]["selector"]
+        backends = sorted(
+            p["metadata"]["name"] for p in live_objects(self.cluster.emulator)
+            if p.get("kind") == "Pod" and p["metadata"]["name"] in self.ready
+            and p["metadata"]["namespace"] == svc["metadata"]["namespace"]
+            and all(p["metadata"].get("labels", {}).get(k) == v for k, v in selector.items())
+        )
+        if not backends:
+            writer.close()
+            return
+        pod = backends[next(self._turn) % len(backends)]
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._port(pod))
+        except OSError:
+            writer.close()
+            return
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError):
+                while data := await src.read(1 << 16):
+                    dst.write(data)
+                    await dst.drain()
+            with contextlib.suppress(OSError):
+                dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
 
     # ---- one pod ----------------------------------------------------------------------------
 
     async def _run_pod(self, pod: dict[str, Any]) -> None:
         name = pod["metadata"]["name"]
         uid = pod["metadata"]["uid"]
+        self.names[uid] = name
         volumes = self._volumes(pod)
         try:
             for c in pod["spec"].get("initContainers", []):
@@ -72,12 +142,14 @@ class LocalKubelet:
             (main,) = pod["spec"]["containers"]
             proc = await self._start(pod, main, volumes)
             await self._patch_status(pod, "Running", ready=False)
-            await self._wait_ready(main, proc)
+            await self._wait_ready(pod, proc)
+            self.ready.add(name)
             await self._patch_status(pod, "Running", ready=True)
             code = await proc.wait()
             if uid in self.processes:  # exited on its own, not stopped by us
                 raise PodFailed(f"container {main['name']} exited {code}")
         except PodFailed as e:
+            self.ready.discard(name)
             self.failures.append(f"{name}: {e}")
             await self._patch_status(pod, "Failed", ready=False)
 
@@ -111,6 +183,13 @@ class LocalKubelet:
 
         return translate
 
+    def _peer_urls(self, pod: dict[str, Any]) -> dict[str, str]:
+        """Every pod of this pod's StatefulSet -> its local URL (the headless Service's DNS names)."""
+        owner = next(r for r in pod["metadata"]["ownerReferences"] if r["kind"] == "StatefulSet")
+        sts = self.cluster.get("StatefulSet", pod["metadata"]["namespace"], owner["name"])
+        replicas = sts["spec"]["replicas"] if sts else 1
+        return {f"{owner['name']}-{i}": self.pod_url(f"{owner['name']}-{i}") for i in range(replicas)}
+
     def _env(self, pod: dict[str, Any], container: dict[str, Any], translate) -> dict[str, str]:
         env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
         fields = {"spec.nodeName": pod["spec"].get("nodeName", ""), "metadata.name": pod["metadata"]["name"],
@@ -124,6 +203,8 @@ class LocalKubelet:
                 env[e["name"]] = self._secret(pod["metadata"]["namespace"], e["valueFrom"]["secretKeyRef"])
             else:
                 raise PodFailed(f"env {e['name']}: unsupported source {e.get('valueFrom')}")
+        if "DLO_PEER_URL_TEMPLATE" in env:
+            env["DLO_PEER_URLS"] = json.dumps(self._peer_urls(pod))
         return env
 
     def _secret(self, namespace: str, ref: dict[str, str]) -> str:
@@ -139,6 +220,10 @@ class LocalKubelet:
     async def _start(self, pod: dict[str, Any], container: dict[str, Any], volumes) -> asyncio.subprocess.Process:
         translate = self._mapper(container, volumes)
         argv = [translate(a) for a in container["command"] + container.get("args", [])]
+        container_ports = {str(p["containerPort"]) for p in container.get("ports", [])}
+        for i, arg in enumerate(argv[:-1]):
+            if arg == "--port" and argv[i + 1] in container_ports:  # this pod's own port on this host
+                argv[i + 1] = str(self._port(pod["metadata"]["name"]))
         log = open(self.workdir / f"{pod['metadata']['name']}.{container['name']}.log", "ab")
         proc = await asyncio.create_subprocess_exec(
             *argv, env=self._env(pod, container, translate), stdout=log, stderr=asyncio.subprocess.STDOUT,
@@ -148,11 +233,10 @@ class LocalKubelet:
         self.processes.setdefault(pod["metadata"]["uid"], []).append(proc)
         return proc
 
-    async def _wait_ready(self, container: dict[str, Any], proc: asyncio.subprocess.Process) -> None:
+    async def _wait_ready(self, pod: dict[str, Any], proc: asyncio.subprocess.Process) -> None:
+        (container,) = pod["spec"]["containers"]
         probe = container["readinessProbe"]["httpGet"]
-        ports = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
-        port = ports.get(probe["port"], probe["port"])
-        url = f"http://127.0.0.1:{port}{probe['path']}"
+        url = f"{self.pod_url(pod['metadata']['name'])}{probe['path']}"
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
             while proc.returncode is None:
                 with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
@@ -173,6 +257,7 @@ class LocalKubelet:
 
     async def _stop(self, uid: str) -> None:
         """Terminate a pod's processes (their whole process groups), SIGKILL after a grace period."""
+        self.ready.discard(self.names.pop(uid, ""))
         for proc in self.processes.pop(uid, []):
             if proc.returncode is not None:
                 continue

@@ -6,6 +6,7 @@ import base64
 import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import requests
 import openai
@@ -19,6 +20,7 @@ pytestmark = pytest.mark.slow
 
 KEY = "test-key-0123456789"
 MODEL = "tiny-wan-float32"
+VIDEO_TTL_S = 600
 CONTRACT_METRICS = [
     "dlo_engine_info", "dlo_ready", "dlo_requests_total", "dlo_request_duration_seconds", "dlo_queue_depth",
     "dlo_wave_size", "dlo_wave_duration_seconds", "dlo_step_duration_seconds", "dlo_gather_wait_seconds_total",
@@ -30,9 +32,10 @@ CONTRACT_METRICS = [
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model = tiny_pipeline(tmp_path_factory, "wan")
-    log = tmp_path_factory.mktemp("http") / "serve.log"
+    tmp = tmp_path_factory.mktemp("http")
     srv = ServerProcess(model, "--dp", "1", "--mode", "rank-local", "--device", "cpu", "--small-limits",
-                        "--max-queue", "2", api_key=KEY, log_path=log)
+                        "--max-queue", "2", "--video-dir", str(tmp / "videos"), "--video-ttl", str(VIDEO_TTL_S),
+                        api_key=KEY, log_path=tmp / "serve.log")
     with srv:
         yield srv
 
@@ -148,6 +151,35 @@ def test_videos_with_the_sdk_multipart_create_poll_and_download_mp4(client):
     assert seen == sorted(seen) and seen[-1] == 100 and all(0 <= p <= 100 for p in seen), seen
     mp4 = client.videos.download_content(video.id).read()
     assert mp4[4:8] == b"ftyp" and len(mp4) > 500
+    assert video.completed_at is not None and video.expires_at == video.completed_at + VIDEO_TTL_S
+
+
+def test_videos_list_and_delete_with_the_sdk(client, server):
+    video = client.videos.create(prompt="tide", seconds="1", size="64x64",  # type: ignore[arg-type]
+                                 extra_body={"seed": 4, "num_inference_steps": 1})
+    deadline = time.monotonic() + 60
+    while video.status not in ("completed", "failed") and time.monotonic() < deadline:
+        time.sleep(0.05)
+        video = client.videos.retrieve(video.id)
+    assert video.status == "completed", video.error
+    listed = client.videos.list(limit=100)
+    assert video.id in [v.id for v in listed.data]
+    created = [v.created_at for v in listed.data]
+    assert created == sorted(created, reverse=True)  # newest first by default
+    folder = Path(server.cmd[server.cmd.index("--video-dir") + 1])
+    assert (folder / f"{video.id}.mp4").exists() and (folder / f"{video.id}.json").exists()
+    deleted = client.videos.delete(video.id)
+    assert deleted.id == video.id and deleted.deleted and deleted.object == "video.deleted"
+    assert not list(folder.glob(f"{video.id}.*"))
+    with pytest.raises(openai.NotFoundError):
+        client.videos.retrieve(video.id)
+    assert video.id not in [v.id for v in client.videos.list(limit=100).data]
+
+
+def test_wrong_method_and_unknown_route_are_invalid_request_errors(server):
+    for method, path in (("delete", "/v1/videos"), ("put", "/v1/videos/video_x"), ("get", "/v1/unknown")):
+        r = requests.request(method, server.url + path, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+        assert r.status_code in (404, 405) and r.json()["error"]["type"] == "invalid_request_error", r.text
 
 
 def test_video_json_body_and_limits(server):
@@ -170,8 +202,10 @@ def test_full_queue_answers_429_and_every_other_request_succeeds(server):
         codes = list(pool.map(lambda _: _post(server, "/v1/images/generations", body), range(10)))
     statuses = sorted(r.status_code for r in codes)
     assert 429 in statuses and set(statuses) <= {200, 429}, statuses
-    err = next(r for r in codes if r.status_code == 429).json()["error"]
+    refused = next(r for r in codes if r.status_code == 429)
+    err = refused.json()["error"]
     assert err["type"] == "rate_limit_error" and "max-queue" in err["message"]
+    assert int(refused.headers["Retry-After"]) >= 1
 
 
 def test_requests_before_ready_get_503(tmp_path_factory, tmp_path):

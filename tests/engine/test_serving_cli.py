@@ -41,3 +41,20 @@ def test_api_key_from_file_or_environment_never_argv(tmp_path, monkeypatch):
     assert read_api_key(f) == "from-file"
     monkeypatch.delenv("DLO_API_KEY")
     assert read_api_key(None) is None
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--video-ttl", "0"], "TTL must be > 0"),
+    (["--video-dir", "FILE"], "video jobs:"),  # a file where the folder should be
+])
+def test_unusable_video_options_exit_2_before_any_rank_starts(wan, tmp_path, flags, message):
+    import subprocess
+    import sys
+
+    from tests.engine.serving_helpers import offline_env
+
+    (tmp_path / "FILE").write_text("not a folder")
+    flags = [str(tmp_path / f) if f == "FILE" else f for f in flags]
+    res = subprocess.run([sys.executable, "-m", "dlo.cli.main", "serve", str(wan), "--device", "cpu", "--dp", "1",
+                          "--mode", "resident", *flags], capture_output=True, text=True, env=offline_env(), timeout=120)
+    assert res.returncode == 2 and message in res.stderr, res.stderr[-2000:]

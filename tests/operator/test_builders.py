@@ -265,3 +265,22 @@ def test_service_url_names_the_client_service_and_port():
     spec = parse_spec({"model": {"path": "/m"}, "service": {"port": 8080}})
     client = builders.build_client_service(OWNER, spec)
     assert builders.service_url(OWNER, spec) == f"http://{client['metadata']['name']}.serving.svc:8080"
+
+
+def test_dlo_pods_keep_videos_on_an_empty_dir_and_reach_each_other_through_the_headless_service():
+    spec = parse_spec({"model": {"path": "/m"}, "replicas": 2, "engine": {"device": "cpu"},
+                       "service": {"port": 8080}})
+    template = builders.pod_template(OWNER, spec, "resident")
+    (engine,) = template["spec"]["containers"]
+    cmd = engine["command"]
+    assert cmd[cmd.index("--video-dir") + 1] == builders.VIDEO_MOUNT
+    assert {"name": "videos", "mountPath": builders.VIDEO_MOUNT} in engine["volumeMounts"]
+    assert {"name": "videos", "emptyDir": {}} in template["spec"]["volumes"]
+    env = {e["name"]: e for e in engine["env"]}
+    assert env["DLO_POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    headless = builders.build_headless_service(OWNER, spec)["metadata"]["name"]
+    assert env["DLO_PEER_URL_TEMPLATE"]["value"] == f"http://{{pod}}.{headless}.{OWNER.namespace}.svc:8080"
+    omni = parse_spec({"model": {"path": "/m"}, "engine": {"kind": "vllm-omni"}})
+    (omni_engine,) = builders.pod_template(OWNER, omni, "resident")["spec"]["containers"]
+    assert "--video-dir" not in omni_engine["command"]
+    assert "DLO_PEER_URL_TEMPLATE" not in {e["name"] for e in omni_engine["env"]}
