@@ -67,13 +67,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "before the wave fails with 503 and the server exits; a wave that progresses never "
                              "times out")
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                        help="every rank runs one smallest-size generation before /ready turns 200, so the "
+                        help="every rank runs one 2-step generation (see --warmup-size) before /ready turns 200, so the "
                              "first clients do not pay start-up costs (graph capture, library set-up, first "
                              "text-encoder and VAE calls); its seconds are in the ready log and /ready")
-    parser.add_argument("--warmup-size", default=None, metavar="WxH",
-                        help="size of the warm-up generation (default: the smallest valid size); the size most "
-                             "requests ask for also warms the kernels chosen per shape, which a fresh node "
-                             "otherwise loads on the first such request")
+    parser.add_argument("--warmup-size", default=None, metavar="WxH|smallest",
+                        help="size of the warm-up generation (default: the limits' default_size, what a request "
+                             "without `size` gets: it also loads the kernels chosen per shape, which a fresh node "
+                             "otherwise loads on the first such request; `smallest`: the smallest valid size, "
+                             "the quickest warm-up)")
     parser.add_argument("--limits", type=Path, default=None,
                         help="JSON or YAML file of request limits (max_width, max_height, max_steps, max_n, "
                              "max_frames, max_prompt_chars, max_sequence_length, video_fps, ...)")
@@ -201,7 +202,8 @@ def main(args: argparse.Namespace) -> int:
         cached_checkpoint(model_dir / "transformer")
         limits = Limits.load(args.limits, SMALL if args.small_limits else None, max_steps=args.max_steps,
                              max_width=args.max_size, max_height=args.max_size)
-        warmup_size = parse_size(args.warmup_size, facts, limits) if args.warmup_size else None
+        warmup_size = (None if args.warmup_size == "smallest"
+                       else parse_size(args.warmup_size or limits.default_size, facts, limits))
     except ApiError as e:
         print(f"dlo serve: --warmup-size: {e.message}", file=sys.stderr)
         return 2

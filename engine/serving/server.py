@@ -332,7 +332,8 @@ def create_app(engine: Engine, api_key: str | None = None, peers: Peers | None =
         if not engine.ready:
             return JSONResponse({"ready": False, "state": engine.state, "reason": engine.failure}, status_code=503)
         return JSONResponse({"ready": True, "mode": engine.cfg.mode, "dp": engine.cfg.dp,
-                             "warmup_seconds": engine.warmup_seconds, "ranks": engine.rank_summary()})
+                             "warmup_seconds": engine.warmup_seconds, "warmup_size": engine.warmup_size_text,
+                             "ranks": engine.rank_summary()})
 
     @app.get("/metrics", summary="Prometheus metrics (CONTRACTS.md section 5)")
     async def metrics() -> Response:

@@ -142,7 +142,8 @@ class Engine:
         self._tasks.append(asyncio.create_task(self._schedule()))
 
     def warmup_generation(self) -> Generation:
-        """The smallest valid request (or `--warmup-size`), run once by every rank before `/ready` turns 200: it goes
+        """One small request (2 steps at `--warmup-size`, else the smallest valid size), run once by every rank
+        before `/ready` turns 200: it goes
         through every path a request uses (text encoder, transformer with its gathers and transfer
         graphs, every CFG branch, scheduler, VAE decode, encoding), so library initialisation and
         first-call costs are paid before the first client, not by it."""
@@ -150,6 +151,14 @@ class Engine:
         w, h = self.warmup_size or (m, m)
         return Generation(kind="image", prompt="warm-up", seed=0, width=w, height=h, steps=2,
                           guidance_scale=self.facts.default_guidance)
+
+    @property
+    def warmup_size_text(self) -> str | None:
+        """`WxH` of the warm-up generation, None without warm-up."""
+        if not self.warmup:
+            return None
+        g = self.warmup_generation()
+        return f"{g.width}x{g.height}"
 
     def _enter(self, state: State) -> None:
         """The one place the lifecycle changes (and `dlo_ready` with it); `failed` is final."""

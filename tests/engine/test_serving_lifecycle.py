@@ -33,6 +33,7 @@ def test_idle_server_warms_up_then_exits_zero_on_sigterm(tmp_path_factory, tmp_p
         # Warm-up ran on every rank before ready: its seconds are reported, and every rank already
         # gathered weights (the children's stats come from their warm-up Result).
         assert ready["warmup_seconds"] is not None and ready["warmup_seconds"] > 0
+        assert ready["warmup_size"] == "64x64"  # the small limits' default_size: what a request without size gets
         if mode != "resident":
             gathers = [r["stats"]["gathers"] for r in ready["ranks"]]
             assert len(gathers) == dp and all(g > 0 for g in gathers), gathers
@@ -60,4 +61,12 @@ def test_no_warmup_flag_reports_none(tmp_path_factory, tmp_path):
     model = tiny_pipeline(tmp_path_factory, "wan")
     with ServerProcess(model, "--dp", "1", "--mode", "rank-local", "--device", "cpu", "--small-limits",
                        "--no-warmup", log_path=tmp_path / "serve.log") as srv:
-        assert srv.ready_info()["warmup_seconds"] is None
+        assert srv.ready_info()["warmup_seconds"] is None and srv.ready_info()["warmup_size"] is None
+
+
+def test_warmup_at_the_smallest_size(tmp_path_factory, tmp_path):
+    model = tiny_pipeline(tmp_path_factory, "wan")
+    with ServerProcess(model, "--dp", "1", "--mode", "rank-local", "--device", "cpu", "--small-limits",
+                       "--warmup-size", "smallest", log_path=tmp_path / "serve.log") as srv:
+        info = srv.ready_info()
+        assert info["warmup_size"] == "16x16" and info["warmup_seconds"] > 0
