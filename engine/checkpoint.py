@@ -149,7 +149,7 @@ def read_json_config(path: Path | str) -> dict[str, Any]:
     return config
 
 
-_CACHE: dict[tuple[str, tuple], "Checkpoint"] = {}
+_CACHE: dict[tuple[str, tuple], tuple[list[Path], dict[str, "TensorInfo"]]] = {}
 _CACHE_MAX = 8
 
 
@@ -166,19 +166,23 @@ def _signature(root: Path) -> tuple:
 
 
 def cached_checkpoint(root: Path | str) -> "Checkpoint":
-    """`Checkpoint(root)`, parsed once per process while the folder's files stay the same (the
-    validation before start-up, the policy's model facts and `dlo.engine.load` share one parse)."""
+    """`Checkpoint(root)`, its headers parsed once per process while the folder's files stay the
+    same (the validation before start-up, the policy's model facts and `dlo.engine.load` share one
+    parse). The cache holds the parse only: each caller gets its own `Checkpoint` and so its own
+    file mappings, which close with it - a cache that held mappings would keep every page it ever
+    touched mapped in this process for good (pinning them in the page cache against eviction)."""
     path = Path(root).resolve()
     key = (str(path), _signature(path))
-    ckpt = _CACHE.get(key)
-    if ckpt is None:
+    parsed = _CACHE.get(key)
+    if parsed is None:
         ckpt = Checkpoint(path)
         for old in [k for k in _CACHE if k[0] == key[0]]:
             del _CACHE[old]  # the files changed: the old parse is stale
         while len(_CACHE) >= _CACHE_MAX:
             del _CACHE[next(iter(_CACHE))]
-        _CACHE[key] = ckpt
-    return ckpt
+        _CACHE[key] = (ckpt.files, ckpt.tensors)
+        return ckpt
+    return Checkpoint(path, parsed=parsed)
 
 
 class Checkpoint:
@@ -188,10 +192,12 @@ class Checkpoint:
     `*.safetensors` files, or a path to a single `.safetensors` file.
     """
 
-    def __init__(self, root: Path | str):
+    def __init__(self, root: Path | str, *, parsed: tuple[list[Path], dict[str, "TensorInfo"]] | None = None):
+        """`parsed`: the (files, tensors) of an earlier parse of the same unchanged folder
+        (`cached_checkpoint`); never mutated, so parses may share it."""
         self.root = Path(root)
         self._maps: dict[Path, mmap.mmap] = {}
-        self.files, self.tensors = self._scan()
+        self.files, self.tensors = parsed if parsed is not None else self._scan()
 
     # ---- discovery and validation -------------------------------------------------------------
     def _scan(self) -> tuple[list[Path], dict[str, TensorInfo]]:

@@ -216,11 +216,19 @@ def test_a_folder_is_parsed_once_per_process_until_its_files_change(tmp_path, mo
     monkeypatch.setattr(checkpoint, "read_header", lambda p: parsed.append(p) or real(p))
     first = checkpoint.cached_checkpoint(path)
     describe(path)
-    assert checkpoint.cached_checkpoint(str(path)) is first and len(parsed) == 1
+    again = checkpoint.cached_checkpoint(str(path))
+    assert len(parsed) == 1 and again.tensors is first.tensors  # one parse, shared
+    # ... but each caller owns its mappings: closing one never breaks another's views, and nothing
+    # stays mapped in the process once the callers are gone.
+    name = next(iter(first.tensors))
+    view = again.view(name).clone()
+    first.view(name)
+    first.close()
+    assert again.view(name).equal(view) and not first._maps and again._maps
     f = next(path.glob("*.safetensors"))
     f.write_bytes(f.read_bytes())  # same bytes, a new modification: parsed again
     os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 1_000_000))
-    assert checkpoint.cached_checkpoint(path) is not first and len(parsed) == 2
+    assert checkpoint.cached_checkpoint(path).tensors is not first.tensors and len(parsed) == 2
 
 
 def test_one_config_reader_names_the_file(tmp_path):

@@ -167,7 +167,13 @@ def test_engine_and_warmer_containers_are_locked_down_ipc_lock_only_when_asked(c
     for init in pod.get("initContainers", []):
         assert_locked_down(init, pod)  # the warmer never pins
     writable = {m["mountPath"] for m in engine["volumeMounts"] if not m.get("readOnly")}
-    assert writable == {"/dev/shm", "/tmp"}  # emptyDirs; the model is mounted read-only
+    # emptyDirs only (finished videos kept for their TTL included); the model is mounted read-only
+    videos = {"/var/lib/dlo/videos"} if spec.engine.kind == "dlo" else set()  # vllm-omni keeps none
+    assert writable == {"/dev/shm", "/tmp"} | videos
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for m in engine["volumeMounts"]:
+        if not m.get("readOnly"):
+            assert "emptyDir" in volumes[m["name"]], m
 
 
 def test_agent_extra_rights_are_exactly_those_the_readme_lists_and_justifies():
