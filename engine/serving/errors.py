@@ -41,3 +41,15 @@ class ShuttingDown(EngineUnavailable):
     """The server is stopping (SIGTERM, or after a fault)."""
 
     code = "shutting_down"
+
+
+class RequestFailed(ServiceError):
+    """One request failed on its rank outside the collective schedule; the engine serves on."""
+
+    code = "generation_failed"
+
+
+class InvalidInput(RequestFailed):
+    """One request failed on its rank because of its own input."""
+
+    code = "invalid_input"

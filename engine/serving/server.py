@@ -40,7 +40,8 @@ from dlo.engine.serving.api_models import (
     image_generation,
     video_generation,
 )
-from dlo.engine.serving.errors import EngineUnavailable, QueueFull, ServiceError
+from dlo.engine.serving.errors import EngineUnavailable, InvalidInput, QueueFull, ServiceError
+from dlo.engine.serving.faults import InjectedFault
 from dlo.engine.serving.service import Engine, VideoJob
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,8 @@ def status_of(e: ServiceError) -> int:
         return 429
     if isinstance(e, EngineUnavailable):
         return 503
+    if isinstance(e, InvalidInput):
+        return 400
     return 500
 
 
@@ -192,6 +195,15 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
     async def _invalid(_request: Request, e: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(list(e.errors()))
         return _error(ApiError(400, message, param, "invalid_request"))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+        # A bug in one request's handling (validation included) fails that request alone, in
+        # OpenAI's shape, never as a plain-text 500.
+        log.error("request failed path=%s error=%s: %s", request.url.path, type(e).__name__, e,
+                  exc_info=not isinstance(e, InjectedFault))
+        return _error(ApiError(500, f"the server failed this request: {type(e).__name__}: {e}",
+                               code="internal_error"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_request: Request, e: StarletteHTTPException) -> JSONResponse:

@@ -23,8 +23,15 @@ from dataclasses import asdict
 from typing import Any, Callable, Literal
 
 from dlo.engine.families import PipelineFacts
-from dlo.engine.serving.control import RankConfig, Result, WaveError, summary
-from dlo.engine.serving.errors import EngineFailed, EngineUnavailable, ServiceError, ShuttingDown
+from dlo.engine.serving.control import RankConfig, RequestError, Result, WaveError, summary
+from dlo.engine.serving.errors import (
+    EngineFailed,
+    EngineUnavailable,
+    InvalidInput,
+    RequestFailed,
+    ServiceError,
+    ShuttingDown,
+)
 from dlo.engine.serving.limits import Limits
 from dlo.engine.serving.metrics import EngineMetrics
 from dlo.engine.serving.ranks import RankGroup
@@ -51,6 +58,14 @@ class VideoJob:
     error: dict[str, str] | None = None
     rank: int | None = None  # the rank running it, once its wave started
     task: asyncio.Task | None = field(default=None, repr=False)
+
+
+def request_failed(err: RequestError) -> RequestFailed:
+    """The domain error of a request that failed alone on its rank."""
+    if err.client_fault:
+        return InvalidInput(f"the request could not be processed ({err.phase}): {err.message}")
+    return RequestFailed(f"generating this request failed ({err.phase}): {err.message}; other requests are "
+                         "unaffected, retrying may succeed")
 
 
 def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
@@ -122,7 +137,11 @@ class Engine:
         if self.warmup:
             t1 = time.perf_counter()
             try:
-                await _in_daemon_thread(lambda: self.group.run_wave([self.warmup_generation()] * self.cfg.dp))
+                results = await _in_daemon_thread(lambda: self.group.run_wave([self.warmup_generation()] * self.cfg.dp))
+                failed = [(r, res.error) for r, res in enumerate(results) if res.error is not None]
+                if failed:
+                    rank, err = failed[0]
+                    raise WaveError(f"rank {rank} phase={err.phase}: {err.message}")
             except Exception as e:  # a pipeline that cannot run its smallest request never serves
                 if self.failure is None:
                     log.exception("warm-up failed")
@@ -250,10 +269,17 @@ class Engine:
             self.metrics.wave_duration.observe(time.perf_counter() - t0)
             log.info("wave %d size=%d key=%s seconds=%.2f", self.waves_run, len(wave), wave[0].key,
                      time.perf_counter() - t0)
-            for p, res in zip(wave, results):
+            for rank, (p, res) in enumerate(zip(wave, results)):
                 for s in res.step_seconds:
                     self.metrics.step_duration.observe(s)
-                if p.future is not None and not p.future.done():
+                if p.future is None or p.future.done():
+                    continue
+                if res.error is not None:
+                    # failed alone: its rank still did the wave's gathers; the engine serves on
+                    log.warning("request failed rank=%d wave=%d phase=%s: %s", rank, self.waves_run, res.error.phase,
+                                res.error.message)
+                    p.future.set_exception(request_failed(res.error))
+                else:
                     p.future.set_result(res)
             self._inflight = []
 
