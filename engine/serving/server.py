@@ -40,12 +40,13 @@ from dlo.engine.serving.api_models import (
     image_generation,
     video_generation,
 )
-from dlo.engine.serving.errors import EngineUnavailable, InvalidInput, QueueFull, ServiceError
+from dlo.engine.serving.errors import EngineUnavailable, InvalidInput, QueueFull, ServiceError, ShuttingDown
 from dlo.engine.serving.faults import InjectedFault
 from dlo.engine.serving.service import Engine, VideoJob
 
 log = logging.getLogger(__name__)
 
+SHUTDOWN_RETRY_AFTER_S = 1  # a draining replica's 503: the Service already sends the retry elsewhere
 _VIDEO_SCHEMA_REF = {"$ref": "#/components/schemas/VideoCreateRequest"}
 
 
@@ -189,7 +190,10 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
 
     @app.exception_handler(ServiceError)
     async def _service_error(_request: Request, e: ServiceError) -> JSONResponse:
-        return _error(api_error(e))
+        response = _error(api_error(e))
+        if isinstance(e, ShuttingDown):  # a draining replica: the client retries elsewhere
+            response.headers["Retry-After"] = str(SHUTDOWN_RETRY_AFTER_S)
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, e: RequestValidationError) -> JSONResponse:
@@ -259,11 +263,11 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
         return ModelList(data=[{"id": engine.model_id, "created": engine.created}])  # type: ignore[list-item]
 
     # -- operations ---------------------------------------------------------------------------------
-    @app.get("/health", summary="200 unless a rank failed")
+    @app.get("/health", summary="200 unless a rank failed; the state and the requests running and queued")
     async def health() -> JSONResponse:
         if engine.state == "failed":
             return JSONResponse({"status": "unhealthy", "reason": engine.failure}, status_code=503)
-        return JSONResponse({"status": "ok", "state": engine.state})
+        return JSONResponse({"status": "ok", "state": engine.state, **engine.occupancy()})
 
     @app.get("/ready", summary="200 once every rank has loaded and none failed")
     async def ready() -> JSONResponse:

@@ -241,3 +241,15 @@ def test_service_url_names_the_client_service_and_port():
     spec = parse_spec({"model": {"path": "/m"}, "service": {"port": 8080}})
     client = builders.build_client_service(OWNER, spec)
     assert builders.service_url(OWNER, spec) == f"http://{client['metadata']['name']}.serving.svc:8080"
+
+
+@pytest.mark.parametrize("grace", [0, 25, 120])
+def test_termination_grace_covers_the_engine_drain(grace):
+    """The pod outlives the engine's drain (`--shutdown-grace`) by 5 s: Kubernetes' SIGKILL never
+    cuts a drain short."""
+    spec = parse_spec({"model": {"path": "/models/tiny"}, "engine": {"shutdownGraceSeconds": grace}})
+    sts = builders.build_statefulset(OWNER, spec, "allgather")
+    pod = sts["spec"]["template"]["spec"]
+    cmd = pod["containers"][0]["command"] if "command" in pod["containers"][0] else pod["containers"][0]["args"]
+    assert cmd[cmd.index("--shutdown-grace") + 1] == str(grace)
+    assert pod["terminationGracePeriodSeconds"] == grace + 5
