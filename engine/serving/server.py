@@ -3,9 +3,10 @@
 Routes: `POST /v1/images/generations`, `POST /v1/videos` (JSON or multipart/form-data, as the
 official SDK sends it), `GET /v1/videos/{id}`, `GET /v1/videos/{id}/content`, `GET /v1/models`,
 `/health`, `/ready`, `/metrics`. Errors use OpenAI's body `{"error": {message, type, param, code}}`:
-400 invalid fields (FastAPI's 422 included), 401 wrong key, 404 unknown model or video, 413 body
-over `Limits.max_body_bytes` (refused before any of it is parsed), 429 queue full, 503 not ready or
-after a rank failure.
+400 invalid fields (FastAPI's 422 included) or a request its own input failed on its rank, 401
+wrong key, 404 unknown model or video, 413 body over `Limits.max_body_bytes` (refused before any of
+it is parsed), 429 queue full, 500 one request failed alone (on its rank, or an unexpected error
+here: always JSON), 503 not ready, draining (with Retry-After) or after a rank failure.
 Owns: HTTP only: routes, authentication, body limits, OpenAI error bodies, and the one mapping of
 the service's domain errors (`dlo.engine.serving.errors`) to status codes (`status_of`).
 Must never: hold serving logic (queueing, waves, jobs: `service.py`), answer a client's malformed input with a 5xx, hold more than the body limit of any one

@@ -130,3 +130,24 @@ def test_a_request_failing_in_any_phase_fails_alone(tmp_path_factory, tmp_path, 
     assert srv.proc.returncode == 0
     assert lost == 0
     print(f"{mode} dp{dp}: {len(PHASES) + 2} faults injected, reference {sha(ref)}, requests lost {lost}")
+
+
+def test_a_fault_inside_a_transformer_forward_restarts_the_engine(tmp_path_factory, tmp_path):
+    """A forward stopped between offloaded blocks leaves gathers in flight: the gather order cannot
+    be trusted, so the wave fails (503 engine_failed for both requests) and the server exits
+    non-zero for the pod to restart, as for a dead rank."""
+    model = tiny_pipeline(tmp_path_factory, "wan")
+    srv = ServerProcess(model, "--dp", "2", "--mode", "allgather", "--device", "cpu", "--small-limits",
+                        "--wave-window-ms", "800", "--progress-timeout", "10", log_path=tmp_path / "serve.log",
+                        env={HOOKS_ENV: "1", FAULTS_ENV: "forward:*:boom-forward"})
+    srv.start()
+    try:
+        results = _in_order([lambda: _post(srv, {**GOOD, "prompt": "boom-forward"}), lambda: _post(srv, GOOD)])
+        for r in results:
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed", r.text[:300]
+        assert srv.wait_exit(timeout=30) not in (0, None)
+    finally:
+        srv.stop(timeout=5)
+    # by design: the other request of the wave is lost too (503, retried by the client)
+    record("request_fault", mode="allgather", dp=2, phase="forward", faulty_status=503, same_wave_requests=2,
+           requests_lost=1, engine_restarted=True)
