@@ -198,7 +198,8 @@ class RankGroup:
                 self.ranks[0].last_progress = max(self.ranks[0].last_progress, self.progress.last)
                 stalled = [st for st in self.ranks if st.pending and now - st.last_progress > self.progress_timeout_s]
             if stalled:
-                st = stalled[0]
+                # A rank stalled in a collective stops its peers too: blame the one that stopped first.
+                st = min(stalled, key=lambda s: s.last_progress)
                 self.fault(f"rank {st.rank} made no progress for {now - st.last_progress:.1f} s "
                            f"(--progress-timeout {self.progress_timeout_s:g})")
                 return

@@ -69,8 +69,10 @@ def test_sigterm_drains_the_wave_in_flight_within_the_grace(tmp_path_factory, tm
     grace, steps = CASES[case]
     model = tiny_pipeline(tmp_path_factory, "wan")
     log = tmp_path / "serve.log"
+    # A full wave starts at once; a generous window keeps a lone first arrival from starting a
+    # partial wave on a loaded machine (the dp requests are not sent within the same 5 ms).
     srv = ServerProcess(model, "--dp", str(dp), "--mode", mode, "--device", "cpu", "--limits", str(limits),
-                        "--shutdown-grace", str(grace), log_path=log)
+                        "--shutdown-grace", str(grace), "--wave-window-ms", "30000", log_path=log)
     srv.start(ready_timeout_s=240)
     assert srv.proc is not None
     try:
