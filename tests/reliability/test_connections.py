@@ -69,20 +69,27 @@ def test_the_cap_refuses_with_503_json_and_idle_connections_are_closed(tmp_path_
         before = _lines(log)
         socks = _connect_all(srv.port, FLOOD)
         assert len(socks) == FLOOD, "the listener stopped accepting"
-        # the connections beyond the cap get a 503 JSON and are closed at once
-        refused = []
-        deadline = time.monotonic() + 10
-        while len(refused) < FLOOD - cap and time.monotonic() < deadline:
-            ready, _, _ = select.select([s for s in socks if s not in refused], [], [], 0.5)
-            refused += ready
-        assert len(refused) >= FLOOD - cap, f"only {len(refused)} of {FLOOD - cap} connections over the cap answered"
-        head, _, body = refused[-1].recv(65536).partition(b"\r\n\r\n")
+        # each connection ends one of two ways: beyond the cap, a 503 JSON at once; within it, closed
+        # silently (end-of-file) after the idle timeout. Read every one until it has ended.
+        answers: dict[socket.socket, bytes] = {}
+        t0 = time.monotonic()
+        refused_after = None
+        while len(answers) < len(socks):
+            assert time.monotonic() - t0 < idle + 20, f"{len(socks) - len(answers)} connections neither refused nor closed"
+            ready, _, _ = select.select([s for s in socks if s not in answers], [], [], 0.5)
+            for s in ready:
+                answers[s] = s.recv(65536)
+            if refused_after is None and sum(1 for a in answers.values() if a) >= FLOOD - cap:  # the 503s
+                refused_after = time.monotonic() - t0
+        refused = [a for a in answers.values() if a]
+        held = [s for s, a in answers.items() if not a]
+        # (a probe's connection still closing may take one place of the cap)
+        assert len(refused) >= FLOOD - cap and cap - 2 <= len(held) <= cap, (len(refused), len(held))
+        head, _, body = refused[-1].partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 503") and b"retry-after" in head.lower()
         assert json.loads(body)["error"]["code"] == "too_many_connections"
-        # the silent ones are closed by the idle timeout: each reads end-of-file
-        held = [s for s in socks if s not in refused]
-        closed_after = _wait_for(lambda: all(select.select([s], [], [], 0)[0] and not s.recv(1) for s in held),
-                                 idle + 10, "every silent connection is closed")
+        assert refused_after is not None and refused_after < idle, "the refusals were not immediate"
+        closed_after = time.monotonic() - t0
         recovered = _wait_for(lambda: _serves(srv), 10, "the server serves again")
         for s in socks:
             s.close()
