@@ -66,6 +66,13 @@ class OffloadedModel:
         for _ in range(n_calls):
             self.prefetcher.gather_only()
 
+    def order_intact(self) -> bool:
+        """Whether the gather order still holds: no forward stopped between blocks and no gather
+        failed ([Note: collective order]). False means the engine must restart: gathers may be in
+        flight and the shard group's ranks no longer agree on the next one. Always True without
+        offload (resident)."""
+        return self.prefetcher is None or self.prefetcher.between_forwards
+
     def stats(self) -> GatherStats:
         """Cumulative counters (gathers, H2D bytes, collective bytes, gather wait seconds)."""
         if self.prefetcher is None:

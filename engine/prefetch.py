@@ -285,8 +285,18 @@ class SlotPrefetcher:
             else:
                 self._bind(blk, k)
         nxt = i + 1 if i + 1 < len(self.blocks) else 0
-        self._issue(nxt, 1 - k)
+        try:
+            self._issue(nxt, 1 - k)
+        except BaseException as e:  # a gather that raised (a broken collective) leaves the order unknown
+            self.broken = f"the gather of block {nxt} failed: {type(e).__name__}: {e}; restart the engine"
+            raise
         self._expected, self._cur, self._running = nxt, 1 - k, k
+
+    @property
+    def between_forwards(self) -> bool:
+        """True when no forward stopped mid-way: the next call may start at block 0 (or
+        `gather_only`) and every rank of the shard group is still at the same place in the order."""
+        return self.broken is None and self._expected == 0
 
     @staticmethod
     def _bind(blk: OffloadedBlock, k: int) -> None:

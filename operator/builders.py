@@ -90,7 +90,21 @@ def engine_command(spec: DLODeploymentSpec, mode: Mode) -> list[str]:
     else:
         cmd = ["dlo", "serve", MODEL_MOUNT, "--dp", dp, "--mode", mode, "--device", spec.engine.device]
         cmd += ["--host", "0.0.0.0", "--port", port, *name, "--video-dir", VIDEO_MOUNT]
+        cmd += ["--shutdown-grace", str(spec.engine.shutdown_grace_seconds)]
     return cmd + list(spec.engine.args)
+
+
+# Beyond the engine's own drain (`--shutdown-grace`): its ranks' teardown and exit.
+TERMINATION_SLACK_S = 5
+VLLM_OMNI_TERMINATION_GRACE_S = 60
+
+
+def termination_grace_seconds(spec: DLODeploymentSpec) -> int:
+    """The pod's terminationGracePeriodSeconds: dlo drains for `shutdownGraceSeconds`, then exits;
+    Kubernetes' SIGKILL comes only after that and the teardown."""
+    if spec.engine.kind == "vllm-omni":
+        return VLLM_OMNI_TERMINATION_GRACE_S
+    return spec.engine.shutdown_grace_seconds + TERMINATION_SLACK_S
 
 
 def warm_command(spec: DLODeploymentSpec) -> list[str]:
@@ -212,7 +226,7 @@ def pod_template(owner: Owner, spec: DLODeploymentSpec, mode: Mode) -> dict[str,
         "affinity": _affinity(owner.name, spec),
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": 60,
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": NON_ROOT_UID,

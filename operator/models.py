@@ -199,6 +199,11 @@ class EngineSpec(_Model):
         "vllm-omni); clients send Authorization: Bearer KEY",
     )
     shm_size: str | None = Field(None, description="size of /dev/shm; default 1Gi per rank")
+    shutdown_grace_seconds: int = Field(
+        25, ge=0, le=3600,
+        description="dlo: seconds the requests already accepted may run after SIGTERM (`--shutdown-grace`); "
+        "the pod's terminationGracePeriodSeconds is this plus 5",
+    )
     pin_memory_lock: bool = Field(
         False, description="grant IPC_LOCK (only when pinning must mlock beyond the memlock limit)"
     )

@@ -3,7 +3,10 @@
 Map (which file to open for which concept):
   server.py      HTTP only: routes, auth, body limit, domain errors -> status codes
   service.py     the domain on rank 0: lifecycle states, queue -> waves, video jobs, faults
-  errors.py      the domain errors (QueueFull, EngineUnavailable, EngineFailed, ShuttingDown)
+  errors.py      the domain errors (QueueFull, EngineUnavailable, EngineFailed, ShuttingDown, RequestFailed,
+                 InvalidInput)
+  connections.py the listener's connection cap, idle/header timeout and once-per-episode logs
+  faults.py      test-only fault injection (DLO_TEST_HOOKS=1 + DLO_TEST_FAULTS), off in production
   waves.py       Generation (one request), compatibility keys, the wave-forming rule, WaveQueue
   ranks.py       rank 0's side: RankGroup (spawn, start, run_wave, stop, kill) and the watchdog
   rank_main.py   a rank's compute side and the children's main (python -m dlo.engine.serving.rank_main)

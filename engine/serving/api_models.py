@@ -16,11 +16,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from dlo.engine.serving.faults import FaultPlan
 from dlo.engine.serving.limits import Limits
 from dlo.engine.families import PipelineFacts
 from dlo.engine.serving.waves import Generation
 
 MAX_SEED = 2**63 - 1
+TEST_FAULTS = FaultPlan.from_env()
 _SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 
 
@@ -52,6 +54,19 @@ class _Extensions(BaseModel):
     guidance_scale: float | None = Field(None, allow_inf_nan=False, description="classifier-free guidance scale")
     negative_prompt: str | None = Field(None, description="what to steer away from")
     user: str | None = Field(None, description="accepted for OpenAI compatibility; unused")
+
+    @field_validator("prompt", "negative_prompt")
+    @classmethod
+    def _unicode_text(cls, v: str | None) -> str | None:
+        # JSON may escape a lone UTF-16 surrogate ("\ud800"): a str Python holds but no encoder or
+        # tokenizer accepts. Refused here, before the request is queued.
+        if v is not None:
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"must be valid Unicode text: character {e.start} is a lone UTF-16 surrogate "
+                                 f"({v[e.start]!r})") from None
+        return v
 
 
 class ImageGenerationRequest(_Extensions):
@@ -160,6 +175,8 @@ def parse_size(size: str, facts: PipelineFacts, limits: Limits) -> tuple[int, in
 
 
 def _common(req: _Extensions, facts: PipelineFacts, limits: Limits, model_id: str) -> dict[str, Any]:
+    if TEST_FAULTS is not None:  # test-only (dlo.engine.serving.faults); None in production
+        TEST_FAULTS.check("validation", 0, req.prompt)
     if req.model is not None and req.model != model_id:
         raise ApiError(404, f"model {req.model!r} is not served here; this server serves {model_id!r}", "model",
                        "model_not_found")

@@ -66,6 +66,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a rank may go without progress (a transformer block, a step) inside a wave "
                              "before the wave fails with 503 and the server exits; a wave that progresses never "
                              "times out")
+    parser.add_argument("--shutdown-grace", type=float, default=25.0,
+                        help="seconds the waves and queue already accepted may run after SIGTERM (below "
+                             "Kubernetes' default 30 s; the operator sets terminationGracePeriodSeconds = grace + "
+                             "5): /ready turns 503 at once, new requests get 503 with Retry-After, what is "
+                             "unfinished at the end gets 503, then the server exits 0")
+    parser.add_argument("--max-connections", type=int, default=None,
+                        help="open HTTP connections at most; beyond it a new connection gets 503 "
+                             "too_many_connections and is closed at once (default: what the descriptor limit "
+                             "allows after a reserve of 256, at most 1024)")
+    parser.add_argument("--idle-timeout", type=float, default=10.0,
+                        help="seconds a connection may stay open without sending a complete request head (after "
+                             "it opens, or after its previous response); then it is closed. A request being "
+                             "served is never cut by it")
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                         help="every rank runs one 2-step generation (see --warmup-size) before /ready turns 200, so the "
                              "first clients do not pay start-up costs (graph capture, library set-up, first "
@@ -164,14 +177,28 @@ def resolve_mode(mode: ModeOrAuto, model_dir: Path, dp: int, device: str,
     return "rank-local", "fixed rule: dp = 1"
 
 
-def _server_class() -> type:
+def _server_class(engine: Any, guard: Any) -> type:
+    import asyncio
+
     import uvicorn
 
     class Server(uvicorn.Server):
-        """uvicorn re-raises SIGTERM/SIGINT after a graceful shutdown; a requested stop exits 0 instead."""
+        """SIGTERM/SIGINT drain the engine first (`Engine.begin_drain`), which then asks uvicorn to
+        exit: uvicorn's own graceful shutdown would cancel the handlers still waiting for their wave
+        with a plain-text 500. A signal before the engine runs, or once the exit is under way, is
+        uvicorn's as usual. uvicorn re-raises the signal after a graceful shutdown; a requested stop
+        exits 0 instead."""
+
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            guard.start(asyncio.get_running_loop())
 
         def handle_exit(self, sig: int, frame: object) -> None:
-            super().handle_exit(sig, frame)  # type: ignore[arg-type]
+            loop = engine.loop
+            if self.should_exit or loop is None or loop.is_closed():
+                super().handle_exit(sig, frame)  # type: ignore[arg-type]
+            else:
+                loop.call_soon_threadsafe(engine.begin_drain)
             getattr(self, "_captured_signals", []).clear()
 
     return Server
@@ -185,6 +212,13 @@ def main(args: argparse.Namespace) -> int:
     from dlo.engine.families import pipeline_facts
     from dlo.engine.platform import device_count, resolve_device
     from dlo.engine.ports import free_port
+    from dlo.engine.serving.connections import (
+        FD_RESERVE,
+        ConnectionGuard,
+        default_max_connections,
+        guarded_protocol,
+        raise_nofile_limit,
+    )
     from dlo.engine.serving.control import RankConfig
     from dlo.engine.serving.limits import SMALL, Limits
     from dlo.engine.serving.api_models import ApiError, parse_size
@@ -219,6 +253,12 @@ def main(args: argparse.Namespace) -> int:
     if dp < 1:
         print("dlo serve: --dp must be >= 1", file=sys.stderr)
         return 2
+    if args.shutdown_grace < 0:
+        print("dlo serve: --shutdown-grace must be >= 0", file=sys.stderr)
+        return 2
+    if (args.max_connections is not None and args.max_connections < 1) or args.idle_timeout <= 0:
+        print("dlo serve: --max-connections must be >= 1 and --idle-timeout > 0", file=sys.stderr)
+        return 2
     mode, why = resolve_mode(args.mode, model_dir, dp, device, args.profile)
     log.info("serving %s family=%s mode=%s (%s) dp=%d device=%s", model_dir, facts.family, mode, why, dp, device)
     cfg = RankConfig(
@@ -238,11 +278,20 @@ def main(args: argparse.Namespace) -> int:
     engine = Engine(cfg, limits=limits, facts=facts, model_id=args.served_model_name or model_dir.name,
                     progress_timeout_s=args.progress_timeout, max_queue=args.max_queue,
                     wave_window_ms=args.wave_window_ms, warmup=args.warmup, warmup_size=warmup_size,
-                    videos=videos)
+                    videos=videos, shutdown_grace_s=args.shutdown_grace)
     engine.group.spawn()
     app = create_app(engine, api_key, peers)
-    server = _server_class()(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=10))
+    nofile = raise_nofile_limit()
+    max_connections = args.max_connections or default_max_connections(nofile)
+    if max_connections > nofile - FD_RESERVE:
+        log.warning("--max-connections %d leaves fewer than %d of RLIMIT_NOFILE %d for the engine: accepts may "
+                    "fail for lack of descriptors", max_connections, FD_RESERVE, nofile)
+    guard = ConnectionGuard(max_connections, args.idle_timeout)
+    # uvicorn's graceful timeout only guards a stop that did not come through the drain: above the
+    # grace, so it never cancels a handler the drain still lets finish.
+    server = _server_class(engine, guard)(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, http=guarded_protocol(guard),
+        timeout_keep_alive=max(1, int(args.idle_timeout)), timeout_graceful_shutdown=int(args.shutdown_grace) + 5))
     engine.request_exit = lambda: setattr(server, "should_exit", True)
     server.run()
     code = engine.exit_code or (0 if server.started else 1)

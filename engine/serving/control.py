@@ -3,7 +3,8 @@
 Owns: `RankConfig` (what every rank is started with), the messages of the control plane (children
 send `Hello`, `Ready`, `StepProgress`, `Result`, `RankFailure`; rank 0 sends `WaveAssignment` and
 `Stop`), `RankFacts` and `RankStats` (what a rank knows of itself, carried by `Ready` and `Result`),
-`Progress` (the tick counter the watchdog reads) and `WaveError`. Messages are pickled as they are
+`Progress` (the tick counter the watchdog reads), `RequestError` (one request failed, the wave did
+not) and `WaveError`. Messages are pickled as they are
 through `multiprocessing.connection`; nothing crosses the process boundary as a string-keyed dict.
 Must never: import torch or anything that does I/O (rank 0's HTTP side and the metrics read these).
 """
@@ -21,7 +22,7 @@ from dlo.engine.serving.waves import Generation
 
 
 class WaveError(RuntimeError):
-    """A wave could not finish: a rank died, stalled, or failed. The engine must restart."""
+    """A wave could not finish: a rank died, stalled, or its collective broke. The engine must restart."""
 
 
 @dataclass(frozen=True)
@@ -93,8 +94,24 @@ class StepProgress:
 
 
 @dataclass(frozen=True)
+class RequestError:
+    """One request failed outside the collective schedule; its rank still did the wave's gathers.
+
+    `phase`: where it failed (`prepare`: text encoding, scheduler set-up, latents; `denoise`: between
+    transformer calls; `decode`: VAE; `encode_output`: PNG or MP4). `client_fault`: the request's
+    own input caused it (HTTP 400), else the server failed it (500).
+    """
+
+    phase: str
+    type: str  # the exception's class name
+    message: str
+    client_fault: bool = False
+
+
+@dataclass(frozen=True)
 class Result:
-    """One rank's share of a wave: its request's encoded outputs, or None for a gather-only rank."""
+    """One rank's share of a wave: its request's encoded outputs, or None for a gather-only rank,
+    or `error` when its request failed alone (the rank took part in every gather of the wave)."""
 
     wave: int
     stats: RankStats
@@ -102,6 +119,7 @@ class Result:
     media_type: str = ""
     step_seconds: tuple[float, ...] = ()
     seconds: float = 0.0
+    error: RequestError | None = None
 
 
 @dataclass(frozen=True)

@@ -88,3 +88,15 @@ class VideoStorageError(ServiceError):
     """The video folder could not be written (full, read-only): the job was not recorded."""
 
     code = "storage_error"
+
+
+class RequestFailed(ServiceError):
+    """One request failed on its rank outside the collective schedule; the engine serves on."""
+
+    code = "generation_failed"
+
+
+class InvalidInput(RequestFailed):
+    """One request failed on its rank because of its own input."""
+
+    code = "invalid_input"

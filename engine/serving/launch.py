@@ -28,7 +28,7 @@ class ServerProcess:
     """`with ServerProcess(model_dir, "--dp", "2") as srv: srv.url ...`"""
 
     def __init__(self, model_dir: Path | str, *args: str, api_key: str | None = None, log_path: Path | None = None,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, nofile: int | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.video_dir: str | None = None  # ours to remove
@@ -41,13 +41,14 @@ class ServerProcess:
         if api_key is not None:
             self.env["DLO_API_KEY"] = api_key
         self.log_path = log_path
+        self.nofile = nofile  # RLIMIT_NOFILE of the server (soft = hard), e.g. to test descriptor exhaustion
         self.proc: subprocess.Popen | None = None
         self._log: Any = None
 
     def start(self, ready_timeout_s: float = 180.0) -> "ServerProcess":
         self._log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=self._limits if self.nofile else None)
         deadline = time.monotonic() + ready_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -60,6 +61,11 @@ class ServerProcess:
             time.sleep(0.2)
         self.stop()
         raise TimeoutError(f"dlo serve not ready within {ready_timeout_s:.0f} s; log: {self.log_path}")
+
+    def _limits(self) -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
 
     def get(self, path: str, timeout: float = 10.0) -> tuple[int, bytes]:
         try:

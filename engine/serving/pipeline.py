@@ -6,8 +6,8 @@ the progress ticks of a rank (a pre-hook on every block, through `dlo.engine.hoo
 one request through the pipeline's single-request path into encoded PNG or MP4 bytes (`encode.py`).
 Everything family-specific (pipeline class, call count, call arguments, output decoding) is the
 adapter's.
-Must never: branch on a family name, batch requests of different ranks together, or touch the
-collective schedule except through `dlo.engine.load`'s module and `gather_only` (every rank of a
+Must never: branch on a family name, batch requests of different ranks together, install the
+test-only fault hooks unless `dlo.engine.serving.faults` says so, or touch the collective schedule except through `dlo.engine.load`'s module and `gather_only` (every rank of a
 wave must issue the same gathers in the same order).
 """
 
@@ -77,9 +77,18 @@ class ServingPipeline:
             self.component_bytes[name] = sum(p.numel() * p.element_size() for p in comp.parameters())
         # the watchdog's progress signal: one tick before every transformer block
         self.hooks = HookSet()
-        for list_name in self.adapter.block_lists:
-            for block in getattr(self.model.module, list_name):
-                self.hooks.add_pre(block, lambda *_: self.tick())
+        blocks = [b for name in self.adapter.block_lists for b in getattr(self.model.module, name)]
+        for block in blocks:
+            self.hooks.add_pre(block, lambda *_: self.tick())
+        # Transformer calls that ran their whole block walk (what a failed request still owes the
+        # wave's gathers is counted from it) and the phase the running request is in.
+        self.calls_done = 0
+        self.phase = "idle"
+        self.hooks.add_pre(blocks[0], lambda *_: setattr(self, "phase", "denoise"))
+        self.hooks.add_post(blocks[-1], lambda *_: setattr(self, "calls_done", self.calls_done + 1))
+        self._faults: Any = None  # test-only FaultPlan (`install_faults`)
+        self._rank = 0
+        self._prompt = ""
         self.load_seconds = time.perf_counter() - t0
         log.info("pipeline loaded family=%s mode=%s device=%s components=%s seconds=%.2f", self.facts.family,
                  mode, self.device, self.component_bytes, self.load_seconds)
@@ -91,11 +100,41 @@ class ServingPipeline:
     def stats(self) -> RankStats:
         return RankStats.of(self.model.stats(), self.model.platform.memory_peak(self.device))
 
-    def gather_only(self, gen: Generation) -> None:
-        """Idle rank in a partial wave: the gathers of every transformer call `gen` implies."""
-        for _ in range(self.adapter.transformer_calls(gen)):
+    def gather_only(self, gen: Generation, calls: int | None = None) -> None:
+        """Idle rank in a partial wave: the gathers of every transformer call `gen` implies (or of
+        the last `calls` of them: what a rank whose request failed still owes its shard group)."""
+        for _ in range(self.adapter.transformer_calls(gen) if calls is None else calls):
             self.model.gather_only(1)
             self.tick()
+
+    def order_intact(self) -> bool:
+        """Whether the wave's gather order still holds (`OffloadedModel.order_intact`)."""
+        return self.model.order_intact()
+
+    # -- test-only fault injection (dlo.engine.serving.faults; never installed in production) ------
+    def install_faults(self, plan: Any, rank: int) -> None:
+        """Wrap the phases a request goes through so `plan` can fail one of them (tests only)."""
+        self._faults, self._rank = plan, rank
+        pipe = self.pipe
+
+        def wrap(obj: Any, name: str, phase: str) -> None:
+            real = getattr(obj, name)
+
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                self._fault(phase)
+                return real(*args, **kwargs)
+
+            setattr(obj, name, wrapper)
+
+        wrap(pipe, "encode_prompt", "encode")
+        wrap(pipe.scheduler, "set_timesteps", "setup")
+        wrap(pipe.vae, "decode", "decode")
+        blocks = [b for name in self.adapter.block_lists for b in getattr(self.model.module, name)]
+        self.hooks.add_pre(blocks[len(blocks) // 2], lambda *_: self._fault("forward"))
+
+    def _fault(self, phase: str) -> None:
+        if self._faults is not None:
+            self._faults.check(phase, self._rank, self._prompt)
 
     def _call_kwargs(self, gen: Generation) -> dict[str, Any]:
         import torch
@@ -123,14 +162,23 @@ class ServingPipeline:
             last[0] = now
             self.steps_done = i + 1
             self.tick()
+            self._fault("step")
+            if i + 1 == gen.steps:
+                self.phase = "decode"
             return kwargs
 
         self.steps_done = 0
+        self._prompt = gen.prompt
+        self.phase = "prepare"  # text encoding, scheduler set-up, latents
         self.tick()
         with torch.inference_mode():
             out = self.pipe(**self._call_kwargs(gen), callback_on_step_end=on_step)
         self.tick()
-        result = RunResult(*encode(self.adapter.decode(out, gen), gen.fps))
+        self.phase = "encode_output"
+        decoded = self.adapter.decode(out, gen)
+        self._fault("mp4" if decoded.video is not None else "png")
+        result = RunResult(*encode(decoded, gen.fps))
+        self.phase = "idle"
         self.tick()
         result.step_seconds = steps
         result.seconds = time.perf_counter() - t0

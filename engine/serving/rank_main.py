@@ -27,11 +27,13 @@ from dlo.engine.serving.control import (
     RankFacts,
     RankFailure,
     Ready,
+    RequestError,
     Result,
     StepProgress,
     Stop,
     WaveAssignment,
 )
+from dlo.engine.serving.faults import FaultPlan, InjectedFault
 from dlo.engine.serving.waves import Generation
 
 log = logging.getLogger(__name__)
@@ -72,8 +74,13 @@ def init_rank(cfg: RankConfig, rank: int) -> Any:
         platform.backend, init_method=f"tcp://127.0.0.1:{cfg.master_port}", rank=rank, world_size=cfg.dp,
         timeout=timedelta(seconds=cfg.collective_timeout_s),
     )
-    return ServingPipeline(cfg.model_dir, mode=cfg.mode, device=device, max_sequence_length=cfg.max_sequence_length,
+    pipe = ServingPipeline(cfg.model_dir, mode=cfg.mode, device=device, max_sequence_length=cfg.max_sequence_length,
                            resident_blocks=cfg.resident_blocks, weights=cfg.weights)
+    plan = FaultPlan.from_env()  # test-only; None in production
+    if plan is not None:
+        log.warning("rank %d: TEST-ONLY fault injection is on: %s", rank, plan)
+        pipe.install_faults(plan, rank)
+    return pipe
 
 
 def ready_message(pipe: Any) -> Ready:
@@ -81,13 +88,51 @@ def ready_message(pipe: Any) -> Ready:
 
 
 def run_assignment(pipe: Any, cfg: RankConfig, wave: int, mine: Generation | None, wave_gen: Generation) -> Result:
-    """Run this rank's share of a wave: its own request, or only the gathers the wave implies."""
+    """Run this rank's share of a wave: its own request, or only the gathers the wave implies.
+
+    Fault model by phase: a request that fails outside the collective schedule (text encoding,
+    scheduler set-up, between transformer calls, VAE decode, PNG/MP4 encoding) fails alone: the
+    rank still issues the gathers of the transformer calls it owes the wave (allgather) and returns
+    a `Result` carrying a `RequestError`. A fault that breaks the schedule (a collective error, a
+    forward stopped between blocks: `PrefetchOrderError` or the order no longer intact) raises:
+    the rank fails and the engine restarts.
+    """
     if mine is not None:
-        res = pipe.run(mine)
+        calls0 = pipe.calls_done
+        try:
+            res = pipe.run(mine)
+        except Exception as e:
+            if breaks_collective(e) or not pipe.order_intact():
+                raise
+            phase = pipe.phase
+            pipe.phase = "idle"
+            owed = pipe.adapter.transformer_calls(mine) - (pipe.calls_done - calls0)
+            log.warning("request failed alone wave=%d phase=%s error=%s: %s owed_calls=%d", wave, phase,
+                        type(e).__name__, e, owed, exc_info=not isinstance(e, InjectedFault))
+            if cfg.mode == "allgather" and owed > 0:
+                pipe.gather_only(mine, calls=owed)
+            err = RequestError(phase, type(e).__name__, f"{type(e).__name__}: {e}",
+                               client_fault=isinstance(e, UnicodeError))
+            return Result(wave, pipe.stats(), error=err)
         return Result(wave, pipe.stats(), tuple(res.outputs), res.media_type, tuple(res.step_seconds), res.seconds)
     if cfg.mode == "allgather":
         pipe.gather_only(wave_gen)
     return Result(wave, pipe.stats())
+
+
+def breaks_collective(e: BaseException) -> bool:
+    """A fault that leaves the weight plane untrustworthy: the engine must restart."""
+    from dlo.engine.prefetch import PrefetchOrderError
+
+    if isinstance(e, PrefetchOrderError):
+        return True
+    try:
+        import torch.distributed as dist
+
+        dist_error = getattr(dist, "DistError", None)
+    except ImportError:  # pragma: no cover
+        dist_error = None
+    return dist_error is not None and isinstance(e, dist_error)
 
 
 LEAVE_GROUP_TIMEOUT_S = 5.0

@@ -21,7 +21,7 @@ transformer block, after each step, on each weight gather) at least once per
 wave (`on_fault`), after which the process group is never reused: the server answers 503 and
 exits non-zero so the pod restarts.
 
-Owns: `RankGroup` (spawn, start, run_wave, stop, kill) and the watchdog.
+Owns: `RankGroup` (spawn, start, run_wave, stop, abandon, kill) and the watchdog.
 Must never: let a child outlive rank 0, or reuse a communicator after a fault.
 """
 
@@ -198,7 +198,8 @@ class RankGroup:
                 self.ranks[0].last_progress = max(self.ranks[0].last_progress, self.progress.last)
                 stalled = [st for st in self.ranks if st.pending and now - st.last_progress > self.progress_timeout_s]
             if stalled:
-                st = stalled[0]
+                # A rank stalled in a collective stops its peers too: blame the one that stopped first.
+                st = min(stalled, key=lambda s: s.last_progress)
                 self.fault(f"rank {st.rank} made no progress for {now - st.last_progress:.1f} s "
                            f"(--progress-timeout {self.progress_timeout_s:g})")
                 return
@@ -255,6 +256,20 @@ class RankGroup:
         for st in self.ranks[1:]:
             if st.proc is not None and st.proc.poll() is None:
                 st.proc.kill()
+
+    def abandon(self) -> None:
+        """Shutdown with a wave still running (the drain's grace ran out): the ranks are inside
+        their collective and would not read a `Stop`. SIGKILL the children and reap them; rank 0
+        leaves nothing (the process exits next, the OS reclaims its communicator)."""
+        self.kill()
+        for st in self.ranks[1:]:
+            if st.proc is not None:
+                try:
+                    st.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL is not ignorable
+                    log.error("rank %d (pid %d) survived SIGKILL for 5 s", st.rank, st.pid)
+        if self._listener is not None:
+            self._listener.close()
 
     # -- stop -------------------------------------------------------------------------------------
     def stop(self, grace_s: float = 10.0) -> None:

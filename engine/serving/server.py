@@ -4,11 +4,12 @@ Routes: `POST /v1/images/generations`, `POST /v1/videos` (JSON or multipart/form
 official SDK sends it), `GET /v1/videos` (list), `GET` and `DELETE /v1/videos/{id}`,
 `GET /v1/videos/{id}/content`, `GET /v1/models`, `/health`, `/ready`, `/metrics`. Errors use
 OpenAI's body `{"error": {message, type, param, code}}`: 400 invalid fields (FastAPI's 422
-included), 401 wrong key, 404 unknown model, video or route, 405 wrong method, 409 deleting an
-unfinished video, 413 body over `Limits.max_body_bytes` (refused before any of it is parsed), 429
-queue full (with Retry-After), 502/504 the pod of a video job could not answer a forwarded request,
-503 not ready or after a rank failure. A video request for a job of another pod is forwarded to it
-(`peers.py`).
+included) or a request its own input failed on its rank, 401 wrong key, 404 unknown model, video or
+route, 405 wrong method, 409 deleting an unfinished video, 413 body over `Limits.max_body_bytes`
+(refused before any of it is parsed), 429 queue full (with Retry-After), 500 one request failed
+alone (on its rank, or an unexpected error here: always JSON), 502/504 the pod of a video job could
+not answer a forwarded request, 503 not ready, draining (with Retry-After) or after a rank failure.
+A video request for a job of another pod is forwarded to it (`peers.py`).
 Owns: HTTP only: routes, authentication, body limits, OpenAI error bodies, and the one mapping of
 the service's domain errors (`dlo.engine.serving.errors`) to status codes (`status_of`).
 Must never: hold serving logic (queueing, waves, jobs: `service.py`), answer a client's malformed input with a 5xx, hold more than the body limit of any one
@@ -48,19 +49,23 @@ from dlo.engine.serving.api_models import (
 )
 from dlo.engine.serving.errors import (
     EngineUnavailable,
+    InvalidInput,
     QueueFull,
     ServiceError,
+    ShuttingDown,
     VideoElsewhere,
     VideoNotFinished,
     VideoNotFound,
     VideoNotReady,
 )
+from dlo.engine.serving.faults import InjectedFault
 from dlo.engine.serving.peers import FORWARDED_HEADER, PeerError, Peers
 from dlo.engine.serving.service import Engine
 from dlo.engine.serving.videos import VideoJob
 
 log = logging.getLogger(__name__)
 
+SHUTDOWN_RETRY_AFTER_S = 1  # a draining replica's 503: the Service already sends the retry elsewhere
 _VIDEO_SCHEMA_REF = {"$ref": "#/components/schemas/VideoCreateRequest"}
 
 
@@ -89,6 +94,8 @@ def status_of(e: ServiceError) -> int:
         return 409
     if isinstance(e, EngineUnavailable):
         return 503
+    if isinstance(e, InvalidInput):
+        return 400
     return 500
 
 
@@ -100,6 +107,8 @@ def _service_response(e: ServiceError) -> JSONResponse:
     """The error body, plus `Retry-After` (seconds) where the domain error carries a hint."""
     response = _error(api_error(e))
     retry_after = getattr(e, "retry_after_s", None)
+    if retry_after is None and isinstance(e, ShuttingDown):  # a draining replica: retry elsewhere
+        retry_after = SHUTDOWN_RETRY_AFTER_S
     if retry_after is not None:
         response.headers["Retry-After"] = str(int(retry_after))
     return response
@@ -241,6 +250,15 @@ def create_app(engine: Engine, api_key: str | None = None, peers: Peers | None =
         message, param = _validation_message(list(e.errors()))
         return _error(ApiError(400, message, param, "invalid_request"))
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+        # A bug in one request's handling (validation included) fails that request alone, in
+        # OpenAI's shape, never as a plain-text 500.
+        log.error("request failed path=%s error=%s: %s", request.url.path, type(e).__name__, e,
+                  exc_info=not isinstance(e, InjectedFault))
+        return _error(ApiError(500, f"the server failed this request: {type(e).__name__}: {e}",
+                               code="internal_error"))
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
         status = e.status_code if e.status_code < 500 else 503
@@ -321,11 +339,11 @@ def create_app(engine: Engine, api_key: str | None = None, peers: Peers | None =
         return ModelList(data=[{"id": engine.model_id, "created": engine.created}])  # type: ignore[list-item]
 
     # -- operations ---------------------------------------------------------------------------------
-    @app.get("/health", summary="200 unless a rank failed")
+    @app.get("/health", summary="200 unless a rank failed; the state and the requests running and queued")
     async def health() -> JSONResponse:
         if engine.state == "failed":
             return JSONResponse({"status": "unhealthy", "reason": engine.failure}, status_code=503)
-        return JSONResponse({"status": "ok", "state": engine.state})
+        return JSONResponse({"status": "ok", "state": engine.state, **engine.occupancy()})
 
     @app.get("/ready", summary="200 once every rank has loaded and none failed")
     async def ready() -> JSONResponse:

@@ -1,10 +1,13 @@
 """The serving engine on rank 0: readiness, the wave scheduler, video jobs, fault handling.
 
-Owns: the lifecycle `loading -> ready -> (stopping | failed)` (`State`, changed only through
-`_enter`), the asyncio scheduler that drains `WaveQueue` into `RankGroup.run_wave` one wave at a
-time, running video jobs (their records live in `videos.VideoStore`), and what happens on a fault:
-every request of the wave and of the queue fails with `EngineFailed` naming the cause, `/health`
-turns unhealthy, and the server is asked to exit non-zero (`RankGroup.kill` and a hard exit follow if anything is stuck in a collective).
+Owns: the lifecycle `loading -> ready -> draining -> stopping`, any state -> `failed` (`State`,
+changed only through `_enter`), the graceful drain on SIGTERM (`begin_drain`: `/ready` turns 503 at
+once, new requests are refused with `ShuttingDown`, the waves and queue already accepted run up to
+`shutdown_grace_s`, what is left then fails with `ShuttingDown`, and the server is asked to exit 0;
+a wave still running then is abandoned: its ranks are killed, never waited for), the asyncio scheduler that drains `WaveQueue` into `RankGroup.run_wave` one wave at a
+time, running video jobs (their records live in `videos.VideoStore`), and what happens on a fault: every request of the wave and of the queue
+fails with `EngineFailed` naming the cause, `/health` turns unhealthy, and the server is asked to
+exit non-zero (`RankGroup.kill` and a hard exit follow if anything is stuck in a collective).
 Refusals are domain errors (`dlo.engine.serving.errors`); the server maps them to HTTP.
 Must never: speak HTTP (no status codes here), block the event loop on the ranks (waves run in a
 daemon thread), signal the ranks' processes itself (ask `RankGroup`), or run a wave after a fault.
@@ -23,11 +26,13 @@ from dataclasses import asdict
 from typing import Any, Callable, Literal
 
 from dlo.engine.families import PipelineFacts
-from dlo.engine.serving.control import RankConfig, Result, WaveError, summary
+from dlo.engine.serving.control import RankConfig, RequestError, Result, WaveError, summary
 from dlo.engine.serving.errors import (
     EngineFailed,
     EngineUnavailable,
+    InvalidInput,
     QueueFull,
+    RequestFailed,
     ServiceError,
     ShuttingDown,
     VideoStorageError,
@@ -44,8 +49,18 @@ HARD_EXIT_AFTER_S = 15.0
 VIDEO_SWEEP_S = 60.0  # how often expired video jobs are removed even when nobody asks
 MAX_RETRY_AFTER_S = 60
 
-# loading -> ready -> stopping; any state -> failed (a fault is final: the process exits).
-State = Literal["loading", "ready", "stopping", "failed"]
+# loading -> ready -> draining -> stopping; any state -> failed (a fault is final: the process exits).
+State = Literal["loading", "ready", "draining", "stopping", "failed"]
+# Left to stop the ranks after the drain deadline before the process must be gone (grace + 2 s).
+STOP_AFTER_DRAIN_S = 1.5
+
+
+def request_failed(err: RequestError) -> RequestFailed:
+    """The domain error of a request that failed alone on its rank."""
+    if err.client_fault:
+        return InvalidInput(f"the request could not be processed ({err.phase}): {err.message}")
+    return RequestFailed(f"generating this request failed ({err.phase}): {err.message}; other requests are "
+                         "unaffected, retrying may succeed")
 
 
 def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
@@ -66,9 +81,13 @@ def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
         try:
             res = fn()
         except BaseException as e:  # handed to the awaiting coroutine
-            loop.call_soon_threadsafe(_settle, fut, None, e)
+            outcome: tuple[Any, BaseException | None] = (None, e)
         else:
-            loop.call_soon_threadsafe(_settle, fut, res, None)
+            outcome = (res, None)
+        try:
+            loop.call_soon_threadsafe(_settle, fut, *outcome)
+        except RuntimeError:  # the loop closed (an abandoned wave at exit): nobody awaits it
+            pass
 
     threading.Thread(target=target, name="wave", daemon=True).start()
     return fut
@@ -77,7 +96,8 @@ def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
 class Engine:
     def __init__(self, cfg: RankConfig, *, limits: Limits, facts: PipelineFacts, model_id: str,
                  progress_timeout_s: float, max_queue: int, wave_window_ms: float, warmup: bool = True,
-                 warmup_size: tuple[int, int] | None = None, videos: VideoStore | None = None):
+                 warmup_size: tuple[int, int] | None = None, videos: VideoStore | None = None,
+                 shutdown_grace_s: float = 25.0):
         self.cfg, self.limits, self.facts, self.model_id = cfg, limits, facts, model_id
         self.max_queue, self.window_s = max_queue, wave_window_ms / 1000.0
         self.state: State = "loading"
@@ -98,6 +118,11 @@ class Engine:
         self.warmup_seconds: float | None = None
         self._queue: WaveQueue | None = None
         self._inflight: list[Pending] = []
+        self.shutdown_grace_s = shutdown_grace_s
+        self.drain_deadline: float | None = None  # monotonic; set by begin_drain
+        self.wave_running = False
+        self._drained = asyncio.Event()
+        self._wave_done = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
 
@@ -124,7 +149,11 @@ class Engine:
         if self.warmup:
             t1 = time.perf_counter()
             try:
-                await _in_daemon_thread(lambda: self.group.run_wave([self.warmup_generation()] * self.cfg.dp))
+                results = await _in_daemon_thread(lambda: self.group.run_wave([self.warmup_generation()] * self.cfg.dp))
+                failed = [(r, res.error) for r, res in enumerate(results) if res.error is not None]
+                if failed:
+                    rank, err = failed[0]
+                    raise WaveError(f"rank {rank} phase={err.phase}: {err.message}")
             except Exception as e:  # a pipeline that cannot run its smallest request never serves
                 if self.failure is None:
                     log.exception("warm-up failed")
@@ -168,16 +197,81 @@ class Engine:
         self.state = state
         self.metrics.ready.set(1 if state == "ready" else 0)
 
+    # -- drain (SIGTERM) ---------------------------------------------------------------------------
+    def begin_drain(self) -> None:
+        """SIGTERM (in the event loop): stop taking requests, finish what was accepted within the
+        grace, fail the rest, then ask the server to exit. A second call ends the drain now."""
+        if self.state == "draining":
+            log.warning("second stop signal: ending the drain now")
+            self.drain_deadline = time.monotonic()
+            self._drained.set()
+            return
+        if self.state != "ready":  # loading, stopping or failed: nothing accepted to finish
+            self.request_exit()
+            return
+        self.drain_deadline = time.monotonic() + self.shutdown_grace_s
+        self._enter("draining")
+        log.info("draining: running=%d queued=%d grace_seconds=%g", len(self._inflight),
+                 len(self._queue) if self._queue else 0, self.shutdown_grace_s)
+        self._tasks.append(asyncio.create_task(self._drain()))
+
+    async def _drain(self) -> None:
+        assert self.drain_deadline is not None and self._queue is not None
+        t0 = time.monotonic()
+        while not self._drained.is_set() and (self.wave_running or len(self._queue)):
+            left = self.drain_deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._wave_done.clear()
+            try:
+                await asyncio.wait_for(self._wave_done.wait(), timeout=min(left, 0.5))
+            except asyncio.TimeoutError:
+                pass
+        left_over = len(self._inflight) + len(self._queue)
+        log.info("drain done seconds=%.2f unfinished=%d wave_running=%s", time.monotonic() - t0, left_over,
+                 self.wave_running)
+        self._enter("stopping")
+        self._fail_waiting(ShuttingDown(
+            f"the server is shutting down and this request did not finish within the {self.shutdown_grace_s:g} s "
+            "shutdown grace; retry it (another replica will take it)"))
+        self.request_exit()
+
     async def shutdown(self) -> None:
         self._enter("stopping")
         for t in self._tasks:
             t.cancel()
         self._fail_waiting(ShuttingDown("the server is shutting down"))
-        await _in_daemon_thread(self.group.stop)
+        if self.wave_running:
+            # A wave still runs (the grace ran out, or no drain): its ranks are in the middle of
+            # their collective and cannot be stopped politely. Kill them; the process exits next.
+            log.warning("a wave is still running at shutdown: abandoning it (its ranks are killed)")
+            await _in_daemon_thread(self.group.abandon)
+            return
+        stop = _in_daemon_thread(self.group.stop)
+        if self.drain_deadline is None:
+            await stop
+            return
+        # After a drain the process must be gone by the end of the grace (plus a little): the
+        # polite stop is bounded by what is left of it.
+        budget = max(0.5, self.drain_deadline + STOP_AFTER_DRAIN_S - time.monotonic())
+        try:
+            await asyncio.wait_for(stop, timeout=budget)
+        except asyncio.TimeoutError:
+            log.warning("the ranks did not stop within %.1f s after the drain; killing them", budget)
+            await _in_daemon_thread(self.group.abandon)
 
     @property
     def ready(self) -> bool:
         return self.state == "ready"
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        return self._loop
+
+    def occupancy(self) -> dict[str, int]:
+        """Requests in the running wave and waiting in the queue (`/health`)."""
+        return {"running": len(self._inflight) if self.wave_running else 0,
+                "queued": len(self._queue) if self._queue else 0}
 
     def _rank_facts(self) -> dict[int, dict]:
         """Per rank, the latest load report and stats as plain numbers (the metrics exposition)."""
@@ -221,9 +315,11 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------------
     def check_available(self) -> None:
-        """Raise `EngineFailed` or `EngineUnavailable` unless requests are taken now."""
+        """Raise `EngineFailed`, `ShuttingDown` or `EngineUnavailable` unless requests are taken now."""
         if self.state == "failed":
             raise self._failed_error()
+        if self.state in ("draining", "stopping"):
+            raise ShuttingDown("the server is shutting down; retry (another replica will take it)")
         if self.state != "ready":
             raise EngineUnavailable(f"the engine is {self.state}; retry shortly")
 
@@ -242,16 +338,17 @@ class Engine:
 
     async def _schedule(self) -> None:
         assert self._queue is not None
-        while self.state == "ready":
+        while self.state in ("ready", "draining"):
             wave = await self._queue.take_wave()
             self.metrics.queue_depth.set(len(self._queue))
-            if self.state != "ready":
+            if self.state not in ("ready", "draining"):
                 return
             self._inflight = wave
             for rank, p in enumerate(wave):
                 self._mark_video(p, rank)
             assignments: list[Generation | None] = [p.gen for p in wave] + [None] * (self.cfg.dp - len(wave))
             t0 = time.perf_counter()
+            self.wave_running = True
             try:
                 results: list[Result] = await _in_daemon_thread(lambda: self.group.run_wave(assignments))
             except WaveError as e:
@@ -266,12 +363,21 @@ class Engine:
             self.metrics.wave_duration.observe(time.perf_counter() - t0)
             log.info("wave %d size=%d key=%s seconds=%.2f", self.waves_run, len(wave), wave[0].key,
                      time.perf_counter() - t0)
-            for p, res in zip(wave, results):
+            for rank, (p, res) in enumerate(zip(wave, results)):
                 for s in res.step_seconds:
                     self.metrics.step_duration.observe(s)
-                if p.future is not None and not p.future.done():
+                if p.future is None or p.future.done():
+                    continue
+                if res.error is not None:
+                    # failed alone: its rank still did the wave's gathers; the engine serves on
+                    log.warning("request failed rank=%d wave=%d phase=%s: %s", rank, self.waves_run, res.error.phase,
+                                res.error.message)
+                    p.future.set_exception(request_failed(res.error))
+                else:
                     p.future.set_result(res)
             self._inflight = []
+            self.wave_running = False
+            self._wave_done.set()
 
     def _retry_after_s(self) -> int:
         """A hint for a refused client: the waves queued ahead of it times the mean wave time so far."""

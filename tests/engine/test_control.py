@@ -12,7 +12,15 @@ import pytest
 from dlo.engine.report import LoadReport
 from dlo.engine.serving import control
 from dlo.engine.serving.control import RankConfig, RankStats, summary
-from dlo.engine.serving.errors import EngineFailed, EngineUnavailable, QueueFull, ServiceError, ShuttingDown
+from dlo.engine.serving.errors import (
+    EngineFailed,
+    EngineUnavailable,
+    InvalidInput,
+    QueueFull,
+    RequestFailed,
+    ServiceError,
+    ShuttingDown,
+)
 from dlo.engine.serving.waves import Generation
 
 GEN = Generation(kind="image", prompt="a lighthouse", seed=1, width=64, height=64, steps=2, guidance_scale=5.0)
@@ -24,6 +32,7 @@ MESSAGES = [
     control.StepProgress(2),
     control.Result(3, RankStats(gathers=9, h2d_bytes=4), (b"png",), "image/png", (0.1, 0.2), 0.3),
     control.Result(3, RankStats()),
+    control.Result(3, RankStats(), error=control.RequestError("decode", "RuntimeError", "boom")),
     control.RankFailure("rank 1 failed"),
     control.WaveAssignment(3, GEN, None),
     control.WaveAssignment(3, GEN, GEN),
@@ -67,6 +76,8 @@ def test_control_and_errors_import_neither_torch_nor_fastapi():
     (EngineFailed("rank 1 died"), 503, "engine_failed"),
     (ShuttingDown("bye"), 503, "shutting_down"),
     (ServiceError("?"), 500, "service_error"),
+    (RequestFailed("decode failed"), 500, "generation_failed"),
+    (InvalidInput("bad text"), 400, "invalid_input"),
 ])
 def test_the_server_maps_each_domain_error_to_one_status(err, status, code):
     from dlo.engine.serving.server import api_error, status_of

@@ -128,7 +128,10 @@ def test_request_q_plus_1_gets_429_immediately_and_the_first_q_complete(server):
     long.start()
     # dp 1: the long request is a full wave and leaves the queue for the rank at once; then Q
     # requests fill the queue behind it
-    time.sleep(1.0)
+    deadline = time.monotonic() + 30
+    while json.loads(server.get("/health")[1])["running"] != 1:
+        assert time.monotonic() < deadline and "long" not in results, "the long request never started its wave"
+        time.sleep(0.02)
     deadline = time.monotonic() + 10
     waiting = [threading.Thread(target=post, args=(f"q{i}", {"prompt": f"q{i}", "num_inference_steps": 1}))
                for i in range(MAX_QUEUE)]

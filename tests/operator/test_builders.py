@@ -284,3 +284,15 @@ def test_dlo_pods_keep_videos_on_an_empty_dir_and_reach_each_other_through_the_h
     (omni_engine,) = builders.pod_template(OWNER, omni, "resident")["spec"]["containers"]
     assert "--video-dir" not in omni_engine["command"]
     assert "DLO_PEER_URL_TEMPLATE" not in {e["name"] for e in omni_engine["env"]}
+
+
+@pytest.mark.parametrize("grace", [0, 25, 120])
+def test_termination_grace_covers_the_engine_drain(grace):
+    """The pod outlives the engine's drain (`--shutdown-grace`) by 5 s: Kubernetes' SIGKILL never
+    cuts a drain short."""
+    spec = parse_spec({"model": {"path": "/models/tiny"}, "engine": {"shutdownGraceSeconds": grace}})
+    sts = builders.build_statefulset(OWNER, spec, "allgather")
+    pod = sts["spec"]["template"]["spec"]
+    cmd = pod["containers"][0]["command"] if "command" in pod["containers"][0] else pod["containers"][0]["args"]
+    assert cmd[cmd.index("--shutdown-grace") + 1] == str(grace)
+    assert pod["terminationGracePeriodSeconds"] == grace + 5
