@@ -60,6 +60,7 @@ def init_rank(cfg: RankConfig, rank: int) -> Any:
     import torch
     import torch.distributed as dist
 
+    from dlo.engine.parallel import Layout, make_groups
     from dlo.engine.platform import get_platform
     from dlo.engine.serving.pipeline import ServingPipeline
 
@@ -69,11 +70,13 @@ def init_rank(cfg: RankConfig, rank: int) -> Any:
     platform = get_platform(cfg.device)
     device = platform.device(rank)
     dist.init_process_group(
-        platform.backend, init_method=f"tcp://127.0.0.1:{cfg.master_port}", rank=rank, world_size=cfg.dp,
+        platform.backend, init_method=f"tcp://127.0.0.1:{cfg.master_port}", rank=rank, world_size=cfg.world,
         timeout=timedelta(seconds=cfg.collective_timeout_s),
     )
+    # dp x sp: the shard group is every rank (the default group); sp groups are consecutive ranks
+    parallel = make_groups(Layout(cfg.dp, cfg.sp), device.type, cfg.sp_kind)  # type: ignore[arg-type]
     return ServingPipeline(cfg.model_dir, mode=cfg.mode, device=device, max_sequence_length=cfg.max_sequence_length,
-                           resident_blocks=cfg.resident_blocks, weights=cfg.weights)
+                           resident_blocks=cfg.resident_blocks, weights=cfg.weights, parallel=parallel)
 
 
 def ready_message(pipe: Any) -> Ready:
@@ -84,7 +87,9 @@ def run_assignment(pipe: Any, cfg: RankConfig, wave: int, mine: Generation | Non
     """Run this rank's share of a wave: its own request, or only the gathers the wave implies."""
     if mine is not None:
         res = pipe.run(mine)
-        return Result(wave, pipe.stats(), tuple(res.outputs), res.media_type, tuple(res.step_seconds), res.seconds)
+        # sp > 1: every rank of the sp group ran the request; its first rank returns the output
+        outputs = tuple(res.outputs) if getattr(pipe, "returns_outputs", True) else None
+        return Result(wave, pipe.stats(), outputs, res.media_type, tuple(res.step_seconds), res.seconds)
     if cfg.mode == "allgather":
         pipe.gather_only(wave_gen)
     return Result(wave, pipe.stats())

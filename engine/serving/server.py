@@ -40,7 +40,7 @@ from dlo.engine.serving.api_models import (
     image_generation,
     video_generation,
 )
-from dlo.engine.serving.errors import EngineUnavailable, QueueFull, ServiceError
+from dlo.engine.serving.errors import EngineUnavailable, InvalidRequest, QueueFull, ServiceError
 from dlo.engine.serving.service import Engine, VideoJob
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,8 @@ def status_of(e: ServiceError) -> int:
     cannot serve (loading, stopping, failed), 500 for anything the service did not expect."""
     if isinstance(e, QueueFull):
         return 429
+    if isinstance(e, InvalidRequest):
+        return 400
     if isinstance(e, EngineUnavailable):
         return 503
     return 500
@@ -257,7 +259,7 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
     async def ready() -> JSONResponse:
         if not engine.ready:
             return JSONResponse({"ready": False, "state": engine.state, "reason": engine.failure}, status_code=503)
-        return JSONResponse({"ready": True, "mode": engine.cfg.mode, "dp": engine.cfg.dp,
+        return JSONResponse({"ready": True, "mode": engine.cfg.mode, "dp": engine.cfg.dp, "sp": engine.cfg.sp,
                              "warmup_seconds": engine.warmup_seconds, "ranks": engine.rank_summary()})
 
     @app.get("/metrics", summary="Prometheus metrics (CONTRACTS.md section 5)")

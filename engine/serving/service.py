@@ -23,8 +23,9 @@ from dataclasses import asdict
 from typing import Any, Callable, Literal
 
 from dlo.engine.families import PipelineFacts
+from dlo.engine.parallel import Layout, LayoutError, check_tokens, leader_results, wave_assignments
 from dlo.engine.serving.control import RankConfig, Result, WaveError, summary
-from dlo.engine.serving.errors import EngineFailed, EngineUnavailable, ServiceError, ShuttingDown
+from dlo.engine.serving.errors import EngineFailed, EngineUnavailable, InvalidRequest, ServiceError, ShuttingDown
 from dlo.engine.serving.limits import Limits
 from dlo.engine.serving.metrics import EngineMetrics
 from dlo.engine.serving.ranks import RankGroup
@@ -90,6 +91,7 @@ class Engine:
         self.exit_code = 0
         self.request_exit: Callable[[], None] = lambda: None
         self.group = RankGroup(cfg, progress_timeout_s, self._on_fault)
+        self.layout = Layout(cfg.dp, cfg.sp)  # a wave: up to dp requests, each on its sp ranks
         self.metrics = EngineMetrics(cfg.dp, self._rank_facts)
         self.created = int(time.time())
         self.videos: dict[str, VideoJob] = {}
@@ -124,7 +126,7 @@ class Engine:
         if self.warmup:
             t1 = time.perf_counter()
             try:
-                await _in_daemon_thread(lambda: self.group.run_wave([self.warmup_generation()] * self.cfg.dp))
+                await _in_daemon_thread(lambda: self.group.run_wave([self.warmup_generation()] * self.cfg.world))
             except Exception as e:  # a pipeline that cannot run its smallest request never serves
                 if self.failure is None:
                     log.exception("warm-up failed")
@@ -147,7 +149,7 @@ class Engine:
         graphs, every CFG branch, scheduler, VAE decode, encoding), so library initialisation and
         first-call costs are paid before the first client, not by it."""
         m = self.facts.size_multiple
-        w, h = self.warmup_size or (m, m)
+        w, h = self.warmup_size or (m * self.cfg.sp, m)  # sp > 1: tokens per frame split over the sp ranks
         return Generation(kind="image", prompt="warm-up", seed=0, width=w, height=h, steps=2,
                           guidance_scale=self.facts.default_guidance)
 
@@ -221,6 +223,10 @@ class Engine:
     def submit(self, gen: Generation, request_id: str = "") -> asyncio.Future:
         """Queue one generation; the future resolves to its rank's `Result` (raises `QueueFull`)."""
         self.check_available()
+        try:
+            check_tokens(gen.width, gen.height, self.facts.size_multiple, self.cfg.sp)
+        except LayoutError as e:
+            raise InvalidRequest(str(e)) from None
         assert self._queue is not None and self._loop is not None
         fut = self._loop.create_future()
         self._queue.put(Pending(gen, time.monotonic(), fut, request_id=request_id))
@@ -235,9 +241,9 @@ class Engine:
             if self.state != "ready":
                 return
             self._inflight = wave
-            for rank, p in enumerate(wave):
+            for p, rank in zip(wave, self.layout.leaders()):
                 self._mark_video(p, rank)
-            assignments: list[Generation | None] = [p.gen for p in wave] + [None] * (self.cfg.dp - len(wave))
+            assignments = wave_assignments([p.gen for p in wave], self.layout)
             t0 = time.perf_counter()
             try:
                 results: list[Result] = await _in_daemon_thread(lambda: self.group.run_wave(assignments))
@@ -253,7 +259,7 @@ class Engine:
             self.metrics.wave_duration.observe(time.perf_counter() - t0)
             log.info("wave %d size=%d key=%s seconds=%.2f", self.waves_run, len(wave), wave[0].key,
                      time.perf_counter() - t0)
-            for p, res in zip(wave, results):
+            for p, res in zip(wave, leader_results(results, self.layout, len(wave))):
                 for s in res.step_seconds:
                     self.metrics.step_duration.observe(s)
                 if p.future is not None and not p.future.done():
