@@ -70,7 +70,7 @@ def rank_config(rank: int, world: int, port: int, args: argparse.Namespace, name
     if args.device == "cpu":
         torch.set_num_threads(1)
     layout = Layout(world // sp, sp)
-    groups = make_groups(layout, dev.type, args.sp_kind)
+    groups = make_groups(layout, dev, args.sp_kind)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     mb._barrier()

@@ -154,10 +154,17 @@ class ParallelGroups:
         return None if self.mesh is None else self.mesh["ring", "ulysses"]
 
 
-def make_groups(layout: Layout, device_type: str, kind: SpKind = "ulysses") -> ParallelGroups:
+def make_groups(layout: Layout, device: Any, kind: SpKind = "ulysses") -> ParallelGroups:
     """Build this rank's groups; every rank of the default group calls it (the mesh's sub-groups
-    are made collectively, in the same order everywhere). The default group must hold N ranks."""
+    are made collectively, in the same order everywhere). The default group must hold N ranks.
+    `device`: this rank's device (or its type). For sp > 1 the sp group's communicator is made
+    here with one tiny all-reduce, not lazily inside the first forward while weight gathers of the
+    shard group are in flight."""
+    import torch
     import torch.distributed as dist
+
+    device = torch.device(device)
+    device_type = device.type
 
     world, rank = dist.get_world_size(), dist.get_rank()
     if world != layout.world:
@@ -172,6 +179,8 @@ def make_groups(layout: Layout, device_type: str, kind: SpKind = "ulysses") -> P
     sp_group = mesh["ulysses" if kind == "ulysses" else "ring"].get_group()
     got = sorted(dist.get_process_group_ranks(sp_group))
     assert got == layout.sp_ranks(layout.group_of(rank)), (got, rank, layout)
+    if device.index is not None or device_type == "cpu":
+        dist.all_reduce(torch.zeros(1, device=device), group=sp_group)
     return ParallelGroups(layout, rank, kind, mesh, sp_group)
 
 

@@ -74,7 +74,7 @@ def init_rank(cfg: RankConfig, rank: int) -> Any:
         timeout=timedelta(seconds=cfg.collective_timeout_s),
     )
     # dp x sp: the shard group is every rank (the default group); sp groups are consecutive ranks
-    parallel = make_groups(Layout(cfg.dp, cfg.sp), device.type, cfg.sp_kind)  # type: ignore[arg-type]
+    parallel = make_groups(Layout(cfg.dp, cfg.sp), device, cfg.sp_kind)  # type: ignore[arg-type]
     return ServingPipeline(cfg.model_dir, mode=cfg.mode, device=device, max_sequence_length=cfg.max_sequence_length,
                            resident_blocks=cfg.resident_blocks, weights=cfg.weights, parallel=parallel)
 
