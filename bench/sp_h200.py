@@ -92,9 +92,7 @@ def rank_config(rank: int, world: int, port: int, args: argparse.Namespace, name
                 return m.module(**inputs)[0]
 
         iters = 3 if args.tiny else ITERS[w]
-        times = mb._timed(call, dev, iters)  # one warm-up call, then `iters` timed
-        out_t = call()
-        mb._sync(dev)
+        times, out_t = _timed_last(call, dev, iters)  # one warm-up call, then `iters` timed
         if rank == 0:
             OUT_DIR.mkdir(parents=True, exist_ok=True)
             torch.save(out_t.detach().float().cpu(), OUT_DIR / f"out-{name}-{w}.pt")
@@ -106,6 +104,22 @@ def rank_config(rank: int, world: int, port: int, args: argparse.Namespace, name
     mb._gather_results(res, world, rank, out)
     m.close()
     mb._leave(rank)
+
+
+def _timed_last(fn, dev, iters: int) -> tuple[list[float], object]:
+    """`multi_gpu_h200._timed` (barrier, call, device sync, barrier per iteration) keeping the last
+    call's output: the compared output is one of the timed calls, no extra call."""
+    out = fn()
+    times = []
+    for _ in range(iters):
+        mb._sync(dev)
+        mb._barrier()
+        t0 = time.perf_counter()
+        out = fn()
+        mb._sync(dev)
+        mb._barrier()
+        times.append(time.perf_counter() - t0)
+    return times, out
 
 
 def compare(name: str, w: str) -> dict:
