@@ -171,7 +171,7 @@ def run_serve(args: argparse.Namespace) -> dict:
         extra = ["--dp", "1", "--sp", str(sp), "--mode", "allgather", "--device", args.device, "--small-limits",
                  "--max-size", "512", "--warmup-size", args.serve_size]
         try:
-            with ServerProcess(model, *extra, log_path=OUT_DIR / f"serve-{name}.log") as srv:
+            with ServerProcess(model, *extra, log_path=Path(args.raw).parent / f"serve-sp-{name}.log") as srv:
                 ready = time.perf_counter() - t0
                 client = mb_client(srv.url)
                 shas, secs = [], []
@@ -241,6 +241,7 @@ def run(args: argparse.Namespace) -> None:
         except Exception as e:  # a configuration that fails is a result too
             result["runs"][name] = {"error": str(e)[-500:]}
         result["seconds"][name] = time.perf_counter() - t1
+        _save(args, result)  # after every step: a call cut short still leaves what it measured
         r = result["runs"][name]
         print(f"[{name}] " + (" ".join(f"{w} {v['seconds'] * 1e3:.1f} ms" for w, v in r[0]["workloads"].items())
                               if isinstance(r, list) else f"failed: {r['error'][-300:]}")
@@ -252,6 +253,8 @@ def run(args: argparse.Namespace) -> None:
     t1 = time.perf_counter()
     result["plans"] = run_plans(args, facts)
     result["seconds"]["plans"] = time.perf_counter() - t1
+    result["summary"] = summarize(result)
+    _save(args, result)
     if args.serve:
         t1 = time.perf_counter()
         try:
@@ -260,10 +263,14 @@ def run(args: argparse.Namespace) -> None:
             result["serve"] = {"error": f"{type(e).__name__}: {e}"[-600:]}
         result["seconds"]["serve"] = time.perf_counter() - t1
     result["summary"] = summarize(result)
-    Path(args.raw).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.raw).write_text(json.dumps(result, indent=1, default=str))
+    _save(args, result)
     print(json.dumps(result["summary"], indent=1, default=str))
     print(f"wrote {args.raw} ({time.perf_counter() - t0:.0f} s in all)")
+
+
+def _save(args: argparse.Namespace, result: dict) -> None:
+    Path(args.raw).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.raw).write_text(json.dumps(result, indent=1, default=str))
 
 
 # ---- the summary (also what `merge` writes) ----------------------------------------------------

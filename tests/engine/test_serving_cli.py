@@ -41,3 +41,22 @@ def test_api_key_from_file_or_environment_never_argv(tmp_path, monkeypatch):
     assert read_api_key(f) == "from-file"
     monkeypatch.delenv("DLO_API_KEY")
     assert read_api_key(None) is None
+
+
+def test_auto_counts_dp_x_sp_ranks_and_passes_sp_to_the_policy(wan, tmp_path, monkeypatch):
+    chosen, why = resolve_mode("auto", wan, 1, "cpu", sp=2)
+    assert (chosen, why) == ("allgather", "fixed rule: dp x sp > 1")
+    from dlo.agent import policy
+
+    seen = {}
+    real = policy.choose_mode
+
+    def spy(*args, **kwargs):
+        seen.update(dp=args[2], sp=kwargs.get("sp"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(policy, "choose_mode", spy)
+    frag = tmp_path / "fragment.json"
+    frag.write_text(json.dumps({"h2d_bandwidth_bps": 10**10, "collective_bandwidth_bps": 10**9}))
+    resolve_mode("auto", wan, 1, "cpu", frag, sp=2)
+    assert seen == {"dp": 1, "sp": 2}
