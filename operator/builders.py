@@ -88,7 +88,9 @@ def engine_command(spec: DLODeploymentSpec, mode: Mode) -> list[str]:
         if mode == "rank-local":
             cmd.append("--dlo-no-use-allgather")
     else:
-        cmd = ["dlo", "serve", MODEL_MOUNT, "--dp", dp, "--mode", mode, "--device", spec.engine.device]
+        cmd = ["dlo", "serve", MODEL_MOUNT, "--dp", str(spec.dp), "--mode", mode, "--device", spec.engine.device]
+        if spec.sp > 1:  # dp x sp = devicesPerNode
+            cmd[5:5] = ["--sp", str(spec.sp)]
         cmd += ["--host", "0.0.0.0", "--port", port, *name, "--video-dir", VIDEO_MOUNT]
         cmd += ["--shutdown-grace", str(spec.engine.shutdown_grace_seconds)]
     return cmd + list(spec.engine.args)

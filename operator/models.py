@@ -308,12 +308,23 @@ class MonitoringSpec(_Model):
     interval: str = Field("15s", description="scrape interval")
 
 
+# dp x sp = devicesPerNode: dp requests at once, each on sp devices (sequence parallelism).
+_SP_RULE = ("self.devicesPerNode % self.sp == 0",
+            "devicesPerNode must be a multiple of sp: dp = devicesPerNode / sp requests run at once, each on sp devices")
+_SP_ENGINE_RULE = ("self.sp == 1 || !has(self.engine) || !has(self.engine.kind) || self.engine.kind == 'dlo'",
+                   "sp > 1 needs engine.kind dlo (sequence parallelism with offload is dlo's)")
+
+
 class DLODeploymentSpec(_Model):
     """What to serve, on how many nodes, with which engine and offload mode."""
 
+    model_config = ConfigDict(json_schema_extra=_rules(_SP_RULE, _SP_ENGINE_RULE))
+
     model: ModelSource
     replicas: int = Field(1, ge=0, description="nodes: one engine pod per node")
-    devices_per_node: int = Field(1, ge=1, description="data-parallel ranks per node (dp)")
+    devices_per_node: int = Field(1, ge=1, description="devices (engine ranks) per node: dp x sp")
+    sp: int = Field(1, ge=1, description="sequence-parallel devices per request (dlo serve --sp); "
+                    "dp = devicesPerNode / sp requests run at once")
     accelerator_resource: str = Field(
         "nvidia.com/gpu", min_length=1, description="extended resource of the accelerators, e.g. huawei.com/Ascend910"
     )
@@ -327,6 +338,22 @@ class DLODeploymentSpec(_Model):
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     service: ServiceSpec = Field(default_factory=ServiceSpec)
     monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
+
+    @property
+    def dp(self) -> int:
+        """Requests a node runs at once: devicesPerNode / sp."""
+        return self.devices_per_node // self.sp
+
+    @model_validator(mode="after")
+    def _sp_divides_devices(self) -> DLODeploymentSpec:
+        broken = []
+        if self.devices_per_node % self.sp:
+            broken.append(_SP_RULE[1])
+        if self.sp > 1 and self.engine.kind != "dlo":
+            broken.append(_SP_ENGINE_RULE[1])
+        if broken:
+            raise ValueError("; ".join(broken))
+        return self
 
 
 class Condition(_Model):

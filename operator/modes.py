@@ -55,6 +55,7 @@ def node_profile_json(node: dict[str, Any]) -> str | None:
 def inputs_digest(spec: DLODeploymentSpec, nodes: list[dict[str, Any]]) -> str:
     payload = {
         "dp": spec.devices_per_node,
+        **({"sp": spec.sp} if spec.sp != 1 else {}),
         "model": spec.model.model_dump(mode="json"),
         "profiles": {n["metadata"]["name"]: node_profile_json(n) for n in nodes},
     }
@@ -123,7 +124,7 @@ def _resolve_with_policy(policy: Any, spec: DLODeploymentSpec, eligible: list[di
             skipped.append(f"{name}: no facts for model {spec.model.folder_name!r}")
             continue
         try:
-            decision = policy.choose_mode(profile, facts, spec.devices_per_node)
+            decision = policy.choose_mode(profile, facts, spec.dp, sp=spec.sp)
         except policy.PolicyError as e:
             skipped.append(f"{name}: {e}")
             continue

@@ -44,6 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_dir", type=Path, help="diffusers pipeline folder (model_index.json, transformer/, vae/, ...)")
     parser.add_argument("--dp", type=positive_int, default=None,
                         help="ranks (one request each per wave); default: the device count (1 on cpu)")
+    parser.add_argument("--sp", type=int, default=1,
+                        help="sequence-parallel ranks per request (default 1): the node runs dp x sp ranks, each "
+                             "request on sp of them (one long video faster); on accelerators dp x sp must equal "
+                             "the device count (--dp defaults to device count / sp)")
+    parser.add_argument("--sp-kind", choices=("ulysses", "ring"), default="ulysses",
+                        help="sequence parallelism of diffusers' context parallelism: ulysses (all-to-all over "
+                             "heads; heads must be a multiple of sp) or ring (cuda only)")
     parser.add_argument("--mode", choices=MODES_OR_AUTO, default="auto",
                         help="allgather: each rank keeps 1/dp of every block and gathers the rest; rank-local: every "
                              "rank streams whole blocks from its own host copy; resident: no offload; auto: the "
@@ -148,7 +155,7 @@ def local_profile(device: str) -> Any:
 
 
 def resolve_mode(mode: ModeOrAuto, model_dir: Path, dp: int, device: str,
-                 profile_path: Path | None = None) -> tuple[Mode, str]:
+                 profile_path: Path | None = None, sp: int = 1) -> tuple[Mode, str]:
     """The engine mode and why: `--mode` as given, else the node policy, else a fixed rule."""
     if mode != "auto":
         return mode, "--mode given"
@@ -168,13 +175,22 @@ def resolve_mode(mode: ModeOrAuto, model_dir: Path, dp: int, device: str,
                     profile = NodeProfile.model_validate(data)
                 else:  # a `dlo calibrate` fragment
                     profile = apply_calibration(profile, CalibrationFragment.model_validate(data))
-            decision = choose_mode(profile, describe(model_dir / "transformer"), dp)
+            decision = choose_mode(profile, describe(model_dir / "transformer"), dp, sp=sp)
             return decision.engine_mode, f"policy: {decision.reason}"
         except (PolicyError, ValueError) as e:
             log.warning("mode policy gave no answer (%s); using the fixed rule", e)
-    if dp > 1:
-        return "allgather", "fixed rule: dp > 1"
+    if dp * sp > 1:
+        return "allgather", "fixed rule: dp x sp > 1"
     return "rank-local", "fixed rule: dp = 1"
+
+
+def _attention_heads(model_dir: Path) -> int | None:
+    """The transformer's attention heads (Ulysses splits them over the sp ranks), if its config says."""
+    try:
+        heads = json.loads((model_dir / "transformer" / "config.json").read_text()).get("num_attention_heads")
+    except (OSError, ValueError):
+        return None
+    return heads if isinstance(heads, int) else None
 
 
 def _server_class(engine: Any, guard: Any) -> type:
@@ -249,9 +265,20 @@ def main(args: argparse.Namespace) -> int:
         return 2
     api_key = read_api_key(args.api_key_file)
     device = resolve_device(args.device)
-    dp = args.dp or max(1, device_count(device))
-    if dp < 1:
-        print("dlo serve: --dp must be >= 1", file=sys.stderr)
+    from dlo.engine.parallel import LayoutError, check_layout, check_tokens
+
+    sp = args.sp
+    devices = device_count(device) if device != "cpu" else None
+    dp = args.dp or max(1, (devices or 1) // max(1, sp))
+    try:
+        check_layout(dp, sp, devices, _attention_heads(model_dir), args.sp_kind)
+        if sp > 1 and args.sp_kind == "ring" and device != "cuda":
+            raise LayoutError("--sp-kind ring needs cuda (diffusers' ring attention needs an attention backend "
+                              "that returns the log-sum-exp); use --sp-kind ulysses")
+        if warmup_size is not None:
+            check_tokens(*warmup_size, facts.size_multiple, sp)
+    except LayoutError as e:
+        print(f"dlo serve: {e}", file=sys.stderr)
         return 2
     if args.shutdown_grace < 0:
         print("dlo serve: --shutdown-grace must be >= 0", file=sys.stderr)
@@ -259,13 +286,14 @@ def main(args: argparse.Namespace) -> int:
     if (args.max_connections is not None and args.max_connections < 1) or args.idle_timeout <= 0:
         print("dlo serve: --max-connections must be >= 1 and --idle-timeout > 0", file=sys.stderr)
         return 2
-    mode, why = resolve_mode(args.mode, model_dir, dp, device, args.profile)
-    log.info("serving %s family=%s mode=%s (%s) dp=%d device=%s", model_dir, facts.family, mode, why, dp, device)
+    mode, why = resolve_mode(args.mode, model_dir, dp, device, args.profile, sp=sp)
+    log.info("serving %s family=%s mode=%s (%s) dp=%d sp=%d device=%s", model_dir, facts.family, mode, why, dp, sp,
+             device)
     cfg = RankConfig(
         model_dir=str(model_dir), mode=mode, device=device, dp=dp, master_port=free_port(), control_port=free_port(),
         max_sequence_length=limits.max_sequence_length, cpu_threads=args.cpu_threads,
         resident_blocks=args.resident_blocks, collective_timeout_s=max(1800.0, 4 * args.progress_timeout),
-        weights=args.weights,
+        weights=args.weights, sp=sp, sp_kind=args.sp_kind,
     )
     try:  # video jobs: the store names this pod in its ids; peers answer for the other pods' jobs
         videos = VideoStore(args.video_dir or default_video_dir(args.port), ttl_s=args.video_ttl,

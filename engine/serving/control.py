@@ -40,6 +40,13 @@ class RankConfig:
     resident_blocks: int | str = 0  # or "auto" (dlo.engine.load sizes it from free device memory)
     collective_timeout_s: float = 1800.0
     weights: str = "auto"  # auto | arena | registered (dlo.engine.load's host source of block bytes)
+    sp: int = 1  # ranks per request (sequence parallel); the node runs dp x sp ranks
+    sp_kind: str = "ulysses"  # ulysses | ring (dlo.engine.parallel)
+
+    @property
+    def world(self) -> int:
+        """Rank processes: dp sp groups of sp ranks each."""
+        return self.dp * self.sp
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

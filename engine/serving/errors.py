@@ -19,6 +19,12 @@ class ServiceError(Exception):
         self.message = message
 
 
+class InvalidRequest(ServiceError):
+    """A request this server's configuration cannot run (e.g. tokens that do not split over --sp)."""
+
+    code = "invalid_value"
+
+
 class QueueFull(ServiceError):
     """The wave queue holds `--max-queue` requests: retry after `retry_after_s` seconds (a hint)."""
 

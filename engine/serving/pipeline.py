@@ -44,7 +44,8 @@ class ServingPipeline:
     """
 
     def __init__(self, model_dir: Path | str, *, mode: Mode, device: Any, group: Any = None,
-                 max_sequence_length: int = 512, resident_blocks: int | str = 0, weights: str = "auto"):
+                 max_sequence_length: int = 512, resident_blocks: int | str = 0, weights: str = "auto",
+                 parallel: Any = None):
         import diffusers
         import torch
 
@@ -60,6 +61,14 @@ class ServingPipeline:
         t0 = time.perf_counter()
         self.model = dlo.engine.load(Path(model_dir) / "transformer", mode=mode, device=self.device, group=group,
                                      resident_blocks=resident_blocks, weights=weights)  # type: ignore[arg-type]
+        # dp x sp (`dlo.engine.parallel.ParallelGroups`): the ranks of an sp group run one request
+        # together; only the group's first rank returns the output.
+        from dlo.engine.parallel import enable_sequence_parallel
+
+        self.sp = parallel.layout.sp if parallel is not None else 1
+        self.returns_outputs = parallel is None or parallel.layout.is_leader(parallel.rank)
+        if parallel is not None:
+            enable_sequence_parallel(self.model.module, parallel, self.device)
         compute_dtype = next(p.dtype for p in self.model.module.parameters() if p.is_floating_point())
         cls = getattr(diffusers, self.facts.pipeline_class)
         # The VAE's output becomes the image bytes: it stays float32 whatever the transformer runs in.

@@ -62,6 +62,7 @@ def init_rank(cfg: RankConfig, rank: int) -> Any:
     import torch
     import torch.distributed as dist
 
+    from dlo.engine.parallel import Layout, make_groups
     from dlo.engine.platform import get_platform
     from dlo.engine.serving.pipeline import ServingPipeline
 
@@ -71,11 +72,13 @@ def init_rank(cfg: RankConfig, rank: int) -> Any:
     platform = get_platform(cfg.device)
     device = platform.device(rank)
     dist.init_process_group(
-        platform.backend, init_method=f"tcp://127.0.0.1:{cfg.master_port}", rank=rank, world_size=cfg.dp,
+        platform.backend, init_method=f"tcp://127.0.0.1:{cfg.master_port}", rank=rank, world_size=cfg.world,
         timeout=timedelta(seconds=cfg.collective_timeout_s),
     )
+    # dp x sp: the shard group is every rank (the default group); sp groups are consecutive ranks
+    parallel = make_groups(Layout(cfg.dp, cfg.sp), device, cfg.sp_kind)  # type: ignore[arg-type]
     pipe = ServingPipeline(cfg.model_dir, mode=cfg.mode, device=device, max_sequence_length=cfg.max_sequence_length,
-                           resident_blocks=cfg.resident_blocks, weights=cfg.weights)
+                           resident_blocks=cfg.resident_blocks, weights=cfg.weights, parallel=parallel)
     plan = FaultPlan.from_env()  # test-only; None in production
     if plan is not None:
         log.warning("rank %d: TEST-ONLY fault injection is on: %s", rank, plan)
@@ -102,7 +105,10 @@ def run_assignment(pipe: Any, cfg: RankConfig, wave: int, mine: Generation | Non
         try:
             res = pipe.run(mine)
         except Exception as e:
-            if breaks_collective(e) or not pipe.order_intact():
+            client_fault = isinstance(e, UnicodeError)
+            # sp > 1: the request's sp group shares attention collectives, so only a failure every
+            # rank of the group meets the same way (its own input) can be isolated.
+            if breaks_collective(e) or not pipe.order_intact() or (cfg.sp > 1 and not client_fault):
                 raise
             phase = pipe.phase
             pipe.phase = "idle"
@@ -112,9 +118,11 @@ def run_assignment(pipe: Any, cfg: RankConfig, wave: int, mine: Generation | Non
             if cfg.mode == "allgather" and owed > 0:
                 pipe.gather_only(mine, calls=owed)
             err = RequestError(phase, type(e).__name__, f"{type(e).__name__}: {e}",
-                               client_fault=isinstance(e, UnicodeError))
+                               client_fault=client_fault)
             return Result(wave, pipe.stats(), error=err)
-        return Result(wave, pipe.stats(), tuple(res.outputs), res.media_type, tuple(res.step_seconds), res.seconds)
+        # sp > 1: every rank of the sp group ran the request; its first rank returns the output
+        outputs = tuple(res.outputs) if getattr(pipe, "returns_outputs", True) else None
+        return Result(wave, pipe.stats(), outputs, res.media_type, tuple(res.step_seconds), res.seconds)
     if cfg.mode == "allgather":
         pipe.gather_only(wave_gen)
     return Result(wave, pipe.stats())

@@ -94,7 +94,7 @@ class RankGroup:
         self.cfg = cfg
         self.progress_timeout_s = progress_timeout_s
         self.on_fault = on_fault
-        self.ranks = [RankState(r) for r in range(cfg.dp)]
+        self.ranks = [RankState(r) for r in range(cfg.world)]  # dp x sp
         self.progress = Progress()
         self.pipe: Any = None
         self.failed: str | None = None
@@ -106,7 +106,7 @@ class RankGroup:
 
     # -- start ------------------------------------------------------------------------------------
     def spawn(self) -> None:
-        """Spawn ranks 1..dp-1. Call from the main thread: Linux sends the parent-death signal when
+        """Spawn ranks 1..dp x sp - 1. Call from the main thread: Linux sends the parent-death signal when
         the *thread* that forked a child exits, so a short-lived thread would kill the children."""
         self._listener = Listener(("127.0.0.1", self.cfg.control_port), authkey=self._authkey)
         env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
@@ -138,7 +138,7 @@ class RankGroup:
             self._cond.wait_for(lambda: self.failed or all(st.ready for st in self.ranks))
         if self.failed:
             raise WaveError(self.failed)
-        log.info("all %d ranks ready", self.cfg.dp)
+        log.info("all %d ranks ready", self.cfg.world)
 
     # -- fault handling ---------------------------------------------------------------------------
     def fault(self, reason: str) -> None:
@@ -212,8 +212,8 @@ class RankGroup:
         """
         if self.failed:
             raise WaveError(self.failed)
-        if len(assignments) != self.cfg.dp:
-            raise ValueError(f"a wave needs {self.cfg.dp} assignments, got {len(assignments)}")
+        if len(assignments) != self.cfg.world:
+            raise ValueError(f"a wave needs {self.cfg.world} assignments, got {len(assignments)}")
         wave_gen = next(g for g in assignments if g is not None)
         self._wave_no += 1
         now = time.monotonic()

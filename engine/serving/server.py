@@ -50,6 +50,7 @@ from dlo.engine.serving.api_models import (
 from dlo.engine.serving.errors import (
     EngineUnavailable,
     InvalidInput,
+    InvalidRequest,
     QueueFull,
     ServiceError,
     ShuttingDown,
@@ -86,6 +87,8 @@ def status_of(e: ServiceError) -> int:
     did not expect."""
     if isinstance(e, QueueFull):
         return 429
+    if isinstance(e, InvalidRequest):
+        return 400
     if isinstance(e, (VideoNotFound, VideoElsewhere)):
         return 404
     if isinstance(e, VideoNotReady):
@@ -349,7 +352,7 @@ def create_app(engine: Engine, api_key: str | None = None, peers: Peers | None =
     async def ready() -> JSONResponse:
         if not engine.ready:
             return JSONResponse({"ready": False, "state": engine.state, "reason": engine.failure}, status_code=503)
-        return JSONResponse({"ready": True, "mode": engine.cfg.mode, "dp": engine.cfg.dp,
+        return JSONResponse({"ready": True, "mode": engine.cfg.mode, "dp": engine.cfg.dp, "sp": engine.cfg.sp,
                              "warmup_seconds": engine.warmup_seconds, "warmup_size": engine.warmup_size_text,
                              "ranks": engine.rank_summary()})
 

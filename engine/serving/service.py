@@ -26,11 +26,13 @@ from dataclasses import asdict
 from typing import Any, Callable, Literal
 
 from dlo.engine.families import PipelineFacts
+from dlo.engine.parallel import Layout, LayoutError, check_tokens, leader_results, wave_assignments
 from dlo.engine.serving.control import RankConfig, RequestError, Result, WaveError, summary
 from dlo.engine.serving.errors import (
     EngineFailed,
     EngineUnavailable,
     InvalidInput,
+    InvalidRequest,
     QueueFull,
     RequestFailed,
     ServiceError,
@@ -105,6 +107,7 @@ class Engine:
         self.exit_code = 0
         self.request_exit: Callable[[], None] = lambda: None
         self.group = RankGroup(cfg, progress_timeout_s, self._on_fault)
+        self.layout = Layout(cfg.dp, cfg.sp)  # a wave: up to dp requests, each on its sp ranks
         self.metrics = EngineMetrics(cfg.dp, self._rank_facts)
         self.created = int(time.time())
         if videos is None:  # callers other than `dlo serve`: a store of its own, gone with the temp dir
@@ -149,7 +152,7 @@ class Engine:
         if self.warmup:
             t1 = time.perf_counter()
             try:
-                results = await _in_daemon_thread(lambda: self.group.run_wave([self.warmup_generation()] * self.cfg.dp))
+                results = await _in_daemon_thread(lambda: self.group.run_wave([self.warmup_generation()] * self.cfg.world))
                 failed = [(r, res.error) for r, res in enumerate(results) if res.error is not None]
                 if failed:
                     rank, err = failed[0]
@@ -177,7 +180,7 @@ class Engine:
         graphs, every CFG branch, scheduler, VAE decode, encoding), so library initialisation and
         first-call costs are paid before the first client, not by it."""
         m = self.facts.size_multiple
-        w, h = self.warmup_size or (m, m)
+        w, h = self.warmup_size or (m * self.cfg.sp, m)  # sp > 1: tokens per frame split over the sp ranks
         return Generation(kind="image", prompt="warm-up", seed=0, width=w, height=h, steps=2,
                           guidance_scale=self.facts.default_guidance)
 
@@ -326,6 +329,10 @@ class Engine:
     def submit(self, gen: Generation, request_id: str = "") -> asyncio.Future:
         """Queue one generation; the future resolves to its rank's `Result` (raises `QueueFull`)."""
         self.check_available()
+        try:
+            check_tokens(gen.width, gen.height, self.facts.size_multiple, self.cfg.sp)
+        except LayoutError as e:
+            raise InvalidRequest(str(e)) from None
         assert self._queue is not None and self._loop is not None
         fut = self._loop.create_future()
         try:
@@ -344,9 +351,9 @@ class Engine:
             if self.state not in ("ready", "draining"):
                 return
             self._inflight = wave
-            for rank, p in enumerate(wave):
+            for p, rank in zip(wave, self.layout.leaders()):
                 self._mark_video(p, rank)
-            assignments: list[Generation | None] = [p.gen for p in wave] + [None] * (self.cfg.dp - len(wave))
+            assignments = wave_assignments([p.gen for p in wave], self.layout)
             t0 = time.perf_counter()
             self.wave_running = True
             try:
@@ -363,7 +370,7 @@ class Engine:
             self.metrics.wave_duration.observe(time.perf_counter() - t0)
             log.info("wave %d size=%d key=%s seconds=%.2f", self.waves_run, len(wave), wave[0].key,
                      time.perf_counter() - t0)
-            for rank, (p, res) in enumerate(zip(wave, results)):
+            for rank, (p, res) in zip(self.layout.leaders(), zip(wave, leader_results(results, self.layout, len(wave)))):
                 for s in res.step_seconds:
                     self.metrics.step_duration.observe(s)
                 if p.future is None or p.future.done():

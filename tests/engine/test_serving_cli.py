@@ -58,3 +58,22 @@ def test_unusable_video_options_exit_2_before_any_rank_starts(wan, tmp_path, fla
     res = subprocess.run([sys.executable, "-m", "dlo.cli.main", "serve", str(wan), "--device", "cpu", "--dp", "1",
                           "--mode", "resident", *flags], capture_output=True, text=True, env=offline_env(), timeout=120)
     assert res.returncode == 2 and message in res.stderr, res.stderr[-2000:]
+
+
+def test_auto_counts_dp_x_sp_ranks_and_passes_sp_to_the_policy(wan, tmp_path, monkeypatch):
+    chosen, why = resolve_mode("auto", wan, 1, "cpu", sp=2)
+    assert (chosen, why) == ("allgather", "fixed rule: dp x sp > 1")
+    from dlo.agent import policy
+
+    seen = {}
+    real = policy.choose_mode
+
+    def spy(*args, **kwargs):
+        seen.update(dp=args[2], sp=kwargs.get("sp"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(policy, "choose_mode", spy)
+    frag = tmp_path / "fragment.json"
+    frag.write_text(json.dumps({"h2d_bandwidth_bps": 10**10, "collective_bandwidth_bps": 10**9}))
+    resolve_mode("auto", wan, 1, "cpu", frag, sp=2)
+    assert seen == {"dp": 1, "sp": 2}

@@ -181,6 +181,19 @@ def test_engine_command_dlo_and_vllm_omni():
     assert "--enable-distributed-layerwise-offload" not in builders.engine_command(omni, "resident")
 
 
+def test_engine_command_dp_x_sp_and_the_accelerator_limit_stays_devices_per_node():
+    spec = parse_spec({"model": {"path": "/m"}, "devicesPerNode": 4, "sp": 2, "engine": {"device": "cuda"}})
+    assert spec.dp == 2
+    assert builders.engine_command(spec, "allgather")[:11] == [
+        "dlo", "serve", "/model", "--dp", "2", "--sp", "2", "--mode", "allgather", "--device", "cuda"
+    ]
+    one = parse_spec({"model": {"path": "/m"}, "devicesPerNode": 2, "engine": {"device": "cuda"}})
+    assert "--sp" not in builders.engine_command(one, "allgather")  # sp 1: the command as before
+    sts = builders.build_statefulset(OWNER, spec, "allgather")
+    engine = sts["spec"]["template"]["spec"]["containers"][0]
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == 4  # every rank of dp x sp has its device
+
+
 def test_pod_is_non_root_read_only_without_escalation_and_ipc_lock_only_when_asked():
     for case, lock in [("example-allgather", False), ("claim-rolling-vllm-omni-rank-local", True)]:
         pod = build(case)[3]["spec"]["template"]["spec"]

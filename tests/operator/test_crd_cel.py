@@ -100,6 +100,23 @@ CASES: dict[str, list[tuple[dict, bool]]] = {
         ({"type": "Recreate", "maxUnavailable": 1}, False),
         ({"maxUnavailable": 1}, False),  # type defaults to Recreate first
     ],
+    # dp x sp = devicesPerNode (issue 14); rules on the spec itself
+    "self.devicesPerNode % self.sp == 0": [
+        ({}, True),
+        ({"devicesPerNode": 4, "sp": 2}, True),
+        ({"devicesPerNode": 8, "sp": 8}, True),
+        ({"devicesPerNode": 2}, True),
+        ({"devicesPerNode": 3, "sp": 2}, False),
+        ({"sp": 2}, False),  # devicesPerNode defaults to 1 first
+        ({"devicesPerNode": 4, "sp": 8}, False),
+    ],
+    "self.sp == 1 || !has(self.engine) || !has(self.engine.kind) || self.engine.kind == 'dlo'": [
+        ({}, True),
+        ({"devicesPerNode": 2, "sp": 2}, True),
+        ({"devicesPerNode": 2, "sp": 2, "engine": {"kind": "dlo"}}, True),
+        ({"devicesPerNode": 2, "engine": {"kind": "vllm-omni"}}, True),
+        ({"devicesPerNode": 2, "sp": 2, "engine": {"kind": "vllm-omni"}}, False),
+    ],
     "self.name != 'DLO_API_KEY' && self.name != 'VLLM_API_KEY'": [
         ({"name": "HF_HOME", "value": "/tmp/hf"}, True),
         ({"name": "DLO_API_KEY_FILE", "value": "/k"}, True),

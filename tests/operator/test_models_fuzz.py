@@ -224,7 +224,12 @@ def invalid_specs(draw: st.DrawFn) -> tuple[dict, str, tuple[str, ...]]:
 @st.composite
 def cel_breaking_specs(draw: st.DrawFn) -> tuple[dict, tuple[str, ...]]:
     spec = draw(valid_specs())
-    case = draw(st.sampled_from(["both sources", "no source", "maxUnavailable without RollingUpdate"]))
+    case = draw(st.sampled_from(["both sources", "no source", "maxUnavailable without RollingUpdate",
+                                 "sp not dividing devicesPerNode"]))
+    if case == "sp not dividing devicesPerNode":
+        spec["devicesPerNode"] = draw(st.sampled_from([1, 3, 5, 7]))
+        spec["sp"] = draw(st.sampled_from([2, 4]))
+        return spec, ()
     if case == "both sources":
         spec["model"] = {**spec["model"], "path": draw(paths), "claimName": draw(names)}
         return spec, ("model",)

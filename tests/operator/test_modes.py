@@ -109,3 +109,17 @@ def test_model_residency_per_node_from_profiles():
     assert modes.model_residency(nodes, parse_spec(SPEC)) == {"a": 0.5, "b": 0.998}
     other = parse_spec({**SPEC, "model": {"path": "/models/other"}})
     assert modes.model_residency(nodes, other) == {"a": None, "b": None}
+
+
+def test_auto_with_sp_asks_the_policy_for_dp_x_sp_and_the_digest_knows_sp():
+    """spec.sp (issue 14): the policy sees dp = devicesPerNode / sp and sp; a changed sp is a new input."""
+    from unittest import mock
+
+    from dlo.agent import policy
+
+    spec = parse_spec({**SPEC, "sp": 2})
+    nodes = [node("a", profile("l4-node.json"))]
+    with mock.patch.object(policy, "choose_mode", wraps=policy.choose_mode) as spy:
+        res = modes.resolve_mode(spec, nodes)
+    assert spy.call_args.args[2] == 4 and spy.call_args.kwargs["sp"] == 2
+    assert res.inputs != modes.resolve_mode(parse_spec(SPEC), nodes).inputs

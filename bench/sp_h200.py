@@ -1,0 +1,422 @@
+"""Sequence parallelism composed with offload (issue 14): one request over 2 GPUs, weights streamed.
+
+One device call = one `run` (about 2 minutes at 16 Wan2.1-14B layers on 2 H200s):
+
+    python bench/sp_h200.py run --layers 16 --raw $OUT/raw-sp.json [--serve]
+    python bench/sp_h200.py merge bench/results/raw-h200x2-sp.json --tag h200x2-sp-2026-11-30
+    python bench/sp_h200.py run --tiny --device cpu --layers 3 --raw /tmp/raw-sp.json --serve   # dry run
+
+`run` writes the checkpoint once (seeded, bench/wan_bench.py), then starts one process group per
+configuration, each loading the model once:
+- `one_gpu_resident` (1 rank): the baseline; its seed-1 outputs are the reference;
+- `resident_ulysses2` (2 ranks): resident + diffusers context parallelism (Ulysses-2);
+- `dlo_allgather_ulysses2` (2 ranks): DLO allgather over both ranks (each holds half of every block)
+  + Ulysses-2 on the same model: one request on both ranks;
+- `dlo_allgather_dp2` (2 ranks): DLO allgather without sp, a wave of two requests (seed 1 + rank).
+Per configuration and workload (480p video 32,760 tokens; image-like 4,096 tokens): seconds per
+transformer call (median of >= 3 after a warm-up call), rank 0's seed-1 output against the one-GPU
+reference (bit-identical, else max abs difference and PSNR). `dlo plan` per workload and layout
+(dp2: --dp 2 at the workload's tokens; sp2: --dp 1 --sp 2 at half of them) gives the estimated block
+time (its allgather estimate); sp2 wins while its throughput is within 10% of dp2's (one request
+then finishes about twice as soon), else dp2; the measured winner uses the same rule. `--serve` also runs `dlo serve --sp 2` and `--sp 1` on a
+tiny pipeline and compares the PNG bytes the openai SDK receives. `merge` writes the record
+`<tag>.{json,md}` with its `summary`. NVLink multicast stays off for every process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import multi_gpu_h200 as mb  # noqa: E402  (sets the NVLS/multicast variables for this process and its children)
+import wan_bench as wb  # noqa: E402
+
+for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ[_k] = _v
+
+TOKENS = {"image": 4096, "video": 32760}
+ITERS = {"image": 5, "video": 3}
+# sp2 halves one request's latency; it is chosen while its throughput stays within this fraction
+# of a dp2 wave's (the same rule for the plan's estimates and for the measurement).
+SP_THROUGHPUT_TOLERANCE = 0.10
+# name: (ranks, engine mode, sp, what rank 1 runs)
+CONFIGS = {
+    "one_gpu_resident": (1, "resident", 1),
+    "resident_ulysses2": (2, "resident", 2),
+    "dlo_allgather_ulysses2": (2, "allgather", 2),
+    "dlo_allgather_dp2": (2, "allgather", 1),
+}
+OUT_DIR = Path("/tmp/dlo-sp")
+mb._HANG_S = 100  # a group stuck longer than this dumps its stacks and exits (each takes well under a minute)
+
+
+def rank_config(rank: int, world: int, port: int, args: argparse.Namespace, name: str, out: str) -> None:
+    import torch
+
+    from dlo.engine import load
+    from dlo.engine.parallel import Layout, enable_sequence_parallel, make_groups
+
+    _, mode, sp = CONFIGS[name]
+    dev = mb._init(rank, world, port, args.device)
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+    layout = Layout(world // sp, sp)
+    groups = make_groups(layout, dev, args.sp_kind)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    mb._barrier()
+    t0 = time.perf_counter()
+    m = load(args.ckpt, mode=mode, device=dev, group=groups.shard_group)
+    cp = enable_sequence_parallel(m.module, groups, dev)
+    mb._sync(dev)
+    mb._barrier()
+    if rank == 0:
+        print(f"  [{name}] loaded in {time.perf_counter() - t0:.1f} s (context parallel: {cp})", flush=True)
+    res: dict = {"rank": rank, "load_seconds": time.perf_counter() - t0, "report": m.report.to_dict(),
+                 "context_parallel": cp, "workloads": {}}
+    for w in args.workloads.split(","):
+        # sp: every rank of the group runs the same request (seed 1); dp2: each rank its own (seed 1 + rank)
+        inputs = wb.make_inputs(w, str(dev), tiny=args.tiny, seed=1 if sp > 1 else 1 + rank)
+
+        def call(inputs=inputs):
+            with torch.no_grad():
+                return m.module(**inputs)[0]
+
+        iters = 3 if args.tiny else ITERS[w]
+        times, out_t = _timed_last(call, dev, iters)  # one warm-up call, then `iters` timed
+        if rank == 0:
+            OUT_DIR.mkdir(parents=True, exist_ok=True)
+            torch.save(out_t.detach().float().cpu(), OUT_DIR / f"out-{name}-{w}.pt")
+            print(f"  [{name}] {w}: {statistics.median(times) * 1e3:.1f} ms per call", flush=True)
+        res["workloads"][w] = {
+            "seconds": statistics.median(times), "all": times, "sha256_seed1": wb.sha256_of(out_t) if rank == 0 else None,
+            "peak_device_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
+        }
+    mb._gather_results(res, world, rank, out)
+    m.close()
+    mb._leave(rank)
+
+
+def _timed_last(fn, dev, iters: int) -> tuple[list[float], object]:
+    """`multi_gpu_h200._timed` (barrier, call, device sync, barrier per iteration) keeping the last
+    call's output: the compared output is one of the timed calls, no extra call."""
+    out = fn()
+    times = []
+    for _ in range(iters):
+        mb._sync(dev)
+        mb._barrier()
+        t0 = time.perf_counter()
+        out = fn()
+        mb._sync(dev)
+        mb._barrier()
+        times.append(time.perf_counter() - t0)
+    return times, out
+
+
+def compare(name: str, w: str) -> dict:
+    """Rank 0's seed-1 output of `name` against the one-GPU resident output (bit-identical, else max
+    abs difference and PSNR over the reference's peak-to-peak range)."""
+    import torch
+
+    ref = torch.load(OUT_DIR / f"out-one_gpu_resident-{w}.pt")
+    got = torch.load(OUT_DIR / f"out-{name}-{w}.pt")
+    if got.shape != ref.shape:
+        return {"bit_identical": False, "error": f"shape {tuple(got.shape)} vs {tuple(ref.shape)}"}
+    diff = (got - ref).abs()
+    mse = float((diff.double() ** 2).mean())
+    peak = float(ref.max() - ref.min())
+    return {"bit_identical": bool(torch.equal(got, ref)), "max_abs_diff": float(diff.max()),
+            "psnr_db": None if mse == 0 else 10 * math.log10(peak * peak / mse)}  # None: identical (infinite)
+
+
+def run_plans(args: argparse.Namespace, facts) -> dict:
+    """`dlo plan --json` per workload and layout for the full 40-block model on this node."""
+    full_bytes = facts.nonblock_bytes + facts.largest_block_bytes * 40
+    out: dict = {}
+    for w in args.workloads.split(","):
+        tokens = 64 if args.tiny else TOKENS[w]
+        for layout, dp, sp in (("dp2", 2, 1), ("sp2", 1, 2)):
+            proc = mb._dlo("plan", "--model-bytes", str(full_bytes), "--max-block-bytes", str(facts.largest_block_bytes),
+                           "--blocks", "40", "--dp", str(dp), "--sp", str(sp), "--tokens", str(tokens // sp), "--json")
+            out[f"{w}/{layout}"] = (json.loads(proc.stdout) if proc.stdout.strip().startswith("{")
+                                    else {"error": (proc.stderr or proc.stdout)[-400:]})
+    return out
+
+
+def run_serve(args: argparse.Namespace) -> dict:
+    """`dlo serve --sp 2` against `--sp 1` (dp 1 each: the second on one device) through the openai SDK."""
+    import base64
+    import hashlib
+
+    from dlo.engine.serving.launch import ServerProcess
+
+    model = Path(f"/tmp/sp-serve-wan-{args.serve_layers}-{args.serve_dim}")
+    if not (model / "model_index.json").exists():
+        subprocess.run([sys.executable, "-m", "dlo.cli.main", "make-tiny-model", str(model), "--family", "wan",
+                        "--layers", str(args.serve_layers), "--dim", str(args.serve_dim), "--dtype",
+                        "float32" if args.device == "cpu" else "bfloat16"], check=True)
+    out: dict = {"model": str(model), "size": args.serve_size, "configs": {}}
+    for sp in (2, 1):
+        name = f"sp{sp}"
+        t0 = time.perf_counter()
+        extra = ["--dp", "1", "--sp", str(sp), "--mode", "allgather", "--device", args.device, "--small-limits",
+                 "--max-size", "512", "--warmup-size", args.serve_size]
+        try:
+            with ServerProcess(model, *extra, log_path=Path(args.raw).parent / f"serve-sp-{name}.log") as srv:
+                ready = time.perf_counter() - t0
+                client = mb_client(srv.url)
+                shas, secs = [], []
+                for seed in (7, 8):
+                    t1 = time.perf_counter()
+                    img = client.images.generate(prompt="a lighthouse at dusk", size=args.serve_size,
+                                                 response_format="b64_json",
+                                                 extra_body={"seed": seed, "num_inference_steps": args.serve_steps})
+                    secs.append(time.perf_counter() - t1)
+                    shas.append(hashlib.sha256(base64.b64decode(img.data[0].b64_json)).hexdigest())
+                info = srv.ready_info()
+            out["configs"][name] = {"sha256": shas, "seconds": secs, "ready_seconds": ready,
+                                    "sp": info.get("sp"), "ranks": len(info.get("ranks", [])),
+                                    "exit_code": srv.proc.returncode if srv.proc else None}
+        except Exception as e:  # a failed configuration is a result too
+            out["configs"][name] = {"error": f"{type(e).__name__}: {e}"[-600:]}
+        print(f"[serve {name}] {out['configs'][name]}", flush=True)
+    c = out["configs"]
+    out["bytes_identical_sp2_sp1"] = (c["sp2"].get("sha256") == c["sp1"].get("sha256")
+                                      if "sha256" in c["sp2"] and "sha256" in c["sp1"] else None)
+    return out
+
+
+def mb_client(url: str):
+    from openai import OpenAI
+
+    return OpenAI(base_url=url + "/v1", api_key="unused", timeout=600, max_retries=0)
+
+
+def run(args: argparse.Namespace) -> None:
+    wb.ensure_dlo_importable()
+    sys.path.insert(0, str(wb.REPO))
+    import torch
+
+    n_dev = torch.cuda.device_count() if args.device == "cuda" else 2
+    if n_dev < 2:
+        raise SystemExit(f"needs 2 devices, found {n_dev}")
+    ckpt = Path(args.ckpt or f"/tmp/wan14b-{args.layers}{'-tiny' if args.tiny else ''}")
+    t0 = time.perf_counter()
+    written = None
+    if not (ckpt / "config.json").exists():
+        written = wb.write_wan_checkpoint(ckpt, args.layers, args.device, tiny=args.tiny)
+    args.ckpt = str(ckpt)
+    from dlo.engine.families import describe
+
+    facts = describe(ckpt)
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    result: dict = {"layers": args.layers, "tiny": args.tiny, "devices": n_dev, "sp_kind": args.sp_kind,
+                    "device_name": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+                    "model_bytes": facts.bytes, "block_bytes": facts.largest_block_bytes,
+                    "nonblock_bytes": facts.nonblock_bytes, "checkpoint": written, "command": sys.argv[1:],
+                    "runs": {}, "seconds": {}, "skipped": {}}
+    print(f"checkpoint {ckpt}: {facts.bytes / 1e9:.1f} GB, block {facts.largest_block_bytes / 1e9:.3f} GB "
+          f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    for name in args.configs.split(","):
+        world, mode, sp = CONFIGS[name]
+        if sp > 1 and args.sp_kind == "ring" and args.device != "cuda":
+            result["skipped"][name] = "ring attention needs cuda (an attention backend returning the log-sum-exp)"
+            print(f"[{name}] skipped: {result['skipped'][name]}", flush=True)
+            continue
+        t1 = time.perf_counter()
+        f = OUT_DIR / f"run-{name}.json"
+        f.unlink(missing_ok=True)
+        try:
+            mb.spawn(rank_config, world, args, name, str(f))
+            result["runs"][name] = json.loads(f.read_text())
+        except Exception as e:  # a configuration that fails is a result too
+            result["runs"][name] = {"error": str(e)[-500:]}
+        result["seconds"][name] = time.perf_counter() - t1
+        _save(args, result)  # after every step: a call cut short still leaves what it measured
+        r = result["runs"][name]
+        print(f"[{name}] " + (" ".join(f"{w} {v['seconds'] * 1e3:.1f} ms" for w, v in r[0]["workloads"].items())
+                              if isinstance(r, list) else f"failed: {r['error'][-300:]}")
+              + f" ({result['seconds'][name]:.0f} s)", flush=True)
+    ref_ok = isinstance(result["runs"].get("one_gpu_resident"), list)
+    result["vs_one_gpu"] = {
+        name: {w: compare(name, w) for w in r[0]["workloads"]}
+        for name, r in result["runs"].items() if ref_ok and isinstance(r, list) and name != "one_gpu_resident"}
+    t1 = time.perf_counter()
+    result["plans"] = run_plans(args, facts)
+    result["seconds"]["plans"] = time.perf_counter() - t1
+    result["summary"] = summarize(result)
+    _save(args, result)
+    if args.serve:
+        t1 = time.perf_counter()
+        try:
+            result["serve"] = run_serve(args)
+        except Exception as e:
+            result["serve"] = {"error": f"{type(e).__name__}: {e}"[-600:]}
+        result["seconds"]["serve"] = time.perf_counter() - t1
+    result["summary"] = summarize(result)
+    _save(args, result)
+    print(json.dumps(result["summary"], indent=1, default=str))
+    print(f"wrote {args.raw} ({time.perf_counter() - t0:.0f} s in all)")
+
+
+def _save(args: argparse.Namespace, result: dict) -> None:
+    Path(args.raw).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.raw).write_text(json.dumps(result, indent=1, default=str))
+
+
+# ---- the summary (also what `merge` writes) ----------------------------------------------------
+def _secs(rec: dict, name: str, w: str) -> float | None:
+    r = rec["runs"].get(name)
+    if not isinstance(r, list) or w not in r[0]["workloads"]:
+        return None
+    return max(x["workloads"][w]["seconds"] for x in r)  # the slowest rank ends the call
+
+
+def _layout_winner(sp2_thr: float, dp2_thr: float) -> str:
+    """sp2 while its requests per second are within SP_THROUGHPUT_TOLERANCE of dp2's (one request
+    then finishes about twice as soon), else dp2."""
+    return "sp2" if sp2_thr >= dp2_thr * (1 - SP_THROUGHPUT_TOLERANCE) else "dp2"
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def summarize(rec: dict) -> dict:
+    s: dict = {"seconds_per_call": {w: {n: _secs(rec, n, w) for n in CONFIGS} for w in ("video", "image")}}
+    v = s["seconds_per_call"]["video"]
+    s["sp2_over_resident_ulysses2_video"] = _ratio(v["dlo_allgather_ulysses2"], v["resident_ulysses2"])
+    s["sp2_over_one_gpu_resident_video"] = _ratio(v["dlo_allgather_ulysses2"], v["one_gpu_resident"])
+    s["resident_ulysses2_over_one_gpu_video"] = _ratio(v["resident_ulysses2"], v["one_gpu_resident"])
+    vs = rec.get("vs_one_gpu") or {}
+    s["vs_one_gpu"] = vs
+    sp_vs = {n: x for n, x in vs.items() if CONFIGS[n][2] > 1}  # the sequence-parallel configurations
+    s["bit_identical_to_one_gpu"] = (all(c.get("bit_identical") for x in sp_vs.values() for c in x.values())
+                                     if sp_vs else None)
+    s["throughput_requests_per_second"] = {}
+    s["policy"] = {}
+    for w in ("image", "video"):
+        t_sp2, t_wave = _secs(rec, "dlo_allgather_ulysses2", w), _secs(rec, "dlo_allgather_dp2", w)
+        if t_sp2 is None or t_wave is None:
+            continue
+        thr = {"sp2": 1 / t_sp2, "dp2": 2 / t_wave}  # per transformer call: 1 request vs a wave of 2
+        s["throughput_requests_per_second"][w] = thr
+        s[f"{w}_sp2_over_dp2_wave"] = thr["sp2"] / thr["dp2"]
+        measured = _layout_winner(thr["sp2"], thr["dp2"])
+        plans = rec.get("plans") or {}
+        est = {}
+        for layout in ("dp2", "sp2"):
+            # the plan's allgather estimate (the mode measured here): max(compute at the layout's
+            # tokens per rank, transfer with g = 2); its own choice of mode is reported beside it
+            p = plans.get(f"{w}/{layout}") or {}
+            mode = (p.get("choice") or {}).get("mode")
+            bs = ((p.get("modes") or {}).get("allgather") or {}).get("block_seconds")
+            est[layout] = {"mode": mode, "block_seconds": bs, "reason": (p.get("choice") or {}).get("reason") or p.get("error")}
+        if est["dp2"]["block_seconds"] and est["sp2"]["block_seconds"]:
+            plan = _layout_winner(1 / est["sp2"]["block_seconds"], 2 / est["dp2"]["block_seconds"])
+        else:
+            plan = None
+        s["policy"][f"{w}/2 devices"] = {
+            "measured_winner": measured, "plan": plan, "match": plan == measured,
+            "measured_seconds_per_call": {"sp2 (one request)": t_sp2, "dp2 (wave of two)": t_wave},
+            "plan_block_seconds": {k: x["block_seconds"] for k, x in est.items()},
+            "plan_modes": {k: x["mode"] for k, x in est.items()},
+            "plan_sp2_over_dp2_throughput": (est["dp2"]["block_seconds"] / (2 * est["sp2"]["block_seconds"])
+                                             if plan else None),
+            "reason": f"throughput sp2/dp2 measured {thr['sp2'] / thr['dp2']:.3f}; sp2 while within "
+                      f"{SP_THROUGHPUT_TOLERANCE:.0%} of dp2 (one request ~2x sooner); the plan's own mode "
+                      f"choice: dp2 {est['dp2']['reason']}; sp2 {est['sp2']['reason']}",
+        }
+    s["image_sp2_over_dp2_wave"] = s.get("image_sp2_over_dp2_wave")
+    serve = rec.get("serve") or {}
+    s["serve_bytes_identical_sp2_sp1"] = serve.get("bytes_identical_sp2_sp1")
+    s["skipped"] = rec.get("skipped") or {}
+    return s
+
+
+def merge(args: argparse.Namespace) -> None:
+    raws = [json.loads(Path(p).read_text()) for p in args.raw_files]
+    rec = dict(raws[0])
+    rec["sources"] = [str(p) for p in args.raw_files]
+    for r in raws[1:]:
+        rec["runs"].update({k: v for k, v in r["runs"].items() if isinstance(v, list)})
+        rec["vs_one_gpu"] = {**(rec.get("vs_one_gpu") or {}), **(r.get("vs_one_gpu") or {})}
+        for k in ("plans", "serve"):
+            rec[k] = r.get(k) or rec.get(k)
+    rec["summary"] = summarize(rec)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.tag}.json").write_text(json.dumps(rec, indent=1, default=str))
+    md = _markdown(rec, args)
+    (out / f"{args.tag}.md").write_text(md)
+    print(md)
+
+
+def _fmt(x: float | None, scale: float = 1e3, nd: int = 1) -> str:
+    return "" if x is None else f"{x * scale:.{nd}f}"
+
+
+def _markdown(rec: dict, args: argparse.Namespace) -> str:
+    s = rec["summary"]
+    lines = [f"# {rec['devices']} x {rec['device_name']}: sequence parallelism with offload, {rec['layers']} "
+             f"Wan2.1-14B layers", "",
+             f"Merged with `python bench/sp_h200.py merge {' '.join(args.raw_files)} --tag {args.tag}`; each raw "
+             "file is one device call (`run` command inside).", "",
+             "| workload | configuration | ms per call | vs one GPU resident |", "|---|---|---|---|"]
+    for w, per in s["seconds_per_call"].items():
+        for n, t in per.items():
+            c = (s["vs_one_gpu"].get(n) or {}).get(w)
+            cmp = "" if c is None else ("bit-identical" if c.get("bit_identical") else
+                                        f"max abs {c.get('max_abs_diff'):.3g}, PSNR {c.get('psnr_db'):.1f} dB")
+            lines.append(f"| {w} | {n} | {_fmt(t)} | {cmp} |")
+    lines += [""]
+    for k in ("sp2_over_resident_ulysses2_video", "sp2_over_one_gpu_resident_video",
+              "resident_ulysses2_over_one_gpu_video", "bit_identical_to_one_gpu", "image_sp2_over_dp2_wave",
+              "video_sp2_over_dp2_wave", "serve_bytes_identical_sp2_sp1", "skipped"):
+        if k in s:
+            lines.append(f"- `{k}`: {s[k]}")
+    if s["policy"]:
+        lines += ["", "Layout (`dlo plan` allgather estimates per layout for the 40-block model on this node; sp2 "
+                  f"while its throughput is within {SP_THROUGHPUT_TOLERANCE:.0%} of dp2's) vs the measured winner:", ""]
+        for k, v in s["policy"].items():
+            lines.append(f"- {k}: measured {v['measured_winner']}, plan {v['plan']} "
+                         f"({'match' if v['match'] else 'MISMATCH'}): {v['reason']}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="one device call: checkpoint once, one process group per configuration")
+    r.add_argument("--layers", type=int, default=16)
+    r.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
+    r.add_argument("--workloads", default="video,image")
+    r.add_argument("--sp-kind", default="ulysses", choices=("ulysses", "ring"))
+    r.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    r.add_argument("--tiny", action="store_true", help="tiny dimensions (CPU dry run)")
+    r.add_argument("--ckpt", default=None)
+    r.add_argument("--serve", action="store_true", help="also dlo serve --sp 2 vs --sp 1 through the openai SDK")
+    r.add_argument("--serve-layers", type=int, default=4)
+    r.add_argument("--serve-dim", type=int, default=256)
+    r.add_argument("--serve-size", default="256x256")
+    r.add_argument("--serve-steps", type=int, default=4)
+    r.add_argument("--raw", required=True, help="raw JSON to write")
+    m = sub.add_parser("merge", help="raw files -> <tag>.{json,md}")
+    m.add_argument("raw_files", nargs="+")
+    m.add_argument("--tag", required=True)
+    m.add_argument("--out", default="bench/results")
+    args = ap.parse_args()
+    run(args) if args.cmd == "run" else merge(args)
+
+
+if __name__ == "__main__":
+    main()

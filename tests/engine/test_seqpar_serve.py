@@ -1,0 +1,77 @@
+"""`dlo serve --sp` (issue 14): configuration errors refused in one line with exit 2; dp2 x sp2 on
+four gloo ranks answers the openai SDK with the bytes of resident dp1, waves hold dp requests, idle
+sp groups take part in every gather, and sizes whose tokens do not split over sp get 400."""
+
+from __future__ import annotations
+
+import base64
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+from openai import OpenAI
+
+from dlo.engine.serving.launch import ServerProcess
+from tests.engine.serving_helpers import offline_env, sha, tiny_pipeline
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory):
+    return tiny_pipeline(tmp_path_factory, "wan")  # 2 attention heads
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--sp", "0"], "--sp must be >= 1, got 0"),
+    (["--sp", "4", "--dp", "1"], "splits the 2 attention heads over the sp ranks: heads must be a multiple of sp"),
+    (["--sp", "2", "--warmup-size", "16x16"], "1 tokens per frame"),
+    (["--sp", "2", "--sp-kind", "ring"], "--sp-kind ring needs cuda"),
+])
+def test_bad_sp_configuration_is_one_line_and_exit_2(wan, argv, fragment):
+    r = subprocess.run([sys.executable, "-m", "dlo.cli.main", "serve", str(wan), "--device", "cpu", "--small-limits",
+                        *argv], capture_output=True, text=True, timeout=120, env=offline_env())
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.startswith("dlo serve:")]
+    assert len(lines) == 1 and fragment in lines[0], r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+
+
+def _image(client: OpenAI, seed: int, size: str = "64x64") -> bytes:
+    r = client.images.generate(model="tiny-wan-float32", prompt=f"a lighthouse {seed}", size=size,
+                               response_format="b64_json", extra_body={"seed": seed, "num_inference_steps": 2})
+    return base64.b64decode(r.data[0].b64_json or "")
+
+
+def test_dp2_sp2_serves_the_bytes_of_resident_dp1_in_waves(wan, tmp_path):
+    seeds = [11, 12]
+    with ServerProcess(wan, "--dp", "1", "--mode", "resident", "--device", "cpu", "--small-limits",
+                       log_path=tmp_path / "dp1.log") as ref:
+        client = OpenAI(base_url=ref.url + "/v1", api_key="unused", max_retries=0)
+        expected = {s: sha(_image(client, s)) for s in seeds}
+    with ServerProcess(wan, "--dp", "2", "--sp", "2", "--mode", "allgather", "--device", "cpu", "--small-limits",
+                       "--wave-window-ms", "800", "--progress-timeout", "120", log_path=tmp_path / "sp.log") as srv:
+        info = srv.ready_info()
+        assert (info["dp"], info["sp"], len(info["ranks"])) == (2, 2, 4)
+        # every rank shares every block: the shard group is all 4 ranks
+        assert {r["report"]["shard_group_size"] for r in info["ranks"]} == {4}
+        assert sorted(r["report"]["rank"] for r in info["ranks"]) == [0, 1, 2, 3]
+        client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        alone = sha(_image(client, seeds[0]))  # a partial wave: sp group 1 only gathers
+        assert alone == expected[seeds[0]]
+        with ThreadPoolExecutor(2) as pool:
+            futs = []
+            for s in seeds:
+                futs.append(pool.submit(_image, client, s))
+                time.sleep(0.05)
+            both = [sha(f.result()) for f in futs]
+        assert both == [expected[s] for s in seeds], "dp2 x sp2 bytes differ from resident dp1"
+        m = srv.metrics()
+        assert m["dlo_wave_size_sum"][0][1] >= 3 and m["dlo_wave_size_count"][0][1] <= m["dlo_wave_size_sum"][0][1]
+        gathered = {labels["rank"]: v for labels, v in m["dlo_collective_bytes_total"]}
+        assert len(gathered) == 4 and len(set(gathered.values())) == 1 and min(gathered.values()) > 0, gathered
+        # 16x16 is one token per frame: it cannot split over 2 sequence-parallel ranks
+        with pytest.raises(openai.BadRequestError, match="tokens per frame"):
+            _image(client, 1, size="16x16")
+    assert srv.proc is not None and srv.proc.returncode == 0
