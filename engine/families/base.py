@@ -40,6 +40,9 @@ class PipelineFacts:
     temporal_factor: int  # video frames must be temporal_factor * k + 1; 0: images only
     default_guidance: float
     transformer_class: str
+    # the pipeline's transformer components, each streamed by its own `dlo.engine.load` (Wan2.2: two experts)
+    transformers: tuple[str, ...] = ("transformer",)
+    image_input: bool = False  # image-to-video: a request must bring an input image
 
     @classmethod
     def from_dir(cls, model_dir: Path | str) -> "PipelineFacts":
@@ -97,8 +100,21 @@ class Family:
         return f"Family({self.name!r})"
 
     # ---- serving: what a request means for this pipeline -----------------------------------------
+    def matches(self, index: dict) -> bool:
+        """Whether this adapter serves the pipeline folder whose model_index.json is `index`."""
+        return index.get("_class_name") == self.pipeline_class
+
     def pipeline_facts(self, root: Path, index: dict, transformer: dict, vae: dict) -> PipelineFacts:
         raise NotImplementedError
+
+    def call_plan(self, gen: "Generation", pipe: Any) -> list[tuple[str, int]]:
+        """Transformer forwards one request makes, per transformer component, in the order they run
+        (what an idle rank walks with `gather_only`; `pipe` is the loaded diffusers pipeline)."""
+        return [("transformer", self.transformer_calls(gen))]
+
+    def call_inputs(self, gen: "Generation") -> dict[str, Any]:
+        """Inputs of the pipeline call that are not plain JSON values (an input image); default none."""
+        return {}
 
     def uses_cfg(self, gen: "Generation") -> bool:
         """Whether a request runs a separate unconditional transformer call per step."""

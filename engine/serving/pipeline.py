@@ -58,28 +58,36 @@ class ServingPipeline:
         self.tick: Callable[[], None] = lambda: None
         self.steps_done = 0  # denoising steps of the running request (read by the progress reporter)
         t0 = time.perf_counter()
-        self.model = dlo.engine.load(Path(model_dir) / "transformer", mode=mode, device=self.device, group=group,
-                                     resident_blocks=resident_blocks, weights=weights)  # type: ignore[arg-type]
+        # Every transformer of the pipeline (Wan2.2: two experts) streams through its own load, in the
+        # same mode and shard group, loaded in the same order on every rank (each load gathers its
+        # first block: the collective order starts here).
+        self.models = {
+            name: dlo.engine.load(Path(model_dir) / name, mode=mode, device=self.device, group=group,
+                                  resident_blocks=resident_blocks, weights=weights)  # type: ignore[arg-type]
+            for name in self.facts.transformers
+        }
+        self.model = self.models[self.facts.transformers[0]]
         compute_dtype = next(p.dtype for p in self.model.module.parameters() if p.is_floating_point())
         cls = getattr(diffusers, self.facts.pipeline_class)
         # The VAE's output becomes the image bytes: it stays float32 whatever the transformer runs in.
         self.pipe = cls.from_pretrained(
-            model_dir, transformer=self.model.module,
+            model_dir, **{name: m.module for name, m in self.models.items()},
             torch_dtype={"default": compute_dtype, "vae": torch.float32},
         )
         self.pipe.set_progress_bar_config(disable=True)
         self.component_bytes: dict[str, int] = {}
         for name, comp in self.pipe.components.items():
-            if name == "transformer" or not isinstance(comp, torch.nn.Module):
+            if name in self.models or not isinstance(comp, torch.nn.Module):
                 continue
             comp.to(self.device)
             comp.eval()
             self.component_bytes[name] = sum(p.numel() * p.element_size() for p in comp.parameters())
         # the watchdog's progress signal: one tick before every transformer block
         self.hooks = HookSet()
-        for list_name in self.adapter.block_lists:
-            for block in getattr(self.model.module, list_name):
-                self.hooks.add_pre(block, lambda *_: self.tick())
+        for m in self.models.values():
+            for list_name in self.adapter.block_lists:
+                for block in getattr(m.module, list_name):
+                    self.hooks.add_pre(block, lambda *_: self.tick())
         self.load_seconds = time.perf_counter() - t0
         log.info("pipeline loaded family=%s mode=%s device=%s components=%s seconds=%.2f", self.facts.family,
                  mode, self.device, self.component_bytes, self.load_seconds)
@@ -89,13 +97,28 @@ class ServingPipeline:
         return self.model.report
 
     def stats(self) -> RankStats:
-        return RankStats.of(self.model.stats(), self.model.platform.memory_peak(self.device))
+        from dlo.engine.report import GatherStats
+
+        total = GatherStats()
+        for m in self.models.values():
+            s = m.stats()
+            total.gathers += s.gathers
+            total.h2d_bytes += s.h2d_bytes
+            total.collective_bytes += s.collective_bytes
+            total.gather_wait_seconds += s.gather_wait_seconds
+        return RankStats.of(total, self.model.platform.memory_peak(self.device))
+
+    def call_plan(self, gen: Generation) -> list[tuple[str, int]]:
+        """Transformer forwards `gen` implies, per transformer, in the order they run."""
+        return self.adapter.call_plan(gen, self.pipe)
 
     def gather_only(self, gen: Generation) -> None:
-        """Idle rank in a partial wave: the gathers of every transformer call `gen` implies."""
-        for _ in range(self.adapter.transformer_calls(gen)):
-            self.model.gather_only(1)
-            self.tick()
+        """Idle rank in a partial wave: the gathers of every transformer call `gen` implies, model by
+        model in the order a computing rank runs them."""
+        for name, calls in self.call_plan(gen):
+            for _ in range(calls):
+                self.models[name].gather_only(1)
+                self.tick()
 
     def _call_kwargs(self, gen: Generation) -> dict[str, Any]:
         import torch
@@ -108,6 +131,7 @@ class ServingPipeline:
             max_sequence_length=self.max_sequence_length,
         )
         kw.update(self.adapter.call_kwargs(gen))
+        kw.update(self.adapter.call_inputs(gen))
         return kw
 
     def run(self, gen: Generation) -> RunResult:
@@ -137,6 +161,7 @@ class ServingPipeline:
         return result
 
     def close(self) -> None:
-        """Remove the progress hooks and release the transformer's weights."""
+        """Remove the progress hooks and release the transformers' weights."""
         self.hooks.remove()
-        self.model.close()
+        for m in self.models.values():
+            m.close()
