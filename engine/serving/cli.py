@@ -24,6 +24,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+from dlo.cli.args import byte_size
 from dlo.engine.facts import MODES_OR_AUTO, Mode, ModeOrAuto
 
 
@@ -89,6 +90,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="host source of block bytes: registered (the page cache itself, read in place; DMA-"
                              "registered on cuda), arena (one pinned copy of this rank's shards), auto (registered "
                              "where the platform allows it, else the arena; on cpu the arena)")
+    parser.add_argument("--max-device-memory", type=byte_size, default=0, metavar="BYTES",
+                        help="cap each rank's device allocator at BYTES (an integer or 24GiB, 24GB): emulates a "
+                             "smaller device on a larger one (torch.cuda.set_per_process_memory_fraction of the "
+                             "device's total); an error on cpu or above the device's memory; default: no cap")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     parser.epilog = (
         "Example: `dlo make-tiny-model /tmp/tiny --family wan` then `dlo serve /tmp/tiny --dp 2 --mode allgather "
@@ -207,13 +212,17 @@ def main(args: argparse.Namespace) -> int:
     if dp < 1:
         print("dlo serve: --dp must be >= 1", file=sys.stderr)
         return 2
+    if args.max_device_memory and device not in ("cuda", "npu"):
+        print(f"dlo serve: --max-device-memory needs a cuda or npu device; --device resolved to {device}",
+              file=sys.stderr)
+        return 2
     mode, why = resolve_mode(args.mode, model_dir, dp, device, args.profile)
     log.info("serving %s family=%s mode=%s (%s) dp=%d device=%s", model_dir, facts.family, mode, why, dp, device)
     cfg = RankConfig(
         model_dir=str(model_dir), mode=mode, device=device, dp=dp, master_port=free_port(), control_port=free_port(),
         max_sequence_length=limits.max_sequence_length, cpu_threads=args.cpu_threads,
         resident_blocks=args.resident_blocks, collective_timeout_s=max(1800.0, 4 * args.progress_timeout),
-        weights=args.weights,
+        weights=args.weights, max_device_memory=args.max_device_memory,
     )
     engine = Engine(cfg, limits=limits, facts=facts, model_id=args.served_model_name or model_dir.name,
                     progress_timeout_s=args.progress_timeout, max_queue=args.max_queue,

@@ -44,7 +44,8 @@ class ServingPipeline:
     """
 
     def __init__(self, model_dir: Path | str, *, mode: Mode, device: Any, group: Any = None,
-                 max_sequence_length: int = 512, resident_blocks: int | str = 0, weights: str = "auto"):
+                 max_sequence_length: int = 512, resident_blocks: int | str = 0, weights: str = "auto",
+                 max_device_memory: int = 0):
         import diffusers
         import torch
 
@@ -57,6 +58,11 @@ class ServingPipeline:
         self.max_sequence_length = max_sequence_length
         self.tick: Callable[[], None] = lambda: None
         self.steps_done = 0  # denoising steps of the running request (read by the progress reporter)
+        if max_device_memory:
+            from dlo.engine.platform import cap_device_memory
+
+            fraction = cap_device_memory(self.device, max_device_memory)
+            log.info("device memory capped at %d bytes (%.4f of the device)", max_device_memory, fraction)
         t0 = time.perf_counter()
         # Every transformer of the pipeline (Wan2.2: two experts) streams through its own load, in the
         # same mode and shard group, loaded in the same order on every rank (each load gathers its
@@ -95,6 +101,19 @@ class ServingPipeline:
     @property
     def report(self) -> Any:
         return self.model.report
+
+    def component_reports(self) -> dict[str, dict[str, Any]]:
+        """Per component: where its weights come from, host bytes held for it, device bytes it holds.
+        Transformers: their load report (host: pinned arena or registered page cache of this rank;
+        device: the two slots plus resident weights). Others: loaded whole by diffusers onto the device."""
+        out: dict[str, dict[str, Any]] = {}
+        for name, m in self.models.items():
+            r = m.report
+            out[name] = {"weights_source": r.weights_source, "host_bytes": r.host_pinned_bytes,
+                         "device_bytes": r.slot_bytes + r.resident_bytes}
+        for name, nbytes in self.component_bytes.items():
+            out[name] = {"weights_source": "resident", "host_bytes": 0, "device_bytes": nbytes}
+        return out
 
     def stats(self) -> RankStats:
         from dlo.engine.report import GatherStats

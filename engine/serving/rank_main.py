@@ -73,11 +73,12 @@ def init_rank(cfg: RankConfig, rank: int) -> Any:
         timeout=timedelta(seconds=cfg.collective_timeout_s),
     )
     return ServingPipeline(cfg.model_dir, mode=cfg.mode, device=device, max_sequence_length=cfg.max_sequence_length,
-                           resident_blocks=cfg.resident_blocks, weights=cfg.weights)
+                           resident_blocks=cfg.resident_blocks, weights=cfg.weights,
+                           max_device_memory=cfg.max_device_memory)
 
 
 def ready_message(pipe: Any) -> Ready:
-    return Ready(RankFacts(pipe.report, dict(pipe.component_bytes)), pipe.stats())
+    return Ready(RankFacts(pipe.report, dict(pipe.component_bytes), pipe.component_reports()), pipe.stats())
 
 
 def run_assignment(pipe: Any, cfg: RankConfig, wave: int, mine: Generation | None, wave_gen: Generation) -> Result:
