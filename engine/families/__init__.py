@@ -23,6 +23,7 @@ from dlo.engine.facts import ModelFacts
 from dlo.engine.families.base import Family, PipelineFacts, read_config
 from dlo.engine.families.flux import FluxFamily
 from dlo.engine.families.qwen_image import QwenImageFamily
+from dlo.engine.families.text_encoders import T5EncoderFamily
 from dlo.engine.families.wan import WanFamily
 from dlo.engine.families.wan22 import Wan22Family
 from dlo.engine.families.wan_i2v import WanI2VFamily
@@ -38,13 +39,17 @@ FAMILIES: dict[str, Family] = {
     f.name: f for f in (Wan22Family(), WanFamily(), WanI2VFamily(), FluxFamily(), QwenImageFamily())
 }
 
+# Block-list adapters of components that stream but are no pipeline (text encoders).
+ENCODER_FAMILIES: dict[str, Family] = {f.name: f for f in (T5EncoderFamily(),)}
+
 
 def family_of(class_name: str) -> Family:
-    """The family of a transformer class (`_class_name` of its config.json); KeyError names the known ones."""
-    for fam in FAMILIES.values():
+    """The family of a model class (`_class_name` of its config.json, or a transformers class of
+    `architectures`); KeyError names the known ones."""
+    for fam in (*FAMILIES.values(), *ENCODER_FAMILIES.values()):
         if class_name in fam.class_names:
             return fam
-    known = sorted(c for f in FAMILIES.values() for c in f.class_names)
+    known = sorted(c for f in (*FAMILIES.values(), *ENCODER_FAMILIES.values()) for c in f.class_names)
     raise KeyError(f"model class {class_name!r} has no DLO family; known: {', '.join(known)}")
 
 

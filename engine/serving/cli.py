@@ -94,6 +94,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cap each rank's device allocator at BYTES (an integer or 24GiB, 24GB): emulates a "
                              "smaller device on a larger one (torch.cuda.set_per_process_memory_fraction of the "
                              "device's total); an error on cpu or above the device's memory; default: no cap")
+    parser.add_argument("--stream-text-encoders", action="store_true",
+                        help="the large text encoder (Wan's UMT5-XXL, Flux's T5-XXL) streams through the engine "
+                             "block by block in the same mode as the transformer instead of sitting whole on every "
+                             "rank's device (idle ranks gather it as often); CLIP, image encoders and the VAE stay "
+                             "whole")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     parser.epilog = (
         "Example: `dlo make-tiny-model /tmp/tiny --family wan` then `dlo serve /tmp/tiny --dp 2 --mode allgather "
@@ -222,7 +227,7 @@ def main(args: argparse.Namespace) -> int:
         model_dir=str(model_dir), mode=mode, device=device, dp=dp, master_port=free_port(), control_port=free_port(),
         max_sequence_length=limits.max_sequence_length, cpu_threads=args.cpu_threads,
         resident_blocks=args.resident_blocks, collective_timeout_s=max(1800.0, 4 * args.progress_timeout),
-        weights=args.weights, max_device_memory=args.max_device_memory,
+        weights=args.weights, max_device_memory=args.max_device_memory, stream_encoders=args.stream_text_encoders,
     )
     engine = Engine(cfg, limits=limits, facts=facts, model_id=args.served_model_name or model_dir.name,
                     progress_timeout_s=args.progress_timeout, max_queue=args.max_queue,

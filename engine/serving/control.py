@@ -40,6 +40,7 @@ class RankConfig:
     collective_timeout_s: float = 1800.0
     weights: str = "auto"  # auto | arena | registered (dlo.engine.load's host source of block bytes)
     max_device_memory: int = 0  # bytes the device allocator may hold per rank (0: no cap)
+    stream_encoders: bool = False  # the family's large text encoders stream through the engine too
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -45,7 +45,7 @@ class ServingPipeline:
 
     def __init__(self, model_dir: Path | str, *, mode: Mode, device: Any, group: Any = None,
                  max_sequence_length: int = 512, resident_blocks: int | str = 0, weights: str = "auto",
-                 max_device_memory: int = 0):
+                 max_device_memory: int = 0, stream_encoders: bool = False):
         import diffusers
         import torch
 
@@ -67,10 +67,13 @@ class ServingPipeline:
         # Every transformer of the pipeline (Wan2.2: two experts) streams through its own load, in the
         # same mode and shard group, loaded in the same order on every rank (each load gathers its
         # first block: the collective order starts here).
+        # With `stream_encoders`, the family's large text encoders stream the same way (their own
+        # block lists), loaded after the transformers.
+        self.encoders = self.adapter.streamable_encoders if stream_encoders and mode != "resident" else ()
         self.models = {
             name: dlo.engine.load(Path(model_dir) / name, mode=mode, device=self.device, group=group,
                                   resident_blocks=resident_blocks, weights=weights)  # type: ignore[arg-type]
-            for name in self.facts.transformers
+            for name in (*self.facts.transformers, *self.encoders)
         }
         self.model = self.models[self.facts.transformers[0]]
         compute_dtype = next(p.dtype for p in self.model.module.parameters() if p.is_floating_point())
@@ -90,9 +93,11 @@ class ServingPipeline:
             self.component_bytes[name] = sum(p.numel() * p.element_size() for p in comp.parameters())
         # the watchdog's progress signal: one tick before every transformer block
         self.hooks = HookSet()
+        from dlo.engine.families import family_of
+
         for m in self.models.values():
-            for list_name in self.adapter.block_lists:
-                for block in getattr(m.module, list_name):
+            for list_name in family_of(type(m.module).__name__).block_lists:
+                for block in m.module.get_submodule(list_name):
                     self.hooks.add_pre(block, lambda *_: self.tick())
         self.load_seconds = time.perf_counter() - t0
         log.info("pipeline loaded family=%s mode=%s device=%s components=%s seconds=%.2f", self.facts.family,
@@ -128,8 +133,10 @@ class ServingPipeline:
         return RankStats.of(total, self.model.platform.memory_peak(self.device))
 
     def call_plan(self, gen: Generation) -> list[tuple[str, int]]:
-        """Transformer forwards `gen` implies, per transformer, in the order they run."""
-        return self.adapter.call_plan(gen, self.pipe)
+        """Forwards `gen` implies per streamed model, in the order they run: the streamed text
+        encoders (prompt, then CFG's negative), then the transformers."""
+        calls = self.adapter.encoder_calls(gen)
+        return [(name, calls) for name in self.encoders] + self.adapter.call_plan(gen, self.pipe)
 
     def gather_only(self, gen: Generation) -> None:
         """Idle rank in a partial wave: the gathers of every transformer call `gen` implies, model by

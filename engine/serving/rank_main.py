@@ -74,7 +74,7 @@ def init_rank(cfg: RankConfig, rank: int) -> Any:
     )
     return ServingPipeline(cfg.model_dir, mode=cfg.mode, device=device, max_sequence_length=cfg.max_sequence_length,
                            resident_blocks=cfg.resident_blocks, weights=cfg.weights,
-                           max_device_memory=cfg.max_device_memory)
+                           max_device_memory=cfg.max_device_memory, stream_encoders=cfg.stream_encoders)
 
 
 def ready_message(pipe: Any) -> Ready:

@@ -78,6 +78,10 @@ def test_families_are_recognised_from_the_folders(tmp_path_factory):
     assert facts["tiny-wan2.2-t2v-a14b"].transformers == ("transformer", "transformer_2")
     assert facts["tiny-wan2.1-i2v"].image_input and not facts["tiny-wan2.1-t2v"].image_input
     assert (facts["tiny-qwen-image"].size_multiple, facts["tiny-qwen-image"].supports_video) == (16, False)
+    from dlo.engine.families import describe
+
+    t5 = describe(preset_pipeline(tmp_path_factory, "tiny-flux.1-dev") / "text_encoder_2")  # torch-free facts
+    assert (t5.family, t5.blocks) == ("t5-encoder", 2)
 
 
 def test_input_reference_validation():
@@ -101,13 +105,35 @@ def test_input_reference_validation():
     assert gen.image == png() and "image" not in gen.key()
 
 
+@pytest.mark.parametrize("name", ["tiny-wan2.1-t2v", "tiny-flux.1-dev"])
+def test_streamed_text_encoders_give_the_same_bytes_and_follow_the_call_plan(tmp_path_factory, name):
+    """UMT5 / T5 through `dlo.engine.load` (`encoder.block`, tied embedding bound once) in rank-local
+    mode: same bytes as the whole encoder, and its forwards (prompt, negative) are in the call plan."""
+    from dlo.engine.serving.pipeline import ServingPipeline
+
+    model = preset_pipeline(tmp_path_factory, name)
+    gen = _gen(name, kind="image", frames=1, fps=0, negative_prompt="blurry", steps=2)
+    ref = ServingPipeline(model, mode="resident", device="cpu", max_sequence_length=16).run(gen).outputs[0]
+    pipe = ServingPipeline(model, mode="rank-local", device="cpu", max_sequence_length=16, stream_encoders=True)
+    order: list[str] = []
+    for comp, m in pipe.models.items():
+        m.module.register_forward_pre_hook(lambda *_, c=comp: order.append(c))
+    assert sha(pipe.run(gen).outputs[0]) == sha(ref)
+    enc = pipe.encoders[0]
+    assert order == [c for c, n in pipe.call_plan(gen) for _ in range(n)] and order.count(enc) == 2
+    report = pipe.component_reports()[enc]
+    assert report["weights_source"] == "arena" and report["host_bytes"] > 0
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name,mode", [
-    ("tiny-wan2.2-t2v-a14b", "allgather"), ("tiny-wan2.2-t2v-a14b", "rank-local"),
-    ("tiny-qwen-image", "allgather"), ("tiny-wan2.1-i2v", "allgather"),
+@pytest.mark.parametrize("name,mode,flags", [
+    ("tiny-wan2.2-t2v-a14b", "allgather", ()), ("tiny-wan2.2-t2v-a14b", "rank-local", ()),
+    ("tiny-qwen-image", "allgather", ()), ("tiny-wan2.1-i2v", "allgather", ()),
+    ("tiny-wan2.2-t2v-a14b", "allgather", ("--stream-text-encoders",)),
+    ("tiny-flux.1-dev", "allgather", ("--stream-text-encoders",)),
 ])
 def test_served_bytes_equal_resident_in_process_and_idle_ranks_gather_as_often(tmp_path_factory, tmp_path, name,
-                                                                                mode):
+                                                                                mode, flags):
     """dp 2, partial waves (rank 1 only gathers): the bytes equal the in-process resident pipeline
     (dp 1) and every rank's gather counters are equal after them."""
     from openai import OpenAI
@@ -117,7 +143,7 @@ def test_served_bytes_equal_resident_in_process_and_idle_ranks_gather_as_often(t
 
     model = preset_pipeline(tmp_path_factory, name)
     srv = ServerProcess(model, "--dp", "2", "--mode", mode, "--device", "cpu", "--small-limits",
-                        "--progress-timeout", "60", log_path=tmp_path / "serve.log")
+                        "--progress-timeout", "60", *flags, log_path=tmp_path / "serve.log")
     with srv:
         client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         if "wan" in name:
@@ -135,6 +161,7 @@ def test_served_bytes_equal_resident_in_process_and_idle_ranks_gather_as_often(t
                                                    "negative_prompt": "blurry"})
             served = base64.b64decode(r.data[0].b64_json or "")
             gen = _gen(name, negative_prompt="blurry")
+        info = srv.ready_info()
         m = srv.metrics()
         by_rank = {labels["rank"]: v for labels, v in m["dlo_collective_bytes_total"]}
         h2d = {labels["rank"]: v for labels, v in m["dlo_h2d_bytes_total"]}
@@ -144,6 +171,9 @@ def test_served_bytes_equal_resident_in_process_and_idle_ranks_gather_as_often(t
         assert len(set(h2d.values())) == 1, f"ranks moved different byte counts: {h2d}"
     else:
         assert set(by_rank.values()) == {0.0}
+    if flags:  # the streamed encoder is reported as streamed by every rank
+        enc = "text_encoder_2" if "flux" in name else "text_encoder"
+        assert all(r["component_reports"][enc]["weights_source"] == "arena" for r in info["ranks"])
     local = ServingPipeline(model, mode="resident", device="cpu", max_sequence_length=SMALL_SEQ)
     expected = local.run(gen).outputs[0]
     assert sha(served) == sha(expected), f"{name} {mode}: served bytes differ from the resident pipeline"
