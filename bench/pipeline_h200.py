@@ -20,7 +20,8 @@ Runs, per model (`--only wan21,flux,wan22`):
   over HTTP with the official SDK (seconds, SHA256 of the returned PNG/MP4), the allocator peak per
   rank from `/metrics`, and host memory of the whole process tree (PSS: the page cache mapped by the
   ranks counts once) against the checkpoint bytes of the folder;
-- `serve_ready_no_warmup`: seconds to `/ready` with `--no-warmup` (the readiness claim: the load alone).
+- `serve_ready_no_warmup`: seconds to `/ready` with `--no-warmup` (the readiness claim: the load alone);
+- `*_streamed_encoder`: the same with `--stream-text-encoders` (UMT5-XXL / T5-XXL streamed too).
 
 The record `pipeline-h200-<date>.json` holds every run and a `summary` with
 `wan21_e2e_over_resident`, `wan21_capped24_over_uncapped`, `flux_e2e_over_resident`,
@@ -261,8 +262,12 @@ def run_model(key: str, args: argparse.Namespace, layers: int | None) -> dict:
     if args.dp > 1:
         runs[f"serve_allgather_dp{args.dp}"] = ("--mode", "allgather", "--dp", str(args.dp))
         runs[f"serve_rank_local_dp{args.dp}"] = ("--mode", "rank-local", "--dp", str(args.dp))
+    if key in ("wan21", "flux"):  # the large text encoder streamed too
+        runs["serve_rank_local_streamed_encoder"] = ("--mode", "rank-local", "--dp", "1", "--stream-text-encoders")
     if args.device == "cuda" and key == "wan21":
         runs["serve_capped_24gib"] = ("--mode", "rank-local", "--dp", "1", "--max-device-memory", "24GiB")
+        runs["serve_capped_24gib_streamed_encoder"] = ("--mode", "rank-local", "--dp", "1", "--max-device-memory",
+                                                       "24GiB", "--stream-text-encoders")
     if args.device == "cuda" and key == "wan22":
         runs["serve_capped_48gib"] = ("--mode", "rank-local", "--dp", "1", "--max-device-memory", "48GiB")
     runs["serve_ready_no_warmup"] = ("--mode", "rank-local", "--dp", "1", "--no-warmup")
