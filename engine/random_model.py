@@ -6,8 +6,8 @@ published model is), the generated tokenizer(s), the scheduler and, for image-to
 processor, from `dlo.engine.presets`. Real shapes, classes and dtypes; random values.
 
 Weights are streamed tensor by tensor (`write_safetensors`): the model is built on the meta device,
-each tensor is drawn on `--device` (a GPU draws 40 GB in about a minute), copied to the host and
-appended to its file; no shard is ever held in memory whole. The size is printed before anything
+each tensor is drawn on `--device` (cuda: on the GPU; the host only copies and writes), copied to
+the host and appended to its file; no shard is ever held in memory whole. The size is printed before anything
 is written, and the command refuses when the disk lacks room.
 
 Tokenizers: a byte-level BPE tokenizer without merges (the `tokenizers` library), padded with
@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from dlo.cli.args import positive_int
 from dlo.engine.presets import PRESETS, Component, Preset, TokenizerSpec, preset
 
 log = logging.getLogger(__name__)
@@ -314,12 +315,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", required=True, choices=sorted(PRESETS),
                         help="the model whose configs, shapes, dtypes and sharding are written; tiny-* presets "
                              "have the same classes and layout with small dimensions (tests)")
-    parser.add_argument("--layers", type=int, default=None,
+    parser.add_argument("--layers", type=positive_int, default=None,
                         help="cap the transformer block count (flux: N double-stream and 2N single-stream blocks) "
                              "AND the layer count of the large text encoder (UMT5/T5 blocks, Qwen2.5-VL layers); "
                              "every other dimension stays real. Default: the published counts")
     parser.add_argument("--device", default="cpu",
-                        help="where random values are drawn (cuda: a GPU draws 40 GB in about a minute)")
+                        help="where random values are drawn (cuda: on the GPU; the host only copies and writes)")
     parser.add_argument("--seed", type=int, default=0, help="same seed and device, same bytes")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
