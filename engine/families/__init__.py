@@ -23,7 +23,7 @@ from dlo.engine.facts import ModelFacts
 from dlo.engine.families.base import Family, PipelineFacts, read_config
 from dlo.engine.families.flux import FluxFamily
 from dlo.engine.families.qwen_image import QwenImageFamily
-from dlo.engine.families.text_encoders import T5EncoderFamily
+from dlo.engine.families.text_encoders import QwenVLEncoderFamily, T5EncoderFamily
 from dlo.engine.families.wan import WanFamily
 from dlo.engine.families.wan22 import Wan22Family
 from dlo.engine.families.wan_i2v import WanI2VFamily
@@ -40,7 +40,7 @@ FAMILIES: dict[str, Family] = {
 }
 
 # Block-list adapters of components that stream but are no pipeline (text encoders).
-ENCODER_FAMILIES: dict[str, Family] = {f.name: f for f in (T5EncoderFamily(),)}
+ENCODER_FAMILIES: dict[str, Family] = {f.name: f for f in (T5EncoderFamily(), QwenVLEncoderFamily())}
 
 
 def family_of(class_name: str) -> Family:

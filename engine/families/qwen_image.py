@@ -23,6 +23,7 @@ class QwenImageFamily(Family):
     class_names = ("QwenImageTransformer2DModel",)
     block_lists = ("transformer_blocks",)
     pipeline_class = "QwenImagePipeline"
+    streamable_encoders = ("text_encoder",)  # Qwen2.5-VL-7B's language model layers
 
     def pipeline_facts(self, root: Path, index: dict, transformer: dict, vae: dict) -> PipelineFacts:
         scale = 2 ** len(vae.get("temperal_downsample", [False, True, True]))

@@ -95,7 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "smaller device on a larger one (torch.cuda.set_per_process_memory_fraction of the "
                              "device's total); an error on cpu or above the device's memory; default: no cap")
     parser.add_argument("--stream-text-encoders", action="store_true",
-                        help="the large text encoder (Wan's UMT5-XXL, Flux's T5-XXL) streams through the engine "
+                        help="the large text encoder (Wan's UMT5-XXL, Flux's T5-XXL, Qwen-Image's Qwen2.5-VL) streams "
+                             "through the engine "
                              "block by block in the same mode as the transformer instead of sitting whole on every "
                              "rank's device (idle ranks gather it as often); CLIP, image encoders and the VAE stay "
                              "whole")

@@ -105,7 +105,7 @@ def test_input_reference_validation():
     assert gen.image == png() and "image" not in gen.key()
 
 
-@pytest.mark.parametrize("name", ["tiny-wan2.1-t2v", "tiny-flux.1-dev"])
+@pytest.mark.parametrize("name", ["tiny-wan2.1-t2v", "tiny-flux.1-dev", "tiny-qwen-image"])
 def test_streamed_text_encoders_give_the_same_bytes_and_follow_the_call_plan(tmp_path_factory, name):
     """UMT5 / T5 through `dlo.engine.load` (`encoder.block`, tied embedding bound once) in rank-local
     mode: same bytes as the whole encoder, and its forwards (prompt, negative) are in the call plan."""
@@ -131,6 +131,7 @@ def test_streamed_text_encoders_give_the_same_bytes_and_follow_the_call_plan(tmp
     ("tiny-qwen-image", "allgather", ()), ("tiny-wan2.1-i2v", "allgather", ()),
     ("tiny-wan2.2-t2v-a14b", "allgather", ("--stream-text-encoders",)),
     ("tiny-flux.1-dev", "allgather", ("--stream-text-encoders",)),
+    ("tiny-qwen-image", "allgather", ("--stream-text-encoders",)),
 ])
 def test_served_bytes_equal_resident_in_process_and_idle_ranks_gather_as_often(tmp_path_factory, tmp_path, name,
                                                                                 mode, flags):
@@ -172,7 +173,7 @@ def test_served_bytes_equal_resident_in_process_and_idle_ranks_gather_as_often(t
     else:
         assert set(by_rank.values()) == {0.0}
     if flags:  # the streamed encoder is reported as streamed by every rank
-        enc = "text_encoder_2" if "flux" in name else "text_encoder"
+        enc = "text_encoder_2" if "flux" in name else "text_encoder"  # Qwen-Image: Qwen2.5-VL
         assert all(r["component_reports"][enc]["weights_source"] == "arena" for r in info["ranks"])
     local = ServingPipeline(model, mode="resident", device="cpu", max_sequence_length=SMALL_SEQ)
     expected = local.run(gen).outputs[0]
