@@ -36,6 +36,12 @@ class RunResult:
     seconds: float = 0.0
 
 
+# Decoded pixels (width x height x frames x images) above which the VAE decodes in tiles: its
+# activations, not its weights, then bound the peak. 1280x720 x 81 frames; a first rule, to be set
+# from the GPU measurements (bench/pipeline_h200.py reports peak device bytes per run).
+VAE_TILE_ABOVE_PIXELS = 1280 * 720 * 81
+
+
 class ServingPipeline:
     """A diffusers pipeline whose transformer runs through DLO, run one request at a time.
 
@@ -58,6 +64,7 @@ class ServingPipeline:
         self.max_sequence_length = max_sequence_length
         self.tick: Callable[[], None] = lambda: None
         self.steps_done = 0  # denoising steps of the running request (read by the progress reporter)
+        self.vae_tile_above_pixels = VAE_TILE_ABOVE_PIXELS
         if max_device_memory:
             from dlo.engine.platform import cap_device_memory
 
@@ -177,6 +184,7 @@ class ServingPipeline:
 
         self.steps_done = 0
         self.tick()
+        self._vae_tiling(gen)
         with torch.inference_mode():
             out = self.pipe(**self._call_kwargs(gen), callback_on_step_end=on_step)
         self.tick()
@@ -185,6 +193,18 @@ class ServingPipeline:
         result.step_seconds = steps
         result.seconds = time.perf_counter() - t0
         return result
+
+    def _vae_tiling(self, gen: Generation) -> bool:
+        """Tiled VAE decoding for requests above `vae_tile_above_pixels` decoded pixels (the same rule
+        on every rank and in every mode, so bytes stay identical across them); returns whether on."""
+        vae = getattr(self.pipe, "vae", None)
+        tiled = gen.width * gen.height * max(1, gen.frames) * gen.n > self.vae_tile_above_pixels
+        if vae is not None and hasattr(vae, "enable_tiling"):
+            if tiled:
+                vae.enable_tiling()
+            else:
+                vae.disable_tiling()
+        return tiled
 
     def close(self) -> None:
         """Remove the progress hooks and release the transformers' weights."""

@@ -181,3 +181,19 @@ def test_served_bytes_equal_resident_in_process_and_idle_ranks_gather_as_often(t
 
 
 SMALL_SEQ = 32
+
+
+def test_vae_decodes_in_tiles_above_the_size_limit_and_stays_deterministic(tmp_path_factory):
+    from dlo.engine.serving.pipeline import VAE_TILE_ABOVE_PIXELS, ServingPipeline
+
+    pipe = ServingPipeline(preset_pipeline(tmp_path_factory, "tiny-wan2.1-t2v"), mode="resident", device="cpu",
+                           max_sequence_length=16)
+    gen = _gen("tiny-wan2.1-t2v", steps=2)
+    assert not pipe._vae_tiling(gen) and not pipe.pipe.vae.use_tiling
+    assert pipe._vae_tiling(dataclasses.replace(gen, width=1280, height=720, frames=81 + 4))
+    assert VAE_TILE_ABOVE_PIXELS == 1280 * 720 * 81
+    pipe.vae_tile_above_pixels = 0  # every request tiled: the tiny VAE decodes in tiles of its own size
+    pipe.pipe.vae.tile_sample_min_height = pipe.pipe.vae.tile_sample_min_width = 16
+    pipe.pipe.vae.tile_sample_stride_height = pipe.pipe.vae.tile_sample_stride_width = 8
+    a, b = pipe.run(gen), pipe.run(gen)
+    assert pipe.pipe.vae.use_tiling and sha(a.outputs[0]) == sha(b.outputs[0])
