@@ -8,7 +8,11 @@ downloaded), its scheduler and the extra entries of `model_index.json`.
 The full-size values are the published `config.json` files of the named repositories (each preset
 names its source); class defaults are written out where the published file relies on them, so a
 reader sees every dimension. `tests/engine/test_presets.py` instantiates every class from every
-config on the meta device, so a field name diffusers or transformers does not know fails CI.
+config on the meta device, so a field name diffusers or transformers does not know fails CI, and
+checks the transformer and text-encoder parameter counts against the published ones. Scheduler
+configs, VAE latent statistics and shard sizes cannot be checked offline the same way: they are
+written from the published files as recorded here, and a difference found against the real files
+is a bug to fix in this module.
 Stored dtypes: transformers and text encoders bfloat16 (the dtype they are served in; diffusers'
 `_keep_in_fp32_modules` stay float32 as its own `save_pretrained` leaves them), VAEs float32. File
 sharding: the shard size per component gives the published file count for the bf16 weights
