@@ -75,54 +75,28 @@ def write_wan_checkpoint(out: Path, layers: int, device: str, tiny: bool = False
         model = diffusers.WanTransformer3DModel.from_config(config)
     keep = set(diffusers.WanTransformer3DModel._keep_in_fp32_modules)
     names = model.state_dict(keep_vars=True)
+    from dlo.engine.random_model import random_fill, write_safetensors
+
     gen = torch.Generator(device).manual_seed(seed)
-    out.mkdir(parents=True, exist_ok=True)
-    files: dict[str, dict] = {}
+    t0 = time.perf_counter()
+    # One file per `blocks_per_file` blocks (non-block tensors in the first), streamed tensor by
+    # tensor by the engine's writer: no second in-memory copy of a multi-GB shard.
+    files: dict[int, list] = {}
     for name, t in names.items():
         parts = name.split(".")
         idx = int(parts[1]) // blocks_per_file + 1 if parts[0] == "blocks" else 0
-        files.setdefault(f"model-{idx:05d}.safetensors", {})[name] = t
-    weight_map = {}
-    total = 0
-    t0 = time.perf_counter()
-    from dlo.engine.dtypes import safetensors_name
-
-    for fname, group in sorted(files.items()):
-        # Written the way safetensors orders a file (dtype size descending, then name), streamed
-        # tensor by tensor: no second in-memory copy of a multi-GB shard.
-        specs = []
-        for name, t in group.items():
-            dtype = torch.float32 if keep.intersection(name.split(".")) else torch.bfloat16
-            specs.append((-dtype.itemsize, name, dtype, tuple(t.shape)))
-        specs.sort()
-        header, offset = {}, 0
-        for _, name, dtype, shape in specs:
-            n = dtype.itemsize
-            for d in shape:
-                n *= d
-            header[name] = {"dtype": safetensors_name(dtype), "shape": list(shape), "data_offsets": [offset, offset + n]}
-            offset += n
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        with open(out / fname, "wb") as f:
-            f.write(len(raw).to_bytes(8, "little") + raw)
-            for _, name, dtype, shape in specs:
-                fan_in = shape[-1] if len(shape) > 1 else 1
-                x = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
-                if len(shape) == 1 and name.endswith("weight"):
-                    x = 1.0 + 0.1 * x  # norm scales near 1 keep activations sane through 40 layers
-                else:
-                    x = x * (1.0 / fan_in) ** 0.5
-                host = x.to(dtype).cpu().contiguous()
-                f.write(memoryview(host.view(torch.uint8).numpy()))
-                weight_map[name] = fname
-                total += host.numel() * host.element_size()
-    (out / "diffusion_pytorch_model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+        dtype = torch.float32 if keep.intersection(parts) else torch.bfloat16
+        files.setdefault(idx, []).append((name, dtype, tuple(t.shape)))
+    specs = [s for _, group in sorted(files.items()) for s in group]
+    bounds = {sum(len(g) for _, g in sorted(files.items())[: i + 1]) for i in range(len(files))}
+    info = write_safetensors(
+        out, specs, stem="diffusion_pytorch_model", fill=lambda n, s, d: random_fill(n, s, d, gen, device),
+        cut_after=bounds,
     )
+    total = info["bytes"]
     (out / "config.json").write_text(json.dumps(config))
     os.sync()
-    return {"bytes": total, "files": len(files), "write_seconds": time.perf_counter() - t0}
+    return {"bytes": total, "files": info["files"], "write_seconds": time.perf_counter() - t0}
 
 
 def make_inputs(workload: str, device: str, tiny: bool = False, seed: int = 1) -> dict:

@@ -3,7 +3,7 @@
 Owns: `Parser`, an `argparse.ArgumentParser` whose errors are one line on stderr and exit 2 (no
 usage block, never a traceback); `fail` for bad input found after parsing (same shape); and the
 argument types that reject out-of-range values with a message naming the value and the range:
-counts (`positive_int`, `non_negative_int`), seconds (`positive_seconds`, `non_negative_seconds`),
+counts (`positive_int`, `non_negative_int`), byte sizes (`byte_size`: 25769803776, 24GiB, 24GB), seconds (`positive_seconds`, `non_negative_seconds`),
 ratios 0..1 (`ratio`), ports (`port`), paths that must exist (`existing_path`, `existing_file`,
 `existing_dir`) and URLs (`http_url`).
 Must never: import anything but the standard library (the operator image and `dlo agent` load it),
@@ -141,3 +141,21 @@ def http_url(text: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise argparse.ArgumentTypeError(f"{text!r} is not an http:// or https:// URL with a host")
     return text
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def byte_size(text: str) -> int:
+    """A byte count >= 1: an integer, or a number with a unit (24GiB = 24 * 2**30, 24GB = 24 * 10**9)."""
+    raw = text.strip().replace("_", "")
+    num = raw.rstrip("BbKkMmGgTtIi")
+    unit = raw[len(num):].lower()
+    if unit not in _BYTE_UNITS or not num:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a byte count (an integer, or a number with KiB, MiB, GiB, "
+                                         "TiB, KB, MB, GB or TB)")
+    value = _float(num) * _BYTE_UNITS[unit]
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte (got {text})")
+    return int(value)

@@ -15,6 +15,7 @@ import sys
 # command -> module exposing `add_arguments(parser)` and `main(args) -> int`
 _MODULES = {
     "make-tiny-model": "dlo.engine.families.tiny",
+    "make-random-model": "dlo.engine.random_model",
     "serve": "dlo.engine.serving.cli",
     "demo": "dlo.engine.serving.demo",
     "calibrate": "dlo.engine.calibrate",

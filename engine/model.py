@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -54,9 +54,10 @@ class MetaModel:
     nonblock: list[str]
     target_dtype: dict[str, str]  # checkpoint name -> safetensors dtype the model computes it in
     compute_dtype: str
+    aliases: dict[str, str] = field(default_factory=dict)  # tied tensor name -> the stored name it shares
 
     def block_module(self, block: BlockKeys) -> nn.Module:
-        return getattr(self.module, block.list_name)[block.index]
+        return self.module.get_submodule(block.list_name)[block.index]
 
 
 def build_meta_model(component_dir: Path | str, ckpt: Checkpoint) -> MetaModel:
@@ -66,16 +67,40 @@ def build_meta_model(component_dir: Path | str, ckpt: Checkpoint) -> MetaModel:
     config = read_config(component_dir)
     class_name = config["_class_name"]
     family = family_of(class_name)
-    cls = getattr(diffusers, class_name, None)
+    transformers_model = config.get("_library") == "transformers"
+    if transformers_model:
+        import transformers
+
+        cls = getattr(transformers, class_name, None)
+        library = "transformers"
+    else:
+        cls = getattr(diffusers, class_name, None)
+        library = "diffusers"
     if cls is None:
-        raise CheckpointError(Path(component_dir) / "config.json", f"diffusers has no class {class_name!r}")
+        raise CheckpointError(Path(component_dir) / "config.json", f"{library} has no class {class_name!r}")
     with parameters_on_meta():
-        module = cls.from_config(config)
+        if transformers_model:
+            fields = {k: v for k, v in config.items() if not k.startswith("_")}
+            module = cls(cls.config_class.from_dict(fields))
+        else:
+            module = cls.from_config(config)
     module.eval().requires_grad_(False)
 
-    expected = {name: t for name, t in module.state_dict(keep_vars=True).items()}
+    # Tied tensors (T5's shared embedding is also encoder.embed_tokens) are stored once, under
+    # their first name; the others are aliases bound to the same tensor after load.
+    expected: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    first_name: dict[int, str] = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        if id(t) in first_name:
+            aliases[name] = first_name[id(t)]
+            continue
+        first_name[id(t)] = name
+        expected[name] = t
     compute = _compute_dtype(ckpt, expected)
     keep = set(getattr(cls, "_keep_in_fp32_modules", None) or [])
+    if transformers_model and compute != "F16":
+        keep = set()  # transformers keeps these modules in fp32 only for float16 (as from_pretrained does)
     allowed: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {}
     target: dict[str, str] = {}
     for name, t in expected.items():
@@ -93,7 +118,7 @@ def build_meta_model(component_dir: Path | str, ckpt: Checkpoint) -> MetaModel:
     ckpt.validate(allowed)
     blocks, nonblock = group_keys(set(expected), family)
     _check_blocks_match_lists(module, family, blocks)
-    return MetaModel(module, config, family, blocks, nonblock, target, compute)
+    return MetaModel(module, config, family, blocks, nonblock, target, compute, aliases)
 
 
 def _compute_dtype(ckpt: Checkpoint, expected: dict[str, torch.Tensor]) -> str:
@@ -108,7 +133,7 @@ def _compute_dtype(ckpt: Checkpoint, expected: dict[str, torch.Tensor]) -> str:
 
 
 def _check_blocks_match_lists(module: nn.Module, family: Family, blocks: list[BlockKeys]) -> None:
-    n = sum(len(getattr(module, name)) for name in family.block_lists)
+    n = sum(len(module.get_submodule(name)) for name in family.block_lists)
     if n != len(blocks):
         raise CheckpointError(
             family.name, f"the model has {n} blocks in {family.block_lists} but {len(blocks)} hold weights"

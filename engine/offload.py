@@ -30,7 +30,8 @@ from dlo.engine.dtypes import torch_dtype
 from dlo.engine.facts import MODES, Mode
 from dlo.engine.families import block_layout
 from dlo.engine.hooks import HookSet, attach_prefetcher
-from dlo.engine.model import MetaModel, assert_nothing_on_meta, build_meta_model, move_free_buffers, set_tensor
+from dlo.engine.checkpoint import CheckpointError
+from dlo.engine.model import MetaModel, assert_nothing_on_meta, build_meta_model, move_free_buffers, owner_of, set_tensor
 from dlo.engine.platform import Platform, get_platform
 from dlo.engine.prefetch import OffloadedBlock, SlotPrefetcher
 from dlo.engine.report import GatherStats, LoadReport
@@ -132,6 +133,7 @@ def load(
     n_resident = _resident_count(mode, resident_blocks, ckpt, meta, platform, device, group)
     keep = spread_resident(len(meta.blocks), n_resident)
     resident_bytes = _place_resident(ckpt, meta, keep, device)
+    _bind_aliases(meta)
     # 3. the other blocks stream: host weights, the slot prefetcher, its hooks
     offloaded = [b for i, b in enumerate(meta.blocks) if i not in keep]
     layouts = [block_layout(ckpt, b, meta.target_dtype) for b in offloaded]
@@ -200,6 +202,16 @@ def _place_resident(ckpt: Checkpoint, meta: MetaModel, keep: set[int], device: t
         set_tensor(meta.module, name, value)
         placed += value.numel() * value.element_size()
     return placed + move_free_buffers(meta.module, device, set(meta.target_dtype))
+
+
+def _bind_aliases(meta: MetaModel) -> None:
+    """Tied tensors (stored once) point at the placed tensor of the name they share."""
+    for alias, primary in meta.aliases.items():
+        if primary not in meta.nonblock:
+            raise CheckpointError(alias, f"tied to {primary!r}, a streamed block tensor: tied block weights are not supported")
+        owner, attr, is_param = owner_of(meta.module, primary)
+        value = owner._parameters[attr] if is_param else owner._buffers[attr]
+        set_tensor(meta.module, alias, value.data)
 
 
 def _shard_group(mode: Mode, group: Any) -> tuple[int, int]:

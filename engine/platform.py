@@ -365,3 +365,23 @@ def leave_group(timeout_s: float = 5.0) -> bool:
         log.warning("leaving the process group took over %.0f s; exiting without it", timeout_s)
         return False
     return True
+
+
+def cap_device_memory(device: torch.device | str, nbytes: int) -> float:
+    """Cap this process's device allocator at `nbytes` (emulating a smaller device on a larger one,
+    `dlo serve --max-device-memory`); returns the fraction of the device set. ValueError on a device
+    without a capping allocator (cpu) or when `nbytes` exceeds the device's memory."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        mod = torch.cuda
+    elif device.type == "npu":
+        mod = getattr(torch, "npu")
+    else:
+        raise ValueError(f"--max-device-memory needs a cuda or npu device; this rank runs on {device.type}")
+    index = device.index if device.index is not None else mod.current_device()
+    total = int(mod.get_device_properties(index).total_memory)
+    if nbytes > total:
+        raise ValueError(f"--max-device-memory {nbytes} bytes is larger than the device's {total} bytes")
+    fraction = nbytes / total
+    mod.set_per_process_memory_fraction(fraction, index)
+    return fraction

@@ -2,7 +2,8 @@
 
 Owns: `Family` (the adapter interface: block lists in execution order, the diffusers pipeline
 class, what a request implies for that pipeline, output decoding, the tiny-model writer), the
-registry `FAMILIES` (one module per family: `wan.py`, `flux.py`), `family_of`, `group_keys` /
+registry `FAMILIES` (one module per family: `wan.py`, `wan_i2v.py`, `wan22.py`, `flux.py`,
+`qwen_image.py`), `family_of`, `group_keys` /
 `BlockKeys`, the slot layout of a block (`block_layout`), the pipeline facts a request is validated
 against (`PipelineFacts`), and `describe` (the torch-free `ModelFacts` the agent and operator use).
 Adding a family is one module here and its tests.
@@ -21,7 +22,11 @@ from dlo.engine.checkpoint import Checkpoint, CheckpointError, cached_checkpoint
 from dlo.engine.facts import ModelFacts
 from dlo.engine.families.base import Family, PipelineFacts, read_config
 from dlo.engine.families.flux import FluxFamily
+from dlo.engine.families.qwen_image import QwenImageFamily
+from dlo.engine.families.text_encoders import QwenVLEncoderFamily, T5EncoderFamily
 from dlo.engine.families.wan import WanFamily
+from dlo.engine.families.wan22 import Wan22Family
+from dlo.engine.families.wan_i2v import WanI2VFamily
 from dlo.engine.layout import BlockLayout, build_layout
 
 __all__ = [
@@ -29,15 +34,22 @@ __all__ = [
     "group_keys", "pipeline_facts", "read_config",
 ]
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (WanFamily(), FluxFamily())}
+# Order matters where two adapters serve one pipeline class: Wan2.2 (two experts) before Wan2.1.
+FAMILIES: dict[str, Family] = {
+    f.name: f for f in (Wan22Family(), WanFamily(), WanI2VFamily(), FluxFamily(), QwenImageFamily())
+}
+
+# Block-list adapters of components that stream but are no pipeline (text encoders).
+ENCODER_FAMILIES: dict[str, Family] = {f.name: f for f in (T5EncoderFamily(), QwenVLEncoderFamily())}
 
 
 def family_of(class_name: str) -> Family:
-    """The family of a transformer class (`_class_name` of its config.json); KeyError names the known ones."""
-    for fam in FAMILIES.values():
+    """The family of a model class (`_class_name` of its config.json, or a transformers class of
+    `architectures`); KeyError names the known ones."""
+    for fam in (*FAMILIES.values(), *ENCODER_FAMILIES.values()):
         if class_name in fam.class_names:
             return fam
-    known = sorted(c for f in FAMILIES.values() for c in f.class_names)
+    known = sorted(c for f in (*FAMILIES.values(), *ENCODER_FAMILIES.values()) for c in f.class_names)
     raise KeyError(f"model class {class_name!r} has no DLO family; known: {', '.join(known)}")
 
 
@@ -55,9 +67,9 @@ def pipeline_facts(model_dir: Path | str) -> PipelineFacts:
         ) from e
     name = index.get("_class_name")
     for fam in FAMILIES.values():
-        if fam.pipeline_class == name:
+        if fam.matches(index):
             return fam.pipeline_facts(root, index, transformer, vae)
-    supported = ", ".join(f.pipeline_class for f in FAMILIES.values())
+    supported = ", ".join(sorted({f.pipeline_class for f in FAMILIES.values()}))
     raise ValueError(f"{root}: pipeline class {name!r} is not supported; supported: {supported}")
 
 

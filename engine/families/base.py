@@ -22,11 +22,15 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def read_config(component_dir: Path | str) -> dict:
-    """A model component's config.json (must name its diffusers `_class_name`)."""
+    """A model component's config.json (must name its diffusers `_class_name`, or transformers'
+    `architectures`: then `_class_name` is the first of them and `_library` is "transformers")."""
     path = Path(component_dir) / "config.json"
     config = read_json_config(path)
+    if "_class_name" not in config and config.get("architectures"):
+        # a transformers model (text encoder): its class is the first of `architectures`
+        config = {**config, "_class_name": config["architectures"][0], "_library": "transformers"}
     if "_class_name" not in config:
-        raise CheckpointError(path, "config.json has no _class_name (is this a diffusers model folder?)")
+        raise CheckpointError(path, "config.json has no _class_name or architectures (is this a model folder?)")
     return config
 
 
@@ -40,6 +44,9 @@ class PipelineFacts:
     temporal_factor: int  # video frames must be temporal_factor * k + 1; 0: images only
     default_guidance: float
     transformer_class: str
+    # the pipeline's transformer components, each streamed by its own `dlo.engine.load` (Wan2.2: two experts)
+    transformers: tuple[str, ...] = ("transformer",)
+    image_input: bool = False  # image-to-video: a request must bring an input image
 
     @classmethod
     def from_dir(cls, model_dir: Path | str) -> "PipelineFacts":
@@ -97,8 +104,29 @@ class Family:
         return f"Family({self.name!r})"
 
     # ---- serving: what a request means for this pipeline -----------------------------------------
+    def matches(self, index: dict) -> bool:
+        """Whether this adapter serves the pipeline folder whose model_index.json is `index`."""
+        return index.get("_class_name") == self.pipeline_class
+
     def pipeline_facts(self, root: Path, index: dict, transformer: dict, vae: dict) -> PipelineFacts:
         raise NotImplementedError
+
+    def call_plan(self, gen: "Generation", pipe: Any) -> list[tuple[str, int]]:
+        """Transformer forwards one request makes, per transformer component, in the order they run
+        (what an idle rank walks with `gather_only`; `pipe` is the loaded diffusers pipeline)."""
+        return [("transformer", self.transformer_calls(gen))]
+
+    # Text encoders that may stream through the engine (`dlo serve --stream-text-encoders`), in the
+    # order the pipeline calls them; each runs once for the prompt and once more for CFG's negative.
+    streamable_encoders: tuple[str, ...] = ()
+
+    def encoder_calls(self, gen: "Generation") -> int:
+        """Forwards of each streamable text encoder per request (prompt, plus the negative with CFG)."""
+        return 2 if self.uses_cfg(gen) else 1
+
+    def call_inputs(self, gen: "Generation") -> dict[str, Any]:
+        """Inputs of the pipeline call that are not plain JSON values (an input image); default none."""
+        return {}
 
     def uses_cfg(self, gen: "Generation") -> bool:
         """Whether a request runs a separate unconditional transformer call per step."""

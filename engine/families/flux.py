@@ -23,6 +23,7 @@ class FluxFamily(Family):
     class_names = ("FluxTransformer2DModel",)
     block_lists = ("transformer_blocks", "single_transformer_blocks")
     pipeline_class = "FluxPipeline"
+    streamable_encoders = ("text_encoder_2",)  # T5-XXL (CLIP-L, 0.25 GB, stays whole)
 
     def pipeline_facts(self, root: Path, index: dict, transformer: dict, vae: dict) -> PipelineFacts:
         scale = 2 ** (len(vae.get("block_out_channels", [0] * 4)) - 1)

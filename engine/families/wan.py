@@ -23,6 +23,7 @@ class WanFamily(Family):
     class_names = ("WanTransformer3DModel",)
     block_lists = ("blocks",)
     pipeline_class = "WanPipeline"
+    streamable_encoders = ("text_encoder",)  # UMT5-XXL
 
     def pipeline_facts(self, root: Path, index: dict, transformer: dict, vae: dict) -> PipelineFacts:
         if (index.get("transformer_2") or [None])[0] is not None:

@@ -83,7 +83,9 @@ class VideoCreateRequest(_Extensions):
                                                                 "rounded to the model's valid counts")
     size: str | None = Field(None, description='"WIDTHxHEIGHT"')
     num_frames: int | None = Field(None, description="exact frame count (overrides seconds)")
-    input_reference: Any = Field(None, description="not supported")
+    input_reference: Any = Field(None, description="image-to-video models: the first frame (PNG/JPEG/WebP; a "
+                                                    "multipart file upload as the official SDK sends it, or a "
+                                                    "base64 data URL in JSON); refused by text-to-video models")
 
     @field_validator("seconds", mode="before")
     @classmethod
@@ -200,6 +202,9 @@ def _common(req: _Extensions, facts: PipelineFacts, limits: Limits, model_id: st
 
 
 def image_generation(req: ImageGenerationRequest, facts: PipelineFacts, limits: Limits, model_id: str) -> Generation:
+    if facts.image_input:
+        raise _bad(f"model {model_id!r} ({facts.pipeline_class}) is image-to-video: use /v1/videos with "
+                   "input_reference", "model")
     if req.response_format == "url":
         raise _bad('response_format "url" is not supported: this server keeps no image store; '
                    'use "b64_json"', "response_format")
@@ -210,14 +215,62 @@ def image_generation(req: ImageGenerationRequest, facts: PipelineFacts, limits: 
     return Generation(kind="image", width=w, height=h, n=req.n, **common)
 
 
+MAX_REFERENCE_PIXELS = 4096 * 4096
+
+
+def form_field(name: str, value: Any) -> Any:
+    """A multipart form value of POST /v1/videos: text as is, the `input_reference` upload as its bytes
+    (the body limit already bounds it); any other file upload is refused."""
+    if isinstance(value, str):
+        return value
+    if name == "input_reference":
+        return value.file.read()
+    raise ApiError(400, f"file upload {name!r} is not supported", name, "invalid_value")
+
+
+def reference_image(value: Any, width: int, height: int) -> bytes:
+    """The `input_reference` as encoded image bytes, checked: decodable by PIL, at most
+    MAX_REFERENCE_PIXELS pixels (the pipeline resizes it to the video's size)."""
+    import base64
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(value, str):
+        text = value.split(",", 1)[1] if value.startswith("data:") and "," in value else value
+        try:
+            value = base64.b64decode(text, validate=True)
+        except ValueError:
+            raise _bad("input_reference must be an image file upload or a base64 (data URL) image", "input_reference") from None
+    if not isinstance(value, (bytes, bytearray)) or not value:
+        raise _bad("input_reference must be an image file upload or a base64 (data URL) image", "input_reference")
+    try:
+        with Image.open(io.BytesIO(value)) as img:
+            w, h = img.size
+            if w * h > MAX_REFERENCE_PIXELS:
+                raise _bad(f"input_reference is {w}x{h}; at most {MAX_REFERENCE_PIXELS} pixels", "input_reference")
+            img.convert("RGB").load()  # decodes the whole image now: a truncated file is the client's fault
+    except ApiError:
+        raise
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+        raise _bad(f"input_reference is not a readable image: {e}", "input_reference") from None
+    return bytes(value)
+
+
 def video_generation(req: VideoCreateRequest, facts: PipelineFacts, limits: Limits, model_id: str) -> Generation:
     if not facts.supports_video:
         raise _bad(f"model {model_id!r} ({facts.pipeline_class}) makes images only; use /v1/images/generations",
                    "model")
-    if req.input_reference is not None:
-        raise _bad("input_reference (image-to-video) is not supported by this model", "input_reference")
+    if req.input_reference is not None and not facts.image_input:
+        raise _bad(f"input_reference (image-to-video) is not supported by model {model_id!r} ({facts.pipeline_class}, "
+                   "text-to-video)", "input_reference")
+    if req.input_reference is None and facts.image_input:
+        raise _bad(f"model {model_id!r} ({facts.pipeline_class}) is image-to-video: input_reference (the first "
+                   "frame) is required", "input_reference")
     common = _common(req, facts, limits, model_id)
     w, h = parse_size(req.size or limits.default_video_size, facts, limits)
+    if facts.image_input:
+        common["image"] = reference_image(req.input_reference, w, h)
     fps = limits.video_fps
     if req.num_frames is not None:
         frames = req.num_frames

@@ -24,7 +24,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-from dlo.cli.args import non_negative_seconds, port, positive_int, positive_seconds
+from dlo.cli.args import byte_size, non_negative_seconds, port, positive_int, positive_seconds
 from dlo.engine.facts import MODES_OR_AUTO, Mode, ModeOrAuto
 
 
@@ -117,6 +117,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "pod); default: dlo-videos-PORT under the system temp dir")
     parser.add_argument("--video-ttl", type=float, default=3600.0,
                         help="seconds a finished video job and its MP4 are kept (expires_at = finish + TTL)")
+    parser.add_argument("--max-device-memory", type=byte_size, default=0, metavar="BYTES",
+                        help="cap each rank's device allocator at BYTES (an integer or 24GiB, 24GB): emulates a "
+                             "smaller device on a larger one (torch.cuda.set_per_process_memory_fraction of the "
+                             "device's total); an error on cpu or above the device's memory; default: no cap")
+    parser.add_argument("--stream-text-encoders", action="store_true",
+                        help="the large text encoder (Wan's UMT5-XXL, Flux's T5-XXL, Qwen-Image's Qwen2.5-VL) streams "
+                             "through the engine "
+                             "block by block in the same mode as the transformer instead of sitting whole on every "
+                             "rank's device (idle ranks gather it as often); CLIP, image encoders and the VAE stay "
+                             "whole")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     parser.epilog = (
         "Example: `dlo make-tiny-model /tmp/tiny --family wan` then `dlo serve /tmp/tiny --dp 2 --mode allgather "
@@ -286,6 +296,10 @@ def main(args: argparse.Namespace) -> int:
     if (args.max_connections is not None and args.max_connections < 1) or args.idle_timeout <= 0:
         print("dlo serve: --max-connections must be >= 1 and --idle-timeout > 0", file=sys.stderr)
         return 2
+    if args.max_device_memory and device not in ("cuda", "npu"):
+        print(f"dlo serve: --max-device-memory needs a cuda or npu device; --device resolved to {device}",
+              file=sys.stderr)
+        return 2
     mode, why = resolve_mode(args.mode, model_dir, dp, device, args.profile, sp=sp)
     log.info("serving %s family=%s mode=%s (%s) dp=%d sp=%d device=%s", model_dir, facts.family, mode, why, dp, sp,
              device)
@@ -293,7 +307,8 @@ def main(args: argparse.Namespace) -> int:
         model_dir=str(model_dir), mode=mode, device=device, dp=dp, master_port=free_port(), control_port=free_port(),
         max_sequence_length=limits.max_sequence_length, cpu_threads=args.cpu_threads,
         resident_blocks=args.resident_blocks, collective_timeout_s=max(1800.0, 4 * args.progress_timeout),
-        weights=args.weights, sp=sp, sp_kind=args.sp_kind,
+        weights=args.weights, sp=sp, sp_kind=args.sp_kind, max_device_memory=args.max_device_memory,
+        stream_encoders=args.stream_text_encoders,
     )
     try:  # video jobs: the store names this pod in its ids; peers answer for the other pods' jobs
         videos = VideoStore(args.video_dir or default_video_dir(args.port), ttl_s=args.video_ttl,

@@ -40,6 +40,8 @@ class RankConfig:
     resident_blocks: int | str = 0  # or "auto" (dlo.engine.load sizes it from free device memory)
     collective_timeout_s: float = 1800.0
     weights: str = "auto"  # auto | arena | registered (dlo.engine.load's host source of block bytes)
+    max_device_memory: int = 0  # bytes the device allocator may hold per rank (0: no cap)
+    stream_encoders: bool = False  # the family's large text encoders stream through the engine too
     sp: int = 1  # ranks per request (sequence parallel); the node runs dp x sp ranks
     sp_kind: str = "ulysses"  # ulysses | ring (dlo.engine.parallel)
 
@@ -78,6 +80,9 @@ class RankFacts:
 
     report: LoadReport
     components: dict[str, int] = field(default_factory=dict)  # component name -> parameter bytes
+    # component name -> {"weights_source", "host_bytes", "device_bytes"} for every component
+    # (transformers from their load report, the others as loaded by diffusers)
+    component_reports: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 # ---- child -> rank 0 ----------------------------------------------------------------------------
@@ -183,4 +188,4 @@ def summary(rank: int, ready: Ready | None) -> dict[str, Any]:
     if ready is None:
         return {"rank": rank}
     return {"rank": rank, "report": ready.facts.report.to_dict(), "components": dict(ready.facts.components),
-            "stats": asdict(ready.stats)}
+            "component_reports": dict(ready.facts.component_reports), "stats": asdict(ready.stats)}

@@ -36,6 +36,12 @@ class RunResult:
     seconds: float = 0.0
 
 
+# Decoded pixels (width x height x frames x images) above which the VAE decodes in tiles: its
+# activations, not its weights, then bound the peak. 1280x720 x 81 frames; a first rule, to be set
+# from the GPU measurements (bench/pipeline_h200.py reports peak device bytes per run).
+VAE_TILE_ABOVE_PIXELS = 1280 * 720 * 81
+
+
 class ServingPipeline:
     """A diffusers pipeline whose transformer runs through DLO, run one request at a time.
 
@@ -45,7 +51,7 @@ class ServingPipeline:
 
     def __init__(self, model_dir: Path | str, *, mode: Mode, device: Any, group: Any = None,
                  max_sequence_length: int = 512, resident_blocks: int | str = 0, weights: str = "auto",
-                 parallel: Any = None):
+                 parallel: Any = None, max_device_memory: int = 0, stream_encoders: bool = False):
         import diffusers
         import torch
 
@@ -58,43 +64,65 @@ class ServingPipeline:
         self.max_sequence_length = max_sequence_length
         self.tick: Callable[[], None] = lambda: None
         self.steps_done = 0  # denoising steps of the running request (read by the progress reporter)
+        self.vae_tile_above_pixels = VAE_TILE_ABOVE_PIXELS
+        if max_device_memory:
+            from dlo.engine.platform import cap_device_memory
+
+            fraction = cap_device_memory(self.device, max_device_memory)
+            log.info("device memory capped at %d bytes (%.4f of the device)", max_device_memory, fraction)
         t0 = time.perf_counter()
-        self.model = dlo.engine.load(Path(model_dir) / "transformer", mode=mode, device=self.device, group=group,
-                                     resident_blocks=resident_blocks, weights=weights)  # type: ignore[arg-type]
+        # Every transformer of the pipeline (Wan2.2: two experts) streams through its own load, in the
+        # same mode and shard group, loaded in the same order on every rank (each load gathers its
+        # first block: the collective order starts here).
+        # With `stream_encoders`, the family's large text encoders stream the same way (their own
+        # block lists), loaded after the transformers.
+        self.encoders = self.adapter.streamable_encoders if stream_encoders and mode != "resident" else ()
+        self.models = {
+            name: dlo.engine.load(Path(model_dir) / name, mode=mode, device=self.device, group=group,
+                                  resident_blocks=resident_blocks, weights=weights)  # type: ignore[arg-type]
+            for name in (*self.facts.transformers, *self.encoders)
+        }
+        self.model = self.models[self.facts.transformers[0]]
         # dp x sp (`dlo.engine.parallel.ParallelGroups`): the ranks of an sp group run one request
-        # together; only the group's first rank returns the output.
+        # together (every transformer sequence-parallel); only the group's first rank returns the output.
         from dlo.engine.parallel import enable_sequence_parallel
 
         self.sp = parallel.layout.sp if parallel is not None else 1
         self.returns_outputs = parallel is None or parallel.layout.is_leader(parallel.rank)
         if parallel is not None:
-            enable_sequence_parallel(self.model.module, parallel, self.device)
+            for name in self.facts.transformers:
+                enable_sequence_parallel(self.models[name].module, parallel, self.device)
         compute_dtype = next(p.dtype for p in self.model.module.parameters() if p.is_floating_point())
         cls = getattr(diffusers, self.facts.pipeline_class)
         # The VAE's output becomes the image bytes: it stays float32 whatever the transformer runs in.
         self.pipe = cls.from_pretrained(
-            model_dir, transformer=self.model.module,
+            model_dir, **{name: m.module for name, m in self.models.items()},
             torch_dtype={"default": compute_dtype, "vae": torch.float32},
         )
         self.pipe.set_progress_bar_config(disable=True)
         self.component_bytes: dict[str, int] = {}
         for name, comp in self.pipe.components.items():
-            if name == "transformer" or not isinstance(comp, torch.nn.Module):
+            if name in self.models or not isinstance(comp, torch.nn.Module):
                 continue
             comp.to(self.device)
             comp.eval()
             self.component_bytes[name] = sum(p.numel() * p.element_size() for p in comp.parameters())
         # the watchdog's progress signal: one tick before every transformer block
         self.hooks = HookSet()
-        blocks = [b for name in self.adapter.block_lists for b in getattr(self.model.module, name)]
-        for block in blocks:
-            self.hooks.add_pre(block, lambda *_: self.tick())
-        # Transformer calls that ran their whole block walk (what a failed request still owes the
-        # wave's gathers is counted from it) and the phase the running request is in.
-        self.calls_done = 0
+        from dlo.engine.families import family_of
+
+        # Per streamed model: forwards that ran their whole block walk (what a failed request still
+        # owes the wave's gathers is counted from them), and the phase the running request is in.
+        self.calls_done: dict[str, int] = {name: 0 for name in self.models}
         self.phase = "idle"
-        self.hooks.add_pre(blocks[0], lambda *_: setattr(self, "phase", "denoise"))
-        self.hooks.add_post(blocks[-1], lambda *_: setattr(self, "calls_done", self.calls_done + 1))
+        for name, m in self.models.items():
+            blocks = [b for list_name in family_of(type(m.module).__name__).block_lists
+                      for b in m.module.get_submodule(list_name)]
+            for block in blocks:
+                self.hooks.add_pre(block, lambda *_: self.tick())
+            if name in self.facts.transformers:
+                self.hooks.add_pre(blocks[0], lambda *_: setattr(self, "phase", "denoise"))
+            self.hooks.add_post(blocks[-1], lambda *_, n=name: self.calls_done.__setitem__(n, self.calls_done[n] + 1))
         self._faults: Any = None  # test-only FaultPlan (`install_faults`)
         self._rank = 0
         self._prompt = ""
@@ -106,19 +134,53 @@ class ServingPipeline:
     def report(self) -> Any:
         return self.model.report
 
-    def stats(self) -> RankStats:
-        return RankStats.of(self.model.stats(), self.model.platform.memory_peak(self.device))
+    def component_reports(self) -> dict[str, dict[str, Any]]:
+        """Per component: where its weights come from, host bytes held for it, device bytes it holds.
+        Transformers: their load report (host: pinned arena or registered page cache of this rank;
+        device: the two slots plus resident weights). Others: loaded whole by diffusers onto the device."""
+        out: dict[str, dict[str, Any]] = {}
+        for name, m in self.models.items():
+            r = m.report
+            out[name] = {"weights_source": r.weights_source, "host_bytes": r.host_pinned_bytes,
+                         "device_bytes": r.slot_bytes + r.resident_bytes}
+        for name, nbytes in self.component_bytes.items():
+            out[name] = {"weights_source": "resident", "host_bytes": 0, "device_bytes": nbytes}
+        return out
 
-    def gather_only(self, gen: Generation, calls: int | None = None) -> None:
-        """Idle rank in a partial wave: the gathers of every transformer call `gen` implies (or of
-        the last `calls` of them: what a rank whose request failed still owes its shard group)."""
-        for _ in range(self.adapter.transformer_calls(gen) if calls is None else calls):
-            self.model.gather_only(1)
-            self.tick()
+    def stats(self) -> RankStats:
+        from dlo.engine.report import GatherStats
+
+        total = GatherStats()
+        for m in self.models.values():
+            s = m.stats()
+            total.gathers += s.gathers
+            total.h2d_bytes += s.h2d_bytes
+            total.collective_bytes += s.collective_bytes
+            total.gather_wait_seconds += s.gather_wait_seconds
+        return RankStats.of(total, self.model.platform.memory_peak(self.device))
+
+    def call_plan(self, gen: Generation) -> list[tuple[str, int]]:
+        """Forwards `gen` implies per streamed model, in the order they run: the streamed text
+        encoders (prompt, then CFG's negative), then the transformers."""
+        calls = self.adapter.encoder_calls(gen)
+        return [(name, calls) for name in self.encoders] + self.adapter.call_plan(gen, self.pipe)
+
+    def gather_only(self, gen: Generation, done: dict[str, int] | None = None) -> None:
+        """Idle rank in a partial wave: the gathers of every forward `gen` implies, model by model in
+        the order a computing rank runs them - less the forwards in `done` (per model: what a rank
+        whose request failed already ran; they form a prefix of the plan)."""
+        for name, calls in self.call_plan(gen):
+            for _ in range(calls - (done or {}).get(name, 0)):
+                self.models[name].gather_only(1)
+                self.tick()
+
+    def owed_calls(self, gen: Generation, done: dict[str, int]) -> int:
+        """Forwards of `gen` not yet run, given `done` per model."""
+        return sum(max(0, calls - done.get(name, 0)) for name, calls in self.call_plan(gen))
 
     def order_intact(self) -> bool:
-        """Whether the wave's gather order still holds (`OffloadedModel.order_intact`)."""
-        return self.model.order_intact()
+        """Whether the wave's gather order still holds in every streamed model (`OffloadedModel.order_intact`)."""
+        return all(m.order_intact() for m in self.models.values())
 
     # -- test-only fault injection (dlo.engine.serving.faults; never installed in production) ------
     def install_faults(self, plan: Any, rank: int) -> None:
@@ -156,6 +218,7 @@ class ServingPipeline:
             max_sequence_length=self.max_sequence_length,
         )
         kw.update(self.adapter.call_kwargs(gen))
+        kw.update(self.adapter.call_inputs(gen))
         return kw
 
     def run(self, gen: Generation) -> RunResult:
@@ -180,6 +243,7 @@ class ServingPipeline:
         self._prompt = gen.prompt
         self.phase = "prepare"  # text encoding, scheduler set-up, latents
         self.tick()
+        self._vae_tiling(gen)
         with torch.inference_mode():
             out = self.pipe(**self._call_kwargs(gen), callback_on_step_end=on_step)
         self.tick()
@@ -193,7 +257,20 @@ class ServingPipeline:
         result.seconds = time.perf_counter() - t0
         return result
 
+    def _vae_tiling(self, gen: Generation) -> bool:
+        """Tiled VAE decoding for requests above `vae_tile_above_pixels` decoded pixels (the same rule
+        on every rank and in every mode, so bytes stay identical across them); returns whether on."""
+        vae = getattr(self.pipe, "vae", None)
+        tiled = gen.width * gen.height * max(1, gen.frames) * gen.n > self.vae_tile_above_pixels
+        if vae is not None and hasattr(vae, "enable_tiling"):
+            if tiled:
+                vae.enable_tiling()
+            else:
+                vae.disable_tiling()
+        return tiled
+
     def close(self) -> None:
-        """Remove the progress hooks and release the transformer's weights."""
+        """Remove the progress hooks and release the transformers' weights."""
         self.hooks.remove()
-        self.model.close()
+        for m in self.models.values():
+            m.close()

@@ -78,7 +78,8 @@ def init_rank(cfg: RankConfig, rank: int) -> Any:
     # dp x sp: the shard group is every rank (the default group); sp groups are consecutive ranks
     parallel = make_groups(Layout(cfg.dp, cfg.sp), device, cfg.sp_kind)  # type: ignore[arg-type]
     pipe = ServingPipeline(cfg.model_dir, mode=cfg.mode, device=device, max_sequence_length=cfg.max_sequence_length,
-                           resident_blocks=cfg.resident_blocks, weights=cfg.weights, parallel=parallel)
+                           resident_blocks=cfg.resident_blocks, weights=cfg.weights, parallel=parallel,
+                           max_device_memory=cfg.max_device_memory, stream_encoders=cfg.stream_encoders)
     plan = FaultPlan.from_env()  # test-only; None in production
     if plan is not None:
         log.warning("rank %d: TEST-ONLY fault injection is on: %s", rank, plan)
@@ -87,7 +88,7 @@ def init_rank(cfg: RankConfig, rank: int) -> Any:
 
 
 def ready_message(pipe: Any) -> Ready:
-    return Ready(RankFacts(pipe.report, dict(pipe.component_bytes)), pipe.stats())
+    return Ready(RankFacts(pipe.report, dict(pipe.component_bytes), pipe.component_reports()), pipe.stats())
 
 
 def run_assignment(pipe: Any, cfg: RankConfig, wave: int, mine: Generation | None, wave_gen: Generation) -> Result:
@@ -101,7 +102,7 @@ def run_assignment(pipe: Any, cfg: RankConfig, wave: int, mine: Generation | Non
     the rank fails and the engine restarts.
     """
     if mine is not None:
-        calls0 = pipe.calls_done
+        calls0 = dict(pipe.calls_done)
         try:
             res = pipe.run(mine)
         except Exception as e:
@@ -112,11 +113,12 @@ def run_assignment(pipe: Any, cfg: RankConfig, wave: int, mine: Generation | Non
                 raise
             phase = pipe.phase
             pipe.phase = "idle"
-            owed = pipe.adapter.transformer_calls(mine) - (pipe.calls_done - calls0)
+            done = {name: n - calls0.get(name, 0) for name, n in pipe.calls_done.items()}
+            owed = pipe.owed_calls(mine, done)
             log.warning("request failed alone wave=%d phase=%s error=%s: %s owed_calls=%d", wave, phase,
                         type(e).__name__, e, owed, exc_info=not isinstance(e, InjectedFault))
             if cfg.mode == "allgather" and owed > 0:
-                pipe.gather_only(mine, calls=owed)
+                pipe.gather_only(mine, done=done)
             err = RequestError(phase, type(e).__name__, f"{type(e).__name__}: {e}",
                                client_fault=client_fault)
             return Result(wave, pipe.stats(), error=err)

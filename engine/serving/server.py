@@ -44,6 +44,7 @@ from dlo.engine.serving.api_models import (
     VideoDeleted,
     VideoList,
     VideoObject,
+    form_field,
     image_generation,
     video_generation,
 )
@@ -384,9 +385,7 @@ async def _video_body(request: Request) -> VideoCreateRequest:
             form = await request.form()
             data: Any = {}
             for k, v in form.multi_items():
-                if not isinstance(v, str):
-                    raise ApiError(400, f"file upload {k!r} is not supported", k, "invalid_value")
-                data[k] = v
+                data[k] = form_field(k, v)
         else:
             data = await request.json()
     except ApiError:

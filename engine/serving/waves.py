@@ -43,6 +43,9 @@ class Generation:
     lora_id: str | None = None
     lora_scale: float = 1.0
     extras: dict[str, Any] = field(default_factory=dict)  # pipeline extras, JSON values
+    # image-to-video: the uploaded first frame (encoded bytes, decoded on the rank); not part of the
+    # key: every image of a wave is resized to the wave's size
+    image: bytes | None = field(default=None, repr=False)
 
     def key(self) -> str:
         """Compatibility key: requests with equal keys run the same shapes and gather schedule.

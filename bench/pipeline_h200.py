@@ -1,0 +1,375 @@
+"""Full-size pipelines on the GPU (issue 15 item 5): `dlo serve` over HTTP against the same pipeline
+resident in plain diffusers, a device-memory cap, Wan2.2's two experts, host memory and readiness.
+
+    # one H200, 64 GiB disk: full Wan2.1-T2V-14B (37.7 GiB) and Flux.1-dev (31.6 GiB) one after the
+    # other (each folder is deleted after its runs), Wan2.2 (64.4 GiB) at two layer counts
+    python bench/pipeline_h200.py --models /tmp/models --out bench/results --wan22-layers 10,20
+    # two H200 (128 GiB disk): Wan2.2 full size, and allgather at dp 2 for the host-memory claim
+    python bench/pipeline_h200.py --models /tmp/models --out bench/results --only wan22 --dp 2
+    # CPU dry run of every step with the tiny presets (no figure of it is a result)
+    python bench/pipeline_h200.py --tiny --models /tmp/tiny-models --out /tmp/pipeline-dry
+
+Runs, per model (`--only wan21,flux,wan22`):
+- `make`: `dlo make-random-model --preset P --device cuda` (seconds, bytes), skipped if present;
+- `diffusers_resident`: a child process loads the folder with plain diffusers (`from_pretrained`,
+  bf16, VAE float32, `.to(cuda)`), runs one warm-up at the request's size with 2 steps, then the
+  request: seconds, peak device bytes (allocator), SHA256 of the decoded frames;
+- `serve_<mode>`: `dlo serve` (resident for the bytes reference, rank-local, and allgather at
+  `--dp` > 1; `--max-device-memory 24GiB` for the capped run) with the page cache warm: seconds to
+  `/ready`, the ready report's per-component weights source / host / device bytes, the request
+  over HTTP with the official SDK (seconds, SHA256 of the returned PNG/MP4), the allocator peak per
+  rank from `/metrics`, and host memory of the whole process tree (PSS: the page cache mapped by the
+  ranks counts once) against the checkpoint bytes of the folder;
+- `serve_ready_no_warmup`: seconds to `/ready` with `--no-warmup` (the readiness claim: the load alone);
+- `*_streamed_encoder`: the same with `--stream-text-encoders` (UMT5-XXL / T5-XXL streamed too).
+
+The record `pipeline-h200-<date>.json` holds every run and a `summary` with
+`wan21_e2e_over_resident`, `wan21_capped24_over_uncapped`, `flux_e2e_over_resident`,
+`wan22_e2e_over_resident` (null where resident cannot run), `host_bytes_over_checkpoint` (the worst
+run), `wan21_ready_seconds` and `peak_device_bytes` per run and component; the markdown beside it is
+generated from the JSON. Nothing is written into the record that was not measured by this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import datetime
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import wan_bench as wb  # noqa: E402
+
+wb.ensure_dlo_importable()
+for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ[_k] = _v
+
+PROMPT = "a lighthouse on a cliff at dusk, waves breaking below"
+SEED = 42
+
+# name -> (preset, request); full size first, the tiny dry run second
+MODELS = {
+    "wan21": ("wan2.1-t2v-14b", {"kind": "video", "size": "832x480", "frames": 17, "steps": 10, "guidance": 5.0}),
+    "flux": ("flux.1-dev", {"kind": "image", "size": "1024x1024", "steps": 20, "guidance": 3.5}),
+    "wan22": ("wan2.2-t2v-a14b", {"kind": "video", "size": "832x480", "frames": 17, "steps": 10, "guidance": 4.0}),
+}
+TINY = {
+    "wan21": ("tiny-wan2.1-t2v", {"kind": "video", "size": "32x32", "frames": 5, "steps": 2, "guidance": 5.0}),
+    "flux": ("tiny-flux.1-dev", {"kind": "image", "size": "32x32", "steps": 2, "guidance": 3.5}),
+    "wan22": ("tiny-wan2.2-t2v-a14b", {"kind": "video", "size": "32x32", "frames": 5, "steps": 4, "guidance": 4.0}),
+}
+
+
+def checkpoint_bytes(model: Path) -> int:
+    return sum(p.stat().st_size for p in model.rglob("*.safetensors"))
+
+
+def warm_page_cache(model: Path) -> float:
+    t0 = time.perf_counter()
+    for p in sorted(model.rglob("*.safetensors")):
+        with open(p, "rb") as f:
+            while f.read(1 << 26):
+                pass
+    return time.perf_counter() - t0
+
+
+def make(model: Path, preset: str, layers: int | None, device: str) -> dict:
+    if (model / "model_index.json").exists():
+        return {"skipped": "present", "bytes": checkpoint_bytes(model)}
+    cmd = [sys.executable, "-m", "dlo.cli.main", "make-random-model", str(model), "--preset", preset, "--device", device,
+           "--no-progress"] + (["--layers", str(layers)] if layers else [])
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"make-random-model failed: {r.stderr[-2000:]}")
+    return {"command": " ".join(cmd[1:]), "seconds": round(time.perf_counter() - t0, 2), **json.loads(r.stdout)}
+
+
+# ---- plain diffusers, resident (a child process: its device memory is its own) ---------------------
+def resident_child(model: str, request: dict, device: str) -> dict:
+    import diffusers
+    import numpy as np
+    import torch
+
+    t0 = time.perf_counter()
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    index = json.loads((Path(model) / "model_index.json").read_text())
+    pipe = getattr(diffusers, index["_class_name"]).from_pretrained(
+        model, torch_dtype={"default": dtype, "vae": torch.float32},
+        **{name: _transformer(Path(model) / name, device) for name in ("transformer", "transformer_2")
+           if (index.get(name) or [None])[0] is not None})
+    pipe.to(device)
+    pipe.set_progress_bar_config(disable=True)
+    load = time.perf_counter() - t0
+    w, h = map(int, request["size"].split("x"))
+
+    def call(steps: int) -> Any:
+        kw: dict[str, Any] = dict(prompt=PROMPT, height=h, width=w, num_inference_steps=steps,
+                                  guidance_scale=request["guidance"], output_type="np",
+                                  generator=torch.Generator("cpu").manual_seed(SEED), max_sequence_length=512)
+        if request["kind"] == "video":
+            kw["num_frames"] = request["frames"]
+        with torch.inference_mode():
+            return pipe(**kw)
+
+    call(2)  # warm-up at the request's size
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t1 = time.perf_counter()
+    out = call(request["steps"])
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t1
+    frames = np.asarray(out.frames if request["kind"] == "video" else out.images)
+    return {"seconds": round(seconds, 3), "load_seconds": round(load, 2),
+            "peak_device_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
+            "frames_sha256": hashlib.sha256(frames.tobytes()).hexdigest()}
+
+
+def _transformer(folder: Path, device: str) -> Any:
+    """A diffusers transformer, whole on the device: its safetensors loaded straight to the device and
+    assigned to a skeleton whose parameters are on meta (buffers computed for real). Without the
+    accelerate package `from_pretrained` refuses classes with `_keep_in_fp32_modules`, and a plain
+    `from_config` would first allocate 57 GB of float32 for a 14B model."""
+    import diffusers
+    from safetensors.torch import load_file
+
+    from dlo.engine.model import parameters_on_meta
+
+    config = json.loads((folder / "config.json").read_text())
+    cls = getattr(diffusers, config["_class_name"])
+    with parameters_on_meta():
+        model = cls.from_config(config)
+    state: dict = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(f, device=device))
+    model.load_state_dict(state, strict=True, assign=True)  # the stored dtypes: bf16, fp32-kept modules fp32
+    return model.to(device).eval()
+
+
+def diffusers_resident(model: Path, request: dict, device: str) -> dict:
+    r = subprocess.run([sys.executable, __file__, "--_resident-child", str(model), "--_request", json.dumps(request),
+                        "--device", device], capture_output=True, text=True)
+    if r.returncode != 0:
+        tail = r.stderr[-3000:]
+        return {"error": "out of device memory" if "OutOfMemory" in tail else "failed", "stderr_tail": tail}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# ---- dlo serve over HTTP -------------------------------------------------------------------------
+def _tree_memory(pid: int) -> dict[str, int]:
+    """Host memory of the server's process tree (PSS: pages shared by ranks count once): in total,
+    in mappings of safetensors files (the page cache the ranks read weights from), and anonymous."""
+    import psutil
+
+    procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    out = {"pss_bytes": 0, "pss_safetensors_bytes": 0, "pss_anon_bytes": 0}
+    for p in procs:
+        try:
+            text = Path(f"/proc/{p.pid}/smaps").read_text()
+        except OSError:
+            continue
+        path = ""
+        for line in text.splitlines():
+            head = line.split()
+            if not head:
+                continue
+            if not head[0].endswith(":") or "-" in head[0]:  # a mapping's first line: range perms ... [path]
+                path = head[5] if len(head) > 5 else ""
+                continue
+            if head[0] == "Pss:":
+                kb = int(head[1]) * 1024
+                out["pss_bytes"] += kb
+                if path.endswith(".safetensors"):
+                    out["pss_safetensors_bytes"] += kb
+            elif head[0] == "Pss_Anon:":
+                out["pss_anon_bytes"] += int(head[1]) * 1024
+    return out
+
+
+def serve(model: Path, request: dict, args: argparse.Namespace, name: str, *flags: str) -> dict:
+    from openai import OpenAI
+
+    from dlo.engine.serving.launch import ServerProcess
+
+    w, h = request["size"].split("x")
+    limits = ["--small-limits"] if args.tiny else ["--max-size", str(max(int(w), int(h))), "--max-steps", "50"]
+    extra = [] if "--no-warmup" in flags else ["--warmup-size", request["size"]]
+    log = args.out / f"serve-{name}.log"
+    srv = ServerProcess(model, "--device", args.device, *limits, *extra, *flags, log_path=log)
+    t0 = time.perf_counter()
+    srv.start(ready_timeout_s=1800)
+    ready_s = time.perf_counter() - t0
+    out: dict[str, Any] = {"flags": list(flags) + extra, "ready_seconds": round(ready_s, 2)}
+    try:
+        info = srv.ready_info()
+        out["warmup_seconds"] = info.get("warmup_seconds")
+        out["component_reports"] = {str(r["rank"]): r.get("component_reports") for r in info["ranks"]}
+        if "--no-warmup" in flags:
+            return out
+        client = OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=3600, max_retries=0)
+        body = {"seed": SEED, "num_inference_steps": request["steps"], "guidance_scale": request["guidance"]}
+        t1 = time.perf_counter()
+        if request["kind"] == "video":
+            job = client.videos.create_and_poll(prompt=PROMPT, size=request["size"], poll_interval_ms=50,
+                                                extra_body={**body, "num_frames": request["frames"]})
+            if job.status != "completed":
+                raise RuntimeError(f"video failed: {job.error}")
+            data = client.videos.download_content(job.id).read()
+            seconds = time.perf_counter() - t1  # includes at most one 50 ms poll interval and the download
+        else:
+            r = client.images.generate(prompt=PROMPT, size=request["size"], response_format="b64_json",
+                                       extra_body=body)
+            seconds = time.perf_counter() - t1
+            data = base64.b64decode(r.data[0].b64_json or "")
+        m = srv.metrics()
+        out.update({
+            "seconds": round(seconds, 3), "output_sha256": hashlib.sha256(data).hexdigest(),
+            "peak_device_bytes": {lab["rank"]: v for lab, v in m.get("dlo_device_memory_peak_bytes", [])},
+            "host_memory": _tree_memory(srv.proc.pid), "checkpoint_bytes": checkpoint_bytes(model),
+        })
+        # weight bytes the node holds for this server: the mapped page cache (once, whatever dp) plus
+        # every rank's arena (registered weights have none); the runtime (Python, torch, CUDA) is in
+        # host_memory.pss_bytes beside it
+        arenas = sum(c.get("host_bytes", 0) for comps in out["component_reports"].values() for name, c in
+                     (comps or {}).items() if c.get("weights_source") == "arena")
+        out["host_weight_bytes"] = out["host_memory"]["pss_safetensors_bytes"] + arenas
+        out["host_bytes_over_checkpoint"] = round(out["host_weight_bytes"] / out["checkpoint_bytes"], 4)
+    finally:
+        out["exit_code"] = srv.stop()
+    return out
+
+
+def run_model(key: str, args: argparse.Namespace, layers: int | None) -> dict:
+    preset, request = (TINY if args.tiny else MODELS)[key]
+    model = args.models / (preset + (f"-L{layers}" if layers else ""))
+    rec: dict[str, Any] = {"preset": preset, "layers": layers, "request": request,
+                           "make": make(model, preset, layers, args.device)}
+    rec["page_cache_warm_seconds"] = round(warm_page_cache(model), 2)
+    rec["diffusers_resident"] = diffusers_resident(model, request, args.device)
+    runs = {"serve_resident": ("--mode", "resident", "--dp", "1"),
+            "serve_rank_local": ("--mode", "rank-local", "--dp", "1")}
+    if args.dp > 1:
+        runs[f"serve_allgather_dp{args.dp}"] = ("--mode", "allgather", "--dp", str(args.dp))
+        runs[f"serve_rank_local_dp{args.dp}"] = ("--mode", "rank-local", "--dp", str(args.dp))
+    if key in ("wan21", "flux"):  # the large text encoder streamed too
+        runs["serve_rank_local_streamed_encoder"] = ("--mode", "rank-local", "--dp", "1", "--stream-text-encoders")
+    if args.device == "cuda" and key == "wan21":
+        runs["serve_capped_24gib"] = ("--mode", "rank-local", "--dp", "1", "--max-device-memory", "24GiB")
+        runs["serve_capped_24gib_streamed_encoder"] = ("--mode", "rank-local", "--dp", "1", "--max-device-memory",
+                                                       "24GiB", "--stream-text-encoders")
+    if args.device == "cuda" and key == "wan22":
+        runs["serve_capped_48gib"] = ("--mode", "rank-local", "--dp", "1", "--max-device-memory", "48GiB")
+    runs["serve_ready_no_warmup"] = ("--mode", "rank-local", "--dp", "1", "--no-warmup")
+    for name, flags in runs.items():
+        try:
+            rec[name] = serve(model, request, args, f"{key}-{name}", *flags)
+        except Exception as e:  # a run that fails is recorded as failed, never skipped silently
+            rec[name] = {"error": f"{type(e).__name__}: {e}"}
+        print(f"{key} {name}: {json.dumps(rec[name])[:300]}", file=sys.stderr, flush=True)
+    if args.delete_after:
+        shutil.rmtree(model, ignore_errors=True)
+    return rec
+
+
+def _ratio(a: Any, b: Any) -> float | None:
+    return round(a / b, 4) if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
+
+
+def summarize(rec: dict) -> dict:
+    def run(model: str, name: str) -> dict:
+        for k, v in rec["models"].items():
+            if k.split("@")[0] == model and name in v:
+                return v[name]
+        return {}
+
+    peaks = {f"{m}/{name}": {"ranks": r.get("peak_device_bytes"), "components": r.get("component_reports")}
+             for m, v in rec["models"].items() for name, r in v.items()
+             if isinstance(r, dict) and "peak_device_bytes" in r}
+    hosts = [r["host_bytes_over_checkpoint"] for v in rec["models"].values() for r in v.values()
+             if isinstance(r, dict) and "host_bytes_over_checkpoint" in r]
+    return {
+        "wan21_e2e_over_resident": _ratio(run("wan21", "serve_rank_local").get("seconds"),
+                                          run("wan21", "diffusers_resident").get("seconds")),
+        "wan21_capped24_over_uncapped": _ratio(run("wan21", "serve_capped_24gib").get("seconds"),
+                                               run("wan21", "serve_rank_local").get("seconds")),
+        "flux_e2e_over_resident": _ratio(run("flux", "serve_rank_local").get("seconds"),
+                                         run("flux", "diffusers_resident").get("seconds")),
+        "wan22_e2e_over_resident": _ratio(run("wan22", "serve_rank_local").get("seconds"),
+                                          run("wan22", "diffusers_resident").get("seconds")),
+        "host_bytes_over_checkpoint": max(hosts) if hosts else None,
+        "wan21_ready_seconds": run("wan21", "serve_ready_no_warmup").get("ready_seconds"),
+        "bytes_identical_to_resident_serve": {
+            m: len({v.get(n, {}).get("output_sha256") for n in v if n.startswith("serve_") and "output_sha256" in v[n]}) == 1
+            for m, v in rec["models"].items()},
+        "peak_device_bytes": peaks,
+    }
+
+
+def markdown(rec: dict) -> str:
+    lines = [f"# Full-size pipelines ({rec['date']}, {rec['device']})", "", "Generated from the JSON beside it.", "",
+             "## Summary", "", "```json", json.dumps({k: v for k, v in rec["summary"].items() if k != "peak_device_bytes"},
+                                                      indent=2), "```", "", "## Runs", "",
+             "| model | run | seconds | ready s | host/ckpt | sha256 |", "|---|---|---|---|---|---|"]
+    for m, v in rec["models"].items():
+        for name, r in v.items():
+            if isinstance(r, dict) and name.startswith(("serve_", "diffusers_")):
+                sha = (r.get("output_sha256") or r.get("frames_sha256") or r.get("error") or "")[:16]
+                lines.append(f"| {m} | {name} | {r.get('seconds', '')} | {r.get('ready_seconds', '')} | "
+                             f"{r.get('host_bytes_over_checkpoint', '')} | {sha} |")
+    lines += ["", "Commands: `" + rec["command"] + "`", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", type=Path, default=Path("/tmp/models"), help="where pipeline folders are written")
+    ap.add_argument("--out", type=Path, default=HERE / "results")
+    ap.add_argument("--only", default="wan21,flux,wan22")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dp", type=int, default=1, help="also allgather and rank-local at this dp (GPUs)")
+    ap.add_argument("--wan22-layers", default="",
+                    help="comma-separated layer counts for Wan2.2 when the full 64.4 GiB does not fit the disk")
+    ap.add_argument("--delete-after", action=argparse.BooleanOptionalAction, default=True,
+                    help="delete each pipeline folder after its runs (disk)")
+    ap.add_argument("--tiny", action="store_true", help="CPU dry run with the tiny-* presets (no results)")
+    ap.add_argument("--_resident-child", dest="resident_child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--_request", dest="request", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.resident_child:
+        print(json.dumps(resident_child(args.resident_child, json.loads(args.request), args.device)))
+        return
+    if args.tiny:
+        args.device = "cpu"
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.models.mkdir(parents=True, exist_ok=True)
+    date = datetime.date.today().isoformat()
+    rec: dict[str, Any] = {"date": date, "device": args.device, "tiny": args.tiny,
+                           "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]), "models": {}}
+    if args.device == "cuda":
+        import torch
+
+        rec["device"] = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    for key in args.only.split(","):
+        layer_counts = [int(x) for x in args.wan22_layers.split(",") if x] if key == "wan22" and not args.tiny else []
+        for layers in layer_counts or [None]:
+            rec["models"][key + (f"@L{layers}" if layers else "")] = run_model(key, args, layers)
+    rec["summary"] = summarize(rec)
+    stem = args.out / (f"pipeline-h200-{date}" if not args.tiny else f"pipeline-dry-run-{date}")
+    stem.with_suffix(".json").write_text(json.dumps(rec, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(markdown(rec))
+    print(json.dumps(rec["summary"], indent=2))
+
+
+if __name__ == "__main__":
+    main()

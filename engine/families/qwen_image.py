@@ -1,0 +1,42 @@
+"""The Qwen-Image family (`QwenImageTransformer2DModel` + `QwenImagePipeline`, Qwen2.5-VL text encoder).
+
+Owns: its block list (`transformer_blocks`), its pipeline facts (VAE 8x, latents packed 2x2, images
+only, true CFG scale 4 by default), what a request means for `QwenImagePipeline` (true CFG, a
+separate unconditional transformer call, only with a negative prompt and a scale > 1; no
+guidance-distillation input), and how its output decodes.
+Must never: import torch or diffusers at import time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dlo.engine.families.base import Decoded, Family, PipelineFacts
+
+if TYPE_CHECKING:  # pragma: no cover
+    from dlo.engine.serving.waves import Generation
+
+
+class QwenImageFamily(Family):
+    name = "qwen-image"
+    class_names = ("QwenImageTransformer2DModel",)
+    block_lists = ("transformer_blocks",)
+    pipeline_class = "QwenImagePipeline"
+    streamable_encoders = ("text_encoder",)  # Qwen2.5-VL-7B's language model layers
+
+    def pipeline_facts(self, root: Path, index: dict, transformer: dict, vae: dict) -> PipelineFacts:
+        scale = 2 ** len(vae.get("temperal_downsample", [False, True, True]))
+        return PipelineFacts(self.name, self.pipeline_class, scale * 2, 0, 4.0, transformer["_class_name"])
+
+    def uses_cfg(self, gen: "Generation") -> bool:
+        return gen.negative_prompt is not None and gen.guidance_scale > 1.0
+
+    def call_kwargs(self, gen: "Generation") -> dict[str, Any]:
+        return {"num_images_per_prompt": gen.n, "true_cfg_scale": gen.guidance_scale if self.uses_cfg(gen) else 1.0,
+                "guidance_scale": None}
+
+    def decode(self, out: Any, gen: "Generation") -> Decoded:
+        import numpy as np
+
+        return Decoded(images=tuple(np.asarray(out.images)))

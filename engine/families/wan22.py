@@ -1,0 +1,49 @@
+"""The Wan 2.2 two-expert family (Wan2.2-T2V-A14B: `WanPipeline` with `transformer` and `transformer_2`).
+
+Owns: recognising a two-transformer Wan folder (model_index.json names `transformer_2` and a
+`boundary_ratio`), its pipeline facts (both experts stream, each through its own `dlo.engine.load`
+with the same mode and shard group), and the call plan: `WanPipeline` runs the high-noise expert
+`transformer` for every step whose timestep is >= boundary_ratio x num_train_timesteps and the
+low-noise `transformer_2` for the rest, so an idle rank walks `transformer`'s gathers for the
+high-noise calls, then `transformer_2`'s for the low-noise ones: the same collective order as a
+rank that computes (the switch happens at the boundary step on every rank).
+Must never: import torch or diffusers at import time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dlo.engine.families.base import PipelineFacts
+from dlo.engine.families.wan import WanFamily
+
+if TYPE_CHECKING:  # pragma: no cover
+    from dlo.engine.serving.waves import Generation
+
+
+class Wan22Family(WanFamily):
+    name = "wan2.2"
+    class_names = ()  # a Wan transformer folder alone is the "wan" family (same blocks)
+
+    def matches(self, index: dict) -> bool:
+        return (index.get("_class_name") == self.pipeline_class
+                and (index.get("transformer_2") or [None])[0] is not None)
+
+    def pipeline_facts(self, root: Path, index: dict, transformer: dict, vae: dict) -> PipelineFacts:
+        if index.get("boundary_ratio") is None:
+            raise ValueError(f"{root}: transformer_2 without a boundary_ratio in model_index.json")
+        spatial = int(vae.get("scale_factor_spatial") or 8)
+        patch = transformer.get("patch_size", [1, 2, 2])
+        return PipelineFacts(self.name, self.pipeline_class, spatial * int(patch[1]),
+                             int(vae.get("scale_factor_temporal") or 4), 4.0, transformer["_class_name"],
+                             transformers=("transformer", "transformer_2"))
+
+    def call_plan(self, gen: "Generation", pipe: Any) -> list[tuple[str, int]]:
+        # The timesteps WanPipeline will run: a fresh scheduler of the same config, same call.
+        sched = type(pipe.scheduler).from_config(pipe.scheduler.config)
+        sched.set_timesteps(gen.steps, device="cpu")
+        boundary = pipe.config.boundary_ratio * sched.config.num_train_timesteps
+        high = int((sched.timesteps >= boundary).sum())
+        branches = 2 if self.uses_cfg(gen) else 1
+        return [("transformer", high * branches), ("transformer_2", (gen.steps - high) * branches)]
