@@ -23,7 +23,6 @@ NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends are set for every pro
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import socket
@@ -178,7 +177,6 @@ def _host_us_per_block(m, call, dev) -> float | None:
 
 def rank_mode(rank: int, world: int, port: int, args: argparse.Namespace, mode: str, out: str) -> None:
     import torch
-    import torch.distributed as dist
 
     from dlo.engine import load
 

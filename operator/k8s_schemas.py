@@ -18,7 +18,10 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import PlainValidator, WithJsonSchema
+from pydantic_core import PydanticCustomError
 
 SCHEMA_FILE = Path(__file__).with_name("k8s_schemas.json")
 KUBERNETES_VERSION = "1.37.0"  # whose OpenAPI definitions k8s_schemas.json holds
@@ -140,6 +143,47 @@ def check(value: Any, node: dict[str, Any], path: str = "") -> list[Problem]:
             problems += check(item, node["items"], f"{path}.{i}" if path else str(i))
     return problems
 
+
+def cel_rules(*rules: tuple[str, str]) -> dict[str, Any]:
+    """CEL rules for the CRD (`x-kubernetes-validations`); the same rule is checked in Python."""
+    return {"x-kubernetes-validations": [{"rule": r, "message": m} for r, m in rules]}
+
+
+def kubernetes_field(
+    kind: str,
+    *,
+    many: bool = False,
+    description: str,
+    item_rules: tuple[tuple[str, str], ...] = (),
+    max_items: int | None = None,
+    name_max_length: int | None = None,
+) -> Any:
+    """A pass-through field checked against the Kubernetes schema of core/v1 `kind`: the CRD
+    carries that schema (so the API server refuses `limts`), and pydantic checks the same schema
+    with `k8s_schemas.check` (so `dlo operator render` and the operator refuse it too).
+    `item_rules`: CEL rules on each item (the models check them in a validator of their own);
+    `max_items` and `name_max_length` bound the list and its items' `name`, which keeps the API
+    server's cost estimate of those rules small (unbounded, it assumes a request's worth)."""
+    node = schema(kind)
+    node.pop("description", None)
+    if item_rules:
+        node.update(cel_rules(*item_rules))
+    if name_max_length is not None:
+        node["properties"]["name"]["maxLength"] = name_max_length
+    if many:
+        node = {"type": "array", "items": node}
+        if max_items is not None:
+            node["maxItems"] = max_items
+    node["description"] = description
+
+    def validate(value: Any) -> Any:
+        problems = check(value, node)
+        if problems:
+            text = "; ".join(f"{where}: {what}" if where else what for where, what in problems)
+            raise PydanticCustomError("kubernetes_schema", "{text}", {"text": text, "problems": problems})
+        return copy.deepcopy(value)
+
+    return Annotated[list[dict[str, Any]] if many else dict[str, Any], PlainValidator(validate), WithJsonSchema(node)]
 
 if __name__ == "__main__":  # python -m dlo.operator.k8s_schemas > operator/k8s_schemas.json
     json.dump(extract(), sys.stdout, indent=1, sort_keys=True)

@@ -8,16 +8,14 @@ Must never: talk to the API server or import torch.
 
 from __future__ import annotations
 
-import copy
 import re
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, WithJsonSchema, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
-from pydantic_core import PydanticCustomError
 
-from dlo.operator import k8s_schemas
+from dlo.operator.k8s_schemas import cel_rules, kubernetes_field
 
 from dlo.engine.facts import Mode, ModelFacts, ModeOrAuto
 
@@ -40,48 +38,6 @@ API_KEY_ENV = "DLO_API_KEY"  # the engine reads its API key from this variable
 
 class SpecError(ValueError):
     """A DLODeployment spec the operator cannot act on; the message says what to fix."""
-
-
-def _rules(*rules: tuple[str, str]) -> dict[str, Any]:
-    """CEL rules for the CRD (`x-kubernetes-validations`); the same rule is checked in Python."""
-    return {"x-kubernetes-validations": [{"rule": r, "message": m} for r, m in rules]}
-
-
-def _kubernetes(
-    kind: str,
-    *,
-    many: bool = False,
-    description: str,
-    item_rules: tuple[tuple[str, str], ...] = (),
-    max_items: int | None = None,
-    name_max_length: int | None = None,
-) -> Any:
-    """A pass-through field checked against the Kubernetes schema of core/v1 `kind`: the CRD
-    carries that schema (so the API server refuses `limts`), and pydantic checks the same schema
-    with `k8s_schemas.check` (so `dlo operator render` and the operator refuse it too).
-    `item_rules`: CEL rules on each item (the models check them in a validator of their own);
-    `max_items` and `name_max_length` bound the list and its items' `name`, which keeps the API
-    server's cost estimate of those rules small (unbounded, it assumes a request's worth)."""
-    node = k8s_schemas.schema(kind)
-    node.pop("description", None)
-    if item_rules:
-        node.update(_rules(*item_rules))
-    if name_max_length is not None:
-        node["properties"]["name"]["maxLength"] = name_max_length
-    if many:
-        node = {"type": "array", "items": node}
-        if max_items is not None:
-            node["maxItems"] = max_items
-    node["description"] = description
-
-    def validate(value: Any) -> Any:
-        problems = k8s_schemas.check(value, node)
-        if problems:
-            text = "; ".join(f"{where}: {what}" if where else what for where, what in problems)
-            raise PydanticCustomError("kubernetes_schema", "{text}", {"text": text, "problems": problems})
-        return copy.deepcopy(value)
-
-    return Annotated[list[dict[str, Any]] if many else dict[str, Any], PlainValidator(validate), WithJsonSchema(node)]
 
 
 def default_engine_image(environ: Mapping[str, str]) -> str:
@@ -121,7 +77,7 @@ class ModelSource(_Model):
     """The model to serve: a diffusers-format folder on every node (hostPath) or on a
     PersistentVolumeClaim, mounted read-only at /model."""
 
-    model_config = ConfigDict(json_schema_extra=_rules(_MODEL_SOURCE_RULE))
+    model_config = ConfigDict(json_schema_extra=cel_rules(_MODEL_SOURCE_RULE))
 
     path: str | None = Field(
         None, min_length=1, description="hostPath of a diffusers-format folder, mounted read-only"
@@ -180,7 +136,7 @@ class EngineSpec(_Model):
         "auto", description="device the dlo engine runs on (auto: cuda, else npu, else cpu); cpu requests no accelerator"
     )
     args: list[str] = Field(default_factory=list, description="extra arguments appended to the engine's command")
-    env: _kubernetes(  # type: ignore[valid-type]
+    env: kubernetes_field(  # type: ignore[valid-type]
         "EnvVar",
         many=True,
         description="extra environment variables of the engine container (core/v1 EnvVar); not the API key",
@@ -188,7 +144,7 @@ class EngineSpec(_Model):
         max_items=256,
         name_max_length=1024,
     ) = Field(default_factory=list)
-    resources: _kubernetes(  # type: ignore[valid-type]
+    resources: kubernetes_field(  # type: ignore[valid-type]
         "ResourceRequirements",
         description="compute resources of the engine container (core/v1 ResourceRequirements); the "
         "accelerator limit is added from devicesPerNode",
@@ -240,12 +196,12 @@ class PlacementSpec(_Model):
     """Where the engine pods may run; merged into the pod (one pod per node is always added)."""
 
     node_selector: dict[str, str] = Field(default_factory=dict, description="node labels the pods require")
-    affinity: _kubernetes(  # type: ignore[valid-type]
+    affinity: kubernetes_field(  # type: ignore[valid-type]
         "Affinity",
         description="scheduling affinity of the pods (core/v1 Affinity); a required pod anti-affinity on "
         "kubernetes.io/hostname is always added",
     ) = Field(default_factory=dict)
-    tolerations: _kubernetes(  # type: ignore[valid-type]
+    tolerations: kubernetes_field(  # type: ignore[valid-type]
         "Toleration", many=True, description="taints the pods tolerate (core/v1 Toleration)"
     ) = Field(default_factory=list)
     priority_class_name: str | None = Field(None, description="PriorityClass of the pods")
@@ -266,7 +222,7 @@ class RolloutSpec(_Model):
     """How pods move to a new template (a new mode, image or spec). Never surges: accelerator
     nodes have no spare capacity."""
 
-    model_config = ConfigDict(json_schema_extra=_rules(_ROLLOUT_RULE))
+    model_config = ConfigDict(json_schema_extra=cel_rules(_ROLLOUT_RULE))
 
     type: Literal["Recreate", "RollingUpdate"] = Field(
         "Recreate",
@@ -318,7 +274,7 @@ _SP_ENGINE_RULE = ("self.sp == 1 || !has(self.engine) || !has(self.engine.kind) 
 class DLODeploymentSpec(_Model):
     """What to serve, on how many nodes, with which engine and offload mode."""
 
-    model_config = ConfigDict(json_schema_extra=_rules(_SP_RULE, _SP_ENGINE_RULE))
+    model_config = ConfigDict(json_schema_extra=cel_rules(_SP_RULE, _SP_ENGINE_RULE))
 
     model: ModelSource
     replicas: int = Field(1, ge=0, description="nodes: one engine pod per node")

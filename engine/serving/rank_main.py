@@ -14,7 +14,6 @@ import ctypes
 import logging
 import os
 import signal
-import sys
 import threading
 from datetime import timedelta
 from multiprocessing.connection import Client

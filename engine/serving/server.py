@@ -21,12 +21,11 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
-import json
 import logging
 import os
 import time
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Callable, Iterator, Literal
+from typing import Any, AsyncIterator, Iterator, Literal
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -61,6 +60,7 @@ from dlo.engine.serving.errors import (
     VideoNotReady,
 )
 from dlo.engine.serving.faults import InjectedFault
+from dlo.engine.serving.body_limit import BodyLimit
 from dlo.engine.serving.peers import FORWARDED_HEADER, PeerError, Peers
 from dlo.engine.serving.service import Engine
 from dlo.engine.serving.videos import VideoJob
@@ -116,58 +116,6 @@ def _service_response(e: ServiceError) -> JSONResponse:
     if retry_after is not None:
         response.headers["Retry-After"] = str(int(retry_after))
     return response
-
-
-class BodyLimit:
-    """ASGI middleware: a request body over `max_bytes` gets 413 before any of it is parsed.
-
-    A declared Content-Length over the limit is refused without reading a byte of the body. Any
-    other body (chunked included) is read here, counted as it arrives, refused the moment it passes
-    the limit, and otherwise handed on unchanged: no request holds more than the limit in memory.
-    """
-
-    def __init__(self, app: Any, max_bytes: int, on_reject: Callable[[dict], None]):
-        self.app, self.max_bytes, self.on_reject = app, max_bytes, on_reject
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_bytes:
-            await self._reject(scope, send)
-            return
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return  # the client left mid-body: nobody to answer
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                await self._reject(scope, send)
-                return
-            more = message.get("more_body", False)
-        replayed = False
-
-        async def replay() -> dict:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-    async def _reject(self, scope: dict, send: Callable) -> None:
-        self.on_reject(scope)
-        err = ApiError(413, f"the request body exceeds this server's limit of {self.max_bytes} bytes",
-                       code="body_too_large")
-        body = json.dumps(err.body()).encode()
-        await send({"type": "http.response.start", "status": 413, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
 
 
 def _digest(key: bytes) -> bytes:

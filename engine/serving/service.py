@@ -37,18 +37,17 @@ from dlo.engine.serving.errors import (
     RequestFailed,
     ServiceError,
     ShuttingDown,
-    VideoStorageError,
 )
 from dlo.engine.serving.limits import Limits
 from dlo.engine.serving.metrics import EngineMetrics
 from dlo.engine.serving.ranks import RankGroup
-from dlo.engine.serving.videos import VideoJob, VideoStore
+from dlo.engine.serving.video_jobs import VideoRunner
+from dlo.engine.serving.videos import VideoStore
 from dlo.engine.serving.waves import Generation, Pending, WaveQueue
 
 log = logging.getLogger(__name__)
 
 HARD_EXIT_AFTER_S = 15.0
-VIDEO_SWEEP_S = 60.0  # how often expired video jobs are removed even when nobody asks
 MAX_RETRY_AFTER_S = 60
 
 # loading -> ready -> draining -> stopping; any state -> failed (a fault is final: the process exits).
@@ -95,7 +94,7 @@ def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
     return fut
 
 
-class Engine:
+class Engine(VideoRunner):
     def __init__(self, cfg: RankConfig, *, limits: Limits, facts: PipelineFacts, model_id: str,
                  progress_timeout_s: float, max_queue: int, wave_window_ms: float, warmup: bool = True,
                  warmup_size: tuple[int, int] | None = None, videos: VideoStore | None = None,
@@ -398,61 +397,3 @@ class Engine:
         waves_ahead = math.ceil(len(self._queue or ()) / self.cfg.dp)
         mean = total / count if count else 1.0
         return max(1, min(MAX_RETRY_AFTER_S, math.ceil(mean * max(1, waves_ahead))))
-
-    # -- videos -----------------------------------------------------------------------------------
-    def _mark_video(self, p: Pending, rank: int) -> None:
-        if p.request_id in self.videos:
-            self.videos.start(p.request_id, rank)
-
-    def video_progress(self, job: VideoJob) -> int:
-        """Percent: denoising steps done on its rank (the last percent is the VAE decode and MP4)."""
-        if job.status in ("completed", "failed"):
-            return 100
-        if job.status == "queued" or job.rank is None:
-            return 0
-        return min(99, 100 * self.group.steps_done(job.rank) // max(1, job.steps))
-
-    def create_video(self, gen: Generation, seconds: str) -> VideoJob:
-        """Record a video job, then queue it: a job that could not be recorded never runs, and one the
-        queue refuses (`QueueFull`) leaves no record."""
-        job = VideoJob(id=self.videos.new_id(), created_at=int(time.time()), model=self.model_id, prompt=gen.prompt,
-                       seconds=seconds, size=f"{gen.width}x{gen.height}", steps=gen.steps)
-        self.check_available()
-        try:
-            self.videos.add(job)
-        except OSError as e:
-            log.error("video %s: could not record the job: %s", job.id, e)
-            raise VideoStorageError(f"the server could not record the video job: {e}") from None
-        try:
-            fut = self.submit(gen, request_id=job.id)
-        except ServiceError:
-            self.videos.forget(job.id)
-            raise
-        task = asyncio.create_task(self._finish_video(job.id, fut))
-        self._video_tasks.add(task)
-        task.add_done_callback(self._video_tasks.discard)
-        return job
-
-    async def _finish_video(self, video_id: str, fut: asyncio.Future) -> None:
-        try:
-            res = await fut
-        except ServiceError as e:
-            self.videos.fail(video_id, e.code, e.message)
-            return
-        except Exception as e:  # never leave a job in_progress for ever
-            log.exception("video %s failed", video_id)
-            self.videos.fail(video_id, "internal_error", f"{type(e).__name__}: {e}")
-            return
-        assert res.outputs is not None
-        try:  # the MP4 goes to disk off the event loop; the record changes in it
-            await asyncio.to_thread(self.videos.write_content, video_id, res.outputs[0])
-        except OSError as e:
-            log.error("video %s: could not write its MP4: %s", video_id, e)
-            self.videos.fail(video_id, "storage_error", f"the server could not store the video: {e}")
-        else:
-            self.videos.complete(video_id)
-
-    async def _sweep_videos(self) -> None:
-        while True:
-            await asyncio.sleep(min(VIDEO_SWEEP_S, self.videos.ttl_s / 4))
-            self.videos.sweep()

@@ -4,7 +4,6 @@ model bit-identical to one rank (gloo: Ulysses runs on cpu; ring needs cuda)."""
 
 from __future__ import annotations
 
-import base64
 
 import pytest
 import torch
