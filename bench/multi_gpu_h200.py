@@ -283,15 +283,9 @@ def run(args: argparse.Namespace) -> None:
     n_dev = torch.cuda.device_count() if args.device == "cuda" else args.dp
     if args.dp > n_dev:
         raise SystemExit(f"--dp {args.dp} needs {args.dp} devices, found {n_dev}")
-    ckpt = Path(args.ckpt or f"/tmp/wan14b-{args.layers}{'-tiny' if args.tiny else ''}")
     t0 = time.perf_counter()
-    written = None
-    if not (ckpt / "config.json").exists():
-        written = wb.write_wan_checkpoint(ckpt, args.layers, args.device, tiny=args.tiny)
+    ckpt, written, facts = wb.checkpoint_for(args.ckpt, args.layers, args.device, args.tiny)
     args.ckpt = str(ckpt)
-    from dlo.engine.families import describe
-
-    facts = describe(ckpt)
     args.block_bytes = facts.largest_block_bytes
     tmp = Path("/tmp/dlo-multi")
     tmp.mkdir(exist_ok=True)

@@ -209,15 +209,9 @@ def run(args: argparse.Namespace) -> None:
     n_dev = torch.cuda.device_count() if args.device == "cuda" else 2
     if n_dev < 2:
         raise SystemExit(f"needs 2 devices, found {n_dev}")
-    ckpt = Path(args.ckpt or f"/tmp/wan14b-{args.layers}{'-tiny' if args.tiny else ''}")
     t0 = time.perf_counter()
-    written = None
-    if not (ckpt / "config.json").exists():
-        written = wb.write_wan_checkpoint(ckpt, args.layers, args.device, tiny=args.tiny)
+    ckpt, written, facts = wb.checkpoint_for(args.ckpt, args.layers, args.device, args.tiny)
     args.ckpt = str(ckpt)
-    from dlo.engine.families import describe
-
-    facts = describe(ckpt)
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     result: dict = {"layers": args.layers, "tiny": args.tiny, "devices": n_dev, "sp_kind": args.sp_kind,
                     "device_name": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",

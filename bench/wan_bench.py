@@ -99,6 +99,18 @@ def write_wan_checkpoint(out: Path, layers: int, device: str, tiny: bool = False
     return {"bytes": total, "files": info["files"], "write_seconds": time.perf_counter() - t0}
 
 
+def checkpoint_for(ckpt: str | None, layers: int, device: str, tiny: bool = False) -> tuple[Path, dict | None, Any]:
+    """The Wan2.1-14B-shaped checkpoint a benchmark run uses - `ckpt`, else /tmp/wan14b-LAYERS -
+    written once (on `device`) when missing; returns (path, write figures or None, model facts)."""
+    path = Path(ckpt or f"/tmp/wan14b-{layers}{'-tiny' if tiny else ''}")
+    written = None
+    if not (path / "config.json").exists():
+        written = write_wan_checkpoint(path, layers, device, tiny=tiny)
+    from dlo.engine.families import describe
+
+    return path, written, describe(path)
+
+
 def make_inputs(workload: str, device: str, tiny: bool = False, seed: int = 1) -> dict:
     import torch
 
