@@ -107,6 +107,14 @@ def port(text: str) -> int:
     return value
 
 
+def new_folder(text: str) -> Path:
+    """A folder to create, or an empty one (never written over)."""
+    path = Path(text)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise argparse.ArgumentTypeError(f"{path} exists and is not an empty folder: choose a new one")
+    return path
+
+
 def existing_path(text: str) -> Path:
     """A file or folder that exists."""
     path = Path(text)

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from dlo.cli.args import positive_int
+from dlo.cli.args import new_folder, positive_int
 from dlo.engine.presets import PRESETS, Component, Preset, TokenizerSpec, preset
 
 log = logging.getLogger(__name__)
@@ -311,7 +311,7 @@ def _progress(total: int, show: bool) -> Callable[..., None]:
 
 # ---- the subcommand -----------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("out_dir", type=Path, help="folder to write the pipeline into (created)")
+    parser.add_argument("out_dir", type=new_folder, help="folder to write the pipeline into (created; must be new or empty)")
     parser.add_argument("--preset", required=True, choices=sorted(PRESETS),
                         help="the model whose configs, shapes, dtypes and sharding are written; tiny-* presets "
                              "have the same classes and layout with small dimensions (tests)")

@@ -17,7 +17,7 @@ import json
 import logging
 from pathlib import Path
 
-from dlo.cli.args import positive_int
+from dlo.cli.args import new_folder, positive_int
 
 log = logging.getLogger(__name__)
 
@@ -166,15 +166,8 @@ def _dim(text: str) -> int:
     return value
 
 
-def _new_folder(text: str) -> Path:
-    path = Path(text)
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise argparse.ArgumentTypeError(f"{path} exists and is not an empty folder: choose a new one")
-    return path
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("out_dir", type=_new_folder, help="folder to write the pipeline into (created; must be new or empty)")
+    parser.add_argument("out_dir", type=new_folder, help="folder to write the pipeline into (created; must be new or empty)")
     parser.add_argument("--family", choices=["wan", "flux"], default="wan")  # FAMILIES' names
     parser.add_argument("--layers", type=positive_int, default=3, help="transformer blocks (flux: double-stream blocks)")
     parser.add_argument("--dim", type=_dim, default=32, help=f"hidden size, a multiple of {HEAD_DIM}")

@@ -194,6 +194,23 @@ def resolve_mode(mode: ModeOrAuto, model_dir: Path, dp: int, device: str,
     return "rank-local", "fixed rule: dp = 1"
 
 
+def _warmup_size(flag: str | None, facts: Any, limits: Any) -> tuple[int, int] | None:
+    """The warm-up's size: `--warmup-size WxH` (an invalid one is an error: `ApiError`), `smallest`
+    (None), or by default the limits' `default_size` - unless these limits refuse it (a `--max-size`
+    below it, say: then no request without `size` runs either), when the smallest size is used."""
+    from dlo.engine.serving.api_models import ApiError, parse_size
+
+    if flag == "smallest":
+        return None
+    if flag:
+        return parse_size(flag, facts, limits)
+    try:
+        return parse_size(limits.default_size, facts, limits)
+    except ApiError as e:
+        log.warning("warm-up at the smallest size: the limits' default_size does not fit them (%s)", e.message)
+        return None
+
+
 def _attention_heads(model_dir: Path) -> int | None:
     """The transformer's attention heads (Ulysses splits them over the sp ranks), if its config says."""
     try:
@@ -247,7 +264,7 @@ def main(args: argparse.Namespace) -> int:
     )
     from dlo.engine.serving.control import RankConfig
     from dlo.engine.serving.limits import SMALL, Limits
-    from dlo.engine.serving.api_models import ApiError, parse_size
+    from dlo.engine.serving.api_models import ApiError
     from dlo.engine.serving.server import create_app
     from dlo.engine.serving.peers import Peers
     from dlo.engine.serving.service import Engine
@@ -262,8 +279,7 @@ def main(args: argparse.Namespace) -> int:
         cached_checkpoint(model_dir / "transformer")
         limits = Limits.load(args.limits, SMALL if args.small_limits else None, max_steps=args.max_steps,
                              max_width=args.max_size, max_height=args.max_size)
-        warmup_size = (None if args.warmup_size == "smallest"
-                       else parse_size(args.warmup_size or limits.default_size, facts, limits))
+        warmup_size = _warmup_size(args.warmup_size, facts, limits)
     except ApiError as e:
         print(f"dlo serve: --warmup-size: {e.message}", file=sys.stderr)
         return 2

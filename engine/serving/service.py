@@ -329,7 +329,8 @@ class Engine(VideoRunner):
         """Queue one generation; the future resolves to its rank's `Result` (raises `QueueFull`)."""
         self.check_available()
         try:
-            check_tokens(gen.width, gen.height, self.facts.size_multiple, self.cfg.sp)
+            if self.cfg.sp > 1:  # each frame's tokens split over the sp ranks
+                check_tokens(gen.width, gen.height, self.facts.size_multiple, self.cfg.sp)
         except LayoutError as e:
             raise InvalidRequest(str(e)) from None
         assert self._queue is not None and self._loop is not None
