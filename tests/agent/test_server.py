@@ -69,6 +69,16 @@ def test_profile_and_health_endpoints(models_root: Path) -> None:
         server.shutdown()
 
 
+def _scrape(models_root: Path) -> tuple[str, str]:
+    """One real HTTP round of a fresh agent over `models_root`: (/metrics text, /profile body)."""
+    server = serve(make_agent(models_root), "127.0.0.1", 0)
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        return get(base + "/metrics")[1], get(base + "/profile")[1]
+    finally:
+        server.shutdown()
+
+
 def test_model_bytes_say_which_size_they_are(models_root: Path) -> None:
     """dlo_model_bytes is the whole folder, /profile models[].bytes the transformer: a second
     metric carries the transformer's size, and both help texts say which is which."""
@@ -76,14 +86,7 @@ def test_model_bytes_say_which_size_they_are(models_root: Path) -> None:
 
     from dlo.engine.families import describe
 
-    agent = make_agent(models_root)
-    server = serve(agent, "127.0.0.1", 0)
-    try:
-        base = f"http://127.0.0.1:{server.server_address[1]}"
-        _, text = get(base + "/metrics")
-        _, body = get(base + "/profile")
-    finally:
-        server.shutdown()
+    text, body = _scrape(models_root)
     families = {f.name: f for f in text_string_to_metric_families(text)}
     folder = models_root / "tiny-wan"
     whole = sum(f.stat().st_size for f in folder.rglob("*.safetensors"))
@@ -111,14 +114,7 @@ def _truncate(path: Path, by: int) -> None:
 def test_a_broken_model_is_flagged_with_residency_unknown(models_root: Path) -> None:
     write_wan_folder(models_root / "cut")
     _truncate(models_root / "cut" / "transformer" / "diffusion_pytorch_model.safetensors", 100)
-    agent = make_agent(models_root)
-    server = serve(agent, "127.0.0.1", 0)
-    try:
-        base = f"http://127.0.0.1:{server.server_address[1]}"
-        _, text = get(base + "/metrics")
-        _, body = get(base + "/profile")
-    finally:
-        server.shutdown()
+    text, body = _scrape(models_root)
     got = samples(text)
     errors = {(lab["model"], lab["reason"]): v for lab, v in got["dlo_model_error"]}
     assert errors == {(m, r): float(m == "cut" and r == "truncated") for m in ("cut", "tiny-wan") for r in REASONS}

@@ -7,15 +7,13 @@ from __future__ import annotations
 import base64
 import subprocess
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
 from openai import OpenAI
 
 from dlo.engine.serving.launch import ServerProcess
-from tests.engine.serving_helpers import offline_env, sha, tiny_pipeline
+from tests.engine.serving_helpers import offline_env, sha, submit_in_order, tiny_pipeline
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +58,7 @@ def test_dp2_sp2_serves_the_bytes_of_resident_dp1_in_waves(wan, tmp_path):
         client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         alone = sha(_image(client, seeds[0]))  # a partial wave: sp group 1 only gathers
         assert alone == expected[seeds[0]]
-        with ThreadPoolExecutor(2) as pool:
-            futs = []
-            for s in seeds:
-                futs.append(pool.submit(_image, client, s))
-                time.sleep(0.05)
-            both = [sha(f.result()) for f in futs]
+        both = [sha(png) for png in submit_in_order(srv.url, [lambda s=s: _image(client, s) for s in seeds])]
         assert both == [expected[s] for s in seeds], "dp2 x sp2 bytes differ from resident dp1"
         m = srv.metrics()
         assert m["dlo_wave_size_sum"][0][1] >= 3 and m["dlo_wave_size_count"][0][1] <= m["dlo_wave_size_sum"][0][1]

@@ -16,7 +16,7 @@ import pytest
 import requests
 
 from dlo.engine.serving.launch import ServerProcess
-from tests.engine.serving_helpers import tiny_pipeline
+from tests.engine.serving_helpers import tiny_pipeline, wait_until
 from tests.reliability.figures import record
 
 pytestmark = pytest.mark.slow
@@ -45,14 +45,6 @@ def _serves(srv: ServerProcess) -> bool:
         return requests.get(srv.url + "/health", timeout=2).status_code == 200
     except requests.RequestException:
         return False
-
-
-def _wait_for(cond, seconds: float, what: str) -> float:
-    t0 = time.monotonic()
-    while not cond():
-        assert time.monotonic() - t0 < seconds, f"timed out waiting until {what}"
-        time.sleep(0.1)
-    return time.monotonic() - t0
 
 
 def _server(tmp_path_factory, log: Path, *args: str) -> ServerProcess:
@@ -90,10 +82,10 @@ def test_the_cap_refuses_with_503_json_and_idle_connections_are_closed(tmp_path_
         assert json.loads(body)["error"]["code"] == "too_many_connections"
         assert refused_after is not None and refused_after < idle, "the refusals were not immediate"
         closed_after = time.monotonic() - t0
-        recovered = _wait_for(lambda: _serves(srv), 10, "the server serves again")
+        recovered = wait_until(lambda: _serves(srv), 10, "the server serves again")
         for s in socks:
             s.close()
-        _wait_for(lambda: "back under the cap" in log.read_text(), 10, "the episode's end is logged")
+        wait_until(lambda: "back under the cap" in log.read_text(), 10, "the episode's end is logged")
         flood_lines = _lines(log) - before
         text = log.read_text()
     assert "cap of 256 open connections is reached" in text and "back under the cap" in text
@@ -110,7 +102,7 @@ def test_out_of_descriptors_logs_once_and_recovers_when_connections_close(tmp_pa
     with _server(tmp_path_factory, log, "--max-connections", "2000", "--idle-timeout", "600") as srv:
         before = _lines(log)
         socks = _connect_all(srv.port, FLOOD + 200)
-        _wait_for(lambda: "descriptor limit (RLIMIT_NOFILE" in log.read_text(), 20, "the limit is logged")
+        wait_until(lambda: "descriptor limit (RLIMIT_NOFILE" in log.read_text(), 20, "the limit is logged")
         assert not _serves(srv), "the server still accepted: the descriptor limit was not reached"
         # hold the flood for a while: the log must stay small the whole time (not grow per accept)
         t_full = time.monotonic()
@@ -120,8 +112,8 @@ def test_out_of_descriptors_logs_once_and_recovers_when_connections_close(tmp_pa
         flood_lines = _lines(log) - before
         for s in socks:
             s.close()
-        recovered = _wait_for(lambda: _serves(srv), 20, "the server serves again")
-        _wait_for(lambda: "accepting again" in log.read_text(), 10, "the episode's end is logged")
+        recovered = wait_until(lambda: _serves(srv), 20, "the server serves again")
+        wait_until(lambda: "accepting again" in log.read_text(), 10, "the episode's end is logged")
         r = requests.post(srv.url + "/v1/images/generations", json={"prompt": "after", "size": "32x32",
                                                                      "num_inference_steps": 1}, timeout=60)
         assert r.status_code == 200, r.text[:300]

@@ -16,7 +16,7 @@ import pytest
 import requests
 
 from dlo.engine.serving.launch import ServerProcess
-from tests.engine.serving_helpers import tiny_pipeline
+from tests.engine.serving_helpers import tiny_pipeline, wait_until
 from tests.reliability.figures import record
 from tests.reliability.procs import survivors
 
@@ -56,12 +56,6 @@ def _health(srv: ServerProcess) -> dict:
     return json.loads(srv.get("/health", timeout=5)[1])
 
 
-def _wait_for(cond, seconds: float, what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.05)
-
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("mode,dp", CONFIGS, ids=[f"{m}-dp{d}" for m, d in CONFIGS])
@@ -79,16 +73,16 @@ def test_sigterm_drains_the_wave_in_flight_within_the_grace(tmp_path_factory, tm
         tree = [psutil.Process(srv.proc.pid), *psutil.Process(srv.proc.pid).children(recursive=True)]
         body = {"prompt": "a slow one", "size": "128x128", "num_inference_steps": steps}
         posts = [_post_in_thread(srv, {**body, "seed": i}) for i in range(dp)]  # one full wave
-        _wait_for(lambda: _health(srv)["running"] == dp, 60, f"a wave of {dp} runs")
+        wait_until(lambda: _health(srv)["running"] == dp, 60, f"a wave of {dp} runs")
         queued = []
         if case == "exceeds":  # and one more waiting behind it
             queued = [_post_in_thread(srv, {**body, "seed": 99})]
-            _wait_for(lambda: _health(srv)["queued"] == 1, 30, "a request waits in the queue")
+            wait_until(lambda: _health(srv)["queued"] == 1, 30, "a request waits in the queue")
         assert not any("status" in out for _, out in posts), "a request finished before SIGTERM"
 
         t0 = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
-        _wait_for(lambda: srv.get("/ready", timeout=5)[0] == 503, 1.0, "/ready turns 503")
+        wait_until(lambda: srv.get("/ready", timeout=5)[0] == 503, 1.0, "/ready turns 503")
         t_ready = time.monotonic() - t0
         late = requests.post(srv.url + IMAGES, json={"prompt": "too late", "size": "32x32",
                                                      "num_inference_steps": 1}, timeout=30)

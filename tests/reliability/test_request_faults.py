@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import base64
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
 
 from dlo.engine.serving.faults import FAULTS_ENV, HOOKS_ENV
 from dlo.engine.serving.launch import ServerProcess
-from tests.engine.serving_helpers import sha, tiny_pipeline
+from tests.engine.serving_helpers import sha, submit_in_order, tiny_pipeline
 from tests.reliability.figures import record
 
 pytestmark = pytest.mark.slow
@@ -45,16 +44,6 @@ def _png(r: requests.Response) -> bytes:
 def _waves(srv: ServerProcess) -> tuple[float, float]:
     m = srv.metrics()
     return m["dlo_wave_size_count"][0][1], m["dlo_wave_size_sum"][0][1]
-
-
-def _in_order(fns: list) -> list:
-    """Start fns in this order (arrival order = rank order inside a wave), return their results."""
-    with ThreadPoolExecutor(len(fns)) as pool:
-        futures = []
-        for fn in fns:
-            futures.append(pool.submit(fn))
-            time.sleep(0.05)
-        return [f.result() for f in futures]
 
 
 def _video(srv: ServerProcess, prompt: str) -> dict:
@@ -87,7 +76,7 @@ def test_a_request_failing_in_any_phase_fails_alone(tmp_path_factory, tmp_path, 
             if dp > 1 and i % 2:
                 calls.reverse()  # the faulty request on rank 1 this time
             waves0 = _waves(srv)
-            results = _in_order(calls)
+            results = submit_in_order(srv.url, calls)
             r_bad, r_good = results if not (dp > 1 and i % 2) else results[::-1]
             assert r_bad.status_code == 500, (phase, r_bad.status_code, r_bad.text[:300])
             err = r_bad.json()["error"]
@@ -144,7 +133,8 @@ def test_a_fault_inside_a_transformer_forward_restarts_the_engine(tmp_path_facto
                         env={HOOKS_ENV: "1", FAULTS_ENV: "forward:*:boom-forward"})
     srv.start()
     try:
-        results = _in_order([lambda: _post(srv, {**GOOD, "prompt": "boom-forward"}), lambda: _post(srv, GOOD)])
+        results = submit_in_order(srv.url, [lambda: _post(srv, {**GOOD, "prompt": "boom-forward"}),
+                                            lambda: _post(srv, GOOD)])
         for r in results:
             assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed", r.text[:300]
         assert srv.wait_exit(timeout=30) not in (0, None)
