@@ -171,20 +171,24 @@ def resolve_mode(mode: ModeOrAuto, model_dir: Path, dp: int, device: str,
         return mode, "--mode given"
     try:
         from dlo.agent.policy import PolicyError, choose_mode
-        from dlo.agent.profile import CalibrationFragment, NodeProfile, apply_calibration
+        from dlo.agent.profile import CalibrationFragment, NodeProfile, apply_calibration, parse_file
     except ImportError:
         log.warning("dlo.agent.policy is not installed; using the fixed rule")
     else:
         from dlo.engine.families import describe
 
         profile = local_profile(device)
+        if profile_path is not None:  # a file a person gave: any problem in it is an error (ProfileError)
+            text = profile_path.read_text()
+            try:
+                whole = isinstance(data := json.loads(text), dict) and "version" in data
+            except ValueError:
+                whole = False  # parse_file says what is wrong with it
+            if whole:  # a whole NodeProfile (e.g. the agent's /profile)
+                profile = parse_file(NodeProfile, text, str(profile_path))
+            else:  # a `dlo calibrate` fragment
+                profile = apply_calibration(profile, parse_file(CalibrationFragment, text, str(profile_path)))
         try:
-            if profile_path is not None:
-                data = json.loads(profile_path.read_text())
-                if "version" in data:  # a whole NodeProfile (e.g. the agent's /profile)
-                    profile = NodeProfile.model_validate(data)
-                else:  # a `dlo calibrate` fragment
-                    profile = apply_calibration(profile, CalibrationFragment.model_validate(data))
             decision = choose_mode(profile, describe(model_dir / "transformer"), dp, sp=sp)
             return decision.engine_mode, f"policy: {decision.reason}"
         except (PolicyError, ValueError) as e:
@@ -213,9 +217,11 @@ def _warmup_size(flag: str | None, facts: Any, limits: Any) -> tuple[int, int] |
 
 def _attention_heads(model_dir: Path) -> int | None:
     """The transformer's attention heads (Ulysses splits them over the sp ranks), if its config says."""
+    from dlo.engine.checkpoint import CheckpointError, read_json_config
+
     try:
-        heads = json.loads((model_dir / "transformer" / "config.json").read_text()).get("num_attention_heads")
-    except (OSError, ValueError):
+        heads = read_json_config(model_dir / "transformer" / "config.json").get("num_attention_heads")
+    except CheckpointError:
         return None
     return heads if isinstance(heads, int) else None
 
@@ -316,7 +322,11 @@ def main(args: argparse.Namespace) -> int:
         print(f"dlo serve: --max-device-memory needs a cuda or npu device; --device resolved to {device}",
               file=sys.stderr)
         return 2
-    mode, why = resolve_mode(args.mode, model_dir, dp, device, args.profile, sp=sp)
+    try:
+        mode, why = resolve_mode(args.mode, model_dir, dp, device, args.profile, sp=sp)
+    except (ValueError, OSError) as e:  # an unreadable or invalid --profile file
+        print(f"dlo serve: --profile: {e}", file=sys.stderr)
+        return 2
     log.info("serving %s family=%s mode=%s (%s) dp=%d sp=%d device=%s", model_dir, facts.family, mode, why, dp, sp,
              device)
     cfg = RankConfig(

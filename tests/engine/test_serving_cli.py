@@ -77,3 +77,20 @@ def test_auto_counts_dp_x_sp_ranks_and_passes_sp_to_the_policy(wan, tmp_path, mo
     frag.write_text(json.dumps({"h2d_bandwidth_bps": 10**10, "collective_bandwidth_bps": 10**9}))
     resolve_mode("auto", wan, 1, "cpu", frag, sp=2)
     assert seen == {"dp": 1, "sp": 2}
+
+
+def test_a_profile_file_with_an_unknown_key_is_refused_naming_it(wan, tmp_path):
+    """`--profile` is read as strictly as `dlo plan --profile`: a typo is an error, not a silent
+    fall-back to the fixed rule."""
+    import subprocess
+    import sys
+
+    from tests.engine.serving_helpers import offline_env
+
+    typo = tmp_path / "fragment.json"
+    typo.write_text(json.dumps({"h2d_bandwith_bps": 10**10}))
+    res = subprocess.run([sys.executable, "-m", "dlo.cli.main", "serve", str(wan), "--device", "cpu", "--dp", "1",
+                          "--mode", "auto", "--profile", str(typo)], capture_output=True, text=True,
+                         env=offline_env(), timeout=120)
+    assert res.returncode == 2 and "h2d_bandwith_bps" in res.stderr and "--profile" in res.stderr, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
