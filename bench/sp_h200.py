@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> None:
                     "runs": {}, "seconds": {}, "skipped": {}}
     print(f"checkpoint {ckpt}: {facts.bytes / 1e9:.1f} GB, block {facts.largest_block_bytes / 1e9:.3f} GB "
           f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    for name in args.configs.split(","):
+    for name in [c for c in args.configs.split(",") if c]:  # --configs '': the serve check alone
         world, mode, sp = CONFIGS[name]
         if sp > 1 and args.sp_kind == "ring" and args.device != "cuda":
             result["skipped"][name] = "ring attention needs cuda (an attention backend returning the log-sum-exp)"

@@ -83,6 +83,9 @@ class ServingPipeline:
             for name in (*self.facts.transformers, *self.encoders)
         }
         self.model = self.models[self.facts.transformers[0]]
+        # where the load time goes (the ready log): streamed models, the rest of the pipeline from its
+        # files, the resident components moved to the device
+        self.load_phases: dict[str, float] = {"streamed_models": time.perf_counter() - t0}
         # dp x sp (`dlo.engine.parallel.ParallelGroups`): the ranks of an sp group run one request
         # together (every transformer sequence-parallel); only the group's first rank returns the output.
         from dlo.engine.parallel import enable_sequence_parallel
@@ -100,6 +103,7 @@ class ServingPipeline:
             torch_dtype={"default": compute_dtype, "vae": torch.float32},
         )
         self.pipe.set_progress_bar_config(disable=True)
+        self.load_phases["from_pretrained"] = time.perf_counter() - t0 - sum(self.load_phases.values())
         self.component_bytes: dict[str, int] = {}
         for name, comp in self.pipe.components.items():
             if name in self.models or not isinstance(comp, torch.nn.Module):
@@ -107,6 +111,7 @@ class ServingPipeline:
             comp.to(self.device)
             comp.eval()
             self.component_bytes[name] = sum(p.numel() * p.element_size() for p in comp.parameters())
+        self.load_phases["components_to_device"] = time.perf_counter() - t0 - sum(self.load_phases.values())
         # the watchdog's progress signal: one tick before every transformer block
         self.hooks = HookSet()
         from dlo.engine.families import family_of
@@ -127,8 +132,9 @@ class ServingPipeline:
         self._rank = 0
         self._prompt = ""
         self.load_seconds = time.perf_counter() - t0
-        log.info("pipeline loaded family=%s mode=%s device=%s components=%s seconds=%.2f", self.facts.family,
-                 mode, self.device, self.component_bytes, self.load_seconds)
+        log.info("pipeline loaded family=%s mode=%s device=%s components=%s seconds=%.2f phases=%s",
+                 self.facts.family, mode, self.device, self.component_bytes, self.load_seconds,
+                 {k: round(v, 2) for k, v in self.load_phases.items()})
 
     @property
     def report(self) -> Any:
