@@ -42,6 +42,28 @@ class RunResult:
 VAE_TILE_ABOVE_PIXELS = 1280 * 720 * 81
 
 
+def dominant_dtype(module: torch.nn.Module) -> torch.dtype:
+    """The floating dtype holding most of a module's parameter bytes: the dtype the pipeline's other
+    components load in. (Not the first parameter's: a model keeps small modules such as norms and the
+    time embedding in float32, and a 5.7B text encoder loaded in float32 doubles its device bytes.)"""
+    totals: dict[torch.dtype, int] = {}
+    for p in module.parameters():
+        if p.is_floating_point():
+            totals[p.dtype] = totals.get(p.dtype, 0) + p.numel() * p.element_size()
+    return max(totals, key=lambda d: totals[d]) if totals else torch.float32
+
+
+def decode_in_own_dtype(vae: torch.nn.Module) -> None:
+    """Cast the latents to the VAE's dtype on the way in: the VAE runs in float32 (its output becomes
+    the bytes) while Flux and QwenImage hand it latents in the transformer's dtype (bfloat16)."""
+    inner = vae.decode
+
+    def decode(z: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return inner(z.to(next(vae.parameters()).dtype), *args, **kwargs)
+
+    vae.decode = decode  # type: ignore[method-assign]
+
+
 class ServingPipeline:
     """A diffusers pipeline whose transformer runs through DLO, run one request at a time.
 
@@ -95,7 +117,7 @@ class ServingPipeline:
         if parallel is not None:
             for name in self.facts.transformers:
                 enable_sequence_parallel(self.models[name].module, parallel, self.device)
-        compute_dtype = next(p.dtype for p in self.model.module.parameters() if p.is_floating_point())
+        compute_dtype = dominant_dtype(self.model.module)
         cls = getattr(diffusers, self.facts.pipeline_class)
         # The VAE's output becomes the image bytes: it stays float32 whatever the transformer runs in.
         self.pipe = cls.from_pretrained(
@@ -103,6 +125,8 @@ class ServingPipeline:
             torch_dtype={"default": compute_dtype, "vae": torch.float32},
         )
         self.pipe.set_progress_bar_config(disable=True)
+        if isinstance(getattr(self.pipe, "vae", None), torch.nn.Module):
+            decode_in_own_dtype(self.pipe.vae)
         self.load_phases["from_pretrained"] = time.perf_counter() - t0 - sum(self.load_phases.values())
         self.component_bytes: dict[str, int] = {}
         for name, comp in self.pipe.components.items():
