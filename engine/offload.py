@@ -17,6 +17,7 @@ Data path, per offloaded block b (CONTRACTS.md sections 3 and 4):
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -59,6 +60,7 @@ class OffloadedModel:
         self.platform = platform
         self.device = device
         self._ckpt = ckpt  # keeps the page-cache mappings alive for the model's lifetime
+        self.compute_dtype: torch.dtype = torch.float32  # set by `load` (`_compute_dtype`)
 
     def gather_only(self, n_calls: int) -> None:
         """Take part in n_calls forwards' weight gathers without compute (same collective order)."""
@@ -173,7 +175,20 @@ def load(
         model_bytes=ckpt.nbytes,
     )
     log.info("dlo loaded %s", " ".join(f"{k}={v}" for k, v in report.to_dict().items()))
-    return OffloadedModel(module, report, prefetcher, host, ckpt, platform, device, hooks)
+    out = OffloadedModel(module, report, prefetcher, host, ckpt, platform, device, hooks)
+    out.compute_dtype = _compute_dtype(meta, ckpt)
+    return out
+
+
+def _compute_dtype(meta: MetaModel, ckpt: Checkpoint) -> torch.dtype:
+    """The dtype most of the model's weights compute in (by stored elements), streamed blocks included:
+    what the pipeline's other components load in. Not the first parameter's (models keep norms and
+    time embeddings in float32) nor the module's visible parameters' (streamed blocks are not among
+    them): either loaded a 5.7B text encoder in float32 beside a bfloat16 transformer."""
+    totals: dict[str, int] = {}
+    for name, dt in meta.target_dtype.items():
+        totals[dt] = totals.get(dt, 0) + math.prod(ckpt.tensors[name].shape)
+    return torch_dtype(max(totals, key=lambda d: totals[d])) if totals else torch.float32
 
 
 def _resident_count(mode: Mode, resident_blocks: int | Literal["auto"], ckpt: Checkpoint, meta: MetaModel,

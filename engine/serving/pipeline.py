@@ -42,17 +42,6 @@ class RunResult:
 VAE_TILE_ABOVE_PIXELS = 1280 * 720 * 81
 
 
-def dominant_dtype(module: torch.nn.Module) -> torch.dtype:
-    """The floating dtype holding most of a module's parameter bytes: the dtype the pipeline's other
-    components load in. (Not the first parameter's: a model keeps small modules such as norms and the
-    time embedding in float32, and a 5.7B text encoder loaded in float32 doubles its device bytes.)"""
-    totals: dict[torch.dtype, int] = {}
-    for p in module.parameters():
-        if p.is_floating_point():
-            totals[p.dtype] = totals.get(p.dtype, 0) + p.numel() * p.element_size()
-    return max(totals, key=lambda d: totals[d]) if totals else torch.float32
-
-
 def decode_in_own_dtype(vae: torch.nn.Module) -> None:
     """Cast the latents to the VAE's dtype on the way in: the VAE runs in float32 (its output becomes
     the bytes) while Flux and QwenImage hand it latents in the transformer's dtype (bfloat16)."""
@@ -117,7 +106,7 @@ class ServingPipeline:
         if parallel is not None:
             for name in self.facts.transformers:
                 enable_sequence_parallel(self.models[name].module, parallel, self.device)
-        compute_dtype = dominant_dtype(self.model.module)
+        compute_dtype = self.model.compute_dtype
         cls = getattr(diffusers, self.facts.pipeline_class)
         # The VAE's output becomes the image bytes: it stays float32 whatever the transformer runs in.
         self.pipe = cls.from_pretrained(
