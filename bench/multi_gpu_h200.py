@@ -411,13 +411,15 @@ def merge(args: argparse.Namespace) -> None:
                                       "measured_ms": {"allgather": ag * 1e3, "rank-local": rl * 1e3},
                                       "on_this_node": ((pol.get("plans") or {}).get(f"node/{w}") or {}).get("choice")}
     if args.serve:
-        # One entry per serve run (each a device call), keyed by file name; the first run's figures
-        # head the summary, every run's are kept under `serve_runs`.
+        # One entry per serve run (each a device call), keyed by file name; per mode, the first run (in
+        # the order given) that measured it heads the summary, every run's are kept under `serve_runs`.
         serves = {Path(p).stem: json.loads(Path(p).read_text()) for p in args.serve}
         rec["serve"] = serves
         s["serve_runs"] = {k: {**v.get("summary", {}), "command": v.get("command")} for k, v in serves.items()}
-        first = next(iter(serves.values())).get("summary", {})
-        s["serve_wave_throughput_over_single"] = first.get("wave_throughput_over_single")
+        s["serve_wave_throughput_over_single"] = {}
+        for name, v in serves.items():
+            for mode, ratio in (v.get("summary", {}).get("wave_throughput_over_single") or {}).items():
+                s["serve_wave_throughput_over_single"].setdefault(mode, {"ratio": ratio, "run": name})
         s["first_request_over_warm"] = {k: v.get("first_request_over_warm") for k, v in s["serve_runs"].items()}
         s["shutdown_seconds"] = {k: v.get("shutdown_seconds") for k, v in s["serve_runs"].items()}
     rec["summary"] = s
@@ -434,7 +436,8 @@ def _markdown(rec: dict, args: argparse.Namespace) -> str:
     s, dp = rec["summary"], str(rec["dp"])
     c = rec.get("collectives") or []
     lines = [f"# {rec['devices']} x {rec['device_name']}: {rec['layers']} Wan2.1-14B layers at dp{dp}", "",
-             f"Merged with `python bench/multi_gpu_h200.py merge {' '.join(args.raw_files)} --tag {args.tag}`; "
+             f"Merged with `python bench/multi_gpu_h200.py merge {' '.join(args.raw_files)}"
+             f"{' --serve ' + ' '.join(args.serve) if args.serve else ''} --tag {args.tag}`; "
              f"each raw file is one device call (`run` command inside).", ""]
     if c:
         lines += [f"AllGather bus bandwidth {c[0]['allgather_busbw_bps'] / 1e9:.1f} GB/s (block-sized, in place); "

@@ -133,9 +133,19 @@ def resident_child(model: str, request: dict, device: str) -> dict:
     out = call(request["steps"])
     if device == "cuda":
         torch.cuda.synchronize()
-    seconds = time.perf_counter() - t1
+    pipeline_seconds = time.perf_counter() - t1
     frames = np.asarray(out.frames if request["kind"] == "video" else out.images)
-    return {"seconds": round(seconds, 3), "load_seconds": round(load, 2),
+    # the file a user gets, with the encoder `dlo serve` uses (random weights give noise-like frames:
+    # H.264 of noise costs seconds, of a natural video a fraction of that)
+    from dlo.engine.serving.encode import encode_mp4, encode_png
+
+    if request["kind"] == "video":
+        encode_mp4(frames[0], 16)
+    else:
+        encode_png(frames[0])
+    seconds = time.perf_counter() - t1
+    return {"seconds": round(seconds, 3), "pipeline_seconds": round(pipeline_seconds, 3),
+            "encode_seconds": round(seconds - pipeline_seconds, 3), "load_seconds": round(load, 2),
             "peak_device_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
             "frames_sha256": hashlib.sha256(frames.tobytes()).hexdigest()}
 
@@ -259,10 +269,12 @@ def serve(model: Path, request: dict, args: argparse.Namespace, name: str, *flag
 
 
 # Share of each transformer's blocks kept on the device in the headline offloaded run: enough that
-# streaming the rest hides behind the compute of all of them on one H200 (bench/NOTES.md section 9:
-# Wan2.1 at 7,800 tokens computes ~11.5 ms per block and call against ~14 ms to stream a 0.7 GB block;
-# Flux.1-dev at 1024x1024 ~0.28 s per step against 0.47 s to stream its 23.8 GB).
-RESIDENT_SHARE = {"wan21": 0.25, "flux": 0.45, "wan22": 0.25}
+# streaming the rest hides behind the compute of all of them on one H200 (bench/NOTES.md section 9).
+# Measured on 2026-11-30: Wan2.1 at 7,800 tokens streams every block within 2% of resident (its
+# compute per block and call is at least the ~13 ms copy of a 0.7 GB block), so a quarter is margin;
+# Flux.1-dev at 1024x1024 computes ~0.18 s per step against ~0.45 s to stream its 23.8 GB: about 60%
+# must stay for the rest to hide (the first guess, 45%, assumed 0.28 s per step).
+RESIDENT_SHARE = {"wan21": 0.25, "flux": 0.6, "wan22": 0.25}
 
 
 def transformer_blocks(model: Path) -> int:
@@ -376,6 +388,30 @@ def markdown(rec: dict) -> str:
     return "\n".join(lines)
 
 
+def merge(files: list[Path], stem: Path) -> dict:
+    """Several calls' records -> one: per model, a later file's run replaces an earlier one of the same
+    name, which stays beside it as `<name>@<its file's stem>`; every run names its file (`source`)."""
+    rec: dict[str, Any] = {"sources": [str(f) for f in files], "models": {}}
+    for f in files:
+        part = json.loads(f.read_text())
+        rec.setdefault("date", part["date"])
+        rec["device"] = part["device"]
+        rec.setdefault("commands", []).append(part["command"])
+        for m, runs in part["models"].items():
+            into = rec["models"].setdefault(m, {})
+            for name, r in runs.items():
+                if isinstance(r, dict) and (name.startswith(("serve_", "diffusers_"))):
+                    r = {**r, "source": f.stem}
+                    if name in into:
+                        into[f"{name}@{into[name]['source']}"] = into[name]
+                into[name] = r
+    rec["command"] = " ; ".join(rec["commands"])
+    rec["summary"] = summarize(rec)
+    stem.with_suffix(".json").write_text(json.dumps(rec, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(markdown(rec))
+    return rec
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", type=Path, default=Path("/tmp/models"), help="where pipeline folders are written")
@@ -397,7 +433,13 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="CPU dry run with the tiny-* presets (no results)")
     ap.add_argument("--_resident-child", dest="resident_child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_request", dest="request", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--merge", nargs="+", type=Path, default=None, metavar="RECORD",
+                    help="merge records of several calls into --out/--stem (no runs)")
     args = ap.parse_args()
+    if args.merge:
+        rec = merge(args.merge, args.out / (args.stem or f"pipeline-h200-{datetime.date.today().isoformat()}"))
+        print(json.dumps({k: v for k, v in rec["summary"].items() if k != "peak_device_bytes"}, indent=2))
+        return
     if args.resident_child:
         print(json.dumps(resident_child(args.resident_child, json.loads(args.request), args.device)))
         return

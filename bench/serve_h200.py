@@ -103,6 +103,23 @@ def run_config(args: argparse.Namespace, model: Path, mode: str, dp: int, log: P
     return out
 
 
+def summarize(result: dict) -> dict:
+    """The figures of the configurations that ran (`python bench/serve_h200.py --summarize RAW` redoes it)."""
+    ok = [c for c in result["configs"] if "error" not in c]
+    ref = next((c["sha256"] for c in ok if c["mode"] == "resident"), None)
+    return {
+        "wave_throughput_over_single": {f"{c['mode']}/dp{c['dp']}": c["wave_throughput_over_single"] for c in ok if c["dp"] > 1},
+        "first_request_over_warm": {f"{c['mode']}/dp{c['dp']}": c["first_request_over_warm"] for c in ok},
+        "warmup_seconds": {f"{c['mode']}/dp{c['dp']}": c["ready"].get("warmup_seconds") for c in ok},
+        "ready_seconds": {f"{c['mode']}/dp{c['dp']}": c["ready_seconds"] for c in ok},
+        "shutdown_seconds": {f"{c['mode']}/dp{c['dp']}": c["exit_seconds"] for c in result["configs"] if "exit_seconds" in c},
+        "shutdown_exit_codes": {f"{c['mode']}/dp{c['dp']}": c["exit_code"] for c in result["configs"] if "exit_seconds" in c},
+        # seeds both runs made (a dp-2 run makes 16 wave requests, dp 1 makes 8)
+        "bytes_identical_to_resident_dp1": all(c["sha256"][k] == v for c in ok for k, v in ref.items()
+                                               if k in c["sha256"]) if ref else None,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=12)
@@ -114,7 +131,14 @@ def main() -> None:
     ap.add_argument("--warmup-size", default=None, help="dlo serve --warmup-size (default: the smallest valid size)")
     ap.add_argument("--configs", default="resident:1,allgather:DP,rank-local:DP")
     ap.add_argument("--raw", required=True)
+    ap.add_argument("--summarize", action="store_true", help="only recompute the summary of an existing --raw")
     args = ap.parse_args()
+    if args.summarize:
+        result = json.loads(Path(args.raw).read_text())
+        result["summary"] = summarize(result)
+        Path(args.raw).write_text(json.dumps(result, indent=1))
+        print(json.dumps(result["summary"], indent=1))
+        return
     wb.ensure_dlo_importable()
     model = Path(f"/tmp/serve-wan-{args.layers}-{args.dim}")
     if not (model / "model_index.json").exists():
@@ -132,21 +156,8 @@ def main() -> None:
         except Exception as e:  # a failed configuration is a result too
             result["configs"].append({"mode": mode, "dp": dp_n, "error": f"{type(e).__name__}: {e}"[-600:]})
             print(f"[{mode} dp{dp_n}] failed: {e}", flush=True)
+        result["summary"] = summarize(result)  # after every configuration: a call cut short keeps one
         raw.write_text(json.dumps(result, indent=1))
-    ok = [c for c in result["configs"] if "error" not in c]
-    ref = next((c["sha256"] for c in ok if c["mode"] == "resident"), None)
-    result["summary"] = {
-        "wave_throughput_over_single": {f"{c['mode']}/dp{c['dp']}": c["wave_throughput_over_single"] for c in ok if c["dp"] > 1},
-        "first_request_over_warm": {f"{c['mode']}/dp{c['dp']}": c["first_request_over_warm"] for c in ok},
-        "warmup_seconds": {f"{c['mode']}/dp{c['dp']}": c["ready"].get("warmup_seconds") for c in ok},
-        "ready_seconds": {f"{c['mode']}/dp{c['dp']}": c["ready_seconds"] for c in ok},
-        "shutdown_seconds": {f"{c['mode']}/dp{c['dp']}": c["exit_seconds"] for c in result["configs"] if "exit_seconds" in c},
-        "shutdown_exit_codes": {f"{c['mode']}/dp{c['dp']}": c["exit_code"] for c in result["configs"] if "exit_seconds" in c},
-        # seeds both runs made (a dp-2 run makes 16 wave requests, dp 1 makes 8)
-        "bytes_identical_to_resident_dp1": all(c["sha256"][k] == v for c in ok for k, v in ref.items()
-                                               if k in c["sha256"]) if ref else None,
-    }
-    raw.write_text(json.dumps(result, indent=1))
     print(json.dumps(result["summary"], indent=1))
 
 
