@@ -303,6 +303,7 @@ def create_app(engine: Engine, api_key: str | None = None, peers: Peers | None =
             return JSONResponse({"ready": False, "state": engine.state, "reason": engine.failure}, status_code=503)
         return JSONResponse({"ready": True, "mode": engine.cfg.mode, "dp": engine.cfg.dp, "sp": engine.cfg.sp,
                              "warmup_seconds": engine.warmup_seconds, "warmup_size": engine.warmup_size_text,
+                             "startup_seconds": engine.startup_seconds,
                              "ranks": engine.rank_summary()})
 
     @app.get("/metrics", summary="Prometheus metrics (CONTRACTS.md section 5)")

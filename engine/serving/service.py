@@ -118,6 +118,7 @@ class Engine(VideoRunner):
         self.warmup = warmup
         self.warmup_size = warmup_size
         self.warmup_seconds: float | None = None
+        self.startup_seconds: dict[str, float] = {}  # set at ready (`_load`)
         self._queue: WaveQueue | None = None
         self._inflight: list[Pending] = []
         self.shutdown_grace_s = shutdown_grace_s
@@ -137,6 +138,7 @@ class Engine(VideoRunner):
 
     async def _load(self) -> None:
         t0 = time.perf_counter()
+        before_load = _process_age_seconds()  # interpreter start, imports, arguments, the HTTP server
         try:
             await _in_daemon_thread(self.group.start)
         except Exception as e:
@@ -148,8 +150,8 @@ class Engine(VideoRunner):
             return
         ready0 = self.group.ranks[0].ready
         assert ready0 is not None  # start() returned: every rank is ready
+        t1 = time.perf_counter()
         if self.warmup:
-            t1 = time.perf_counter()
             try:
                 results = await _in_daemon_thread(lambda: self.group.run_wave([self.warmup_generation()] * self.cfg.world))
                 failed = [(r, res.error) for r, res in enumerate(results) if res.error is not None]
@@ -167,9 +169,12 @@ class Engine(VideoRunner):
         self.metrics.set_info(self.cfg.mode, self.cfg.dp, self.facts.family, self.cfg.device,
                               ready0.facts.report.weights_source)
         self._enter("ready")
-        log.info("engine ready mode=%s dp=%d family=%s device=%s seconds=%.1f warmup_seconds=%s", self.cfg.mode,
-                 self.cfg.dp, self.facts.family, self.cfg.device, time.perf_counter() - t0,
-                 "off" if self.warmup_seconds is None else f"{self.warmup_seconds:.2f}")
+        # where the time from process start to ready went (the rank's own load phases are in its log)
+        self.startup_seconds = {"before_load": round(before_load, 2), "load": round(t1 - t0, 2),
+                                "warmup": round(self.warmup_seconds or 0.0, 2), "total": round(_process_age_seconds(), 2)}
+        log.info("engine ready mode=%s dp=%d family=%s device=%s seconds=%.1f warmup_seconds=%s startup=%s",
+                 self.cfg.mode, self.cfg.dp, self.facts.family, self.cfg.device, time.perf_counter() - t0,
+                 "off" if self.warmup_seconds is None else f"{self.warmup_seconds:.2f}", self.startup_seconds)
         self._tasks.append(asyncio.create_task(self._schedule()))
 
     def warmup_generation(self) -> Generation:
@@ -398,3 +403,9 @@ class Engine(VideoRunner):
         waves_ahead = math.ceil(len(self._queue or ()) / self.cfg.dp)
         mean = total / count if count else 1.0
         return max(1, min(MAX_RETRY_AFTER_S, math.ceil(mean * max(1, waves_ahead))))
+
+
+def _process_age_seconds() -> float:
+    import psutil
+
+    return time.time() - psutil.Process().create_time()

@@ -34,6 +34,10 @@ def test_idle_server_warms_up_then_exits_zero_on_sigterm(tmp_path_factory, tmp_p
         # gathered weights (the children's stats come from their warm-up Result).
         assert ready["warmup_seconds"] is not None and ready["warmup_seconds"] > 0
         assert ready["warmup_size"] == "64x64"  # the small limits' default_size: what a request without size gets
+        # where the time to ready went: every phase measured, together no more than the process's age
+        st = ready["startup_seconds"]
+        assert st["before_load"] > 0 and st["load"] > 0 and st["warmup"] > 0
+        assert st["before_load"] + st["load"] + st["warmup"] <= st["total"] + 0.05
         if mode != "resident":
             gathers = [r["stats"]["gathers"] for r in ready["ranks"]]
             assert len(gathers) == dp and all(g > 0 for g in gathers), gathers
