@@ -51,7 +51,7 @@ class OffloadedModel:
 
     def __init__(self, module: nn.Module, report: LoadReport, prefetcher: SlotPrefetcher | None,
                  host: HostWeights | None, ckpt: Checkpoint, platform: Platform, device: torch.device,
-                 hooks: HookSet | None = None):
+                 hooks: HookSet | None = None, compute_dtype: torch.dtype = torch.float32):
         self.module = module
         self.host = host
         self.report = report
@@ -60,7 +60,7 @@ class OffloadedModel:
         self.platform = platform
         self.device = device
         self._ckpt = ckpt  # keeps the page-cache mappings alive for the model's lifetime
-        self.compute_dtype: torch.dtype = torch.float32  # set by `load` (`_compute_dtype`)
+        self.compute_dtype = compute_dtype  # what most weights compute in (`_compute_dtype`)
 
     def gather_only(self, n_calls: int) -> None:
         """Take part in n_calls forwards' weight gathers without compute (same collective order)."""
@@ -175,9 +175,8 @@ def load(
         model_bytes=ckpt.nbytes,
     )
     log.info("dlo loaded %s", " ".join(f"{k}={v}" for k, v in report.to_dict().items()))
-    out = OffloadedModel(module, report, prefetcher, host, ckpt, platform, device, hooks)
-    out.compute_dtype = _compute_dtype(meta, ckpt)
-    return out
+    return OffloadedModel(module, report, prefetcher, host, ckpt, platform, device, hooks,
+                          compute_dtype=_compute_dtype(meta, ckpt))
 
 
 def _compute_dtype(meta: MetaModel, ckpt: Checkpoint) -> torch.dtype:

@@ -153,10 +153,11 @@ class CudaPlatform(Platform):
 
     def free_memory(self, device: torch.device) -> int:
         free, _total = torch.cuda.mem_get_info(device)
-        free = int(free) + int(torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
-        cap = _DEVICE_CAPS.get(_device_key(device))
-        # under `--max-device-memory` the cap, not the device, bounds what this process can still allocate
-        return free if cap is None else max(0, min(free, cap - int(torch.cuda.memory_allocated(device))))
+        allocated = int(torch.cuda.memory_allocated(device))
+        free = int(free) + int(torch.cuda.memory_reserved(device)) - allocated
+        # under `--max-device-memory` (the allocator's per-process fraction) the cap bounds it too
+        cap = int(torch.cuda.get_per_process_memory_fraction(device) * torch.cuda.get_device_properties(device).total_memory)
+        return max(0, min(free, cap - allocated))
 
     def elapsed_seconds(self, start: Any, end: Any) -> float | None:
         if not end.query():
@@ -387,15 +388,4 @@ def cap_device_memory(device: torch.device | str, nbytes: int) -> float:
         raise ValueError(f"--max-device-memory {nbytes} bytes is larger than the device's {total} bytes")
     fraction = nbytes / total
     mod.set_per_process_memory_fraction(fraction, index)
-    _DEVICE_CAPS[(device.type, index)] = nbytes
     return fraction
-
-
-# (device type, index) -> bytes this process may allocate there (`cap_device_memory`); what
-# `free_memory` reports never exceeds it, so `resident_blocks="auto"` sizes to the cap.
-_DEVICE_CAPS: dict[tuple[str, int], int] = {}
-
-
-def _device_key(device: torch.device | str) -> tuple[str, int]:
-    device = torch.device(device)
-    return device.type, device.index if device.index is not None else torch.cuda.current_device()

@@ -42,13 +42,13 @@ class RunResult:
 VAE_TILE_ABOVE_PIXELS = 1280 * 720 * 81
 
 
-def decode_in_own_dtype(vae: torch.nn.Module) -> None:
+def decode_in_own_dtype(vae: Any) -> None:
     """Cast the latents to the VAE's dtype on the way in: the VAE runs in float32 (its output becomes
     the bytes) while Flux and QwenImage hand it latents in the transformer's dtype (bfloat16)."""
     inner = vae.decode
 
-    def decode(z: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        return inner(z.to(next(vae.parameters()).dtype), *args, **kwargs)
+    def decode(z: Any, *args: Any, **kwargs: Any) -> Any:
+        return inner(z.to(vae.dtype), *args, **kwargs)
 
     vae.decode = decode  # type: ignore[method-assign]
 
@@ -96,7 +96,15 @@ class ServingPipeline:
         self.model = self.models[self.facts.transformers[0]]
         # where the load time goes (the ready log): streamed models, the rest of the pipeline from its
         # files, the resident components moved to the device
-        self.load_phases: dict[str, float] = {"streamed_models": time.perf_counter() - t0}
+        self.load_phases: dict[str, float] = {}
+        mark = t0
+
+        def phase(name: str) -> None:
+            nonlocal mark
+            now = time.perf_counter()
+            self.load_phases[name], mark = now - mark, now
+
+        phase("streamed_models")
         # dp x sp (`dlo.engine.parallel.ParallelGroups`): the ranks of an sp group run one request
         # together (every transformer sequence-parallel); only the group's first rank returns the output.
         from dlo.engine.parallel import enable_sequence_parallel
@@ -116,7 +124,7 @@ class ServingPipeline:
         self.pipe.set_progress_bar_config(disable=True)
         if isinstance(getattr(self.pipe, "vae", None), torch.nn.Module):
             decode_in_own_dtype(self.pipe.vae)
-        self.load_phases["from_pretrained"] = time.perf_counter() - t0 - sum(self.load_phases.values())
+        phase("from_pretrained")
         self.component_bytes: dict[str, int] = {}
         for name, comp in self.pipe.components.items():
             if name in self.models or not isinstance(comp, torch.nn.Module):
@@ -124,7 +132,7 @@ class ServingPipeline:
             comp.to(self.device)
             comp.eval()
             self.component_bytes[name] = sum(p.numel() * p.element_size() for p in comp.parameters())
-        self.load_phases["components_to_device"] = time.perf_counter() - t0 - sum(self.load_phases.values())
+        phase("components_to_device")
         # the watchdog's progress signal: one tick before every transformer block
         self.hooks = HookSet()
         from dlo.engine.families import family_of

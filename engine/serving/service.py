@@ -23,7 +23,7 @@ import tempfile
 import threading
 import time
 from dataclasses import asdict
-from typing import Any, Callable, Literal
+from typing import Callable, Literal
 
 from dlo.engine.families import PipelineFacts
 from dlo.engine.parallel import Layout, LayoutError, check_tokens, leader_results, wave_assignments
@@ -41,6 +41,7 @@ from dlo.engine.serving.errors import (
 from dlo.engine.serving.limits import Limits
 from dlo.engine.serving.metrics import EngineMetrics
 from dlo.engine.serving.ranks import RankGroup
+from dlo.engine.serving.threads import in_daemon_thread, process_age_seconds
 from dlo.engine.serving.video_jobs import VideoRunner
 from dlo.engine.serving.videos import VideoStore
 from dlo.engine.serving.waves import Generation, Pending, WaveQueue
@@ -62,36 +63,6 @@ def request_failed(err: RequestError) -> RequestFailed:
         return InvalidInput(f"the request could not be processed ({err.phase}): {err.message}")
     return RequestFailed(f"generating this request failed ({err.phase}): {err.message}; other requests are "
                          "unaffected, retrying may succeed")
-
-
-def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    if fut.done():
-        return
-    if error is not None:
-        fut.set_exception(error)
-    else:
-        fut.set_result(result)
-
-
-def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
-    """Run fn in a daemon thread: a rank stuck in a collective must never block process exit."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future = loop.create_future()
-
-    def target() -> None:
-        try:
-            res = fn()
-        except BaseException as e:  # handed to the awaiting coroutine
-            outcome: tuple[Any, BaseException | None] = (None, e)
-        else:
-            outcome = (res, None)
-        try:
-            loop.call_soon_threadsafe(_settle, fut, *outcome)
-        except RuntimeError:  # the loop closed (an abandoned wave at exit): nobody awaits it
-            pass
-
-    threading.Thread(target=target, name="wave", daemon=True).start()
-    return fut
 
 
 class Engine(VideoRunner):
@@ -138,9 +109,9 @@ class Engine(VideoRunner):
 
     async def _load(self) -> None:
         t0 = time.perf_counter()
-        before_load = _process_age_seconds()  # interpreter start, imports, arguments, the HTTP server
+        before_load = process_age_seconds()  # interpreter start, imports, arguments, the HTTP server
         try:
-            await _in_daemon_thread(self.group.start)
+            await in_daemon_thread(self.group.start)
         except Exception as e:
             if self.failure is None:  # a rank's own fault report already said why
                 log.exception("engine failed to start")
@@ -153,7 +124,7 @@ class Engine(VideoRunner):
         t1 = time.perf_counter()
         if self.warmup:
             try:
-                results = await _in_daemon_thread(lambda: self.group.run_wave([self.warmup_generation()] * self.cfg.world))
+                results = await in_daemon_thread(lambda: self.group.run_wave([self.warmup_generation()] * self.cfg.world))
                 failed = [(r, res.error) for r, res in enumerate(results) if res.error is not None]
                 if failed:
                     rank, err = failed[0]
@@ -171,7 +142,7 @@ class Engine(VideoRunner):
         self._enter("ready")
         # where the time from process start to ready went (the rank's own load phases are in its log)
         self.startup_seconds = {"before_load": round(before_load, 2), "load": round(t1 - t0, 2),
-                                "warmup": round(self.warmup_seconds or 0.0, 2), "total": round(_process_age_seconds(), 2)}
+                                "warmup": round(self.warmup_seconds or 0.0, 2), "total": round(process_age_seconds(), 2)}
         log.info("engine ready mode=%s dp=%d family=%s device=%s seconds=%.1f warmup_seconds=%s startup=%s",
                  self.cfg.mode, self.cfg.dp, self.facts.family, self.cfg.device, time.perf_counter() - t0,
                  "off" if self.warmup_seconds is None else f"{self.warmup_seconds:.2f}", self.startup_seconds)
@@ -252,9 +223,9 @@ class Engine(VideoRunner):
             # A wave still runs (the grace ran out, or no drain): its ranks are in the middle of
             # their collective and cannot be stopped politely. Kill them; the process exits next.
             log.warning("a wave is still running at shutdown: abandoning it (its ranks are killed)")
-            await _in_daemon_thread(self.group.abandon)
+            await in_daemon_thread(self.group.abandon)
             return
-        stop = _in_daemon_thread(self.group.stop)
+        stop = in_daemon_thread(self.group.stop)
         if self.drain_deadline is None:
             await stop
             return
@@ -265,7 +236,7 @@ class Engine(VideoRunner):
             await asyncio.wait_for(stop, timeout=budget)
         except asyncio.TimeoutError:
             log.warning("the ranks did not stop within %.1f s after the drain; killing them", budget)
-            await _in_daemon_thread(self.group.abandon)
+            await in_daemon_thread(self.group.abandon)
 
     @property
     def ready(self) -> bool:
@@ -362,7 +333,7 @@ class Engine(VideoRunner):
             t0 = time.perf_counter()
             self.wave_running = True
             try:
-                results: list[Result] = await _in_daemon_thread(lambda: self.group.run_wave(assignments))
+                results: list[Result] = await in_daemon_thread(lambda: self.group.run_wave(assignments))
             except WaveError as e:
                 log.error("wave failed: %s", e)
                 return  # _on_fault fails the futures and stops the server
@@ -404,8 +375,3 @@ class Engine(VideoRunner):
         mean = total / count if count else 1.0
         return max(1, min(MAX_RETRY_AFTER_S, math.ceil(mean * max(1, waves_ahead))))
 
-
-def _process_age_seconds() -> float:
-    import psutil
-
-    return time.time() - psutil.Process().create_time()
