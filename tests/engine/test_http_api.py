@@ -14,7 +14,7 @@ import pytest
 from openai import OpenAI
 
 from dlo.engine.serving.launch import ServerProcess
-from tests.engine.serving_helpers import tiny_pipeline
+from tests.engine.serving_helpers import tiny_pipeline, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -157,10 +157,8 @@ def test_videos_with_the_sdk_multipart_create_poll_and_download_mp4(client):
 def test_videos_list_and_delete_with_the_sdk(client, server):
     video = client.videos.create(prompt="tide", seconds="1", size="64x64",  # type: ignore[arg-type]
                                  extra_body={"seed": 4, "num_inference_steps": 1})
-    deadline = time.monotonic() + 60
-    while video.status not in ("completed", "failed") and time.monotonic() < deadline:
-        time.sleep(0.05)
-        video = client.videos.retrieve(video.id)
+    wait_until(lambda: client.videos.retrieve(video.id).status in ("completed", "failed"), 60, "the video job ended")
+    video = client.videos.retrieve(video.id)
     assert video.status == "completed", video.error
     listed = client.videos.list(limit=100)
     assert video.id in [v.id for v in listed.data]

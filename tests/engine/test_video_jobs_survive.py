@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 
 import openai
 import pytest
@@ -20,7 +19,7 @@ import requests
 from openai import OpenAI
 
 from dlo.engine.serving.launch import ServerProcess
-from tests.engine.serving_helpers import tiny_pipeline
+from tests.engine.serving_helpers import tiny_pipeline, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -45,13 +44,11 @@ def _create(url: str, **body) -> dict:
 
 
 def _wait(url: str, video_id: str, statuses: tuple[str, ...], timeout: float = 90) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        video = requests.get(f"{url}/v1/videos/{video_id}", headers=AUTH, timeout=30).json()
-        if video["status"] in statuses:
-            return video
-        assert time.monotonic() < deadline, f"{video_id} still {video['status']} after {timeout:.0f} s"
-        time.sleep(0.05)
+    def get() -> dict:
+        return requests.get(f"{url}/v1/videos/{video_id}", headers=AUTH, timeout=30).json()
+
+    wait_until(lambda: get()["status"] in statuses, timeout, f"{video_id} is {' or '.join(statuses)}")
+    return get()
 
 
 def _kill(srv: ServerProcess) -> None:
@@ -107,11 +104,10 @@ def test_a_poll_reaching_the_wrong_pod_is_answered_by_the_jobs_pod(tmp_path_fact
         job = _create(b.url, num_frames=5, num_inference_steps=2, seed=5)
         assert job["id"].startswith("video_wan-1_")
         via_a = OpenAI(base_url=a.url + "/v1", api_key=KEY, max_retries=0)
-        video = via_a.videos.retrieve(job["id"])  # polled through the other pod from the start
-        deadline = time.monotonic() + 90
-        while video.status not in ("completed", "failed") and time.monotonic() < deadline:
-            time.sleep(0.05)
-            video = via_a.videos.retrieve(job["id"])
+        # polled through the other pod from the start
+        wait_until(lambda: via_a.videos.retrieve(job["id"]).status in ("completed", "failed"), 90,
+                   "the job ended, seen through the other pod")
+        video = via_a.videos.retrieve(job["id"])
         assert video.status == "completed", video.error
         direct = requests.get(f"{b.url}/v1/videos/{job['id']}/content", headers=AUTH, timeout=30).content
         assert via_a.videos.download_content(job["id"]).read() == direct and direct[4:8] == b"ftyp"

@@ -11,14 +11,13 @@ UTF-16 surrogate in a prompt is a 400 before anything is queued.
 from __future__ import annotations
 
 import base64
-import time
 
 import pytest
 import requests
 
 from dlo.engine.serving.faults import FAULTS_ENV, HOOKS_ENV
 from dlo.engine.serving.launch import ServerProcess
-from tests.engine.serving_helpers import sha, submit_in_order, tiny_pipeline
+from tests.engine.serving_helpers import sha, submit_in_order, tiny_pipeline, wait_until
 from tests.reliability.figures import record
 
 pytestmark = pytest.mark.slow
@@ -50,13 +49,10 @@ def _video(srv: ServerProcess, prompt: str) -> dict:
     r = _post(srv, {"prompt": prompt, "size": "32x32", "num_frames": 5, "num_inference_steps": 2, "seed": 3},
               "/v1/videos")
     assert r.status_code == 200, r.text[:300]
-    job = r.json()
-    deadline = time.monotonic() + 120
-    while job["status"] not in ("completed", "failed"):
-        assert time.monotonic() < deadline, f"video job stuck: {job}"
-        time.sleep(0.2)
-        job = requests.get(f"{srv.url}/v1/videos/{job['id']}", timeout=30).json()
-    return job
+    url = f"{srv.url}/v1/videos/{r.json()['id']}"
+    wait_until(lambda: requests.get(url, timeout=30).json()["status"] in ("completed", "failed"), 120,
+               "the video job ended")
+    return requests.get(url, timeout=30).json()
 
 
 @pytest.mark.parametrize("mode,dp", CONFIGS, ids=[f"{m}-dp{d}" for m, d in CONFIGS])
