@@ -16,6 +16,7 @@ import math
 import mmap
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -197,6 +198,7 @@ class Checkpoint:
         (`cached_checkpoint`); never mutated, so parses may share it."""
         self.root = Path(root)
         self._maps: dict[Path, mmap.mmap] = {}
+        self._maps_lock = threading.Lock()  # load threads take views side by side: one mapping per file
         self.files, self.tensors = parsed if parsed is not None else self._scan()
 
     # ---- discovery and validation -------------------------------------------------------------
@@ -280,15 +282,16 @@ class Checkpoint:
     # ---- zero-copy views ------------------------------------------------------------------------
     def mapping(self, path: Path) -> mmap.mmap:
         """The one read-only shared mapping of `path` in this process."""
-        m = self._maps.get(path)
-        if m is None:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                m = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-            finally:
-                os.close(fd)
-            self._maps[path] = m
-        return m
+        with self._maps_lock:
+            m = self._maps.get(path)
+            if m is None:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    m = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+                finally:
+                    os.close(fd)
+                self._maps[path] = m
+            return m
 
     def file_bytes(self, path: Path) -> "torch.Tensor":
         """The whole mapped file as a read-only uint8 tensor (no copy)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -36,7 +37,7 @@ from dlo.engine.model import MetaModel, assert_nothing_on_meta, build_meta_model
 from dlo.engine.platform import Platform, get_platform
 from dlo.engine.prefetch import OffloadedBlock, SlotPrefetcher
 from dlo.engine.report import GatherStats, LoadReport
-from dlo.engine.weights import HostWeights, WeightsChoice, prepare_host_weights
+from dlo.engine.weights import EarlyRegistration, HostWeights, WeightsChoice, prepare_host_weights
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ __all__ = ["load", "OffloadedModel", "LoadReport", "GatherStats", "MODES", "Mode
 
 # Device memory kept free for activations when `resident_blocks="auto"` sizes resident blocks.
 AUTO_RESIDENT_RESERVE_BYTES = 24 * 1024**3
+REGISTER_EARLY_ENV = "DLO_REGISTER_EARLY"  # "0": register the files only when the host weights are prepared
 
 
 class OffloadedModel:
@@ -104,6 +106,7 @@ def load(
     weights: WeightsChoice = "auto",
     time_waits: bool = True,
     transfer_graphs: bool | None = None,
+    early: EarlyRegistration | None = None,
 ) -> OffloadedModel:
     """Load a diffusers transformer folder for layerwise offload.
 
@@ -119,6 +122,9 @@ def load(
     evenly through the execution order (`spread_resident`); "auto" keeps as many as free device
     memory allows after `AUTO_RESIDENT_RESERVE_BYTES` for activations (0 on cpu). `time_waits`
     times the compute stream's waits for weights with event pairs. `transfer_graphs` (default: on for cuda) replays each block's transfer as one CUDA graph.
+    `early`: the registration of this folder's files already started by the caller (`early_registration`,
+    to overlap it with the caller's own imports); else one starts here where it can help, so that the
+    driver pins the page cache while the model is built and the resident copies run at DMA speed.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
@@ -128,34 +134,43 @@ def load(
     device = torch.device(device)
     platform = get_platform(device)
     # 1. parse (once per process) and build on meta, validating the checkpoint against the model
-    ckpt = cached_checkpoint(component_dir)
-    meta = build_meta_model(component_dir, ckpt)
-    module = meta.module
-    # 2. which blocks stay on the device; put them and the non-block weights there
-    n_resident = _resident_count(mode, resident_blocks, ckpt, meta, platform, device, group)
-    keep = spread_resident(len(meta.blocks), n_resident)
-    resident_bytes = _place_resident(ckpt, meta, keep, device)
-    _bind_aliases(meta)
-    # 3. the other blocks stream: host weights, the slot prefetcher, its hooks
-    offloaded = [b for i, b in enumerate(meta.blocks) if i not in keep]
-    layouts = [block_layout(ckpt, b, meta.target_dtype) for b in offloaded]
-    g, r = _shard_group(mode, group)
-    prefetcher = None
-    host = None
-    hooks = HookSet()
-    slot_bytes = 0
-    if offloaded:
-        host = prepare_host_weights(ckpt, layouts, meta.target_dtype, g, r, platform, weights)
-        blocks = [
-            OffloadedBlock(meta.block_module(b), lay, lay.shard_bytes(g)) for b, lay in zip(offloaded, layouts)
-        ]
-        prefetcher = SlotPrefetcher(
-            module, blocks, host.copies, platform=platform, device=device, group=group, g=g, r=r,
-            collective=(mode == "allgather"), time_waits=time_waits,
-            graphs=(platform.name == "cuda") if transfer_graphs is None else transfer_graphs,
-        )
-        attach_prefetcher(prefetcher, hooks)
-        slot_bytes = 2 * prefetcher.slot_bytes
+    if early is None:
+        early = early_registration(component_dir, device, weights)
+    ckpt = early.ckpt if early is not None else cached_checkpoint(component_dir)
+    try:
+        meta = build_meta_model(component_dir, ckpt)
+        module = meta.module
+        # 2. which blocks stay on the device; put them and the non-block weights there (from the
+        # registered page cache when the registration went through)
+        n_resident = _resident_count(mode, resident_blocks, ckpt, meta, platform, device, group)
+        keep = spread_resident(len(meta.blocks), n_resident)
+        if early is not None:
+            early.wait()
+        resident_bytes = _place_resident(ckpt, meta, keep, device)
+        _bind_aliases(meta)
+        # 3. the other blocks stream: host weights, the slot prefetcher, its hooks
+        offloaded = [b for i, b in enumerate(meta.blocks) if i not in keep]
+        layouts = [block_layout(ckpt, b, meta.target_dtype) for b in offloaded]
+        g, r = _shard_group(mode, group)
+        prefetcher = None
+        host = None
+        hooks = HookSet()
+        slot_bytes = 0
+        if offloaded:  # the host weights adopt the registrations they use and release the rest
+            host = prepare_host_weights(ckpt, layouts, meta.target_dtype, g, r, platform, weights, early)
+            blocks = [
+                OffloadedBlock(meta.block_module(b), lay, lay.shard_bytes(g)) for b, lay in zip(offloaded, layouts)
+            ]
+            prefetcher = SlotPrefetcher(
+                module, blocks, host.copies, platform=platform, device=device, group=group, g=g, r=r,
+                collective=(mode == "allgather"), time_waits=time_waits,
+                graphs=(platform.name == "cuda") if transfer_graphs is None else transfer_graphs,
+            )
+            attach_prefetcher(prefetcher, hooks)
+            slot_bytes = 2 * prefetcher.slot_bytes
+    finally:
+        if early is not None:
+            early.release()  # what no host weights adopted (all of it when every block is resident)
     # 4. nothing left on meta; report
     assert_nothing_on_meta(module, {k for b in offloaded for k in b.keys})
     report = LoadReport(
@@ -205,6 +220,19 @@ def _resident_count(mode: Mode, resident_blocks: int | Literal["auto"], ckpt: Ch
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
         n = int(agreed.item())
     return n
+
+
+def early_registration(component_dir: Path | str, device: torch.device | str,
+                       weights: WeightsChoice = "auto") -> EarlyRegistration | None:
+    """Start registering `component_dir`'s files for DMA now (a thread), where it can help: a
+    platform that registers host memory, weights not forced into the arena, and not switched off
+    with `DLO_REGISTER_EARLY=0` (then the files are registered in order when the host weights are
+    prepared, as before). Pass the result to `load(early=...)`."""
+    device = torch.device(device)
+    platform = get_platform(device)
+    if not platform.has_streams or weights == "arena" or os.environ.get(REGISTER_EARLY_ENV, "1") == "0":
+        return None
+    return EarlyRegistration(cached_checkpoint(component_dir), platform, device)
 
 
 def _place_resident(ckpt: Checkpoint, meta: MetaModel, keep: set[int], device: torch.device) -> int:

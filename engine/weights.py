@@ -9,13 +9,18 @@ copies `(host bytes, offset in this rank's shard)`.
   256-byte sizes, as safetensors files group tensors by dtype then name.
 - `arena`: the fallback (platforms that cannot register, casts needed, layouts that break into many
   small runs): one exact-size pinned allocation per rank (see `dlo.engine.arena`).
+`EarlyRegistration` starts the registration of a checkpoint's files on a thread before the model is
+built (`cudaHostRegister` releases the GIL): the driver pins the page cache while the loader imports
+and builds the model, and resident copies then run from registered memory at DMA speed.
 Must never: register or pin per tensor, or fall back silently (the choice and why are logged and
-reported).
+reported), or leave a file registered that no `HostWeights` owns.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal
@@ -59,6 +64,58 @@ class Run:
     n: int
 
 
+class EarlyRegistration:
+    """Every file of `ckpt` registered for DMA (read-only, whole files, in order) on a daemon thread,
+    started now. `wait()` says whether all were registered; `adopt(paths)` hands the registrations
+    of `paths` to the caller and unregisters the rest; `release()` unregisters all. The copies
+    must view the same mappings: use `ckpt` (this object's) for the load."""
+
+    def __init__(self, ckpt: Checkpoint, platform: Platform, device: torch.device):
+        self.ckpt = ckpt
+        self.platform = platform
+        self.registered: dict[Path, tuple[int, int]] = {}  # path -> (pointer, bytes)
+        self.problem = ""  # why not every file is registered ("" when all are)
+        self.seconds = 0.0
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                platform.device(device.index or 0)  # the thread's current device is the rank's
+                for path in ckpt.files:
+                    whole = ckpt.file_bytes(path)
+                    if not platform.register_read_only(whole.data_ptr(), whole.numel()):
+                        self.problem = f"the platform refused to register {path.name}"
+                        return
+                    self.registered[path] = (whole.data_ptr(), whole.numel())
+            except Exception as e:  # reported by wait(); the load falls back as for a refusal
+                self.problem = f"registering the page cache failed: {type(e).__name__}: {e}"
+            finally:
+                self.seconds = time.perf_counter() - t0
+                log.info("early registration of %s: %d of %d files, %d bytes, %.2f s%s", ckpt.root.name,
+                         len(self.registered), len(ckpt.files), sum(n for _, n in self.registered.values()),
+                         self.seconds, f" ({self.problem})" if self.problem else "")
+
+        self._thread = threading.Thread(target=run, name="dlo-register", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> bool:
+        self._thread.join()
+        return not self.problem
+
+    def adopt(self, paths: set[Path]) -> list[tuple[int, int]]:
+        self.wait()
+        kept = [v for p, v in self.registered.items() if p in paths]
+        self.registered = {p: v for p, v in self.registered.items() if p not in paths}
+        self.release()
+        return kept
+
+    def release(self) -> None:
+        self.wait()
+        for ptr, _ in self.registered.values():
+            self.platform.unregister(ptr)
+        self.registered.clear()
+
+
 def page_cache_runs(ckpt: Checkpoint, lay: BlockLayout, g: int, r: int) -> list[Run]:
     """Rank r's shard of a block as file runs, merged where file and slot are both contiguous."""
     runs: list[Run] = []
@@ -81,9 +138,21 @@ def prepare_host_weights(
     r: int,
     platform: Platform,
     prefer: WeightsChoice = "auto",
+    early: EarlyRegistration | None = None,
 ) -> HostWeights:
+    """`early`: this checkpoint's files already being registered (`EarlyRegistration` over `ckpt`);
+    the registered source adopts them, every other outcome releases them."""
     if prefer not in ("auto", "arena", "registered"):
         raise ValueError(f"weights must be auto, arena or registered; got {prefer!r}")
+    try:
+        return _prepare(ckpt, layouts, target_dtype, g, r, platform, prefer, early)
+    finally:
+        if early is not None:
+            early.release()  # a no-op after `adopt`: what the weights did not take is unregistered
+
+
+def _prepare(ckpt: Checkpoint, layouts: list[BlockLayout], target_dtype: dict[str, str], g: int, r: int,
+             platform: Platform, prefer: WeightsChoice, early: EarlyRegistration | None) -> HostWeights:
     reason = ""
     if prefer != "arena":
         runs = [page_cache_runs(ckpt, lay, g, r) for lay in layouts]
@@ -96,10 +165,11 @@ def prepare_host_weights(
         elif prefer == "auto" and not platform.has_streams:
             reason = "host memory is the device memory on cpu: the arena keeps accounting explicit"
         else:
-            hw = _register(ckpt, runs, platform)
+            hw = _register(ckpt, runs, platform, early)
             if hw is not None:
                 return hw
-            reason = "the platform refused to register the file mappings"
+            reason = early.problem if early is not None and early.problem else \
+                "the platform refused to register the file mappings"
         if prefer == "registered":
             raise RuntimeError(f"weights 'registered' not possible: {reason}")
     arena = build_arena(ckpt, layouts, target_dtype, g, r, platform)
@@ -117,10 +187,15 @@ def prepare_host_weights(
     return hw
 
 
-def _register(ckpt: Checkpoint, runs: list[list[Run]], platform: Platform) -> HostWeights | None:
+def _register(ckpt: Checkpoint, runs: list[list[Run]], platform: Platform,
+              early: EarlyRegistration | None = None) -> HostWeights | None:
     used = sorted({run.path for block in runs for run in block})
     registered: list[tuple[int, int]] = []
-    if platform.has_streams:
+    if early is not None and platform.has_streams:
+        if not early.wait():
+            return None
+        registered = early.adopt(set(used))
+    elif platform.has_streams:
         for path in used:
             whole = ckpt.file_bytes(path)
             if not platform.register_read_only(whole.data_ptr(), whole.numel()):

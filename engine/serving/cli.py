@@ -121,12 +121,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cap each rank's device allocator at BYTES (an integer or 24GiB, 24GB): emulates a "
                              "smaller device on a larger one (torch.cuda.set_per_process_memory_fraction of the "
                              "device's total); an error on cpu or above the device's memory; default: no cap")
-    parser.add_argument("--stream-text-encoders", action="store_true",
-                        help="the large text encoder (Wan's UMT5-XXL, Flux's T5-XXL, Qwen-Image's Qwen2.5-VL) streams "
-                             "through the engine "
-                             "block by block in the same mode as the transformer instead of sitting whole on every "
-                             "rank's device (idle ranks gather it as often); CLIP, image encoders and the VAE stay "
-                             "whole")
+    parser.add_argument("--stream-text-encoders", action=argparse.BooleanOptionalAction, default=True,
+                        help="in the offloaded modes, the large text encoder (Wan's UMT5-XXL, Flux's T5-XXL, "
+                             "Qwen-Image's Qwen2.5-VL) streams through the engine block by block in the same mode as "
+                             "the transformer instead of sitting whole on every rank's device (idle ranks gather it "
+                             "as often); CLIP, image encoders and the VAE stay whole; --no-stream-text-encoders keeps "
+                             "it whole (default: streamed: on Wan2.1-14B it loads faster and costs no request time; "
+                             "docs/engine.md)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     parser.epilog = (
         "Example: `dlo make-tiny-model /tmp/tiny --family wan` then `dlo serve /tmp/tiny --dp 2 --mode allgather "

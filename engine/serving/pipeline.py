@@ -63,14 +63,17 @@ class ServingPipeline:
     def __init__(self, model_dir: Path | str, *, mode: Mode, device: Any, group: Any = None,
                  max_sequence_length: int = 512, resident_blocks: int | str = 0, weights: str = "auto",
                  parallel: Any = None, max_device_memory: int = 0, stream_encoders: bool = False):
-        import diffusers
+        t0 = time.perf_counter()
         import torch
 
-        import dlo.engine
-        from dlo.engine.hooks import HookSet
+        from dlo.engine.offload import early_registration
 
         self.facts = pipeline_facts(model_dir)
         self.adapter = self.facts.adapter
+        # With `stream_encoders`, the family's large text encoders stream the same way as the
+        # transformers (their own block lists), loaded after them.
+        self.encoders = self.adapter.streamable_encoders if stream_encoders and mode != "resident" else ()
+        streamed = (*self.facts.transformers, *self.encoders)
         self.device = torch.device(device)
         self.max_sequence_length = max_sequence_length
         self.tick: Callable[[], None] = lambda: None
@@ -81,23 +84,35 @@ class ServingPipeline:
 
             fraction = cap_device_memory(self.device, max_device_memory)
             log.info("device memory capped at %d bytes (%.4f of the device)", max_device_memory, fraction)
-        t0 = time.perf_counter()
-        # Every transformer of the pipeline (Wan2.2: two experts) streams through its own load, in the
-        # same mode and shard group, loaded in the same order on every rank (each load gathers its
-        # first block: the collective order starts here).
-        # With `stream_encoders`, the family's large text encoders stream the same way (their own
-        # block lists), loaded after the transformers.
-        self.encoders = self.adapter.streamable_encoders if stream_encoders and mode != "resident" else ()
-        self.models = {
-            name: dlo.engine.load(Path(model_dir) / name, mode=mode, device=self.device, group=group,
-                                  resident_blocks=resident_blocks, weights=weights)  # type: ignore[arg-type]
-            for name in (*self.facts.transformers, *self.encoders)
-        }
+        # The driver pins the streamed models' page cache on a thread while the imports below and the
+        # model builds run (they hold the GIL; the registration does not): `dlo.engine.weights`.
+        early = {name: early_registration(Path(model_dir) / name, device, weights) for name in streamed}
+        try:
+            import diffusers
+
+            import dlo.engine
+            from dlo.engine.hooks import HookSet
+
+            t_streamed = time.perf_counter()
+            # Every transformer of the pipeline (Wan2.2: two experts) streams through its own load, in
+            # the same mode and shard group, loaded in the same order on every rank (each load gathers
+            # its first block: the collective order starts here); then the streamed encoders.
+            self.models = {
+                name: dlo.engine.load(Path(model_dir) / name, mode=mode, device=self.device, group=group,
+                                      resident_blocks=resident_blocks, weights=weights,  # type: ignore[arg-type]
+                                      early=early.pop(name))
+                for name in streamed
+            }
+        finally:
+            for reg in early.values():  # loads that never ran (an earlier one failed)
+                if reg is not None:
+                    reg.release()
         self.model = self.models[self.facts.transformers[0]]
         # where the load time goes (the ready log): streamed models, the rest of the pipeline from its
         # files, the resident components moved to the device
-        self.load_phases: dict[str, float] = {}
-        mark = t0
+        # (imports: the cap, starting the registrations, importing diffusers while they run)
+        self.load_phases: dict[str, float] = {"imports": t_streamed - t0}
+        mark = t_streamed
 
         def phase(name: str) -> None:
             nonlocal mark
