@@ -126,22 +126,23 @@ def load(
     to overlap it with the caller's own imports); else one starts here where it can help, so that the
     driver pins the page cache while the model is built and the resident copies run at DMA speed.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
-    if resident_blocks != "auto" and (not isinstance(resident_blocks, int) or resident_blocks < 0):
-        raise ValueError(f"resident_blocks must be 'auto' or an integer >= 0, got {resident_blocks!r}")
-    t0 = time.perf_counter()
-    device = torch.device(device)
-    platform = get_platform(device)
-    # 1. parse (once per process) and build on meta, validating the checkpoint against the model
-    if early is None:
-        early = early_registration(component_dir, device, weights)
-    ckpt = early.ckpt if early is not None else cached_checkpoint(component_dir)
+    host: HostWeights | None = None
     try:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+        if resident_blocks != "auto" and (not isinstance(resident_blocks, int) or resident_blocks < 0):
+            raise ValueError(f"resident_blocks must be 'auto' or an integer >= 0, got {resident_blocks!r}")
+        t0 = time.perf_counter()
+        device = torch.device(device)
+        platform = get_platform(device)
+        # 1. parse (once per process) and build on meta, validating the checkpoint against the model
+        if early is None:
+            early = early_registration(component_dir, device, mode, weights)
+        ckpt = early.ckpt if early is not None else cached_checkpoint(component_dir)
         meta = build_meta_model(component_dir, ckpt)
         module = meta.module
         # 2. which blocks stay on the device; put them and the non-block weights there (from the
-        # registered page cache when the registration went through)
+        # registered page cache when an early registration went through)
         n_resident = _resident_count(mode, resident_blocks, ckpt, meta, platform, device, group)
         keep = spread_resident(len(meta.blocks), n_resident)
         if early is not None:
@@ -153,7 +154,6 @@ def load(
         layouts = [block_layout(ckpt, b, meta.target_dtype) for b in offloaded]
         g, r = _shard_group(mode, group)
         prefetcher = None
-        host = None
         hooks = HookSet()
         slot_bytes = 0
         if offloaded:  # the host weights adopt the registrations they use and release the rest
@@ -168,6 +168,10 @@ def load(
             )
             attach_prefetcher(prefetcher, hooks)
             slot_bytes = 2 * prefetcher.slot_bytes
+    except BaseException:
+        if host is not None:  # e.g. the slots did not fit: nothing stays registered or pinned
+            host.release()
+        raise
     finally:
         if early is not None:
             early.release()  # what no host weights adopted (all of it when every block is resident)
@@ -222,16 +226,21 @@ def _resident_count(mode: Mode, resident_blocks: int | Literal["auto"], ckpt: Ch
     return n
 
 
-def early_registration(component_dir: Path | str, device: torch.device | str,
+def early_registration(component_dir: Path | str, device: torch.device | str, mode: Mode,
                        weights: WeightsChoice = "auto") -> EarlyRegistration | None:
-    """Start registering `component_dir`'s files for DMA now (a thread), where it can help: a
-    platform that registers host memory, weights not forced into the arena, and not switched off
-    with `DLO_REGISTER_EARLY=0` (then the files are registered in order when the host weights are
-    prepared, as before). Pass the result to `load(early=...)`."""
+    """Start registering `component_dir`'s files for DMA now (a thread), where the load will keep
+    them registered: a platform that registers host memory, a streaming mode (a `resident` load
+    copies from the page cache and keeps nothing: pinning every file of it during the copies would
+    raise its host-memory peak for no measured gain), weights not forced into the arena, and not
+    switched off with `DLO_REGISTER_EARLY=0` (then the files are registered in order when the host
+    weights are prepared, as before). Pass the result to `load(early=...)`."""
     device = torch.device(device)
     platform = get_platform(device)
-    if not platform.has_streams or weights == "arena" or os.environ.get(REGISTER_EARLY_ENV, "1") == "0":
+    if (not platform.registers_host_memory or mode == "resident" or weights == "arena"
+            or os.environ.get(REGISTER_EARLY_ENV, "1") == "0"):
         return None
+    if device.index is None and device.type == "cuda":  # the thread registers under the caller's device
+        device = torch.device("cuda", torch.cuda.current_device())
     return EarlyRegistration(cached_checkpoint(component_dir), platform, device)
 
 

@@ -30,6 +30,7 @@ class Platform:
     name = "cpu"
     backend = "gloo"
     has_streams = False
+    registers_host_memory = False  # whether register_read_only can make file mappings DMA-able
 
     def device(self, local_rank: int = 0) -> torch.device:
         """This rank's device (ranks share devices round-robin), made the current one."""
@@ -92,6 +93,7 @@ class CudaPlatform(Platform):
     name = "cuda"
     backend = "nccl"
     has_streams = True
+    registers_host_memory = True
 
     def device(self, local_rank: int = 0) -> torch.device:
         dev = torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
@@ -139,14 +141,17 @@ class CudaPlatform(Platform):
     def register_read_only(self, ptr: int, nbytes: int) -> bool:
         err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_READ_ONLY)
         if int(err) != 0:
-            log.info("read-only registration refused err=%s bytes=%d: falling back to the arena", int(err), nbytes)
+            log.info("read-only registration refused err=%s bytes=%d", int(err), nbytes)
             # Clear the error so a later, unrelated CUDA check does not report it.
             getattr(torch.cuda.cudart(), "cudaGetLastError", lambda: None)()
             return False
         return True
 
     def unregister(self, ptr: int) -> None:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
+        err = torch.cuda.cudart().cudaHostUnregister(ptr)
+        if int(err) != 0:
+            log.warning("cudaHostUnregister failed err=%s ptr=%#x", int(err), ptr)
+            getattr(torch.cuda.cudart(), "cudaGetLastError", lambda: None)()
 
     def memory_peak(self, device: torch.device) -> int:
         return int(torch.cuda.max_memory_allocated(device))
@@ -177,6 +182,7 @@ class NpuPlatform(CudaPlatform):
 
     name = "npu"
     backend = "hccl"
+    registers_host_memory = False
 
     def __init__(self) -> None:
         import torch_npu  # noqa: F401  (registers torch.npu)

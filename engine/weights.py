@@ -80,7 +80,7 @@ class EarlyRegistration:
         def run() -> None:
             t0 = time.perf_counter()
             try:
-                platform.device(device.index or 0)  # the thread's current device is the rank's
+                platform.device(device.index or 0)  # the caller's device (`early_registration` resolves it)
                 for path in ckpt.files:
                     whole = ckpt.file_bytes(path)
                     if not platform.register_read_only(whole.data_ptr(), whole.numel()):
@@ -91,9 +91,11 @@ class EarlyRegistration:
                 self.problem = f"registering the page cache failed: {type(e).__name__}: {e}"
             finally:
                 self.seconds = time.perf_counter() - t0
-                log.info("early registration of %s: %d of %d files, %d bytes, %.2f s%s", ckpt.root.name,
-                         len(self.registered), len(ckpt.files), sum(n for _, n in self.registered.values()),
-                         self.seconds, f" ({self.problem})" if self.problem else "")
+                log.log(logging.WARNING if self.problem else logging.INFO,
+                        "early registration of %s: %d of %d files, %d bytes, %.2f s%s", ckpt.root.name,
+                        len(self.registered), len(ckpt.files), sum(n for _, n in self.registered.values()),
+                        self.seconds, f" ({self.problem}; the files this rank uses are registered again when "
+                                      "its host weights are prepared)" if self.problem else "")
 
         self._thread = threading.Thread(target=run, name="dlo-register", daemon=True)
         self._thread.start()
@@ -168,8 +170,7 @@ def _prepare(ckpt: Checkpoint, layouts: list[BlockLayout], target_dtype: dict[st
             hw = _register(ckpt, runs, platform, early)
             if hw is not None:
                 return hw
-            reason = early.problem if early is not None and early.problem else \
-                "the platform refused to register the file mappings"
+            reason = "the platform refused to register the file mappings"
         if prefer == "registered":
             raise RuntimeError(f"weights 'registered' not possible: {reason}")
     arena = build_arena(ckpt, layouts, target_dtype, g, r, platform)
@@ -191,11 +192,13 @@ def _register(ckpt: Checkpoint, runs: list[list[Run]], platform: Platform,
               early: EarlyRegistration | None = None) -> HostWeights | None:
     used = sorted({run.path for block in runs for run in block})
     registered: list[tuple[int, int]] = []
-    if early is not None and platform.has_streams:
-        if not early.wait():
-            return None
+    if early is not None and platform.has_streams and early.wait():
         registered = early.adopt(set(used))
     elif platform.has_streams:
+        # no early registration, or it failed (perhaps on a file this rank does not use): the files
+        # used, in order, as before
+        if early is not None:
+            early.release()
         for path in used:
             whole = ckpt.file_bytes(path)
             if not platform.register_read_only(whole.data_ptr(), whole.numel()):

@@ -41,7 +41,9 @@ class RankConfig:
     collective_timeout_s: float = 1800.0
     weights: str = "auto"  # auto | arena | registered (dlo.engine.load's host source of block bytes)
     max_device_memory: int = 0  # bytes the device allocator may hold per rank (0: no cap)
-    stream_encoders: bool = False  # the family's large text encoders stream through the engine too
+    # the family's large text encoders stream through the engine too (`dlo serve` always sets it: on
+    # unless --no-stream-text-encoders)
+    stream_encoders: bool = False
     sp: int = 1  # ranks per request (sequence parallel); the node runs dp x sp ranks
     sp_kind: str = "ulysses"  # ulysses | ring (dlo.engine.parallel)
 

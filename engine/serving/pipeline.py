@@ -70,8 +70,9 @@ class ServingPipeline:
 
         self.facts = pipeline_facts(model_dir)
         self.adapter = self.facts.adapter
-        # With `stream_encoders`, the family's large text encoders stream the same way as the
-        # transformers (their own block lists), loaded after them.
+        # With `stream_encoders` (off in process by default; `dlo serve` turns it on unless told not
+        # to), the family's large text encoders stream the same way as the transformers (their own
+        # block lists), loaded after them.
         self.encoders = self.adapter.streamable_encoders if stream_encoders and mode != "resident" else ()
         streamed = (*self.facts.transformers, *self.encoders)
         self.device = torch.device(device)
@@ -86,8 +87,10 @@ class ServingPipeline:
             log.info("device memory capped at %d bytes (%.4f of the device)", max_device_memory, fraction)
         # The driver pins the streamed models' page cache on a thread while the imports below and the
         # model builds run (they hold the GIL; the registration does not): `dlo.engine.weights`.
-        early = {name: early_registration(Path(model_dir) / name, device, weights) for name in streamed}
+        early: dict[str, Any] = {}
         try:
+            for name in streamed:
+                early[name] = early_registration(Path(model_dir) / name, self.device, mode, weights)  # type: ignore[arg-type]
             import diffusers
 
             import dlo.engine
@@ -97,14 +100,17 @@ class ServingPipeline:
             # Every transformer of the pipeline (Wan2.2: two experts) streams through its own load, in
             # the same mode and shard group, loaded in the same order on every rank (each load gathers
             # its first block: the collective order starts here); then the streamed encoders.
-            self.models = {
-                name: dlo.engine.load(Path(model_dir) / name, mode=mode, device=self.device, group=group,
-                                      resident_blocks=resident_blocks, weights=weights,  # type: ignore[arg-type]
-                                      early=early.pop(name))
-                for name in streamed
-            }
+            self.models = {}
+            for name in streamed:
+                self.models[name] = dlo.engine.load(
+                    Path(model_dir) / name, mode=mode, device=self.device, group=group,  # type: ignore[arg-type]
+                    resident_blocks=resident_blocks, weights=weights, early=early.pop(name))  # type: ignore[arg-type]
+        except BaseException:
+            for m in getattr(self, "models", {}).values():  # a later load failed: nothing stays pinned
+                m.close()
+            raise
         finally:
-            for reg in early.values():  # loads that never ran (an earlier one failed)
+            for reg in early.values():  # registrations whose load never ran (something before it failed)
                 if reg is not None:
                     reg.release()
         self.model = self.models[self.facts.transformers[0]]

@@ -18,13 +18,14 @@ from dlo.engine.weights import EarlyRegistration, prepare_host_weights
 
 
 class RecordingPlatform(Platform):
-    """The CPU platform, plus a driver that registers host ranges: it records every call and
-    refuses (or raises for) the files named."""
+    """The CPU platform, plus a driver that registers host ranges: it records every call, refuses the
+    calls numbered in `refuse` and every call from `refuse_from` on, and raises on call `fail`."""
 
     has_streams = True
+    registers_host_memory = True
 
-    def __init__(self, refuse: int | None = None, fail: int | None = None):
-        self.refuse, self.fail = refuse, fail
+    def __init__(self, refuse: set[int] = frozenset(), refuse_from: int | None = None, fail: int | None = None):
+        self.refuse, self.refuse_from, self.fail = set(refuse), refuse_from, fail
         self.live: dict[int, int] = {}  # ptr -> bytes currently registered
         self.calls = 0
 
@@ -32,7 +33,7 @@ class RecordingPlatform(Platform):
         self.calls += 1
         if self.calls == self.fail:
             raise RuntimeError("driver error")
-        if self.calls == self.refuse:
+        if self.calls in self.refuse or (self.refuse_from is not None and self.calls >= self.refuse_from):
             return False
         assert ptr not in self.live, "a range registered twice"
         self.live[ptr] = nbytes
@@ -86,20 +87,38 @@ def test_host_weights_adopt_the_early_registrations_of_their_files(sharded):
     assert platform.live == {}
 
 
-@pytest.mark.parametrize("how", ["refuse", "fail"])
-def test_a_refused_or_failed_registration_falls_back_to_the_arena_and_leaves_nothing_registered(sharded, how):
+def _used(early: EarlyRegistration, meta) -> dict[int, int]:
+    paths = {early.ckpt.tensors[k].path for b in meta.blocks for k in b.keys}
+    return {early.ckpt.file_bytes(p).data_ptr(): early.ckpt.file_bytes(p).numel() for p in paths}
+
+
+@pytest.mark.parametrize("platform_kw", [{"refuse": {2}}, {"fail": 2}])
+def test_a_failed_early_registration_registers_the_used_files_again(sharded, platform_kw):
+    """A refusal or a driver error during the early pass (maybe on a file this rank does not use)
+    costs the early start, never the registered source: the used files are registered in order."""
     meta, layouts = _layouts(sharded)
-    platform = RecordingPlatform(**{how: 2})  # the second file
+    platform = RecordingPlatform(**platform_kw)
     early = EarlyRegistration(cached_checkpoint(sharded), platform, torch.device("cpu"))
     assert not early.wait()
-    assert ("refused" in early.problem) if how == "refuse" else ("driver error" in early.problem)
+    assert ("refused" in early.problem) if "refuse" in platform_kw else ("driver error" in early.problem)
     hw = prepare_host_weights(early.ckpt, layouts, meta.target_dtype, 1, 0, platform, "auto", early)
-    assert hw.source == "arena" and hw.reason == early.problem
-    assert platform.live == {}  # the first file's registration was undone
+    assert hw.source == "registered" and platform.live == _used(early, meta)
+    hw.release()
+    assert platform.live == {}
+
+
+def test_a_platform_that_keeps_refusing_falls_back_to_the_arena_and_leaves_nothing_registered(sharded):
+    meta, layouts = _layouts(sharded)
+    platform = RecordingPlatform(refuse_from=2)  # the first file registers early, nothing after
+    early = EarlyRegistration(cached_checkpoint(sharded), platform, torch.device("cpu"))
+    hw = prepare_host_weights(early.ckpt, layouts, meta.target_dtype, 1, 0, platform, "auto", early)
+    assert hw.source == "arena" and hw.reason == "the platform refused to register the file mappings"
+    assert platform.live == {}
+    platform = RecordingPlatform(refuse_from=2)
+    early = EarlyRegistration(cached_checkpoint(sharded), platform, torch.device("cpu"))
     with pytest.raises(RuntimeError, match="not possible"):
-        prepare_host_weights(early.ckpt, layouts, meta.target_dtype, 1, 0, platform, "registered",
-                             EarlyRegistration(cached_checkpoint(sharded), RecordingPlatform(refuse=1),
-                                               torch.device("cpu")))
+        prepare_host_weights(early.ckpt, layouts, meta.target_dtype, 1, 0, platform, "registered", early)
+    assert platform.live == {}
 
 
 def test_an_arena_choice_releases_every_early_registration(sharded):
@@ -108,3 +127,38 @@ def test_an_arena_choice_releases_every_early_registration(sharded):
     early = EarlyRegistration(cached_checkpoint(sharded), platform, torch.device("cpu"))
     hw = prepare_host_weights(early.ckpt, layouts, meta.target_dtype, 1, 0, platform, "arena", early)
     assert hw.source == "arena" and platform.live == {} and platform.calls == len(early.ckpt.files)
+
+
+@pytest.mark.parametrize("mode", ["resident", "rank-local", "bogus"])
+def test_load_releases_what_it_does_not_keep_on_every_path(sharded, mode):
+    """`dlo.engine.load(early=...)`: resident keeps nothing registered, a rank-local load on cpu takes
+    the arena, and a load refused for a bad argument still releases what the caller started."""
+    from dlo.engine import load
+
+    platform = RecordingPlatform()
+    early = EarlyRegistration(cached_checkpoint(sharded), platform, torch.device("cpu"))
+    if mode == "bogus":
+        with pytest.raises(ValueError, match="mode must be"):
+            load(sharded, mode=mode, device="cpu", early=early)  # type: ignore[arg-type]
+    else:
+        m = load(sharded, mode=mode, device="cpu", early=early)  # type: ignore[arg-type]
+        assert m.report.weights_source == ("resident" if mode == "resident" else "arena")
+        m.close()
+    assert platform.live == {} and platform.calls == len(early.ckpt.files)
+
+
+def test_early_registration_starts_only_where_the_load_keeps_the_files_registered(sharded, monkeypatch):
+    import dlo.engine.offload as offload
+
+    assert offload.early_registration(sharded, "cpu", "rank-local") is None  # cpu registers nothing
+    platform = RecordingPlatform()
+    monkeypatch.setattr(offload, "get_platform", lambda device: platform)
+    assert offload.early_registration(sharded, "cpu", "resident") is None
+    assert offload.early_registration(sharded, "cpu", "allgather", "arena") is None
+    monkeypatch.setenv(offload.REGISTER_EARLY_ENV, "0")
+    assert offload.early_registration(sharded, "cpu", "allgather") is None
+    monkeypatch.delenv(offload.REGISTER_EARLY_ENV)
+    early = offload.early_registration(sharded, "cpu", "allgather")
+    assert isinstance(early, EarlyRegistration) and early.wait()
+    early.release()
+    assert platform.live == {} and platform.calls == len(early.ckpt.files)
