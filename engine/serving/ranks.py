@@ -69,6 +69,7 @@ log = logging.getLogger(__name__)
 
 # Rank 0 alone answers HTTP: the children never see the API key, not even in their environment.
 API_KEY_ENV = "DLO_API_KEY"
+READER_DRAIN_S = 2.0  # how long the monitor lets an exited rank's last messages arrive before blaming the exit
 
 __all__ = ["RankGroup", "RankState", "RankConfig", "WaveError", "free_port"]
 
@@ -79,6 +80,7 @@ class RankState:
     pid: int = 0
     proc: subprocess.Popen | None = None
     conn: Connection | None = None
+    reader: threading.Thread | None = None  # receives on `conn`; ends at end-of-file
     ready: Ready | None = None
     stats: RankStats | None = None
     last_progress: float = 0.0
@@ -128,7 +130,8 @@ class RankGroup:
                 raise WaveError(f"a rank opened the control connection with {type(hello).__name__}, not Hello")
             st = self.ranks[hello.rank]
             st.conn = conn
-            threading.Thread(target=self._reader, args=(st,), name=f"rank{st.rank}-reader", daemon=True).start()
+            st.reader = threading.Thread(target=self._reader, args=(st,), name=f"rank{st.rank}-reader", daemon=True)
+            st.reader.start()
         self.pipe = init_rank(self.cfg, 0)
         self.progress = Progress(gathers(self.pipe))
         self.pipe.tick = self.progress.tick
@@ -183,7 +186,11 @@ class RankGroup:
         for st in self.ranks[1:]:
             rc = st.proc.poll() if st.proc else None
             if rc is not None and not self.stopping:
-                self.fault(f"rank {st.rank} (pid {st.pid}) {_exit_words(rc)}")
+                if st.reader is not None:
+                    # What the rank said before it exited (a RankFailure naming the cause) is still
+                    # in the connection: its reader delivers it, then sees end-of-file, first.
+                    st.reader.join(timeout=READER_DRAIN_S)
+                self.fault(f"rank {st.rank} (pid {st.pid}) {_exit_words(rc)}")  # a no-op after the cause
                 return True
         return False
 
