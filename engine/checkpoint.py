@@ -198,7 +198,7 @@ class Checkpoint:
         (`cached_checkpoint`); never mutated, so parses may share it."""
         self.root = Path(root)
         self._maps: dict[Path, mmap.mmap] = {}
-        self._maps_lock = threading.Lock()  # load threads take views side by side: one mapping per file
+        self._maps_lock = threading.Lock()  # an early-registration thread maps files too: one mapping per file
         self.files, self.tensors = parsed if parsed is not None else self._scan()
 
     # ---- discovery and validation -------------------------------------------------------------

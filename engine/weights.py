@@ -75,27 +75,19 @@ class EarlyRegistration:
         self.platform = platform
         self.registered: dict[Path, tuple[int, int]] = {}  # path -> (pointer, bytes)
         self.problem = ""  # why not every file is registered ("" when all are)
-        self.seconds = 0.0
 
         def run() -> None:
             t0 = time.perf_counter()
             try:
                 platform.device(device.index or 0)  # the caller's device (`early_registration` resolves it)
-                for path in ckpt.files:
-                    whole = ckpt.file_bytes(path)
-                    if not platform.register_read_only(whole.data_ptr(), whole.numel()):
-                        self.problem = f"the platform refused to register {path.name}"
-                        return
-                    self.registered[path] = (whole.data_ptr(), whole.numel())
+                self.problem = _register_files(ckpt, ckpt.files, platform, self.registered)
             except Exception as e:  # reported by wait(); the load falls back as for a refusal
                 self.problem = f"registering the page cache failed: {type(e).__name__}: {e}"
-            finally:
-                self.seconds = time.perf_counter() - t0
-                log.log(logging.WARNING if self.problem else logging.INFO,
-                        "early registration of %s: %d of %d files, %d bytes, %.2f s%s", ckpt.root.name,
-                        len(self.registered), len(ckpt.files), sum(n for _, n in self.registered.values()),
-                        self.seconds, f" ({self.problem}; the files this rank uses are registered again when "
-                                      "its host weights are prepared)" if self.problem else "")
+            log.log(logging.WARNING if self.problem else logging.INFO,
+                    "early registration of %s: %d of %d files, %d bytes, %.2f s%s", ckpt.root.name,
+                    len(self.registered), len(ckpt.files), sum(n for _, n in self.registered.values()),
+                    time.perf_counter() - t0, f" ({self.problem}; the files this rank uses are registered "
+                                              "again when its host weights are prepared)" if self.problem else "")
 
         self._thread = threading.Thread(target=run, name="dlo-register", daemon=True)
         self._thread.start()
@@ -116,6 +108,18 @@ class EarlyRegistration:
         for ptr, _ in self.registered.values():
             self.platform.unregister(ptr)
         self.registered.clear()
+
+
+def _register_files(ckpt: Checkpoint, paths: list[Path], platform: Platform,
+                    into: dict[Path, tuple[int, int]]) -> str:
+    """Register whole files for DMA in order, each into `into` (path -> (pointer, bytes)) as it
+    succeeds; returns why it stopped ("" when every file is registered)."""
+    for path in paths:
+        whole = ckpt.file_bytes(path)
+        if not platform.register_read_only(whole.data_ptr(), whole.numel()):
+            return f"the platform refused to register {path.name}"
+        into[path] = (whole.data_ptr(), whole.numel())
+    return ""
 
 
 def page_cache_runs(ckpt: Checkpoint, lay: BlockLayout, g: int, r: int) -> list[Run]:
@@ -199,14 +203,14 @@ def _register(ckpt: Checkpoint, runs: list[list[Run]], platform: Platform,
         # used, in order, as before
         if early is not None:
             early.release()
-        for path in used:
-            whole = ckpt.file_bytes(path)
-            if not platform.register_read_only(whole.data_ptr(), whole.numel()):
-                for ptr, _ in registered:
-                    platform.unregister(ptr)
-                return None
-            registered.append((whole.data_ptr(), whole.numel()))
-    copies = [[(ckpt.file_bytes(run.path)[run.start : run.start + run.n], run.dst) for run in block] for block in runs]
+        done: dict[Path, tuple[int, int]] = {}
+        if _register_files(ckpt, used, platform, done):
+            for ptr, _ in done.values():
+                platform.unregister(ptr)
+            return None
+        registered = list(done.values())
+    whole = {path: ckpt.file_bytes(path) for path in used}
+    copies = [[(whole[run.path][run.start : run.start + run.n], run.dst) for run in block] for block in runs]
     hw = HostWeights(
         source="registered",
         copies=copies,

@@ -23,6 +23,7 @@ from dlo.engine.facts import Mode
 from dlo.engine.families import pipeline_facts
 from dlo.engine.serving.control import RankStats
 from dlo.engine.serving.encode import encode
+from dlo.engine.serving.timing import Laps
 from dlo.engine.serving.waves import Generation
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,10 @@ class ServingPipeline:
                  max_sequence_length: int = 512, resident_blocks: int | str = 0, weights: str = "auto",
                  parallel: Any = None, max_device_memory: int = 0, stream_encoders: bool = False):
         t0 = time.perf_counter()
+        # where the load time goes (the `phases=` of the "pipeline loaded" log): imports (with the
+        # cap and the registrations started), streamed models, the rest of the pipeline from its
+        # files, the resident components moved to the device
+        laps = Laps(t0)
         import torch
 
         from dlo.engine.offload import early_registration
@@ -88,6 +93,7 @@ class ServingPipeline:
         # The driver pins the streamed models' page cache on a thread while the imports below and the
         # model builds run (they hold the GIL; the registration does not): `dlo.engine.weights`.
         early: dict[str, Any] = {}
+        self.models: dict[str, Any] = {}
         try:
             for name in streamed:
                 early[name] = early_registration(Path(model_dir) / name, self.device, mode, weights)  # type: ignore[arg-type]
@@ -96,17 +102,16 @@ class ServingPipeline:
             import dlo.engine
             from dlo.engine.hooks import HookSet
 
-            t_streamed = time.perf_counter()
+            laps.lap("imports")
             # Every transformer of the pipeline (Wan2.2: two experts) streams through its own load, in
             # the same mode and shard group, loaded in the same order on every rank (each load gathers
             # its first block: the collective order starts here); then the streamed encoders.
-            self.models = {}
             for name in streamed:
                 self.models[name] = dlo.engine.load(
                     Path(model_dir) / name, mode=mode, device=self.device, group=group,  # type: ignore[arg-type]
                     resident_blocks=resident_blocks, weights=weights, early=early.pop(name))  # type: ignore[arg-type]
         except BaseException:
-            for m in getattr(self, "models", {}).values():  # a later load failed: nothing stays pinned
+            for m in self.models.values():  # a later load failed: nothing stays pinned
                 m.close()
             raise
         finally:
@@ -114,18 +119,7 @@ class ServingPipeline:
                 if reg is not None:
                     reg.release()
         self.model = self.models[self.facts.transformers[0]]
-        # where the load time goes (the ready log): streamed models, the rest of the pipeline from its
-        # files, the resident components moved to the device
-        # (imports: the cap, starting the registrations, importing diffusers while they run)
-        self.load_phases: dict[str, float] = {"imports": t_streamed - t0}
-        mark = t_streamed
-
-        def phase(name: str) -> None:
-            nonlocal mark
-            now = time.perf_counter()
-            self.load_phases[name], mark = now - mark, now
-
-        phase("streamed_models")
+        laps.lap("streamed_models")
         # dp x sp (`dlo.engine.parallel.ParallelGroups`): the ranks of an sp group run one request
         # together (every transformer sequence-parallel); only the group's first rank returns the output.
         from dlo.engine.parallel import enable_sequence_parallel
@@ -145,7 +139,7 @@ class ServingPipeline:
         self.pipe.set_progress_bar_config(disable=True)
         if isinstance(getattr(self.pipe, "vae", None), torch.nn.Module):
             decode_in_own_dtype(self.pipe.vae)
-        phase("from_pretrained")
+        laps.lap("from_pretrained")
         self.component_bytes: dict[str, int] = {}
         for name, comp in self.pipe.components.items():
             if name in self.models or not isinstance(comp, torch.nn.Module):
@@ -153,7 +147,7 @@ class ServingPipeline:
             comp.to(self.device)
             comp.eval()
             self.component_bytes[name] = sum(p.numel() * p.element_size() for p in comp.parameters())
-        phase("components_to_device")
+        laps.lap("components_to_device")
         # the watchdog's progress signal: one tick before every transformer block
         self.hooks = HookSet()
         from dlo.engine.families import family_of
@@ -175,8 +169,7 @@ class ServingPipeline:
         self._prompt = ""
         self.load_seconds = time.perf_counter() - t0
         log.info("pipeline loaded family=%s mode=%s device=%s components=%s seconds=%.2f phases=%s",
-                 self.facts.family, mode, self.device, self.component_bytes, self.load_seconds,
-                 {k: round(v, 2) for k, v in self.load_phases.items()})
+                 self.facts.family, mode, self.device, self.component_bytes, self.load_seconds, laps.rounded())
 
     @property
     def report(self) -> Any:

@@ -15,7 +15,6 @@ import logging
 import os
 import signal
 import threading
-import time
 from datetime import timedelta
 from multiprocessing.connection import Client
 from typing import Any, Callable
@@ -34,6 +33,7 @@ from dlo.engine.serving.control import (
     WaveAssignment,
 )
 from dlo.engine.serving.faults import FaultPlan, InjectedFault
+from dlo.engine.serving.timing import Laps
 from dlo.engine.serving.waves import Generation
 
 log = logging.getLogger(__name__)
@@ -69,28 +69,20 @@ def init_rank(cfg: RankConfig, rank: int) -> Any:
     if cfg.device == "cpu":
         # A fixed thread count keeps CPU results bit-identical whatever dp is.
         torch.set_num_threads(cfg.cpu_threads)
-    # where a rank's time goes before its pipeline load (the load's own phases follow in its log)
-    phases: dict[str, float] = {}
-    mark = time.perf_counter()
-
-    def phase(name: str) -> None:
-        nonlocal mark
-        now = time.perf_counter()
-        phases[name], mark = round(now - mark, 2), now
-
+    laps = Laps()  # where a rank's time goes before its pipeline load (the load's own phases follow)
     platform = get_platform(cfg.device)
     device = platform.device(rank)
     torch.empty(1, device=device)  # the device context is created here, not inside a later phase
-    phase("device_init")
+    laps.lap("device_init")
     dist.init_process_group(
         platform.backend, init_method=f"tcp://127.0.0.1:{cfg.master_port}", rank=rank, world_size=cfg.world,
         timeout=timedelta(seconds=cfg.collective_timeout_s),
     )
-    phase("process_group")
+    laps.lap("process_group")
     # dp x sp: the shard group is every rank (the default group); sp groups are consecutive ranks
     parallel = make_groups(Layout(cfg.dp, cfg.sp), device, cfg.sp_kind)  # type: ignore[arg-type]
-    phase("groups")
-    log.info("rank %d joined the weight plane: phases=%s", rank, phases)
+    laps.lap("groups")
+    log.info("rank %d joined the weight plane: phases=%s", rank, laps.rounded())
     pipe = ServingPipeline(cfg.model_dir, mode=cfg.mode, device=device, max_sequence_length=cfg.max_sequence_length,
                            resident_blocks=cfg.resident_blocks, weights=cfg.weights, parallel=parallel,
                            max_device_memory=cfg.max_device_memory, stream_encoders=cfg.stream_encoders)

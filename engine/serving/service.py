@@ -41,7 +41,8 @@ from dlo.engine.serving.errors import (
 from dlo.engine.serving.limits import Limits
 from dlo.engine.serving.metrics import EngineMetrics
 from dlo.engine.serving.ranks import RankGroup
-from dlo.engine.serving.threads import in_daemon_thread, process_age_seconds
+from dlo.engine.serving.threads import in_daemon_thread
+from dlo.engine.serving.timing import process_age_seconds
 from dlo.engine.serving.video_jobs import VideoRunner
 from dlo.engine.serving.videos import VideoStore
 from dlo.engine.serving.waves import Generation, Pending, WaveQueue

@@ -1,7 +1,6 @@
 """Blocking work of rank 0's event loop, run beside it: the rank group's start, waves and stop.
 
-Owns: `in_daemon_thread` (a future the loop awaits, settled from a daemon thread) and
-`process_age_seconds` (seconds since this process was created, for the ready log).
+Owns: `in_daemon_thread` (a future the loop awaits, settled from a daemon thread).
 Must never: run on a non-daemon thread - a rank stuck in a collective must never block process exit.
 """
 
@@ -9,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from typing import Any, Callable
 
 
@@ -41,9 +39,3 @@ def in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
 
     threading.Thread(target=target, name="wave", daemon=True).start()
     return fut
-
-
-def process_age_seconds() -> float:
-    import psutil
-
-    return time.time() - psutil.Process().create_time()
