@@ -45,6 +45,9 @@ RUN python3 -m venv /opt/dlo
 ENV PATH=/opt/dlo/bin:$PATH
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 COPY --from=build /src /src
+# pip writes bytecode at install (its default; never pass --no-compile here): the user below cannot
+# write it, and a start that compiles torch and diffusers from source takes twice as long to /ready
+# (docs/engine.md, "Start-up").
 RUN pip install --no-cache-dir "/src[engine]" \
     && rm -rf /src \
     && useradd --uid 10001 --user-group --no-create-home --home-dir /tmp dlo

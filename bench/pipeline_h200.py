@@ -22,7 +22,8 @@ Runs, per model (`--only wan21,flux,wan22`):
   ranks counts once) against the checkpoint bytes of the folder;
 - `serve_ready_no_warmup`: seconds to `/ready` with `--no-warmup` (the readiness claim: the load alone),
   `..._late_registration` the same with `DLO_REGISTER_EARLY=0` (the page cache registered only when
-  the host weights are prepared, not while the imports run), `serve_resident_ready_no_warmup` resident;
+  the host weights are prepared, not while the imports run), `serve_resident_ready_no_warmup` resident,
+  `..._importtime` with `PYTHONPROFILEIMPORTTIME=1` (the server's import profile in its log);
 - `serve_rank_local_partial_whole_encoder`: the headline run with `--no-stream-text-encoders`
   (UMT5-XXL / T5-XXL whole on the device instead of streamed, the default).
 
@@ -52,6 +53,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import wan_bench as wb  # noqa: E402
+from import_profile import bytecode_facts  # noqa: E402
 
 wb.ensure_dlo_importable()
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
@@ -128,26 +130,30 @@ def resident_child(model: str, request: dict, device: str) -> dict:
         with torch.inference_mode():
             return pipe(**kw)
 
-    call(2)  # warm-up at the request's size
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    t1 = time.perf_counter()
-    out = call(request["steps"])
-    if device == "cuda":
-        torch.cuda.synchronize()
-    pipeline_seconds = time.perf_counter() - t1
-    frames = np.asarray(out.frames if request["kind"] == "video" else out.images)
     # the file a user gets, with the encoder `dlo serve` uses (random weights give noise-like frames:
     # H.264 of noise costs seconds, of a natural video a fraction of that)
     from dlo.engine.serving.encode import encode_mp4, encode_png
 
-    if request["kind"] == "video":
-        encode_mp4(frames[0], 16)
-    else:
-        encode_png(frames[0])
-    seconds = time.perf_counter() - t1
+    call(2)  # warm-up at the request's size
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    timed: list[tuple[float, float]] = []  # (seconds, pipeline seconds) of each repeat
+    for _ in range(max(1, request.get("repeats", 1))):  # as many as the server's requests: the fastest of each
+        t1 = time.perf_counter()
+        out = call(request["steps"])
+        if device == "cuda":
+            torch.cuda.synchronize()
+        pipeline_seconds = time.perf_counter() - t1
+        frames = np.asarray(out.frames if request["kind"] == "video" else out.images)
+        if request["kind"] == "video":
+            encode_mp4(frames[0], 16)
+        else:
+            encode_png(frames[0])
+        timed.append((time.perf_counter() - t1, pipeline_seconds))
+    seconds, pipeline_seconds = min(timed)
     return {"seconds": round(seconds, 3), "pipeline_seconds": round(pipeline_seconds, 3),
+            "request_seconds": [round(t, 3) for t, _ in timed],
             "encode_seconds": round(seconds - pipeline_seconds, 3), "load_seconds": round(load, 2),
             "peak_device_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
             "frames_sha256": hashlib.sha256(frames.tobytes()).hexdigest()}
@@ -221,8 +227,9 @@ def serve(model: Path, request: dict, args: argparse.Namespace, name: str, *flag
 
     w, h = request["size"].split("x")
     limits = ["--small-limits"] if args.tiny else ["--max-size", str(max(int(w), int(h))), "--max-steps", "50"]
-    env = dict(f.split("=", 1) for f in flags if f.startswith("DLO_"))  # e.g. DLO_REGISTER_EARLY=0
-    flags = tuple(f for f in flags if not f.startswith("DLO_"))
+    is_env = [f.startswith(ENV_PREFIXES) and "=" in f for f in flags]  # e.g. DLO_REGISTER_EARLY=0
+    env = dict(f.split("=", 1) for f, e in zip(flags, is_env) if e)
+    flags = tuple(f for f, e in zip(flags, is_env) if not e)
     extra = [] if "--no-warmup" in flags else ["--warmup-size", request["size"]]
     log = (args.logs or args.out) / f"serve-{name}.log"
     srv = ServerProcess(model, "--device", args.device, *limits, *extra, *flags, log_path=log, env=env)
@@ -283,6 +290,7 @@ def serve(model: Path, request: dict, args: argparse.Namespace, name: str, *flag
 # Flux.1-dev at 1024x1024 computes ~0.18 s per step against ~0.46 s to stream its 23.8 GB: at 60%
 # resident the copy engine is exactly as busy as the compute and the run measured 1.134x (section 11);
 # 75% leaves the copies slack (the first guess, 45%, assumed 0.28 s per step).
+ENV_PREFIXES = ("DLO_", "PYTHON")  # a run's flags of these prefixes are its server's environment
 RESIDENT_SHARE = {"wan21": 0.25, "flux": 0.75, "wan22": 0.25}
 
 
@@ -313,6 +321,9 @@ def runs_for(key: str, args: argparse.Namespace, n_blocks: int) -> dict[str, tup
     runs["serve_ready_no_warmup_late_registration"] = (*rl, "--resident-blocks", k, "--no-warmup",
                                                        "DLO_REGISTER_EARLY=0")
     runs["serve_resident_ready_no_warmup"] = ("--mode", "resident", "--dp", "1", "--no-warmup")
+    # the same load with Python's import profile in its log (where the imports' seconds go; slower)
+    runs["serve_ready_no_warmup_importtime"] = (*rl, "--resident-blocks", k, "--no-warmup",
+                                                "PYTHONPROFILEIMPORTTIME=1")
     # the large text encoder whole on the device (the default streams it; the twin of the headline run)
     runs["serve_rank_local_partial_whole_encoder"] = (*rl, "--resident-blocks", k, "--no-stream-text-encoders")
     if args.runs:
@@ -329,7 +340,7 @@ def run_model(key: str, args: argparse.Namespace, layers: int | None, save: Any)
     rec["page_cache_warm_seconds"] = round(warm_page_cache(model), 2)
     save(rec)
     if not args.runs or "diffusers_resident" in args.runs.split(","):
-        rec["diffusers_resident"] = diffusers_resident(model, request, args.device)
+        rec["diffusers_resident"] = diffusers_resident(model, {**request, "repeats": args.requests}, args.device)
         print(f"{key} diffusers_resident: {json.dumps(rec['diffusers_resident'])[:300]}", file=sys.stderr, flush=True)
         save(rec)
     for name, flags in runs_for(key, args, rec["transformer_blocks"]).items():
@@ -346,6 +357,16 @@ def run_model(key: str, args: argparse.Namespace, layers: int | None, save: Any)
 
 def _ratio(a: Any, b: Any) -> float | None:
     return round(a / b, 4) if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
+
+
+def _bytecode_cached(rec: dict, run: dict) -> bool | None:
+    """Whether torch and diffusers had cached bytecode in the call that measured `run` (None: not recorded)."""
+    facts = rec.get("bytecode")
+    if facts and "source" in run:  # a merged record: the facts of the run's own call
+        facts = facts.get(run["source"])
+    if not run or not isinstance(facts, dict) or not all(isinstance(facts.get(p), dict) for p in ("torch", "diffusers")):
+        return None
+    return all(facts[p]["pyc_files"] > 0 for p in ("torch", "diffusers"))
 
 
 def summarize(rec: dict) -> dict:
@@ -386,6 +407,13 @@ def summarize(rec: dict) -> dict:
                                          for m, v in rec["models"].items()},
         "host_bytes_over_checkpoint": max(hosts) if hosts else None,
         "wan21_ready_seconds": run("wan21", "serve_ready_no_warmup").get("ready_seconds"),
+        # ... measured with torch's and diffusers' bytecode cached (as an image pip built has it)?
+        "wan21_ready_bytecode_cached": _bytecode_cached(rec, run("wan21", "serve_ready_no_warmup")),
+        # every such run a merge kept (the spread: start-up is CPU-bound Python, it varies by host load)
+        "wan21_ready_seconds_all": [
+            {"seconds": r.get("ready_seconds"), "bytecode_cached": _bytecode_cached(rec, r), "source": r.get("source")}
+            for m, v in rec["models"].items() if m == "wan21" for n, r in v.items()
+            if n.split("@")[0] == "serve_ready_no_warmup" and isinstance(r, dict) and "ready_seconds" in r],
         "bytes_identical_to_resident_serve": {
             # the current runs (a merge keeps replaced ones as `<name>@<file>`: other code, other bytes)
             m: len({v[n]["output_sha256"] for n in v if n.startswith("serve_") and "@" not in n
@@ -419,6 +447,7 @@ def merge(files: list[Path], stem: Path) -> dict:
         rec.setdefault("date", part["date"])
         rec["device"] = part["device"]
         rec.setdefault("commands", []).append(part["command"])
+        rec.setdefault("bytecode", {})[f.stem] = part.get("bytecode")
         for m, runs in part["models"].items():
             into = rec["models"].setdefault(m, {})
             for name, r in runs.items():
@@ -442,7 +471,7 @@ def main() -> None:
     ap.add_argument("--device", default=None, help="cuda (default), or cpu (the default with --tiny)")
     ap.add_argument("--logs", type=Path, default=None, help="folder for the servers' logs (default: --out)")
     ap.add_argument("--requests", type=int, default=2, help="requests per server: the first, then warm ones; "
-                    "`seconds` is the fastest")
+                    "`seconds` is the fastest (the diffusers baseline repeats its call as often)")
     ap.add_argument("--resident-blocks-capped", type=int, default=None,
                     help="resident blocks of the capped Wan2.1 run (default: the headline run's)")
     ap.add_argument("--runs", default="", help="comma-separated run names to keep (default: all)")
@@ -477,6 +506,9 @@ def main() -> None:
         import torch
 
         rec["device"] = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    # whether torch / diffusers / transformers import from cached bytecode (as from an image pip built)
+    # or compile from source in every process: seconds of every start-up (bench/NOTES.md section 12)
+    rec["bytecode"] = bytecode_facts()
     stem = args.out / (args.stem or (f"pipeline-h200-{date}" if not args.tiny else f"pipeline-dry-run-{date}"))
 
     def write() -> None:  # after every run: a call cut short keeps what it measured

@@ -37,6 +37,7 @@ from dlo.engine.model import MetaModel, assert_nothing_on_meta, build_meta_model
 from dlo.engine.platform import Platform, get_platform
 from dlo.engine.prefetch import OffloadedBlock, SlotPrefetcher
 from dlo.engine.report import GatherStats, LoadReport
+from dlo.engine.timing import Laps
 from dlo.engine.weights import EarlyRegistration, HostWeights, WeightsChoice, prepare_host_weights
 
 log = logging.getLogger(__name__)
@@ -133,22 +134,27 @@ def load(
         if resident_blocks != "auto" and (not isinstance(resident_blocks, int) or resident_blocks < 0):
             raise ValueError(f"resident_blocks must be 'auto' or an integer >= 0, got {resident_blocks!r}")
         t0 = time.perf_counter()
+        laps = Laps(t0)  # where the load's time goes (the `phases=` of its log line)
         device = torch.device(device)
         platform = get_platform(device)
         # 1. parse (once per process) and build on meta, validating the checkpoint against the model
         if early is None:
             early = early_registration(component_dir, device, mode, weights)
         ckpt = early.ckpt if early is not None else cached_checkpoint(component_dir)
+        laps.lap("checkpoint")
         meta = build_meta_model(component_dir, ckpt)
         module = meta.module
+        laps.lap("meta_model")
         # 2. which blocks stay on the device; put them and the non-block weights there (from the
         # registered page cache when an early registration went through)
         n_resident = _resident_count(mode, resident_blocks, ckpt, meta, platform, device, group)
         keep = spread_resident(len(meta.blocks), n_resident)
         if early is not None:
             early.wait()
+        laps.lap("registration_wait")
         resident_bytes = _place_resident(ckpt, meta, keep, device)
         _bind_aliases(meta)
+        laps.lap("resident_copies")
         # 3. the other blocks stream: host weights, the slot prefetcher, its hooks
         offloaded = [b for i, b in enumerate(meta.blocks) if i not in keep]
         layouts = [block_layout(ckpt, b, meta.target_dtype) for b in offloaded]
@@ -158,6 +164,7 @@ def load(
         slot_bytes = 0
         if offloaded:  # the host weights adopt the registrations they use and release the rest
             host = prepare_host_weights(ckpt, layouts, meta.target_dtype, g, r, platform, weights, early)
+            laps.lap("host_weights")
             blocks = [
                 OffloadedBlock(meta.block_module(b), lay, lay.shard_bytes(g)) for b, lay in zip(offloaded, layouts)
             ]
@@ -168,6 +175,7 @@ def load(
             )
             attach_prefetcher(prefetcher, hooks)
             slot_bytes = 2 * prefetcher.slot_bytes
+            laps.lap("slots")
     except BaseException:
         if host is not None:  # e.g. the slots did not fit: nothing stays registered or pinned
             host.release()
@@ -193,7 +201,7 @@ def load(
         transfer=("graph" if prefetcher._graphs is not None else "eager") if prefetcher else "none",
         model_bytes=ckpt.nbytes,
     )
-    log.info("dlo loaded %s", " ".join(f"{k}={v}" for k, v in report.to_dict().items()))
+    log.info("dlo loaded %s phases=%s", " ".join(f"{k}={v}" for k, v in report.to_dict().items()), laps.rounded())
     return OffloadedModel(module, report, prefetcher, host, ckpt, platform, device, hooks,
                           compute_dtype=_compute_dtype(meta, ckpt))
 

@@ -23,7 +23,7 @@ from dlo.engine.facts import Mode
 from dlo.engine.families import pipeline_facts
 from dlo.engine.serving.control import RankStats
 from dlo.engine.serving.encode import encode
-from dlo.engine.serving.timing import Laps
+from dlo.engine.timing import Laps
 from dlo.engine.serving.waves import Generation
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ from dlo.engine.serving.control import (
     WaveAssignment,
 )
 from dlo.engine.serving.faults import FaultPlan, InjectedFault
-from dlo.engine.serving.timing import Laps
+from dlo.engine.timing import Laps
 from dlo.engine.serving.waves import Generation
 
 log = logging.getLogger(__name__)

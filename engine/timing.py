@@ -1,0 +1,57 @@
+"""Where start-up time goes: the process's age and named laps of a load.
+
+Owns: `process_age_seconds` (seconds since this process was created, for the ready log), `Laps`
+(consecutive named intervals, for the `phases=` of the rank-join, pipeline-load and model-load log
+lines) and `uncached_bytecode` (the imported packages compiled from source in this process: the
+largest avoidable share of a start-up, for the ready log's warning).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+
+# The packages whose imports dominate a start-up (Wan2.1 on an H200 host: 15 s from source, 6 s from
+# bytecode; bench/NOTES.md section 12).
+HEAVY_PACKAGES = ("torch", "diffusers", "transformers")
+
+
+def process_age_seconds() -> float:
+    import psutil
+
+    return time.time() - psutil.Process().create_time()
+
+
+class Laps:
+    """`lap(name)` records the seconds since the previous lap (or since construction) under `name`."""
+
+    def __init__(self, start: float | None = None):
+        self.phases: dict[str, float] = {}
+        self._mark = time.perf_counter() if start is None else start
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name], self._mark = now - self._mark, now
+
+    def rounded(self) -> dict[str, float]:
+        return {k: round(v, 2) for k, v in self.phases.items()}
+
+
+def uncached_bytecode(packages: tuple[str, ...] = HEAVY_PACKAGES) -> list[str]:
+    """The imported `packages` whose bytecode this process neither found cached nor wrote: Python
+    compiled them from source and will again in every process (`PYTHONDONTWRITEBYTECODE=1`, or a
+    read-only install without `.pyc` files). Packages not imported are not reported."""
+    out = []
+    for name in packages:
+        source = getattr(sys.modules.get(name), "__file__", None)
+        if not source or not source.endswith(".py"):
+            continue
+        try:
+            cached = importlib.util.cache_from_source(source)  # honours sys.pycache_prefix
+        except NotImplementedError:  # an interpreter without bytecode caching
+            continue
+        if not os.path.exists(cached):
+            out.append(name)
+    return out

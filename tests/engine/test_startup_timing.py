@@ -1,0 +1,59 @@
+"""Start-up accounting: named laps, and which heavy packages a process compiled from source."""
+
+from __future__ import annotations
+
+import compileall
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from dlo.engine.timing import Laps, uncached_bytecode
+
+
+def test_laps_record_consecutive_intervals_in_order():
+    laps = Laps(start=0.0)
+    laps.lap("a")
+    laps.lap("b")
+    assert list(laps.phases) == ["a", "b"]
+    assert laps.phases["a"] > 0 and laps.phases["b"] >= 0
+    assert laps.rounded() == {k: round(v, 2) for k, v in laps.phases.items()}
+
+
+def _package(tmp_path: Path) -> Path:
+    pkg = tmp_path / "heavypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("X = 1\n")
+    return pkg
+
+
+def _probe(tmp_path: Path, write_bytecode: bool) -> list[str]:
+    """uncached_bytecode() of a fresh interpreter that imports `heavypkg` from tmp_path."""
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        import heavypkg
+        from dlo.engine.timing import uncached_bytecode
+        print(",".join(uncached_bytecode(("heavypkg", "not_imported_pkg"))))
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX")}
+    flags = [] if write_bytecode else ["-B"]  # -B: as PYTHONDONTWRITEBYTECODE=1
+    r = subprocess.run([sys.executable, *flags, "-c", code], capture_output=True, text=True, check=True, env=env)
+    return [x for x in r.stdout.strip().split(",") if x]
+
+
+def test_a_package_compiled_from_source_without_writing_bytecode_is_reported(tmp_path):
+    pkg = _package(tmp_path)
+    assert _probe(tmp_path, write_bytecode=False) == ["heavypkg"]  # and it will be compiled again next time
+    assert compileall.compile_dir(str(pkg), quiet=1)  # compiled at install, as pip does
+    assert _probe(tmp_path, write_bytecode=False) == []
+
+
+def test_a_process_that_writes_its_bytecode_is_not_reported(tmp_path):
+    _package(tmp_path)
+    assert _probe(tmp_path, write_bytecode=True) == []
+
+
+def test_packages_not_imported_are_not_reported():
+    assert uncached_bytecode(("a_package_nobody_imported_xyz",)) == []
