@@ -5,6 +5,9 @@ One device call = one `run` (about 2 minutes at 16 Wan2.1-14B layers on 2 H200s)
     python bench/sp_h200.py run --layers 16 --raw $OUT/raw-sp.json [--serve]
     python bench/sp_h200.py merge bench/results/raw-h200x2-sp.json --tag h200x2-sp-2026-11-30
     python bench/sp_h200.py run --tiny --device cpu --layers 3 --raw /tmp/raw-sp.json --serve   # dry run
+    # the weight gathers on their own communicator capped at 4 CTAs (against the same checkpoint)
+    python bench/sp_h200.py run --layers 40 --workloads video --configs dlo_allgather_ulysses2 \
+        --gather-max-ctas 4 --raw $OUT/raw-sp-ctas4.json   # reuses /tmp/wan14b-40
 
 `run` writes the checkpoint once (seeded, bench/wan_bench.py), then starts one process group per
 configuration, each loading the model once:
@@ -206,6 +209,8 @@ def run(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(wb.REPO))
     import torch
 
+    if args.gather_max_ctas is not None:  # the ranks inherit it (engine/parallel.py, make_groups)
+        os.environ["DLO_GATHER_MAX_CTAS"] = str(args.gather_max_ctas)
     n_dev = torch.cuda.device_count() if args.device == "cuda" else 2
     if n_dev < 2:
         raise SystemExit(f"needs 2 devices, found {n_dev}")
@@ -214,6 +219,7 @@ def run(args: argparse.Namespace) -> None:
     args.ckpt = str(ckpt)
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     result: dict = {"layers": args.layers, "tiny": args.tiny, "devices": n_dev, "sp_kind": args.sp_kind,
+                    "gather_max_ctas": args.gather_max_ctas,
                     "device_name": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
                     "model_bytes": facts.bytes, "block_bytes": facts.largest_block_bytes,
                     "nonblock_bytes": facts.nonblock_bytes, "checkpoint": written, "command": sys.argv[1:],
@@ -403,6 +409,8 @@ def main() -> None:
     r.add_argument("--serve-dim", type=int, default=256)
     r.add_argument("--serve-size", default="256x256")
     r.add_argument("--serve-steps", type=int, default=4)
+    r.add_argument("--gather-max-ctas", type=int, default=None,
+                   help="cap the weight gathers' NCCL CTAs (DLO_GATHER_MAX_CTAS for every rank; default: NCCL's choice)")
     r.add_argument("--raw", required=True, help="raw JSON to write")
     m = sub.add_parser("merge", help="raw files -> <tag>.{json,md}")
     m.add_argument("raw_files", nargs="+")

@@ -22,10 +22,19 @@ sequence with the full block weights its gathers rebuilt.
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence, TypeVar
+from typing import Any, Literal, Mapping, Sequence, TypeVar
+
+log = logging.getLogger(__name__)
 
 SP_KINDS = ("ulysses", "ring")
+# The weight gathers' NCCL communicator may use at most this many CTAs (SMs): unset, NCCL chooses.
+# With sp the gathers share the GPUs' SMs and NVLink with the compute and Ulysses' all-to-alls; a
+# block's gather needs ~9 GB/s against ~80 ms of compute, which a few CTAs carry (bench/NOTES.md
+# section 11: DLO + Ulysses-2 was 1.0079x resident Ulysses-2). Measured before it becomes a default.
+GATHER_MAX_CTAS_ENV = "DLO_GATHER_MAX_CTAS"
 SpKind = Literal["ulysses", "ring"]
 
 T = TypeVar("T")
@@ -146,12 +155,46 @@ class ParallelGroups:
     kind: SpKind = "ulysses"
     mesh: Any = None  # DeviceMesh (dp, ring, ulysses); None for sp = 1
     sp_group: Any = None  # ProcessGroup of this rank's sp group; None for sp = 1
-    shard_group: Any = None  # None: the default group (every rank of the node)
+    shard_group: Any = None  # None: the default group (every rank of the node); its own group when capped
 
     @property
     def cp_mesh(self) -> Any:
         """The 2-D (ring, ulysses) mesh of this rank's sp group, as diffusers expects it."""
         return None if self.mesh is None else self.mesh["ring", "ulysses"]
+
+
+def gather_max_ctas(environ: Mapping[str, str] = os.environ) -> int | None:
+    """The CTA cap of the weight gathers' communicator from `DLO_GATHER_MAX_CTAS` (None: NCCL's
+    choice); a value that is not an integer from 1 to 64 is refused with a message naming it."""
+    raw = environ.get(GATHER_MAX_CTAS_ENV, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or not 1 <= int(raw) <= 64:
+        raise LayoutError(f"{GATHER_MAX_CTAS_ENV} must be an integer from 1 to 64 (CTAs per weight gather), "
+                          f"got {raw!r}")
+    return int(raw)
+
+
+def _weight_plane_group(world: int, device: Any) -> Any:
+    """The shard group: None (the default group) unless the gathers' CTAs are capped, which NCCL
+    takes per communicator: then a group of every rank with that config, its communicator made
+    here (before any gather). Other backends have no such cap: the setting is logged and ignored."""
+    import torch
+    import torch.distributed as dist
+
+    cap = gather_max_ctas()
+    if cap is None or world == 1:
+        return None
+    backend = dist.get_backend()
+    if backend != "nccl":
+        log.info("%s=%d ignored: the %s backend has no CTA cap", GATHER_MAX_CTAS_ENV, cap, backend)
+        return None
+    options = dist.ProcessGroupNCCL.Options()
+    options.config.max_ctas = cap
+    group = dist.new_group(ranks=list(range(world)), pg_options=options)
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
+    log.info("weight gathers run on their own communicator capped at %d CTAs (%s)", cap, GATHER_MAX_CTAS_ENV)
+    return group
 
 
 def make_groups(layout: Layout, device: Any, kind: SpKind = "ulysses") -> ParallelGroups:
@@ -170,8 +213,9 @@ def make_groups(layout: Layout, device: Any, kind: SpKind = "ulysses") -> Parall
     if world != layout.world:
         raise LayoutError(f"the process group has {world} ranks, the layout dp {layout.dp} x sp {layout.sp} "
                           f"needs {layout.world}")
+    shard_group = _weight_plane_group(world, device)  # every rank, in this order, before the mesh's groups
     if layout.sp == 1:
-        return ParallelGroups(layout, rank, kind)
+        return ParallelGroups(layout, rank, kind, shard_group=shard_group)
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = (layout.dp, 1, layout.sp) if kind == "ulysses" else (layout.dp, layout.sp, 1)
@@ -181,7 +225,7 @@ def make_groups(layout: Layout, device: Any, kind: SpKind = "ulysses") -> Parall
     assert got == layout.sp_ranks(layout.group_of(rank)), (got, rank, layout)
     if device.index is not None or device_type == "cpu":
         dist.all_reduce(torch.zeros(1, device=device), group=sp_group)
-    return ParallelGroups(layout, rank, kind, mesh, sp_group)
+    return ParallelGroups(layout, rank, kind, mesh, sp_group, shard_group)
 
 
 def context_parallel_config(groups: ParallelGroups) -> Any:

@@ -298,7 +298,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     api_key = read_api_key(args.api_key_file)
     device = resolve_device(args.device)
-    from dlo.engine.parallel import LayoutError, check_layout, check_tokens
+    from dlo.engine.parallel import LayoutError, check_layout, check_tokens, gather_max_ctas
 
     sp = args.sp
     devices = device_count(device) if device != "cpu" else None
@@ -310,6 +310,7 @@ def main(args: argparse.Namespace) -> int:
                               "that returns the log-sum-exp); use --sp-kind ulysses")
         if warmup_size is not None:
             check_tokens(*warmup_size, facts.size_multiple, sp)
+        gather_max_ctas()  # DLO_GATHER_MAX_CTAS, read again by every rank: refused here, before any starts
     except LayoutError as e:
         print(f"dlo serve: {e}", file=sys.stderr)
         return 2

@@ -83,7 +83,8 @@ def init_rank(cfg: RankConfig, rank: int) -> Any:
     parallel = make_groups(Layout(cfg.dp, cfg.sp), device, cfg.sp_kind)  # type: ignore[arg-type]
     laps.lap("groups")
     log.info("rank %d joined the weight plane: phases=%s", rank, laps.rounded())
-    pipe = ServingPipeline(cfg.model_dir, mode=cfg.mode, device=device, max_sequence_length=cfg.max_sequence_length,
+    pipe = ServingPipeline(cfg.model_dir, mode=cfg.mode, device=device, group=parallel.shard_group,
+                           max_sequence_length=cfg.max_sequence_length,
                            resident_blocks=cfg.resident_blocks, weights=cfg.weights, parallel=parallel,
                            max_device_memory=cfg.max_device_memory, stream_encoders=cfg.stream_encoders)
     plan = FaultPlan.from_env()  # test-only; None in production

@@ -4,6 +4,7 @@ model bit-identical to one rank (gloo: Ulysses runs on cpu; ring needs cuda)."""
 
 from __future__ import annotations
 
+import re
 
 import pytest
 import torch
@@ -158,3 +159,37 @@ def test_sequence_parallel_on_the_offloaded_model_is_bit_identical_to_one_rank(t
         # idle sp groups took part in exactly the gathers of the running group's calls
         assert len({(g["gathers"], g["collective_bytes"]) for g in res}) == 1, res
         assert res[0]["gathers"] > 0
+
+
+@pytest.mark.parametrize("raw,want", [("", None), ("4", 4), (" 16 ", 16), ("1", 1), ("64", 64)])
+def test_gather_cta_cap_is_read_from_the_environment(raw, want):
+    from dlo.engine.parallel import gather_max_ctas
+
+    assert gather_max_ctas({"DLO_GATHER_MAX_CTAS": raw}) == want
+    assert gather_max_ctas({}) is None
+
+
+@pytest.mark.parametrize("raw", ["0", "65", "-2", "four", "2.5"])
+def test_a_bad_gather_cta_cap_is_refused_naming_the_variable(raw):
+    from dlo.engine.parallel import gather_max_ctas
+
+    with pytest.raises(LayoutError, match=r"DLO_GATHER_MAX_CTAS must be an integer from 1 to 64.*" + re.escape(repr(raw))):
+        gather_max_ctas({"DLO_GATHER_MAX_CTAS": raw})
+
+
+def _capped_groups(rank: int, world: int, dp: int, sp: int) -> dict:
+    import os
+
+    from dlo.engine.parallel import make_groups
+
+    os.environ["DLO_GATHER_MAX_CTAS"] = "4"
+    groups = make_groups(Layout(dp, sp), "cpu")
+    return {"shard_group": groups.shard_group, "sp_group": groups.sp_group is not None}
+
+
+@pytest.mark.parametrize("dp,sp", [(2, 1), (1, 2)])
+def test_the_cta_cap_is_ignored_where_the_backend_has_none(dp, sp):
+    """gloo has no CTAs: the gathers stay on the default group (the cap applies to NCCL only)."""
+    for res in run_ranks(dp * sp, _capped_groups, dp, sp):
+        assert res["shard_group"] is None
+        assert res["sp_group"] == (sp > 1)

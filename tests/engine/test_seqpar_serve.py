@@ -26,10 +26,15 @@ def wan(tmp_path_factory):
     (["--sp", "4", "--dp", "1"], "splits the 2 attention heads over the sp ranks: heads must be a multiple of sp"),
     (["--sp", "2", "--warmup-size", "16x16"], "1 tokens per frame"),
     (["--sp", "2", "--sp-kind", "ring"], "--sp-kind ring needs cuda"),
+    (["DLO_GATHER_MAX_CTAS=0", "--sp", "2"], "DLO_GATHER_MAX_CTAS must be an integer from 1 to 64"),
 ])
 def test_bad_sp_configuration_is_one_line_and_exit_2(wan, argv, fragment):
+    env = offline_env()
+    settings = [a for a in argv if a.startswith("DLO_")]  # environment settings, not flags
+    env.update(a.split("=", 1) for a in settings)
+    argv = [a for a in argv if a not in settings]
     r = subprocess.run([sys.executable, "-m", "dlo.cli.main", "serve", str(wan), "--device", "cpu", "--small-limits",
-                        *argv], capture_output=True, text=True, timeout=120, env=offline_env())
+                        *argv], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.startswith("dlo serve:")]
     assert len(lines) == 1 and fragment in lines[0], r.stderr[-2000:]
