@@ -12,6 +12,7 @@ the interpreter can cache bytecode where the packages live.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -35,22 +36,28 @@ from transformers import UMT5EncoderModel, AutoTokenizer
 
 
 def bytecode_facts() -> dict:
-    """Whether bytecode is cached where torch, diffusers and transformers live."""
+    """Whether bytecode is cached where torch, diffusers and transformers live (found without
+    importing them: an import here could write the bytecode it is asked about)."""
     out: dict = {"dont_write_bytecode": sys.flags.dont_write_bytecode,
                  "pycache_prefix": sys.pycache_prefix,
                  "env": {k: v for k, v in os.environ.items() if k.startswith("PYTHON")}}
     for name in ("torch", "diffusers", "transformers"):
-        try:
-            mod = __import__(name)
-        except ImportError as e:
-            out[name] = f"not importable: {e}"
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            out[name] = "not installed"
             continue
-        pkg = Path(mod.__file__).parent
-        sources = list(pkg.rglob("*.py"))
-        cached = list(pkg.rglob("__pycache__/*.pyc"))
-        out[name] = {"dir": str(pkg), "py_files": len(sources), "pyc_files": len(cached),
-                     "writable": os.access(pkg, os.W_OK)}
+        pkg = Path(list(spec.submodule_search_locations)[0])
+        out[name] = {"dir": str(pkg), "py_files": sum(1 for _ in pkg.rglob("*.py")),
+                     "pyc_files": sum(1 for _ in pkg.rglob("__pycache__/*.pyc")), "writable": os.access(pkg, os.W_OK)}
     return out
+
+
+def cached(facts: dict, package: str) -> bool | None:
+    """Bytecode cached for (nearly) every source file of `package` (None: not recorded)."""
+    f = facts.get(package) if isinstance(facts, dict) else None
+    if not isinstance(f, dict) or not f.get("py_files"):
+        return None
+    return f["pyc_files"] >= 0.9 * f["py_files"]
 
 
 def profile_once() -> tuple[float, list[tuple[str, int, int]]]:

@@ -53,7 +53,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import wan_bench as wb  # noqa: E402
-from import_profile import bytecode_facts  # noqa: E402
+from import_profile import bytecode_facts, cached  # noqa: E402
 
 wb.ensure_dlo_importable()
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
@@ -321,11 +321,11 @@ def runs_for(key: str, args: argparse.Namespace, n_blocks: int) -> dict[str, tup
     runs["serve_ready_no_warmup_late_registration"] = (*rl, "--resident-blocks", k, "--no-warmup",
                                                        "DLO_REGISTER_EARLY=0")
     runs["serve_resident_ready_no_warmup"] = ("--mode", "resident", "--dp", "1", "--no-warmup")
-    # the same load with Python's import profile in its log (where the imports' seconds go; slower)
-    runs["serve_ready_no_warmup_importtime"] = (*rl, "--resident-blocks", k, "--no-warmup",
-                                                "PYTHONPROFILEIMPORTTIME=1")
     # the large text encoder whole on the device (the default streams it; the twin of the headline run)
     runs["serve_rank_local_partial_whole_encoder"] = (*rl, "--resident-blocks", k, "--no-stream-text-encoders")
+    # the ready load with Python's import profile in its log (where the imports' seconds go; slower)
+    runs["serve_ready_no_warmup_importtime"] = (*rl, "--resident-blocks", k, "--no-warmup",
+                                                "PYTHONPROFILEIMPORTTIME=1")
     if args.runs:
         runs = {n: f for n, f in runs.items() if n in args.runs.split(",")}
     return runs
@@ -364,9 +364,8 @@ def _bytecode_cached(rec: dict, run: dict) -> bool | None:
     facts = rec.get("bytecode")
     if facts and "source" in run:  # a merged record: the facts of the run's own call
         facts = facts.get(run["source"])
-    if not run or not isinstance(facts, dict) or not all(isinstance(facts.get(p), dict) for p in ("torch", "diffusers")):
-        return None
-    return all(facts[p]["pyc_files"] > 0 for p in ("torch", "diffusers"))
+    states = [cached(facts, p) for p in ("torch", "diffusers")] if run and facts else [None]
+    return None if None in states else all(states)
 
 
 def summarize(rec: dict) -> dict:

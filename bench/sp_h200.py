@@ -5,9 +5,9 @@ One device call = one `run` (about 2 minutes at 16 Wan2.1-14B layers on 2 H200s)
     python bench/sp_h200.py run --layers 16 --raw $OUT/raw-sp.json [--serve]
     python bench/sp_h200.py merge bench/results/raw-h200x2-sp.json --tag h200x2-sp-2026-11-30
     python bench/sp_h200.py run --tiny --device cpu --layers 3 --raw /tmp/raw-sp.json --serve   # dry run
-    # the weight gathers on their own communicator capped at 4 CTAs (against the same checkpoint)
-    python bench/sp_h200.py run --layers 40 --workloads video --configs dlo_allgather_ulysses2 \
-        --gather-max-ctas 4 --raw $OUT/raw-sp-ctas4.json   # reuses /tmp/wan14b-40
+    # the same, the weight gathers also on their own communicator capped at 4 CTAs (`<config>@ctasN`)
+    python bench/sp_h200.py run --layers 40 --workloads video --raw $OUT/raw-sp-ctas.json \
+        --configs one_gpu_resident,resident_ulysses2,dlo_allgather_ulysses2,dlo_allgather_ulysses2@ctas4
 
 `run` writes the checkpoint once (seeded, bench/wan_bench.py), then starts one process group per
 configuration, each loading the model once:
@@ -15,7 +15,9 @@ configuration, each loading the model once:
 - `resident_ulysses2` (2 ranks): resident + diffusers context parallelism (Ulysses-2);
 - `dlo_allgather_ulysses2` (2 ranks): DLO allgather over both ranks (each holds half of every block)
   + Ulysses-2 on the same model: one request on both ranks;
-- `dlo_allgather_dp2` (2 ranks): DLO allgather without sp, a wave of two requests (seed 1 + rank).
+- `dlo_allgather_dp2` (2 ranks): DLO allgather without sp, a wave of two requests (seed 1 + rank);
+- `<config>@ctasN`: the same with `DLO_GATHER_MAX_CTAS=N` (the weight gathers on their own NCCL
+  communicator capped at N CTAs); the summary's `sp2_over_resident_ulysses2_video_capped` has them.
 Per configuration and workload (480p video 32,760 tokens; image-like 4,096 tokens): seconds per
 transformer call (median of >= 3 after a warm-up call), rank 0's seed-1 output against the one-GPU
 reference (bit-identical, else max abs difference and PSNR). `dlo plan` per workload and layout
@@ -59,6 +61,14 @@ CONFIGS = {
     "dlo_allgather_dp2": (2, "allgather", 1),
 }
 OUT_DIR = Path("/tmp/dlo-sp")
+
+
+def split_config(name: str) -> tuple[str, str]:
+    """`dlo_allgather_ulysses2@ctas4` -> ("dlo_allgather_ulysses2", "4"); a plain name -> (name, "")."""
+    base, _, cap = name.partition("@ctas")
+    if base not in CONFIGS or (cap and not cap.isdigit()):
+        raise SystemExit(f"unknown configuration {name!r}: one of {', '.join(CONFIGS)}, optionally @ctasN")
+    return base, cap
 mb._HANG_S = 100  # a group stuck longer than this dumps its stacks and exits (each takes well under a minute)
 
 
@@ -68,12 +78,15 @@ def rank_config(rank: int, world: int, port: int, args: argparse.Namespace, name
     from dlo.engine import load
     from dlo.engine.parallel import Layout, enable_sequence_parallel, make_groups
 
-    _, mode, sp = CONFIGS[name]
+    base, cap = split_config(name)
+    _, mode, sp = CONFIGS[base]
+    if cap:  # read by make_groups
+        os.environ["DLO_GATHER_MAX_CTAS"] = cap
     dev = mb._init(rank, world, port, args.device)
     if args.device == "cpu":
         torch.set_num_threads(1)
     layout = Layout(world // sp, sp)
-    groups = make_groups(layout, dev, args.sp_kind)
+    groups = make_groups(layout, dev, args.sp_kind, gathers=mode == "allgather")
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     mb._barrier()
@@ -209,8 +222,6 @@ def run(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(wb.REPO))
     import torch
 
-    if args.gather_max_ctas is not None:  # the ranks inherit it (engine/parallel.py, make_groups)
-        os.environ["DLO_GATHER_MAX_CTAS"] = str(args.gather_max_ctas)
     n_dev = torch.cuda.device_count() if args.device == "cuda" else 2
     if n_dev < 2:
         raise SystemExit(f"needs 2 devices, found {n_dev}")
@@ -219,7 +230,6 @@ def run(args: argparse.Namespace) -> None:
     args.ckpt = str(ckpt)
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     result: dict = {"layers": args.layers, "tiny": args.tiny, "devices": n_dev, "sp_kind": args.sp_kind,
-                    "gather_max_ctas": args.gather_max_ctas,
                     "device_name": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
                     "model_bytes": facts.bytes, "block_bytes": facts.largest_block_bytes,
                     "nonblock_bytes": facts.nonblock_bytes, "checkpoint": written, "command": sys.argv[1:],
@@ -227,7 +237,7 @@ def run(args: argparse.Namespace) -> None:
     print(f"checkpoint {ckpt}: {facts.bytes / 1e9:.1f} GB, block {facts.largest_block_bytes / 1e9:.3f} GB "
           f"({time.perf_counter() - t0:.0f} s)", flush=True)
     for name in [c for c in args.configs.split(",") if c]:  # --configs '': the serve check alone
-        world, mode, sp = CONFIGS[name]
+        world, mode, sp = CONFIGS[split_config(name)[0]]
         if sp > 1 and args.sp_kind == "ring" and args.device != "cuda":
             result["skipped"][name] = "ring attention needs cuda (an attention backend returning the log-sum-exp)"
             print(f"[{name}] skipped: {result['skipped'][name]}", flush=True)
@@ -297,9 +307,12 @@ def summarize(rec: dict) -> dict:
     s["sp2_over_resident_ulysses2_video"] = _ratio(v["dlo_allgather_ulysses2"], v["resident_ulysses2"])
     s["sp2_over_one_gpu_resident_video"] = _ratio(v["dlo_allgather_ulysses2"], v["one_gpu_resident"])
     s["resident_ulysses2_over_one_gpu_video"] = _ratio(v["resident_ulysses2"], v["one_gpu_resident"])
+    s["sp2_over_resident_ulysses2_video_capped"] = {  # DLO_GATHER_MAX_CTAS variants, same call's baseline
+        n: _ratio(_secs(rec, n, "video"), v["resident_ulysses2"]) for n in rec["runs"]
+        if "@ctas" in n and split_config(n)[0] == "dlo_allgather_ulysses2"}
     vs = rec.get("vs_one_gpu") or {}
     s["vs_one_gpu"] = vs
-    sp_vs = {n: x for n, x in vs.items() if CONFIGS[n][2] > 1}  # the sequence-parallel configurations
+    sp_vs = {n: x for n, x in vs.items() if CONFIGS[split_config(n)[0]][2] > 1}  # the sequence-parallel ones
     s["bit_identical_to_one_gpu"] = (all(c.get("bit_identical") for x in sp_vs.values() for c in x.values())
                                      if sp_vs else None)
     s["throughput_requests_per_second"] = {}
@@ -409,8 +422,6 @@ def main() -> None:
     r.add_argument("--serve-dim", type=int, default=256)
     r.add_argument("--serve-size", default="256x256")
     r.add_argument("--serve-steps", type=int, default=4)
-    r.add_argument("--gather-max-ctas", type=int, default=None,
-                   help="cap the weight gathers' NCCL CTAs (DLO_GATHER_MAX_CTAS for every rank; default: NCCL's choice)")
     r.add_argument("--raw", required=True, help="raw JSON to write")
     m = sub.add_parser("merge", help="raw files -> <tag>.{json,md}")
     m.add_argument("raw_files", nargs="+")

@@ -169,40 +169,48 @@ def gather_max_ctas(environ: Mapping[str, str] = os.environ) -> int | None:
     raw = environ.get(GATHER_MAX_CTAS_ENV, "").strip()
     if not raw:
         return None
-    if not raw.isdigit() or not 1 <= int(raw) <= 64:
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= 64:
         raise LayoutError(f"{GATHER_MAX_CTAS_ENV} must be an integer from 1 to 64 (CTAs per weight gather), "
                           f"got {raw!r}")
     return int(raw)
 
 
-def _weight_plane_group(world: int, device: Any) -> Any:
+def _weight_plane_group(world: int, device: Any, timeout: Any) -> Any:
     """The shard group: None (the default group) unless the gathers' CTAs are capped, which NCCL
-    takes per communicator: then a group of every rank with that config, its communicator made
-    here (before any gather). Other backends have no such cap: the setting is logged and ignored."""
+    takes per communicator: then a group of every rank with that config and the default group's
+    `timeout` (else torch's 10 minutes would apply), its communicator made here (before any
+    gather). Other backends have no such cap: the setting is logged and ignored."""
     import torch
     import torch.distributed as dist
 
     cap = gather_max_ctas()
-    if cap is None or world == 1:
+    if cap is None:
         return None
     backend = dist.get_backend()
-    if backend != "nccl":
-        log.info("%s=%d ignored: the %s backend has no CTA cap", GATHER_MAX_CTAS_ENV, cap, backend)
+    if backend != "nccl" or world == 1:
+        log.info("%s=%d ignored: %s", GATHER_MAX_CTAS_ENV, cap,
+                 "one rank gathers nothing" if world == 1 else f"the {backend} backend has no CTA cap")
         return None
     options = dist.ProcessGroupNCCL.Options()
     options.config.max_ctas = cap
-    group = dist.new_group(ranks=list(range(world)), pg_options=options)
-    dist.all_reduce(torch.zeros(1, device=device), group=group)
+    if timeout is not None:
+        options._timeout = timeout
+    group = dist.new_group(ranks=list(range(world)), timeout=timeout, pg_options=options)
+    if device.index is not None:  # a bare "cuda" would put every rank's all-reduce on device 0
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
     log.info("weight gathers run on their own communicator capped at %d CTAs (%s)", cap, GATHER_MAX_CTAS_ENV)
     return group
 
 
-def make_groups(layout: Layout, device: Any, kind: SpKind = "ulysses") -> ParallelGroups:
+def make_groups(layout: Layout, device: Any, kind: SpKind = "ulysses", *, gathers: bool = True,
+                timeout: Any = None) -> ParallelGroups:
     """Build this rank's groups; every rank of the default group calls it (the mesh's sub-groups
     are made collectively, in the same order everywhere). The default group must hold N ranks.
     `device`: this rank's device (or its type). For sp > 1 the sp group's communicator is made
     here with one tiny all-reduce, not lazily inside the first forward while weight gathers of the
-    shard group are in flight."""
+    shard group are in flight. `gathers`: whether the weights are gathered (allgather mode): only
+    then does `DLO_GATHER_MAX_CTAS` give the shard group a communicator of its own, with `timeout`
+    (a timedelta: the default group's)."""
     import torch
     import torch.distributed as dist
 
@@ -213,7 +221,8 @@ def make_groups(layout: Layout, device: Any, kind: SpKind = "ulysses") -> Parall
     if world != layout.world:
         raise LayoutError(f"the process group has {world} ranks, the layout dp {layout.dp} x sp {layout.sp} "
                           f"needs {layout.world}")
-    shard_group = _weight_plane_group(world, device)  # every rank, in this order, before the mesh's groups
+    # every rank, in this order, before the mesh's groups
+    shard_group = _weight_plane_group(world, device, timeout) if gathers else None
     if layout.sp == 1:
         return ParallelGroups(layout, rank, kind, shard_group=shard_group)
     from torch.distributed.device_mesh import init_device_mesh

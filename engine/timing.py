@@ -13,8 +13,8 @@ import os
 import sys
 import time
 
-# The packages whose imports dominate a start-up (Wan2.1 on an H200 host: 15 s from source, 6 s from
-# bytecode; bench/NOTES.md section 12).
+# The packages whose imports dominate a start-up (a Wan2.1 server's imports on an H200 host: 15-16 s
+# from source, ~8 s from bytecode; bench/NOTES.md section 12).
 HEAVY_PACKAGES = ("torch", "diffusers", "transformers")
 
 

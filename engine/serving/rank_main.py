@@ -79,8 +79,10 @@ def init_rank(cfg: RankConfig, rank: int) -> Any:
         timeout=timedelta(seconds=cfg.collective_timeout_s),
     )
     laps.lap("process_group")
-    # dp x sp: the shard group is every rank (the default group); sp groups are consecutive ranks
-    parallel = make_groups(Layout(cfg.dp, cfg.sp), device, cfg.sp_kind)  # type: ignore[arg-type]
+    # dp x sp: the shard group is every rank (the default group, or its own communicator when the
+    # gathers' CTAs are capped); sp groups are consecutive ranks
+    parallel = make_groups(Layout(cfg.dp, cfg.sp), device, cfg.sp_kind,  # type: ignore[arg-type]
+                           gathers=cfg.mode == "allgather", timeout=timedelta(seconds=cfg.collective_timeout_s))
     laps.lap("groups")
     log.info("rank %d joined the weight plane: phases=%s", rank, laps.rounded())
     pipe = ServingPipeline(cfg.model_dir, mode=cfg.mode, device=device, group=parallel.shard_group,

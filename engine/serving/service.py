@@ -147,13 +147,13 @@ class Engine(VideoRunner):
         log.info("engine ready mode=%s dp=%d family=%s device=%s seconds=%.1f warmup_seconds=%s startup=%s",
                  self.cfg.mode, self.cfg.dp, self.facts.family, self.cfg.device, time.perf_counter() - t0,
                  "off" if self.warmup_seconds is None else f"{self.warmup_seconds:.2f}", self.startup_seconds)
+        self._tasks.append(asyncio.create_task(self._schedule()))
         uncached = uncached_bytecode()
         if uncached:
             log.warning("%s imported from source: no cached bytecode and none written (PYTHONDONTWRITEBYTECODE=1 or "
-                        "an install without .pyc files), so every start compiles them again (measured: 15 s of "
-                        "imports instead of 6 s for Wan2.1 on an H200 host); compile them at install "
+                        "an install without .pyc files), so every start compiles them again (measured: 15-16 s of "
+                        "imports instead of ~8 s for Wan2.1 on an H200 host); compile them at install "
                         "(pip's default, or python -m compileall on site-packages)", ", ".join(uncached))
-        self._tasks.append(asyncio.create_task(self._schedule()))
 
     def warmup_generation(self) -> Generation:
         """One small request (2 steps at `--warmup-size`, else the smallest valid size), run once by every rank

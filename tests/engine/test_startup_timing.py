@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import compileall
 import os
 import subprocess
 import sys
@@ -28,25 +27,30 @@ def _package(tmp_path: Path) -> Path:
     return pkg
 
 
+# The probes' interpreters: bytecode next to the sources whatever the caller's environment says.
+ENV = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX")}
+
+
 def _probe(tmp_path: Path, write_bytecode: bool) -> list[str]:
     """uncached_bytecode() of a fresh interpreter that imports `heavypkg` from tmp_path."""
     code = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(tmp_path)!r})
         import heavypkg
+        sys.dont_write_bytecode = True  # the probe writes no bytecode of its own (dlo's tree)
         from dlo.engine.timing import uncached_bytecode
         print(",".join(uncached_bytecode(("heavypkg", "not_imported_pkg"))))
     """)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX")}
     flags = [] if write_bytecode else ["-B"]  # -B: as PYTHONDONTWRITEBYTECODE=1
-    r = subprocess.run([sys.executable, *flags, "-c", code], capture_output=True, text=True, check=True, env=env)
+    r = subprocess.run([sys.executable, *flags, "-c", code], capture_output=True, text=True, check=True, env=ENV)
     return [x for x in r.stdout.strip().split(",") if x]
 
 
 def test_a_package_compiled_from_source_without_writing_bytecode_is_reported(tmp_path):
     pkg = _package(tmp_path)
     assert _probe(tmp_path, write_bytecode=False) == ["heavypkg"]  # and it will be compiled again next time
-    assert compileall.compile_dir(str(pkg), quiet=1)  # compiled at install, as pip does
+    # compiled at install, as pip does (in an interpreter with the probes' environment)
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(pkg)], check=True, env=ENV)
     assert _probe(tmp_path, write_bytecode=False) == []
 
 
