@@ -227,9 +227,9 @@ def serve(model: Path, request: dict, args: argparse.Namespace, name: str, *flag
 
     w, h = request["size"].split("x")
     limits = ["--small-limits"] if args.tiny else ["--max-size", str(max(int(w), int(h))), "--max-steps", "50"]
-    is_env = [f.startswith(ENV_PREFIXES) and "=" in f for f in flags]  # e.g. DLO_REGISTER_EARLY=0
-    env = dict(f.split("=", 1) for f, e in zip(flags, is_env) if e)
-    flags = tuple(f for f, e in zip(flags, is_env) if not e)
+    settings = [f for f in flags if f.startswith(ENV_PREFIXES) and "=" in f]  # e.g. DLO_REGISTER_EARLY=0
+    env = dict(f.split("=", 1) for f in settings)
+    flags = tuple(f for f in flags if f not in settings)
     extra = [] if "--no-warmup" in flags else ["--warmup-size", request["size"]]
     log = (args.logs or args.out) / f"serve-{name}.log"
     srv = ServerProcess(model, "--device", args.device, *limits, *extra, *flags, log_path=log, env=env)

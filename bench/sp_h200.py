@@ -61,6 +61,7 @@ CONFIGS = {
     "dlo_allgather_dp2": (2, "allgather", 1),
 }
 OUT_DIR = Path("/tmp/dlo-sp")
+mb._HANG_S = 100  # a group stuck longer than this dumps its stacks and exits (each takes well under a minute)
 
 
 def split_config(name: str) -> tuple[str, str]:
@@ -69,7 +70,6 @@ def split_config(name: str) -> tuple[str, str]:
     if base not in CONFIGS or (cap and not cap.isdigit()):
         raise SystemExit(f"unknown configuration {name!r}: one of {', '.join(CONFIGS)}, optionally @ctasN")
     return base, cap
-mb._HANG_S = 100  # a group stuck longer than this dumps its stacks and exits (each takes well under a minute)
 
 
 def rank_config(rank: int, world: int, port: int, args: argparse.Namespace, name: str, out: str) -> None:
