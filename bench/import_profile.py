@@ -52,6 +52,16 @@ def bytecode_facts() -> dict:
     return out
 
 
+# Imported by diffusers or transformers whenever installed, and not installed in the engine image:
+# ~2 s of a Wan2.1 server's start-up on an H200 host that has them (bench/NOTES.md section 13).
+OPTIONAL_IMPORTS = ("peft", "sklearn", "scipy", "pandas", "torchvision", "onnxruntime", "accelerate")
+
+
+def optional_packages_installed() -> list[str]:
+    """Which of `OPTIONAL_IMPORTS` this interpreter would import (found without importing them)."""
+    return [name for name in OPTIONAL_IMPORTS if importlib.util.find_spec(name) is not None]
+
+
 def cached(facts: dict, package: str) -> bool | None:
     """Bytecode cached for (nearly) every source file of `package` (None: not recorded)."""
     f = facts.get(package) if isinstance(facts, dict) else None

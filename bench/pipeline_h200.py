@@ -53,7 +53,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import wan_bench as wb  # noqa: E402
-from import_profile import bytecode_facts, cached  # noqa: E402
+from import_profile import bytecode_facts, cached, optional_packages_installed  # noqa: E402
 
 wb.ensure_dlo_importable()
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
@@ -368,6 +368,14 @@ def _bytecode_cached(rec: dict, run: dict) -> bool | None:
     return None if None in states else all(states)
 
 
+def _optional_packages(rec: dict, run: dict) -> list[str] | None:
+    """The optional packages installed in the call that measured `run` (None: not recorded)."""
+    facts = rec.get("optional_packages")
+    if isinstance(facts, dict):  # a merged record: the run's own call
+        facts = facts.get(run.get("source", ""))
+    return facts
+
+
 def summarize(rec: dict) -> dict:
     def run(model: str, name: str) -> dict:
         """The model's run at full size (key without `@L<layers>`) if it has one, else the first shrunk one."""
@@ -410,14 +418,16 @@ def summarize(rec: dict) -> dict:
         "wan21_ready_bytecode_cached": _bytecode_cached(rec, run("wan21", "serve_ready_no_warmup")),
         # every such run a merge kept (the spread: start-up is CPU-bound Python, it varies by host load)
         "wan21_ready_seconds_all": [
-            {"seconds": r.get("ready_seconds"), "bytecode_cached": _bytecode_cached(rec, r), "source": r.get("source")}
+            {"seconds": r.get("ready_seconds"), "bytecode_cached": _bytecode_cached(rec, r),
+             "optional_packages": _optional_packages(rec, r), "source": r.get("source")}
             for m, v in rec["models"].items() if m == "wan21" for n, r in v.items()
             if n.split("@")[0] == "serve_ready_no_warmup" and isinstance(r, dict) and "ready_seconds" in r],
         "bytes_identical_to_resident_serve": {
             # the current runs (a merge keeps replaced ones as `<name>@<file>`: other code, other bytes)
-            m: len({v[n]["output_sha256"] for n in v if n.startswith("serve_") and "@" not in n
-                    and "output_sha256" in v[n]}) == 1
-            for m, v in rec["models"].items()},
+            m: (None if len(shas) < 2 else len(set(shas)) == 1)  # None: fewer than two runs to compare
+            for m, v in rec["models"].items()
+            for shas in [[v[n]["output_sha256"] for n in v if n.startswith("serve_") and "@" not in n
+                          and isinstance(v[n], dict) and "output_sha256" in v[n]]]},
         "peak_device_bytes": peaks,
     }
 
@@ -447,6 +457,7 @@ def merge(files: list[Path], stem: Path) -> dict:
         rec["device"] = part["device"]
         rec.setdefault("commands", []).append(part["command"])
         rec.setdefault("bytecode", {})[f.stem] = part.get("bytecode")
+        rec.setdefault("optional_packages", {})[f.stem] = part.get("optional_packages")
         for m, runs in part["models"].items():
             into = rec["models"].setdefault(m, {})
             for name, r in runs.items():
@@ -508,6 +519,7 @@ def main() -> None:
     # whether torch / diffusers / transformers import from cached bytecode (as from an image pip built)
     # or compile from source in every process: seconds of every start-up (bench/NOTES.md section 12)
     rec["bytecode"] = bytecode_facts()
+    rec["optional_packages"] = optional_packages_installed()  # imported when present; the image has none
     stem = args.out / (args.stem or (f"pipeline-h200-{date}" if not args.tiny else f"pipeline-dry-run-{date}"))
 
     def write() -> None:  # after every run: a call cut short keeps what it measured

@@ -8,6 +8,9 @@ One device call = one `run` (about 2 minutes at 16 Wan2.1-14B layers on 2 H200s)
     # the same, the weight gathers also on their own communicator capped at 4 CTAs (`<config>@ctasN`)
     python bench/sp_h200.py run --layers 40 --workloads video --raw $OUT/raw-sp-ctas.json \
         --configs one_gpu_resident,resident_ulysses2,dlo_allgather_ulysses2,dlo_allgather_ulysses2@ctas4
+    # the engine's overlapped exchanges (@overlap) against diffusers' Ulysses, same call
+    python bench/sp_h200.py run --layers 40 --workloads video --raw $OUT/raw-sp-overlap.json \
+        --configs one_gpu_resident,resident_ulysses2,resident_ulysses2@overlap,dlo_allgather_ulysses2,dlo_allgather_ulysses2@overlap
 
 `run` writes the checkpoint once (seeded, bench/wan_bench.py), then starts one process group per
 configuration, each loading the model once:
@@ -18,6 +21,12 @@ configuration, each loading the model once:
 - `dlo_allgather_dp2` (2 ranks): DLO allgather without sp, a wave of two requests (seed 1 + rank);
 - `<config>@ctasN`: the same with `DLO_GATHER_MAX_CTAS=N` (the weight gathers on their own NCCL
   communicator capped at N CTAs); the summary's `sp2_over_resident_ulysses2_video_capped` has them.
+- `<config>@overlap`: Wan's self-attention exchanging q/k/v while it projects (dlo.engine.ulysses,
+  `DLO_ULYSSES_OVERLAP=1`) instead of diffusers' Ulysses (plain names; summary
+  `overlap_over_default_video`). Two raw files of 2026-11-30 ran while it was the default (`@stock`
+  then meant diffusers'); `merge` reads them under today's names (`normalized`).
+`--profile` adds one call per configuration under the torch profiler: device ms per kernel
+category in the raw record, each rank's top kernels in `profile-*.txt` beside it.
 Per configuration and workload (480p video 32,760 tokens; image-like 4,096 tokens): seconds per
 transformer call (median of >= 3 after a warm-up call), rank 0's seed-1 output against the one-GPU
 reference (bit-identical, else max abs difference and PSNR). `dlo plan` per workload and layout
@@ -64,12 +73,44 @@ OUT_DIR = Path("/tmp/dlo-sp")
 mb._HANG_S = 100  # a group stuck longer than this dumps its stacks and exits (each takes well under a minute)
 
 
-def split_config(name: str) -> tuple[str, str]:
-    """`dlo_allgather_ulysses2@ctas4` -> ("dlo_allgather_ulysses2", "4"); a plain name -> (name, "")."""
-    base, _, cap = name.partition("@ctas")
-    if base not in CONFIGS or (cap and not cap.isdigit()):
-        raise SystemExit(f"unknown configuration {name!r}: one of {', '.join(CONFIGS)}, optionally @ctasN")
-    return base, cap
+def split_config(name: str) -> tuple[str, str, bool]:
+    """`<config>[@overlap][@ctasN]` -> (config, N or "", overlap): `dlo_allgather_ulysses2@ctas4` ->
+    ("dlo_allgather_ulysses2", "4", False); `@overlap`: Wan's self-attention exchanging q/k/v while
+    it projects (dlo.engine.ulysses, `DLO_ULYSSES_OVERLAP=1`) instead of diffusers' Ulysses."""
+    base, *tags = name.split("@")
+    cap, overlap, bad = "", False, base not in CONFIGS
+    for t in tags:
+        if t == "overlap":
+            overlap = True
+        elif t.startswith("ctas") and t[4:].isdigit():
+            cap = t[4:]
+        else:
+            bad = True
+    if bad:
+        raise SystemExit(f"unknown configuration {name!r}: one of {', '.join(CONFIGS)}, optionally @overlap, @ctasN")
+    return base, cap, overlap
+
+
+def normalized(rec: dict) -> dict:
+    """A raw record under today's names. Two calls of 2026-11-30 (`ulysses_overlapped_unless_stock` in
+    their raw files) ran while the overlapped exchanges were the default: their plain sequence-parallel
+    names were overlapped and `@stock` was diffusers' Ulysses, which plain names are now."""
+    if not rec.get("ulysses_overlapped_unless_stock"):
+        return rec
+
+    def rename(n: str) -> str:
+        base, *tags = n.split("@")
+        if "stock" in tags:
+            tags.remove("stock")
+        elif CONFIGS[base][2] > 1:
+            tags.insert(0, "overlap")
+        return "@".join([base, *tags])
+
+    out = {k: v for k, v in rec.items() if k != "ulysses_overlapped_unless_stock"}
+    out["runs"] = {rename(n): r for n, r in rec["runs"].items()}
+    out["vs_one_gpu"] = {rename(n): x for n, x in (rec.get("vs_one_gpu") or {}).items()}
+    out["renamed"] = {n: rename(n) for n in rec["runs"] if rename(n) != n}
+    return out
 
 
 def rank_config(rank: int, world: int, port: int, args: argparse.Namespace, name: str, out: str) -> None:
@@ -78,7 +119,7 @@ def rank_config(rank: int, world: int, port: int, args: argparse.Namespace, name
     from dlo.engine import load
     from dlo.engine.parallel import Layout, enable_sequence_parallel, make_groups
 
-    base, cap = split_config(name)
+    base, cap, overlap = split_config(name)
     _, mode, sp = CONFIGS[base]
     if cap:  # read by make_groups
         os.environ["DLO_GATHER_MAX_CTAS"] = cap
@@ -92,7 +133,7 @@ def rank_config(rank: int, world: int, port: int, args: argparse.Namespace, name
     mb._barrier()
     t0 = time.perf_counter()
     m = load(args.ckpt, mode=mode, device=dev, group=groups.shard_group)
-    cp = enable_sequence_parallel(m.module, groups, dev)
+    cp = enable_sequence_parallel(m.module, groups, dev, overlap=overlap)
     mb._sync(dev)
     mb._barrier()
     if rank == 0:
@@ -117,9 +158,55 @@ def rank_config(rank: int, world: int, port: int, args: argparse.Namespace, name
             "seconds": statistics.median(times), "all": times, "sha256_seed1": wb.sha256_of(out_t) if rank == 0 else None,
             "peak_device_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
         }
+        if args.profile:  # one more call, after the timed ones: where this rank's device time goes
+            res["workloads"][w]["profile"] = _profiled(call, dev, Path(args.raw).parent / f"profile-{name}-{w}-rank{rank}.txt")
     mb._gather_results(res, world, rank, out)
     m.close()
     mb._leave(rank)
+
+
+# Kernel name fragments -> category (first match wins; lower case). The categories split one call's
+# device time into what Ulysses adds (all-to-alls, the permutes around them) and what it divides.
+KERNEL_CATEGORIES = (
+    ("nccl_gather", ("allgather",)),
+    ("nccl_all_to_all", ("sendrecv", "alltoall")),
+    ("nccl_other", ("nccl",)),
+    ("attention", ("flash", "fmha", "sdpa", "attention")),
+    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas")),
+    ("copy", ("memcpy", "copy", "cat", "transpose", "permute")),
+    ("elementwise", ("elementwise", "reduce", "norm", "softmax", "vectorized")),
+)
+
+
+def kernel_category(name: str) -> str:
+    low = name.lower()
+    return next((cat for cat, frags in KERNEL_CATEGORIES if any(f in low for f in frags)), "other")
+
+
+def _profiled(fn, dev, table: Path) -> dict:
+    """One call under the torch profiler: device milliseconds per kernel category and the call's wall
+    milliseconds; the top kernels' table goes to `table` beside the raw file."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    mb._sync(dev)
+    mb._barrier()
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        fn()
+        mb._sync(dev)
+    wall = time.perf_counter() - t0
+    by_cat: dict[str, float] = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", 0) or 0
+        if us and e.device_type == torch.autograd.DeviceType.CUDA:
+            cat = kernel_category(e.key)
+            by_cat[cat] = by_cat.get(cat, 0.0) + us / 1e3
+    table.parent.mkdir(parents=True, exist_ok=True)
+    table.write_text(prof.key_averages().table(sort_by="self_device_time_total" if dev.type == "cuda"
+                                               else "self_cpu_time_total", row_limit=40, max_name_column_width=90))
+    return {"wall_ms": wall * 1e3, "device_ms": {k: round(v, 3) for k, v in sorted(by_cat.items())}}
 
 
 def _timed_last(fn, dev, iters: int) -> tuple[list[float], object]:
@@ -302,11 +389,17 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def summarize(rec: dict) -> dict:
-    s: dict = {"seconds_per_call": {w: {n: _secs(rec, n, w) for n in CONFIGS} for w in ("video", "image")}}
+    names = [*CONFIGS, *(n for n in rec["runs"] if "@" in n)]  # the variants after the base configurations
+    s: dict = {"seconds_per_call": {w: {n: _secs(rec, n, w) for n in names} for w in ("video", "image")}}
     v = s["seconds_per_call"]["video"]
     s["sp2_over_resident_ulysses2_video"] = _ratio(v["dlo_allgather_ulysses2"], v["resident_ulysses2"])
     s["sp2_over_one_gpu_resident_video"] = _ratio(v["dlo_allgather_ulysses2"], v["one_gpu_resident"])
     s["resident_ulysses2_over_one_gpu_video"] = _ratio(v["resident_ulysses2"], v["one_gpu_resident"])
+    # the engine's overlapped exchanges (`@overlap`) against diffusers' Ulysses, same call
+    s["overlap_over_default_video"] = {
+        b: _ratio(_secs(rec, f"{b}@overlap", "video"), v[b]) for b in CONFIGS if f"{b}@overlap" in rec["runs"]}
+    s["variants_over_one_gpu_video"] = {n: _ratio(_secs(rec, n, "video"), v["one_gpu_resident"])
+                                        for n in rec["runs"] if "@" in n}
     s["sp2_over_resident_ulysses2_video_capped"] = {  # DLO_GATHER_MAX_CTAS variants, same call's baseline
         n: _ratio(_secs(rec, n, "video"), v["resident_ulysses2"]) for n in rec["runs"]
         if "@ctas" in n and split_config(n)[0] == "dlo_allgather_ulysses2"}
@@ -357,7 +450,7 @@ def summarize(rec: dict) -> dict:
 
 
 def merge(args: argparse.Namespace) -> None:
-    raws = [json.loads(Path(p).read_text()) for p in args.raw_files]
+    raws = [normalized(json.loads(Path(p).read_text())) for p in args.raw_files]
     rec = dict(raws[0])
     rec["sources"] = [str(p) for p in args.raw_files]
     for r in raws[1:]:
@@ -394,11 +487,14 @@ def _markdown(rec: dict, args: argparse.Namespace) -> str:
     lines += [""]
     for k in ("sp2_over_resident_ulysses2_video", "sp2_over_one_gpu_resident_video",
               "resident_ulysses2_over_one_gpu_video", "bit_identical_to_one_gpu", "image_sp2_over_dp2_wave",
-              "video_sp2_over_dp2_wave", "serve_bytes_identical_sp2_sp1", "skipped"):
-        if k in s:
+              "video_sp2_over_dp2_wave", "serve_bytes_identical_sp2_sp1", "overlap_over_default_video",
+              "variants_over_one_gpu_video", "sp2_over_resident_ulysses2_video_capped", "skipped"):
+        if k in s and s[k] != {}:
             lines.append(f"- `{k}`: {s[k]}")
+    if rec.get("renamed"):
+        lines.append(f"- runs renamed from the call's names (`normalized`): {rec['renamed']}")
     if s["policy"]:
-        lines += ["", "Layout (`dlo plan` allgather estimates per layout for the 40-block model on this node; sp2 "
+        lines += ["", f"Layout (`dlo plan` allgather estimates per layout for the {rec['layers']}-block model on this node; sp2 "
                   f"while its throughput is within {SP_THROUGHPUT_TOLERANCE:.0%} of dp2's) vs the measured winner:", ""]
         for k, v in s["policy"].items():
             lines.append(f"- {k}: measured {v['measured_winner']}, plan {v['plan']} "
@@ -411,7 +507,7 @@ def main() -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="one device call: checkpoint once, one process group per configuration")
     r.add_argument("--layers", type=int, default=16)
-    r.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
+    r.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}, each optionally @overlap (DLO_ULYSSES_OVERLAP=1) and @ctasN")
     r.add_argument("--workloads", default="video,image")
     r.add_argument("--sp-kind", default="ulysses", choices=("ulysses", "ring"))
     r.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -422,6 +518,9 @@ def main() -> None:
     r.add_argument("--serve-dim", type=int, default=256)
     r.add_argument("--serve-size", default="256x256")
     r.add_argument("--serve-steps", type=int, default=4)
+    r.add_argument("--profile", action="store_true",
+                   help="one more call per configuration under the torch profiler: device ms per kernel "
+                        "category in the raw record, each rank's top kernels in profile-*.txt beside it")
     r.add_argument("--raw", required=True, help="raw JSON to write")
     m = sub.add_parser("merge", help="raw files -> <tag>.{json,md}")
     m.add_argument("raw_files", nargs="+")

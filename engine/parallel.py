@@ -35,6 +35,7 @@ SP_KINDS = ("ulysses", "ring")
 # block's gather needs ~9 GB/s against ~80 ms of compute, which a few CTAs carry (bench/NOTES.md
 # section 11: DLO + Ulysses-2 was 1.0079x resident Ulysses-2). Measured before it becomes a default.
 GATHER_MAX_CTAS_ENV = "DLO_GATHER_MAX_CTAS"
+ULYSSES_OVERLAP_ENV = "DLO_ULYSSES_OVERLAP"
 SpKind = Literal["ulysses", "ring"]
 
 T = TypeVar("T")
@@ -247,10 +248,24 @@ def context_parallel_config(groups: ParallelGroups) -> Any:
     return ContextParallelConfig(ring_degree=sp, mesh=groups.cp_mesh)
 
 
-def enable_sequence_parallel(module: Any, groups: ParallelGroups, device: Any) -> bool:
+def ulysses_overlap(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether Wan's self-attention exchanges q/k/v overlapped with its projections
+    (`dlo.engine.ulysses`) instead of through diffusers' Ulysses: only when `DLO_ULYSSES_OVERLAP`
+    is 1. Off by default: on two H200s it gained 0.4-0.6% on the resident model and nothing or
+    worse with streamed weights, whose gathers then meet the exchanges (bench/NOTES.md section 13)."""
+    raw = environ.get(ULYSSES_OVERLAP_ENV, "0").strip()
+    if raw not in ("0", "1"):
+        raise LayoutError(f"{ULYSSES_OVERLAP_ENV} must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
+def enable_sequence_parallel(module: Any, groups: ParallelGroups, device: Any, *,
+                             overlap: bool | None = None) -> bool:
     """Turn on diffusers' context parallelism on `module` over this rank's sp group (no-op for
     sp = 1); True if it did. Ring attention needs a backend that returns the log-sum-exp (the
-    native one does not): on cuda it runs through `_native_cudnn`."""
+    native one does not): on cuda it runs through `_native_cudnn`. `overlap` (default
+    `ulysses_overlap()`, off): with Ulysses, Wan's self-attention exchanges q/k/v while it
+    projects (`dlo.engine.ulysses`; the same bytes as diffusers' path)."""
     import torch
 
     if groups.layout.sp == 1:
@@ -263,6 +278,13 @@ def enable_sequence_parallel(module: Any, groups: ParallelGroups, device: Any) -
         module.set_attention_backend("_native_cudnn")
     with _accelerator_count_for(device):
         module.enable_parallelism(config=context_parallel_config(groups))
+    if groups.kind == "ulysses" and (ulysses_overlap() if overlap is None else overlap):
+        from dlo.engine.ulysses import overlap_ulysses
+
+        n = overlap_ulysses(module, groups.sp_group, groups.layout.sp)
+        if n:
+            log.info("sp: %d Wan attention processors exchange q/k/v while projecting (%s=1)",
+                     n, ULYSSES_OVERLAP_ENV)
     return True
 
 

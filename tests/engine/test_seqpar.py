@@ -105,17 +105,18 @@ def _inputs(seed: int) -> dict:
                 encoder_hidden_states=torch.randn(1, 7, 32, generator=gen), return_dict=False)
 
 
-def _ranks(rank: int, world: int, path: str, dp: int, sp: int, mode: str) -> dict:
+def _ranks(rank: int, world: int, path: str, dp: int, sp: int, mode: str, overlap: bool | None = None) -> dict:
     import torch.distributed as dist
 
     import dlo.engine
     from dlo.engine.parallel import enable_sequence_parallel, make_groups
+    from dlo.engine.ulysses import overlapped_calls
 
     torch.set_num_threads(1)
     lay = Layout(dp, sp)
     groups = make_groups(lay, "cpu")
     model = dlo.engine.load(path, mode=mode, device="cpu", group=groups.shard_group)
-    enabled = enable_sequence_parallel(model.module, groups, "cpu")
+    enabled = enable_sequence_parallel(model.module, groups, "cpu", overlap=overlap)
     out = None
     d = lay.group_of(rank)
     calls = 2
@@ -127,7 +128,8 @@ def _ranks(rank: int, world: int, path: str, dp: int, sp: int, mode: str) -> dic
     st = model.stats()
     sp_ranks = sorted(dist.get_process_group_ranks(groups.sp_group)) if groups.sp_group is not None else [rank]
     return {"out": out, "gathers": st.gathers, "collective_bytes": st.collective_bytes, "g": model.report.shard_group_size,
-            "r": model.report.rank, "sp_ranks": sp_ranks, "enabled": enabled}
+            "r": model.report.rank, "sp_ranks": sp_ranks, "enabled": enabled,
+            "overlapped": overlapped_calls(model.module)}
 
 
 def _one_rank(rank: int, world: int, path: str) -> list:
@@ -139,14 +141,21 @@ def _one_rank(rank: int, world: int, path: str) -> list:
         return [model.module(**_inputs(s))[0] for s in range(2)]
 
 
-@pytest.mark.parametrize("dp,sp,mode", [(1, 2, "allgather"), (2, 2, "allgather"), (1, 2, "resident"),
-                                        (1, 2, "rank-local")])
-def test_sequence_parallel_on_the_offloaded_model_is_bit_identical_to_one_rank(tiny, dp, sp, mode):
+@pytest.mark.parametrize("dp,sp,mode,overlap", [(1, 2, "allgather", None), (2, 2, "allgather", None),
+                                                (1, 2, "resident", None), (1, 2, "rank-local", None),
+                                                (1, 2, "allgather", True), (2, 2, "allgather", True),
+                                                (1, 4, "resident", True)])
+def test_sequence_parallel_on_the_offloaded_model_is_bit_identical_to_one_rank(tiny, dp, sp, mode, overlap):
+    """`overlap` None: the default, diffusers' own Ulysses; True: Wan's self-attention exchanging
+    q/k/v while it projects (dlo.engine.ulysses). Both are bit-identical to one rank."""
     ref = run_ranks(1, _one_rank, tiny)[0]
-    res = run_ranks(dp * sp, _ranks, tiny, dp, sp, mode)
+    res = run_ranks(dp * sp, _ranks, tiny, dp, sp, mode, overlap)
     lay = Layout(dp, sp)
     for r, got in enumerate(res):
         assert got["enabled"] is True
+        runs = lay.group_of(r) == 0
+        # every block's self-attention of both calls took the overlapped path, on the running ranks only
+        assert (got["overlapped"] > 0) == (overlap is True and runs), got["overlapped"]
         assert got["sp_ranks"] == lay.sp_ranks(lay.group_of(r))
         if mode == "allgather":
             assert (got["g"], got["r"]) == (dp * sp, r), "the shard group must span every rank of the node"
@@ -159,6 +168,15 @@ def test_sequence_parallel_on_the_offloaded_model_is_bit_identical_to_one_rank(t
         # idle sp groups took part in exactly the gathers of the running group's calls
         assert len({(g["gathers"], g["collective_bytes"]) for g in res}) == 1, res
         assert res[0]["gathers"] > 0
+
+
+@pytest.mark.parametrize("raw,want", [(None, False), ("0", False), ("1", True), (" 1 ", True)])
+def test_ulysses_overlap_is_off_unless_the_environment_says_1(raw, want):
+    from dlo.engine.parallel import ulysses_overlap
+
+    assert ulysses_overlap({} if raw is None else {"DLO_ULYSSES_OVERLAP": raw}) is want
+    with pytest.raises(LayoutError, match=r"DLO_ULYSSES_OVERLAP must be 0 or 1, got 'yes'"):
+        ulysses_overlap({"DLO_ULYSSES_OVERLAP": "yes"})
 
 
 @pytest.mark.parametrize("raw,want", [("", None), ("4", 4), (" 16 ", 16), ("1", 1), ("64", 64)])

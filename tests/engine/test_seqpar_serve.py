@@ -27,6 +27,7 @@ def wan(tmp_path_factory):
     (["--sp", "2", "--warmup-size", "16x16"], "1 tokens per frame"),
     (["--sp", "2", "--sp-kind", "ring"], "--sp-kind ring needs cuda"),
     (["DLO_GATHER_MAX_CTAS=0", "--sp", "2"], "DLO_GATHER_MAX_CTAS must be an integer from 1 to 64"),
+    (["DLO_ULYSSES_OVERLAP=yes", "--sp", "2"], "DLO_ULYSSES_OVERLAP must be 0 or 1, got 'yes'"),
 ])
 def test_bad_sp_configuration_is_one_line_and_exit_2(wan, argv, fragment):
     env = offline_env()
@@ -47,12 +48,20 @@ def _image(client: OpenAI, seed: int, size: str = "64x64") -> bytes:
     return base64.b64decode(r.data[0].b64_json or "")
 
 
-def test_dp2_sp2_serves_the_bytes_of_resident_dp1_in_waves(wan, tmp_path):
-    seeds = [11, 12]
+SEEDS = [11, 12]
+
+
+@pytest.fixture(scope="module")
+def expected(wan, tmp_path_factory):
+    """The resident dp1 server's bytes per seed: what every sp layout must serve."""
     with ServerProcess(wan, "--dp", "1", "--mode", "resident", "--device", "cpu", "--small-limits",
-                       log_path=tmp_path / "dp1.log") as ref:
+                       log_path=tmp_path_factory.mktemp("ref") / "dp1.log") as ref:
         client = OpenAI(base_url=ref.url + "/v1", api_key="unused", max_retries=0)
-        expected = {s: sha(_image(client, s)) for s in seeds}
+        return {s: sha(_image(client, s)) for s in SEEDS}
+
+
+def test_dp2_sp2_serves_the_bytes_of_resident_dp1_in_waves(wan, expected, tmp_path):
+    seeds = SEEDS
     with ServerProcess(wan, "--dp", "2", "--sp", "2", "--mode", "allgather", "--device", "cpu", "--small-limits",
                        "--wave-window-ms", "800", "--progress-timeout", "120", log_path=tmp_path / "sp.log") as srv:
         info = srv.ready_info()
@@ -73,3 +82,17 @@ def test_dp2_sp2_serves_the_bytes_of_resident_dp1_in_waves(wan, tmp_path):
         with pytest.raises(openai.BadRequestError, match="tokens per frame"):
             _image(client, 1, size="16x16")
     assert srv.proc is not None and srv.proc.returncode == 0
+
+
+def test_overlapped_ulysses_serves_the_same_bytes(wan, expected, tmp_path):
+    """DLO_ULYSSES_OVERLAP=1 reaches every rank: Wan's self-attention exchanges while it projects
+    (dlo.engine.ulysses), and the bytes are the resident dp1 server's."""
+    env = offline_env()
+    env["DLO_ULYSSES_OVERLAP"] = "1"
+    log = tmp_path / "sp2.log"
+    with ServerProcess(wan, "--dp", "1", "--sp", "2", "--mode", "allgather", "--device", "cpu", "--small-limits",
+                       "--progress-timeout", "120", log_path=log, env=env) as srv:
+        client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        assert [sha(_image(client, s)) for s in SEEDS] == [expected[s] for s in SEEDS]
+    text = log.read_text()
+    assert text.count("exchange q/k/v while projecting (DLO_ULYSSES_OVERLAP=1)") == 2, text[-3000:]  # both ranks

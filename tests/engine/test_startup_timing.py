@@ -61,3 +61,16 @@ def test_a_process_that_writes_its_bytecode_is_not_reported(tmp_path):
 
 def test_packages_not_imported_are_not_reported():
     assert uncached_bytecode(("a_package_nobody_imported_xyz",)) == []
+
+
+def test_process_age_lies_between_what_the_parent_saw():
+    """The age a process reports is at least the time it slept and at most the time its parent saw
+    pass from before the start to after the answer (to the clock tick: 10 ms)."""
+    import time
+
+    code = "import time; time.sleep(0.5); from dlo.engine.timing import process_age_seconds; print(process_age_seconds())"
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    seen = time.monotonic() - t0
+    age = float(out.stdout)
+    assert 0.5 - 0.011 <= age <= seen + 0.011, (age, seen)
