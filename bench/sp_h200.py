@@ -86,8 +86,11 @@ def split_config(name: str) -> tuple[str, str, bool]:
             cap = t[4:]
         else:
             bad = True
-    if bad:
-        raise SystemExit(f"unknown configuration {name!r}: one of {', '.join(CONFIGS)}, optionally @overlap, @ctasN")
+    # one spelling per configuration (it keys the record): @overlap before @ctasN, @overlap only with sp
+    canonical = "@".join([base, *(["overlap"] if overlap else []), *([f"ctas{cap}"] if cap else [])])
+    if bad or name != canonical or (overlap and CONFIGS[base][2] == 1):
+        raise SystemExit(f"unknown configuration {name!r}: one of {', '.join(CONFIGS)}, optionally @overlap "
+                         "(sequence-parallel ones) then @ctasN")
     return base, cap, overlap
 
 
@@ -107,8 +110,8 @@ def normalized(rec: dict) -> dict:
         return "@".join([base, *tags])
 
     out = {k: v for k, v in rec.items() if k != "ulysses_overlapped_unless_stock"}
-    out["runs"] = {rename(n): r for n, r in rec["runs"].items()}
-    out["vs_one_gpu"] = {rename(n): x for n, x in (rec.get("vs_one_gpu") or {}).items()}
+    for key in ("runs", "vs_one_gpu", "seconds", "skipped"):  # every map keyed by configuration
+        out[key] = {(rename(n) if n.split("@")[0] in CONFIGS else n): x for n, x in (rec.get(key) or {}).items()}
     out["renamed"] = {n: rename(n) for n in rec["runs"] if rename(n) != n}
     return out
 
@@ -200,7 +203,10 @@ def _profiled(fn, dev, table: Path) -> dict:
     by_cat: dict[str, float] = {}
     for e in prof.key_averages():
         us = getattr(e, "self_device_time_total", 0) or 0
-        if us and e.device_type == torch.autograd.DeviceType.CUDA:
+        # kernels and copies only: ranges annotated on the device (`dlo::block`, `nccl:all_to_all`)
+        # span kernels already counted (the records of 2026-11-30 count them under `other` and `nccl_other`)
+        annotation = getattr(e, "is_user_annotation", False) or e.key.startswith("nccl:")
+        if us and e.device_type == torch.autograd.DeviceType.CUDA and not annotation:
             cat = kernel_category(e.key)
             by_cat[cat] = by_cat.get(cat, 0.0) + us / 1e3
     table.parent.mkdir(parents=True, exist_ok=True)
@@ -395,7 +401,7 @@ def summarize(rec: dict) -> dict:
     s["sp2_over_resident_ulysses2_video"] = _ratio(v["dlo_allgather_ulysses2"], v["resident_ulysses2"])
     s["sp2_over_one_gpu_resident_video"] = _ratio(v["dlo_allgather_ulysses2"], v["one_gpu_resident"])
     s["resident_ulysses2_over_one_gpu_video"] = _ratio(v["resident_ulysses2"], v["one_gpu_resident"])
-    # the engine's overlapped exchanges (`@overlap`) against diffusers' Ulysses, same call
+    # the engine's overlapped exchanges (`@overlap`) against diffusers' Ulysses (one call per record)
     s["overlap_over_default_video"] = {
         b: _ratio(_secs(rec, f"{b}@overlap", "video"), v[b]) for b in CONFIGS if f"{b}@overlap" in rec["runs"]}
     s["variants_over_one_gpu_video"] = {n: _ratio(_secs(rec, n, "video"), v["one_gpu_resident"])
@@ -453,6 +459,7 @@ def merge(args: argparse.Namespace) -> None:
     raws = [normalized(json.loads(Path(p).read_text())) for p in args.raw_files]
     rec = dict(raws[0])
     rec["sources"] = [str(p) for p in args.raw_files]
+    rec["renamed"] = {str(p): r["renamed"] for p, r in zip(args.raw_files, raws) if r.get("renamed")}
     for r in raws[1:]:
         rec["runs"].update({k: v for k, v in r["runs"].items() if isinstance(v, list)})
         rec["vs_one_gpu"] = {**(rec.get("vs_one_gpu") or {}), **(r.get("vs_one_gpu") or {})}
@@ -494,7 +501,7 @@ def _markdown(rec: dict, args: argparse.Namespace) -> str:
     if rec.get("renamed"):
         lines.append(f"- runs renamed from the call's names (`normalized`): {rec['renamed']}")
     if s["policy"]:
-        lines += ["", f"Layout (`dlo plan` allgather estimates per layout for the {rec['layers']}-block model on this node; sp2 "
+        lines += ["", "Layout (`dlo plan` allgather estimates per layout for the full 40-block model on this node; sp2 "
                   f"while its throughput is within {SP_THROUGHPUT_TOLERANCE:.0%} of dp2's) vs the measured winner:", ""]
         for k, v in s["policy"].items():
             lines.append(f"- {k}: measured {v['measured_winner']}, plan {v['plan']} "

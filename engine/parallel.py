@@ -253,7 +253,7 @@ def ulysses_overlap(environ: Mapping[str, str] = os.environ) -> bool:
     (`dlo.engine.ulysses`) instead of through diffusers' Ulysses: only when `DLO_ULYSSES_OVERLAP`
     is 1. Off by default: on two H200s it gained 0.4-0.6% on the resident model and nothing or
     worse with streamed weights, whose gathers then meet the exchanges (bench/NOTES.md section 13)."""
-    raw = environ.get(ULYSSES_OVERLAP_ENV, "0").strip()
+    raw = environ.get(ULYSSES_OVERLAP_ENV, "").strip() or "0"  # empty (a template's default): unset
     if raw not in ("0", "1"):
         raise LayoutError(f"{ULYSSES_OVERLAP_ENV} must be 0 or 1, got {raw!r}")
     return raw == "1"
@@ -278,13 +278,16 @@ def enable_sequence_parallel(module: Any, groups: ParallelGroups, device: Any, *
         module.set_attention_backend("_native_cudnn")
     with _accelerator_count_for(device):
         module.enable_parallelism(config=context_parallel_config(groups))
-    if groups.kind == "ulysses" and (ulysses_overlap() if overlap is None else overlap):
+    if ulysses_overlap() if overlap is None else overlap:
         from dlo.engine.ulysses import overlap_ulysses
 
-        n = overlap_ulysses(module, groups.sp_group, groups.layout.sp)
+        n = overlap_ulysses(module, groups.sp_group, groups.layout.sp) if groups.kind == "ulysses" else 0
         if n:
             log.info("sp: %d Wan attention processors exchange q/k/v while projecting (%s=1)",
                      n, ULYSSES_OVERLAP_ENV)
+        else:
+            log.info("sp: %s=1 ignored: it applies to Wan's self-attention with --sp-kind ulysses "
+                     "(here: %s, sp-kind %s)", ULYSSES_OVERLAP_ENV, type(module).__name__, groups.kind)
     return True
 
 

@@ -28,7 +28,10 @@ def process_age_seconds() -> float:
             stat = f.read()
         start_ticks = int(stat[stat.rindex(b")") + 2:].split()[19])  # field 22; the list starts at field 3
         return time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, AttributeError):  # not Linux
+    except (OSError, ValueError, IndexError, AttributeError) as e:  # not Linux
+        import logging
+
+        logging.getLogger(__name__).debug("process age from psutil (up to a second long): %s", e)
         import psutil
 
         return time.time() - psutil.Process().create_time()

@@ -10,8 +10,10 @@ H200s at 40 layers it took 0.4-0.6% off resident Ulysses-2 and nothing, once 3.8
 Ulysses-2, where the exchanges then run beside the weight gathers (bench/NOTES.md section 13).
 
 Same tensors, same layouts and the same attention call as diffusers' path, in the same dtype: the
-output is bit-identical to diffusers' Ulysses and to one rank (tests/engine/test_ulysses_overlap.py
-on gloo; the device record for NCCL). Cross-attention (the text's keys are not split), masks, fused
+output is bit-identical to diffusers' Ulysses and to one rank (tests/engine/test_seqpar.py on
+gloo; bench/results/h200x2-sp-2026-11-30-overlap*.md for NCCL) with the native attention backend
+(diffusers' default; other backends are called the same way, but untested). Forward only: the
+exchanges carry no gradient (serving). Cross-attention (the text's keys are not split), masks, fused
 projections and head counts the sp degree does not divide go through diffusers' processor as before.
 """
 
@@ -72,11 +74,18 @@ class OverlappedUlyssesWanProcessor:
     def __call__(self, attn: Any, hidden_states: Any, encoder_hidden_states: Any = None,
                  attention_mask: Any = None, rotary_emb: Any = None, **kwargs: Any) -> Any:
         if (encoder_hidden_states is not None or attention_mask is not None or kwargs
-                or self._parallel_config is None or getattr(attn, "fused_projections", False)
+                or not self._plain_ulysses() or getattr(attn, "fused_projections", False)
                 or attn.heads % self.world):
             return self.inner(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kwargs)
         self.calls += 1
         return self._self_attention(attn, hidden_states, rotary_emb)
+
+    def _plain_ulysses(self) -> bool:
+        """Context parallelism on, as Ulysses alone over this wrapper's group: no ring, no uneven
+        ("anything") split. Anything else stays with diffusers."""
+        cp = getattr(self._parallel_config, "context_parallel_config", None)
+        return (cp is not None and cp.ring_degree == 1 and cp.ulysses_degree == self.world
+                and not getattr(cp, "ulysses_anything", False))
 
     def _project(self, attn: Any, x: Any, which: str, rotary_emb: Any) -> Any:
         """One of q, k, v as (B, S_local, H, D), with the norm and rotary embedding diffusers applies."""
@@ -125,10 +134,12 @@ class OverlappedUlyssesWanProcessor:
 def overlap_ulysses(module: Any, group: Any, world: int) -> int:
     """Wrap every `WanAttnProcessor` of `module` (after diffusers' `enable_parallelism`); returns how
     many were wrapped (0 for other families, which keep diffusers' Ulysses)."""
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
     n = 0
     for m in module.modules():
         proc = getattr(m, "processor", None)
-        if type(proc).__name__ == "WanAttnProcessor" and hasattr(m, "set_processor"):
+        if type(proc) is WanAttnProcessor and hasattr(m, "set_processor"):
             m.set_processor(OverlappedUlyssesWanProcessor(proc, group, world))
             n += 1
     return n
