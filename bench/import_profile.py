@@ -52,14 +52,13 @@ def bytecode_facts() -> dict:
     return out
 
 
-# Imported by diffusers or transformers whenever installed, and not installed in the engine image:
-# ~2 s of a Wan2.1 server's start-up on an H200 host that has them (bench/NOTES.md section 13).
-OPTIONAL_IMPORTS = ("peft", "sklearn", "scipy", "pandas", "torchvision", "onnxruntime", "accelerate")
-
-
 def optional_packages_installed() -> list[str]:
-    """Which of `OPTIONAL_IMPORTS` this interpreter would import (found without importing them)."""
-    return [name for name in OPTIONAL_IMPORTS if importlib.util.find_spec(name) is not None]
+    """Which optional packages diffusers or transformers would import here because they are
+    installed (the engine's `UNNEEDED_OPTIONAL_PACKAGES`, and accelerate, which the image also
+    lacks); found without importing them."""
+    from dlo.engine.timing import UNNEEDED_OPTIONAL_PACKAGES
+
+    return [name for name in (*UNNEEDED_OPTIONAL_PACKAGES, "accelerate") if importlib.util.find_spec(name) is not None]
 
 
 def cached(facts: dict, package: str) -> bool | None:

@@ -2,8 +2,9 @@
 
 Owns: `process_age_seconds` (seconds since this process was created, for the ready log), `Laps`
 (consecutive named intervals, for the `phases=` of the rank-join, pipeline-load and model-load log
-lines) and `uncached_bytecode` (the imported packages compiled from source in this process: the
-largest avoidable share of a start-up, for the ready log's warning).
+lines), `uncached_bytecode` (the imported packages compiled from source in this process: the
+largest avoidable share of a start-up) and `unneeded_imports` (optional packages imported only
+because they are installed), both for the ready log's warnings.
 """
 
 from __future__ import annotations
@@ -50,6 +51,19 @@ class Laps:
 
     def rounded(self) -> dict[str, float]:
         return {k: round(v, 2) for k, v in self.phases.items()}
+
+
+# Imported by diffusers or transformers whenever they are installed, needed by none of the served
+# families, and not installed in the engine image: ~2 s of a Wan2.1 server's start-up on an H200
+# host that had them (scipy 0.64 s, sklearn with joblib and pandas ~0.9 s, torchvision 0.13 s;
+# bench/NOTES.md section 13). accelerate (0.09 s) is not listed: diffusers' loaders use it.
+UNNEEDED_OPTIONAL_PACKAGES = ("peft", "sklearn", "scipy", "pandas", "torchvision", "onnxruntime")
+
+
+def unneeded_imports(packages: tuple[str, ...] = UNNEEDED_OPTIONAL_PACKAGES) -> list[str]:
+    """Which of `packages` this process imported (for the ready log's warning: an image that
+    installs them pays their imports on every start)."""
+    return [name for name in packages if name in sys.modules]
 
 
 def uncached_bytecode(packages: tuple[str, ...] = HEAVY_PACKAGES) -> list[str]:

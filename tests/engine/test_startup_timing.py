@@ -74,3 +74,37 @@ def test_process_age_lies_between_what_the_parent_saw():
     seen = time.monotonic() - t0
     age = float(out.stdout)
     assert 0.5 - 0.011 <= age <= seen + 0.011, (age, seen)
+
+
+def test_unneeded_optional_imports_are_the_imported_ones():
+    from dlo.engine.timing import unneeded_imports
+
+    code = textwrap.dedent("""
+        import sys, types
+        sys.modules["fakeoptional_a"] = types.ModuleType("fakeoptional_a")  # imported (as if installed)
+        from dlo.engine.timing import unneeded_imports
+        print(",".join(unneeded_imports(("fakeoptional_a", "fakeoptional_b"))))
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert r.stdout.strip() == "fakeoptional_a"
+    assert unneeded_imports(("a_package_nobody_imported_xyz",)) == []
+
+
+def test_a_server_that_imported_an_unneeded_package_says_so_once_at_ready(tmp_path, tmp_path_factory):
+    """`dlo serve` names, at ready, the optional packages it imported only because they are
+    installed (here a stand-in onnxruntime that the interpreter imports at start)."""
+    from dlo.engine.serving.launch import ServerProcess
+    from tests.engine.serving_helpers import tiny_pipeline
+
+    site = tmp_path / "site"
+    (site / "onnxruntime").mkdir(parents=True)
+    (site / "onnxruntime" / "__init__.py").write_text("")
+    (site / "sitecustomize.py").write_text("import onnxruntime\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    log = tmp_path / "serve.log"
+    with ServerProcess(tiny_pipeline(tmp_path_factory, "wan"), "--device", "cpu", "--small-limits", "--no-warmup",
+                       log_path=log, env=env):
+        pass
+    lines = [ln for ln in log.read_text().splitlines() if "imported only because installed" in ln]
+    assert len(lines) == 1 and "WARNING dlo.engine.serving.service onnxruntime imported only" in lines[0], lines
