@@ -359,21 +359,25 @@ def _ratio(a: Any, b: Any) -> float | None:
     return round(a / b, 4) if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
 
 
+def _call_facts(rec: dict, key: str, run: dict) -> Any:
+    """`rec[key]` as recorded by the call that measured `run` (a merged record keeps one per file)."""
+    facts = rec.get(key)
+    return facts.get(run["source"]) if isinstance(facts, dict) and run and "source" in run else facts
+
+
 def _bytecode_cached(rec: dict, run: dict) -> bool | None:
     """Whether torch and diffusers had cached bytecode in the call that measured `run` (None: not recorded)."""
-    facts = rec.get("bytecode")
-    if facts and "source" in run:  # a merged record: the facts of the run's own call
-        facts = facts.get(run["source"])
+    facts = _call_facts(rec, "bytecode", run)
     states = [cached(facts, p) for p in ("torch", "diffusers")] if run and facts else [None]
     return None if None in states else all(states)
 
 
-def _optional_packages(rec: dict, run: dict) -> list[str] | None:
-    """The optional packages installed in the call that measured `run` (None: not recorded)."""
-    facts = rec.get("optional_packages")
-    if isinstance(facts, dict):  # a merged record: the run's own call
-        facts = facts.get(run.get("source", ""))
-    return facts
+def _same_bytes(runs: dict) -> bool | None:
+    """Whether the current serve runs (a merge keeps replaced ones as `<name>@<file>`: other code,
+    other bytes) returned the same output; None with fewer than two to compare."""
+    shas = [r["output_sha256"] for n, r in runs.items() if n.startswith("serve_") and "@" not in n
+            and isinstance(r, dict) and "output_sha256" in r]
+    return None if len(shas) < 2 else len(set(shas)) == 1
 
 
 def summarize(rec: dict) -> dict:
@@ -419,15 +423,10 @@ def summarize(rec: dict) -> dict:
         # every such run a merge kept (the spread: start-up is CPU-bound Python, it varies by host load)
         "wan21_ready_seconds_all": [
             {"seconds": r.get("ready_seconds"), "bytecode_cached": _bytecode_cached(rec, r),
-             "optional_packages": _optional_packages(rec, r), "source": r.get("source")}
+             "optional_packages": _call_facts(rec, "optional_packages", r), "source": r.get("source")}
             for m, v in rec["models"].items() if m == "wan21" for n, r in v.items()
             if n.split("@")[0] == "serve_ready_no_warmup" and isinstance(r, dict) and "ready_seconds" in r],
-        "bytes_identical_to_resident_serve": {
-            # the current runs (a merge keeps replaced ones as `<name>@<file>`: other code, other bytes)
-            m: (None if len(shas) < 2 else len(set(shas)) == 1)  # None: fewer than two runs to compare
-            for m, v in rec["models"].items()
-            for shas in [[v[n]["output_sha256"] for n in v if n.startswith("serve_") and "@" not in n
-                          and isinstance(v[n], dict) and "output_sha256" in v[n]]]},
+        "bytes_identical_to_resident_serve": {m: _same_bytes(v) for m, v in rec["models"].items()},
         "peak_device_bytes": peaks,
     }
 
@@ -519,7 +518,7 @@ def main() -> None:
     # whether torch / diffusers / transformers import from cached bytecode (as from an image pip built)
     # or compile from source in every process: seconds of every start-up (bench/NOTES.md section 12)
     rec["bytecode"] = bytecode_facts()
-    rec["optional_packages"] = optional_packages_installed()  # imported when present; the image has none
+    rec["optional_packages"] = optional_packages_installed()  # imported when present; not in the image
     stem = args.out / (args.stem or (f"pipeline-h200-{date}" if not args.tiny else f"pipeline-dry-run-{date}"))
 
     def write() -> None:  # after every run: a call cut short keeps what it measured

@@ -43,6 +43,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -77,21 +78,11 @@ def split_config(name: str) -> tuple[str, str, bool]:
     """`<config>[@overlap][@ctasN]` -> (config, N or "", overlap): `dlo_allgather_ulysses2@ctas4` ->
     ("dlo_allgather_ulysses2", "4", False); `@overlap`: Wan's self-attention exchanging q/k/v while
     it projects (dlo.engine.ulysses, `DLO_ULYSSES_OVERLAP=1`) instead of diffusers' Ulysses."""
-    base, *tags = name.split("@")
-    cap, overlap, bad = "", False, base not in CONFIGS
-    for t in tags:
-        if t == "overlap":
-            overlap = True
-        elif t.startswith("ctas") and t[4:].isdigit():
-            cap = t[4:]
-        else:
-            bad = True
-    # one spelling per configuration (it keys the record): @overlap before @ctasN, @overlap only with sp
-    canonical = "@".join([base, *(["overlap"] if overlap else []), *([f"ctas{cap}"] if cap else [])])
-    if bad or name != canonical or (overlap and CONFIGS[base][2] == 1):
+    m = re.fullmatch(r"([a-z0-9_]+)(@overlap)?(?:@ctas(\d+))?", name)
+    if not m or m[1] not in CONFIGS or (m[2] and CONFIGS[m[1]][2] == 1):  # one spelling per configuration
         raise SystemExit(f"unknown configuration {name!r}: one of {', '.join(CONFIGS)}, optionally @overlap "
                          "(sequence-parallel ones) then @ctasN")
-    return base, cap, overlap
+    return m[1], m[3] or "", bool(m[2])
 
 
 def normalized(rec: dict) -> dict:
@@ -201,7 +192,8 @@ def _profiled(fn, dev, table: Path) -> dict:
         mb._sync(dev)
     wall = time.perf_counter() - t0
     by_cat: dict[str, float] = {}
-    for e in prof.key_averages():
+    averages = prof.key_averages()
+    for e in averages:
         us = getattr(e, "self_device_time_total", 0) or 0
         # kernels and copies only: ranges annotated on the device (`dlo::block`, `nccl:all_to_all`)
         # span kernels already counted (the records of 2026-11-30 count them under `other` and `nccl_other`)
@@ -210,7 +202,7 @@ def _profiled(fn, dev, table: Path) -> dict:
             cat = kernel_category(e.key)
             by_cat[cat] = by_cat.get(cat, 0.0) + us / 1e3
     table.parent.mkdir(parents=True, exist_ok=True)
-    table.write_text(prof.key_averages().table(sort_by="self_device_time_total" if dev.type == "cuda"
+    table.write_text(averages.table(sort_by="self_device_time_total" if dev.type == "cuda"
                                                else "self_cpu_time_total", row_limit=40, max_name_column_width=90))
     return {"wall_ms": wall * 1e3, "device_ms": {k: round(v, 3) for k, v in sorted(by_cat.items())}}
 

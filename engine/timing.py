@@ -10,9 +10,12 @@ because they are installed), both for the ready log's warnings.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import sys
 import time
+
+log = logging.getLogger(__name__)
 
 # The packages whose imports dominate a start-up (a Wan2.1 server's imports on an H200 host: 15-16 s
 # from source, ~8 s from bytecode; bench/NOTES.md section 12).
@@ -30,9 +33,7 @@ def process_age_seconds() -> float:
         start_ticks = int(stat[stat.rindex(b")") + 2:].split()[19])  # field 22; the list starts at field 3
         return time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, AttributeError) as e:  # not Linux
-        import logging
-
-        logging.getLogger(__name__).debug("process age from psutil (up to a second long): %s", e)
+        log.debug("process age from psutil (up to a second long): %s", e)
         import psutil
 
         return time.time() - psutil.Process().create_time()

@@ -44,6 +44,11 @@ def _to_heads_major(x: Any, world: int) -> Any:
     return x.reshape(b, s, world, h // world, d).permute(2, 1, 0, 3, 4).contiguous()
 
 
+def _forwarded(name: str) -> tuple[Any, Any]:
+    """Getter and setter of the wrapped processor's attribute `name`."""
+    return (lambda self: getattr(self.inner, name)), (lambda self, value: setattr(self.inner, name, value))
+
+
 class OverlappedUlyssesWanProcessor:
     """Wraps a (context-parallel) `WanAttnProcessor`: self-attention with the exchanges overlapped,
     everything else through the wrapped processor."""
@@ -55,21 +60,8 @@ class OverlappedUlyssesWanProcessor:
         self.calls = 0  # self-attention calls that took the overlapped path (tests, logs)
 
     # diffusers sets and reads these on every processor (set_attention_backend, enable_parallelism)
-    @property
-    def _attention_backend(self) -> Any:
-        return self.inner._attention_backend
-
-    @_attention_backend.setter
-    def _attention_backend(self, value: Any) -> None:
-        self.inner._attention_backend = value
-
-    @property
-    def _parallel_config(self) -> Any:
-        return self.inner._parallel_config
-
-    @_parallel_config.setter
-    def _parallel_config(self, value: Any) -> None:
-        self.inner._parallel_config = value
+    _attention_backend = property(*_forwarded("_attention_backend"))
+    _parallel_config = property(*_forwarded("_parallel_config"))
 
     def __call__(self, attn: Any, hidden_states: Any, encoder_hidden_states: Any = None,
                  attention_mask: Any = None, rotary_emb: Any = None, **kwargs: Any) -> Any:
@@ -103,12 +95,8 @@ class OverlappedUlyssesWanProcessor:
         w = self.world
         b, s_local, _ = hidden_states.shape
         pending: dict[str, tuple[Any, Any, Any]] = {}
-        dtype = None
         for which in _ORDER:
-            t = self._project(attn, hidden_states, which, rotary_emb)
-            if which == "q":
-                dtype = t.dtype  # diffusers casts the attention output to the query's dtype
-            send = _to_heads_major(t, w)
+            send = _to_heads_major(self._project(attn, hidden_states, which, rotary_emb), w)
             recv = torch.empty_like(send)
             work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
             pending[which] = (work, recv, send)  # `send` stays referenced until its exchange is waited for
@@ -126,7 +114,7 @@ class OverlappedUlyssesWanProcessor:
         dist.all_to_all_single(recv, send, group=self.group)
         # (world, H/world, B, S_local, D) -> (B, S_local, H, D): this rank's tokens, every head
         out = recv.flatten(0, 1).permute(1, 2, 0, 3).contiguous()
-        out = out.flatten(2, 3).to(dtype)
+        out = out.flatten(2, 3).to(full["q"].dtype)  # diffusers casts to the query's dtype
         out = attn.to_out[0](out)
         return attn.to_out[1](out)
 
