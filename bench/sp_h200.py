@@ -8,9 +8,9 @@ One device call = one `run` (about 2 minutes at 16 Wan2.1-14B layers on 2 H200s)
     # the same, the weight gathers also on their own communicator capped at 4 CTAs (`<config>@ctasN`)
     python bench/sp_h200.py run --layers 40 --workloads video --raw $OUT/raw-sp-ctas.json \
         --configs one_gpu_resident,resident_ulysses2,dlo_allgather_ulysses2,dlo_allgather_ulysses2@ctas4
-    # the engine's overlapped exchanges (@overlap) against diffusers' Ulysses, same call
-    python bench/sp_h200.py run --layers 40 --workloads video --raw $OUT/raw-sp-overlap.json \
-        --configs one_gpu_resident,resident_ulysses2,resident_ulysses2@overlap,dlo_allgather_ulysses2,dlo_allgather_ulysses2@overlap
+    # DLO's Ulysses exchanges (@lean, @overlap) against diffusers' Ulysses, same call
+    python bench/sp_h200.py run --layers 40 --workloads video --raw $OUT/raw-sp-lean.json \
+        --configs one_gpu_resident,resident_ulysses2,resident_ulysses2@lean,dlo_allgather_ulysses2,dlo_allgather_ulysses2@lean
 
 `run` writes the checkpoint once (seeded, bench/wan_bench.py), then starts one process group per
 configuration, each loading the model once:
@@ -21,9 +21,12 @@ configuration, each loading the model once:
 - `dlo_allgather_dp2` (2 ranks): DLO allgather without sp, a wave of two requests (seed 1 + rank);
 - `<config>@ctasN`: the same with `DLO_GATHER_MAX_CTAS=N` (the weight gathers on their own NCCL
   communicator capped at N CTAs); the summary's `sp2_over_resident_ulysses2_video_capped` has them.
-- `<config>@overlap`: Wan's self-attention exchanging q/k/v while it projects (dlo.engine.ulysses,
-  `DLO_ULYSSES_OVERLAP=1`) instead of diffusers' Ulysses (plain names; summary
-  `overlap_over_default_video`). Two raw files of 2026-11-30 ran while it was the default (`@stock`
+- `<config>@lean` / `@overlap`: Wan's self-attention through dlo.engine.ulysses (`DLO_ULYSSES=lean`:
+  rotary embedding into the send buffers, attention per destination chunk sent as it finishes;
+  `overlap`: also q/k/v exchanged while projecting) instead of diffusers' Ulysses (plain names;
+  summary `lean_over_default_video`, `overlap_over_default_video`). Records before 2026-12-01 ran
+  `@overlap` as it was then: the input exchanges overlapped, without the lean parts. Two raw files
+  of 2026-11-30 ran while that was the default (`@stock`
   then meant diffusers'); `merge` reads them under today's names (`normalized`).
 `--profile` adds one call per configuration under the torch profiler: device ms per kernel
 category in the raw record, each rank's top kernels in `profile-*.txt` beside it.
@@ -74,15 +77,15 @@ OUT_DIR = Path("/tmp/dlo-sp")
 mb._HANG_S = 100  # a group stuck longer than this dumps its stacks and exits (each takes well under a minute)
 
 
-def split_config(name: str) -> tuple[str, str, bool]:
-    """`<config>[@overlap][@ctasN]` -> (config, N or "", overlap): `dlo_allgather_ulysses2@ctas4` ->
-    ("dlo_allgather_ulysses2", "4", False); `@overlap`: Wan's self-attention exchanging q/k/v while
-    it projects (dlo.engine.ulysses, `DLO_ULYSSES_OVERLAP=1`) instead of diffusers' Ulysses."""
-    m = re.fullmatch(r"([a-z0-9_]+)(@overlap)?(?:@ctas(\d+))?", name)
+def split_config(name: str) -> tuple[str, str, str]:
+    """`<config>[@lean|@overlap][@ctasN]` -> (config, N or "", exchange): `dlo_allgather_ulysses2@ctas4`
+    -> ("dlo_allgather_ulysses2", "4", "diffusers"); `@lean` / `@overlap`: Wan's self-attention through
+    dlo.engine.ulysses (`DLO_ULYSSES=lean|overlap`) instead of diffusers' Ulysses."""
+    m = re.fullmatch(r"([a-z0-9_]+)(?:@(lean|overlap))?(?:@ctas(\d+))?", name)
     if not m or m[1] not in CONFIGS or (m[2] and CONFIGS[m[1]][2] == 1):  # one spelling per configuration
-        raise SystemExit(f"unknown configuration {name!r}: one of {', '.join(CONFIGS)}, optionally @overlap "
-                         "(sequence-parallel ones) then @ctasN")
-    return m[1], m[3] or "", bool(m[2])
+        raise SystemExit(f"unknown configuration {name!r}: one of {', '.join(CONFIGS)}, optionally @lean or "
+                         "@overlap (sequence-parallel ones) then @ctasN")
+    return m[1], m[3] or "", m[2] or "diffusers"
 
 
 def normalized(rec: dict) -> dict:
@@ -113,7 +116,7 @@ def rank_config(rank: int, world: int, port: int, args: argparse.Namespace, name
     from dlo.engine import load
     from dlo.engine.parallel import Layout, enable_sequence_parallel, make_groups
 
-    base, cap, overlap = split_config(name)
+    base, cap, exchange = split_config(name)
     _, mode, sp = CONFIGS[base]
     if cap:  # read by make_groups
         os.environ["DLO_GATHER_MAX_CTAS"] = cap
@@ -127,7 +130,7 @@ def rank_config(rank: int, world: int, port: int, args: argparse.Namespace, name
     mb._barrier()
     t0 = time.perf_counter()
     m = load(args.ckpt, mode=mode, device=dev, group=groups.shard_group)
-    cp = enable_sequence_parallel(m.module, groups, dev, overlap=overlap)
+    cp = enable_sequence_parallel(m.module, groups, dev, exchange=exchange)
     mb._sync(dev)
     mb._barrier()
     if rank == 0:
@@ -393,9 +396,10 @@ def summarize(rec: dict) -> dict:
     s["sp2_over_resident_ulysses2_video"] = _ratio(v["dlo_allgather_ulysses2"], v["resident_ulysses2"])
     s["sp2_over_one_gpu_resident_video"] = _ratio(v["dlo_allgather_ulysses2"], v["one_gpu_resident"])
     s["resident_ulysses2_over_one_gpu_video"] = _ratio(v["resident_ulysses2"], v["one_gpu_resident"])
-    # the engine's overlapped exchanges (`@overlap`) against diffusers' Ulysses (one call per record)
-    s["overlap_over_default_video"] = {
-        b: _ratio(_secs(rec, f"{b}@overlap", "video"), v[b]) for b in CONFIGS if f"{b}@overlap" in rec["runs"]}
+    # DLO's Ulysses exchanges (`@lean`, `@overlap`) against diffusers' Ulysses (one call per record)
+    for tag in ("lean", "overlap"):
+        s[f"{tag}_over_default_video"] = {
+            b: _ratio(_secs(rec, f"{b}@{tag}", "video"), v[b]) for b in CONFIGS if f"{b}@{tag}" in rec["runs"]}
     s["variants_over_one_gpu_video"] = {n: _ratio(_secs(rec, n, "video"), v["one_gpu_resident"])
                                         for n in rec["runs"] if "@" in n}
     s["sp2_over_resident_ulysses2_video_capped"] = {  # DLO_GATHER_MAX_CTAS variants, same call's baseline
@@ -486,7 +490,7 @@ def _markdown(rec: dict, args: argparse.Namespace) -> str:
     lines += [""]
     for k in ("sp2_over_resident_ulysses2_video", "sp2_over_one_gpu_resident_video",
               "resident_ulysses2_over_one_gpu_video", "bit_identical_to_one_gpu", "image_sp2_over_dp2_wave",
-              "video_sp2_over_dp2_wave", "serve_bytes_identical_sp2_sp1", "overlap_over_default_video",
+              "video_sp2_over_dp2_wave", "serve_bytes_identical_sp2_sp1", "lean_over_default_video", "overlap_over_default_video",
               "variants_over_one_gpu_video", "sp2_over_resident_ulysses2_video_capped", "skipped"):
         if k in s and s[k] != {}:
             lines.append(f"- `{k}`: {s[k]}")
@@ -506,7 +510,7 @@ def main() -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="one device call: checkpoint once, one process group per configuration")
     r.add_argument("--layers", type=int, default=16)
-    r.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}, each optionally @overlap (DLO_ULYSSES_OVERLAP=1) and @ctasN")
+    r.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}, each optionally @lean or @overlap (DLO_ULYSSES=lean|overlap) and @ctasN")
     r.add_argument("--workloads", default="video,image")
     r.add_argument("--sp-kind", default="ulysses", choices=("ulysses", "ring"))
     r.add_argument("--device", default="cuda", choices=("cuda", "cpu"))

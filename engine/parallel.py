@@ -35,7 +35,7 @@ SP_KINDS = ("ulysses", "ring")
 # block's gather needs ~9 GB/s against ~80 ms of compute, which a few CTAs carry (bench/NOTES.md
 # section 11: DLO + Ulysses-2 was 1.0079x resident Ulysses-2). Measured before it becomes a default.
 GATHER_MAX_CTAS_ENV = "DLO_GATHER_MAX_CTAS"
-ULYSSES_OVERLAP_ENV = "DLO_ULYSSES_OVERLAP"
+ULYSSES_ENV = "DLO_ULYSSES"
 SpKind = Literal["ulysses", "ring"]
 
 T = TypeVar("T")
@@ -248,28 +248,32 @@ def context_parallel_config(groups: ParallelGroups) -> Any:
     return ContextParallelConfig(ring_degree=sp, mesh=groups.cp_mesh)
 
 
-def ulysses_overlap(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether Wan's self-attention exchanges q/k/v overlapped with its projections
-    (`dlo.engine.ulysses`) instead of through diffusers' Ulysses: only when `DLO_ULYSSES_OVERLAP`
-    is 1. Off by default: on two H200s it gained 0.4-0.6% on the resident model and nothing or
-    worse with streamed weights, whose gathers then meet the exchanges (bench/NOTES.md section 13)."""
-    raw = environ.get(ULYSSES_OVERLAP_ENV, "").strip() or "0"  # empty (a template's default): unset
-    if raw not in ("0", "1"):
-        raise LayoutError(f"{ULYSSES_OVERLAP_ENV} must be 0 or 1, got {raw!r}")
-    return raw == "1"
+def ulysses_exchange(environ: Mapping[str, str] = os.environ) -> str:
+    """How Wan's Ulysses self-attention exchanges, from `DLO_ULYSSES`: `overlap` (the default;
+    dlo.engine.ulysses: three fewer copies, the output exchange beside attention, each input exchanged
+    while the next one projects), `lean` (the same with the inputs exchanged one after the other) or
+    `diffusers` (diffusers' own path). All three give the same bytes; `overlap` measured fastest,
+    resident and with streamed weights (bench/NOTES.md section 14). Empty (a template's default) is unset."""
+    from dlo.engine.ulysses import EXCHANGES
+
+    raw = environ.get(ULYSSES_ENV, "").strip() or EXCHANGES[0]
+    if raw not in EXCHANGES:
+        raise LayoutError(f"{ULYSSES_ENV} must be one of {', '.join(EXCHANGES)}, got {raw!r}")
+    return raw
 
 
 def enable_sequence_parallel(module: Any, groups: ParallelGroups, device: Any, *,
-                             overlap: bool | None = None) -> bool:
+                             exchange: str | None = None) -> bool:
     """Turn on diffusers' context parallelism on `module` over this rank's sp group (no-op for
     sp = 1); True if it did. Ring attention needs a backend that returns the log-sum-exp (the
-    native one does not): on cuda it runs through `_native_cudnn`. `overlap` (default
-    `ulysses_overlap()`, off): with Ulysses, Wan's self-attention exchanges q/k/v while it
-    projects (`dlo.engine.ulysses`; the same bytes as diffusers' path)."""
+    native one does not): on cuda it runs through `_native_cudnn`. `exchange` (default
+    `ulysses_exchange()`, `overlap`): with Ulysses, `overlap` or `lean` route Wan's self-attention
+    through `dlo.engine.ulysses` (the same bytes as diffusers' path); `diffusers` keeps diffusers'."""
     import torch
 
     if groups.layout.sp == 1:
         return False
+    exchange = ulysses_exchange() if exchange is None else exchange
     device = torch.device(device)
     if groups.kind == "ring":
         if device.type != "cuda":
@@ -278,16 +282,16 @@ def enable_sequence_parallel(module: Any, groups: ParallelGroups, device: Any, *
         module.set_attention_backend("_native_cudnn")
     with _accelerator_count_for(device):
         module.enable_parallelism(config=context_parallel_config(groups))
-    if ulysses_overlap() if overlap is None else overlap:
-        from dlo.engine.ulysses import overlap_ulysses
+    if exchange != "diffusers":
+        from dlo.engine.ulysses import use_dlo_ulysses
 
-        n = overlap_ulysses(module, groups.sp_group, groups.layout.sp) if groups.kind == "ulysses" else 0
+        n = (use_dlo_ulysses(module, groups.sp_group, groups.layout.sp, overlap=exchange == "overlap")
+             if groups.kind == "ulysses" else 0)
         if n:
-            log.info("sp: %d Wan attention processors exchange q/k/v while projecting (%s=1)",
-                     n, ULYSSES_OVERLAP_ENV)
+            log.info("sp: %d Wan attention processors exchange through DLO's Ulysses (%s=%s)", n, ULYSSES_ENV, exchange)
         else:
-            log.info("sp: %s=1 ignored: it applies to Wan's self-attention with --sp-kind ulysses "
-                     "(here: %s, sp-kind %s)", ULYSSES_OVERLAP_ENV, type(module).__name__, groups.kind)
+            log.info("sp: %s=%s ignored: it applies to Wan's self-attention with --sp-kind ulysses "
+                     "(here: %s, sp-kind %s)", ULYSSES_ENV, exchange, type(module).__name__, groups.kind)
     return True
 
 

@@ -1,47 +1,62 @@
-"""Ulysses self-attention for Wan blocks with the q/k/v all-to-alls overlapped with the projections.
+"""Wan's Ulysses self-attention with fewer copies and its exchanges beside compute (`DLO_ULYSSES`).
 
-diffusers' Ulysses (`TemplatedUlyssesAttention`, diffusers 0.42) projects q, k and v, then exchanges
-the three one after the other, each waited for at once: exchange and compute take turns (a 480p
-Wan2.1-14B block on two H200s: ~45 ms, of which ~1.5-2.4 ms all-to-alls and ~1.2 ms the permutes
-around them; bench/NOTES.md section 13). Here each tensor's exchange starts as soon as that tensor is ready (on
-the communicator's stream, `async_op=True`) and runs while the next projection computes; only the
-last input exchange and the output's are exposed. Opt-in (`DLO_ULYSSES_OVERLAP=1`): measured on two
-H200s at 40 layers it took 0.4-0.6% off resident Ulysses-2 and nothing, once 3.8%, off or onto DLO +
-Ulysses-2, where the exchanges then run beside the weight gathers (bench/NOTES.md section 13).
+diffusers' Ulysses (`TemplatedUlyssesAttention`, diffusers 0.42) projects q, k and v, copies each into
+the all-to-all's head-major layout, exchanges the three one after the other (each waited for at once),
+runs attention, copies the output head-major again and exchanges it back: on a 480p Wan2.1-14B block on
+two H200s, ~1.5-2.4 ms of all-to-alls and ~1.2 ms of five permute copies on top of half the one-GPU
+block (bench/NOTES.md section 13). `lean` (`DLO_ULYSSES=lean`) takes out three of those copies and
+hides the output exchange:
 
-Same tensors, same layouts and the same attention call as diffusers' path, in the same dtype: the
-output is bit-identical to diffusers' Ulysses and to one rank (tests/engine/test_seqpar.py on
-gloo; bench/results/h200x2-sp-2026-11-30-overlap*.md for NCCL) with the native attention backend
-(diffusers' default; other backends are called the same way, but untested). Forward only: the
-exchanges carry no gradient (serving). Cross-attention (the text's keys are not split), masks, fused
-projections and head counts the sp degree does not divide go through diffusers' processor as before.
+- q and k: the rotary embedding writes its result straight into the send buffer (diffusers writes a
+  fresh tensor, then copies it head-major); v is still copied once.
+- the output: attention runs per destination query chunk, the other ranks' chunks first; each chunk's
+  output is sent to its rank (one `batch_isend_irecv` per step) while the next chunk computes, and
+  leaves attention already contiguous (no head-major copy). Each query row's attention is computed
+  the same whether its neighbours are in the call or not (flash-style kernels tile queries
+  independently), which the tests and the bench check bitwise.
+- `overlap` (`DLO_ULYSSES=overlap`, the default) also starts each input's exchange as soon as it is
+  ready (`async_op=True`) and projects the next meanwhile.
+
+Measured on two H200s at 40 layers, 480p, two calls (bench/NOTES.md section 14): against diffusers'
+Ulysses, `overlap` 0.9847x resident and 0.9937x / 0.9952x with streamed weights (DLO); `lean` 0.9921x /
+0.9910x resident but 1.038x / 1.041x under DLO, whose weight gathers then run beside synchronous input
+exchanges. Hence `overlap` by default; `DLO_ULYSSES=diffusers` goes back to diffusers' path.
+
+Same values through the same attention call in the same dtype: the output is bit-identical to
+diffusers' Ulysses and to one rank (tests/engine/test_seqpar.py on gloo; the sp bench's bitwise check
+on NCCL) with the native attention backend (diffusers' default; other backends are called the same
+way, but untested). Forward only: the exchanges carry no gradient (serving). Cross-attention (the
+text's keys are not split), masks, fused projections, ring or uneven splits and head counts the sp
+degree does not divide go through diffusers' processor as before.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-# The order the inputs are projected and sent in: the last one's exchange is the one left exposed.
+# The order the inputs are projected and sent in (with `overlap`, the last one's exchange is exposed).
 _ORDER = ("q", "k", "v")
+EXCHANGES = ("overlap", "lean", "diffusers")  # DLO_ULYSSES's values, the default first
 
 
-def _rope(x: Any, freqs_cos: Any, freqs_sin: Any) -> Any:
-    """Wan's rotary embedding, op for op as diffusers' `WanAttnProcessor` applies it (bitwise)."""
-    import torch
-
+def _rope_into(out: Any, x: Any, freqs_cos: Any, freqs_sin: Any) -> None:
+    """Wan's rotary embedding of `x` written into `out` (any view of x's shape), op for op as
+    diffusers' `WanAttnProcessor` applies it: the same values, elementwise (bitwise)."""
     x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
     cos = freqs_cos[..., 0::2]
     sin = freqs_sin[..., 1::2]
-    out = torch.empty_like(x)
     out[..., 0::2] = x1 * cos - x2 * sin
     out[..., 1::2] = x1 * sin + x2 * cos
-    return out.type_as(x)
 
 
-def _to_heads_major(x: Any, world: int) -> Any:
-    """(B, S_local, H, D) -> (world, S_local, B, H/world, D), contiguous: chunk r goes to rank r."""
+def _send_buffer(x: Any, world: int) -> tuple[Any, Any]:
+    """The all-to-all buffer for `x` (B, S_local, H, D): (world, S_local, B, H/world, D), chunk r for
+    rank r (diffusers' layout), and a (B, S_local, world, H/world, D) view of it to write x's heads into."""
+    import torch
+
     b, s, h, d = x.shape
-    return x.reshape(b, s, world, h // world, d).permute(2, 1, 0, 3, 4).contiguous()
+    buf = torch.empty((world, s, b, h // world, d), dtype=x.dtype, device=x.device)
+    return buf, buf.permute(2, 1, 0, 3, 4)
 
 
 def _forwarded(name: str) -> tuple[Any, Any]:
@@ -49,15 +64,20 @@ def _forwarded(name: str) -> tuple[Any, Any]:
     return (lambda self: getattr(self.inner, name)), (lambda self, value: setattr(self.inner, name, value))
 
 
-class OverlappedUlyssesWanProcessor:
-    """Wraps a (context-parallel) `WanAttnProcessor`: self-attention with the exchanges overlapped,
-    everything else through the wrapped processor."""
+class UlyssesWanProcessor:
+    """Wraps a (context-parallel) `WanAttnProcessor`: self-attention through DLO's exchanges (`lean`,
+    or `overlap` when `overlap`), everything else through the wrapped processor."""
 
-    def __init__(self, inner: Any, group: Any, world: int) -> None:
+    def __init__(self, inner: Any, group: Any, world: int, *, overlap: bool = False) -> None:
+        import torch.distributed as dist
+
         self.inner = inner
         self.group = group
         self.world = world
-        self.calls = 0  # self-attention calls that took the overlapped path (tests, logs)
+        self.overlap = overlap
+        self.rank = dist.get_rank(group)
+        self.peers = [dist.get_global_rank(group, r) for r in range(world)]
+        self.calls = 0  # self-attention calls that took DLO's path (tests, logs)
 
     # diffusers sets and reads these on every processor (set_attention_backend, enable_parallelism)
     _attention_backend = property(*_forwarded("_attention_backend"))
@@ -79,47 +99,80 @@ class OverlappedUlyssesWanProcessor:
         return (cp is not None and cp.ring_degree == 1 and cp.ulysses_degree == self.world
                 and not getattr(cp, "ulysses_anything", False))
 
-    def _project(self, attn: Any, x: Any, which: str, rotary_emb: Any) -> Any:
-        """One of q, k, v as (B, S_local, H, D), with the norm and rotary embedding diffusers applies."""
+    def _project_into_send(self, attn: Any, x: Any, which: str, rotary_emb: Any) -> Any:
+        """One of q, k, v with the norm and rotary embedding diffusers applies, written head-major into
+        a fresh all-to-all buffer (q and k: by the rotary embedding itself, no copy of its own)."""
         if which == "v":
-            return attn.to_v(x).unflatten(2, (attn.heads, -1))
-        proj, norm = (attn.to_q, attn.norm_q) if which == "q" else (attn.to_k, attn.norm_k)
-        t = norm(proj(x)).unflatten(2, (attn.heads, -1))
-        return t if rotary_emb is None else _rope(t, *rotary_emb)
+            t = attn.to_v(x).unflatten(2, (attn.heads, -1))
+        else:
+            proj, norm = (attn.to_q, attn.norm_q) if which == "q" else (attn.to_k, attn.norm_k)
+            t = norm(proj(x)).unflatten(2, (attn.heads, -1))
+        buf, view = _send_buffer(t, self.world)
+        t = t.unflatten(2, (self.world, -1))
+        if which == "v" or rotary_emb is None:
+            view.copy_(t)
+        else:
+            cos, sin = (f.unsqueeze(-3) for f in rotary_emb)  # (.., S, 1, D) -> (.., S, 1, 1, D)
+            _rope_into(view, t, cos, sin)
+        return buf
 
-    def _self_attention(self, attn: Any, hidden_states: Any, rotary_emb: Any) -> Any:
+    def _exchange_inputs(self, attn: Any, hidden_states: Any, rotary_emb: Any) -> dict[str, Any]:
+        """q, k, v as (B, S, H/world, D): the whole sequence, this rank's heads."""
         import torch
         import torch.distributed as dist
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-        w = self.world
-        b, s_local, _ = hidden_states.shape
         pending: dict[str, tuple[Any, Any, Any]] = {}
         for which in _ORDER:
-            send = _to_heads_major(self._project(attn, hidden_states, which, rotary_emb), w)
+            send = self._project_into_send(attn, hidden_states, which, rotary_emb)
             recv = torch.empty_like(send)
-            work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+            work = dist.all_to_all_single(recv, send, group=self.group, async_op=self.overlap)
             pending[which] = (work, recv, send)  # `send` stays referenced until its exchange is waited for
         full = {}
         for which in _ORDER:
             work, recv, _ = pending.pop(which)
-            work.wait()
-            # (world, S_local, B, H/world, D) -> (B, S, H/world, D): the whole sequence, this rank's heads
+            if work is not None:
+                work.wait()
+            # (world, S_local, B, H/world, D) -> (B, S, H/world, D); no copy for B = 1
             full[which] = recv.flatten(0, 1).permute(1, 0, 2, 3).contiguous()
-        out = dispatch_attention_fn(full["q"], full["k"], full["v"], attn_mask=None, dropout_p=0.0,
-                                    is_causal=False, backend=self._attention_backend, parallel_config=None)
-        h_local, d = out.shape[2], out.shape[3]
-        send = out.reshape(b, w, s_local, h_local, d).permute(1, 3, 0, 2, 4).contiguous()
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)
-        # (world, H/world, B, S_local, D) -> (B, S_local, H, D): this rank's tokens, every head
-        out = recv.flatten(0, 1).permute(1, 2, 0, 3).contiguous()
+        return full
+
+    def _attention_by_destination(self, full: dict[str, Any], s_local: int) -> Any:
+        """Attention of every rank's query chunk over the whole sequence (this rank's heads), the other
+        ranks' first, each sent to its rank as it finishes; returns (B, S_local, H, D), this rank's
+        tokens with every rank's heads."""
+        import torch
+        import torch.distributed as dist
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+        w, r = self.world, self.rank
+        pieces: list[Any] = [None] * w
+        works, keep = [], []
+        for step in [*range(1, w), 0]:  # this rank's own chunk last: its attention hides the last send
+            dst, src = (r + step) % w, (r - step) % w
+            q = full["q"][:, dst * s_local:(dst + 1) * s_local]
+            out = dispatch_attention_fn(q, full["k"], full["v"], attn_mask=None, dropout_p=0.0, is_causal=False,
+                                        backend=self._attention_backend, parallel_config=None).contiguous()
+            if step == 0:
+                pieces[r] = out
+                break
+            pieces[src] = torch.empty_like(out)
+            ops = [dist.P2POp(dist.isend, out, self.peers[dst], self.group),
+                   dist.P2POp(dist.irecv, pieces[src], self.peers[src], self.group)]
+            works += dist.batch_isend_irecv(ops)
+            keep.append(out)  # the sent chunk stays referenced until its send is waited for
+        for work in works:
+            work.wait()
+        return torch.cat(pieces, dim=2)
+
+    def _self_attention(self, attn: Any, hidden_states: Any, rotary_emb: Any) -> Any:
+        full = self._exchange_inputs(attn, hidden_states, rotary_emb)
+        out = self._attention_by_destination(full, hidden_states.shape[1])
         out = out.flatten(2, 3).to(full["q"].dtype)  # diffusers casts to the query's dtype
         out = attn.to_out[0](out)
         return attn.to_out[1](out)
 
 
-def overlap_ulysses(module: Any, group: Any, world: int) -> int:
+def use_dlo_ulysses(module: Any, group: Any, world: int, *, overlap: bool = False) -> int:
     """Wrap every `WanAttnProcessor` of `module` (after diffusers' `enable_parallelism`); returns how
     many were wrapped (0 for other families, which keep diffusers' Ulysses)."""
     from diffusers.models.transformers.transformer_wan import WanAttnProcessor
@@ -128,12 +181,12 @@ def overlap_ulysses(module: Any, group: Any, world: int) -> int:
     for m in module.modules():
         proc = getattr(m, "processor", None)
         if type(proc) is WanAttnProcessor and hasattr(m, "set_processor"):
-            m.set_processor(OverlappedUlyssesWanProcessor(proc, group, world))
+            m.set_processor(UlyssesWanProcessor(proc, group, world, overlap=overlap))
             n += 1
     return n
 
 
-def overlapped_calls(module: Any) -> int:
-    """Self-attention calls of `module` that took the overlapped path so far."""
+def dlo_ulysses_calls(module: Any) -> int:
+    """Self-attention calls of `module` that took DLO's Ulysses path so far."""
     return sum(getattr(m, "processor", None).calls for m in module.modules()
-               if isinstance(getattr(m, "processor", None), OverlappedUlyssesWanProcessor))
+               if isinstance(getattr(m, "processor", None), UlyssesWanProcessor))

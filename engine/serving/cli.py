@@ -298,7 +298,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     api_key = read_api_key(args.api_key_file)
     device = resolve_device(args.device)
-    from dlo.engine.parallel import LayoutError, check_layout, check_tokens, gather_max_ctas, ulysses_overlap
+    from dlo.engine.parallel import LayoutError, check_layout, check_tokens, gather_max_ctas, ulysses_exchange
 
     sp = args.sp
     devices = device_count(device) if device != "cpu" else None
@@ -311,7 +311,7 @@ def main(args: argparse.Namespace) -> int:
         if warmup_size is not None:
             check_tokens(*warmup_size, facts.size_multiple, sp)
         gather_max_ctas()  # DLO_GATHER_MAX_CTAS, read again by every rank: refused here, before any starts
-        ulysses_overlap()  # DLO_ULYSSES_OVERLAP, likewise
+        ulysses_exchange()  # DLO_ULYSSES, likewise
     except LayoutError as e:
         print(f"dlo serve: {e}", file=sys.stderr)
         return 2

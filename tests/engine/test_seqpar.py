@@ -105,18 +105,18 @@ def _inputs(seed: int) -> dict:
                 encoder_hidden_states=torch.randn(1, 7, 32, generator=gen), return_dict=False)
 
 
-def _ranks(rank: int, world: int, path: str, dp: int, sp: int, mode: str, overlap: bool | None = None) -> dict:
+def _ranks(rank: int, world: int, path: str, dp: int, sp: int, mode: str, exchange: str = "diffusers") -> dict:
     import torch.distributed as dist
 
     import dlo.engine
     from dlo.engine.parallel import enable_sequence_parallel, make_groups
-    from dlo.engine.ulysses import overlapped_calls
+    from dlo.engine.ulysses import dlo_ulysses_calls
 
     torch.set_num_threads(1)
     lay = Layout(dp, sp)
     groups = make_groups(lay, "cpu")
     model = dlo.engine.load(path, mode=mode, device="cpu", group=groups.shard_group)
-    enabled = enable_sequence_parallel(model.module, groups, "cpu", overlap=overlap)
+    enabled = enable_sequence_parallel(model.module, groups, "cpu", exchange=exchange)
     out = None
     d = lay.group_of(rank)
     calls = 2
@@ -129,7 +129,7 @@ def _ranks(rank: int, world: int, path: str, dp: int, sp: int, mode: str, overla
     sp_ranks = sorted(dist.get_process_group_ranks(groups.sp_group)) if groups.sp_group is not None else [rank]
     return {"out": out, "gathers": st.gathers, "collective_bytes": st.collective_bytes, "g": model.report.shard_group_size,
             "r": model.report.rank, "sp_ranks": sp_ranks, "enabled": enabled,
-            "overlapped": overlapped_calls(model.module), "blocks": len(model.module.blocks)}
+            "dlo_calls": dlo_ulysses_calls(model.module), "blocks": len(model.module.blocks)}
 
 
 def _one_rank(rank: int, world: int, path: str) -> list:
@@ -141,21 +141,23 @@ def _one_rank(rank: int, world: int, path: str) -> list:
         return [model.module(**_inputs(s))[0] for s in range(2)]
 
 
-@pytest.mark.parametrize("dp,sp,mode,overlap", [(1, 2, "allgather", False), (2, 2, "allgather", False),
-                                                (1, 2, "resident", False), (1, 2, "rank-local", False),
-                                                (1, 2, "allgather", True), (2, 2, "allgather", True),
-                                                (1, 4, "resident", True)])
-def test_sequence_parallel_on_the_offloaded_model_is_bit_identical_to_one_rank(tiny, dp, sp, mode, overlap):
-    """`overlap` False (the default): diffusers' own Ulysses; True: Wan's self-attention exchanging
-    q/k/v while it projects (dlo.engine.ulysses). Both are bit-identical to one rank."""
+@pytest.mark.parametrize("dp,sp,mode,exchange", [
+    (1, 2, "allgather", "diffusers"), (2, 2, "allgather", "diffusers"), (1, 2, "resident", "diffusers"),
+    (1, 2, "rank-local", "diffusers"), (1, 2, "allgather", "lean"), (2, 2, "allgather", "lean"),
+    (1, 4, "resident", "lean"), (1, 2, "allgather", "overlap"), (2, 2, "allgather", "overlap"),
+    (1, 4, "resident", "overlap")])
+def test_sequence_parallel_on_the_offloaded_model_is_bit_identical_to_one_rank(tiny, dp, sp, mode, exchange):
+    """`diffusers`: diffusers' own Ulysses; `lean` / `overlap` (the default): Wan's self-attention
+    through dlo.engine.ulysses (rotary embedding into the send buffer, attention per destination chunk
+    sent as it finishes; `overlap` also exchanging q/k/v while projecting). All bit-identical to one rank."""
     ref = run_ranks(1, _one_rank, tiny)[0]
-    res = run_ranks(dp * sp, _ranks, tiny, dp, sp, mode, overlap)
+    res = run_ranks(dp * sp, _ranks, tiny, dp, sp, mode, exchange)
     lay = Layout(dp, sp)
     for r, got in enumerate(res):
         assert got["enabled"] is True
         runs = lay.group_of(r) == 0
-        # every block's self-attention of both calls took the overlapped path, on the running ranks only
-        assert got["overlapped"] == (got["blocks"] * 2 if overlap and runs else 0), got["overlapped"]
+        # every block's self-attention of both calls took DLO's path, on the running ranks only
+        assert got["dlo_calls"] == (got["blocks"] * 2 if exchange != "diffusers" and runs else 0), got["dlo_calls"]
         assert got["sp_ranks"] == lay.sp_ranks(lay.group_of(r))
         if mode == "allgather":
             assert (got["g"], got["r"]) == (dp * sp, r), "the shard group must span every rank of the node"
@@ -170,13 +172,14 @@ def test_sequence_parallel_on_the_offloaded_model_is_bit_identical_to_one_rank(t
         assert res[0]["gathers"] > 0
 
 
-@pytest.mark.parametrize("raw,want", [(None, False), ("", False), ("0", False), ("1", True), (" 1 ", True)])
-def test_ulysses_overlap_is_off_unless_the_environment_says_1(raw, want):
-    from dlo.engine.parallel import ulysses_overlap
+@pytest.mark.parametrize("raw,want", [(None, "overlap"), ("", "overlap"), ("diffusers", "diffusers"),
+                                      ("lean", "lean"), (" overlap ", "overlap")])
+def test_the_ulysses_exchange_is_read_from_the_environment(raw, want):
+    from dlo.engine.parallel import ulysses_exchange
 
-    assert ulysses_overlap({} if raw is None else {"DLO_ULYSSES_OVERLAP": raw}) is want
-    with pytest.raises(LayoutError, match=r"DLO_ULYSSES_OVERLAP must be 0 or 1, got 'yes'"):
-        ulysses_overlap({"DLO_ULYSSES_OVERLAP": "yes"})
+    assert ulysses_exchange({} if raw is None else {"DLO_ULYSSES": raw}) == want
+    with pytest.raises(LayoutError, match=r"DLO_ULYSSES must be one of overlap, lean, diffusers, got '1'"):
+        ulysses_exchange({"DLO_ULYSSES": "1"})
 
 
 @pytest.mark.parametrize("raw,want", [("", None), ("4", 4), (" 16 ", 16), ("1", 1), ("64", 64)])

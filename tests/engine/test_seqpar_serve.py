@@ -27,7 +27,7 @@ def wan(tmp_path_factory):
     (["--sp", "2", "--warmup-size", "16x16"], "1 tokens per frame"),
     (["--sp", "2", "--sp-kind", "ring"], "--sp-kind ring needs cuda"),
     (["DLO_GATHER_MAX_CTAS=0", "--sp", "2"], "DLO_GATHER_MAX_CTAS must be an integer from 1 to 64"),
-    (["DLO_ULYSSES_OVERLAP=yes", "--sp", "2"], "DLO_ULYSSES_OVERLAP must be 0 or 1, got 'yes'"),
+    (["DLO_ULYSSES=yes", "--sp", "2"], "DLO_ULYSSES must be one of overlap, lean, diffusers, got 'yes'"),
 ])
 def test_bad_sp_configuration_is_one_line_and_exit_2(wan, argv, fragment):
     env = offline_env()
@@ -84,15 +84,15 @@ def test_dp2_sp2_serves_the_bytes_of_resident_dp1_in_waves(wan, expected, tmp_pa
     assert srv.proc is not None and srv.proc.returncode == 0
 
 
-def test_overlapped_ulysses_serves_the_same_bytes(wan, expected, tmp_path):
-    """DLO_ULYSSES_OVERLAP=1 reaches every rank: Wan's self-attention exchanges while it projects
-    (dlo.engine.ulysses), and the bytes are the resident dp1 server's."""
+def test_dlo_ulysses_serves_the_same_bytes(wan, expected, tmp_path):
+    """DLO_ULYSSES=lean reaches every rank (the other --sp 2 tests serve the default, overlap): Wan's
+    self-attention goes through dlo.engine.ulysses, and the bytes are the resident dp1 server's."""
     env = offline_env()
-    env["DLO_ULYSSES_OVERLAP"] = "1"
+    env["DLO_ULYSSES"] = "lean"
     log = tmp_path / "sp2.log"
     with ServerProcess(wan, "--dp", "1", "--sp", "2", "--mode", "allgather", "--device", "cpu", "--small-limits",
                        "--progress-timeout", "120", log_path=log, env=env) as srv:
         client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         assert [sha(_image(client, s)) for s in SEEDS] == [expected[s] for s in SEEDS]
     text = log.read_text()
-    assert text.count("exchange q/k/v while projecting (DLO_ULYSSES_OVERLAP=1)") == 2, text[-3000:]  # both ranks
+    assert text.count("exchange through DLO's Ulysses (DLO_ULYSSES=lean)") == 2, text[-3000:]  # both ranks
