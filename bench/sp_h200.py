@@ -74,14 +74,20 @@ CONFIGS = {
     "dlo_allgather_dp2": (2, "allgather", 1),
 }
 OUT_DIR = Path("/tmp/dlo-sp")
+# What `@lean` / `@overlap` ran (raw key `dlo_ulysses_version`): 1 (2026-11-30): the inputs exchanged
+# while projecting, nothing else; 2 (2026-12-01, calls lean and lean-b): the copies folded, attention
+# per destination query chunk sent peer to peer; 3: the copies folded, one attention call exchanged
+# back token-major (engine/ulysses.py). `merge` names older ones `@overlap1`, `@lean2`, ...
+DLO_ULYSSES_VERSION = 3
 mb._HANG_S = 100  # a group stuck longer than this dumps its stacks and exits (each takes well under a minute)
 
 
 def split_config(name: str) -> tuple[str, str, str]:
     """`<config>[@lean|@overlap][@ctasN]` -> (config, N or "", exchange): `dlo_allgather_ulysses2@ctas4`
     -> ("dlo_allgather_ulysses2", "4", "diffusers"); `@lean` / `@overlap`: Wan's self-attention through
-    dlo.engine.ulysses (`DLO_ULYSSES=lean|overlap`) instead of diffusers' Ulysses."""
-    m = re.fullmatch(r"([a-z0-9_]+)(?:@(lean|overlap))?(?:@ctas(\d+))?", name)
+    dlo.engine.ulysses (`DLO_ULYSSES=lean|overlap`) instead of diffusers' Ulysses. Older records'
+    `@overlap1`, `@lean2`, ... (see DLO_ULYSSES_VERSION) parse, but only today's can run."""
+    m = re.fullmatch(r"([a-z0-9_]+)(?:@((?:lean|overlap)\d?))?(?:@ctas(\d+))?", name)
     if not m or m[1] not in CONFIGS or (m[2] and CONFIGS[m[1]][2] == 1):  # one spelling per configuration
         raise SystemExit(f"unknown configuration {name!r}: one of {', '.join(CONFIGS)}, optionally @lean or "
                          "@overlap (sequence-parallel ones) then @ctasN")
@@ -91,21 +97,28 @@ def split_config(name: str) -> tuple[str, str, str]:
 def normalized(rec: dict) -> dict:
     """A raw record under today's names. Two calls of 2026-11-30 (`ulysses_overlapped_unless_stock` in
     their raw files) ran while the overlapped exchanges were the default: their plain sequence-parallel
-    names were overlapped and `@stock` was diffusers' Ulysses, which plain names are now."""
-    if not rec.get("ulysses_overlapped_unless_stock"):
+    names were overlapped and `@stock` was diffusers' Ulysses, which plain names are now. `@lean` /
+    `@overlap` of an older DLO_ULYSSES_VERSION (raws without the key: 1 for those two calls, else 2)
+    carry their version: `@overlap1`, `@lean2`."""
+    stock = bool(rec.get("ulysses_overlapped_unless_stock"))
+    version = rec.get("dlo_ulysses_version") or (1 if stock else 2)
+    if not stock and version == DLO_ULYSSES_VERSION:
         return rec
+    old = "" if version == DLO_ULYSSES_VERSION else str(version)
 
     def rename(n: str) -> str:
         base, *tags = n.split("@")
+        if base not in CONFIGS:
+            return n
         if "stock" in tags:
             tags.remove("stock")
-        elif CONFIGS[base][2] > 1:
+        elif stock and CONFIGS[base][2] > 1:
             tags.insert(0, "overlap")
-        return "@".join([base, *tags])
+        return "@".join([base, *(t + old if t in ("lean", "overlap") else t for t in tags)])
 
     out = {k: v for k, v in rec.items() if k != "ulysses_overlapped_unless_stock"}
     for key in ("runs", "vs_one_gpu", "seconds", "skipped"):  # every map keyed by configuration
-        out[key] = {(rename(n) if n.split("@")[0] in CONFIGS else n): x for n, x in (rec.get(key) or {}).items()}
+        out[key] = {rename(n): x for n, x in (rec.get(key) or {}).items()}
     out["renamed"] = {n: rename(n) for n in rec["runs"] if rename(n) != n}
     return out
 
@@ -318,6 +331,7 @@ def run(args: argparse.Namespace) -> None:
     args.ckpt = str(ckpt)
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     result: dict = {"layers": args.layers, "tiny": args.tiny, "devices": n_dev, "sp_kind": args.sp_kind,
+                    "dlo_ulysses_version": DLO_ULYSSES_VERSION,
                     "device_name": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
                     "model_bytes": facts.bytes, "block_bytes": facts.largest_block_bytes,
                     "nonblock_bytes": facts.nonblock_bytes, "checkpoint": written, "command": sys.argv[1:],
@@ -397,9 +411,12 @@ def summarize(rec: dict) -> dict:
     s["sp2_over_one_gpu_resident_video"] = _ratio(v["dlo_allgather_ulysses2"], v["one_gpu_resident"])
     s["resident_ulysses2_over_one_gpu_video"] = _ratio(v["resident_ulysses2"], v["one_gpu_resident"])
     # DLO's Ulysses exchanges (`@lean`, `@overlap`) against diffusers' Ulysses (one call per record)
-    for tag in ("lean", "overlap"):
-        s[f"{tag}_over_default_video"] = {
-            b: _ratio(_secs(rec, f"{b}@{tag}", "video"), v[b]) for b in CONFIGS if f"{b}@{tag}" in rec["runs"]}
+    # (older records' `@overlap1`, `@lean2` ... under `overlap1_over_default_video` ...)
+    s["lean_over_default_video"], s["overlap_over_default_video"] = {}, {}
+    for n in rec["runs"]:
+        base, cap, exchange = split_config(n)
+        if exchange != "diffusers" and not cap:
+            s.setdefault(f"{exchange}_over_default_video", {})[base] = _ratio(_secs(rec, n, "video"), v[base])
     s["variants_over_one_gpu_video"] = {n: _ratio(_secs(rec, n, "video"), v["one_gpu_resident"])
                                         for n in rec["runs"] if "@" in n}
     s["sp2_over_resident_ulysses2_video_capped"] = {  # DLO_GATHER_MAX_CTAS variants, same call's baseline
@@ -490,7 +507,8 @@ def _markdown(rec: dict, args: argparse.Namespace) -> str:
     lines += [""]
     for k in ("sp2_over_resident_ulysses2_video", "sp2_over_one_gpu_resident_video",
               "resident_ulysses2_over_one_gpu_video", "bit_identical_to_one_gpu", "image_sp2_over_dp2_wave",
-              "video_sp2_over_dp2_wave", "serve_bytes_identical_sp2_sp1", "lean_over_default_video", "overlap_over_default_video",
+              "video_sp2_over_dp2_wave", "serve_bytes_identical_sp2_sp1",
+              *sorted(k for k in s if k.endswith("_over_default_video")),  # lean, overlap, older versions'
               "variants_over_one_gpu_video", "sp2_over_resident_ulysses2_video_capped", "skipped"):
         if k in s and s[k] != {}:
             lines.append(f"- `{k}`: {s[k]}")

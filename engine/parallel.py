@@ -273,7 +273,11 @@ def enable_sequence_parallel(module: Any, groups: ParallelGroups, device: Any, *
 
     if groups.layout.sp == 1:
         return False
+    from dlo.engine.ulysses import EXCHANGES
+
     exchange = ulysses_exchange() if exchange is None else exchange
+    if exchange not in EXCHANGES:
+        raise LayoutError(f"exchange must be one of {', '.join(EXCHANGES)}, got {exchange!r}")
     device = torch.device(device)
     if groups.kind == "ring":
         if device.type != "cuda":
@@ -289,9 +293,10 @@ def enable_sequence_parallel(module: Any, groups: ParallelGroups, device: Any, *
              if groups.kind == "ulysses" else 0)
         if n:
             log.info("sp: %d Wan attention processors exchange through DLO's Ulysses (%s=%s)", n, ULYSSES_ENV, exchange)
-        else:
-            log.info("sp: %s=%s ignored: it applies to Wan's self-attention with --sp-kind ulysses "
-                     "(here: %s, sp-kind %s)", ULYSSES_ENV, exchange, type(module).__name__, groups.kind)
+        else:  # the default applying to nothing is the normal case for other families: not worth a line
+            log.log(logging.DEBUG if exchange == EXCHANGES[0] else logging.INFO,
+                    "sp: %s=%s ignored: it applies to Wan's self-attention with --sp-kind ulysses "
+                    "(here: %s, sp-kind %s)", ULYSSES_ENV, exchange, type(module).__name__, groups.kind)
     return True
 
 

@@ -4,23 +4,21 @@ diffusers' Ulysses (`TemplatedUlyssesAttention`, diffusers 0.42) projects q, k a
 the all-to-all's head-major layout, exchanges the three one after the other (each waited for at once),
 runs attention, copies the output head-major again and exchanges it back: on a 480p Wan2.1-14B block on
 two H200s, ~1.5-2.4 ms of all-to-alls and ~1.2 ms of five permute copies on top of half the one-GPU
-block (bench/NOTES.md section 13). `lean` (`DLO_ULYSSES=lean`) takes out three of those copies and
-hides the output exchange:
+block (bench/NOTES.md section 13). `lean` (`DLO_ULYSSES=lean`) takes out three of those copies:
 
 - q and k: the rotary embedding writes its result straight into the send buffer (diffusers writes a
   fresh tensor, then copies it head-major); v is still copied once.
-- the output: attention runs per destination query chunk, the other ranks' chunks first; each chunk's
-  output is sent to its rank (one `batch_isend_irecv` per step) while the next chunk computes, and
-  leaves attention already contiguous (no head-major copy). Each query row's attention is computed
-  the same whether its neighbours are in the call or not (flash-style kernels tile queries
-  independently), which the tests and the bench check bitwise.
+- the output: one attention call over the whole sequence, as diffusers makes it, exchanged back in
+  attention's own token-major layout (no copy for one request; diffusers copies it head-major first).
+  Attention is not split by query chunk: flash attention picks its KV-split count from the number of
+  query blocks, so a chunk's rows could sum in another order than the whole call's.
 - `overlap` (`DLO_ULYSSES=overlap`, the default) also starts each input's exchange as soon as it is
   ready (`async_op=True`) and projects the next meanwhile.
 
-Measured on two H200s at 40 layers, 480p, two calls (bench/NOTES.md section 14): against diffusers'
-Ulysses, `overlap` 0.9847x resident and 0.9937x / 0.9952x with streamed weights (DLO); `lean` 0.9921x /
-0.9910x resident but 1.038x / 1.041x under DLO, whose weight gathers then run beside synchronous input
-exchanges. Hence `overlap` by default; `DLO_ULYSSES=diffusers` goes back to diffusers' path.
+Measured on two H200s at 40 layers, 480p (bench/NOTES.md section 14), against diffusers' Ulysses:
+`overlap` 0.986x resident, 0.995x with streamed weights (DLO); `lean` 0.99x resident but 1.033-1.041x
+under DLO, whose weight gathers then run beside synchronous input exchanges. Hence `overlap` by
+default; `DLO_ULYSSES=diffusers` goes back to diffusers' path.
 
 Same values through the same attention call in the same dtype: the output is bit-identical to
 diffusers' Ulysses and to one rank (tests/engine/test_seqpar.py on gloo; the sp bench's bitwise check
@@ -69,14 +67,10 @@ class UlyssesWanProcessor:
     or `overlap` when `overlap`), everything else through the wrapped processor."""
 
     def __init__(self, inner: Any, group: Any, world: int, *, overlap: bool = False) -> None:
-        import torch.distributed as dist
-
         self.inner = inner
         self.group = group
         self.world = world
         self.overlap = overlap
-        self.rank = dist.get_rank(group)
-        self.peers = [dist.get_global_rank(group, r) for r in range(world)]
         self.calls = 0  # self-attention calls that took DLO's path (tests, logs)
 
     # diffusers sets and reads these on every processor (set_attention_backend, enable_parallelism)
@@ -136,37 +130,26 @@ class UlyssesWanProcessor:
             full[which] = recv.flatten(0, 1).permute(1, 0, 2, 3).contiguous()
         return full
 
-    def _attention_by_destination(self, full: dict[str, Any], s_local: int) -> Any:
-        """Attention of every rank's query chunk over the whole sequence (this rank's heads), the other
-        ranks' first, each sent to its rank as it finishes; returns (B, S_local, H, D), this rank's
-        tokens with every rank's heads."""
+    def _attention_exchanged_back(self, full: dict[str, Any], s_local: int) -> Any:
+        """Attention over the whole sequence with this rank's heads (one call, as diffusers makes it),
+        exchanged back: (B, S_local, H, D), this rank's tokens with every rank's heads."""
         import torch
         import torch.distributed as dist
         from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-        w, r = self.world, self.rank
-        pieces: list[Any] = [None] * w
-        works, keep = [], []
-        for step in [*range(1, w), 0]:  # this rank's own chunk last: its attention hides the last send
-            dst, src = (r + step) % w, (r - step) % w
-            q = full["q"][:, dst * s_local:(dst + 1) * s_local]
-            out = dispatch_attention_fn(q, full["k"], full["v"], attn_mask=None, dropout_p=0.0, is_causal=False,
-                                        backend=self._attention_backend, parallel_config=None).contiguous()
-            if step == 0:
-                pieces[r] = out
-                break
-            pieces[src] = torch.empty_like(out)
-            ops = [dist.P2POp(dist.isend, out, self.peers[dst], self.group),
-                   dist.P2POp(dist.irecv, pieces[src], self.peers[src], self.group)]
-            works += dist.batch_isend_irecv(ops)
-            keep.append(out)  # the sent chunk stays referenced until its send is waited for
-        for work in works:
-            work.wait()
-        return torch.cat(pieces, dim=2)
+        out = dispatch_attention_fn(full["q"], full["k"], full["v"], attn_mask=None, dropout_p=0.0, is_causal=False,
+                                    backend=self._attention_backend, parallel_config=None)
+        # (B, S, H/world, D) -> (world, B, S_local, H/world, D), token-major like attention's output:
+        # no copy for B = 1 (diffusers sends head-major, a copy of the whole output)
+        send = out.unflatten(1, (self.world, s_local)).transpose(0, 1).contiguous()
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        # (world, B, S_local, H/world, D) -> (B, S_local, H, D): every rank's heads in rank order
+        return recv.permute(1, 2, 0, 3, 4).flatten(2, 3)
 
     def _self_attention(self, attn: Any, hidden_states: Any, rotary_emb: Any) -> Any:
         full = self._exchange_inputs(attn, hidden_states, rotary_emb)
-        out = self._attention_by_destination(full, hidden_states.shape[1])
+        out = self._attention_exchanged_back(full, hidden_states.shape[1])
         out = out.flatten(2, 3).to(full["q"].dtype)  # diffusers casts to the query's dtype
         out = attn.to_out[0](out)
         return attn.to_out[1](out)
