@@ -99,13 +99,15 @@ def tiny(tmp_path_factory):
     return str(make_tiny_transformer(tmp_path_factory.mktemp("sp") / "wan", "wan", layers=3, dim=64))
 
 
-def _inputs(seed: int) -> dict:
+def _inputs(seed: int, batch: int = 1) -> dict:
     gen = torch.Generator().manual_seed(seed)
-    return dict(hidden_states=torch.randn(1, 16, 3, 8, 8, generator=gen), timestep=torch.tensor([500 + seed]),
-                encoder_hidden_states=torch.randn(1, 7, 32, generator=gen), return_dict=False)
+    return dict(hidden_states=torch.randn(batch, 16, 3, 8, 8, generator=gen),
+                timestep=torch.tensor([500 + seed + i for i in range(batch)]),
+                encoder_hidden_states=torch.randn(batch, 7, 32, generator=gen), return_dict=False)
 
 
-def _ranks(rank: int, world: int, path: str, dp: int, sp: int, mode: str, exchange: str = "diffusers") -> dict:
+def _ranks(rank: int, world: int, path: str, dp: int, sp: int, mode: str, exchange: str = "diffusers",
+           batch: int = 1) -> dict:
     import torch.distributed as dist
 
     import dlo.engine
@@ -122,7 +124,7 @@ def _ranks(rank: int, world: int, path: str, dp: int, sp: int, mode: str, exchan
     calls = 2
     if d == 0:  # sp group 0 runs the request (2 transformer calls); the other groups only gather
         with torch.no_grad():
-            out = [model.module(**_inputs(s))[0] for s in range(calls)]
+            out = [model.module(**_inputs(s, batch))[0] for s in range(calls)]
     else:
         model.gather_only(calls)
     st = model.stats()
@@ -132,13 +134,13 @@ def _ranks(rank: int, world: int, path: str, dp: int, sp: int, mode: str, exchan
             "dlo_calls": dlo_ulysses_calls(model.module), "blocks": len(model.module.blocks)}
 
 
-def _one_rank(rank: int, world: int, path: str) -> list:
+def _one_rank(rank: int, world: int, path: str, batch: int = 1) -> list:
     import dlo.engine
 
     torch.set_num_threads(1)
     model = dlo.engine.load(path, mode="resident", device="cpu")
     with torch.no_grad():
-        return [model.module(**_inputs(s))[0] for s in range(2)]
+        return [model.module(**_inputs(s, batch))[0] for s in range(2)]
 
 
 @pytest.mark.parametrize("dp,sp,mode,exchange", [
@@ -214,3 +216,15 @@ def test_the_cta_cap_is_ignored_where_the_backend_has_none(dp, sp):
     for res in run_ranks(dp * sp, _capped_groups, dp, sp):
         assert res["shard_group"] is None
         assert res["sp_group"] == (sp > 1)
+
+
+@pytest.mark.parametrize("exchange", ["overlap", "lean"])
+def test_dlo_ulysses_with_two_requests_in_a_batch_is_bit_identical_to_one_rank(tiny, exchange):
+    """Batch 2 takes the layouts' copies that batch 1 skips (send buffers, the received sequence)."""
+    ref = run_ranks(1, _one_rank, tiny, 2)[0]
+    res = run_ranks(2, _ranks, tiny, 1, 2, "resident", exchange, 2)
+    for r, got in enumerate(res):
+        assert got["dlo_calls"] == got["blocks"] * 2
+        for a, b in zip(got["out"], ref):
+            assert a.shape[0] == 2 and torch.equal(a, b), f"rank {r}: max abs diff {(a - b).abs().max().item()}"
+
