@@ -169,7 +169,8 @@ def rank_config(rank: int, world: int, port: int, args: argparse.Namespace, name
             "peak_device_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
         }
         if args.profile:  # one more call, after the timed ones: where this rank's device time goes
-            res["workloads"][w]["profile"] = _profiled(call, dev, Path(args.raw).parent / f"profile-{name}-{w}-rank{rank}.txt")
+            txt = Path(args.raw).parent / f"profile-{name.replace('@', '.')}-{w}-rank{rank}.txt"  # no '@' in names
+            res["workloads"][w]["profile"] = _profiled(call, dev, txt)
     mb._gather_results(res, world, rank, out)
     m.close()
     mb._leave(rank)
