@@ -22,7 +22,7 @@ configuration, each loading the model once:
 - `<config>@ctasN`: the same with `DLO_GATHER_MAX_CTAS=N` (the weight gathers on their own NCCL
   communicator capped at N CTAs); the summary's `sp2_over_resident_ulysses2_video_capped` has them.
 - `<config>@lean` / `@overlap`: Wan's self-attention through dlo.engine.ulysses (`DLO_ULYSSES=lean`:
-  rotary embedding into the send buffers, attention per destination chunk sent as it finishes;
+  rotary embedding into the send buffers, attention's output exchanged back token-major;
   `overlap`: also q/k/v exchanged while projecting) instead of diffusers' Ulysses (plain names;
   summary `lean_over_default_video`, `overlap_over_default_video`). Records before 2026-12-01 ran
   `@overlap` as it was then: the input exchanges overlapped, without the lean parts. Two raw files

@@ -256,10 +256,15 @@ def ulysses_exchange(environ: Mapping[str, str] = os.environ) -> str:
     resident and with streamed weights (bench/NOTES.md section 14). Empty (a template's default) is unset."""
     from dlo.engine.ulysses import EXCHANGES
 
-    raw = environ.get(ULYSSES_ENV, "").strip() or EXCHANGES[0]
-    if raw not in EXCHANGES:
-        raise LayoutError(f"{ULYSSES_ENV} must be one of {', '.join(EXCHANGES)}, got {raw!r}")
-    return raw
+    return _checked_exchange(environ.get(ULYSSES_ENV, "").strip() or EXCHANGES[0], ULYSSES_ENV)
+
+
+def _checked_exchange(value: str, what: str) -> str:
+    from dlo.engine.ulysses import EXCHANGES
+
+    if value not in EXCHANGES:
+        raise LayoutError(f"{what} must be one of {', '.join(EXCHANGES)}, got {value!r}")
+    return value
 
 
 def enable_sequence_parallel(module: Any, groups: ParallelGroups, device: Any, *,
@@ -275,9 +280,7 @@ def enable_sequence_parallel(module: Any, groups: ParallelGroups, device: Any, *
         return False
     from dlo.engine.ulysses import EXCHANGES
 
-    exchange = ulysses_exchange() if exchange is None else exchange
-    if exchange not in EXCHANGES:
-        raise LayoutError(f"exchange must be one of {', '.join(EXCHANGES)}, got {exchange!r}")
+    exchange = ulysses_exchange() if exchange is None else _checked_exchange(exchange, "exchange")
     device = torch.device(device)
     if groups.kind == "ring":
         if device.type != "cuda":

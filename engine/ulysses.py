@@ -132,7 +132,7 @@ class UlyssesWanProcessor:
 
     def _attention_exchanged_back(self, full: dict[str, Any], s_local: int) -> Any:
         """Attention over the whole sequence with this rank's heads (one call, as diffusers makes it),
-        exchanged back: (B, S_local, H, D), this rank's tokens with every rank's heads."""
+        exchanged back: (B, S_local, H * D), this rank's tokens with every rank's heads."""
         import torch
         import torch.distributed as dist
         from diffusers.models.attention_dispatch import dispatch_attention_fn
@@ -144,13 +144,13 @@ class UlyssesWanProcessor:
         send = out.unflatten(1, (self.world, s_local)).transpose(0, 1).contiguous()
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
-        # (world, B, S_local, H/world, D) -> (B, S_local, H, D): every rank's heads in rank order
-        return recv.permute(1, 2, 0, 3, 4).flatten(2, 3)
+        # (world, B, S_local, H/world, D) -> (B, S_local, H * D): every rank's heads in rank order
+        return recv.permute(1, 2, 0, 3, 4).flatten(2, 4)
 
     def _self_attention(self, attn: Any, hidden_states: Any, rotary_emb: Any) -> Any:
         full = self._exchange_inputs(attn, hidden_states, rotary_emb)
         out = self._attention_exchanged_back(full, hidden_states.shape[1])
-        out = out.flatten(2, 3).to(full["q"].dtype)  # diffusers casts to the query's dtype
+        out = out.to(full["q"].dtype)  # diffusers casts to the query's dtype
         out = attn.to_out[0](out)
         return attn.to_out[1](out)
 
