@@ -248,24 +248,38 @@ def _dlo(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dlo.cli.main", *argv], capture_output=True, text=True)
 
 
-def run_policy(args: argparse.Namespace, facts, tmp: Path) -> dict:
-    """`dlo calibrate` here, then `dlo plan` per workload for the full 40-block Wan2.1-14B at dp,
-    on this node's profile and on the same node with a 24 GiB device (where resident cannot fit)."""
+def plan_profiles(device: str, tmp: Path) -> tuple[dict, dict[str, Path]]:
+    """`dlo calibrate` here, then two NodeProfile files under `tmp`: this node with the measured
+    bandwidths (`node`) and the same node with a 24 GiB device (`24GiB`, where a 40-layer Wan2.1-14B
+    cannot be resident, so the plan chooses between the offload modes). Returns (the calibration
+    fragment, {name: profile file}); RuntimeError when calibrate fails."""
     from dlo.agent.profile import CalibrationFragment, apply_calibration
     from dlo.agent.topology import local_profile
 
+    tmp.mkdir(parents=True, exist_ok=True)
     cal = tmp / "calibration.json"
-    proc = _dlo("calibrate", "--out", str(cal), "--device", args.device)
+    proc = _dlo("calibrate", "--out", str(cal), "--device", device)
     if proc.returncode:
-        return {"error": f"dlo calibrate failed: {proc.stderr[-400:]}"}
+        raise RuntimeError(f"dlo calibrate failed: {proc.stderr[-400:]}")
     profile = apply_calibration(local_profile(), CalibrationFragment.model_validate_json(cal.read_text()))
     small = profile.model_copy(update={"accelerator": profile.accelerator.model_copy(
         update={"memory_bytes": 24 * 1024**3})})
-    out: dict = {"calibration": json.loads(cal.read_text()), "plans": {}}
-    full_bytes = facts.nonblock_bytes + facts.largest_block_bytes * 40
+    files = {}
     for name, prof in (("node", profile), ("24GiB", small)):
-        pf = tmp / f"profile-{name}.json"
-        pf.write_text(prof.model_dump_json())
+        files[name] = tmp / f"profile-{name}.json"
+        files[name].write_text(prof.model_dump_json())
+    return json.loads(cal.read_text()), files
+
+
+def run_policy(args: argparse.Namespace, facts, tmp: Path) -> dict:
+    """`dlo plan` per workload for the full 40-block Wan2.1-14B at dp on `plan_profiles`' two nodes."""
+    try:
+        calibration, profiles = plan_profiles(args.device, tmp)
+    except RuntimeError as e:
+        return {"error": str(e)}
+    out: dict = {"calibration": calibration, "plans": {}}
+    full_bytes = facts.nonblock_bytes + facts.largest_block_bytes * 40
+    for name, pf in profiles.items():
         for w in args.workloads.split(","):
             proc = _dlo("plan", "--model-bytes", str(full_bytes), "--max-block-bytes", str(facts.largest_block_bytes),
                         "--blocks", "40", "--dp", str(args.dp), "--tokens", str(64 if args.tiny else TOKENS[w]),

@@ -19,6 +19,9 @@ configuration, each loading the model once:
 - `dlo_allgather_ulysses2` (2 ranks): DLO allgather over both ranks (each holds half of every block)
   + Ulysses-2 on the same model: one request on both ranks;
 - `dlo_allgather_dp2` (2 ranks): DLO allgather without sp, a wave of two requests (seed 1 + rank);
+- `dlo_ranklocal_ulysses2` (2 ranks): DLO rank-local (each rank copies whole blocks from the shared,
+  DMA-registered page cache: no weight collective) + Ulysses-2, the mode `dlo plan` picks for 480p
+  video when the model cannot be resident (compute-bound: a near-tie goes to rank-local);
 - `<config>@ctasN`: the same with `DLO_GATHER_MAX_CTAS=N` (the weight gathers on their own NCCL
   communicator capped at N CTAs); the summary's `sp2_over_resident_ulysses2_video_capped` has them.
 - `<config>@lean` / `@overlap`: Wan's self-attention through dlo.engine.ulysses (`DLO_ULYSSES=lean`:
@@ -72,6 +75,7 @@ CONFIGS = {
     "resident_ulysses2": (2, "resident", 2),
     "dlo_allgather_ulysses2": (2, "allgather", 2),
     "dlo_allgather_dp2": (2, "allgather", 1),
+    "dlo_ranklocal_ulysses2": (2, "rank-local", 2),
 }
 OUT_DIR = Path("/tmp/dlo-sp")
 # What `@lean` / `@overlap` ran (raw key `dlo_ulysses_version`): 1 (2026-11-30): the inputs exchanged
@@ -159,7 +163,14 @@ def rank_config(rank: int, world: int, port: int, args: argparse.Namespace, name
                 return m.module(**inputs)[0]
 
         iters = 3 if args.tiny else ITERS[w]
-        times, out_t = _timed_last(call, dev, iters)  # one warm-up call, then `iters` timed
+        waited: list[float] = []  # the compute stream's cumulative wait for weights after the warm-up
+
+        def mark() -> None:
+            mb._sync(dev)
+            waited.append(m.stats().gather_wait_seconds)
+
+        times, out_t = _timed_last(call, dev, iters, after_warmup=mark)  # one warm-up call, then `iters` timed
+        mark()
         if rank == 0:
             OUT_DIR.mkdir(parents=True, exist_ok=True)
             torch.save(out_t.detach().float().cpu(), OUT_DIR / f"out-{name}-{w}.pt")
@@ -167,6 +178,8 @@ def rank_config(rank: int, world: int, port: int, args: argparse.Namespace, name
         res["workloads"][w] = {
             "seconds": statistics.median(times), "all": times, "sha256_seed1": wb.sha256_of(out_t) if rank == 0 else None,
             "peak_device_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
+            # how long this rank's compute stream stood waiting for weights, per timed call (0 resident)
+            "gather_wait_ms_per_call": (waited[-1] - waited[0]) / iters * 1e3,
         }
         if args.profile:  # one more call, after the timed ones: where this rank's device time goes
             txt = Path(args.raw).parent / f"profile-{name.replace('@', '.')}-{w}-rank{rank}.txt"  # no '@' in names
@@ -224,10 +237,13 @@ def _profiled(fn, dev, table: Path) -> dict:
     return {"wall_ms": wall * 1e3, "device_ms": {k: round(v, 3) for k, v in sorted(by_cat.items())}}
 
 
-def _timed_last(fn, dev, iters: int) -> tuple[list[float], object]:
+def _timed_last(fn, dev, iters: int, after_warmup=None) -> tuple[list[float], object]:
     """`multi_gpu_h200._timed` (barrier, call, device sync, barrier per iteration) keeping the last
-    call's output: the compared output is one of the timed calls, no extra call."""
+    call's output: the compared output is one of the timed calls, no extra call. `after_warmup()`
+    runs between the warm-up call and the timed ones."""
     out = fn()
+    if after_warmup is not None:
+        after_warmup()
     times = []
     for _ in range(iters):
         mb._sync(dev)
@@ -257,16 +273,24 @@ def compare(name: str, w: str) -> dict:
 
 
 def run_plans(args: argparse.Namespace, facts) -> dict:
-    """`dlo plan --json` per workload and layout for the full 40-block model on this node."""
+    """`dlo plan --json` per workload and layout for the full 40-block model, on this node with the
+    bandwidths `dlo calibrate` measures (`node/<workload>/<layout>`) and on the same node with a 24 GiB
+    device (`24GiB/...`: resident cannot fit, so the plan picks an offload mode)."""
+    try:
+        calibration, profiles = mb.plan_profiles(args.device, Path("/tmp/dlo-sp-plans"))
+    except RuntimeError as e:
+        return {"error": str(e)}
     full_bytes = facts.nonblock_bytes + facts.largest_block_bytes * 40
-    out: dict = {}
-    for w in args.workloads.split(","):
-        tokens = 64 if args.tiny else TOKENS[w]
-        for layout, dp, sp in (("dp2", 2, 1), ("sp2", 1, 2)):
-            proc = mb._dlo("plan", "--model-bytes", str(full_bytes), "--max-block-bytes", str(facts.largest_block_bytes),
-                           "--blocks", "40", "--dp", str(dp), "--sp", str(sp), "--tokens", str(tokens // sp), "--json")
-            out[f"{w}/{layout}"] = (json.loads(proc.stdout) if proc.stdout.strip().startswith("{")
-                                    else {"error": (proc.stderr or proc.stdout)[-400:]})
+    out: dict = {"calibration": calibration}
+    for name, pf in profiles.items():
+        for w in args.workloads.split(","):
+            tokens = 64 if args.tiny else TOKENS[w]
+            for layout, dp, sp in (("dp2", 2, 1), ("sp2", 1, 2)):
+                proc = mb._dlo("plan", "--model-bytes", str(full_bytes), "--max-block-bytes",
+                               str(facts.largest_block_bytes), "--blocks", "40", "--dp", str(dp), "--sp", str(sp),
+                               "--tokens", str(tokens // sp), "--profile", str(pf), "--json")
+                out[f"{name}/{w}/{layout}"] = (json.loads(proc.stdout) if proc.stdout.strip().startswith("{")
+                                               else {"error": (proc.stderr or proc.stdout)[-400:]})
     return out
 
 
@@ -423,6 +447,17 @@ def summarize(rec: dict) -> dict:
     s["sp2_over_resident_ulysses2_video_capped"] = {  # DLO_GATHER_MAX_CTAS variants, same call's baseline
         n: _ratio(_secs(rec, n, "video"), v["resident_ulysses2"]) for n in rec["runs"]
         if "@ctas" in n and split_config(n)[0] == "dlo_allgather_ulysses2"}
+    # every streamed sp configuration against one GPU, and against resident Ulysses-2 with the same
+    # exchange (`dlo_ranklocal_ulysses2@overlap` / `resident_ulysses2@overlap`): what offload adds
+    streamed_sp = [n for n in rec["runs"] if (c := CONFIGS[split_config(n)[0]])[1] != "resident" and c[2] > 1]
+    s["sp_over_one_gpu_video"] = {n: _ratio(_secs(rec, n, "video"), v["one_gpu_resident"]) for n in streamed_sp}
+    s["offload_over_resident_video"] = {
+        n: _ratio(_secs(rec, n, "video"), _secs(rec, "resident_ulysses2" + n[len(split_config(n)[0]):], "video"))
+        for n in streamed_sp}
+    s["gather_wait_ms_per_call_video"] = {  # the slowest rank's wait for weights (records from 2026-12-02)
+        n: max(x["workloads"]["video"]["gather_wait_ms_per_call"] for x in r)
+        for n, r in rec["runs"].items() if isinstance(r, list) and "gather_wait_ms_per_call" in
+        (r[0]["workloads"].get("video") or {})}
     vs = rec.get("vs_one_gpu") or {}
     s["vs_one_gpu"] = vs
     sp_vs = {n: x for n, x in vs.items() if CONFIGS[split_config(n)[0]][2] > 1}  # the sequence-parallel ones
@@ -443,7 +478,8 @@ def summarize(rec: dict) -> dict:
         for layout in ("dp2", "sp2"):
             # the plan's allgather estimate (the mode measured here): max(compute at the layout's
             # tokens per rank, transfer with g = 2); its own choice of mode is reported beside it
-            p = plans.get(f"{w}/{layout}") or {}
+            # (records before 2026-12-02 planned on this node only, keyed `<workload>/<layout>`)
+            p = plans.get(f"24GiB/{w}/{layout}") or plans.get(f"{w}/{layout}") or {}
             mode = (p.get("choice") or {}).get("mode")
             bs = ((p.get("modes") or {}).get("allgather") or {}).get("block_seconds")
             est[layout] = {"mode": mode, "block_seconds": bs, "reason": (p.get("choice") or {}).get("reason") or p.get("error")}
@@ -463,6 +499,9 @@ def summarize(rec: dict) -> dict:
                       f"choice: dp2 {est['dp2']['reason']}; sp2 {est['sp2']['reason']}",
         }
     s["image_sp2_over_dp2_wave"] = s.get("image_sp2_over_dp2_wave")
+    # the offload mode the plan picks per workload and layout where the model cannot be resident
+    s["plan_modes_24GiB"] = {k.split("/", 1)[1]: (p.get("choice") or {}).get("mode")
+                             for k, p in (rec.get("plans") or {}).items() if k.startswith("24GiB/")}
     serve = rec.get("serve") or {}
     s["serve_bytes_identical_sp2_sp1"] = serve.get("bytes_identical_sp2_sp1")
     s["skipped"] = rec.get("skipped") or {}
@@ -510,7 +549,8 @@ def _markdown(rec: dict, args: argparse.Namespace) -> str:
               "resident_ulysses2_over_one_gpu_video", "bit_identical_to_one_gpu", "image_sp2_over_dp2_wave",
               "video_sp2_over_dp2_wave", "serve_bytes_identical_sp2_sp1",
               *sorted(k for k in s if k.endswith("_over_default_video")),  # lean, overlap, older versions'
-              "variants_over_one_gpu_video", "sp2_over_resident_ulysses2_video_capped", "skipped"):
+              "variants_over_one_gpu_video", "sp2_over_resident_ulysses2_video_capped", "sp_over_one_gpu_video",
+              "offload_over_resident_video", "gather_wait_ms_per_call_video", "plan_modes_24GiB", "skipped"):
         if k in s and s[k] != {}:
             lines.append(f"- `{k}`: {s[k]}")
     if rec.get("renamed"):
