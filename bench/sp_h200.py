@@ -24,6 +24,9 @@ configuration, each loading the model once:
   video when the model cannot be resident (compute-bound: a near-tie goes to rank-local);
 - `<config>@ctasN`: the same with `DLO_GATHER_MAX_CTAS=N` (the weight gathers on their own NCCL
   communicator capped at N CTAs); the summary's `sp2_over_resident_ulysses2_video_capped` has them.
+- `<config>@peer` (allgather ones, after any exchange tag): `DLO_GATHER=peer`, each rank copies the
+  other's shards out of its slots (copy engines, no SM) instead of NCCL's AllGather kernel
+  (dlo.engine.peergather); summary `peer_over_collective_video`;
 - `<config>@lean` / `@overlap`: Wan's self-attention through dlo.engine.ulysses (`DLO_ULYSSES=lean`:
   rotary embedding into the send buffers, attention's output exchanged back token-major;
   `overlap`: also q/k/v exchanged while projecting) instead of diffusers' Ulysses (plain names;
@@ -55,6 +58,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -86,16 +90,26 @@ DLO_ULYSSES_VERSION = 3
 mb._HANG_S = 100  # a group stuck longer than this dumps its stacks and exits (each takes well under a minute)
 
 
-def split_config(name: str) -> tuple[str, str, str]:
-    """`<config>[@lean|@overlap][@ctasN]` -> (config, N or "", exchange): `dlo_allgather_ulysses2@ctas4`
-    -> ("dlo_allgather_ulysses2", "4", "diffusers"); `@lean` / `@overlap`: Wan's self-attention through
-    dlo.engine.ulysses (`DLO_ULYSSES=lean|overlap`) instead of diffusers' Ulysses. Older records'
+class Variant(NamedTuple):
+    base: str  # a key of CONFIGS
+    cap: str  # DLO_GATHER_MAX_CTAS, "" for none
+    exchange: str  # DLO_ULYSSES, "diffusers" for diffusers' own Ulysses
+    gather: str  # DLO_GATHER: "collective" or "peer"
+
+
+def split_config(name: str) -> Variant:
+    """`<config>[@lean|@overlap][@peer][@ctasN]` -> `Variant`: `dlo_allgather_ulysses2@ctas4` ->
+    ("dlo_allgather_ulysses2", "4", "diffusers", "collective"); `@lean` / `@overlap`: Wan's
+    self-attention through dlo.engine.ulysses (`DLO_ULYSSES=lean|overlap`) instead of diffusers'
+    Ulysses; `@peer`: allgather's blocks rebuilt by peer copies (`DLO_GATHER=peer`). Older records'
     `@overlap1`, `@lean2`, ... (see DLO_ULYSSES_VERSION) parse, but only today's can run."""
-    m = re.fullmatch(r"([a-z0-9_]+)(?:@((?:lean|overlap)\d?))?(?:@ctas(\d+))?", name)
-    if not m or m[1] not in CONFIGS or (m[2] and CONFIGS[m[1]][2] == 1):  # one spelling per configuration
+    m = re.fullmatch(r"([a-z0-9_]+)(?:@((?:lean|overlap)\d?))?(@peer)?(?:@ctas(\d+))?", name)
+    # one spelling per configuration: exchanges only with sp, peer gathers only in allgather mode
+    if (not m or m[1] not in CONFIGS or (m[2] and CONFIGS[m[1]][2] == 1)
+            or (m[3] and CONFIGS[m[1]][1] != "allgather")):
         raise SystemExit(f"unknown configuration {name!r}: one of {', '.join(CONFIGS)}, optionally @lean or "
-                         "@overlap (sequence-parallel ones) then @ctasN")
-    return m[1], m[3] or "", m[2] or "diffusers"
+                         "@overlap (sequence-parallel ones), @peer (allgather ones), then @ctasN")
+    return Variant(m[1], m[4] or "", m[2] or "diffusers", "peer" if m[3] else "collective")
 
 
 def normalized(rec: dict) -> dict:
@@ -133,10 +147,11 @@ def rank_config(rank: int, world: int, port: int, args: argparse.Namespace, name
     from dlo.engine import load
     from dlo.engine.parallel import Layout, enable_sequence_parallel, make_groups
 
-    base, cap, exchange = split_config(name)
+    base, cap, exchange, gather = split_config(name)
     _, mode, sp = CONFIGS[base]
     if cap:  # read by make_groups
         os.environ["DLO_GATHER_MAX_CTAS"] = cap
+    os.environ["DLO_GATHER"] = gather  # read by load
     dev = mb._init(rank, world, port, args.device)
     if args.device == "cpu":
         torch.set_num_threads(1)
@@ -424,6 +439,12 @@ def _layout_winner(sp2_thr: float, dp2_thr: float) -> str:
     return "sp2" if sp2_thr >= dp2_thr * (1 - SP_THROUGHPUT_TOLERANCE) else "dp2"
 
 
+def _resident_twin(name: str) -> str:
+    """The resident Ulysses-2 configuration with `name`'s exchange (what its offload is measured against)."""
+    exchange = split_config(name).exchange
+    return "resident_ulysses2" + ("" if exchange == "diffusers" else f"@{exchange}")
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
 
@@ -439,9 +460,13 @@ def summarize(rec: dict) -> dict:
     # (older records' `@overlap1`, `@lean2` ... under `overlap1_over_default_video` ...)
     s["lean_over_default_video"], s["overlap_over_default_video"] = {}, {}
     for n in rec["runs"]:
-        base, cap, exchange = split_config(n)
-        if exchange != "diffusers" and not cap:
+        base, cap, exchange, gather = split_config(n)
+        if exchange != "diffusers" and not cap and gather == "collective":
             s.setdefault(f"{exchange}_over_default_video", {})[base] = _ratio(_secs(rec, n, "video"), v[base])
+    # peer gathers (`@peer`) against the collective, the rest of the name the same
+    s["peer_over_collective_video"] = {n.replace("@peer", ""): _ratio(_secs(rec, n, "video"),
+                                                                      _secs(rec, n.replace("@peer", ""), "video"))
+                                       for n in rec["runs"] if "@peer" in n}
     s["variants_over_one_gpu_video"] = {n: _ratio(_secs(rec, n, "video"), v["one_gpu_resident"])
                                         for n in rec["runs"] if "@" in n}
     s["sp2_over_resident_ulysses2_video_capped"] = {  # DLO_GATHER_MAX_CTAS variants, same call's baseline
@@ -452,8 +477,7 @@ def summarize(rec: dict) -> dict:
     streamed_sp = [n for n in rec["runs"] if (c := CONFIGS[split_config(n)[0]])[1] != "resident" and c[2] > 1]
     s["sp_over_one_gpu_video"] = {n: _ratio(_secs(rec, n, "video"), v["one_gpu_resident"]) for n in streamed_sp}
     s["offload_over_resident_video"] = {
-        n: _ratio(_secs(rec, n, "video"), _secs(rec, "resident_ulysses2" + n[len(split_config(n)[0]):], "video"))
-        for n in streamed_sp}
+        n: _ratio(_secs(rec, n, "video"), _secs(rec, _resident_twin(n), "video")) for n in streamed_sp}
     s["gather_wait_ms_per_call_video"] = {  # the slowest rank's wait for weights (records from 2026-12-02)
         n: max(x["workloads"]["video"]["gather_wait_ms_per_call"] for x in r)
         for n, r in rec["runs"].items() if isinstance(r, list) and "gather_wait_ms_per_call" in
@@ -550,7 +574,8 @@ def _markdown(rec: dict, args: argparse.Namespace) -> str:
               "video_sp2_over_dp2_wave", "serve_bytes_identical_sp2_sp1",
               *sorted(k for k in s if k.endswith("_over_default_video")),  # lean, overlap, older versions'
               "variants_over_one_gpu_video", "sp2_over_resident_ulysses2_video_capped", "sp_over_one_gpu_video",
-              "offload_over_resident_video", "gather_wait_ms_per_call_video", "plan_modes_24GiB", "skipped"):
+              "offload_over_resident_video", "peer_over_collective_video", "gather_wait_ms_per_call_video",
+              "plan_modes_24GiB", "skipped"):
         if k in s and s[k] != {}:
             lines.append(f"- `{k}`: {s[k]}")
     if rec.get("renamed"):

@@ -34,6 +34,7 @@ from dlo.engine.families import block_layout
 from dlo.engine.hooks import HookSet, attach_prefetcher
 from dlo.engine.checkpoint import CheckpointError
 from dlo.engine.model import MetaModel, assert_nothing_on_meta, build_meta_model, move_free_buffers, owner_of, set_tensor
+from dlo.engine.peergather import agree_on_path, gather_path
 from dlo.engine.platform import Platform, get_platform
 from dlo.engine.prefetch import OffloadedBlock, SlotPrefetcher
 from dlo.engine.report import GatherStats, LoadReport
@@ -168,10 +169,15 @@ def load(
             blocks = [
                 OffloadedBlock(meta.block_module(b), lay, lay.shard_bytes(g)) for b, lay in zip(offloaded, layouts)
             ]
+            peer = False
+            if mode == "allgather" and g > 1:  # DLO_GATHER: the same on every rank of the shard group
+                path = gather_path()
+                agree_on_path(path, group, device)
+                peer = path == "peer"
             prefetcher = SlotPrefetcher(
                 module, blocks, host.copies, platform=platform, device=device, group=group, g=g, r=r,
                 collective=(mode == "allgather"), time_waits=time_waits,
-                graphs=(platform.name == "cuda") if transfer_graphs is None else transfer_graphs,
+                graphs=(platform.name == "cuda") if transfer_graphs is None else transfer_graphs, peer=peer,
             )
             attach_prefetcher(prefetcher, hooks)
             slot_bytes = 2 * prefetcher.slot_bytes
@@ -198,7 +204,8 @@ def load(
         rank=r,
         resident_blocks=n_resident,
         pinned=bool(host and host.pinned),
-        transfer=("graph" if prefetcher._graphs is not None else "eager") if prefetcher else "none",
+        transfer=(("peer" if prefetcher._peer is not None else "graph" if prefetcher._graphs is not None else "eager")
+                  if prefetcher else "none"),
         model_bytes=ckpt.nbytes,
     )
     log.info("dlo loaded %s phases=%s", " ".join(f"{k}={v}" for k, v in report.to_dict().items()), laps.rounded())

@@ -50,6 +50,7 @@ from torch.autograd.profiler import record_function
 from dlo.engine.dtypes import torch_dtype
 from dlo.engine.layout import BlockLayout
 from dlo.engine.model import owner_of
+from dlo.engine.peergather import PeerGather
 from dlo.engine.platform import Platform
 from dlo.engine.report import GatherStats
 
@@ -115,6 +116,7 @@ class SlotPrefetcher:
         collective: bool,
         time_waits: bool = True,
         graphs: bool = False,
+        peer: bool = False,
     ):
         self.root = root
         self.blocks = blocks
@@ -122,14 +124,21 @@ class SlotPrefetcher:
         self.platform = platform
         self.g, self.r, self.collective = g, r, collective
         self.slot_bytes = max(b.shard * g for b in blocks)
-        self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
         self.copy_stream = platform.new_stream("copy")
         self.comm_stream = platform.new_stream("comm")
         self.compute_stream = platform.current_stream()
         self.h2d = [platform.new_event() for _ in range(2)]
         self.ready = [platform.new_event() for _ in range(2)]
         self.free = [platform.new_event() for _ in range(2)]
-        self._gather = make_gather(group) if collective else None
+        # peer gathers (dlo.engine.peergather): the slots are shared with the shard group's ranks,
+        # which copy each other's shards out of them instead of running the collective
+        self._peer = (PeerGather(group=group, g=g, r=r, device=device, slot_bytes=self.slot_bytes,
+                                 copy_stream=self.copy_stream, comm_stream=self.comm_stream)
+                      if collective and peer and g > 1 else None)
+        self.slots = (self._peer.slots if self._peer is not None else
+                      [torch.empty(self.slot_bytes, dtype=torch.uint8, device=device) for _ in range(2)])
+        self._gather = make_gather(group) if collective and self._peer is None else None
+        self._n = 0  # gathers issued since load: gather n fills slot n % 2
         self.stats = GatherStats()
         # ring of timing-event pairs around the compute stream's waits (streams only)
         self._wait_ring = (
@@ -156,7 +165,9 @@ class SlotPrefetcher:
         # Block 0 is gathered eagerly first either way: NCCL must set up its communicator outside
         # graph capture, and the next call starts from it.
         self._issue(0, 0)
-        if graphs:
+        if graphs and self._peer is not None:
+            log.info("transfer graphs off: peer gathers are issued eagerly (a host handshake per gather)")
+        elif graphs:
             self._capture_graphs()
 
     def _views(self, b: OffloadedBlock, slot: torch.Tensor) -> list[tuple[dict, str, torch.Tensor]]:
@@ -199,10 +210,14 @@ class SlotPrefetcher:
 
     def release_graphs(self) -> None:
         """Drop the transfer graphs (after in-flight work): NCCL cannot tear a communicator down
-        while graphs holding its collectives are alive, so this comes before leaving the group."""
+        while graphs holding its collectives are alive, so this comes before leaving the group.
+        Peer gathers drop their mappings of the other ranks' slots here too."""
         if self._graphs is not None:
             self.platform.synchronize()
             self._graphs = None
+        if self._peer is not None:
+            self.platform.synchronize()
+            self._peer.close()
 
     def _copy_in(self, i: int, k: int) -> None:
         """H2D this rank's bytes of block i into its part of slot k, on the current stream."""
@@ -224,6 +239,9 @@ class SlotPrefetcher:
         return self._issue_any(i, k)
 
     def _issue_any(self, i: int, k: int) -> None:
+        n, self._n = self._n, self._n + 1
+        if self._peer is not None:
+            return self._issue_peer(i, k, n)
         if self._graphs is None:
             return self._issue_eager(i, k)
         p = self.platform
@@ -256,6 +274,25 @@ class SlotPrefetcher:
             p.wait(self.comm_stream, self.h2d[k])  # rule 2
             self._gather(self._slot_out[i][k], self._slot_in[i][k])
             p.record(self.ready[k], self.comm_stream)
+        p.set_stream(self.compute_stream)
+        self._count(i)
+        if self._timed:
+            self.stats.gather_wait_seconds += time.perf_counter() - t0
+
+    def _issue_peer(self, i: int, k: int, n: int) -> None:
+        """Gather n (block i into slot k) by peer copies ([Note: peer handshake] in dlo.engine.peergather)."""
+        p, peer = self.platform, self._peer
+        t0 = time.perf_counter() if self._timed else 0.0
+        p.set_stream(self.copy_stream)
+        p.wait(self.copy_stream, self.free[k])  # [Note: stream lifetimes] rule 1
+        peer.before_h2d(n, k)  # and no peer still reads this rank's part of slot k
+        self._copy_in(i, k)
+        p.record(self.h2d[k], self.copy_stream)
+        peer.after_h2d(n, k)
+        p.set_stream(self.comm_stream)
+        p.wait(self.comm_stream, self.h2d[k])  # rule 2
+        peer.pull(n, k, self.blocks[i].shard)
+        p.record(self.ready[k], self.comm_stream)
         p.set_stream(self.compute_stream)
         self._count(i)
         if self._timed:

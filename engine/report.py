@@ -30,7 +30,7 @@ class LoadReport:
     rank: int = 0
     resident_blocks: int = 0
     pinned: bool = False  # the host weights are really page-locked (DMA-able)
-    transfer: str = "none"  # "graph" | "eager" | "none" (resident)
+    transfer: str = "none"  # "graph" | "eager" | "peer" (DLO_GATHER=peer) | "none" (resident)
     model_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:

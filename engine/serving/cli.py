@@ -299,6 +299,7 @@ def main(args: argparse.Namespace) -> int:
     api_key = read_api_key(args.api_key_file)
     device = resolve_device(args.device)
     from dlo.engine.parallel import LayoutError, check_layout, check_tokens, gather_max_ctas, ulysses_exchange
+    from dlo.engine.peergather import gather_path
 
     sp = args.sp
     devices = device_count(device) if device != "cpu" else None
@@ -312,6 +313,10 @@ def main(args: argparse.Namespace) -> int:
             check_tokens(*warmup_size, facts.size_multiple, sp)
         gather_max_ctas()  # DLO_GATHER_MAX_CTAS, read again by every rank: refused here, before any starts
         ulysses_exchange()  # DLO_ULYSSES, likewise
+        try:
+            gather_path()  # DLO_GATHER, likewise
+        except ValueError as e:
+            raise LayoutError(str(e)) from e
     except LayoutError as e:
         print(f"dlo serve: {e}", file=sys.stderr)
         return 2

@@ -12,21 +12,6 @@ from tests.engine.inputs import forward
 CALLS = 4  # more calls than slots: the ring wraps around several times
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    return {
-        # 3 blocks: an odd count, so a block alternates slots between calls
-        ("wan", "bf16"): str(make_tiny_transformer(root / "wan", "wan", layers=3, dtype="bfloat16")),
-        # 2 double-stream + 3 single-stream blocks of different sizes, float32
-        ("flux", "fp32"): str(make_tiny_transformer(root / "flux", "flux", layers=2)),
-        # several safetensors shards with an index file
-        ("wan", "sharded"): str(
-            make_tiny_transformer(root / "wan_sharded", "wan", layers=4, max_shard_size="40KB")
-        ),
-    }
-
-
 def _equal_to_resident(rank: int, world: int, models: dict) -> dict:
     from dlo.engine import load
 
@@ -57,8 +42,12 @@ def test_offload_modes_bit_identical_to_resident(models, world):
             assert g == (world if key.endswith("allgather") else 1)
 
 
-def _gather_only(rank: int, world: int, path: str) -> list[bool]:
+def _gather_only(rank: int, world: int, path: str, gather: str) -> list[bool]:
+    import os
+
     from dlo.engine import load
+
+    os.environ["DLO_GATHER"] = gather  # the collective, or peer copies (dlo.engine.peergather)
 
     ref_model = load(path, mode="resident", device="cpu")
     refs = [forward(ref_model.module, "flux", s, torch.float32) for s in range(3)]
@@ -73,8 +62,9 @@ def _gather_only(rank: int, world: int, path: str) -> list[bool]:
 
 
 @pytest.mark.slow
-def test_gather_only_on_one_rank_keeps_others_exact(models):
-    results = run_ranks(3, _gather_only, models[("flux", "fp32")])
+@pytest.mark.parametrize("gather", ["collective", "peer"])
+def test_gather_only_on_one_rank_keeps_others_exact(models, gather):
+    results = run_ranks(3, _gather_only, models[("flux", "fp32")], gather)
     assert results[1] == []
     assert results[0] == [True] * 4 and results[2] == [True] * 4
 

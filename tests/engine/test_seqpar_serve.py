@@ -28,6 +28,7 @@ def wan(tmp_path_factory):
     (["--sp", "2", "--sp-kind", "ring"], "--sp-kind ring needs cuda"),
     (["DLO_GATHER_MAX_CTAS=0", "--sp", "2"], "DLO_GATHER_MAX_CTAS must be an integer from 1 to 64"),
     (["DLO_ULYSSES=yes", "--sp", "2"], "DLO_ULYSSES must be one of overlap, lean, diffusers, got 'yes'"),
+    (["DLO_GATHER=nccl", "--sp", "2"], "DLO_GATHER must be one of collective, peer, got 'nccl'"),
 ])
 def test_bad_sp_configuration_is_one_line_and_exit_2(wan, argv, fragment):
     env = offline_env()
@@ -84,15 +85,33 @@ def test_dp2_sp2_serves_the_bytes_of_resident_dp1_in_waves(wan, expected, tmp_pa
     assert srv.proc is not None and srv.proc.returncode == 0
 
 
-def test_dlo_ulysses_serves_the_same_bytes(wan, expected, tmp_path):
-    """DLO_ULYSSES=lean reaches every rank (the other --sp 2 tests serve the default, overlap): Wan's
-    self-attention goes through dlo.engine.ulysses, and the bytes are the resident dp1 server's."""
+def _ulysses_lean_on_both_ranks(text: str) -> None:
+    assert text.count("exchange through DLO's Ulysses (DLO_ULYSSES=lean)") == 2, text[-3000:]
+
+
+def _peer_gathers_on_every_load(text: str) -> None:
+    loads = [ln for ln in text.splitlines() if "dlo loaded mode=allgather" in ln]  # every streamed model, both ranks
+    assert len(loads) >= 2 and all("transfer=peer" in ln for ln in loads), text[-3000:]
+    assert text.count("peer gathers: 2 ranks pull each other's shards out of shared memory") == len(loads), text[-3000:]
+
+
+@pytest.mark.parametrize("setting, reached", [
+    # Wan's self-attention through dlo.engine.ulysses, exchanging one input after the other (the
+    # other --sp 2 tests serve the default, overlap)
+    ("DLO_ULYSSES=lean", _ulysses_lean_on_both_ranks),
+    # each rank copies the other's shards out of its shared slots instead of the collective
+    # (dlo.engine.peergather)
+    ("DLO_GATHER=peer", _peer_gathers_on_every_load),
+])
+def test_engine_settings_reach_every_rank_and_serve_the_same_bytes(wan, expected, tmp_path, setting, reached):
+    """An engine setting in the server's environment reaches every rank of dp1 x sp2 (its log says
+    so), and the bytes are the resident dp1 server's."""
     env = offline_env()
-    env["DLO_ULYSSES"] = "lean"
+    key, value = setting.split("=")
+    env[key] = value
     log = tmp_path / "sp2.log"
     with ServerProcess(wan, "--dp", "1", "--sp", "2", "--mode", "allgather", "--device", "cpu", "--small-limits",
                        "--progress-timeout", "120", log_path=log, env=env) as srv:
         client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         assert [sha(_image(client, s)) for s in SEEDS] == [expected[s] for s in SEEDS]
-    text = log.read_text()
-    assert text.count("exchange through DLO's Ulysses (DLO_ULYSSES=lean)") == 2, text[-3000:]  # both ranks
+    reached(log.read_text())
