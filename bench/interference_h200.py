@@ -140,7 +140,8 @@ def run(args: argparse.Namespace) -> None:
     for wl in args.workloads.split(","):
         per = result["ms_per_block"][wl] = {}
         steps = {}
-        for t in args.transfers.split(","):
+        # `none` first: the baseline every stall is measured against
+        for t in ["none", *(t for t in args.transfers.split(",") if t != "none")]:
             kind, _, when = t.partition("@")
             if when == "late" and wl != "block":
                 continue

@@ -581,7 +581,8 @@ def _markdown(rec: dict, args: argparse.Namespace) -> str:
     if rec.get("renamed"):
         lines.append(f"- runs renamed from the call's names (`normalized`): {rec['renamed']}")
     if s["policy"]:
-        lines += ["", "Layout (`dlo plan` allgather estimates per layout for the full 40-block model on this node; sp2 "
+        lines += ["", "Layout (`dlo plan` allgather estimates per layout for the full 40-block model on this node with a "
+                  "24 GiB device, where it cannot be resident (records before 2026-12-02: this node as is); sp2 "
                   f"while its throughput is within {SP_THROUGHPUT_TOLERANCE:.0%} of dp2's) vs the measured winner:", ""]
         for k, v in s["policy"].items():
             lines.append(f"- {k}: measured {v['measured_winner']}, plan {v['plan']} "
@@ -594,7 +595,8 @@ def main() -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="one device call: checkpoint once, one process group per configuration")
     r.add_argument("--layers", type=int, default=16)
-    r.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}, each optionally @lean or @overlap (DLO_ULYSSES=lean|overlap) and @ctasN")
+    r.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}, each optionally @lean or @overlap (DLO_ULYSSES=lean|overlap), "
+                        "@peer (DLO_GATHER=peer) and @ctasN")
     r.add_argument("--workloads", default="video,image")
     r.add_argument("--sp-kind", default="ulysses", choices=("ulysses", "ring"))
     r.add_argument("--device", default="cuda", choices=("cuda", "cpu"))

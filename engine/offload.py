@@ -34,7 +34,7 @@ from dlo.engine.families import block_layout
 from dlo.engine.hooks import HookSet, attach_prefetcher
 from dlo.engine.checkpoint import CheckpointError
 from dlo.engine.model import MetaModel, assert_nothing_on_meta, build_meta_model, move_free_buffers, owner_of, set_tensor
-from dlo.engine.peergather import agree_on_path, gather_path
+from dlo.engine.peergather import agree_on_path
 from dlo.engine.platform import Platform, get_platform
 from dlo.engine.prefetch import OffloadedBlock, SlotPrefetcher
 from dlo.engine.report import GatherStats, LoadReport
@@ -171,9 +171,7 @@ def load(
             ]
             peer = False
             if mode == "allgather" and g > 1:  # DLO_GATHER: the same on every rank of the shard group
-                path = gather_path()
-                agree_on_path(path, group, device)
-                peer = path == "peer"
+                peer = agree_on_path(group, device) == "peer"
             prefetcher = SlotPrefetcher(
                 module, blocks, host.copies, platform=platform, device=device, group=group, g=g, r=r,
                 collective=(mode == "allgather"), time_waits=time_waits,

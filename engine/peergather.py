@@ -15,10 +15,18 @@ over rank-local) on compute-bound video (bench/NOTES.md section 15). A pull is a
 devices of one node: the copy engines carry it over NVLink and no SM works on it. On CPU ranks the
 slots are shared-memory files and a pull is a memcpy out of the peer's file (what CI runs).
 
-Requirements (checked at load, with a message naming what is missing): every rank of the shard
-group on this host, sees every device (CUDA IPC opens a peer's memory under the peer's device
-index; a context on each peer device costs each rank a few hundred MB there), and a writable
-shared-memory directory (`/dev/shm`, else the temp directory) for the counters (and CPU slots).
+Requirements, checked at load (a step that fails on one rank fails every rank with the same
+message, `PeerGather._step`, so none is left waiting in a collective): every rank of the shard group
+on one host (host name and boot id), every device visible to every rank in the same order (CUDA IPC
+opens a peer's memory under the peer's device index; checked by device UUID; a context on each peer
+device costs each rank a few hundred MB there), and one shared-memory directory (`/dev/shm`, else
+the temp directory; rank 0's choice) for the counters and CPU slots: files another rank made are
+opened, never created, and the counters carry rank 0's magic number.
+
+Failure: a peer that has not reached a gather within the shard group's collective timeout
+(`PEER_WAIT_S` where it cannot be read) raises `PeerGatherError` and the prefetcher is broken, as
+for a failed collective. At close a CUDA rank waits (at most `CLOSE_WAIT_S`) for every peer to say it
+is done: its slots die with its process, and a peer's last pull may still be reading them.
 
 [Note: peer handshake]
 Gather n (the n-th since load) uses slot k = n % 2 on every rank. Two host counters per rank and
@@ -58,8 +66,11 @@ log = logging.getLogger(__name__)
 GATHER_ENV = "DLO_GATHER"
 GATHER_PATHS = ("collective", "peer")  # the default first
 # A peer that has not reached a gather by then is taken for dead: the prefetcher breaks loudly
-# (the engine restarts) instead of hanging. Far above any block's transfer.
+# (the engine restarts) instead of hanging. Used where the shard group's own collective timeout
+# cannot be read; far above any block's transfer.
 PEER_WAIT_S = 600.0
+# At close a CUDA rank waits this long for its peers to finish reading its slots before freeing them.
+CLOSE_WAIT_S = 10.0
 _LANDED, _PULLED = 0, 1
 
 
@@ -77,13 +88,17 @@ def gather_path(environ: Mapping[str, str] = os.environ) -> str:
     return value
 
 
-def agree_on_path(path: str, group: Any, device: torch.device) -> None:
-    """Every rank of the shard group gathers the same way, or none starts: one object all-gather at
-    load (a rank that pulls while another waits in a collective would hang both)."""
-    paths = _all_gather_object(path, group, device)
+def agree_on_path(group: Any, device: torch.device, environ: Mapping[str, str] = os.environ) -> str:
+    """`gather_path` of every rank of the shard group, the same or none starts: one object all-gather
+    at load (a rank that pulls while another waits in a collective would hang both). The raw values
+    are compared before any is validated, so a bad value fails every rank alike."""
+    raw = environ.get(GATHER_ENV, "").strip()
+    values = _all_gather_object(raw, group, device)
+    paths = [v or GATHER_PATHS[0] for v in values]
     if len(set(paths)) > 1:
         raise PeerGatherError(f"the ranks of the shard group disagree on {GATHER_ENV}: {paths} (rank order); "
                               "set the same value on every rank")
+    return gather_path({GATHER_ENV: raw})
 
 
 def _all_gather_object(obj: Any, group: Any, device: torch.device) -> list[Any]:
@@ -101,39 +116,80 @@ def _shared_dir() -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
+def _host_identity() -> str:
+    """This host (and boot): ranks that share files and device memory must all print the same."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = "?"
+    return f"{os.uname().nodename}/{boot}"
+
+
+def _group_timeout_s(group: Any, device: torch.device) -> float:
+    """The shard group's collective timeout (a peer later than that would have failed a collective
+    too), else PEER_WAIT_S."""
+    try:
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        return pg._get_backend(device).options._timeout.total_seconds()
+    except Exception:  # a backend without readable options
+        return PEER_WAIT_S
+
+
+def _map_existing(path: Path, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """A shared mapping of a file another rank made, refusing to create it (`torch.from_file` would:
+    a rank on another filesystem would then read zeros instead of failing)."""
+    want = n * torch.empty((), dtype=dtype).element_size()
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise PeerGatherError(f"{path} is missing here: the ranks do not share {path.parent}") from None
+    if size != want:
+        raise PeerGatherError(f"{path} holds {size} bytes, not {want}: the ranks do not share {path.parent}")
+    return torch.from_file(str(path), shared=True, size=n, dtype=dtype)
+
+
 class PeerGather:
-    """The slots of one rank of a shard group, readable by every other rank, and the pulls out of theirs."""
+    """The slots of one rank of a shard group, readable by every other rank, and the pulls out of theirs.
+
+    Setup is a sequence of steps that every rank runs and then reports on in one object all-gather
+    (`_step`): a step that fails on one rank (a device it cannot see, IPC refused, no memory, files
+    not shared) raises the same `PeerGatherError` on every rank, so none is left waiting in the next
+    collective."""
 
     def __init__(self, *, group: Any, g: int, r: int, device: torch.device, slot_bytes: int,
                  copy_stream: Any, comm_stream: Any):
         if device.type not in ("cuda", "cpu"):
             raise PeerGatherError(f"{GATHER_ENV}=peer runs on cuda or cpu ranks, not {device.type}")
-        self.g, self.r, self.device = g, r, device
+        self.group, self.g, self.r, self.device = group, g, r, device
         self.cuda = device.type == "cuda"
         self.copy_stream, self.comm_stream = copy_stream, comm_stream
         self.peers = [p for p in range(g) if p != r]
-        # 1. a name every rank agrees on (rank 0's), for the shared files
-        token = _all_gather_object(uuid.uuid4().hex if r == 0 else None, group, device)[0]
-        base = _shared_dir() / f"dlo-peer-{token}"
+        self.wait_s = _group_timeout_s(group, device)
+        self.peer_slots: dict[int, list[torch.Tensor]] = {}
+        self.peer_landed: dict[int, list[Any]] = {}
+        self.peer_pulled: dict[int, list[Any]] = {}
+        # rank 0 names the files (directory and token) and writes the counters with a magic number
+        # that the others check: ranks that do not share the files find out here, not 600 s later
+        token = uuid.uuid4().hex
+        self._magic = int(token[:15], 16)
+        base = f"{_shared_dir()}/dlo-peer-{token}"
+        hosts = self._step(lambda: _host_identity(), "")
+        if len(set(hosts)) > 1:
+            raise PeerGatherError(f"{GATHER_ENV}=peer needs every rank of the shard group on one host; "
+                                  f"they run on {hosts}")
+        base, self._magic = _all_gather_object((base, self._magic) if r == 0 else None, group, device)[0]
+        self._n_counters = 1 + 2 * g * 2 + g  # magic, landed/pulled per rank and slot, closed per rank
         counters = Path(f"{base}-counters")
-        if r == 0:
-            torch.full((2 * g * 2,), -1, dtype=torch.int64).numpy().tofile(counters)
-        slot_files = [Path(f"{base}-r{r}-s{k}") for k in range(2)]
+        own = [Path(f"{base}-r{r}-s{k}") for k in range(2)]
         try:
-            if self.cuda:
-                self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
-            else:  # shared files, so that the peers can map them
-                self.slots = [torch.from_file(str(f), shared=True, size=slot_bytes, dtype=torch.uint8)
-                              for f in slot_files]
-            self._barrier(group)  # the counters exist; every rank's slots exist
-            self._counters = torch.from_file(str(counters), shared=True, size=2 * g * 2, dtype=torch.int64)
-            self.peer_slots = self._open_peer_slots(group, base, slot_bytes)
-            self._events()
-            self._exchange_events(group)
-            self._barrier(group)  # every rank has mapped what it needs: the names can go
+            self._step(lambda: self._make_own(own, counters, slot_bytes), "making its slots")
+            self._counters = None
+            self._step(lambda: self._open_counters(counters), "opening the shared counters")
+            mine = self._step(self._describe_own, "describing its slots")
+            self._step(lambda: self._open_peers(mine, base, slot_bytes), "opening the peers' slots and events")
         finally:
-            for f in (*slot_files, *((counters,) if r == 0 else ())):
-                f.unlink(missing_ok=True)
+            for f in (*own, *((counters,) if r == 0 else ())):
+                f.unlink(missing_ok=True)  # every rank has mapped what it needs (or none will)
         self._peer_streams = (
             {p: torch.cuda.Stream(device=self.peer_slots[p][0].device) for p in self.peers
              if self.peer_slots[p][0].device != device} if self.cuda else {})
@@ -141,73 +197,107 @@ class PeerGather:
                  "with the copy engines" if self.cuda else "out of shared memory", GATHER_ENV)
 
     # ---- setup -------------------------------------------------------------------------------------
-    def _barrier(self, group: Any) -> None:
-        _all_gather_object(None, group, self.device)
+    def _step(self, fn: Any, what: str) -> list[Any]:
+        """Run fn here, then learn every rank's outcome: the payloads in rank order, or the same
+        PeerGatherError on every rank when any failed."""
+        try:
+            mine: tuple[str, Any] = ("ok", fn())
+        except Exception as e:
+            mine = ("error", f"{type(e).__name__}: {e}")
+        everyone = _all_gather_object(mine, self.group, self.device)
+        failed = [(rank, msg) for rank, (state, msg) in enumerate(everyone) if state == "error"]
+        if failed:
+            detail = "; ".join(f"rank {rank} {what}: {msg}" for rank, msg in failed)
+            raise PeerGatherError(f"{GATHER_ENV}=peer cannot start: {detail}; unset {GATHER_ENV} to gather "
+                                  "with the collective")
+        return [payload for _, payload in everyone]
 
-    def _open_peer_slots(self, group: Any, base: str, slot_bytes: int) -> dict[int, list[torch.Tensor]]:
-        if not self.cuda:
-            return {p: [torch.from_file(f"{base}-r{p}-s{k}", shared=True, size=slot_bytes, dtype=torch.uint8)
-                        for k in range(2)] for p in self.peers}
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        mine = [reduce_tensor(s) for s in self.slots]  # CUDA IPC handles of this rank's slots
-        everyone = _all_gather_object(pickle.dumps(mine), group, self.device)
-        out: dict[int, list[torch.Tensor]] = {}
-        for p in self.peers:
+    def _make_own(self, own: list[Path], counters: Path, slot_bytes: int) -> None:
+        if self.r == 0:
+            init = torch.full((self._n_counters,), -1, dtype=torch.int64)
+            init[0] = self._magic
+            init[-self.g:] = 0  # nobody closed
+            init.numpy().tofile(counters)
+        if self.cuda:
+            self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
+            return
+        for f in own:  # shared files the peers map; the space is reserved now (tmpfs: no SIGBUS later)
+            fd = os.open(f, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                out[p] = [fn(*args) for fn, args in pickle.loads(everyone[p])]
-            except Exception as e:  # a device this rank cannot see, IPC refused (containers, MIG)
-                raise PeerGatherError(
-                    f"{GATHER_ENV}=peer: rank {self.r} cannot open rank {p}'s slots ({type(e).__name__}: {e}); "
-                    f"every rank must see every device of the node (CUDA_VISIBLE_DEVICES) and CUDA IPC "
-                    f"must be allowed; unset {GATHER_ENV} to gather with the collective") from e
-        return out
+                os.posix_fallocate(fd, 0, slot_bytes)
+            finally:
+                os.close(fd)
+        self.slots = [torch.from_file(str(f), shared=True, size=slot_bytes, dtype=torch.uint8) for f in own]
 
-    def _events(self) -> None:
-        """This rank's interprocess events: `landed[k]` (its H2D of slot k) and `pulled[k]` (its
-        pulls into slot k), each recorded once so that a first wait on it passes."""
+    def _open_counters(self, counters: Path) -> None:
+        self._counters = _map_existing(counters, self._n_counters, torch.int64)
+        if int(self._counters[0]) != self._magic:
+            raise PeerGatherError(f"{counters} is not rank 0's counters: the ranks do not share {counters.parent}")
+
+    def _describe_own(self) -> Any:
+        """What a peer needs to read this rank: CUDA, the device's UUID and index, IPC handles of the
+        slots and of the two events per slot; CPU, nothing (the files are named by rank)."""
         if not self.cuda:
             self.landed = self.pulled = [None, None]
-            return
+            return None
+        from torch.multiprocessing.reductions import reduce_tensor
+
         with torch.cuda.device(self.device):
             self.landed = [torch.cuda.Event(interprocess=True) for _ in range(2)]
             self.pulled = [torch.cuda.Event(interprocess=True) for _ in range(2)]
             for e in (*self.landed, *self.pulled):
-                e.record()
+                e.record()  # once, so that a first wait on it passes
             torch.cuda.synchronize(self.device)
+        return (str(torch.cuda.get_device_properties(self.device).uuid), self.device.index,
+                pickle.dumps([reduce_tensor(s) for s in self.slots]),
+                [e.ipc_handle() for e in self.landed], [e.ipc_handle() for e in self.pulled])
 
-    def _exchange_events(self, group: Any) -> None:
-        self.peer_landed: dict[int, list[Any]] = {}
-        self.peer_pulled: dict[int, list[Any]] = {}
+    def _open_peers(self, described: list[Any], base: str, slot_bytes: int) -> None:
         if not self.cuda:
+            self.peer_slots = {p: [_map_existing(Path(f"{base}-r{p}-s{k}"), slot_bytes, torch.uint8)
+                                   for k in range(2)] for p in self.peers}
             return
-        mine = (self.device.index, [e.ipc_handle() for e in self.landed], [e.ipc_handle() for e in self.pulled])
-        everyone = _all_gather_object(mine, group, self.device)
+        here = {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
         for p in self.peers:
-            dev, landed, pulled = everyone[p]
-            self.peer_landed[p] = [torch.cuda.Event.from_ipc_handle(dev, h) for h in landed]
-            self.peer_pulled[p] = [torch.cuda.Event.from_ipc_handle(dev, h) for h in pulled]
+            uuid_p, index_p, slots, landed, pulled = described[p]
+            if here.get(uuid_p) != index_p:  # CUDA IPC opens a peer's memory under the peer's index
+                raise PeerGatherError(
+                    f"rank {p}'s device {uuid_p} is cuda:{index_p} there but "
+                    f"{'not visible' if uuid_p not in here else f'cuda:{here[uuid_p]}'} here: every rank "
+                    "must see every device of the node in the same order (CUDA_VISIBLE_DEVICES)")
+            self.peer_slots[p] = [fn(*args) for fn, args in pickle.loads(slots)]
+            self.peer_landed[p] = [torch.cuda.Event.from_ipc_handle(index_p, h) for h in landed]
+            self.peer_pulled[p] = [torch.cuda.Event.from_ipc_handle(index_p, h) for h in pulled]
 
     # ---- the handshake ([Note: peer handshake]) ----------------------------------------------------
     def _counter(self, kind: int, rank: int, k: int) -> int:
-        return (kind * self.g + rank) * 2 + k
+        return 1 + (kind * self.g + rank) * 2 + k  # after the magic number
 
-    def _wait_for_peers(self, kind: int, k: int, at_least: int, what: str) -> None:
-        idx = [self._counter(kind, p, k) for p in self.peers]
+    def _closed(self, rank: int) -> int:
+        return self._n_counters - self.g + rank
+
+    def _wait_until(self, idx: dict[int, int], at_least: int, wait_s: float) -> list[int]:
+        """Poll until every peer's counter `idx[p]` is >= at_least; the peers still behind after
+        `wait_s` seconds (empty: none)."""
         deadline = None
         spins = 0
         while True:
-            behind = [p for p, i in zip(self.peers, idx) if int(self._counters[i]) < at_least]
+            behind = [p for p, i in idx.items() if int(self._counters[i]) < at_least]
             if not behind:
-                return
+                return []
             spins += 1
             if spins > 100:  # a peer a block behind is normal: sleep rather than spin
                 time.sleep(0.0002)
                 now = time.monotonic()
-                deadline = deadline or now + PEER_WAIT_S
+                deadline = deadline or now + wait_s
                 if now > deadline:
-                    raise PeerGatherError(f"peer gather {at_least}: rank(s) {behind} did not {what} in "
-                                          f"{PEER_WAIT_S:.0f} s; restart the engine")
+                    return behind
+
+    def _wait_for_peers(self, kind: int, k: int, at_least: int, what: str) -> None:
+        behind = self._wait_until({p: self._counter(kind, p, k) for p in self.peers}, at_least, self.wait_s)
+        if behind:
+            raise PeerGatherError(f"peer gather {at_least}: rank(s) {behind} did not {what} in "
+                                  f"{self.wait_s:.0f} s; restart the engine")
 
     def _publish(self, kind: int, k: int, n: int) -> None:
         self._counters[self._counter(kind, self.r, k)] = n
@@ -249,6 +339,19 @@ class PeerGather:
         self._publish(_PULLED, k, n)
 
     def close(self) -> None:
-        """Drop the peers' mappings (this rank's slots are freed with the prefetcher)."""
+        """Say this rank is done, drop the peers' mappings (this rank's slots are freed with the
+        prefetcher). The caller has synchronised the device, so this rank reads nothing any more. On
+        CUDA a rank's slots die with its process, so it first waits (at most CLOSE_WAIT_S) until every
+        peer has said the same: a peer's last pull (the next call's first block) may still be
+        reading them. A CPU rank's files outlive it in the peers' mappings: no wait."""
+        if self._counters is None:
+            return
+        self._counters[self._closed(self.r)] = 1
+        if self.cuda:
+            behind = self._wait_until({p: self._closed(p) for p in self.peers}, 1, CLOSE_WAIT_S)
+            if behind:
+                log.warning("peer gathers: rank(s) %s had not closed after %.0f s; closing anyway (a pull "
+                            "of theirs may still read this rank's slots)", behind, CLOSE_WAIT_S)
         self.peer_slots = {}
         self.peer_landed, self.peer_pulled = {}, {}
+        self._counters = None

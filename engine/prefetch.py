@@ -283,17 +283,19 @@ class SlotPrefetcher:
         """Gather n (block i into slot k) by peer copies ([Note: peer handshake] in dlo.engine.peergather)."""
         p, peer = self.platform, self._peer
         t0 = time.perf_counter() if self._timed else 0.0
-        p.set_stream(self.copy_stream)
-        p.wait(self.copy_stream, self.free[k])  # [Note: stream lifetimes] rule 1
-        peer.before_h2d(n, k)  # and no peer still reads this rank's part of slot k
-        self._copy_in(i, k)
-        p.record(self.h2d[k], self.copy_stream)
-        peer.after_h2d(n, k)
-        p.set_stream(self.comm_stream)
-        p.wait(self.comm_stream, self.h2d[k])  # rule 2
-        peer.pull(n, k, self.blocks[i].shard)
-        p.record(self.ready[k], self.comm_stream)
-        p.set_stream(self.compute_stream)
+        try:
+            p.set_stream(self.copy_stream)
+            p.wait(self.copy_stream, self.free[k])  # [Note: stream lifetimes] rule 1
+            peer.before_h2d(n, k)  # and no peer still reads this rank's part of slot k
+            self._copy_in(i, k)
+            p.record(self.h2d[k], self.copy_stream)
+            peer.after_h2d(n, k)
+            p.set_stream(self.comm_stream)
+            p.wait(self.comm_stream, self.h2d[k])  # rule 2
+            peer.pull(n, k, self.blocks[i].shard)
+            p.record(self.ready[k], self.comm_stream)
+        finally:  # a peer that stopped answering raises here: the compute stream stays current
+            p.set_stream(self.compute_stream)
         self._count(i)
         if self._timed:
             self.stats.gather_wait_seconds += time.perf_counter() - t0

@@ -52,6 +52,7 @@ def _gather_only(rank: int, world: int, path: str, gather: str) -> list[bool]:
     ref_model = load(path, mode="resident", device="cpu")
     refs = [forward(ref_model.module, "flux", s, torch.float32) for s in range(3)]
     m = load(path, mode="allgather", device="cpu")
+    assert m.report.transfer == ("peer" if gather == "peer" else "eager"), m.report
     if rank == 1:
         m.gather_only(3)  # the idle rank of a partial wave
         m.gather_only(1)

@@ -88,15 +88,59 @@ def test_ranks_that_disagree_on_the_path_refuse_to_start(models):
         assert "disagree on DLO_GATHER: ['peer', 'collective']" in msg, results
 
 
+def _one_rank_cannot_make_its_slots(rank: int, world: int, path: str) -> str:
+    from dlo.engine import load
+    from dlo.engine.peergather import PeerGather
+
+    os.environ[GATHER_ENV] = "peer"
+    if rank == 1:
+        def no_space(self, *args):
+            raise OSError(28, "No space left on device")
+
+        PeerGather._make_own = no_space
+    try:
+        load(path, mode="allgather", device="cpu")
+    except RuntimeError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_a_setup_step_that_fails_on_one_rank_fails_every_rank_alike(models):
+    """Not one rank raising while the others wait in the next collective: the same error everywhere."""
+    results = run_ranks(3, _one_rank_cannot_make_its_slots, models[("flux", "fp32")], timeout=120)
+    assert len(set(results)) == 1, results
+    assert ("DLO_GATHER=peer cannot start: rank 1 making its slots: OSError: [Errno 28] No space left on device; "
+            "unset DLO_GATHER") in results[0], results
+
+
+def test_files_the_ranks_do_not_share_are_refused_not_created(tmp_path):
+    from dlo.engine.peergather import PeerGatherError, _map_existing
+
+    missing = tmp_path / "dlo-peer-x-counters"
+    with pytest.raises(PeerGatherError, match="is missing here: the ranks do not share"):
+        _map_existing(missing, 8, torch.int64)
+    assert not missing.exists()  # torch.from_file(shared=True) would have made an empty one
+    short = tmp_path / "dlo-peer-x-r1-s0"
+    short.write_bytes(b"\0" * 10)
+    with pytest.raises(PeerGatherError, match="holds 10 bytes, not 64"):
+        _map_existing(short, 64, torch.uint8)
+    full = tmp_path / "dlo-peer-x-r1-s1"
+    full.write_bytes(bytes(range(64)))
+    assert torch.equal(_map_existing(full, 64, torch.uint8), torch.arange(64, dtype=torch.uint8))
+
+
 def _one_rank_stops(rank: int, world: int, path: str) -> str:
     import dlo.engine.peergather as pg
     from dlo.engine import load
     from dlo.engine.prefetch import PrefetchOrderError
 
+    import torch.distributed as dist
+
     os.environ[GATHER_ENV] = "peer"
-    pg.PEER_WAIT_S = 3.0
     m = load(path, mode="allgather", device="cpu")
     forward(m.module, "flux", 0, torch.float32)  # one call together
+    dist.barrier()
+    m.prefetcher._peer.wait_s = 3.0  # from here on (the load and the first call ran under the group's timeout)
     if rank == 1:
         return "stopped"  # and never gathers again: as dead to its peers as a killed rank
     try:
