@@ -71,8 +71,8 @@ def test_peer_gathers_are_bit_identical_to_resident_and_move_what_the_collective
         assert set(Path("/dev/shm").glob("dlo-peer-*")) <= leftovers
 
 
-def _disagree(rank: int, world: int, path: str) -> str:
-    os.environ[GATHER_ENV] = "peer" if rank == 0 else "collective"
+def _load_refused(path: str) -> str:
+    """Why an allgather load refused to start on this rank ("loaded" when it did not refuse)."""
     from dlo.engine import load
 
     try:
@@ -80,6 +80,11 @@ def _disagree(rank: int, world: int, path: str) -> str:
     except RuntimeError as e:
         return str(e)
     return "loaded"
+
+
+def _disagree(rank: int, world: int, path: str) -> str:
+    os.environ[GATHER_ENV] = "peer" if rank == 0 else "collective"
+    return _load_refused(path)
 
 
 def test_ranks_that_disagree_on_the_path_refuse_to_start(models):
@@ -89,7 +94,6 @@ def test_ranks_that_disagree_on_the_path_refuse_to_start(models):
 
 
 def _one_rank_cannot_make_its_slots(rank: int, world: int, path: str) -> str:
-    from dlo.engine import load
     from dlo.engine.peergather import PeerGather
 
     os.environ[GATHER_ENV] = "peer"
@@ -98,11 +102,7 @@ def _one_rank_cannot_make_its_slots(rank: int, world: int, path: str) -> str:
             raise OSError(28, "No space left on device")
 
         PeerGather._make_own = no_space
-    try:
-        load(path, mode="allgather", device="cpu")
-    except RuntimeError as e:
-        return str(e)
-    return "loaded"
+    return _load_refused(path)
 
 
 def test_a_setup_step_that_fails_on_one_rank_fails_every_rank_alike(models):
