@@ -92,7 +92,7 @@ class OffloadedModel:
         model is unusable after."""
         self.hooks.remove()
         if self.prefetcher is not None:
-            self.prefetcher.release_graphs()
+            self.prefetcher.release()
         if self.host is not None and self.host.pinned:
             self.platform.synchronize()
             self.host.release()
@@ -202,8 +202,7 @@ def load(
         rank=r,
         resident_blocks=n_resident,
         pinned=bool(host and host.pinned),
-        transfer=(("peer" if prefetcher._peer is not None else "graph" if prefetcher._graphs is not None else "eager")
-                  if prefetcher else "none"),
+        transfer=prefetcher.transfer if prefetcher else "none",
         model_bytes=ckpt.nbytes,
     )
     log.info("dlo loaded %s phases=%s", " ".join(f"{k}={v}" for k, v in report.to_dict().items()), laps.rounded())

@@ -82,9 +82,11 @@ def gather_path(environ: Mapping[str, str] = os.environ) -> str:
     """How allgather mode rebuilds a block, from `DLO_GATHER`: `collective` (the default: the
     platform's in-place AllGather) or `peer` (each rank copies the peers' shards out of their slots:
     the copy engines on CUDA, no SM). Empty (a template's default) is unset; anything else is refused."""
+    from dlo.engine.parallel import LayoutError  # the configuration error `dlo serve` prints in one line
+
     value = environ.get(GATHER_ENV, "").strip() or GATHER_PATHS[0]
     if value not in GATHER_PATHS:
-        raise ValueError(f"{GATHER_ENV} must be one of {', '.join(GATHER_PATHS)}, got {value!r}")
+        raise LayoutError(f"{GATHER_ENV} must be one of {', '.join(GATHER_PATHS)}, got {value!r}")
     return value
 
 
@@ -168,22 +170,22 @@ class PeerGather:
         self.peer_slots: dict[int, list[torch.Tensor]] = {}
         self.peer_landed: dict[int, list[Any]] = {}
         self.peer_pulled: dict[int, list[Any]] = {}
+        self._counters: torch.Tensor | None = None
         # rank 0 names the files (directory and token) and writes the counters with a magic number
         # that the others check: ranks that do not share the files find out here, not 600 s later
         token = uuid.uuid4().hex
-        self._magic = int(token[:15], 16)
-        base = f"{_shared_dir()}/dlo-peer-{token}"
-        hosts = self._step(lambda: _host_identity(), "")
+        named = self._step(lambda: (_host_identity(), f"{_shared_dir()}/dlo-peer-{token}", int(token[:15], 16)),
+                           "naming its host")
+        hosts = [host for host, _, _ in named]
         if len(set(hosts)) > 1:
             raise PeerGatherError(f"{GATHER_ENV}=peer needs every rank of the shard group on one host; "
                                   f"they run on {hosts}")
-        base, self._magic = _all_gather_object((base, self._magic) if r == 0 else None, group, device)[0]
+        _, base, self._magic = named[0]
         self._n_counters = 1 + 2 * g * 2 + g  # magic, landed/pulled per rank and slot, closed per rank
         counters = Path(f"{base}-counters")
         own = [Path(f"{base}-r{r}-s{k}") for k in range(2)]
         try:
             self._step(lambda: self._make_own(own, counters, slot_bytes), "making its slots")
-            self._counters = None
             self._step(lambda: self._open_counters(counters), "opening the shared counters")
             mine = self._step(self._describe_own, "describing its slots")
             self._step(lambda: self._open_peers(mine, base, slot_bytes), "opening the peers' slots and events")

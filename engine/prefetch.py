@@ -118,6 +118,9 @@ class SlotPrefetcher:
         graphs: bool = False,
         peer: bool = False,
     ):
+        """`peer`: rebuild blocks by peer copies (dlo.engine.peergather), for a collective over g > 1 ranks."""
+        if peer and not (collective and g > 1):
+            raise ValueError("peer gathers need a collective over more than one rank")
         self.root = root
         self.blocks = blocks
         self.copies = copies  # per block: (host bytes, offset in this rank's shard)
@@ -134,7 +137,7 @@ class SlotPrefetcher:
         # which copy each other's shards out of them instead of running the collective
         self._peer = (PeerGather(group=group, g=g, r=r, device=device, slot_bytes=self.slot_bytes,
                                  copy_stream=self.copy_stream, comm_stream=self.comm_stream)
-                      if collective and peer and g > 1 else None)
+                      if peer else None)
         self.slots = (self._peer.slots if self._peer is not None else
                       [torch.empty(self.slot_bytes, dtype=torch.uint8, device=device) for _ in range(2)])
         self._gather = make_gather(group) if collective and self._peer is None else None
@@ -208,15 +211,20 @@ class SlotPrefetcher:
             log.warning("transfer graphs unavailable (%s: %s); using eager transfers", type(e).__name__, e)
             self._graphs = None
 
-    def release_graphs(self) -> None:
-        """Drop the transfer graphs (after in-flight work): NCCL cannot tear a communicator down
-        while graphs holding its collectives are alive, so this comes before leaving the group.
-        Peer gathers drop their mappings of the other ranks' slots here too."""
-        if self._graphs is not None:
-            self.platform.synchronize()
-            self._graphs = None
+    @property
+    def transfer(self) -> str:
+        """How blocks move (`LoadReport.transfer`): "peer", "graph" or "eager"."""
+        return "peer" if self._peer is not None else "graph" if self._graphs is not None else "eager"
+
+    def release(self) -> None:
+        """After in-flight work, drop the transfer graphs (NCCL cannot tear a communicator down while
+        graphs holding its collectives are alive, so this comes before leaving the group) or the peer
+        gathers' mappings of the other ranks' slots."""
+        if self._graphs is None and self._peer is None:
+            return
+        self.platform.synchronize()
+        self._graphs = None
         if self._peer is not None:
-            self.platform.synchronize()
             self._peer.close()
 
     def _copy_in(self, i: int, k: int) -> None:
@@ -240,10 +248,8 @@ class SlotPrefetcher:
 
     def _issue_any(self, i: int, k: int) -> None:
         n, self._n = self._n, self._n + 1
-        if self._peer is not None:
-            return self._issue_peer(i, k, n)
         if self._graphs is None:
-            return self._issue_eager(i, k)
+            return self._issue_eager(i, k, n)
         p = self.platform
         copy, gather = self._graphs[i][k]
         p.set_stream(self.copy_stream)
@@ -260,41 +266,31 @@ class SlotPrefetcher:
         p.set_stream(self.compute_stream)
         self._count(i)
 
-    def _issue_eager(self, i: int, k: int) -> None:
-        """Gather block i into slot k (asynchronously where the platform has streams)."""
-        p = self.platform
-        t0 = time.perf_counter() if self._timed else 0.0
-        p.set_stream(self.copy_stream)
-        p.wait(self.copy_stream, self.free[k])  # [Note: stream lifetimes] rule 1
-        self._copy_in(i, k)
-        # without a collective the block is ready as soon as its bytes have landed
-        p.record(self.h2d[k] if self.collective else self.ready[k], self.copy_stream)
-        if self._gather is not None:
-            p.set_stream(self.comm_stream)
-            p.wait(self.comm_stream, self.h2d[k])  # rule 2
-            self._gather(self._slot_out[i][k], self._slot_in[i][k])
-            p.record(self.ready[k], self.comm_stream)
-        p.set_stream(self.compute_stream)
-        self._count(i)
-        if self._timed:
-            self.stats.gather_wait_seconds += time.perf_counter() - t0
-
-    def _issue_peer(self, i: int, k: int, n: int) -> None:
-        """Gather n (block i into slot k) by peer copies ([Note: peer handshake] in dlo.engine.peergather)."""
+    def _issue_eager(self, i: int, k: int, n: int) -> None:
+        """Gather n (block i into slot k), asynchronously where the platform has streams: H2D, then
+        the collective or the peer copies ([Note: peer handshake] in dlo.engine.peergather)."""
         p, peer = self.platform, self._peer
         t0 = time.perf_counter() if self._timed else 0.0
         try:
             p.set_stream(self.copy_stream)
             p.wait(self.copy_stream, self.free[k])  # [Note: stream lifetimes] rule 1
-            peer.before_h2d(n, k)  # and no peer still reads this rank's part of slot k
+            if peer is not None:
+                peer.before_h2d(n, k)  # and no peer still reads this rank's part of slot k
             self._copy_in(i, k)
-            p.record(self.h2d[k], self.copy_stream)
-            peer.after_h2d(n, k)
-            p.set_stream(self.comm_stream)
-            p.wait(self.comm_stream, self.h2d[k])  # rule 2
-            peer.pull(n, k, self.blocks[i].shard)
-            p.record(self.ready[k], self.comm_stream)
-        finally:  # a peer that stopped answering raises here: the compute stream stays current
+            # without a second stage the block is ready as soon as its bytes have landed
+            second = self._gather is not None or peer is not None
+            p.record(self.h2d[k] if second else self.ready[k], self.copy_stream)
+            if second:
+                if peer is not None:
+                    peer.after_h2d(n, k)
+                p.set_stream(self.comm_stream)
+                p.wait(self.comm_stream, self.h2d[k])  # rule 2
+                if peer is not None:
+                    peer.pull(n, k, self.blocks[i].shard)
+                else:
+                    self._gather(self._slot_out[i][k], self._slot_in[i][k])
+                p.record(self.ready[k], self.comm_stream)
+        finally:  # a gather that raised (a broken collective, a peer gone) leaves the compute stream current
             p.set_stream(self.compute_stream)
         self._count(i)
         if self._timed:

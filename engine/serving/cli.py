@@ -313,10 +313,7 @@ def main(args: argparse.Namespace) -> int:
             check_tokens(*warmup_size, facts.size_multiple, sp)
         gather_max_ctas()  # DLO_GATHER_MAX_CTAS, read again by every rank: refused here, before any starts
         ulysses_exchange()  # DLO_ULYSSES, likewise
-        try:
-            gather_path()  # DLO_GATHER, likewise
-        except ValueError as e:
-            raise LayoutError(str(e)) from e
+        gather_path()  # DLO_GATHER, likewise
     except LayoutError as e:
         print(f"dlo serve: {e}", file=sys.stderr)
         return 2
