@@ -20,13 +20,10 @@ from typing import Any, Literal, TypeVar, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dlo.engine.facts import ModelFacts
+from dlo.engine.facts import InterconnectKind, ModelFacts, Vendor
 
 PROFILE_VERSION = "v1"
 ANNOTATION = "dlo.dev/node-profile"
-
-Vendor = Literal["nvidia", "ascend", "none"]
-InterconnectKind = Literal["nvlink", "hccs", "pcie", "none"]
 
 
 class _Model(BaseModel):

@@ -178,7 +178,7 @@ def _host_us_per_block(m, call, dev) -> float | None:
 def rank_mode(rank: int, world: int, port: int, args: argparse.Namespace, mode: str, out: str) -> None:
     import torch
 
-    from dlo.engine import load
+    from dlo.engine import OffloadSettings, load
 
     dev = _init(rank, world, port, args.device)
     engine_mode = "allgather" if mode.startswith("allgather") else mode
@@ -188,7 +188,8 @@ def rank_mode(rank: int, world: int, port: int, args: argparse.Namespace, mode: 
         torch.cuda.reset_peak_memory_stats(dev)
     _barrier()
     t0 = time.perf_counter()
-    m = load(args.ckpt, mode=engine_mode, device=dev, transfer_graphs=False if mode == "allgather-eager" else None)
+    settings = OffloadSettings(engine_mode, transfer_graphs=False if mode == "allgather-eager" else None)
+    m = load(args.ckpt, settings=settings, device=dev)
     _sync(dev)
     _barrier()
     if rank == 0:

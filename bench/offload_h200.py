@@ -49,10 +49,10 @@ DEFAULT_SYSTEMS = [
 def _build(system: str, ckpt: str, device: str, resident_blocks: int):
     import torch
 
-    from dlo.engine import load
+    from dlo.engine import OffloadSettings, load
 
     if system == "resident":
-        return load(ckpt, mode="resident", device=device), None
+        return load(ckpt, settings=OffloadSettings("resident"), device=device), None
     if system.startswith("dlo_"):
         kw = {}
         if system.startswith("dlo_allgather"):
@@ -73,7 +73,7 @@ def _build(system: str, ckpt: str, device: str, resident_blocks: int):
             kw["time_waits"] = False
         if system.endswith("_eager"):
             kw["transfer_graphs"] = False
-        m = load(ckpt, mode=mode, device=device, **kw)
+        m = load(ckpt, **kw, settings=OffloadSettings(mode), device=device)
         return m, m.prefetcher
     import diffusers
 

@@ -35,14 +35,14 @@ def rank_main(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DLO_GATHER="peer")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if args.device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
         dev = torch.device("cuda", torch.cuda.current_device())
     else:
         dev = torch.device("cpu")
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    from dlo.engine import load
+    from dlo.engine import OffloadSettings, load
 
     def sync() -> None:
         if dev.type == "cuda":
@@ -52,7 +52,7 @@ def rank_main(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
     shas: dict[str, list[str]] = {}
     for mode in ("resident", "allgather"):
         t0 = time.perf_counter()
-        m = load(args.ckpt, mode=mode, device=dev)
+        m = load(args.ckpt, settings=OffloadSettings(mode, transfer="peer"), device=dev)
         sync()
         res[f"{mode}_load_seconds"] = time.perf_counter() - t0
         res[f"{mode}_transfer"] = m.report.transfer

@@ -144,24 +144,21 @@ def normalized(rec: dict) -> dict:
 def rank_config(rank: int, world: int, port: int, args: argparse.Namespace, name: str, out: str) -> None:
     import torch
 
-    from dlo.engine import load
-    from dlo.engine.parallel import Layout, enable_sequence_parallel, make_groups
+    from dlo.engine import OffloadSettings, ParallelSettings, load
+    from dlo.engine.parallel import enable_sequence_parallel, make_groups
 
     base, cap, exchange, gather = split_config(name)
     _, mode, sp = CONFIGS[base]
-    if cap:  # read by make_groups
-        os.environ["DLO_GATHER_MAX_CTAS"] = cap
-    os.environ["DLO_GATHER"] = gather  # read by load
     dev = mb._init(rank, world, port, args.device)
     if args.device == "cpu":
         torch.set_num_threads(1)
-    layout = Layout(world // sp, sp)
-    groups = make_groups(layout, dev, args.sp_kind, gathers=mode == "allgather")
+    parallel = ParallelSettings(dp=world // sp, sp=sp, sp_kind=args.sp_kind, gather_max_ctas=int(cap) if cap else None)
+    groups = make_groups(parallel, dev, gathers=mode == "allgather")
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     mb._barrier()
     t0 = time.perf_counter()
-    m = load(args.ckpt, mode=mode, device=dev, group=groups.shard_group)
+    m = load(args.ckpt, settings=OffloadSettings(mode, transfer=gather), device=dev, group=groups.shard_group)
     cp = enable_sequence_parallel(m.module, groups, dev, exchange=exchange)
     mb._sync(dev)
     mb._barrier()

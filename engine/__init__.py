@@ -2,13 +2,15 @@
 
 Importing this package must not import torch (the agent and operator import the torch-free
 `dlo.engine.checkpoint` and `dlo.engine.families`). `load` and `OffloadedModel` are resolved lazily from
-`dlo.engine.offload`; `LoadReport` and `GatherStats` from the torch-free `dlo.engine.report`.
+`dlo.engine.offload`; `LoadReport` and `GatherStats` from the torch-free `dlo.engine.report`, the
+settings (`OffloadSettings`, `ParallelSettings`, `EngineSettings`, `ConfigError`) from the
+torch-free `dlo.engine.settings`.
 
 Map: the offload core sits here (checkpoint, layout, dtypes, facts, model, weights, arena,
 prefetch, hooks, platform, report, offload = `load`); one adapter per model family in
 `families/`; the server in `serving/` (see docs/engine.md).
 
-Owns: the public API names (`load`, `OffloadedModel`, `LoadReport`, `GatherStats`).
+Owns: the public API names (`load`, `OffloadedModel`, `LoadReport`, `GatherStats`, the settings).
 Must never: import torch at package import.
 """
 
@@ -19,8 +21,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover
     from dlo.engine.offload import OffloadedModel, load
     from dlo.engine.report import GatherStats, LoadReport
+    from dlo.engine.settings import ConfigError, EngineSettings, OffloadSettings, ParallelSettings
 
-__all__ = ["load", "OffloadedModel", "LoadReport", "GatherStats"]
+_SETTINGS = ("OffloadSettings", "ParallelSettings", "EngineSettings", "ConfigError")
+__all__ = ["load", "OffloadedModel", "LoadReport", "GatherStats", *_SETTINGS]
 
 
 def __getattr__(name: str) -> Any:
@@ -28,6 +32,10 @@ def __getattr__(name: str) -> Any:
         from dlo.engine import report
 
         return getattr(report, name)
+    if name in _SETTINGS:
+        from dlo.engine import settings
+
+        return getattr(settings, name)
     if name in __all__:
         from dlo.engine import offload
 

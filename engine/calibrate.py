@@ -114,7 +114,7 @@ def measure_allgather(device: str, world: int, nbytes: int, iters: int) -> int:
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    from dlo.engine.platform import device_count, resolve_device
+    from dlo.engine.devices import device_count, resolve_device
 
     device = resolve_device(args.device)
     world = args.ranks or (device_count(device) if device != "cpu" else 2)

@@ -18,6 +18,13 @@ MODES: tuple[Mode, ...] = get_args(Mode)
 ModeOrAuto = Literal["auto", "allgather", "rank-local", "resident"]
 MODES_OR_AUTO: tuple[ModeOrAuto, ...] = get_args(ModeOrAuto)
 
+# What a node's accelerators are and how they are linked (the agent's NodeProfile, the engine's
+# device facts): one definition for both.
+Vendor = Literal["nvidia", "ascend", "none"]
+InterconnectKind = Literal["nvlink", "hccs", "pcie", "none"]
+# A device kind the engine runs on (`--device`, with `auto` resolved).
+DeviceKind = Literal["cpu", "cuda", "npu"]
+
 # The spelling used as JSON keys (`dlo plan --json`, `Decision.mode`): identifiers, no dash.
 ModeKey = Literal["allgather", "rank_local", "resident"]
 MODE_KEYS: tuple[ModeKey, ...] = get_args(ModeKey)

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,16 +37,16 @@ from dlo.engine.peergather import agree_on_path
 from dlo.engine.platform import Platform, get_platform
 from dlo.engine.prefetch import OffloadedBlock, SlotPrefetcher
 from dlo.engine.report import GatherStats, LoadReport
+from dlo.engine.settings import OffloadSettings
 from dlo.engine.timing import Laps
-from dlo.engine.weights import EarlyRegistration, HostWeights, WeightsChoice, prepare_host_weights
+from dlo.engine.weights import EarlyRegistration, HostWeights, prepare_host_weights
 
 log = logging.getLogger(__name__)
 
-__all__ = ["load", "OffloadedModel", "LoadReport", "GatherStats", "MODES", "Mode", "spread_resident"]
+__all__ = ["load", "OffloadedModel", "OffloadSettings", "LoadReport", "GatherStats", "MODES", "Mode", "spread_resident"]
 
 # Device memory kept free for activations when `resident_blocks="auto"` sizes resident blocks.
 AUTO_RESIDENT_RESERVE_BYTES = 24 * 1024**3
-REGISTER_EARLY_ENV = "DLO_REGISTER_EARLY"  # "0": register the files only when the host weights are prepared
 
 
 class OffloadedModel:
@@ -101,84 +100,48 @@ class OffloadedModel:
 def load(
     component_dir: Path | str,
     *,
-    mode: Mode,
+    settings: OffloadSettings,
     device: torch.device | str,
     group: Any = None,
-    resident_blocks: int | Literal["auto"] = 0,
-    weights: WeightsChoice = "auto",
-    time_waits: bool = True,
-    transfer_graphs: bool | None = None,
     early: EarlyRegistration | None = None,
 ) -> OffloadedModel:
-    """Load a diffusers transformer folder for layerwise offload.
+    """Load a diffusers transformer folder for layerwise offload, as `settings` say.
 
     Builds the model on `meta`, validates the checkpoint against it (`CheckpointError` naming file
-    and key on any mismatch), puts non-block weights (and the first `resident_blocks` blocks) on the
+    and key on any mismatch), puts non-block weights (and `settings.resident_blocks` blocks) on the
     device, and streams the other blocks through two device slots: `allgather` shards every block
     over the ranks of `group` (None: the default group) and rebuilds it on the device with an
-    in-place AllGather; `rank-local` copies whole blocks from this rank's own arena; `resident` puts
-    everything on the device (the baseline). `weights` picks the host source of block bytes:
-    `registered` (the page cache itself, DMA-registered: no arena), `arena` (one pinned copy of
-    this rank's shards), or `auto` (registered where the platform allows it, else the arena; the
-    report says which and the log says why). `resident_blocks` blocks stay on the device, spread
-    evenly through the execution order (`spread_resident`); "auto" keeps as many as free device
-    memory allows after `AUTO_RESIDENT_RESERVE_BYTES` for activations (0 on cpu). `time_waits`
-    times the compute stream's waits for weights with event pairs. `transfer_graphs` (default: on for cuda) replays each block's transfer as one CUDA graph.
-    `early`: the registration of this folder's files already started by the caller (`early_registration`,
-    to overlap it with the caller's own imports); else one starts here where it can help, so that the
-    driver pins the page cache while the model is built and the resident copies run at DMA speed.
+    in-place AllGather (or peer copies: `settings.transfer`); `rank-local` copies whole blocks from
+    this rank's own host source; `resident` puts everything on the device (the baseline).
+    `settings.weights` picks the host source of block bytes: `registered` (the page cache itself,
+    DMA-registered: no arena), `arena` (one pinned copy of this rank's shards), or `auto`
+    (registered where the platform allows it, else the arena; the report says which and the log
+    says why). Resident blocks are spread evenly through the execution order (`spread_resident`);
+    "auto" keeps as many as free device memory allows after `AUTO_RESIDENT_RESERVE_BYTES` for
+    activations (0 on cpu). `early`: the registration of this folder's files already started by the
+    caller (`early_registration`, to overlap it with the caller's own imports); else one starts here
+    where it can help, so that the driver pins the page cache while the model is built and the
+    resident copies run at DMA speed.
     """
+    t0 = time.perf_counter()
+    laps = Laps(t0)  # where the load's time goes (the `phases=` of its log line)
+    device = torch.device(device)
+    platform = get_platform(device)
+    if early is None:
+        early = early_registration(component_dir, device, settings)
     host: HostWeights | None = None
     try:
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
-        if resident_blocks != "auto" and (not isinstance(resident_blocks, int) or resident_blocks < 0):
-            raise ValueError(f"resident_blocks must be 'auto' or an integer >= 0, got {resident_blocks!r}")
-        t0 = time.perf_counter()
-        laps = Laps(t0)  # where the load's time goes (the `phases=` of its log line)
-        device = torch.device(device)
-        platform = get_platform(device)
-        # 1. parse (once per process) and build on meta, validating the checkpoint against the model
-        if early is None:
-            early = early_registration(component_dir, device, mode, weights)
-        ckpt = early.ckpt if early is not None else cached_checkpoint(component_dir)
-        laps.lap("checkpoint")
-        meta = build_meta_model(component_dir, ckpt)
-        module = meta.module
-        laps.lap("meta_model")
-        # 2. which blocks stay on the device; put them and the non-block weights there (from the
-        # registered page cache when an early registration went through)
-        n_resident = _resident_count(mode, resident_blocks, ckpt, meta, platform, device, group)
-        keep = spread_resident(len(meta.blocks), n_resident)
-        if early is not None:
-            early.wait()
-        laps.lap("registration_wait")
-        resident_bytes = _place_resident(ckpt, meta, keep, device)
-        _bind_aliases(meta)
-        laps.lap("resident_copies")
-        # 3. the other blocks stream: host weights, the slot prefetcher, its hooks
+        ckpt, meta = _parse_and_build(component_dir, early, laps)
+        keep = spread_resident(len(meta.blocks), _resident_count(settings, ckpt, meta, platform, device, group))
+        resident_bytes = _place_resident_weights(ckpt, meta, keep, device, early, laps)
         offloaded = [b for i, b in enumerate(meta.blocks) if i not in keep]
         layouts = [block_layout(ckpt, b, meta.target_dtype) for b in offloaded]
-        g, r = _shard_group(mode, group)
-        prefetcher = None
-        hooks = HookSet()
-        slot_bytes = 0
+        g, r = _shard_group(settings.mode, group)
+        stream = None
         if offloaded:  # the host weights adopt the registrations they use and release the rest
-            host = prepare_host_weights(ckpt, layouts, meta.target_dtype, g, r, platform, weights, early)
+            host = prepare_host_weights(ckpt, layouts, meta.target_dtype, g, r, platform, settings.weights, early)
             laps.lap("host_weights")
-            blocks = [
-                OffloadedBlock(meta.block_module(b), lay, lay.shard_bytes(g)) for b, lay in zip(offloaded, layouts)
-            ]
-            peer = False
-            if mode == "allgather" and g > 1:  # DLO_GATHER: the same on every rank of the shard group
-                peer = agree_on_path(group, device) == "peer"
-            prefetcher = SlotPrefetcher(
-                module, blocks, host.copies, platform=platform, device=device, group=group, g=g, r=r,
-                collective=(mode == "allgather"), time_waits=time_waits,
-                graphs=(platform.name == "cuda") if transfer_graphs is None else transfer_graphs, peer=peer,
-            )
-            attach_prefetcher(prefetcher, hooks)
-            slot_bytes = 2 * prefetcher.slot_bytes
+            stream = _start_streaming(meta, offloaded, layouts, host, settings, platform, device, group, g, r)
             laps.lap("slots")
     except BaseException:
         if host is not None:  # e.g. the slots did not fit: nothing stays registered or pinned
@@ -187,27 +150,66 @@ def load(
     finally:
         if early is not None:
             early.release()  # what no host weights adopted (all of it when every block is resident)
-    # 4. nothing left on meta; report
-    assert_nothing_on_meta(module, {k for b in offloaded for k in b.keys})
+    assert_nothing_on_meta(meta.module, {k for b in offloaded for k in b.keys})
+    prefetcher, hooks = stream if stream is not None else (None, HookSet())
     report = LoadReport(
-        mode=mode,
+        mode=settings.mode,
         weights_source=host.source if host else "resident",
         blocks=len(offloaded),
         largest_block_bytes=max((lay.nbytes for lay in layouts), default=0),
         host_pinned_bytes=host.pinned_bytes if host else 0,
-        slot_bytes=slot_bytes,
+        slot_bytes=2 * prefetcher.slot_bytes if prefetcher else 0,
         resident_bytes=resident_bytes,
         load_seconds=time.perf_counter() - t0,
         shard_group_size=g,
         rank=r,
-        resident_blocks=n_resident,
+        resident_blocks=len(keep),
         pinned=bool(host and host.pinned),
         transfer=prefetcher.transfer if prefetcher else "none",
         model_bytes=ckpt.nbytes,
     )
     log.info("dlo loaded %s phases=%s", " ".join(f"{k}={v}" for k, v in report.to_dict().items()), laps.rounded())
-    return OffloadedModel(module, report, prefetcher, host, ckpt, platform, device, hooks,
+    return OffloadedModel(meta.module, report, prefetcher, host, ckpt, platform, device, hooks,
                           compute_dtype=_compute_dtype(meta, ckpt))
+
+
+def _parse_and_build(component_dir: Path | str, early: EarlyRegistration | None, laps: Laps) -> tuple[Checkpoint, MetaModel]:
+    """Step 1: parse the checkpoint (once per process) and build the model on meta, validating the
+    checkpoint against the model."""
+    ckpt = early.ckpt if early is not None else cached_checkpoint(component_dir)
+    laps.lap("checkpoint")
+    meta = build_meta_model(component_dir, ckpt)
+    laps.lap("meta_model")
+    return ckpt, meta
+
+
+def _place_resident_weights(ckpt: Checkpoint, meta: MetaModel, keep: set[int], device: torch.device,
+                            early: EarlyRegistration | None, laps: Laps) -> int:
+    """Step 2: the non-block weights and the kept blocks onto the device (from the registered page
+    cache when an early registration went through); returns their bytes."""
+    if early is not None:
+        early.wait()
+    laps.lap("registration_wait")
+    placed = _place_resident(ckpt, meta, keep, device)
+    _bind_aliases(meta)
+    laps.lap("resident_copies")
+    return placed
+
+
+def _start_streaming(meta: MetaModel, offloaded: list[Any], layouts: list[Any], host: HostWeights,
+                     settings: OffloadSettings, platform: Platform, device: torch.device, group: Any,
+                     g: int, r: int) -> tuple[SlotPrefetcher, HookSet]:
+    """Step 3: the slot prefetcher over the streamed blocks, and its hooks on the module."""
+    blocks = [OffloadedBlock(meta.block_module(b), lay, lay.shard_bytes(g)) for b, lay in zip(offloaded, layouts)]
+    if settings.mode == "allgather" and g > 1:  # the same transfer on every rank of the shard group
+        agree_on_path(group, device, settings.transfer)
+    else:  # nothing to gather from peers: one rank, or no collective
+        settings = settings.but(transfer="collective")
+    prefetcher = SlotPrefetcher(meta.module, blocks, host.copies, settings=settings, platform=platform,
+                                device=device, group=group, g=g, r=r)
+    hooks = HookSet()
+    attach_prefetcher(prefetcher, hooks)
+    return prefetcher, hooks
 
 
 def _compute_dtype(meta: MetaModel, ckpt: Checkpoint) -> torch.dtype:
@@ -221,15 +223,15 @@ def _compute_dtype(meta: MetaModel, ckpt: Checkpoint) -> torch.dtype:
     return torch_dtype(max(totals, key=lambda d: totals[d])) if totals else torch.float32
 
 
-def _resident_count(mode: Mode, resident_blocks: int | Literal["auto"], ckpt: Checkpoint, meta: MetaModel,
+def _resident_count(settings: OffloadSettings, ckpt: Checkpoint, meta: MetaModel,
                     platform: Platform, device: torch.device, group: Any) -> int:
     """How many blocks stay on the device (all of them in `resident` mode)."""
-    if mode == "resident":
+    if settings.mode == "resident":
         return len(meta.blocks)
-    if resident_blocks != "auto":
-        return min(resident_blocks, len(meta.blocks))
+    if settings.resident_blocks != "auto":
+        return min(settings.resident_blocks, len(meta.blocks))
     n = _auto_resident_blocks(ckpt, meta, platform, device)
-    if mode == "allgather" and dist.is_initialized() and dist.get_world_size(group) > 1:
+    if settings.mode == "allgather" and dist.is_initialized() and dist.get_world_size(group) > 1:
         # Every rank of a shard group must stream the same blocks (same collectives): the rank with
         # the least free memory decides.
         agreed = torch.tensor([n], dtype=torch.int64, device=device)
@@ -238,18 +240,19 @@ def _resident_count(mode: Mode, resident_blocks: int | Literal["auto"], ckpt: Ch
     return n
 
 
-def early_registration(component_dir: Path | str, device: torch.device | str, mode: Mode,
-                       weights: WeightsChoice = "auto") -> EarlyRegistration | None:
+def early_registration(component_dir: Path | str, device: torch.device | str,
+                       settings: OffloadSettings) -> EarlyRegistration | None:
     """Start registering `component_dir`'s files for DMA now (a thread), where the load will keep
     them registered: a platform that registers host memory, a streaming mode (a `resident` load
     copies from the page cache and keeps nothing: pinning every file of it during the copies would
     raise its host-memory peak for no measured gain), weights not forced into the arena, and not
-    switched off with `DLO_REGISTER_EARLY=0` (then the files are registered in order when the host
-    weights are prepared, as before). Pass the result to `load(early=...)`."""
+    switched off by `settings.register_early` (`--no-register-early`, `DLO_REGISTER_EARLY=0`: then
+    the files are registered in order when the host weights are prepared). Pass the result to
+    `load(early=...)`."""
     device = torch.device(device)
     platform = get_platform(device)
-    if (not platform.registers_host_memory or mode == "resident" or weights == "arena"
-            or os.environ.get(REGISTER_EARLY_ENV, "1") == "0"):
+    if (not platform.registers_host_memory or settings.mode == "resident" or settings.weights == "arena"
+            or not settings.register_early):
         return None
     if device.index is None and device.type == "cuda":  # the thread registers under the caller's device
         device = torch.device("cuda", torch.cuda.current_device())

@@ -23,25 +23,23 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping, Sequence, TypeVar
+from typing import Any, Sequence, TypeVar
+
+from dlo.engine.settings import SP_KINDS, ULYSSES_EXCHANGES, ConfigError, ParallelSettings, SpKind, UlyssesExchange
 
 log = logging.getLogger(__name__)
 
-SP_KINDS = ("ulysses", "ring")
-# The weight gathers' NCCL communicator may use at most this many CTAs (SMs): unset, NCCL chooses.
-# With sp the gathers share the GPUs' SMs and NVLink with the compute and Ulysses' all-to-alls; a
-# block's gather needs ~9 GB/s against ~80 ms of compute, which a few CTAs carry (bench/NOTES.md
-# section 11: DLO + Ulysses-2 was 1.0079x resident Ulysses-2). Measured before it becomes a default.
-GATHER_MAX_CTAS_ENV = "DLO_GATHER_MAX_CTAS"
-ULYSSES_ENV = "DLO_ULYSSES"
-SpKind = Literal["ulysses", "ring"]
+# `ParallelSettings.gather_max_ctas` (`--gather-max-ctas`, DLO_GATHER_MAX_CTAS): the weight gathers'
+# NCCL communicator may use at most this many CTAs (SMs); unset, NCCL chooses. With sp the gathers
+# share the GPUs' SMs and NVLink with the compute and Ulysses' all-to-alls; a block's gather needs
+# ~9 GB/s against ~80 ms of compute, which a few CTAs carry (bench/NOTES.md section 11: DLO +
+# Ulysses-2 was 1.0079x resident Ulysses-2). Measured before it becomes a default.
 
 T = TypeVar("T")
 
 
-class LayoutError(ValueError):
+class LayoutError(ConfigError):
     """A dp x sp layout (or a request) the node cannot run; the message says why in one line."""
 
 
@@ -157,6 +155,7 @@ class ParallelGroups:
     mesh: Any = None  # DeviceMesh (dp, ring, ulysses); None for sp = 1
     sp_group: Any = None  # ProcessGroup of this rank's sp group; None for sp = 1
     shard_group: Any = None  # None: the default group (every rank of the node); its own group when capped
+    exchange: UlyssesExchange = "overlap"  # how Wan's Ulysses self-attention exchanges (ParallelSettings)
 
     @property
     def cp_mesh(self) -> Any:
@@ -164,19 +163,7 @@ class ParallelGroups:
         return None if self.mesh is None else self.mesh["ring", "ulysses"]
 
 
-def gather_max_ctas(environ: Mapping[str, str] = os.environ) -> int | None:
-    """The CTA cap of the weight gathers' communicator from `DLO_GATHER_MAX_CTAS` (None: NCCL's
-    choice); a value that is not an integer from 1 to 64 is refused with a message naming it."""
-    raw = environ.get(GATHER_MAX_CTAS_ENV, "").strip()
-    if not raw:
-        return None
-    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= 64:
-        raise LayoutError(f"{GATHER_MAX_CTAS_ENV} must be an integer from 1 to 64 (CTAs per weight gather), "
-                          f"got {raw!r}")
-    return int(raw)
-
-
-def _weight_plane_group(world: int, device: Any, timeout: Any) -> Any:
+def _weight_plane_group(world: int, device: Any, timeout: Any, cap: int | None) -> Any:
     """The shard group: None (the default group) unless the gathers' CTAs are capped, which NCCL
     takes per communicator: then a group of every rank with that config and the default group's
     `timeout` (else torch's 10 minutes would apply), its communicator made here (before any
@@ -184,12 +171,11 @@ def _weight_plane_group(world: int, device: Any, timeout: Any) -> Any:
     import torch
     import torch.distributed as dist
 
-    cap = gather_max_ctas()
     if cap is None:
         return None
     backend = dist.get_backend()
     if backend != "nccl" or world == 1:
-        log.info("%s=%d ignored: %s", GATHER_MAX_CTAS_ENV, cap,
+        log.info("gather_max_ctas=%d ignored: %s", cap,
                  "one rank gathers nothing" if world == 1 else f"the {backend} backend has no CTA cap")
         return None
     options = dist.ProcessGroupNCCL.Options()
@@ -199,22 +185,23 @@ def _weight_plane_group(world: int, device: Any, timeout: Any) -> Any:
     group = dist.new_group(ranks=list(range(world)), timeout=timeout, pg_options=options)
     if device.index is not None:  # a bare "cuda" would put every rank's all-reduce on device 0
         dist.all_reduce(torch.zeros(1, device=device), group=group)
-    log.info("weight gathers run on their own communicator capped at %d CTAs (%s)", cap, GATHER_MAX_CTAS_ENV)
+    log.info("weight gathers run on their own communicator capped at %d CTAs (gather_max_ctas)", cap)
     return group
 
 
-def make_groups(layout: Layout, device: Any, kind: SpKind = "ulysses", *, gathers: bool = True,
+def make_groups(settings: ParallelSettings, device: Any, *, gathers: bool = True,
                 timeout: Any = None) -> ParallelGroups:
     """Build this rank's groups; every rank of the default group calls it (the mesh's sub-groups
     are made collectively, in the same order everywhere). The default group must hold N ranks.
     `device`: this rank's device (or its type). For sp > 1 the sp group's communicator is made
     here with one tiny all-reduce, not lazily inside the first forward while weight gathers of the
     shard group are in flight. `gathers`: whether the weights are gathered (allgather mode): only
-    then does `DLO_GATHER_MAX_CTAS` give the shard group a communicator of its own, with `timeout`
-    (a timedelta: the default group's)."""
+    then does `settings.gather_max_ctas` give the shard group a communicator of its own, with
+    `timeout` (a timedelta: the default group's)."""
     import torch
     import torch.distributed as dist
 
+    layout, kind = Layout(settings.dp, settings.sp), settings.sp_kind
     device = torch.device(device)
     device_type = device.type
 
@@ -223,9 +210,9 @@ def make_groups(layout: Layout, device: Any, kind: SpKind = "ulysses", *, gather
         raise LayoutError(f"the process group has {world} ranks, the layout dp {layout.dp} x sp {layout.sp} "
                           f"needs {layout.world}")
     # every rank, in this order, before the mesh's groups
-    shard_group = _weight_plane_group(world, device, timeout) if gathers else None
+    shard_group = _weight_plane_group(world, device, timeout, settings.gather_max_ctas) if gathers else None
     if layout.sp == 1:
-        return ParallelGroups(layout, rank, kind, shard_group=shard_group)
+        return ParallelGroups(layout, rank, kind, shard_group=shard_group, exchange=settings.ulysses_exchange)
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = (layout.dp, 1, layout.sp) if kind == "ulysses" else (layout.dp, layout.sp, 1)
@@ -235,7 +222,7 @@ def make_groups(layout: Layout, device: Any, kind: SpKind = "ulysses", *, gather
     assert got == layout.sp_ranks(layout.group_of(rank)), (got, rank, layout)
     if device.index is not None or device_type == "cpu":
         dist.all_reduce(torch.zeros(1, device=device), group=sp_group)
-    return ParallelGroups(layout, rank, kind, mesh, sp_group, shard_group)
+    return ParallelGroups(layout, rank, kind, mesh, sp_group, shard_group, settings.ulysses_exchange)
 
 
 def context_parallel_config(groups: ParallelGroups) -> Any:
@@ -248,39 +235,21 @@ def context_parallel_config(groups: ParallelGroups) -> Any:
     return ContextParallelConfig(ring_degree=sp, mesh=groups.cp_mesh)
 
 
-def ulysses_exchange(environ: Mapping[str, str] = os.environ) -> str:
-    """How Wan's Ulysses self-attention exchanges, from `DLO_ULYSSES`: `overlap` (the default;
-    dlo.engine.ulysses: three fewer copies, the output exchange beside attention, each input exchanged
-    while the next one projects), `lean` (the same with the inputs exchanged one after the other) or
-    `diffusers` (diffusers' own path). All three give the same bytes; `overlap` measured fastest,
-    resident and with streamed weights (bench/NOTES.md section 14). Empty (a template's default) is unset."""
-    from dlo.engine.ulysses import EXCHANGES
-
-    return _checked_exchange(environ.get(ULYSSES_ENV, "").strip() or EXCHANGES[0], ULYSSES_ENV)
-
-
-def _checked_exchange(value: str, what: str) -> str:
-    from dlo.engine.ulysses import EXCHANGES
-
-    if value not in EXCHANGES:
-        raise LayoutError(f"{what} must be one of {', '.join(EXCHANGES)}, got {value!r}")
-    return value
-
-
 def enable_sequence_parallel(module: Any, groups: ParallelGroups, device: Any, *,
-                             exchange: str | None = None) -> bool:
+                             exchange: UlyssesExchange | None = None) -> bool:
     """Turn on diffusers' context parallelism on `module` over this rank's sp group (no-op for
     sp = 1); True if it did. Ring attention needs a backend that returns the log-sum-exp (the
-    native one does not): on cuda it runs through `_native_cudnn`. `exchange` (default
-    `ulysses_exchange()`, `overlap`): with Ulysses, `overlap` or `lean` route Wan's self-attention
-    through `dlo.engine.ulysses` (the same bytes as diffusers' path); `diffusers` keeps diffusers'."""
+    native one does not): on cuda it runs through `_native_cudnn`. `exchange` (default: the groups'
+    `ParallelSettings.ulysses_exchange`, `overlap`): with Ulysses, `overlap` or `lean` route Wan's
+    self-attention through `dlo.engine.ulysses` (the same bytes as diffusers' path, fewer copies, the
+    exchanges beside compute: bench/NOTES.md section 14); `diffusers` keeps diffusers'."""
     import torch
 
     if groups.layout.sp == 1:
         return False
-    from dlo.engine.ulysses import EXCHANGES
-
-    exchange = ulysses_exchange() if exchange is None else _checked_exchange(exchange, "exchange")
+    exchange = groups.exchange if exchange is None else exchange
+    if exchange not in ULYSSES_EXCHANGES:
+        raise LayoutError(f"exchange must be one of {', '.join(ULYSSES_EXCHANGES)}, got {exchange!r}")
     device = torch.device(device)
     if groups.kind == "ring":
         if device.type != "cuda":
@@ -295,11 +264,11 @@ def enable_sequence_parallel(module: Any, groups: ParallelGroups, device: Any, *
         n = (use_dlo_ulysses(module, groups.sp_group, groups.layout.sp, overlap=exchange == "overlap")
              if groups.kind == "ulysses" else 0)
         if n:
-            log.info("sp: %d Wan attention processors exchange through DLO's Ulysses (%s=%s)", n, ULYSSES_ENV, exchange)
+            log.info("sp: %d Wan attention processors exchange through DLO's Ulysses (DLO_ULYSSES=%s)", n, exchange)
         else:  # the default applying to nothing is the normal case for other families: not worth a line
-            log.log(logging.DEBUG if exchange == EXCHANGES[0] else logging.INFO,
-                    "sp: %s=%s ignored: it applies to Wan's self-attention with --sp-kind ulysses "
-                    "(here: %s, sp-kind %s)", ULYSSES_ENV, exchange, type(module).__name__, groups.kind)
+            log.log(logging.DEBUG if exchange == ULYSSES_EXCHANGES[0] else logging.INFO,
+                    "sp: ulysses_exchange=%s ignored: it applies to Wan's self-attention with --sp-kind ulysses "
+                    "(here: %s, sp-kind %s)", exchange, type(module).__name__, groups.kind)
     return True
 
 

@@ -1,8 +1,8 @@
 """Peer gathers: each rank copies the other ranks' shards of a block straight out of their slots.
 
-Owns: `DLO_GATHER` (`gather_path`: `collective`, the default, or `peer`), `PeerGather` (the slots
-every rank of the shard group can read, the per-gather handshake, the pulls) and the check that
-every rank of a shard group gathers the same way (`agree_on_path`).
+Owns: `PeerGather` (the slots every rank of the shard group can read, the per-gather handshake, the
+pulls) and the check that every rank of a shard group gathers the same way (`agree_on_path`, over
+`OffloadSettings.transfer`: `--gather peer`, `DLO_GATHER=peer`).
 Must never: run a kernel (the point is that no SM works on a gather), let a rank overwrite its part
 of a slot while a peer may still be reading it, or wait on a peer's event before the peer has
 enqueued the record it is meant to see ([Note: peer handshake]).
@@ -56,15 +56,16 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from dlo.engine.settings import Transfer
+
 log = logging.getLogger(__name__)
 
-GATHER_ENV = "DLO_GATHER"
-GATHER_PATHS = ("collective", "peer")  # the default first
+GATHER_ENV = "DLO_GATHER"  # named in messages (the variable beside `--gather`)
 # A peer that has not reached a gather by then is taken for dead: the prefetcher breaks loudly
 # (the engine restarts) instead of hanging. Used where the shard group's own collective timeout
 # cannot be read; far above any block's transfer.
@@ -78,29 +79,16 @@ class PeerGatherError(RuntimeError):
     """The peer path cannot run here, or a peer stopped answering."""
 
 
-def gather_path(environ: Mapping[str, str] = os.environ) -> str:
-    """How allgather mode rebuilds a block, from `DLO_GATHER`: `collective` (the default: the
-    platform's in-place AllGather) or `peer` (each rank copies the peers' shards out of their slots:
-    the copy engines on CUDA, no SM). Empty (a template's default) is unset; anything else is refused."""
-    from dlo.engine.parallel import LayoutError  # the configuration error `dlo serve` prints in one line
-
-    value = environ.get(GATHER_ENV, "").strip() or GATHER_PATHS[0]
-    if value not in GATHER_PATHS:
-        raise LayoutError(f"{GATHER_ENV} must be one of {', '.join(GATHER_PATHS)}, got {value!r}")
-    return value
-
-
-def agree_on_path(group: Any, device: torch.device, environ: Mapping[str, str] = os.environ) -> str:
-    """`gather_path` of every rank of the shard group, the same or none starts: one object all-gather
-    at load (a rank that pulls while another waits in a collective would hang both). The raw values
-    are compared before any is validated, so a bad value fails every rank alike."""
-    raw = environ.get(GATHER_ENV, "").strip()
-    values = _all_gather_object(raw, group, device)
-    paths = [v or GATHER_PATHS[0] for v in values]
-    if len(set(paths)) > 1:
-        raise PeerGatherError(f"the ranks of the shard group disagree on {GATHER_ENV}: {paths} (rank order); "
-                              "set the same value on every rank")
-    return gather_path({GATHER_ENV: raw})
+def agree_on_path(group: Any, device: torch.device, transfer: Transfer) -> Transfer:
+    """`transfer` (`OffloadSettings.transfer`: `collective`, the platform's in-place AllGather, or
+    `peer`, each rank copying the peers' shards out of their slots: the copy engines on CUDA, no SM)
+    of every rank of the shard group, the same or none starts: one object all-gather at load (a rank
+    that pulls while another waits in a collective would hang both)."""
+    values = _all_gather_object(transfer, group, device)
+    if len(set(values)) > 1:
+        raise PeerGatherError(f"the ranks of the shard group disagree on the transfer (--gather, {GATHER_ENV}): "
+                              f"{values} (rank order); set the same value on every rank")
+    return transfer
 
 
 def _all_gather_object(obj: Any, group: Any, device: torch.device) -> list[Any]:

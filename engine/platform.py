@@ -11,11 +11,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
-from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 
 log = logging.getLogger(__name__)
 
@@ -238,88 +237,6 @@ def get_platform(device: torch.device | str) -> Platform:
     if kind == "npu":
         return NpuPlatform()
     raise ValueError(f"unsupported device type {kind!r}; DLO runs on cuda, npu or cpu")
-
-
-def detect_device() -> str:
-    """`--device auto`: cuda, else npu, else cpu."""
-    if torch.cuda.is_available():
-        return "cuda"
-    try:
-        import torch_npu  # noqa: F401
-
-        if torch.npu.is_available():  # type: ignore[attr-defined]
-            return "npu"
-    except ImportError:
-        pass
-    return "cpu"
-
-
-@dataclass(frozen=True)
-class DeviceFacts:
-    """What this host's devices are, from the engine's own view (torch, and NVML for NVLink)."""
-
-    vendor: str  # "nvidia" | "ascend" | "none"
-    model: str = ""
-    count: int = 0
-    memory_bytes: int = 0  # of one device
-    interconnect: str = "none"  # "nvlink" | "hccs" | "pcie" | "none"
-    host_memory_bytes: int = 0
-
-
-def device_facts(kind: str) -> DeviceFacts:
-    """The devices of kind `kind` (cpu: none) and the host's memory, for `--mode auto`'s profile."""
-    try:
-        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        host = 0
-    count = device_count(kind) if kind != "cpu" else 0
-    if count == 0:
-        return DeviceFacts("none", host_memory_bytes=host)
-    mod = torch.cuda if kind == "cuda" else torch.npu  # type: ignore[attr-defined]
-    model = str(mod.get_device_name(0))
-    memory = int(mod.get_device_properties(0).total_memory)
-    if kind == "cuda":
-        link = "nvlink" if _nvlink() else ("pcie" if count > 1 else "none")
-        return DeviceFacts("nvidia", model, count, memory, link, host)
-    link = "hccs" if "910" in model and count > 1 else ("pcie" if count > 1 else "none")
-    return DeviceFacts("ascend", model, count, memory, link, host)
-
-
-def _nvlink() -> bool:
-    """Whether device 0 has an active NVLink (NVML; False when NVML is unavailable)."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:
-        return False
-    try:
-        h = pynvml.nvmlDeviceGetHandleByIndex(0)
-        for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
-            try:
-                if pynvml.nvmlDeviceGetNvLinkState(h, link) == pynvml.NVML_FEATURE_ENABLED:
-                    return True
-            except pynvml.NVMLError:
-                return False
-        return False
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:
-            pass
-
-
-def resolve_device(device: str) -> str:
-    """A `--device` value made concrete: `auto` becomes `detect_device()`, anything else stays."""
-    return detect_device() if device == "auto" else device
-
-
-def device_count(kind: str) -> int:
-    if kind == "cuda":
-        return torch.cuda.device_count()
-    if kind == "npu":
-        return torch.npu.device_count()  # type: ignore[attr-defined]
-    return 1
 
 
 _libc: ctypes.CDLL | None = None

@@ -53,6 +53,7 @@ from dlo.engine.model import owner_of
 from dlo.engine.peergather import PeerGather
 from dlo.engine.platform import Platform
 from dlo.engine.report import GatherStats
+from dlo.engine.settings import OffloadSettings
 
 log = logging.getLogger(__name__)
 
@@ -108,19 +109,22 @@ class SlotPrefetcher:
         blocks: list[OffloadedBlock],
         copies: list[list[tuple[torch.Tensor, int]]],
         *,
+        settings: OffloadSettings,
         platform: Platform,
         device: torch.device,
         group: Any,
         g: int,
         r: int,
-        collective: bool,
-        time_waits: bool = True,
-        graphs: bool = False,
-        peer: bool = False,
     ):
-        """`peer`: rebuild blocks by peer copies (dlo.engine.peergather), for a collective over g > 1 ranks."""
+        """`settings` as `dlo.engine.load` resolved them for this model: `mode` allgather gathers over
+        the `g` ranks of `group` (this one is `r`); `transfer` peer rebuilds blocks by peer copies
+        (dlo.engine.peergather), only for allgather over g > 1 ranks; `transfer_graphs` None: on cuda."""
+        collective = settings.mode == "allgather"
+        peer = settings.transfer == "peer"
         if peer and not (collective and g > 1):
-            raise ValueError("peer gathers need a collective over more than one rank")
+            raise ValueError("peer gathers need allgather over more than one rank")
+        graphs = platform.name == "cuda" if settings.transfer_graphs is None else settings.transfer_graphs
+        time_waits = settings.time_waits
         self.root = root
         self.blocks = blocks
         self.copies = copies  # per block: (host bytes, offset in this rank's shard)

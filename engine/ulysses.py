@@ -34,7 +34,6 @@ from typing import Any
 
 # The order the inputs are projected and sent in (with `overlap`, the last one's exchange is exposed).
 _ORDER = ("q", "k", "v")
-EXCHANGES = ("overlap", "lean", "diffusers")  # DLO_ULYSSES's values, the default first
 
 
 def _rope_into(out: Any, x: Any, freqs_cos: Any, freqs_sin: Any) -> None:

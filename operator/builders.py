@@ -92,7 +92,7 @@ def engine_command(spec: DLODeploymentSpec, mode: Mode) -> list[str]:
         if spec.sp > 1:  # dp x sp = devicesPerNode
             cmd[5:5] = ["--sp", str(spec.sp)]
         cmd += ["--host", "0.0.0.0", "--port", port, *name, "--video-dir", VIDEO_MOUNT]
-        cmd += ["--shutdown-grace", str(spec.engine.shutdown_grace_seconds)]
+        cmd += ["--shutdown-grace", str(spec.engine.shutdown_grace_seconds), *spec.engine.engine_switches()]
     return cmd + list(spec.engine.args)
 
 

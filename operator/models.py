@@ -12,12 +12,27 @@ import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 
+from dlo.engine.facts import ModelFacts, ModeOrAuto
+from dlo.operator.engine_spec import (
+    API_KEY_ENV,
+    ENGINE_SWITCH_ENV,
+    VLLM_API_KEY_ENV,
+    VLLM_OMNI_REFUSED_FLAGS,
+    EngineSpec,
+    SecretKeyRef,
+)
 from dlo.operator.k8s_schemas import cel_rules, kubernetes_field
+from dlo.operator.spec_base import SpecModel as _Model
+from dlo.operator.status_models import Condition, DLODeploymentStatus, NodeStatus
 
-from dlo.engine.facts import Mode, ModelFacts, ModeOrAuto
+__all__ = [
+    "API_KEY_ENV", "API_VERSION", "CRD_NAME", "DEFAULT_IMAGE", "DEFAULT_IMAGE_ENV", "ENGINE_SWITCH_ENV", "GROUP",
+    "KIND", "PLURAL", "SHORT_NAMES", "SINGULAR", "VERSION", "VLLM_API_KEY_ENV", "VLLM_OMNI_REFUSED_FLAGS",
+    "Condition", "DLODeploymentSpec", "DLODeploymentStatus", "EngineSpec", "ModelFactsOverride", "ModelSource",
+    "NodeStatus", "SecretKeyRef", "SpecError", "default_engine_image", "parse_spec", "with_default_image",
+]
 
 GROUP = "dlo.dev"
 VERSION = "v1alpha1"
@@ -31,9 +46,7 @@ CRD_NAME = f"{PLURAL}.{GROUP}"
 # The engine image when spec.engine.image is unset: the operator's environment (the chart sets it),
 # else this one.
 DEFAULT_IMAGE_ENV = "DLO_DEFAULT_ENGINE_IMAGE"
-VLLM_API_KEY_ENV = "VLLM_API_KEY"  # where vLLM (engine.kind vllm-omni) reads its API key
 DEFAULT_IMAGE = "ghcr.io/dlo-dev/dlo:0.1.0"
-API_KEY_ENV = "DLO_API_KEY"  # the engine reads its API key from this variable
 
 
 class SpecError(ValueError):
@@ -43,12 +56,6 @@ class SpecError(ValueError):
 def default_engine_image(environ: Mapping[str, str]) -> str:
     """The engine image for specs that name none: `DLO_DEFAULT_ENGINE_IMAGE`, else DEFAULT_IMAGE."""
     return environ.get(DEFAULT_IMAGE_ENV) or DEFAULT_IMAGE
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", validate_default=True
-    )
 
 
 class ModelFactsOverride(_Model):
@@ -97,91 +104,6 @@ class ModelSource(_Model):
         """The model's folder name: the key of its facts in a node profile's `models`."""
         where = self.path if self.path is not None else (self.sub_path or self.claim_name or "")
         return where.rstrip("/").rsplit("/", 1)[-1]
-
-
-class SecretKeyRef(_Model):
-    """A key of a Secret in the resource's namespace."""
-
-    name: str = Field(min_length=1, description="name of the Secret")
-    key: str = Field("api-key", min_length=1, description="key in the Secret holding the API key")
-
-
-# A key set in engine.env would be written into the StatefulSet's pod template for anyone who reads it.
-_API_KEY_ENV_RULE = (
-    f"self.name != '{API_KEY_ENV}' && self.name != '{VLLM_API_KEY_ENV}'",
-    f"engine.env must not set {API_KEY_ENV} or {VLLM_API_KEY_ENV}: put the key in a Secret and name it in "
-    "engine.apiKeySecret",
-)
-
-
-# vLLM flags vllm-omni (0.30.0) refuses under --omni: the operator sets the ranks (--num-gpus).
-VLLM_OMNI_REFUSED_FLAGS = (
-    "--data-parallel-address", "--data-parallel-backend", "--data-parallel-rpc-port", "--data-parallel-size",
-    "--data-parallel-size-local", "--data-parallel-start-rank", "--enable-expert-parallel",
-)
-
-
-class EngineSpec(_Model):
-    """The engine container: which server, its image, device, extra arguments and resources."""
-
-    kind: Literal["dlo", "vllm-omni"] = Field(
-        "dlo",
-        description="dlo: `dlo serve` (probes /ready and /health, metrics dlo_*); vllm-omni: upstream "
-        "`vllm serve --omni` (probes /health, metrics vllm:*, API key as VLLM_API_KEY)",
-    )
-    image: str | None = Field(
-        None, min_length=1, description="engine image; default: the operator's default engine image"
-    )
-    device: Literal["auto", "cuda", "npu", "cpu"] = Field(
-        "auto", description="device the dlo engine runs on (auto: cuda, else npu, else cpu); cpu requests no accelerator"
-    )
-    args: list[str] = Field(default_factory=list, description="extra arguments appended to the engine's command")
-    env: kubernetes_field(  # type: ignore[valid-type]
-        "EnvVar",
-        many=True,
-        description="extra environment variables of the engine container (core/v1 EnvVar); not the API key",
-        item_rules=(_API_KEY_ENV_RULE,),
-        max_items=256,
-        name_max_length=1024,
-    ) = Field(default_factory=list)
-    resources: kubernetes_field(  # type: ignore[valid-type]
-        "ResourceRequirements",
-        description="compute resources of the engine container (core/v1 ResourceRequirements); the "
-        "accelerator limit is added from devicesPerNode",
-    ) = Field(default_factory=dict)
-    api_key_secret: SecretKeyRef | None = Field(
-        None,
-        description="Secret key given to the engine as its API key (DLO_API_KEY for dlo, VLLM_API_KEY for "
-        "vllm-omni); clients send Authorization: Bearer KEY",
-    )
-    shm_size: str | None = Field(None, description="size of /dev/shm; default 1Gi per rank")
-    shutdown_grace_seconds: int = Field(
-        25, ge=0, le=3600,
-        description="dlo: seconds the requests already accepted may run after SIGTERM (`--shutdown-grace`); "
-        "the pod's terminationGracePeriodSeconds is this plus 5",
-    )
-    pin_memory_lock: bool = Field(
-        False, description="grant IPC_LOCK (only when pinning must mlock beyond the memlock limit)"
-    )
-
-    @model_validator(mode="after")
-    def _api_key_only_from_a_secret(self) -> EngineSpec:
-        if any(e.get("name") in (API_KEY_ENV, VLLM_API_KEY_ENV) for e in self.env):
-            raise ValueError(_API_KEY_ENV_RULE[1])
-        return self
-
-    @model_validator(mode="after")
-    def _no_args_vllm_omni_refuses(self) -> EngineSpec:
-        # Only the operator checks this (args are free strings in the CRD): the pods would exit at
-        # start with vllm-omni's own error, crash-looping.
-        if self.kind == "vllm-omni":
-            refused = sorted({a.split("=", 1)[0] for a in self.args} & set(VLLM_OMNI_REFUSED_FLAGS))
-            if refused:
-                raise ValueError(
-                    f"engine.args: vllm-omni refuses {', '.join(refused)} under --omni; the operator sets the "
-                    "ranks per node from devicesPerNode (--num-gpus)"
-                )
-        return self
 
 
 class WarmerSpec(_Model):
@@ -269,12 +191,24 @@ _SP_RULE = ("self.devicesPerNode % self.sp == 0",
             "devicesPerNode must be a multiple of sp: dp = devicesPerNode / sp requests run at once, each on sp devices")
 _SP_ENGINE_RULE = ("self.sp == 1 || !has(self.engine) || !has(self.engine.kind) || self.engine.kind == 'dlo'",
                    "sp > 1 needs engine.kind dlo (sequence parallelism with offload is dlo's)")
+# the switches of allgather's weight gathers act only where blocks are gathered over several devices
+_GATHER_MODE_RULE = (
+    "!has(self.engine) || ((!has(self.engine.gather) || self.engine.gather == 'collective')"
+    " && !has(self.engine.gatherMaxCtas)) || ((self.mode == 'auto' || self.mode == 'allgather')"
+    " && self.devicesPerNode > 1)",
+    "engine.gather peer and engine.gatherMaxCtas act on allgather's weight gathers: only with mode auto or "
+    "allgather and devicesPerNode > 1",
+)
+_ULYSSES_RULE = (
+    "!has(self.engine) || !has(self.engine.ulyssesExchange) || self.sp > 1",
+    "engine.ulyssesExchange is how sequence-parallel ranks exchange: only with sp > 1",
+)
 
 
 class DLODeploymentSpec(_Model):
     """What to serve, on how many nodes, with which engine and offload mode."""
 
-    model_config = ConfigDict(json_schema_extra=cel_rules(_SP_RULE, _SP_ENGINE_RULE))
+    model_config = ConfigDict(json_schema_extra=cel_rules(_SP_RULE, _SP_ENGINE_RULE, _GATHER_MODE_RULE, _ULYSSES_RULE))
 
     model: ModelSource
     replicas: int = Field(1, ge=0, description="nodes: one engine pod per node")
@@ -307,55 +241,14 @@ class DLODeploymentSpec(_Model):
             broken.append(_SP_RULE[1])
         if self.sp > 1 and self.engine.kind != "dlo":
             broken.append(_SP_ENGINE_RULE[1])
+        gathers = self.engine.gather == "peer" or self.engine.gather_max_ctas is not None
+        if gathers and not (self.mode in ("auto", "allgather") and self.devices_per_node > 1):
+            broken.append(_GATHER_MODE_RULE[1])
+        if self.engine.ulysses_exchange is not None and self.sp == 1:
+            broken.append(_ULYSSES_RULE[1])
         if broken:
             raise ValueError("; ".join(broken))
         return self
-
-
-class Condition(_Model):
-    """metav1.Condition."""
-
-    type: str = Field(description="Ready, Progressing, CacheWarmed or Degraded")
-    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown")
-    observed_generation: int | None = Field(None, description="metadata.generation the condition was set for")
-    last_transition_time: str = Field(description="when the status last changed (RFC 3339)")
-    reason: str = Field(
-        pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", description="why, in one CamelCase word"
-    )
-    message: str = Field("", description="why, for humans")
-
-
-class NodeStatus(_Model):
-    """One engine pod's node."""
-
-    name: str = Field(description="node name")
-    phase: str = Field("Unknown", description="phase of the engine pod on that node")
-    cached_ratio: float | None = Field(
-        None, ge=0, le=1, description="page-cache residency of the model on that node, from its profile"
-    )
-
-
-class DLODeploymentStatus(_Model):
-    """What the operator observed; written by the operator only."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    observed_generation: int | None = Field(None, description="metadata.generation this status is for")
-    replicas: int = Field(0, description="engine pods (not terminating)")
-    ready_replicas: int = Field(0, description="engine pods that are Ready")
-    updated_replicas: int = Field(0, description="engine pods on the current pod template")
-    selector: str = Field("", description="label selector of the engine pods (scale subresource)")
-    url: str = Field("", description="URL of the client Service inside the cluster")
-    mode: Mode | None = Field(None, description="the offload mode the pods run")
-    mode_reason: str = Field("", description="why that mode (for auto: the deciding node and its estimates)")
-    mode_inputs: str = Field("", description="digest of what the mode was decided from")
-    cached_ratio: float | None = Field(None, ge=0, le=1, description="lowest page-cache residency over nodes")
-    nodes: list[NodeStatus] = Field(default_factory=list, description="the nodes the engine pods run on")
-    conditions: list[Condition] = Field(
-        default_factory=list,
-        description="Ready, Progressing, CacheWarmed and Degraded (metav1.Condition, one per type)",
-        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
-    )
 
 
 def with_default_image(spec: DLODeploymentSpec, image: str) -> DLODeploymentSpec:

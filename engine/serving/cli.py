@@ -20,121 +20,16 @@ import os
 import socket
 import sys
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 log = logging.getLogger(__name__)
 
-from dlo.cli.args import byte_size, non_negative_seconds, port, positive_int, positive_seconds
-from dlo.engine.facts import MODES_OR_AUTO, Mode, ModeOrAuto
+from dlo.engine.facts import Mode, ModeOrAuto
+from dlo.engine.serving.options import add_arguments, engine_settings
+from dlo.engine.settings import ConfigError, from_environment
 
-
-def _resident_blocks(value: str) -> int | str:
-    if value == "auto":
-        return value
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a whole number >= 0, got {value!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a whole number >= 0, got {value!r}")
-    return n
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_dir", type=Path, help="diffusers pipeline folder (model_index.json, transformer/, vae/, ...)")
-    parser.add_argument("--dp", type=positive_int, default=None,
-                        help="ranks (one request each per wave); default: the device count (1 on cpu)")
-    parser.add_argument("--sp", type=int, default=1,
-                        help="sequence-parallel ranks per request (default 1): the node runs dp x sp ranks, each "
-                             "request on sp of them (one long video faster); on accelerators dp x sp must equal "
-                             "the device count (--dp defaults to device count / sp)")
-    parser.add_argument("--sp-kind", choices=("ulysses", "ring"), default="ulysses",
-                        help="sequence parallelism of diffusers' context parallelism: ulysses (all-to-all over "
-                             "heads; heads must be a multiple of sp) or ring (cuda only)")
-    parser.add_argument("--mode", choices=MODES_OR_AUTO, default="auto",
-                        help="allgather: each rank keeps 1/dp of every block and gathers the rest; rank-local: every "
-                             "rank streams whole blocks from its own host copy; resident: no offload; auto: the "
-                             "node policy decides (dlo.agent.policy), logged at start")
-    parser.add_argument("--profile", type=Path, default=None,
-                        help="for --mode auto: a `dlo calibrate` fragment or a NodeProfile JSON (the agent's "
-                             "/profile) with this node's measured bandwidths")
-    parser.add_argument("--device", choices=("auto", "cuda", "npu", "cpu"), default="auto",
-                        help="auto: cuda, else npu, else cpu")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
-    parser.add_argument("--port", type=port, default=8000, help="TCP port (0: any free port)")
-    parser.add_argument("--served-model-name", default=None, help="model id in the API; default: the folder name")
-    parser.add_argument("--api-key-file", type=Path, default=None,
-                        help="file holding the API key clients must send as 'Authorization: Bearer KEY' "
-                             "(or set DLO_API_KEY; keys are never taken from the command line)")
-    parser.add_argument("--max-queue", type=positive_int, default=64, help="requests waiting for a wave before 429")
-    parser.add_argument("--wave-window-ms", type=non_negative_seconds, default=5.0,
-                        help="how long the oldest request waits for compatible company before a partial wave starts")
-    parser.add_argument("--progress-timeout", type=positive_seconds, default=300.0,
-                        help="seconds a rank may go without progress (a transformer block, a step) inside a wave "
-                             "before the wave fails with 503 and the server exits; a wave that progresses never "
-                             "times out")
-    parser.add_argument("--shutdown-grace", type=float, default=25.0,
-                        help="seconds the waves and queue already accepted may run after SIGTERM (below "
-                             "Kubernetes' default 30 s; the operator sets terminationGracePeriodSeconds = grace + "
-                             "5): /ready turns 503 at once, new requests get 503 with Retry-After, what is "
-                             "unfinished at the end gets 503, then the server exits 0")
-    parser.add_argument("--max-connections", type=int, default=None,
-                        help="open HTTP connections at most; beyond it a new connection gets 503 "
-                             "too_many_connections and is closed at once (default: what the descriptor limit "
-                             "allows after a reserve of 256, at most 1024)")
-    parser.add_argument("--idle-timeout", type=float, default=10.0,
-                        help="seconds a connection may stay open without sending a complete request head (after "
-                             "it opens, or after its previous response); then it is closed. A request being "
-                             "served is never cut by it")
-    parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                        help="every rank runs one 2-step generation (see --warmup-size) before /ready turns 200, so the "
-                             "first clients do not pay start-up costs (graph capture, library set-up, first "
-                             "text-encoder and VAE calls); its seconds are in the ready log and /ready")
-    parser.add_argument("--warmup-size", default=None, metavar="WxH|smallest",
-                        help="size of the warm-up generation (default: the limits' default_size, what a request "
-                             "without `size` gets: it also loads the kernels chosen per shape, which a fresh node "
-                             "otherwise loads on the first such request; `smallest`: the smallest valid size, "
-                             "the quickest warm-up)")
-    parser.add_argument("--limits", type=Path, default=None,
-                        help="JSON or YAML file of request limits (max_width, max_height, max_steps, max_n, "
-                             "max_frames, max_prompt_chars, max_sequence_length, video_fps, ...)")
-    parser.add_argument("--small-limits", action="store_true",
-                        help="the small test profile (size <= 128, steps <= 4) instead of the defaults")
-    parser.add_argument("--max-steps", type=positive_int, default=None, help="override the limits file's max_steps")
-    parser.add_argument("--max-size", type=positive_int, default=None, help="override max_width and max_height")
-    parser.add_argument("--cpu-threads", type=positive_int, default=1,
-                        help="intra-op threads per rank on cpu (fixed so results do not depend on dp)")
-    parser.add_argument("--resident-blocks", type=_resident_blocks, default=0,
-                        help="blocks kept on the device instead of streamed, spread evenly through the order; "
-                             "'auto': as many as free device memory allows after an activation reserve")
-    parser.add_argument("--weights", choices=("auto", "arena", "registered"), default="auto",
-                        help="host source of block bytes: registered (the page cache itself, read in place; DMA-"
-                             "registered on cuda), arena (one pinned copy of this rank's shards), auto (registered "
-                             "where the platform allows it, else the arena; on cpu the arena)")
-    # -- video jobs (dlo.engine.serving.videos) --
-    parser.add_argument("--video-dir", type=Path, default=None,
-                        help="folder keeping finished videos and job records across restarts (an emptyDir in a "
-                             "pod); default: dlo-videos-PORT under the system temp dir")
-    parser.add_argument("--video-ttl", type=float, default=3600.0,
-                        help="seconds a finished video job and its MP4 are kept (expires_at = finish + TTL)")
-    parser.add_argument("--max-device-memory", type=byte_size, default=0, metavar="BYTES",
-                        help="cap each rank's device allocator at BYTES (an integer or 24GiB, 24GB): emulates a "
-                             "smaller device on a larger one (torch.cuda.set_per_process_memory_fraction of the "
-                             "device's total); an error on cpu or above the device's memory; default: no cap")
-    parser.add_argument("--stream-text-encoders", action=argparse.BooleanOptionalAction, default=True,
-                        help="in the offloaded modes, the large text encoder (Wan's UMT5-XXL, Flux's T5-XXL, "
-                             "Qwen-Image's Qwen2.5-VL) streams through the engine block by block in the same mode as "
-                             "the transformer instead of sitting whole on every rank's device (idle ranks gather it "
-                             "as often); CLIP, image encoders and the VAE stay whole; --no-stream-text-encoders keeps "
-                             "it whole (default: streamed: on Wan2.1-14B it loads faster and costs no request time; "
-                             "docs/engine.md)")
-    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    parser.epilog = (
-        "Example: `dlo make-tiny-model /tmp/tiny --family wan` then `dlo serve /tmp/tiny --dp 2 --mode allgather "
-        "--device cpu --small-limits`. API: POST /v1/images/generations, POST|GET /v1/videos, "
-        "GET|DELETE /v1/videos/ID, GET /v1/models, "
-        "/health, /ready, /metrics; see docs/serving.md."
-    )
+__all__ = ["add_arguments", "main", "engine_settings", "resolve_mode", "read_api_key"]
 
 
 def read_api_key(path: Path | None) -> str | None:
@@ -151,15 +46,15 @@ def local_profile(device: str) -> Any:
     nominal bandwidths of `dlo.agent.profile`; with no accelerator (cpu) the policy budgets
     "device" weights in host RAM."""
     from dlo.agent.profile import Accelerator, Interconnect, NodeProfile, nominal_collective_bps, nominal_h2d_bps
-    from dlo.engine.platform import device_facts
+    from dlo.engine.devices import device_facts
 
     f = device_facts(device)
-    acc = Accelerator(vendor=f.vendor, model=f.model, count=f.count, memory_bytes=f.memory_bytes)  # type: ignore[arg-type]
+    acc = Accelerator(vendor=f.vendor, model=f.model, count=f.count, memory_bytes=f.memory_bytes)
     h2d = nominal_h2d_bps(f.model) if f.vendor != "none" else 0
-    coll = nominal_collective_bps(f.model, f.interconnect, None) if f.vendor != "none" else 0  # type: ignore[arg-type]
+    coll = nominal_collective_bps(f.model, f.interconnect, None) if f.vendor != "none" else 0
     return NodeProfile(
         node=socket.gethostname(), accelerator=acc,
-        interconnect=Interconnect(kind=f.interconnect, collective_bandwidth_bps=coll),  # type: ignore[arg-type]
+        interconnect=Interconnect(kind=f.interconnect, collective_bandwidth_bps=coll),
         h2d_bandwidth_bps=h2d, host_memory_bytes=f.host_memory_bytes,
         can_register_page_cache=f.vendor == "nvidia",  # the engine DMAs from the page cache on cuda
     )
@@ -243,10 +138,10 @@ def _server_class(engine: Any, guard: Any) -> type:
             await super().startup(sockets)
             guard.start(asyncio.get_running_loop())
 
-        def handle_exit(self, sig: int, frame: object) -> None:
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             loop = engine.loop
             if self.should_exit or loop is None or loop.is_closed():
-                super().handle_exit(sig, frame)  # type: ignore[arg-type]
+                super().handle_exit(sig, frame)
             else:
                 loop.call_soon_threadsafe(engine.begin_drain)
             getattr(self, "_captured_signals", []).clear()
@@ -260,7 +155,7 @@ def main(args: argparse.Namespace) -> int:
 
     from dlo.engine.checkpoint import CheckpointError, cached_checkpoint
     from dlo.engine.families import pipeline_facts
-    from dlo.engine.platform import device_count, resolve_device
+    from dlo.engine.devices import device_count, resolve_device
     from dlo.engine.ports import free_port
     from dlo.engine.serving.connections import (
         FD_RESERVE,
@@ -298,8 +193,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     api_key = read_api_key(args.api_key_file)
     device = resolve_device(args.device)
-    from dlo.engine.parallel import LayoutError, check_layout, check_tokens, gather_max_ctas, ulysses_exchange
-    from dlo.engine.peergather import gather_path
+    from dlo.engine.parallel import LayoutError, check_layout, check_tokens
 
     sp = args.sp
     devices = device_count(device) if device != "cpu" else None
@@ -311,10 +205,8 @@ def main(args: argparse.Namespace) -> int:
                               "that returns the log-sum-exp); use --sp-kind ulysses")
         if warmup_size is not None:
             check_tokens(*warmup_size, facts.size_multiple, sp)
-        gather_max_ctas()  # DLO_GATHER_MAX_CTAS, read again by every rank: refused here, before any starts
-        ulysses_exchange()  # DLO_ULYSSES, likewise
-        gather_path()  # DLO_GATHER, likewise
-    except LayoutError as e:
+        from_environment(os.environ)  # the DLO_* switches: a bad one is refused before anything loads
+    except ConfigError as e:
         print(f"dlo serve: {e}", file=sys.stderr)
         return 2
     if args.shutdown_grace < 0:
@@ -334,12 +226,14 @@ def main(args: argparse.Namespace) -> int:
         return 2
     log.info("serving %s family=%s mode=%s (%s) dp=%d sp=%d device=%s", model_dir, facts.family, mode, why, dp, sp,
              device)
+    try:
+        settings = engine_settings(args, mode, device, dp, os.environ)
+    except ConfigError as e:
+        print(f"dlo serve: {e}", file=sys.stderr)
+        return 2
     cfg = RankConfig(
-        model_dir=str(model_dir), mode=mode, device=device, dp=dp, master_port=free_port(), control_port=free_port(),
-        max_sequence_length=limits.max_sequence_length, cpu_threads=args.cpu_threads,
-        resident_blocks=args.resident_blocks, collective_timeout_s=max(1800.0, 4 * args.progress_timeout),
-        weights=args.weights, sp=sp, sp_kind=args.sp_kind, max_device_memory=args.max_device_memory,
-        stream_encoders=args.stream_text_encoders,
+        model_dir=str(model_dir), settings=settings, master_port=free_port(), control_port=free_port(),
+        max_sequence_length=limits.max_sequence_length, collective_timeout_s=max(1800.0, 4 * args.progress_timeout),
     )
     try:  # video jobs: the store names this pod in its ids; peers answer for the other pods' jobs
         videos = VideoStore(args.video_dir or default_video_dir(args.port), ttl_s=args.video_ttl,

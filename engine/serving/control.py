@@ -18,6 +18,7 @@ from typing import Any, Callable, Union
 
 from dlo.engine.facts import Mode
 from dlo.engine.report import GatherStats, LoadReport
+from dlo.engine.settings import EngineSettings
 from dlo.engine.serving.waves import Generation
 
 
@@ -27,37 +28,44 @@ class WaveError(RuntimeError):
 
 @dataclass(frozen=True)
 class RankConfig:
-    """Every rank's start-up settings (rank 0 passes them to children through the environment)."""
+    """Every rank's start-up: the engine settings, whole, and the process plumbing of this start
+    (rank 0 passes it to children through the environment, `rank_main`)."""
 
     model_dir: str
-    mode: Mode  # already resolved (never "auto")
-    device: str  # cpu | cuda | npu
-    dp: int
+    settings: EngineSettings  # validated by `dlo serve`; the mode is already resolved (never "auto")
     master_port: int
     control_port: int
-    max_sequence_length: int = 512
-    cpu_threads: int = 1
-    resident_blocks: int | str = 0  # or "auto" (dlo.engine.load sizes it from free device memory)
+    max_sequence_length: int = 512  # the limits' text-encoder sequence length
     collective_timeout_s: float = 1800.0
-    weights: str = "auto"  # auto | arena | registered (dlo.engine.load's host source of block bytes)
-    max_device_memory: int = 0  # bytes the device allocator may hold per rank (0: no cap)
-    # the family's large text encoders stream through the engine too (`dlo serve` always sets it: on
-    # unless --no-stream-text-encoders)
-    stream_encoders: bool = False
-    sp: int = 1  # ranks per request (sequence parallel); the node runs dp x sp ranks
-    sp_kind: str = "ulysses"  # ulysses | ring (dlo.engine.parallel)
+
+    @property
+    def mode(self) -> Mode:
+        return self.settings.offload.mode
+
+    @property
+    def device(self) -> str:
+        return self.settings.device
+
+    @property
+    def dp(self) -> int:
+        return self.settings.parallel.dp
+
+    @property
+    def sp(self) -> int:
+        return self.settings.parallel.sp
 
     @property
     def world(self) -> int:
         """Rank processes: dp sp groups of sp ranks each."""
-        return self.dp * self.sp
+        return self.settings.parallel.world
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        return json.dumps({**asdict(self), "settings": self.settings.to_dict()})
 
     @classmethod
     def from_json(cls, text: str) -> "RankConfig":
-        return cls(**json.loads(text))
+        data = json.loads(text)
+        return cls(**{**data, "settings": EngineSettings.from_dict(data["settings"])})
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from dlo.engine.facts import Mode
 
@@ -21,7 +22,7 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1
 STEP_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
-class _RankCollector:
+class _RankCollector(Collector):
     """Per-rank weight metrics, from `rank_facts()`: {rank: {"report": LoadReport dict, "stats": {...}}}."""
 
     def __init__(self, rank_facts: Callable[[], dict[int, dict]]):
@@ -74,7 +75,7 @@ class EngineMetrics:
                                        registry=reg)
         self.step_duration = Histogram("dlo_step_duration_seconds", "one denoising step", buckets=STEP_BUCKETS,
                                        registry=reg)
-        reg.register(_RankCollector(rank_facts))  # type: ignore[arg-type]
+        reg.register(_RankCollector(rank_facts))
 
     def set_info(self, mode: Mode, dp: int, family: str, device: str, weights_source: str) -> None:
         self.info.clear()

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from dlo.engine.facts import Mode
 from dlo.engine.families import pipeline_facts
 from dlo.engine.serving.control import RankStats
 from dlo.engine.serving.encode import encode
+from dlo.engine.settings import EngineSettings
 from dlo.engine.timing import Laps
 from dlo.engine.serving.waves import Generation
 
@@ -61,10 +61,12 @@ class ServingPipeline:
     rank's progress signal for the wave watchdog.
     """
 
-    def __init__(self, model_dir: Path | str, *, mode: Mode, device: Any, group: Any = None,
-                 max_sequence_length: int = 512, resident_blocks: int | str = 0, weights: str = "auto",
-                 parallel: Any = None, max_device_memory: int = 0, stream_encoders: bool = False):
+    def __init__(self, model_dir: Path | str, settings: EngineSettings, *, device: Any = None, group: Any = None,
+                 parallel: Any = None, max_sequence_length: int = 512):
+        """`settings` as every rank got them (`RankConfig`); `device`: this rank's device (default:
+        `settings.device`); `group`: the shard group; `parallel`: the dp x sp groups (`make_groups`)."""
         t0 = time.perf_counter()
+        mode = settings.offload.mode
         # where the load time goes (the `phases=` of the "pipeline loaded" log): imports (with the
         # cap and the registrations started), streamed models, the rest of the pipeline from its
         # files, the resident components moved to the device
@@ -78,25 +80,25 @@ class ServingPipeline:
         # With `stream_encoders` (off in process by default; `dlo serve` turns it on unless told not
         # to), the family's large text encoders stream the same way as the transformers (their own
         # block lists), loaded after them.
-        self.encoders = self.adapter.streamable_encoders if stream_encoders and mode != "resident" else ()
+        self.encoders = self.adapter.streamable_encoders if settings.stream_encoders and mode != "resident" else ()
         streamed = (*self.facts.transformers, *self.encoders)
-        self.device = torch.device(device)
+        self.device = torch.device(settings.device if device is None else device)
         self.max_sequence_length = max_sequence_length
         self.tick: Callable[[], None] = lambda: None
         self.steps_done = 0  # denoising steps of the running request (read by the progress reporter)
         self.vae_tile_above_pixels = VAE_TILE_ABOVE_PIXELS
-        if max_device_memory:
+        if settings.max_device_memory:
             from dlo.engine.platform import cap_device_memory
 
-            fraction = cap_device_memory(self.device, max_device_memory)
-            log.info("device memory capped at %d bytes (%.4f of the device)", max_device_memory, fraction)
+            fraction = cap_device_memory(self.device, settings.max_device_memory)
+            log.info("device memory capped at %d bytes (%.4f of the device)", settings.max_device_memory, fraction)
         # The driver pins the streamed models' page cache on a thread while the imports below and the
         # model builds run (they hold the GIL; the registration does not): `dlo.engine.weights`.
         early: dict[str, Any] = {}
         self.models: dict[str, Any] = {}
         try:
             for name in streamed:
-                early[name] = early_registration(Path(model_dir) / name, self.device, mode, weights)  # type: ignore[arg-type]
+                early[name] = early_registration(Path(model_dir) / name, self.device, settings.offload)
             import diffusers
 
             import dlo.engine
@@ -107,9 +109,8 @@ class ServingPipeline:
             # the same mode and shard group, loaded in the same order on every rank (each load gathers
             # its first block: the collective order starts here); then the streamed encoders.
             for name in streamed:
-                self.models[name] = dlo.engine.load(
-                    Path(model_dir) / name, mode=mode, device=self.device, group=group,  # type: ignore[arg-type]
-                    resident_blocks=resident_blocks, weights=weights, early=early.pop(name))  # type: ignore[arg-type]
+                self.models[name] = dlo.engine.load(Path(model_dir) / name, settings=settings.offload,
+                                                    device=self.device, group=group, early=early.pop(name))
         except BaseException:
             for m in self.models.values():  # a later load failed: nothing stays pinned
                 m.close()

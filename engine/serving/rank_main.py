@@ -62,13 +62,14 @@ def init_rank(cfg: RankConfig, rank: int) -> Any:
     import torch
     import torch.distributed as dist
 
-    from dlo.engine.parallel import Layout, make_groups
+    from dlo.engine.parallel import make_groups
     from dlo.engine.platform import get_platform
     from dlo.engine.serving.pipeline import ServingPipeline
 
+    settings = cfg.settings
     if cfg.device == "cpu":
         # A fixed thread count keeps CPU results bit-identical whatever dp is.
-        torch.set_num_threads(cfg.cpu_threads)
+        torch.set_num_threads(settings.cpu_threads)
     laps = Laps()  # where a rank's time goes before its pipeline load (the load's own phases follow)
     platform = get_platform(cfg.device)
     device = platform.device(rank)
@@ -81,14 +82,12 @@ def init_rank(cfg: RankConfig, rank: int) -> Any:
     laps.lap("process_group")
     # dp x sp: the shard group is every rank (the default group, or its own communicator when the
     # gathers' CTAs are capped); sp groups are consecutive ranks
-    parallel = make_groups(Layout(cfg.dp, cfg.sp), device, cfg.sp_kind,  # type: ignore[arg-type]
-                           gathers=cfg.mode == "allgather", timeout=timedelta(seconds=cfg.collective_timeout_s))
+    parallel = make_groups(settings.parallel, device, gathers=cfg.mode == "allgather",
+                           timeout=timedelta(seconds=cfg.collective_timeout_s))
     laps.lap("groups")
     log.info("rank %d joined the weight plane: phases=%s", rank, laps.rounded())
-    pipe = ServingPipeline(cfg.model_dir, mode=cfg.mode, device=device, group=parallel.shard_group,
-                           max_sequence_length=cfg.max_sequence_length,
-                           resident_blocks=cfg.resident_blocks, weights=cfg.weights, parallel=parallel,
-                           max_device_memory=cfg.max_device_memory, stream_encoders=cfg.stream_encoders)
+    pipe = ServingPipeline(cfg.model_dir, settings, device=device, group=parallel.shard_group, parallel=parallel,
+                           max_sequence_length=cfg.max_sequence_length)
     plan = FaultPlan.from_env()  # test-only; None in production
     if plan is not None:
         log.warning("rank %d: TEST-ONLY fault injection is on: %s", rank, plan)

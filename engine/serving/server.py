@@ -42,6 +42,7 @@ from dlo.engine.serving.api_models import (
     VideoCreateRequest,
     VideoDeleted,
     VideoList,
+    VideoError,
     VideoObject,
     form_field,
     image_generation,
@@ -354,5 +355,5 @@ def _video_object(engine: Engine, job: VideoJob) -> VideoObject:
     return VideoObject(
         id=job.id, created_at=job.created_at, completed_at=job.completed_at, expires_at=job.expires_at,
         model=job.model, progress=engine.video_progress(job), prompt=job.prompt, seconds=job.seconds, size=job.size,
-        status=job.status, error=job.error,  # type: ignore[arg-type]
+        status=job.status, error=VideoError(**job.error) if job.error is not None else None,
     )

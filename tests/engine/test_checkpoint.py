@@ -127,7 +127,7 @@ def test_validate_missing_unexpected_shape_dtype(good):
 
 
 def test_load_refuses_wrong_shape_and_dtype_naming_key(tmp_path):
-    from dlo.engine import load
+    from dlo.engine import OffloadSettings, load
     from dlo.engine.families.tiny import make_tiny_transformer
 
     path = make_tiny_transformer(tmp_path / "t", "wan", layers=2)
@@ -139,13 +139,13 @@ def test_load_refuses_wrong_shape_and_dtype_naming_key(tmp_path):
     sd[key] = sd[key][:, :-1].contiguous()
     save_file(sd, f)
     with pytest.raises(CheckpointError, match="shape") as err:
-        load(path, mode="rank-local", device="cpu")
+        load(path, settings=OffloadSettings("rank-local"), device="cpu")
     assert key in str(err.value)
     sd = load_file(f)
     sd[key] = torch.zeros(32, 32, dtype=torch.int32)
     save_file(sd, f)
     with pytest.raises(CheckpointError, match="dtype I32") as err:
-        load(path, mode="rank-local", device="cpu")
+        load(path, settings=OffloadSettings("rank-local"), device="cpu")
     assert key in str(err.value)
 
 

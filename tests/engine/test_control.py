@@ -12,6 +12,7 @@ import pytest
 from dlo.engine.report import LoadReport
 from dlo.engine.serving import control
 from dlo.engine.serving.control import RankConfig, RankStats, summary
+from dlo.engine.settings import EngineSettings, OffloadSettings, ParallelSettings
 from dlo.engine.serving.errors import (
     EngineFailed,
     EngineUnavailable,
@@ -50,9 +51,11 @@ def test_every_message_is_a_frozen_dataclass_that_pickles_as_is(msg):
 
 
 def test_rank_config_round_trips_through_the_environment_json():
-    cfg = RankConfig(model_dir="/m", mode="rank-local", device="cpu", dp=2, master_port=1, control_port=2,
-                     resident_blocks="auto")
-    assert RankConfig.from_json(cfg.to_json()) == cfg
+    settings = EngineSettings(OffloadSettings("allgather", resident_blocks="auto", transfer="peer"),
+                              ParallelSettings(dp=2, sp=2, ulysses_exchange="lean", gather_max_ctas=8))
+    cfg = RankConfig(model_dir="/m", settings=settings, master_port=1, control_port=2)
+    back = RankConfig.from_json(cfg.to_json())
+    assert back == cfg and back.settings.offload.transfer == "peer" and back.world == 4
 
 
 def test_ready_summary_is_the_json_of_slash_ready():

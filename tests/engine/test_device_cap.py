@@ -11,6 +11,7 @@ import pytest
 
 from dlo.cli.args import byte_size
 from tests.engine.test_family_pipelines import preset_pipeline
+from dlo.engine.settings import EngineSettings, OffloadSettings
 
 
 @pytest.mark.parametrize("text,value", [("25769803776", 24 * 2**30), ("24GiB", 24 * 2**30), ("24GB", 24 * 10**9),
@@ -45,7 +46,7 @@ def test_every_component_is_reported(tmp_path_factory):
 
     for name, comps in [("tiny-wan2.2-t2v-a14b", {"transformer", "transformer_2", "text_encoder", "vae"}),
                         ("tiny-flux.1-dev", {"transformer", "text_encoder", "text_encoder_2", "vae"})]:
-        pipe = ServingPipeline(preset_pipeline(tmp_path_factory, name), mode="rank-local", device="cpu",
+        pipe = ServingPipeline(preset_pipeline(tmp_path_factory, name), EngineSettings(OffloadSettings("rank-local")),
                                max_sequence_length=16)
         reports = ready_message(pipe).facts.component_reports
         assert set(reports) == comps

@@ -129,36 +129,31 @@ def test_an_arena_choice_releases_every_early_registration(sharded):
     assert hw.source == "arena" and platform.live == {} and platform.calls == len(early.ckpt.files)
 
 
-@pytest.mark.parametrize("mode", ["resident", "rank-local", "bogus"])
+@pytest.mark.parametrize("mode", ["resident", "rank-local"])
 def test_load_releases_what_it_does_not_keep_on_every_path(sharded, mode):
     """`dlo.engine.load(early=...)`: resident keeps nothing registered, a rank-local load on cpu takes
-    the arena, and a load refused for a bad argument still releases what the caller started."""
-    from dlo.engine import load
+    the arena. (A bad argument never reaches `load`: `OffloadSettings` refuses it, test_settings.)"""
+    from dlo.engine import OffloadSettings, load
 
     platform = RecordingPlatform()
     early = EarlyRegistration(cached_checkpoint(sharded), platform, torch.device("cpu"))
-    if mode == "bogus":
-        with pytest.raises(ValueError, match="mode must be"):
-            load(sharded, mode=mode, device="cpu", early=early)  # type: ignore[arg-type]
-    else:
-        m = load(sharded, mode=mode, device="cpu", early=early)  # type: ignore[arg-type]
-        assert m.report.weights_source == ("resident" if mode == "resident" else "arena")
-        m.close()
+    m = load(sharded, settings=OffloadSettings(mode), device="cpu", early=early)
+    assert m.report.weights_source == ("resident" if mode == "resident" else "arena")
+    m.close()
     assert platform.live == {} and platform.calls == len(early.ckpt.files)
 
 
 def test_early_registration_starts_only_where_the_load_keeps_the_files_registered(sharded, monkeypatch):
     import dlo.engine.offload as offload
+    from dlo.engine import OffloadSettings
 
-    assert offload.early_registration(sharded, "cpu", "rank-local") is None  # cpu registers nothing
+    assert offload.early_registration(sharded, "cpu", OffloadSettings("rank-local")) is None  # cpu registers nothing
     platform = RecordingPlatform()
     monkeypatch.setattr(offload, "get_platform", lambda device: platform)
-    assert offload.early_registration(sharded, "cpu", "resident") is None
-    assert offload.early_registration(sharded, "cpu", "allgather", "arena") is None
-    monkeypatch.setenv(offload.REGISTER_EARLY_ENV, "0")
-    assert offload.early_registration(sharded, "cpu", "allgather") is None
-    monkeypatch.delenv(offload.REGISTER_EARLY_ENV)
-    early = offload.early_registration(sharded, "cpu", "allgather")
+    assert offload.early_registration(sharded, "cpu", OffloadSettings("resident")) is None
+    assert offload.early_registration(sharded, "cpu", OffloadSettings("allgather", weights="arena")) is None
+    assert offload.early_registration(sharded, "cpu", OffloadSettings("allgather", register_early=False)) is None
+    early = offload.early_registration(sharded, "cpu", OffloadSettings("allgather"))
     assert isinstance(early, EarlyRegistration) and early.wait()
     early.release()
     assert platform.live == {} and platform.calls == len(early.ckpt.files)

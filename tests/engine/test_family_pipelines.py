@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from dlo.engine.serving.waves import Generation
+from dlo.engine.settings import EngineSettings, OffloadSettings
 from tests.engine.serving_helpers import sha
 
 SEED = 77
@@ -52,7 +53,7 @@ def _gen(name: str, **change) -> Generation:
 def test_calls_per_transformer_match_what_the_pipeline_runs(tmp_path_factory, name, change):
     from dlo.engine.serving.pipeline import ServingPipeline
 
-    pipe = ServingPipeline(preset_pipeline(tmp_path_factory, name), mode="resident", device="cpu",
+    pipe = ServingPipeline(preset_pipeline(tmp_path_factory, name), EngineSettings(OffloadSettings("resident")),
                            max_sequence_length=16)
     order: list[str] = []
     for comp, m in pipe.models.items():
@@ -113,8 +114,8 @@ def test_streamed_text_encoders_give_the_same_bytes_and_follow_the_call_plan(tmp
 
     model = preset_pipeline(tmp_path_factory, name)
     gen = _gen(name, kind="image", frames=1, fps=0, negative_prompt="blurry", steps=2)
-    ref = ServingPipeline(model, mode="resident", device="cpu", max_sequence_length=16).run(gen).outputs[0]
-    pipe = ServingPipeline(model, mode="rank-local", device="cpu", max_sequence_length=16, stream_encoders=True)
+    ref = ServingPipeline(model, EngineSettings(OffloadSettings("resident")), max_sequence_length=16).run(gen).outputs[0]
+    pipe = ServingPipeline(model, EngineSettings(OffloadSettings("rank-local"), stream_encoders=True), max_sequence_length=16)
     order: list[str] = []
     for comp, m in pipe.models.items():
         m.module.register_forward_pre_hook(lambda *_, c=comp: order.append(c))
@@ -178,7 +179,7 @@ def test_served_bytes_equal_resident_in_process_and_idle_ranks_gather_as_often(t
     # streamed (the default) or whole (--no-stream-text-encoders), as every rank reports it
     source = "resident" if "--no-stream-text-encoders" in flags else "arena"
     assert all(r["component_reports"][enc]["weights_source"] == source for r in info["ranks"])
-    local = ServingPipeline(model, mode="resident", device="cpu", max_sequence_length=SMALL_SEQ)
+    local = ServingPipeline(model, EngineSettings(OffloadSettings("resident")), max_sequence_length=SMALL_SEQ)
     expected = local.run(gen).outputs[0]
     assert sha(served) == sha(expected), f"{name} {mode}: served bytes differ from the resident pipeline"
 
@@ -189,8 +190,8 @@ SMALL_SEQ = 32
 def test_vae_decodes_in_tiles_above_the_size_limit_and_stays_deterministic(tmp_path_factory):
     from dlo.engine.serving.pipeline import VAE_TILE_ABOVE_PIXELS, ServingPipeline
 
-    pipe = ServingPipeline(preset_pipeline(tmp_path_factory, "tiny-wan2.1-t2v"), mode="resident", device="cpu",
-                           max_sequence_length=16)
+    pipe = ServingPipeline(preset_pipeline(tmp_path_factory, "tiny-wan2.1-t2v"),
+                           EngineSettings(OffloadSettings("resident")), max_sequence_length=16)
     gen = _gen("tiny-wan2.1-t2v", steps=2)
     assert not pipe._vae_tiling(gen) and not pipe.pipe.vae.use_tiling
     assert pipe._vae_tiling(dataclasses.replace(gen, width=1280, height=720, frames=81 + 4))

@@ -11,6 +11,7 @@ import pytest
 from dlo.engine.serving.control import RankConfig
 from dlo.engine.serving.faults import FAULTS_ENV, HOOKS_ENV, FaultPlan, InjectedFault
 from dlo.engine.serving.waves import Generation
+from dlo.engine.settings import EngineSettings, OffloadSettings
 from tests.engine.serving_helpers import tiny_pipeline
 
 GEN = Generation(kind="image", prompt="a cat", seed=3, width=32, height=32, steps=2, guidance_scale=5.0)
@@ -44,10 +45,11 @@ def test_each_phase_fails_its_request_alone_and_a_mid_forward_fault_is_fatal_onl
     from dlo.engine.serving.rank_main import run_assignment
 
     model = tiny_pipeline(tmp_path_factory, "wan")
-    pipe = ServingPipeline(model, mode=mode, device="cpu", max_sequence_length=16)
+    settings = EngineSettings(OffloadSettings(mode))
+    pipe = ServingPipeline(model, settings, max_sequence_length=16)
     pipe.install_faults(FaultPlan.parse(",".join(f"{p}:0:boom-{p}" for p in
                                                   ["encode", "setup", "step", "decode", "png", "forward"])), 0)
-    cfg = RankConfig(str(model), mode, "cpu", 1, 0, 0)
+    cfg = RankConfig(str(model), settings, 0, 0)
     ref = run_assignment(pipe, cfg, 1, GEN, GEN).outputs
     expected = {"encode": "prepare", "setup": "prepare", "step": "denoise", "decode": "decode", "png": "encode_output"}
     for phase, where in expected.items():

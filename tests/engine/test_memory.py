@@ -38,7 +38,7 @@ def _load_and_measure(rank: int, world: int, path: str) -> dict:
     import torch  # noqa: F401  (imports happen before the baseline)
     import diffusers  # noqa: F401
 
-    from dlo.engine import load
+    from dlo.engine import OffloadSettings, load
 
     peak = [0]
     stop = threading.Event()
@@ -51,7 +51,7 @@ def _load_and_measure(rank: int, world: int, path: str) -> dict:
     base = _rss_anon()
     t = threading.Thread(target=sample, daemon=True)
     t.start()
-    m = load(path, mode="allgather", device="cpu")
+    m = load(path, settings=OffloadSettings("allgather"), device="cpu")
     stop.set()
     t.join()
     peak[0] = max(peak[0], _rss_anon())

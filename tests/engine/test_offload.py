@@ -13,16 +13,16 @@ CALLS = 4  # more calls than slots: the ring wraps around several times
 
 
 def _equal_to_resident(rank: int, world: int, models: dict) -> dict:
-    from dlo.engine import load
+    from dlo.engine import OffloadSettings, load
 
     out = {}
     for (family, kind), path in models.items():
-        ref_model = load(path, mode="resident", device="cpu")
+        ref_model = load(path, settings=OffloadSettings("resident"), device="cpu")
         dtype = next(ref_model.module.parameters()).dtype if kind != "bf16" else torch.bfloat16
         refs = [forward(ref_model.module, family, s, dtype) for s in range(CALLS)]
         for mode in ("allgather", "rank-local"):
             for weights in ("arena", "registered"):
-                m = load(path, mode=mode, device="cpu", weights=weights)
+                m = load(path, settings=OffloadSettings(mode, weights=weights), device="cpu")
                 assert m.report.weights_source == weights
                 same = [torch.equal(forward(m.module, family, s, dtype), refs[s]) for s in range(CALLS)]
                 pinned = m.report.host_pinned_bytes if weights == "arena" else 1
@@ -43,15 +43,12 @@ def test_offload_modes_bit_identical_to_resident(models, world):
 
 
 def _gather_only(rank: int, world: int, path: str, gather: str) -> list[bool]:
-    import os
+    from dlo.engine import OffloadSettings, load
 
-    from dlo.engine import load
-
-    os.environ["DLO_GATHER"] = gather  # the collective, or peer copies (dlo.engine.peergather)
-
-    ref_model = load(path, mode="resident", device="cpu")
+    ref_model = load(path, settings=OffloadSettings("resident"), device="cpu")
     refs = [forward(ref_model.module, "flux", s, torch.float32) for s in range(3)]
-    m = load(path, mode="allgather", device="cpu")
+    # the collective, or peer copies (dlo.engine.peergather)
+    m = load(path, settings=OffloadSettings("allgather", transfer=gather), device="cpu")
     assert m.report.transfer == ("peer" if gather == "peer" else "eager"), m.report
     if rank == 1:
         m.gather_only(3)  # the idle rank of a partial wave
@@ -73,13 +70,13 @@ def test_gather_only_on_one_rank_keeps_others_exact(models, gather):
 def test_single_process_modes_and_report(models):
     import torch.distributed as dist
 
-    from dlo.engine import load
+    from dlo.engine import OffloadSettings, load
     from dlo.engine.families import describe
     from dlo.engine.layout import shard_bytes
 
     path = models[("flux", "fp32")]
     facts = describe(path)
-    m = load(path, mode="rank-local", device="cpu")
+    m = load(path, settings=OffloadSettings("rank-local"), device="cpu")
     r = m.report
     assert (r.mode, r.weights_source, r.blocks) == ("rank-local", "arena", 5)
     assert r.largest_block_bytes == facts.largest_block_bytes
@@ -87,26 +84,26 @@ def test_single_process_modes_and_report(models):
     assert r.resident_bytes >= facts.nonblock_bytes
     # the arena holds each block once, exactly (layout bytes, no power-of-two rounding)
     assert r.host_pinned_bytes < facts.bytes and r.host_pinned_bytes >= facts.bytes - facts.nonblock_bytes
-    resident = load(path, mode="resident", device="cpu")
+    resident = load(path, settings=OffloadSettings("resident"), device="cpu")
     assert resident.report.blocks == 0 and resident.report.host_pinned_bytes == 0
     # resident_blocks: the first K blocks stay on the device, the rest stream; still exact
-    k2 = load(path, mode="rank-local", device="cpu", resident_blocks=2)
+    k2 = load(path, settings=OffloadSettings("rank-local", resident_blocks=2), device="cpu")
     assert k2.report.blocks == 3 and k2.report.resident_blocks == 2
     ref = forward(resident.module, "flux", 1, torch.float32)
     assert torch.equal(forward(k2.module, "flux", 1, torch.float32), ref)
     assert torch.equal(forward(m.module, "flux", 1, torch.float32), ref)
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="torch.distributed"):
-        load(path, mode="allgather", device="cpu")
+        load(path, settings=OffloadSettings("allgather"), device="cpu")
     with pytest.raises(ValueError, match="mode must be one of"):
-        load(path, mode="sideways", device="cpu")  # type: ignore[arg-type]
+        load(path, settings=OffloadSettings("sideways"), device="cpu")  # type: ignore[arg-type]
 
 
 def test_out_of_order_block_breaks_prefetcher_loudly(models):
-    from dlo.engine import load
+    from dlo.engine import OffloadSettings, load
     from dlo.engine.prefetch import PrefetchOrderError
 
-    m = load(models[("wan", "bf16")], mode="rank-local", device="cpu")
+    m = load(models[("wan", "bf16")], settings=OffloadSettings("rank-local"), device="cpu")
     block1 = m.module.blocks[1]
     with pytest.raises(PrefetchOrderError, match="block 1 ran but block 0 was expected"):
         block1(torch.zeros(1))
@@ -134,7 +131,7 @@ def test_page_cache_runs_merge_per_dtype(models):
 def test_cast_needed_falls_back_to_arena_with_reason(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from dlo.engine import load
+    from dlo.engine import OffloadSettings, load
 
     path = make_tiny_transformer(tmp_path / "t", "wan", layers=2, dtype="bfloat16")
     f = path / "diffusion_pytorch_model.safetensors"
@@ -142,18 +139,18 @@ def test_cast_needed_falls_back_to_arena_with_reason(tmp_path):
     key = "blocks.0.scale_shift_table"  # an fp32-kept module stored in bf16: upcast on load
     sd[key] = sd[key].to(torch.bfloat16)
     save_file(sd, f)
-    m = load(path, mode="rank-local", device="cpu")
+    m = load(path, settings=OffloadSettings("rank-local"), device="cpu")
     assert m.report.weights_source == "arena"
     assert m.module.blocks[0].scale_shift_table.dtype == torch.float32
     with pytest.raises(RuntimeError, match="dtype cast"):
-        load(path, mode="rank-local", device="cpu", weights="registered")
+        load(path, settings=OffloadSettings("rank-local", weights="registered"), device="cpu")
 
 
 def _auto_resident(rank: int, world: int, path: str) -> tuple[int, bool]:
-    from dlo.engine import load
+    from dlo.engine import OffloadSettings, load
 
-    ref = forward(load(path, mode="resident", device="cpu").module, "wan", 0, torch.bfloat16)
-    m = load(path, mode="allgather", device="cpu", resident_blocks="auto")
+    ref = forward(load(path, settings=OffloadSettings("resident"), device="cpu").module, "wan", 0, torch.bfloat16)
+    m = load(path, settings=OffloadSettings("allgather", resident_blocks="auto"), device="cpu")
     # on cpu nothing is kept resident; the ranks agree (a collective) and stay exact
     return m.report.resident_blocks, torch.equal(forward(m.module, "wan", 0, torch.bfloat16), ref)
 

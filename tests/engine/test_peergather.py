@@ -1,55 +1,38 @@
-"""dlo.engine.peergather on real gloo ranks: `DLO_GATHER=peer` rebuilds every block with the bytes
+"""dlo.engine.peergather on real gloo ranks: `transfer="peer"` (`--gather peer`) rebuilds every block with the bytes
 of the collective (bit-identical to resident), ranks that disagree on the path refuse to start, and
 a rank that stops makes the others fail loudly within the deadline instead of hanging. (An idle rank
 of a wave serving its shards: `test_offload.test_gather_only_on_one_rank_keeps_others_exact`.)"""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from dlo.engine.peergather import GATHER_ENV, gather_path
 from tests.engine.dist_utils import run_ranks
 from tests.engine.inputs import forward
 
 CALLS = 4  # more calls than slots: the handshake's counters wrap over both slots several times
 
 
-@pytest.mark.parametrize("raw, want", [(None, "collective"), ("", "collective"), (" peer ", "peer"),
-                                       ("collective", "collective")])
-def test_gather_path_reads_the_environment(raw, want):
-    env = {} if raw is None else {GATHER_ENV: raw}
-    assert gather_path(env) == want
-
-
-@pytest.mark.parametrize("raw", ["nccl", "Peer", "copy-engine", "1"])
-def test_gather_path_refuses_other_values_naming_them(raw):
-    with pytest.raises(ValueError, match=f"DLO_GATHER must be one of collective, peer, got {raw!r}"):
-        gather_path({GATHER_ENV: raw})
-
-
 def _peer_equals_collective(rank: int, world: int, models: dict) -> dict:
-    from dlo.engine import load
+    from dlo.engine import OffloadSettings, load
 
     out = {}
     for (family, kind), path in models.items():
         if kind == "sharded":  # the file layout is the loader's business, not the gathers'
             continue
-        ref = load(path, mode="resident", device="cpu")
+        ref = load(path, settings=OffloadSettings("resident"), device="cpu")
         dtype = torch.bfloat16 if kind == "bf16" else torch.float32
         refs = [forward(ref.module, family, s, dtype) for s in range(CALLS)]
         stats = {}
         for value in ("collective", "peer"):
-            os.environ[GATHER_ENV] = value
-            m = load(path, mode="allgather", device="cpu")
+            m = load(path, settings=OffloadSettings("allgather", transfer=value), device="cpu")
             same = [torch.equal(forward(m.module, family, s, dtype), refs[s]) for s in range(CALLS)]
             st = m.stats()
             stats[value] = (m.report.transfer, same, st.gathers, st.h2d_bytes, st.collective_bytes)
             m.close()
-        os.environ.pop(GATHER_ENV)
         out[f"{family}-{kind}"] = stats
     return out
 
@@ -71,32 +54,30 @@ def test_peer_gathers_are_bit_identical_to_resident_and_move_what_the_collective
         assert set(Path("/dev/shm").glob("dlo-peer-*")) <= leftovers
 
 
-def _load_refused(path: str) -> str:
+def _load_refused(path: str, transfer: str = "peer") -> str:
     """Why an allgather load refused to start on this rank ("loaded" when it did not refuse)."""
-    from dlo.engine import load
+    from dlo.engine import OffloadSettings, load
 
     try:
-        load(path, mode="allgather", device="cpu")
+        load(path, settings=OffloadSettings("allgather", transfer=transfer), device="cpu")
     except RuntimeError as e:
         return str(e)
     return "loaded"
 
 
 def _disagree(rank: int, world: int, path: str) -> str:
-    os.environ[GATHER_ENV] = "peer" if rank == 0 else "collective"
-    return _load_refused(path)
+    return _load_refused(path, "peer" if rank == 0 else "collective")
 
 
 def test_ranks_that_disagree_on_the_path_refuse_to_start(models):
     results = run_ranks(2, _disagree, models[("flux", "fp32")], timeout=120)
     for msg in results:
-        assert "disagree on DLO_GATHER: ['peer', 'collective']" in msg, results
+        assert "disagree on the transfer (--gather, DLO_GATHER): ['peer', 'collective']" in msg, results
 
 
 def _one_rank_cannot_make_its_slots(rank: int, world: int, path: str) -> str:
     from dlo.engine.peergather import PeerGather
 
-    os.environ[GATHER_ENV] = "peer"
     if rank == 1:
         def no_space(self, *args):
             raise OSError(28, "No space left on device")
@@ -131,13 +112,12 @@ def test_files_the_ranks_do_not_share_are_refused_not_created(tmp_path):
 
 def _one_rank_stops(rank: int, world: int, path: str) -> str:
     import dlo.engine.peergather as pg
-    from dlo.engine import load
+    from dlo.engine import OffloadSettings, load
     from dlo.engine.prefetch import PrefetchOrderError
 
     import torch.distributed as dist
 
-    os.environ[GATHER_ENV] = "peer"
-    m = load(path, mode="allgather", device="cpu")
+    m = load(path, settings=OffloadSettings("allgather", transfer="peer"), device="cpu")
     forward(m.module, "flux", 0, torch.float32)  # one call together
     dist.barrier()
     m.prefetcher._peer.wait_s = 3.0  # from here on (the load and the first call ran under the group's timeout)

@@ -9,6 +9,7 @@ import pytest
 from dlo.engine.families import PipelineFacts
 from dlo.engine.serving.waves import Generation
 from tests.engine.serving_helpers import sha, tiny_pipeline
+from dlo.engine.settings import EngineSettings, OffloadSettings
 
 GEN = Generation(kind="image", prompt="a cat", seed=3, width=32, height=32, steps=2, guidance_scale=5.0)
 
@@ -26,7 +27,7 @@ def flux(tmp_path_factory):
 def _serving(model_dir):
     from dlo.engine.serving.pipeline import ServingPipeline
 
-    return ServingPipeline(model_dir, mode="resident", device="cpu", max_sequence_length=16)
+    return ServingPipeline(model_dir, EngineSettings(OffloadSettings("resident")), max_sequence_length=16)
 
 
 def test_facts_read_from_the_folder_without_torch(wan, flux):

@@ -13,6 +13,7 @@ import torch
 
 from dlo.engine.serving.waves import Generation
 from tests.engine.serving_helpers import sha
+from dlo.engine.settings import EngineSettings, OffloadSettings
 
 
 def bf16_twin(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
@@ -38,7 +39,7 @@ def test_bf16_pipeline_serves_in_every_mode_with_its_encoders_in_bf16(tmp_path_f
                      steps=2, guidance_scale=5.0, frames=5 if video else 1, fps=2 if video else 0)
     shas = {}
     for mode in ("resident", "rank-local"):
-        pipe = ServingPipeline(model, mode=mode, device="cpu", max_sequence_length=16)
+        pipe = ServingPipeline(model, EngineSettings(OffloadSettings(mode)), max_sequence_length=16)
         try:
             assert pipe.model.compute_dtype == torch.bfloat16
             for comp_name, comp in pipe.pipe.components.items():

@@ -4,8 +4,6 @@ model bit-identical to one rank (gloo: Ulysses runs on cpu; ring needs cuda)."""
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
@@ -17,6 +15,7 @@ from dlo.engine.parallel import (
     leader_results,
     wave_assignments,
 )
+from dlo.engine.settings import OffloadSettings, ParallelSettings
 from tests.engine.dist_utils import run_ranks
 
 LAYOUTS = [(1, 1), (1, 2), (2, 1), (2, 2), (1, 4), (4, 2), (3, 2), (2, 4)]
@@ -116,8 +115,8 @@ def _ranks(rank: int, world: int, path: str, dp: int, sp: int, mode: str, exchan
 
     torch.set_num_threads(1)
     lay = Layout(dp, sp)
-    groups = make_groups(lay, "cpu")
-    model = dlo.engine.load(path, mode=mode, device="cpu", group=groups.shard_group)
+    groups = make_groups(ParallelSettings(dp, sp), "cpu")
+    model = dlo.engine.load(path, settings=OffloadSettings(mode), device="cpu", group=groups.shard_group)
     enabled = enable_sequence_parallel(model.module, groups, "cpu", exchange=exchange)
     out = None
     d = lay.group_of(rank)
@@ -138,7 +137,7 @@ def _one_rank(rank: int, world: int, path: str, batch: int = 1) -> list:
     import dlo.engine
 
     torch.set_num_threads(1)
-    model = dlo.engine.load(path, mode="resident", device="cpu")
+    model = dlo.engine.load(path, settings=OffloadSettings("resident"), device="cpu")
     with torch.no_grad():
         return [model.module(**_inputs(s, batch))[0] for s in range(2)]
 
@@ -174,39 +173,10 @@ def test_sequence_parallel_on_the_offloaded_model_is_bit_identical_to_one_rank(t
         assert res[0]["gathers"] > 0
 
 
-@pytest.mark.parametrize("raw,want", [(None, "overlap"), ("", "overlap"), ("diffusers", "diffusers"),
-                                      ("lean", "lean"), (" overlap ", "overlap")])
-def test_the_ulysses_exchange_is_read_from_the_environment(raw, want):
-    from dlo.engine.parallel import ulysses_exchange
-
-    assert ulysses_exchange({} if raw is None else {"DLO_ULYSSES": raw}) == want
-    with pytest.raises(LayoutError, match=r"DLO_ULYSSES must be one of overlap, lean, diffusers, got '1'"):
-        ulysses_exchange({"DLO_ULYSSES": "1"})
-
-
-@pytest.mark.parametrize("raw,want", [("", None), ("4", 4), (" 16 ", 16), ("1", 1), ("64", 64)])
-def test_gather_cta_cap_is_read_from_the_environment(raw, want):
-    from dlo.engine.parallel import gather_max_ctas
-
-    assert gather_max_ctas({"DLO_GATHER_MAX_CTAS": raw}) == want
-    assert gather_max_ctas({}) is None
-
-
-@pytest.mark.parametrize("raw", ["0", "65", "-2", "four", "2.5"])
-def test_a_bad_gather_cta_cap_is_refused_naming_the_variable(raw):
-    from dlo.engine.parallel import gather_max_ctas
-
-    with pytest.raises(LayoutError, match=r"DLO_GATHER_MAX_CTAS must be an integer from 1 to 64.*" + re.escape(repr(raw))):
-        gather_max_ctas({"DLO_GATHER_MAX_CTAS": raw})
-
-
 def _capped_groups(rank: int, world: int, dp: int, sp: int) -> dict:
-    import os
-
     from dlo.engine.parallel import make_groups
 
-    os.environ["DLO_GATHER_MAX_CTAS"] = "4"
-    groups = make_groups(Layout(dp, sp), "cpu")
+    groups = make_groups(ParallelSettings(dp, sp, gather_max_ctas=4), "cpu")
     return {"shard_group": groups.shard_group, "sp_group": groups.sp_group is not None}
 
 

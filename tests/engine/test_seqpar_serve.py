@@ -29,6 +29,7 @@ def wan(tmp_path_factory):
     (["DLO_GATHER_MAX_CTAS=0", "--sp", "2"], "DLO_GATHER_MAX_CTAS must be an integer from 1 to 64"),
     (["DLO_ULYSSES=yes", "--sp", "2"], "DLO_ULYSSES must be one of overlap, lean, diffusers, got 'yes'"),
     (["DLO_GATHER=nccl", "--sp", "2"], "DLO_GATHER must be one of collective, peer, got 'nccl'"),
+    (["DLO_REGISTER_EARLY=off"], "DLO_REGISTER_EARLY must be 0 or 1, got 'off'"),
 ])
 def test_bad_sp_configuration_is_one_line_and_exit_2(wan, argv, fragment):
     env = offline_env()
@@ -97,21 +98,24 @@ def _peer_gathers_on_every_load(text: str) -> None:
 
 @pytest.mark.parametrize("setting, reached", [
     # Wan's self-attention through dlo.engine.ulysses, exchanging one input after the other (the
-    # other --sp 2 tests serve the default, overlap)
-    ("DLO_ULYSSES=lean", _ulysses_lean_on_both_ranks),
+    # other --sp 2 tests serve the default, overlap); set by its flag
+    ("--ulysses-exchange lean", _ulysses_lean_on_both_ranks),
     # each rank copies the other's shards out of its shared slots instead of the collective
-    # (dlo.engine.peergather)
+    # (dlo.engine.peergather); set by its variable (the flags' compatibility path)
     ("DLO_GATHER=peer", _peer_gathers_on_every_load),
 ])
 def test_engine_settings_reach_every_rank_and_serve_the_same_bytes(wan, expected, tmp_path, setting, reached):
-    """An engine setting in the server's environment reaches every rank of dp1 x sp2 (its log says
-    so), and the bytes are the resident dp1 server's."""
+    """An engine setting, as a flag or in the server's environment, reaches every rank of dp1 x sp2
+    inside the settings rank 0 validated (each rank's log says so), and the bytes are the resident
+    dp1 server's."""
     env = offline_env()
-    key, value = setting.split("=")
-    env[key] = value
+    flags = setting.split() if setting.startswith("--") else []
+    if not flags:
+        key, value = setting.split("=")
+        env[key] = value
     log = tmp_path / "sp2.log"
     with ServerProcess(wan, "--dp", "1", "--sp", "2", "--mode", "allgather", "--device", "cpu", "--small-limits",
-                       "--progress-timeout", "120", log_path=log, env=env) as srv:
+                       "--progress-timeout", "120", *flags, log_path=log, env=env) as srv:
         client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         assert [sha(_image(client, s)) for s in SEEDS] == [expected[s] for s in SEEDS]
     reached(log.read_text())

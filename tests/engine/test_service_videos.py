@@ -14,13 +14,15 @@ from dlo.engine.serving.limits import Limits
 from dlo.engine.serving.service import Engine
 from dlo.engine.serving.videos import VideoStore
 from dlo.engine.serving.waves import Generation, WaveQueue
+from dlo.engine.settings import EngineSettings, OffloadSettings
 
 GEN = Generation(kind="video", prompt="waves", seed=1, width=64, height=64, steps=2, guidance_scale=5.0, frames=5,
                  fps=2)
 
 
 def _engine(tmp_path, max_queue: int) -> Engine:
-    cfg = RankConfig(model_dir=str(tmp_path), mode="resident", device="cpu", dp=1, master_port=1, control_port=1)
+    cfg = RankConfig(model_dir=str(tmp_path), settings=EngineSettings(OffloadSettings("resident")), master_port=1,
+                     control_port=1)
     store = VideoStore(tmp_path / "videos", ttl_s=60, pod="wan-0")
     store.load()
     engine = Engine(cfg, limits=Limits(), facts=None, model_id="tiny", progress_timeout_s=10,  # type: ignore[arg-type]

@@ -12,6 +12,7 @@ from openai import OpenAI
 
 from dlo.engine.serving.launch import ServerProcess
 from tests.engine.serving_helpers import sha, tiny_pipeline
+from dlo.engine.settings import EngineSettings, OffloadSettings
 
 pytestmark = pytest.mark.slow
 
@@ -105,7 +106,7 @@ def test_flux_partial_waves_keep_the_gathers_in_step_and_match_in_process_reside
         served = [_image(client, SEED, model=model.name, **extra) for extra in cases]  # partial waves: rank 1 only gathers
         assert _wave_counts(srv) == (2, 2)
     assert srv.proc is not None and srv.proc.returncode == 0
-    local = ServingPipeline(model, mode="resident", device="cpu", max_sequence_length=32)
+    local = ServingPipeline(model, EngineSettings(OffloadSettings("resident")), max_sequence_length=32)
     base = Generation(kind="image", prompt=f"a lighthouse {SEED}", seed=SEED, width=64, height=64, steps=2,
                       guidance_scale=local.facts.default_guidance)
     for extra, png in zip(cases, served):

@@ -51,13 +51,13 @@ class ClockPlatform(Platform):
 
 @pytest.fixture
 def pipeline(tmp_path):
-    from dlo.engine import load
+    from dlo.engine import OffloadSettings, load
 
-    m = load(make_tiny_transformer(tmp_path / "t", "wan", layers=3), mode="rank-local", device="cpu")
+    m = load(make_tiny_transformer(tmp_path / "t", "wan", layers=3), settings=OffloadSettings("rank-local"), device="cpu")
     src = m.prefetcher
     clock = ClockPlatform()
-    pipe = SlotPrefetcher(m.module, src.blocks, src.copies, platform=clock, device=src.slots[0].device,
-                         group=None, g=1, r=0, collective=False, time_waits=True)
+    pipe = SlotPrefetcher(m.module, src.blocks, src.copies, settings=OffloadSettings("rank-local", time_waits=True),
+                          platform=clock, device=src.slots[0].device, group=None, g=1, r=0)
     return pipe, clock
 
 

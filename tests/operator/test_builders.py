@@ -1,6 +1,7 @@
 """operator/builders.py: spec (+ resolved mode) -> manifests, checked against golden files and the
 upstream Kubernetes schemas (strict: unknown fields are errors)."""
 
+import argparse
 import os
 from pathlib import Path
 
@@ -252,6 +253,35 @@ def test_vllm_omni_pods_probe_what_vllm_serves_and_get_the_key_as_vllm_reads_it(
     keys = [e for e in engine["env"] if "API_KEY" in e["name"]]
     assert keys == [{"name": "VLLM_API_KEY", "valueFrom": {"secretKeyRef": {"name": "k", "key": "api-key"}}}]
     assert not any("key" in a for a in engine["command"])  # never on the command line
+
+
+def test_engine_switches_are_typed_fields_passed_as_the_serve_flags_of_their_names():
+    """Issue 26: spec.engine.{gather, gatherMaxCtas, ulyssesExchange, registerEarly} become the
+    `dlo serve` flags of the same names; unset, the command is what it was; `dlo serve` accepts them."""
+    from dlo.engine.serving.cli import add_arguments
+
+    spec = parse_spec({"model": {"path": "/m"}, "devicesPerNode": 4, "sp": 2, "mode": "allgather",
+                       "engine": {"device": "cuda", "gather": "peer", "gatherMaxCtas": 8, "ulyssesExchange": "lean",
+                                  "registerEarly": False}})
+    cmd = builders.engine_command(spec, "allgather")
+    tail = cmd[cmd.index("--shutdown-grace") + 2:]
+    assert tail == ["--gather", "peer", "--gather-max-ctas", "8", "--ulysses-exchange", "lean", "--no-register-early"]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(cmd[2:])
+    assert (args.gather, args.gather_max_ctas, args.ulysses_exchange, args.register_early) == ("peer", 8, "lean", False)
+    plain = parse_spec({"model": {"path": "/m"}, "devicesPerNode": 2, "engine": {"registerEarly": True}})
+    assert builders.engine_command(plain, "allgather")[-1] == "--register-early"
+    bare = builders.engine_command(parse_spec({"model": {"path": "/m"}}), "rank-local")
+    assert not any(a.startswith(("--gather", "--ulysses", "--register", "--no-register")) for a in bare)
+
+
+@pytest.mark.parametrize("name", ["DLO_GATHER", "DLO_GATHER_MAX_CTAS", "DLO_ULYSSES", "DLO_REGISTER_EARLY"])
+def test_engine_env_may_not_set_a_switch_that_has_its_field(name):
+    from dlo.operator.models import SpecError
+
+    with pytest.raises(SpecError, match=f"engine.env must not set .*{name}.*: set the engine fields"):
+        parse_spec({"model": {"path": "/m"}, "engine": {"env": [{"name": name, "value": "1"}]}})
 
 
 @pytest.mark.parametrize("name", ["DLO_API_KEY", "VLLM_API_KEY"])

@@ -117,6 +117,44 @@ CASES: dict[str, list[tuple[dict, bool]]] = {
         ({"devicesPerNode": 2, "engine": {"kind": "vllm-omni"}}, True),
         ({"devicesPerNode": 2, "sp": 2, "engine": {"kind": "vllm-omni"}}, False),
     ],
+    # the engine switches are typed fields (issue 26): rules on spec.engine and on the spec
+    "self.kind == 'dlo' || (!has(self.gather) && !has(self.gatherMaxCtas) && !has(self.ulyssesExchange)"
+    " && !has(self.registerEarly))": [
+        ({}, True),
+        ({"gather": "collective", "registerEarly": False}, True),  # (the others need more devices: spec rules)
+        ({"kind": "vllm-omni"}, True),
+        ({"kind": "vllm-omni", "registerEarly": True}, False),
+        ({"kind": "vllm-omni", "gather": "collective"}, False),
+    ],
+    "!has(self.gatherMaxCtas) || self.device == 'auto' || self.device == 'cuda'": [
+        ({}, True),
+        ({"device": "cpu"}, True),
+        ({"device": "cuda"}, True),
+        ({"gatherMaxCtas": 4, "device": "cpu"}, False),
+        ({"gatherMaxCtas": 4, "device": "npu"}, False),
+    ],
+    "!has(self.engine) || ((!has(self.engine.gather) || self.engine.gather == 'collective')"
+    " && !has(self.engine.gatherMaxCtas)) || ((self.mode == 'auto' || self.mode == 'allgather')"
+    " && self.devicesPerNode > 1)": [
+        ({}, True),
+        ({"engine": {"gather": "collective"}}, True),
+        ({"devicesPerNode": 2, "engine": {"gather": "peer"}}, True),
+        ({"devicesPerNode": 4, "mode": "allgather", "engine": {"gatherMaxCtas": 8}}, True),
+        ({"engine": {"gather": "peer"}}, False),  # devicesPerNode defaults to 1 first
+        ({"devicesPerNode": 2, "mode": "rank-local", "engine": {"gather": "peer"}}, False),
+        ({"devicesPerNode": 2, "mode": "resident", "engine": {"gatherMaxCtas": 2}}, False),
+    ],
+    "!has(self.engine) || !has(self.engine.ulyssesExchange) || self.sp > 1": [
+        ({}, True),
+        ({"devicesPerNode": 2, "sp": 2, "engine": {"ulyssesExchange": "lean"}}, True),
+        ({"engine": {"ulyssesExchange": "overlap"}}, False),
+    ],
+    "!(self.name in ['DLO_GATHER', 'DLO_GATHER_MAX_CTAS', 'DLO_ULYSSES', 'DLO_REGISTER_EARLY'])": [
+        ({"name": "DLO_GATHERING", "value": "x"}, True),
+        ({"name": "HF_HOME", "value": "/tmp/hf"}, True),
+        ({"name": "DLO_GATHER", "value": "peer"}, False),
+        ({"name": "DLO_REGISTER_EARLY", "value": "0"}, False),
+    ],
     "self.name != 'DLO_API_KEY' && self.name != 'VLLM_API_KEY'": [
         ({"name": "HF_HOME", "value": "/tmp/hf"}, True),
         ({"name": "DLO_API_KEY_FILE", "value": "/k"}, True),

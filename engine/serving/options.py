@@ -1,0 +1,197 @@
+"""The options of `dlo serve`, and the engine settings they build.
+
+Owns: `add_arguments` (every flag, in groups, with the help a newcomer reads) and `engine_settings`
+(flags over the `DLO_*` variables over the defaults -> one validated `EngineSettings`).
+Must never: read the environment itself (the caller passes it: `dlo.engine.settings.from_environment`
+is the one reader) or start anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Mapping
+
+from dlo.cli.args import byte_size, non_negative_seconds, port, positive_int, positive_seconds
+from dlo.engine.facts import MODES_OR_AUTO, DeviceKind, Mode
+from dlo.engine.settings import (
+    MAX_GATHER_CTAS,
+    TRANSFERS,
+    ULYSSES_EXCHANGES,
+    EngineSettings,
+    OffloadSettings,
+    ParallelSettings,
+    from_environment,
+    split_overrides,
+)
+
+
+def _resident_blocks(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a whole number >= 0, got {value!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a whole number >= 0, got {value!r}")
+    return n
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every `dlo serve` option, in groups."""
+    for add in (_add_layout_arguments, _add_server_arguments, _add_request_arguments, _add_weights_arguments,
+                _add_transfer_arguments):
+        add(parser)
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    parser.epilog = (
+        "Example: `dlo make-tiny-model /tmp/tiny --family wan` then `dlo serve /tmp/tiny --dp 2 --mode allgather "
+        "--device cpu --small-limits`. API: POST /v1/images/generations, POST|GET /v1/videos, "
+        "GET|DELETE /v1/videos/ID, GET /v1/models, "
+        "/health, /ready, /metrics; see docs/serving.md."
+    )
+
+
+def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model, the ranks and the mode."""
+    parser.add_argument("model_dir", type=Path, help="diffusers pipeline folder (model_index.json, transformer/, vae/, ...)")
+    parser.add_argument("--dp", type=positive_int, default=None,
+                        help="ranks (one request each per wave); default: the device count (1 on cpu)")
+    parser.add_argument("--sp", type=int, default=1,
+                        help="sequence-parallel ranks per request (default 1): the node runs dp x sp ranks, each "
+                             "request on sp of them (one long video faster); on accelerators dp x sp must equal "
+                             "the device count (--dp defaults to device count / sp)")
+    parser.add_argument("--sp-kind", choices=("ulysses", "ring"), default="ulysses",
+                        help="sequence parallelism of diffusers' context parallelism: ulysses (all-to-all over "
+                             "heads; heads must be a multiple of sp) or ring (cuda only)")
+    parser.add_argument("--mode", choices=MODES_OR_AUTO, default="auto",
+                        help="allgather: each rank keeps 1/dp of every block and gathers the rest; rank-local: every "
+                             "rank streams whole blocks from its own host copy; resident: no offload; auto: the "
+                             "node policy decides (dlo.agent.policy), logged at start")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="for --mode auto: a `dlo calibrate` fragment or a NodeProfile JSON (the agent's "
+                             "/profile) with this node's measured bandwidths")
+    parser.add_argument("--device", choices=("auto", "cuda", "npu", "cpu"), default="auto",
+                        help="auto: cuda, else npu, else cpu")
+
+
+def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """HTTP, the queue, the watchdog, the drain and the connections."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
+    parser.add_argument("--port", type=port, default=8000, help="TCP port (0: any free port)")
+    parser.add_argument("--served-model-name", default=None, help="model id in the API; default: the folder name")
+    parser.add_argument("--api-key-file", type=Path, default=None,
+                        help="file holding the API key clients must send as 'Authorization: Bearer KEY' "
+                             "(or set DLO_API_KEY; keys are never taken from the command line)")
+    parser.add_argument("--max-queue", type=positive_int, default=64, help="requests waiting for a wave before 429")
+    parser.add_argument("--wave-window-ms", type=non_negative_seconds, default=5.0,
+                        help="how long the oldest request waits for compatible company before a partial wave starts")
+    parser.add_argument("--progress-timeout", type=positive_seconds, default=300.0,
+                        help="seconds a rank may go without progress (a transformer block, a step) inside a wave "
+                             "before the wave fails with 503 and the server exits; a wave that progresses never "
+                             "times out")
+    parser.add_argument("--shutdown-grace", type=float, default=25.0,
+                        help="seconds the waves and queue already accepted may run after SIGTERM (below "
+                             "Kubernetes' default 30 s; the operator sets terminationGracePeriodSeconds = grace + "
+                             "5): /ready turns 503 at once, new requests get 503 with Retry-After, what is "
+                             "unfinished at the end gets 503, then the server exits 0")
+    parser.add_argument("--max-connections", type=int, default=None,
+                        help="open HTTP connections at most; beyond it a new connection gets 503 "
+                             "too_many_connections and is closed at once (default: what the descriptor limit "
+                             "allows after a reserve of 256, at most 1024)")
+    parser.add_argument("--idle-timeout", type=float, default=10.0,
+                        help="seconds a connection may stay open without sending a complete request head (after "
+                             "it opens, or after its previous response); then it is closed. A request being "
+                             "served is never cut by it")
+
+
+def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
+    """The warm-up, the request limits and the video jobs."""
+    parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                        help="every rank runs one 2-step generation (see --warmup-size) before /ready turns 200, so the "
+                             "first clients do not pay start-up costs (graph capture, library set-up, first "
+                             "text-encoder and VAE calls); its seconds are in the ready log and /ready")
+    parser.add_argument("--warmup-size", default=None, metavar="WxH|smallest",
+                        help="size of the warm-up generation (default: the limits' default_size, what a request "
+                             "without `size` gets: it also loads the kernels chosen per shape, which a fresh node "
+                             "otherwise loads on the first such request; `smallest`: the smallest valid size, "
+                             "the quickest warm-up)")
+    parser.add_argument("--limits", type=Path, default=None,
+                        help="JSON or YAML file of request limits (max_width, max_height, max_steps, max_n, "
+                             "max_frames, max_prompt_chars, max_sequence_length, video_fps, ...)")
+    parser.add_argument("--small-limits", action="store_true",
+                        help="the small test profile (size <= 128, steps <= 4) instead of the defaults")
+    parser.add_argument("--max-steps", type=positive_int, default=None, help="override the limits file's max_steps")
+    parser.add_argument("--max-size", type=positive_int, default=None, help="override max_width and max_height")
+    # -- video jobs (dlo.engine.serving.videos) --
+    parser.add_argument("--video-dir", type=Path, default=None,
+                        help="folder keeping finished videos and job records across restarts (an emptyDir in a "
+                             "pod); default: dlo-videos-PORT under the system temp dir")
+    parser.add_argument("--video-ttl", type=float, default=3600.0,
+                        help="seconds a finished video job and its MP4 are kept (expires_at = finish + TTL)")
+
+
+def _add_weights_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the weights live and how much device memory a rank may use."""
+    parser.add_argument("--cpu-threads", type=positive_int, default=1,
+                        help="intra-op threads per rank on cpu (fixed so results do not depend on dp)")
+    parser.add_argument("--resident-blocks", type=_resident_blocks, default=0,
+                        help="blocks kept on the device instead of streamed, spread evenly through the order; "
+                             "'auto': as many as free device memory allows after an activation reserve")
+    parser.add_argument("--weights", choices=("auto", "arena", "registered"), default="auto",
+                        help="host source of block bytes: registered (the page cache itself, read in place; DMA-"
+                             "registered on cuda), arena (one pinned copy of this rank's shards), auto (registered "
+                             "where the platform allows it, else the arena; on cpu the arena)")
+    parser.add_argument("--max-device-memory", type=byte_size, default=0, metavar="BYTES",
+                        help="cap each rank's device allocator at BYTES (an integer or 24GiB, 24GB): emulates a "
+                             "smaller device on a larger one (torch.cuda.set_per_process_memory_fraction of the "
+                             "device's total); an error on cpu or above the device's memory; default: no cap")
+    parser.add_argument("--stream-text-encoders", action=argparse.BooleanOptionalAction, default=True,
+                        help="in the offloaded modes, the large text encoder (Wan's UMT5-XXL, Flux's T5-XXL, "
+                             "Qwen-Image's Qwen2.5-VL) streams through the engine block by block in the same mode as "
+                             "the transformer instead of sitting whole on every rank's device (idle ranks gather it "
+                             "as often); CLIP, image encoders and the VAE stay whole; --no-stream-text-encoders keeps "
+                             "it whole (default: streamed: on Wan2.1-14B it loads faster and costs no request time; "
+                             "docs/engine.md)")
+
+
+def _cta_cap(text: str) -> int:
+    n = positive_int(text)
+    if n > MAX_GATHER_CTAS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_GATHER_CTAS} (got {n})")
+    return n
+
+
+def _add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
+    """The switches that also have a `DLO_*` variable (dlo.engine.settings.ENVIRONMENT): unset, the
+    variable decides, else the default; a flag given wins over the variable."""
+    parser.add_argument("--gather", choices=TRANSFERS, default=None,
+                        help="allgather over more than one rank: how a block is rebuilt on each device; collective "
+                             "(the default: an in-place AllGather) or peer (each rank copies the others' shards out "
+                             "of their slots with the copy engines, no SM; every rank on one host). Env: DLO_GATHER")
+    parser.add_argument("--gather-max-ctas", type=_cta_cap, default=None, metavar="N",
+                        help=f"allgather on NCCL: run the weight gathers on their own communicator capped at N CTAs "
+                             f"(1-{MAX_GATHER_CTAS}; default: NCCL's choice). Env: DLO_GATHER_MAX_CTAS")
+    parser.add_argument("--ulysses-exchange", choices=ULYSSES_EXCHANGES, default=None,
+                        help="--sp > 1, Wan with ulysses: how self-attention exchanges: overlap (the default: fewer "
+                             "copies, exchanges beside compute), lean, or diffusers (diffusers' own); all give the "
+                             "same bytes. Env: DLO_ULYSSES")
+    parser.add_argument("--register-early", action=argparse.BooleanOptionalAction, default=None,
+                        help="register the streamed models' page cache for DMA on a thread while the pipeline is "
+                             "built (default: on; cuda). Env: DLO_REGISTER_EARLY=0|1")
+
+
+def engine_settings(args: argparse.Namespace, mode: Mode, device: DeviceKind, dp: int,
+                    environ: Mapping[str, str]) -> EngineSettings:
+    """The engine's settings from the flags, the `DLO_*` variables where a flag is unset, and the
+    defaults; `ConfigError` naming the setting when they describe no engine."""
+    flags = {"transfer": args.gather, "gather_max_ctas": args.gather_max_ctas,
+             "ulysses_exchange": args.ulysses_exchange, "register_early": args.register_early}
+    chosen = {**from_environment(environ), **{k: v for k, v in flags.items() if v is not None}}
+    offload, parallel = split_overrides(chosen)
+    return EngineSettings(
+        offload=OffloadSettings(mode=mode, resident_blocks=args.resident_blocks, weights=args.weights, **offload),
+        parallel=ParallelSettings(dp=dp, sp=args.sp, sp_kind=args.sp_kind, **parallel),
+        device=device, max_device_memory=args.max_device_memory,
+        stream_encoders=args.stream_text_encoders, cpu_threads=args.cpu_threads,
+    )

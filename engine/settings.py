@@ -1,0 +1,215 @@
+"""Every engine switch as one typed, validated object: what `dlo serve` builds and passes down whole.
+
+Owns: `OffloadSettings` (how `dlo.engine.load` places and streams one model's weights),
+`ParallelSettings` (dp x sp and how the ranks exchange), `EngineSettings` (both, plus what a rank's
+device and pipeline are started with), `ConfigError` (the one error a bad setting raises; `dlo serve`
+prints it in one line and exits 2), and `from_environment`: the one reader of the engine's `DLO_*`
+switches (vLLM's `envs.py` pattern), called only by `dlo serve` and the benchmarks, so that the
+variables keep working beside the flags named after them.
+Must never: import torch, read the environment anywhere but `from_environment`, or hold process
+plumbing (a rank's number, ports, the control key: `engine/serving/rank_main.py` reads those).
+
+Settings are frozen and checked in `__post_init__`: an object that exists is valid, and a rank
+receives exactly what rank 0 validated (`EngineSettings.to_dict` / `from_dict` inside `RankConfig`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Callable, Literal, Mapping, get_args
+
+from dlo.engine.facts import MODES, DeviceKind, Mode
+
+Weights = Literal["auto", "arena", "registered"]
+WEIGHTS: tuple[Weights, ...] = get_args(Weights)
+# How allgather mode rebuilds a block: the platform's in-place AllGather, or peer copies
+# (dlo.engine.peergather: each rank pulls the others' shards with the copy engines).
+Transfer = Literal["collective", "peer"]
+TRANSFERS: tuple[Transfer, ...] = get_args(Transfer)
+# How Wan's Ulysses self-attention exchanges (dlo.engine.ulysses); the default first.
+UlyssesExchange = Literal["overlap", "lean", "diffusers"]
+ULYSSES_EXCHANGES: tuple[UlyssesExchange, ...] = get_args(UlyssesExchange)
+SpKind = Literal["ulysses", "ring"]
+SP_KINDS: tuple[SpKind, ...] = get_args(SpKind)
+DEVICES: tuple[DeviceKind, ...] = get_args(DeviceKind)
+MAX_GATHER_CTAS = 64
+
+
+class ConfigError(ValueError):
+    """A setting that describes no valid engine; the message names the setting and what it accepts."""
+
+
+def _one_of(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name} must be one of {', '.join(map(str, allowed))}, got {value!r}")
+
+
+def _whole(name: str, value: Any, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        span = f"from {low} to {high}" if high is not None else f">= {low}"
+        raise ConfigError(f"{name} must be an integer {span}, got {value!r}")
+
+
+def _flag(name: str, value: Any, *, optional: bool = False) -> None:
+    if not (isinstance(value, bool) or (optional and value is None)):
+        raise ConfigError(f"{name} must be true or false{' (or unset)' if optional else ''}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class OffloadSettings:
+    """How one model's weights are placed and streamed (`dlo.engine.load(settings=...)`)."""
+
+    mode: Mode
+    # blocks kept on the device, spread through the order; "auto": as many as the device allows
+    resident_blocks: int | Literal["auto"] = 0
+    weights: Weights = "auto"  # host source of block bytes (CONTRACTS.md section 3)
+    transfer: Transfer = "collective"  # allgather over > 1 rank: AllGather, or peer copies
+    transfer_graphs: bool | None = None  # each block's transfer replayed as CUDA graphs; None: on cuda
+    time_waits: bool = True  # time the compute stream's waits for weights (event pairs)
+    register_early: bool = True  # register the page cache on a thread while the model is built
+
+    def __post_init__(self) -> None:
+        _one_of("mode", self.mode, MODES)
+        if self.resident_blocks != "auto":
+            try:
+                _whole("resident_blocks", self.resident_blocks, 0)
+            except ConfigError:
+                raise ConfigError(f"resident_blocks must be 'auto' or an integer >= 0, got {self.resident_blocks!r}") from None
+        _one_of("weights", self.weights, WEIGHTS)
+        _one_of("transfer", self.transfer, TRANSFERS)
+        _flag("transfer_graphs", self.transfer_graphs, optional=True)
+        _flag("time_waits", self.time_waits)
+        _flag("register_early", self.register_early)
+
+    def but(self, **changes: Any) -> "OffloadSettings":
+        """A copy with `changes` (validated like any other)."""
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class ParallelSettings:
+    """dp x sp ranks on a node, and how they exchange (`dlo.engine.parallel.make_groups`)."""
+
+    dp: int = 1  # requests per wave
+    sp: int = 1  # ranks per request (sequence parallel)
+    sp_kind: SpKind = "ulysses"
+    ulysses_exchange: UlyssesExchange = "overlap"
+    gather_max_ctas: int | None = None  # the weight gathers on their own NCCL communicator, capped
+
+    def __post_init__(self) -> None:
+        _whole("dp", self.dp, 1)
+        _whole("sp", self.sp, 1)
+        _one_of("sp_kind", self.sp_kind, SP_KINDS)
+        _one_of("ulysses_exchange", self.ulysses_exchange, ULYSSES_EXCHANGES)
+        if self.gather_max_ctas is not None:
+            _whole("gather_max_ctas", self.gather_max_ctas, 1, MAX_GATHER_CTAS)
+
+    @property
+    def world(self) -> int:
+        """Rank processes on the node: dp sp groups of sp ranks each."""
+        return self.dp * self.sp
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What every rank of an engine is started with, carried whole from `dlo serve` to the prefetcher."""
+
+    offload: OffloadSettings
+    parallel: ParallelSettings = field(default_factory=ParallelSettings)
+    device: DeviceKind = "cpu"
+    max_device_memory: int = 0  # bytes the device allocator may hold per rank (0: no cap)
+    # the family's large text encoders stream like the transformers (offloaded modes only)
+    stream_encoders: bool = False
+    cpu_threads: int = 1  # intra-op threads per cpu rank (fixed: results do not depend on dp)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.offload, OffloadSettings) or not isinstance(self.parallel, ParallelSettings):
+            raise ConfigError("offload and parallel must be OffloadSettings and ParallelSettings")
+        _one_of("device", self.device, DEVICES)
+        _whole("max_device_memory", self.max_device_memory, 0)
+        if self.max_device_memory and self.device == "cpu":
+            raise ConfigError("max_device_memory needs a cuda or npu device; the device is cpu")
+        _flag("stream_encoders", self.stream_encoders)
+        _whole("cpu_threads", self.cpu_threads, 1)
+
+    @property
+    def mode(self) -> Mode:
+        return self.offload.mode
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able data (the form `RankConfig` carries to the child ranks)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "EngineSettings":
+        """The inverse of `to_dict`; unknown keys are an error (a rank started by another version)."""
+        data = dict(data)
+        try:
+            offload = OffloadSettings(**data.pop("offload"))
+            parallel = ParallelSettings(**data.pop("parallel", {}))
+            return cls(offload=offload, parallel=parallel, **data)
+        except (KeyError, TypeError) as e:
+            raise ConfigError(f"engine settings do not parse: {e}") from None
+
+
+# ---- the environment (compatibility: each variable has a `dlo serve` flag named after it) -------
+def _choice(allowed: tuple[str, ...]) -> Callable[[str, str], str]:
+    def parse(name: str, raw: str) -> str:
+        if raw not in allowed:
+            raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got {raw!r}")
+        return raw
+
+    return parse
+
+
+def _ctas(name: str, raw: str) -> int:
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_GATHER_CTAS:
+        raise ConfigError(f"{name} must be an integer from 1 to {MAX_GATHER_CTAS} (CTAs per weight gather), "
+                          f"got {raw!r}")
+    return int(raw)
+
+
+def _zero_or_one(name: str, raw: str) -> bool:
+    if raw not in ("0", "1"):
+        raise ConfigError(f"{name} must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One `DLO_*` switch: the setting it gives a value to and the `dlo serve` flag that overrides it."""
+
+    setting: str  # a field of OffloadSettings or ParallelSettings
+    flag: str
+    parse: Callable[[str, str], Any]
+
+
+# The engine's switches by variable. Empty means unset (a template's default).
+ENVIRONMENT: dict[str, EnvVar] = {
+    "DLO_GATHER": EnvVar("transfer", "--gather", _choice(TRANSFERS)),
+    "DLO_GATHER_MAX_CTAS": EnvVar("gather_max_ctas", "--gather-max-ctas", _ctas),
+    "DLO_ULYSSES": EnvVar("ulysses_exchange", "--ulysses-exchange", _choice(ULYSSES_EXCHANGES)),
+    "DLO_REGISTER_EARLY": EnvVar("register_early", "--register-early", _zero_or_one),
+}
+
+
+def from_environment(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The settings the `DLO_*` variables of `environ` set, by setting name (only those set);
+    a bad value raises `ConfigError` naming the variable. The caller passes `os.environ`."""
+    out: dict[str, Any] = {}
+    for name, var in ENVIRONMENT.items():
+        raw = environ.get(name, "").strip()
+        if raw:
+            out[var.setting] = var.parse(name, raw)
+    return out
+
+
+def split_overrides(values: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Setting values by name -> (those of OffloadSettings, those of ParallelSettings)."""
+    offload_names = {f.name for f in fields(OffloadSettings)}
+    parallel_names = {f.name for f in fields(ParallelSettings)}
+    unknown = set(values) - offload_names - parallel_names
+    if unknown:
+        raise ConfigError(f"unknown settings: {', '.join(sorted(unknown))}")
+    return ({k: v for k, v in values.items() if k in offload_names},
+            {k: v for k, v in values.items() if k in parallel_names})

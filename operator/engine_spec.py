@@ -1,0 +1,175 @@
+"""`spec.engine` of a DLODeployment: which server runs, its image, device and engine switches.
+
+Owns: `EngineSpec` (with `engine_switches()`, the `dlo serve` flags of its typed switches),
+`SecretKeyRef`, the variables the engine reads its API key from, and their rules (Python and CEL).
+Must never: talk to the API server or import torch.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import ConfigDict, Field, model_validator
+
+from dlo.engine.settings import MAX_GATHER_CTAS, Transfer, UlyssesExchange
+from dlo.operator.k8s_schemas import cel_rules, kubernetes_field
+from dlo.operator.spec_base import SpecModel as _Model
+
+VLLM_API_KEY_ENV = "VLLM_API_KEY"  # where vLLM (engine.kind vllm-omni) reads its API key
+API_KEY_ENV = "DLO_API_KEY"  # the engine reads its API key from this variable
+
+
+class SecretKeyRef(_Model):
+    """A key of a Secret in the resource's namespace."""
+
+    name: str = Field(min_length=1, description="name of the Secret")
+    key: str = Field("api-key", min_length=1, description="key in the Secret holding the API key")
+
+
+# A key set in engine.env would be written into the StatefulSet's pod template for anyone who reads it.
+_API_KEY_ENV_RULE = (
+    f"self.name != '{API_KEY_ENV}' && self.name != '{VLLM_API_KEY_ENV}'",
+    f"engine.env must not set {API_KEY_ENV} or {VLLM_API_KEY_ENV}: put the key in a Secret and name it in "
+    "engine.apiKeySecret",
+)
+
+
+# The engine switches that are typed fields of spec.engine (named like `dlo serve`'s flags): their
+# variables in engine.env would be a second, unchecked home for the same setting.
+ENGINE_SWITCH_ENV = {"DLO_GATHER": "gather", "DLO_GATHER_MAX_CTAS": "gatherMaxCtas",
+                     "DLO_ULYSSES": "ulyssesExchange", "DLO_REGISTER_EARLY": "registerEarly"}
+_SWITCH_ENV_RULE = (
+    "!(self.name in [" + ", ".join(f"'{n}'" for n in ENGINE_SWITCH_ENV) + "])",
+    "engine.env must not set " + ", ".join(ENGINE_SWITCH_ENV) + ": set the engine fields "
+    + ", ".join(f"engine.{f}" for f in ENGINE_SWITCH_ENV.values()) + " instead",
+)
+# dlo's own switches mean nothing to vllm-omni
+_DLO_SWITCHES_RULE = (
+    "self.kind == 'dlo' || (!has(self.gather) && !has(self.gatherMaxCtas) && !has(self.ulyssesExchange)"
+    " && !has(self.registerEarly))",
+    "engine.gather, gatherMaxCtas, ulyssesExchange and registerEarly are dlo's switches: only with engine.kind dlo",
+)
+# a cap of the weight gathers' NCCL communicator: NCCL runs on cuda only
+_CTAS_DEVICE_RULE = (
+    "!has(self.gatherMaxCtas) || self.device == 'auto' || self.device == 'cuda'",
+    "engine.gatherMaxCtas caps NCCL's weight gathers: only with engine.device cuda or auto",
+)
+
+
+# vLLM flags vllm-omni (0.30.0) refuses under --omni: the operator sets the ranks (--num-gpus).
+VLLM_OMNI_REFUSED_FLAGS = (
+    "--data-parallel-address", "--data-parallel-backend", "--data-parallel-rpc-port", "--data-parallel-size",
+    "--data-parallel-size-local", "--data-parallel-start-rank", "--enable-expert-parallel",
+)
+
+
+class EngineSpec(_Model):
+    """The engine container: which server, its image, device, engine switches, extra arguments and
+    resources."""
+
+    model_config = ConfigDict(json_schema_extra=cel_rules(_DLO_SWITCHES_RULE, _CTAS_DEVICE_RULE))
+
+    kind: Literal["dlo", "vllm-omni"] = Field(
+        "dlo",
+        description="dlo: `dlo serve` (probes /ready and /health, metrics dlo_*); vllm-omni: upstream "
+        "`vllm serve --omni` (probes /health, metrics vllm:*, API key as VLLM_API_KEY)",
+    )
+    image: str | None = Field(
+        None, min_length=1, description="engine image; default: the operator's default engine image"
+    )
+    device: Literal["auto", "cuda", "npu", "cpu"] = Field(
+        "auto", description="device the dlo engine runs on (auto: cuda, else npu, else cpu); cpu requests no accelerator"
+    )
+    args: list[str] = Field(default_factory=list, description="extra arguments appended to the engine's command")
+    env: kubernetes_field(  # type: ignore[valid-type]
+        "EnvVar",
+        many=True,
+        description="extra environment variables of the engine container (core/v1 EnvVar); not the API key "
+        "and not the engine switches that are fields here",
+        item_rules=(_API_KEY_ENV_RULE, _SWITCH_ENV_RULE),
+        max_items=256,
+        name_max_length=1024,
+    ) = Field(default_factory=list)
+    resources: kubernetes_field(  # type: ignore[valid-type]
+        "ResourceRequirements",
+        description="compute resources of the engine container (core/v1 ResourceRequirements); the "
+        "accelerator limit is added from devicesPerNode",
+    ) = Field(default_factory=dict)
+    api_key_secret: SecretKeyRef | None = Field(
+        None,
+        description="Secret key given to the engine as its API key (DLO_API_KEY for dlo, VLLM_API_KEY for "
+        "vllm-omni); clients send Authorization: Bearer KEY",
+    )
+    shm_size: str | None = Field(None, description="size of /dev/shm; default 1Gi per rank")
+    shutdown_grace_seconds: int = Field(
+        25, ge=0, le=3600,
+        description="dlo: seconds the requests already accepted may run after SIGTERM (`--shutdown-grace`); "
+        "the pod's terminationGracePeriodSeconds is this plus 5",
+    )
+    pin_memory_lock: bool = Field(
+        False, description="grant IPC_LOCK (only when pinning must mlock beyond the memlock limit)"
+    )
+    # -- dlo's engine switches (dlo.engine.settings; `dlo serve` flags of the same names) --
+    gather: Transfer | None = Field(
+        None,
+        description="allgather over more than one device: how each device rebuilds a block (`--gather`): "
+        "collective (the default: an in-place AllGather) or peer (each rank copies the others' shards "
+        "with the copy engines, no SM); unset: the engine's default",
+    )
+    gather_max_ctas: int | None = Field(
+        None, ge=1, le=MAX_GATHER_CTAS,
+        description="allgather on NCCL: the weight gathers on their own communicator capped at this many CTAs "
+        "(`--gather-max-ctas`); unset: NCCL's choice",
+    )
+    ulysses_exchange: UlyssesExchange | None = Field(
+        None,
+        description="sp > 1, Wan with Ulysses: how self-attention exchanges (`--ulysses-exchange`): overlap "
+        "(the default), lean or diffusers; all give the same bytes",
+    )
+    register_early: bool | None = Field(
+        None,
+        description="register the streamed models' page cache for DMA while the pipeline builds "
+        "(`--register-early`; default on)",
+    )
+
+    @model_validator(mode="after")
+    def _api_key_only_from_a_secret(self) -> EngineSpec:
+        if any(e.get("name") in (API_KEY_ENV, VLLM_API_KEY_ENV) for e in self.env):
+            raise ValueError(_API_KEY_ENV_RULE[1])
+        if any(e.get("name") in ENGINE_SWITCH_ENV for e in self.env):
+            raise ValueError(_SWITCH_ENV_RULE[1])
+        return self
+
+    @model_validator(mode="after")
+    def _switches_fit_the_engine(self) -> EngineSpec:
+        if self.kind != "dlo" and self.engine_switches():
+            raise ValueError(_DLO_SWITCHES_RULE[1])
+        if self.gather_max_ctas is not None and self.device not in ("auto", "cuda"):
+            raise ValueError(_CTAS_DEVICE_RULE[1])
+        return self
+
+    def engine_switches(self) -> list[str]:
+        """The `dlo serve` flags of the switches this spec sets (none for the unset ones)."""
+        out: list[str] = []
+        if self.gather is not None:
+            out += ["--gather", self.gather]
+        if self.gather_max_ctas is not None:
+            out += ["--gather-max-ctas", str(self.gather_max_ctas)]
+        if self.ulysses_exchange is not None:
+            out += ["--ulysses-exchange", self.ulysses_exchange]
+        if self.register_early is not None:
+            out += ["--register-early" if self.register_early else "--no-register-early"]
+        return out
+
+    @model_validator(mode="after")
+    def _no_args_vllm_omni_refuses(self) -> EngineSpec:
+        # Only the operator checks this (args are free strings in the CRD): the pods would exit at
+        # start with vllm-omni's own error, crash-looping.
+        if self.kind == "vllm-omni":
+            refused = sorted({a.split("=", 1)[0] for a in self.args} & set(VLLM_OMNI_REFUSED_FLAGS))
+            if refused:
+                raise ValueError(
+                    f"engine.args: vllm-omni refuses {', '.join(refused)} under --omni; the operator sets the "
+                    "ranks per node from devicesPerNode (--num-gpus)"
+                )
+        return self
