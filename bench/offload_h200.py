@@ -219,10 +219,11 @@ def child(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------------- parent side
 def block_bytes(ckpt: str) -> list[int]:
     from dlo.engine.checkpoint import Checkpoint
-    from dlo.engine.families import FAMILIES, block_layout, group_keys
+    from dlo.engine.blocks import block_layout, group_keys
+    from dlo.engine.families import BLOCK_FAMILIES
 
     ck = Checkpoint(ckpt)
-    blocks, _ = group_keys(set(ck.tensors), FAMILIES["wan"])
+    blocks, _ = group_keys(set(ck.tensors), BLOCK_FAMILIES["wan"])
     return [block_layout(ck, b).nbytes for b in blocks]
 
 

@@ -29,7 +29,7 @@ from torch import nn
 from dlo.engine.checkpoint import Checkpoint, cached_checkpoint
 from dlo.engine.dtypes import torch_dtype
 from dlo.engine.facts import MODES, Mode
-from dlo.engine.families import block_layout
+from dlo.engine.blocks import block_layout
 from dlo.engine.hooks import HookSet, attach_prefetcher
 from dlo.engine.checkpoint import CheckpointError
 from dlo.engine.model import MetaModel, assert_nothing_on_meta, build_meta_model, move_free_buffers, owner_of, set_tensor

@@ -19,7 +19,7 @@ from typing import Any, Callable, Union
 from dlo.engine.facts import Mode
 from dlo.engine.report import GatherStats, LoadReport
 from dlo.engine.settings import EngineSettings
-from dlo.engine.serving.waves import Generation
+from dlo.engine.request import Generation
 
 
 class WaveError(RuntimeError):

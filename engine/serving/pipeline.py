@@ -24,7 +24,7 @@ from dlo.engine.serving.control import RankStats
 from dlo.engine.serving.encode import encode
 from dlo.engine.settings import EngineSettings
 from dlo.engine.timing import Laps
-from dlo.engine.serving.waves import Generation
+from dlo.engine.request import Generation
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +242,7 @@ class ServingPipeline:
         wrap(pipe, "encode_prompt", "encode")
         wrap(pipe.scheduler, "set_timesteps", "setup")
         wrap(pipe.vae, "decode", "decode")
-        blocks = [b for name in self.adapter.block_lists for b in getattr(self.model.module, name)]
+        blocks = [b for name in self.adapter.blocks.block_lists for b in getattr(self.model.module, name)]
         self.hooks.add_pre(blocks[len(blocks) // 2], lambda *_: self._fault("forward"))
 
     def _fault(self, phase: str) -> None:

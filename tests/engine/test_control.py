@@ -22,7 +22,7 @@ from dlo.engine.serving.errors import (
     ServiceError,
     ShuttingDown,
 )
-from dlo.engine.serving.waves import Generation
+from dlo.engine.request import Generation
 
 GEN = Generation(kind="image", prompt="a lighthouse", seed=1, width=64, height=64, steps=2, guidance_scale=5.0)
 REPORT = LoadReport(mode="allgather", weights_source="arena", blocks=3, largest_block_bytes=10, host_pinned_bytes=20,
