@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dlo.engine.families import pipeline_facts
+from dlo.engine.report import GatherStats
 from dlo.engine.serving.control import RankStats
 from dlo.engine.serving.encode import encode
 from dlo.engine.settings import EngineSettings
@@ -190,15 +191,8 @@ class ServingPipeline:
         return out
 
     def stats(self) -> RankStats:
-        from dlo.engine.report import GatherStats
-
-        total = GatherStats()
-        for m in self.models.values():
-            s = m.stats()
-            total.gathers += s.gathers
-            total.h2d_bytes += s.h2d_bytes
-            total.collective_bytes += s.collective_bytes
-            total.gather_wait_seconds += s.gather_wait_seconds
+        """This rank's counters: every streamed model's gathers together, and the allocator's peak."""
+        total = GatherStats.total(m.stats() for m in self.models.values())
         return RankStats.of(total, self.model.platform.memory_peak(self.device))
 
     def call_plan(self, gen: Generation) -> list[tuple[str, int]]:

@@ -65,6 +65,18 @@ def test_ready_summary_is_the_json_of_slash_ready():
     assert summary(2, None) == {"rank": 2}
 
 
+def test_rank_stats_are_the_gather_counters_plus_the_peak_with_the_same_json():
+    from dlo.engine.report import GatherStats
+
+    total = GatherStats.total([GatherStats(1, 2, 3, 0.5), GatherStats(4, 5, 6, 0.25)])
+    assert total == GatherStats(5, 7, 9, 0.75) and GatherStats.total([]) == GatherStats()
+    stats = RankStats.of(total, 11)
+    assert isinstance(stats, GatherStats)  # one definition of the counters, extended by the peak
+    # /ready's and the metrics' per-rank `stats` stay one flat object
+    assert dataclasses.asdict(stats) == {"gathers": 5, "h2d_bytes": 7, "collective_bytes": 9,
+                                         "gather_wait_seconds": 0.75, "device_memory_peak_bytes": 11}
+
+
 def test_control_and_errors_import_neither_torch_nor_fastapi():
     code = ("import sys, dlo.engine.serving.control, dlo.engine.serving.errors, dlo.engine.report; "
             "bad = [m for m in ('torch', 'fastapi') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
