@@ -266,11 +266,13 @@ def _markdown(rec: dict, args: argparse.Namespace, tag: str) -> str:
                          f"{s['seconds_per_request'][p][k] * 1e3:.1f} | {peaks} | {cmp} |")
     lines += [""]
     for k in (*GOALS, "goals_met", "hsdp_best_image", "dlo_ranklocal_over_hsdp_video_sp",
-              "dlo_ranklocal_seconds_per_request_over_hsdp_image_waves", "dlo_seconds_per_request_over_hsdp_image_batch1",
+              "dlo_ranklocal_seconds_per_request_over_hsdp_image_waves",
+              "dlo_seconds_per_request_over_hsdp_image_batch1",
               "dlo_ranklocal_device_memory_over_hsdp", "hsdp_over_one_gpu_video_sp", "dlo_bit_identical",
               "hsdp_bit_identical_batch1", "hsdp_batched_vs_reference", "hsdp_within_tolerance", "failed", "skipped"):
         lines.append(f"- `{k}`: {s.get(k)}")
-    lines += ["", "Host memory per node (the ranks' smaps_rollup summed, GB; before the load, after it, after the runs):", ""]
+    lines += ["", "Host memory per node (the ranks' smaps_rollup summed, GB; before the load, after it, after the "
+              "runs):", ""]
     for p, h in s["host_bytes_per_node"].items():
         lines.append(f"- {p}: " + "; ".join(f"{when.removeprefix('host_')}: " + ", ".join(
             f"{k} {_gb(v)}" for k, v in h[when].items()) for when in h))
@@ -308,11 +310,13 @@ def main() -> None:
     r.add_argument("--ranks", type=int, default=None, help="ranks (default: every visible GPU; 2 on cpu)")
     r.add_argument("--phases", type=_phases, default=",".join(hr.PHASES), help=f"comma list of {', '.join(hr.PHASES)}")
     r.add_argument("--workloads", type=_workloads, default="video,image", help="video (32,760 tokens), image (4,096)")
-    r.add_argument("--hsdp-batches", type=_batches, default=[1, 2, 4], help="HSDP+Ulysses image batch sizes (default 1,2,4)")
+    r.add_argument("--hsdp-batches", type=_batches, default=[1, 2, 4],
+                   help="HSDP+Ulysses image batch sizes (default 1,2,4)")
     r.add_argument("--dlo-exchange", default="overlap", choices=("overlap", "lean", "diffusers"),
                    help="DLO's Ulysses exchange (default overlap, the engine's; diffusers: HSDP's own)")
     r.add_argument("--budget-s", type=float, default=450.0, help="the call's budget: later phases are skipped past it")
-    r.add_argument("--phase-limit-s", type=float, default=180.0, help="a phase longer than this dumps stacks and ends the group")
+    r.add_argument("--phase-limit-s", type=float, default=180.0,
+                   help="a phase longer than this dumps its stacks and ends the group")
     r.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     r.add_argument("--tiny", action="store_true", help="tiny dimensions")
     r.add_argument("--dry-run", action="store_true", help="CPU ranks with gloo, tiny Wan, 3 layers, 2 timed calls")

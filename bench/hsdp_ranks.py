@@ -292,5 +292,6 @@ def _copy_shard(name: str, param: Any, full: Any, rank: int, world: int) -> None
     local = param.to_local()
     if tuple(local.shape) != tuple(src.shape):
         raise RuntimeError(f"{name}: FSDP2's local shard on rank {rank} is {tuple(local.shape)}, the checkpoint's "
-                           f"chunk {tuple(src.shape)}: the sharding is not dim-0 torch.chunk; the loader needs updating")
+                           f"chunk {tuple(src.shape)}: this torch does not shard as dim-0 torch.chunk; "
+                           "bench/hsdp_ranks.py's loader needs updating")
     local.copy_(src)  # the checkpoint's dtype may be narrower (bf16 stored, fp32 kept): copy_ upcasts
