@@ -73,7 +73,7 @@ def _build(system: str, ckpt: str, device: str, resident_blocks: int):
             kw["time_waits"] = False
         if system.endswith("_eager"):
             kw["transfer_graphs"] = False
-        m = load(ckpt, **kw, settings=OffloadSettings(mode), device=device)
+        m = load(ckpt, settings=OffloadSettings(mode, **kw), device=device)
         return m, m.prefetcher
     import diffusers
 
