@@ -1,7 +1,7 @@
 """The device budget of `dlo serve`: what one rank may use of its device, and whether the mode fits it.
 
 Owns: the deployment's memory (`deployment_memory`: the pipeline folder's facts at the limits it
-serves, from `dlo.engine.memory_model`), the budget of this host's device (`local_budget`: the
+serves, from `dlo.engine.memory_model`; `budget_inputs`, what `resolve_mode` gets of it), the budget of this host's device (`local_budget`: the
 smallest of its memory and `--max-device-memory`), the check of a `--mode` given on the command
 line against it (`check_mode`), and `DeviceBudgetError`, which `dlo serve` prints in one line and
 exits 2 on, before anything loads. `--mode auto` gets the same inputs through the policy
@@ -13,7 +13,7 @@ mode is refused only when its weights alone exceed the budget.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dlo.engine.settings import ConfigError
 
@@ -41,6 +41,13 @@ def deployment_memory(model_dir: Path, limits: Limits, *, stream_encoders: bool 
                                stream_encoders=stream_encoders)
     except TableError as e:
         raise DeviceBudgetError(str(e)) from None
+
+
+def budget_inputs(args: Any, model_dir: Path, limits: Limits) -> dict[str, Any]:
+    """`resolve_mode`'s budget keywords from `dlo serve`'s options (`--max-device-memory`,
+    `--resident-blocks`, `--stream-text-encoders`) and the limits it serves."""
+    return {"max_device_memory": args.max_device_memory, "resident_blocks": args.resident_blocks,
+            "memory": deployment_memory(model_dir, limits, stream_encoders=args.stream_text_encoders)}
 
 
 def local_budget(device_memory: int, max_device_memory: int, memory: PipelineMemory) -> int:

@@ -232,13 +232,11 @@ def main(args: argparse.Namespace) -> int:
         print(f"dlo serve: --max-device-memory needs a cuda or npu device; --device resolved to {device}",
               file=sys.stderr)
         return 2
-    from dlo.engine.serving.budget import DeviceBudgetError, deployment_memory
+    from dlo.engine.serving.budget import DeviceBudgetError, budget_inputs
 
     try:  # the device budget against the pipeline at its limits (dlo.engine.serving.budget)
-        memory = deployment_memory(model_dir, limits, stream_encoders=args.stream_text_encoders)
         mode, why = resolve_mode(args.mode, model_dir, dp, device, args.profile, sp=sp,
-                                 max_device_memory=args.max_device_memory, memory=memory,
-                                 resident_blocks=args.resident_blocks)
+                                 **budget_inputs(args, model_dir, limits))
     except DeviceBudgetError as e:
         print(f"dlo serve: {e}", file=sys.stderr)
         return 2
