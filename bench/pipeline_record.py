@@ -19,7 +19,7 @@ from import_profile import cached
 # summary entries per run (in the runs table, or only in the JSON): not repeated in the markdown's summary
 PER_RUN = ("peak_device_bytes", "host_memory", "component_peak_device_bytes")
 ANON_UNMEASURED = ("not measured: read from per-mapping /proc/PID/smaps, which has no Pss_Anon line "
-                   "(bench/NOTES.md section 16)")
+                   "(bench/NOTES.md section 17)")
 
 
 def _ratio(a: Any, b: Any) -> float | None:
