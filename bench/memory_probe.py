@@ -114,12 +114,17 @@ class Probe:
 
         lib, cls = self.index[name]
         before = self.stats()
+        # transformers 5 names the argument `dtype`; diffusers 0.42 still takes `torch_dtype` as the bench always has
+        kw = {"torch_dtype": dtype} if lib == "diffusers" else {"dtype": dtype}
         module = getattr(diffusers if lib == "diffusers" else transformers, cls).from_pretrained(
-            self.model / name, torch_dtype=dtype).to(self.device).eval()
+            self.model / name, **kw).to(self.device).eval()
         self._record_load(name, before, cached_checkpoint(self.model / name).nbytes)
         return module
 
     def _record_load(self, name: str, before: tuple, expected: float, **extra: Any) -> None:
+        if self.cuda:  # what the weights keep, not the load's transient buffers
+            self.torch.cuda.synchronize(self.device)
+            self.torch.cuda.empty_cache()
         after = self.stats()
         delta = {} if before[0] is None else {"allocated": after[0] - before[0], "reserved": after[1] - before[1]}
         self.raw["loads"][name] = {"expected_bytes": int(expected), **delta, **extra}

@@ -40,7 +40,6 @@ import datetime
 import hashlib
 import json
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -53,9 +52,10 @@ sys.path.insert(0, str(HERE))
 import wan_bench as wb  # noqa: E402
 from import_profile import bytecode_facts, optional_packages_installed  # noqa: E402
 
+from _env import multicast_off  # noqa: E402
+
 wb.ensure_dlo_importable()
-for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ[_k] = _v
+multicast_off()  # before torch: the servers and children inherit it
 
 from host_memory import tree_memory  # noqa: E402
 from pipeline_record import PER_RUN, markdown, merge, summarize  # noqa: E402
