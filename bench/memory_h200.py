@@ -10,7 +10,7 @@ shape, measured on the GPU; `merge` fits the table the memory model reads (`engi
     [ -f /tmp/compiled ] || { python3 -m compileall -q -j 16 /tmp/site /opt/torch/.venv/lib/python3.12/site-packages \
       >/dev/null 2>&1; touch /tmp/compiled; }
     df -h /tmp | tail -1; nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-    timeout 480 python3 bench/memory_h200.py run --models /tmp/mm --out $OUT --stem raw-memory-h200-DATE \
+    timeout 480 python3 bench/memory_h200.py run --models /tmp/mm --out $OUT --stem raw-memory-h200-$(date +%F) \
       --total-s 420 2>&1 | tee $OUT/memory-bench.txt | tail -30
     # comes back: raw-memory-h200-DATE-{wan,wan-i2v,flux,qwen-image}.json and memory-bench.txt
     # here, no device: the table and the record beside the raws

@@ -29,7 +29,7 @@ class DeviceBudgetError(ConfigError):
 
 def deployment_memory(model_dir: Path, limits: Limits, *, stream_encoders: bool = True) -> PipelineMemory:
     """The pipeline's memory at `limits` (`dlo.engine.memory_model.pipeline_memory`); a memory table
-    that does not parse is a `DeviceBudgetError` naming it."""
+    or a component header that does not parse is a `DeviceBudgetError` naming it."""
     from dlo.engine.memory_model import RequestBounds, pipeline_memory
     from dlo.engine.memory_table import TableError
     from dlo.engine.serving.pipeline import VAE_TILE_ABOVE_PIXELS
@@ -41,6 +41,8 @@ def deployment_memory(model_dir: Path, limits: Limits, *, stream_encoders: bool 
                                stream_encoders=stream_encoders)
     except TableError as e:
         raise DeviceBudgetError(str(e)) from None
+    except (KeyError, ValueError) as e:  # a component's config or safetensors header (CheckpointError)
+        raise DeviceBudgetError(f"{model_dir}: cannot read the pipeline's weights: {e}") from None
 
 
 def budget_inputs(args: Any, model_dir: Path, limits: Limits) -> dict[str, Any]:
