@@ -17,6 +17,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import _env  # noqa: E402
 import wan_bench as wb  # noqa: E402
 
 SYSTEMS = ["resident", "dlo_allgather", "dlo_rank_local_arena", "dlo_rank_local_registered"]
@@ -31,7 +32,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args = ap.parse_args()
     wb.ensure_dlo_importable()
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    _env.multicast_off()  # before torch: this process and its children
     ckpt = args.ckpt or f"/tmp/wan14b-{args.layers}{'-tiny' if args.tiny else ''}"
     if not args.ckpt:
         wb.write_wan_checkpoint(Path(ckpt), args.layers, args.device, tiny=args.tiny)

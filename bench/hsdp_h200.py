@@ -51,7 +51,7 @@ import _env  # noqa: E402
 
 _env.multicast_off()  # before torch is imported, here and in every rank spawned from here
 import hsdp_ranks as hr  # noqa: E402
-import multi_gpu_h200 as mb  # noqa: E402
+import bench_ranks as br  # noqa: E402
 import wan_bench as wb  # noqa: E402
 
 GOALS = {"dlo_over_hsdp_video_sp": 1.03, "dlo_seconds_per_request_over_hsdp_image_waves": 0.72,
@@ -110,7 +110,7 @@ def run_phases(args: argparse.Namespace, world: int) -> dict:
     while todo:
         error, t0 = None, time.perf_counter()
         try:
-            mb.spawn(hr.rank_main, world, args, todo, str(args.work))
+            br.spawn(hr.rank_main, world, args, todo, str(args.work))
         except Exception as e:
             error = f"{type(e).__name__}: {e}"[-800:]
         done = 0.0  # seconds of this group's completed phases

@@ -37,8 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import multi_gpu_h200 as mb
-import sp_h200 as sp
+import bench_ranks as br
 import wan_bench as wb
 
 PHASES = ("reference", "hsdp", "dlo_allgather", "dlo_ranklocal")
@@ -61,7 +60,7 @@ class Rank:
 def rank_main(rank: int, world: int, port: int, args: Any, phases: list[str], work: str) -> None:
     import torch
 
-    dev = mb._init(rank, world, port, args.device)
+    dev = br.init(rank, world, port, args.device)
     if dev.type == "cpu":
         torch.set_num_threads(1)
     ctx = Rank(rank, world, dev, args, Path(work))
@@ -78,13 +77,13 @@ def rank_main(rank: int, world: int, port: int, args: Any, phases: list[str], wo
         t0, host_start = time.perf_counter(), wb.smaps_rollup()
         res = _PHASE_FNS[name](ctx, name)
         res.update(rank=rank, seconds=time.perf_counter() - t0, host_start=host_start)
-        mb._gather_results(res, world, rank, str(path))
+        br.gather_results(res, world, rank, str(path))
         took.append(time.perf_counter() - t0)
         _free_device(dev)
         if rank == 0:
             print(f"[{name}] done in {took[-1]:.0f} s", flush=True)
     faulthandler.cancel_dump_traceback_later()
-    mb._leave(rank)
+    br.leave(rank)
 
 
 def _agreed_skip(ctx: Rank, took: list[float]) -> str | None:
@@ -93,7 +92,7 @@ def _agreed_skip(ctx: Rank, took: list[float]) -> str | None:
 
     left, need = ctx.args.deadline - time.time(), BUDGET_MARGIN * max(took)
     msg = [f"call budget: {left:.0f} s left, a phase took up to {max(took):.0f} s" if left <= need else None]
-    dist.broadcast_object_list(msg, src=0, group=mb._HOST_GROUP)
+    dist.broadcast_object_list(msg, src=0, group=br.host_group())
     return msg[0]
 
 
@@ -128,7 +127,7 @@ def _caller(module: Any, inputs: dict) -> Callable[[], Any]:
 
 def timed_run(ctx: Rank, phase: str, key: str, fn: Callable[[], Any], requests: int,
               waits: Callable[[], float] | None = None) -> dict:
-    """`sp_h200._timed_last` (one warm-up, then timed calls between barriers) with this run's peak
+    """`bench_ranks.timed` (one warm-up, then timed calls between barriers) with this run's peak
     device memory; rank 0 saves sample 0 of its output (the seed-1 request) as `out-<phase>-<key>.pt`.
     `waits`: DLO's cumulative wait for weights, reported per timed call."""
     import torch
@@ -140,11 +139,11 @@ def timed_run(ctx: Rank, phase: str, key: str, fn: Callable[[], Any], requests: 
     marks: list[float] = []
 
     def mark() -> None:
-        mb._sync(ctx.dev)
+        br.sync(ctx.dev)
         marks.append(waits() if waits else 0.0)
 
     iters = 2 if ctx.args.dry_run else ITERS[key.split("/")[0]]
-    times, out = sp._timed_last(fn, ctx.dev, iters, after_warmup=mark)
+    times, out = br.timed(fn, ctx.dev, iters, after_warmup=mark)
     mark()
     if ctx.rank == 0 and out is not None:
         torch.save(out[:1].detach().float().cpu(), ctx.work / f"out-{phase}-{key.replace('/', '-')}.pt")
@@ -178,8 +177,8 @@ def _sp_runs(ctx: Rank, phase: str, module: Any, batches: list[int], waits=None)
 
 def _loaded(t0: float, dev: Any) -> dict:
     """After a load: its seconds and this rank's host memory (smaps_rollup), every rank past it."""
-    mb._sync(dev)
-    mb._barrier()
+    br.sync(dev)
+    br.barrier()
     return {"load_seconds": time.perf_counter() - t0, "host_loaded": wb.smaps_rollup()}
 
 

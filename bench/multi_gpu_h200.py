@@ -24,93 +24,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import bench_ranks as br  # noqa: E402  (NVLink multicast off for this process and its ranks)
 import wan_bench as wb  # noqa: E402
 
-for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ[_k] = _v
 MODES = ("resident", "rank-local", "allgather", "allgather-eager")
 TOKENS = {"image": 4096, "video": 32760}
 ITERS = {"image": 7, "video": 3}
 NEAR_TIE = 0.05
-_HANG_S = 150  # a rank group that has not finished a mode by then is stuck: dump stacks and exit
-_HOST_GROUP = None  # the policy's near-tie rule (rank-local wins ties): the measured winner uses it too
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _init(rank: int, world: int, port: int, device_kind: str):
-    import torch
-    import torch.distributed as dist
-
-    global _HOST_GROUP
-    import faulthandler
-
-    # A hang dumps every thread's stack (stderr) instead of eating the device call in silence.
-    faulthandler.dump_traceback_later(_HANG_S, exit=True)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if device_kind == "cuda":
-        torch.cuda.set_device(rank)
-        dev = torch.device("cuda", rank)
-        # As `dlo serve` does: no device_id (the communicator is made by the engine's first gather).
-        dist.init_process_group("nccl", rank=rank, world_size=world)
-    else:
-        dev = torch.device("cpu")
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-    # Barriers and result gathering go through gloo, so the accelerator communicator carries the
-    # engine's gathers only, in the engine's order (as in serving, where control is a socket).
-    _HOST_GROUP = dist.new_group(backend="gloo")
-    return dev
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    dist.barrier(group=_HOST_GROUP)
-
-
-def _gather_results(res: dict, world: int, rank: int, out: str) -> None:
-    import torch.distributed as dist
-
-    gathered = [None] * world
-    dist.all_gather_object(gathered, res, group=_HOST_GROUP)
-    if rank == 0:
-        Path(out).write_text(json.dumps(gathered))
-
-
-def _sync(dev) -> None:
-    import torch
-
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def _timed(fn, dev, iters: int) -> list[float]:
-    """Wall seconds of fn per iteration across ranks (barrier before, device sync + barrier after)."""
-    fn()
-    times = []
-    for _ in range(iters):
-        _sync(dev)
-        _barrier()
-        t0 = time.perf_counter()
-        fn()
-        _sync(dev)
-        _barrier()
-        times.append(time.perf_counter() - t0)
-    return times
 
 
 def _meminfo_kb(key: str) -> int:
@@ -125,33 +52,22 @@ def rank_collectives(rank: int, world: int, port: int, args: argparse.Namespace,
     import torch
     import torch.distributed as dist
 
-    dev = _init(rank, world, port, args.device)
+    dev = br.init(rank, world, port, args.device)
     nbytes = args.block_bytes
     shard = -(-nbytes // world)
     buf = torch.empty(shard * world, dtype=torch.uint8, device=dev)
     mine = buf.narrow(0, rank * shard, shard)
-    t = statistics.median(_timed(lambda: dist.all_gather_into_tensor(buf, mine), dev, 10))
+    t = statistics.median(br.timed(lambda: dist.all_gather_into_tensor(buf, mine), dev, 10)[0])
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=(dev.type == "cuda"))
     host.fill_(1)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    th = statistics.median(_timed(lambda: dst.copy_(host, non_blocking=True), dev, 10))
+    th = statistics.median(br.timed(lambda: dst.copy_(host, non_blocking=True), dev, 10)[0])
     half = host.narrow(0, 0, shard)
-    th_half = statistics.median(_timed(lambda: dst.narrow(0, 0, shard).copy_(half, non_blocking=True), dev, 10))
+    th_half = statistics.median(br.timed(lambda: dst.narrow(0, 0, shard).copy_(half, non_blocking=True), dev, 10)[0])
     res = {"allgather_seconds": t, "allgather_busbw_bps": (world - 1) / world * shard * world / t,
            "concurrent_h2d_bps": nbytes / th, "shard_h2d_seconds": th_half, "block_h2d_seconds": th}
-    _gather_results(res, world, rank, out)
-    _leave(rank)
-
-
-def _leave(rank: int) -> None:
-    """Leave the group (bounded: see `leave_group`), then exit without interpreter teardown."""
-    from dlo.engine.platform import leave_group
-
-    clean = leave_group(5.0)
-    if rank == 0:
-        print(f"  left the process group {'cleanly' if clean else 'by timeout'}", flush=True)
-    sys.stdout.flush()
-    os._exit(0)
+    br.gather_results(res, world, rank, out)
+    br.leave(rank)
 
 
 def _host_us_per_block(m, call, dev) -> float | None:
@@ -165,9 +81,9 @@ def _host_us_per_block(m, call, dev) -> float | None:
     handles = [b.register_forward_pre_hook(lambda *_: stamps.append(time.perf_counter()))
                for b in blocks[0][:9]]
     try:
-        _sync(dev)
+        br.sync(dev)
         call()
-        _sync(dev)
+        br.sync(dev)
     finally:
         for h in handles:
             h.remove()
@@ -180,18 +96,18 @@ def rank_mode(rank: int, world: int, port: int, args: argparse.Namespace, mode: 
 
     from dlo.engine import OffloadSettings, load
 
-    dev = _init(rank, world, port, args.device)
+    dev = br.init(rank, world, port, args.device)
     engine_mode = "allgather" if mode.startswith("allgather") else mode
     anon0 = wb.smaps_rollup().get("Anonymous", 0)
     cached0 = _meminfo_kb("Cached") * 1024
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    _barrier()
+    br.barrier()
     t0 = time.perf_counter()
     settings = OffloadSettings(engine_mode, transfer_graphs=False if mode == "allgather-eager" else None)
     m = load(args.ckpt, settings=settings, device=dev)
-    _sync(dev)
-    _barrier()
+    br.sync(dev)
+    br.barrier()
     if rank == 0:
         print(f"  [{mode}] loaded in {time.perf_counter() - t0:.1f} s", flush=True)
     res: dict = {
@@ -217,14 +133,14 @@ def rank_mode(rank: int, world: int, port: int, args: argparse.Namespace, mode: 
 
         iters = 2 if args.tiny else ITERS[w]
         wait0, calls = m.stats().gather_wait_seconds, iters + 1
-        waves = [] if mode == "allgather-eager" else _timed(call, dev, iters)
+        waves = [] if mode == "allgather-eager" else br.timed(call, dev, iters)[0]
         wait = (m.stats().gather_wait_seconds - wait0) / calls
-        singles = _timed(single, dev, iters)
+        singles = br.timed(single, dev, iters)[0]
         host_us = _host_us_per_block(m, (lambda: call(ref)) if rank == 0 else (lambda: m.gather_only(1)), dev)
         out_ref = call(ref) if rank == 0 else None
         if rank != 0:
             m.gather_only(1)
-        _sync(dev)
+        br.sync(dev)
         if rank == 0:
             print(f"  [{mode}] {w} done", flush=True)
         res["workloads"][w] = {
@@ -234,19 +150,9 @@ def rank_mode(rank: int, world: int, port: int, args: argparse.Namespace, mode: 
             "sha256_seed1": wb.sha256_of(out_ref) if out_ref is not None else None,
             "peak_device_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
         }
-    _gather_results(res, world, rank, out)
+    br.gather_results(res, world, rank, out)
     m.close()
-    _leave(rank)
-
-
-def spawn(fn, world: int, *args) -> None:
-    import torch.multiprocessing as mp
-
-    mp.start_processes(fn, args=(world, _free_port(), *args), nprocs=world, start_method="spawn", join=True)
-
-
-def _dlo(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dlo.cli.main", *argv], capture_output=True, text=True)
+    br.leave(rank)
 
 
 def plan_profiles(device: str, tmp: Path) -> tuple[dict, dict[str, Path]]:
@@ -259,7 +165,7 @@ def plan_profiles(device: str, tmp: Path) -> tuple[dict, dict[str, Path]]:
 
     tmp.mkdir(parents=True, exist_ok=True)
     cal = tmp / "calibration.json"
-    proc = _dlo("calibrate", "--out", str(cal), "--device", device)
+    proc = br.dlo("calibrate", "--out", str(cal), "--device", device)
     if proc.returncode:
         raise RuntimeError(f"dlo calibrate failed: {proc.stderr[-400:]}")
     profile = apply_calibration(local_profile(), CalibrationFragment.model_validate_json(cal.read_text()))
@@ -282,7 +188,7 @@ def run_policy(args: argparse.Namespace, facts, tmp: Path) -> dict:
     full_bytes = facts.nonblock_bytes + facts.largest_block_bytes * 40
     for name, pf in profiles.items():
         for w in args.workloads.split(","):
-            proc = _dlo("plan", "--model-bytes", str(full_bytes), "--max-block-bytes", str(facts.largest_block_bytes),
+            proc = br.dlo("plan", "--model-bytes", str(full_bytes), "--max-block-bytes", str(facts.largest_block_bytes),
                         "--blocks", "40", "--dp", str(args.dp), "--tokens", str(64 if args.tiny else TOKENS[w]),
                         "--profile", str(pf), "--json")
             plan = json.loads(proc.stdout) if proc.stdout.strip().startswith("{") else {"error": proc.stderr[-400:]}
@@ -314,7 +220,7 @@ def run(args: argparse.Namespace) -> None:
     if args.dp > 1:
         t1 = time.perf_counter()
         f = tmp / "coll.json"
-        spawn(rank_collectives, args.dp, args, str(f))
+        br.spawn(rank_collectives, args.dp, args, str(f))
         result["collectives"] = json.loads(f.read_text())
         result["seconds"]["collectives"] = time.perf_counter() - t1
         c = result["collectives"]
@@ -325,7 +231,7 @@ def run(args: argparse.Namespace) -> None:
         f = tmp / f"run-{mode}.json"
         f.unlink(missing_ok=True)
         try:
-            spawn(rank_mode, args.dp, args, mode, str(f))
+            br.spawn(rank_mode, args.dp, args, mode, str(f))
             result["runs"][mode] = json.loads(f.read_text())
         except Exception as e:  # a mode that does not fit is a result too
             result["runs"][mode] = {"error": str(e)[-500:]}

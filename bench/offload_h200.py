@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _env  # noqa: E402
 import wan_bench as wb  # noqa: E402
 
 SYSTEMS = {
@@ -375,9 +376,7 @@ def main() -> None:
         raws = [json.loads(Path(f).read_text()) for f in args.merge]
         results = {k: v for raw in raws for k, v in raw["results"].items()}
         return finish(results, raws[0]["block_bytes"], raws[0]["model_bytes"], raws[0]["layers"], raws[0]["meta"], Path(args.out), args.tag or raws[0]["tag"])
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+    _env.multicast_off()  # before torch: this process and its children
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = args.ckpt or f"/tmp/wan14b-{args.layers}{'-tiny' if args.tiny else ''}"

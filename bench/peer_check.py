@@ -24,10 +24,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import _env  # noqa: E402
 import wan_bench as wb  # noqa: E402
 
-for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ[_k] = _v
+_env.multicast_off()  # before torch: this process and what it spawns
 WORLD = 2
 
 

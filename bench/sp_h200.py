@@ -61,11 +61,10 @@ from typing import NamedTuple
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import multi_gpu_h200 as mb  # noqa: E402  (sets the NVLS/multicast variables for this process and its children)
+import bench_ranks as br  # noqa: E402  (NVLink multicast off for this process and its ranks)
+import multi_gpu_h200 as mb  # noqa: E402
 import wan_bench as wb  # noqa: E402
 
-for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ[_k] = _v
 
 TOKENS = {"image": 4096, "video": 32760}
 ITERS = {"image": 5, "video": 3}
@@ -86,7 +85,7 @@ OUT_DIR = Path("/tmp/dlo-sp")
 # per destination query chunk sent peer to peer; 3: the copies folded, one attention call exchanged
 # back token-major (engine/ulysses.py). `merge` names older ones `@overlap1`, `@lean2`, ...
 DLO_ULYSSES_VERSION = 3
-mb._HANG_S = 100  # a group stuck longer than this dumps its stacks and exits (each takes well under a minute)
+br.HANG_S = 100  # a group stuck longer than this dumps its stacks and exits (each takes well under a minute)
 
 
 class Variant(NamedTuple):
@@ -148,19 +147,19 @@ def rank_config(rank: int, world: int, port: int, args: argparse.Namespace, name
 
     base, cap, exchange, gather = split_config(name)
     _, mode, sp = CONFIGS[base]
-    dev = mb._init(rank, world, port, args.device)
+    dev = br.init(rank, world, port, args.device)
     if args.device == "cpu":
         torch.set_num_threads(1)
     parallel = ParallelSettings(dp=world // sp, sp=sp, sp_kind=args.sp_kind, gather_max_ctas=int(cap) if cap else None)
     groups = make_groups(parallel, dev, gathers=mode == "allgather")
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    mb._barrier()
+    br.barrier()
     t0 = time.perf_counter()
     m = load(args.ckpt, settings=OffloadSettings(mode, transfer=gather), device=dev, group=groups.shard_group)
     cp = enable_sequence_parallel(m.module, groups, dev, exchange=exchange)
-    mb._sync(dev)
-    mb._barrier()
+    br.sync(dev)
+    br.barrier()
     if rank == 0:
         print(f"  [{name}] loaded in {time.perf_counter() - t0:.1f} s (context parallel: {cp})", flush=True)
     res: dict = {"rank": rank, "load_seconds": time.perf_counter() - t0, "report": m.report.to_dict(),
@@ -177,10 +176,10 @@ def rank_config(rank: int, world: int, port: int, args: argparse.Namespace, name
         waited: list[float] = []  # the compute stream's cumulative wait for weights after the warm-up
 
         def mark() -> None:
-            mb._sync(dev)
+            br.sync(dev)
             waited.append(m.stats().gather_wait_seconds)
 
-        times, out_t = _timed_last(call, dev, iters, after_warmup=mark)  # one warm-up call, then `iters` timed
+        times, out_t = br.timed(call, dev, iters, after_warmup=mark)  # one warm-up call, then `iters` timed
         mark()
         if rank == 0:
             OUT_DIR.mkdir(parents=True, exist_ok=True)
@@ -195,9 +194,9 @@ def rank_config(rank: int, world: int, port: int, args: argparse.Namespace, name
         if args.profile:  # one more call, after the timed ones: where this rank's device time goes
             txt = Path(args.raw).parent / f"profile-{name.replace('@', '.')}-{w}-rank{rank}.txt"  # no '@' in names
             res["workloads"][w]["profile"] = _profiled(call, dev, txt)
-    mb._gather_results(res, world, rank, out)
+    br.gather_results(res, world, rank, out)
     m.close()
-    mb._leave(rank)
+    br.leave(rank)
 
 
 # Kernel name fragments -> category (first match wins; lower case). The categories split one call's
@@ -225,12 +224,12 @@ def _profiled(fn, dev, table: Path) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    mb._sync(dev)
-    mb._barrier()
+    br.sync(dev)
+    br.barrier()
     t0 = time.perf_counter()
     with profile(activities=acts) as prof:
         fn()
-        mb._sync(dev)
+        br.sync(dev)
     wall = time.perf_counter() - t0
     by_cat: dict[str, float] = {}
     averages = prof.key_averages()
@@ -246,25 +245,6 @@ def _profiled(fn, dev, table: Path) -> dict:
     table.write_text(averages.table(sort_by="self_device_time_total" if dev.type == "cuda"
                                                else "self_cpu_time_total", row_limit=40, max_name_column_width=90))
     return {"wall_ms": wall * 1e3, "device_ms": {k: round(v, 3) for k, v in sorted(by_cat.items())}}
-
-
-def _timed_last(fn, dev, iters: int, after_warmup=None) -> tuple[list[float], object]:
-    """`multi_gpu_h200._timed` (barrier, call, device sync, barrier per iteration) keeping the last
-    call's output: the compared output is one of the timed calls, no extra call. `after_warmup()`
-    runs between the warm-up call and the timed ones."""
-    out = fn()
-    if after_warmup is not None:
-        after_warmup()
-    times = []
-    for _ in range(iters):
-        mb._sync(dev)
-        mb._barrier()
-        t0 = time.perf_counter()
-        out = fn()
-        mb._sync(dev)
-        mb._barrier()
-        times.append(time.perf_counter() - t0)
-    return times, out
 
 
 def compare(name: str, w: str) -> dict:
@@ -289,7 +269,7 @@ def run_plans(args: argparse.Namespace, facts) -> dict:
         for w in args.workloads.split(","):
             tokens = 64 if args.tiny else TOKENS[w]
             for layout, dp, sp in (("dp2", 2, 1), ("sp2", 1, 2)):
-                proc = mb._dlo("plan", "--model-bytes", str(full_bytes), "--max-block-bytes",
+                proc = br.dlo("plan", "--model-bytes", str(full_bytes), "--max-block-bytes",
                                str(facts.largest_block_bytes), "--blocks", "40", "--dp", str(dp), "--sp", str(sp),
                                "--tokens", str(tokens // sp), "--profile", str(pf), "--json")
                 out[f"{name}/{w}/{layout}"] = (json.loads(proc.stdout) if proc.stdout.strip().startswith("{")
@@ -376,7 +356,7 @@ def run(args: argparse.Namespace) -> None:
         f = OUT_DIR / f"run-{name}.json"
         f.unlink(missing_ok=True)
         try:
-            mb.spawn(rank_config, world, args, name, str(f))
+            br.spawn(rank_config, world, args, name, str(f))
             result["runs"][name] = json.loads(f.read_text())
         except Exception as e:  # a configuration that fails is a result too
             result["runs"][name] = {"error": str(e)[-500:]}

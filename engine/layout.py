@@ -49,9 +49,6 @@ class BlockLayout:
     def shard_bytes(self, g: int) -> int:
         return shard_bytes(self.nbytes, g)
 
-    def padded_bytes(self, g: int) -> int:
-        return g * self.shard_bytes(g)
-
 
 def shard_bytes(nbytes: int, g: int) -> int:
     """S: the bytes each of g ranks holds of a block of `nbytes` bytes."""

@@ -35,7 +35,7 @@ from dlo.engine.checkpoint import CheckpointError
 from dlo.engine.model import MetaModel, assert_nothing_on_meta, build_meta_model, move_free_buffers, owner_of, set_tensor
 from dlo.engine.peergather import agree_on_path
 from dlo.engine.platform import Platform, get_platform
-from dlo.engine.prefetch import OffloadedBlock, SlotPrefetcher
+from dlo.engine.prefetch import OffloadedBlock, PrefetchOrderError, SlotPrefetcher
 from dlo.engine.report import GatherStats, LoadReport
 from dlo.engine.settings import OffloadSettings
 from dlo.engine.timing import Laps
@@ -44,7 +44,8 @@ from dlo.engine.weights import EarlyRegistration, HostWeights, prepare_host_weig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["load", "OffloadedModel", "OffloadSettings", "LoadReport", "GatherStats", "MODES", "Mode", "spread_resident"]
+__all__ = ["load", "early_registration", "OffloadedModel", "PrefetchOrderError", "OffloadSettings", "LoadReport",
+           "GatherStats", "MODES", "Mode", "spread_resident"]
 
 # Device memory kept free for activations when `resident_blocks="auto"` sizes resident blocks.
 AUTO_RESIDENT_RESERVE_BYTES = 24 * 1024**3
@@ -233,10 +234,14 @@ def _resident_count(settings: OffloadSettings, ckpt: Checkpoint, meta: MetaModel
         return len(meta.blocks)
     if settings.resident_blocks != "auto":
         return min(settings.resident_blocks, len(meta.blocks))
-    n = _auto_resident_blocks(ckpt, meta, platform, device)
-    if settings.mode == "allgather" and dist.is_initialized() and dist.get_world_size(group) > 1:
-        # Every rank of a shard group must stream the same blocks (same collectives): the rank with
-        # the least free memory decides.
+    return agree_resident_blocks(_auto_resident_blocks(ckpt, meta, platform, device), settings.mode, device, group)
+
+
+def agree_resident_blocks(n: int, mode: Mode, device: torch.device, group: Any) -> int:
+    """The resident block count a shard group runs with, given this rank's own `n`: every rank of
+    an allgather group must stream the same blocks (the same collectives), so the rank with the
+    least free memory decides (a MIN all-reduce); other modes keep their own."""
+    if mode == "allgather" and dist.is_initialized() and dist.get_world_size(group) > 1:
         agreed = torch.tensor([n], dtype=torch.int64, device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
         n = int(agreed.item())

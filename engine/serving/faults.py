@@ -11,15 +11,25 @@ request whose prompt contains `prompt-match` (every request when it is omitted).
 tests use it to prove that a failure in one phase of one request fails that request alone
 (`tests/reliability/test_request_faults.py`).
 
-Owns: `FaultPlan` (the parsed variable), `InjectedFault` (what a fired fault raises) and `PHASES`.
+The seam: nothing of this lives in the request path. A process that runs the plan installs it
+from outside the modules it fails: a rank wraps its `ServingPipeline`'s phases with
+`install_rank_faults` (called once by `rank_main.init_rank`, a no-op without a plan). Production
+never installs it.
+
+Owns: `FaultPlan` (the parsed variable), `InjectedFault` (what a fired fault raises), `PHASES`, and
+the rank seam (`RankFaults`, `install_rank_faults`).
 Must never: be enabled by `DLO_TEST_FAULTS` alone, import torch, or cost anything when disabled
-(`FaultPlan.from_env` returns None and callers skip every check).
+(`FaultPlan.from_env` returns None and nothing is installed).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
 
 HOOKS_ENV = "DLO_TEST_HOOKS"
 FAULTS_ENV = "DLO_TEST_FAULTS"
@@ -70,3 +80,59 @@ class FaultPlan:
         for f in self.faults:
             if f.phase == phase and (f.rank is None or f.rank == rank) and f.match in prompt:
                 raise InjectedFault(f"injected fault: phase={phase} rank={rank}")
+
+
+class RankFaults:
+    """Test-only: `plan`'s faults of this rank, wrapped around a `ServingPipeline`'s phases from the
+    outside (its own code holds no check): `encode` the pipeline's prompt encoding, `setup` the
+    scheduler's timesteps, `step` each scheduler step (after the step's transformer calls),
+    `forward` the pre-hook of the middle block of the first transformer (between offloaded blocks),
+    `decode` the VAE, `png`/`mp4` the output's encoding. A fault fires for a request whose prompt
+    holds its match."""
+
+    def __init__(self, plan: FaultPlan, rank: int):
+        self.plan, self.rank = plan, rank
+        self.prompt = ""  # of the request the pipeline runs
+
+    def install(self, pipe: Any) -> None:
+        inner = pipe.pipe
+
+        def remember_prompt(gen: Any) -> None:
+            self.prompt = gen.prompt
+
+        _wrap(pipe, "run", remember_prompt)
+        _wrap(inner, "encode_prompt", self._phase("encode"))
+        _wrap(inner.scheduler, "set_timesteps", self._phase("setup"))
+        _wrap(inner.scheduler, "step", self._phase("step"))
+        _wrap(inner.vae, "decode", self._phase("decode"))
+        _wrap(pipe, "encode_output", lambda decoded, *_: self.check("mp4" if decoded.video is not None else "png"))
+        blocks = pipe.blocks(pipe.facts.transformers[0])
+        pipe.hooks.add_pre(blocks[len(blocks) // 2], lambda *_: self.check("forward"))
+
+    def check(self, phase: str) -> None:
+        self.plan.check(phase, self.rank, self.prompt)
+
+    def _phase(self, phase: str) -> Callable[..., None]:
+        return lambda *_, **__: self.check(phase)
+
+
+def _wrap(obj: Any, name: str, before: Callable[..., None]) -> None:
+    """`obj.name(...)` calls `before(...)` with the same arguments first (an instance attribute)."""
+    real = getattr(obj, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        before(*args, **kwargs)
+        return real(*args, **kwargs)
+
+    setattr(obj, name, wrapper)
+
+
+def install_rank_faults(pipe: Any, rank: int,
+                        environ: "os._Environ[str] | dict[str, str] | None" = None) -> FaultPlan | None:
+    """Wrap `pipe`'s phases with this rank's faults when the environment holds a plan (tests); else
+    nothing (production). Returns the plan installed, or None."""
+    plan = FaultPlan.from_env(environ)
+    if plan is not None:
+        log.warning("rank %d: TEST-ONLY fault injection is on: %s", rank, plan)
+        RankFaults(plan, rank).install(pipe)
+    return plan

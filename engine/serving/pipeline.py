@@ -6,8 +6,9 @@ the progress ticks of a rank (a pre-hook on every block, through `dlo.engine.hoo
 one request through the pipeline's single-request path into encoded PNG or MP4 bytes (`encode.py`).
 Everything family-specific (pipeline class, call count, call arguments, output decoding) is the
 adapter's.
-Must never: branch on a family name, batch requests of different ranks together, install the
-test-only fault hooks unless `dlo.engine.serving.faults` says so, or touch the collective schedule except through `dlo.engine.load`'s module and `gather_only` (every rank of a
+Must never: branch on a family name, batch requests of different ranks together, hold test-only
+code (the fault seam wraps its phases from outside: `dlo.engine.serving.faults`), or touch the
+collective schedule except through `dlo.engine.load`'s module and `gather_only` (every rank of a
 wave must issue the same gathers in the same order).
 """
 
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from dlo.engine.families import pipeline_facts
+from dlo.engine.families import Decoded, pipeline_facts
 from dlo.engine.report import GatherStats
 from dlo.engine.serving.control import RankStats
 from dlo.engine.serving.encode import encode
@@ -65,113 +66,149 @@ class ServingPipeline:
     def __init__(self, model_dir: Path | str, settings: EngineSettings, *, device: Any = None, group: Any = None,
                  parallel: Any = None, max_sequence_length: int = 512):
         """`settings` as every rank got them (`RankConfig`); `device`: this rank's device (default:
-        `settings.device`); `group`: the shard group; `parallel`: the dp x sp groups (`make_groups`)."""
+        `settings.device`); `group`: the shard group; `parallel`: the dp x sp groups (`make_groups`).
+
+        The steps, in order (each a method below, torchtitan's `parallelize_*` style): configure
+        (facts, device, cap), load the engine's models, parallelize (dp x sp), build the diffusers
+        pipeline around them, place its other components on the device, attach the progress hooks.
+        `phases=` of the "pipeline loaded" log line times them."""
         t0 = time.perf_counter()
-        mode = settings.offload.mode
-        # where the load time goes (the `phases=` of the "pipeline loaded" log): imports (with the
-        # cap and the registrations started), streamed models, the rest of the pipeline from its
-        # files, the resident components moved to the device
         laps = Laps(t0)
+        self._configure(Path(model_dir), settings, device, max_sequence_length)
+        self.models = self._load_models(group, laps)
+        self.model = self.models[self.facts.transformers[0]]
+        self._parallelize(parallel)
+        self.pipe = self._build_pipeline()
+        laps.lap("from_pretrained")
+        self.component_bytes = self._place_components()
+        laps.lap("components_to_device")
+        self._attach_progress_hooks()
+        self.load_seconds = time.perf_counter() - t0
+        self.load_phases = laps.rounded()
+        log.info("pipeline loaded family=%s mode=%s device=%s components=%s seconds=%.2f phases=%s",
+                 self.facts.family, self.mode, self.device, self.component_bytes, self.load_seconds, self.load_phases)
+
+    # -- the steps of __init__, in order ---------------------------------------------------------
+    def _configure(self, model_dir: Path, settings: EngineSettings, device: Any, max_sequence_length: int) -> None:
+        """What the folder is, which models the engine loads, the device (capped where asked) and
+        the request-independent state."""
         import torch
 
-        from dlo.engine.offload import early_registration
-
+        self.model_dir, self.settings, self.mode = model_dir, settings, settings.offload.mode
         self.facts = pipeline_facts(model_dir)
         self.adapter = self.facts.adapter
         # With `stream_encoders` (off in process by default; `dlo serve` turns it on unless told not
         # to), the family's large text encoders stream the same way as the transformers (their own
         # block lists), loaded after them.
-        self.encoders = self.adapter.streamable_encoders if settings.stream_encoders and mode != "resident" else ()
-        streamed = (*self.facts.transformers, *self.encoders)
+        self.encoders = self.adapter.streamable_encoders if settings.stream_encoders and self.mode != "resident" else ()
         self.device = torch.device(settings.device if device is None else device)
         self.max_sequence_length = max_sequence_length
         self.tick: Callable[[], None] = lambda: None
         self.steps_done = 0  # denoising steps of the running request (read by the progress reporter)
+        self.phase = "idle"  # the phase the running request is in
         self.vae_tile_above_pixels = VAE_TILE_ABOVE_PIXELS
         if settings.max_device_memory:
             from dlo.engine.platform import cap_device_memory
 
             fraction = cap_device_memory(self.device, settings.max_device_memory)
             log.info("device memory capped at %d bytes (%.4f of the device)", settings.max_device_memory, fraction)
-        # The driver pins the streamed models' page cache on a thread while the imports below and the
-        # model builds run (they hold the GIL; the registration does not): `dlo.engine.weights`.
+
+    def _load_models(self, group: Any, laps: Laps) -> dict[str, Any]:
+        """Every transformer of the pipeline (Wan2.2: two experts) through its own `dlo.engine.load`,
+        in the same mode and shard group, in the same order on every rank (each load gathers its
+        first block: the collective order starts here); then the streamed encoders.
+
+        The driver pins the models' page cache on a thread (`dlo.engine.early_registration`) while
+        the imports below and the model builds run: they hold the GIL, the registration does not."""
+        import dlo.engine
+
+        streamed = (*self.facts.transformers, *self.encoders)
         early: dict[str, Any] = {}
-        self.models: dict[str, Any] = {}
+        models: dict[str, Any] = {}
         try:
             for name in streamed:
-                early[name] = early_registration(Path(model_dir) / name, self.device, settings.offload)
-            import diffusers
-
-            import dlo.engine
-            from dlo.engine.hooks import HookSet
+                early[name] = dlo.engine.early_registration(self.model_dir / name, self.device, self.settings.offload)
+            import diffusers  # noqa: F401  (the longest import, beside the registrations)
 
             laps.lap("imports")
-            # Every transformer of the pipeline (Wan2.2: two experts) streams through its own load, in
-            # the same mode and shard group, loaded in the same order on every rank (each load gathers
-            # its first block: the collective order starts here); then the streamed encoders.
             for name in streamed:
-                self.models[name] = dlo.engine.load(Path(model_dir) / name, settings=settings.offload,
-                                                    device=self.device, group=group, early=early.pop(name))
+                models[name] = dlo.engine.load(self.model_dir / name, settings=self.settings.offload,
+                                               device=self.device, group=group, early=early.pop(name))
         except BaseException:
-            for m in self.models.values():  # a later load failed: nothing stays pinned
+            for m in models.values():  # a later load failed: nothing stays pinned
                 m.close()
             raise
         finally:
             for reg in early.values():  # registrations whose load never ran (something before it failed)
                 if reg is not None:
                     reg.release()
-        self.model = self.models[self.facts.transformers[0]]
         laps.lap("streamed_models")
-        # dp x sp (`dlo.engine.parallel.ParallelGroups`): the ranks of an sp group run one request
-        # together (every transformer sequence-parallel); only the group's first rank returns the output.
-        from dlo.engine.parallel import enable_sequence_parallel
+        return models
 
+    def _parallelize(self, parallel: Any) -> None:
+        """dp x sp (`dlo.engine.parallel.ParallelGroups`): the ranks of an sp group run one request
+        together (every transformer sequence-parallel); only the group's first rank returns the output."""
         self.sp = parallel.layout.sp if parallel is not None else 1
         self.returns_outputs = parallel is None or parallel.layout.is_leader(parallel.rank)
-        if parallel is not None:
-            for name in self.facts.transformers:
-                enable_sequence_parallel(self.models[name].module, parallel, self.device)
-        compute_dtype = self.model.compute_dtype
+        if parallel is None:
+            return
+        from dlo.engine.parallel import enable_sequence_parallel
+
+        for name in self.facts.transformers:
+            enable_sequence_parallel(self.models[name].module, parallel, self.device)
+
+    def _build_pipeline(self) -> Any:
+        """The family's diffusers pipeline from the folder, with the engine's models in place of its own."""
+        import diffusers
+        import torch
+
         cls = getattr(diffusers, self.facts.pipeline_class)
         # The VAE's output becomes the image bytes: it stays float32 whatever the transformer runs in.
-        self.pipe = cls.from_pretrained(
-            model_dir, **{name: m.module for name, m in self.models.items()},
-            torch_dtype={"default": compute_dtype, "vae": torch.float32},
+        pipe = cls.from_pretrained(
+            self.model_dir, **{name: m.module for name, m in self.models.items()},
+            torch_dtype={"default": self.model.compute_dtype, "vae": torch.float32},
         )
-        self.pipe.set_progress_bar_config(disable=True)
-        if isinstance(getattr(self.pipe, "vae", None), torch.nn.Module):
-            decode_in_own_dtype(self.pipe.vae)
-        laps.lap("from_pretrained")
-        self.component_bytes: dict[str, int] = {}
+        pipe.set_progress_bar_config(disable=True)
+        if isinstance(getattr(pipe, "vae", None), torch.nn.Module):
+            decode_in_own_dtype(pipe.vae)
+        return pipe
+
+    def _place_components(self) -> dict[str, int]:
+        """The pipeline's other modules (VAE, small encoders, ...) whole onto the device; their bytes."""
+        import torch
+
+        placed: dict[str, int] = {}
         for name, comp in self.pipe.components.items():
             if name in self.models or not isinstance(comp, torch.nn.Module):
                 continue
             comp.to(self.device)
             comp.eval()
-            self.component_bytes[name] = sum(p.numel() * p.element_size() for p in comp.parameters())
-        laps.lap("components_to_device")
-        # the watchdog's progress signal: one tick before every transformer block
-        self.hooks = HookSet()
-        from dlo.engine.families import family_of
+            placed[name] = sum(p.numel() * p.element_size() for p in comp.parameters())
+        return placed
 
-        # Per streamed model: forwards that ran their whole block walk (what a failed request still
-        # owes the wave's gathers is counted from them), and the phase the running request is in.
+    def _attach_progress_hooks(self) -> None:
+        """The watchdog's progress signal (one tick before every block of every engine model), the
+        phase a transformer's first block enters, and per model the forwards that ran their whole
+        block walk (what a failed request still owes the wave's gathers is counted from them)."""
+        from dlo.engine.hooks import HookSet
+
+        self.hooks = HookSet()
         self.calls_done: dict[str, int] = {name: 0 for name in self.models}
-        self.phase = "idle"
-        for name, m in self.models.items():
-            blocks = [b for list_name in family_of(type(m.module).__name__).block_lists
-                      for b in m.module.get_submodule(list_name)]
+        for name in self.models:
+            blocks = self.blocks(name)
             for block in blocks:
                 self.hooks.add_pre(block, lambda *_: self.tick())
             if name in self.facts.transformers:
                 self.hooks.add_pre(blocks[0], lambda *_: setattr(self, "phase", "denoise"))
             self.hooks.add_post(blocks[-1], lambda *_, n=name: self.calls_done.__setitem__(n, self.calls_done[n] + 1))
-        self._faults: Any = None  # test-only FaultPlan (`install_faults`)
-        self._rank = 0
-        self._prompt = ""
-        self.load_seconds = time.perf_counter() - t0
-        log.info("pipeline loaded family=%s mode=%s device=%s components=%s seconds=%.2f phases=%s",
-                 self.facts.family, mode, self.device, self.component_bytes, self.load_seconds, laps.rounded())
+
+    def blocks(self, name: str) -> list[Any]:
+        """The blocks of engine model `name` (a transformer or a streamed encoder), in execution order."""
+        from dlo.engine.families import family_of
+
+        module = self.models[name].module
+        return [b for list_name in family_of(type(module).__name__).block_lists
+                for b in module.get_submodule(list_name)]
 
     @property
     def report(self) -> Any:
@@ -218,31 +255,6 @@ class ServingPipeline:
         """Whether the wave's gather order still holds in every streamed model (`OffloadedModel.order_intact`)."""
         return all(m.order_intact() for m in self.models.values())
 
-    # -- test-only fault injection (dlo.engine.serving.faults; never installed in production) ------
-    def install_faults(self, plan: Any, rank: int) -> None:
-        """Wrap the phases a request goes through so `plan` can fail one of them (tests only)."""
-        self._faults, self._rank = plan, rank
-        pipe = self.pipe
-
-        def wrap(obj: Any, name: str, phase: str) -> None:
-            real = getattr(obj, name)
-
-            def wrapper(*args: Any, **kwargs: Any) -> Any:
-                self._fault(phase)
-                return real(*args, **kwargs)
-
-            setattr(obj, name, wrapper)
-
-        wrap(pipe, "encode_prompt", "encode")
-        wrap(pipe.scheduler, "set_timesteps", "setup")
-        wrap(pipe.vae, "decode", "decode")
-        blocks = [b for name in self.adapter.blocks.block_lists for b in getattr(self.model.module, name)]
-        self.hooks.add_pre(blocks[len(blocks) // 2], lambda *_: self._fault("forward"))
-
-    def _fault(self, phase: str) -> None:
-        if self._faults is not None:
-            self._faults.check(phase, self._rank, self._prompt)
-
     def _call_kwargs(self, gen: Generation) -> dict[str, Any]:
         import torch
 
@@ -270,13 +282,11 @@ class ServingPipeline:
             last[0] = now
             self.steps_done = i + 1
             self.tick()
-            self._fault("step")
             if i + 1 == gen.steps:
                 self.phase = "decode"
             return kwargs
 
         self.steps_done = 0
-        self._prompt = gen.prompt
         self.phase = "prepare"  # text encoding, scheduler set-up, latents
         self.tick()
         self._vae_tiling(gen)
@@ -284,14 +294,16 @@ class ServingPipeline:
             out = self.pipe(**self._call_kwargs(gen), callback_on_step_end=on_step)
         self.tick()
         self.phase = "encode_output"
-        decoded = self.adapter.decode(out, gen)
-        self._fault("mp4" if decoded.video is not None else "png")
-        result = RunResult(*encode(decoded, gen.fps))
+        result = RunResult(*self.encode_output(self.adapter.decode(out, gen), gen.fps))
         self.phase = "idle"
         self.tick()
         result.step_seconds = steps
         result.seconds = time.perf_counter() - t0
         return result
+
+    def encode_output(self, decoded: Decoded, fps: int) -> tuple[list[bytes], str]:
+        """The decoded frames as the response's bytes: PNG per image, or one MP4 (`encode.py`)."""
+        return encode(decoded, fps)
 
     def _vae_tiling(self, gen: Generation) -> bool:
         """Tiled VAE decoding for requests above `vae_tile_above_pixels` decoded pixels (the same rule

@@ -32,7 +32,7 @@ from dlo.engine.serving.control import (
     Stop,
     WaveAssignment,
 )
-from dlo.engine.serving.faults import FaultPlan, InjectedFault
+from dlo.engine.serving.faults import InjectedFault, install_rank_faults
 from dlo.engine.timing import Laps
 from dlo.engine.request import Generation
 
@@ -88,10 +88,7 @@ def init_rank(cfg: RankConfig, rank: int) -> Any:
     log.info("rank %d joined the weight plane: phases=%s", rank, laps.rounded())
     pipe = ServingPipeline(cfg.model_dir, settings, device=device, group=parallel.shard_group, parallel=parallel,
                            max_sequence_length=cfg.max_sequence_length)
-    plan = FaultPlan.from_env()  # test-only; None in production
-    if plan is not None:
-        log.warning("rank %d: TEST-ONLY fault injection is on: %s", rank, plan)
-        pipe.install_faults(plan, rank)
+    install_rank_faults(pipe, rank)  # the test-only seam: installs nothing without DLO_TEST_HOOKS=1 and a plan
     return pipe
 
 
@@ -140,7 +137,7 @@ def run_assignment(pipe: Any, cfg: RankConfig, wave: int, mine: Generation | Non
 
 def breaks_collective(e: BaseException) -> bool:
     """A fault that leaves the weight plane untrustworthy: the engine must restart."""
-    from dlo.engine.prefetch import PrefetchOrderError
+    from dlo.engine import PrefetchOrderError
 
     if isinstance(e, PrefetchOrderError):
         return True

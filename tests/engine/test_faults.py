@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from dlo.engine.serving.control import RankConfig
-from dlo.engine.serving.faults import FAULTS_ENV, HOOKS_ENV, FaultPlan, InjectedFault
+from dlo.engine.serving.faults import FAULTS_ENV, HOOKS_ENV, FaultPlan, InjectedFault, install_rank_faults
 from dlo.engine.request import Generation
 from dlo.engine.settings import EngineSettings, OffloadSettings
 from tests.engine.serving_helpers import tiny_pipeline
@@ -47,8 +47,9 @@ def test_each_phase_fails_its_request_alone_and_a_mid_forward_fault_is_fatal_onl
     model = tiny_pipeline(tmp_path_factory, "wan")
     settings = EngineSettings(OffloadSettings(mode))
     pipe = ServingPipeline(model, settings, max_sequence_length=16)
-    pipe.install_faults(FaultPlan.parse(",".join(f"{p}:0:boom-{p}" for p in
-                                                  ["encode", "setup", "step", "decode", "png", "forward"])), 0)
+    plan = ",".join(f"{p}:0:boom-{p}" for p in ["encode", "setup", "step", "decode", "png", "forward"])
+    assert install_rank_faults(pipe, 0, {FAULTS_ENV: plan}) is None  # not armed: nothing installed
+    assert install_rank_faults(pipe, 0, {HOOKS_ENV: "1", FAULTS_ENV: plan}) is not None
     cfg = RankConfig(str(model), settings, 0, 0)
     ref = run_assignment(pipe, cfg, 1, GEN, GEN).outputs
     expected = {"encode": "prepare", "setup": "prepare", "step": "denoise", "decode": "decode", "png": "encode_output"}
