@@ -143,6 +143,17 @@ def model_folder(text: str, cache_root: Path, progress: Progress, options: Fetch
     return dest
 
 
+def serving_folder(text: str, environ: Any) -> tuple[Path, str]:
+    """`dlo serve URI`: the folder to serve (fetched into `default_cache_root` unless a cached Hugging
+    Face snapshot is there) and the model's name (the served model id). Raises FetchError."""
+    uri = parse_uri(text)
+    # the SDKs' own endpoint variables: named here too, so another store is another cache folder
+    names = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL") if uri.scheme == "s3" else ("HF_ENDPOINT",)
+    endpoint = next((environ[n] for n in names if environ.get(n)), None)
+    folder = model_folder(text, default_cache_root(environ), Progress("auto"), FetchOptions(endpoint=endpoint))
+    return folder, uri.name
+
+
 def default_cache_root(environ: Any) -> Path:
     """Where `dlo serve URI` keeps fetched models: $XDG_CACHE_HOME/dlo/models (~/.cache/dlo/models)."""
     base = environ.get("XDG_CACHE_HOME") or str(Path(environ.get("HOME") or "~").expanduser() / ".cache")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from dlo.delivery.errors import SourceRefused
@@ -97,6 +98,12 @@ def _parse_hf(text: str, rest: str, revision: str | None) -> ModelURI:
     if not _REVISION.fullmatch(rev) or ".." in rev:
         raise SourceRefused(f"{text!r}: {rev!r} is not a revision (a branch, tag or commit)", reason="invalid")
     return ModelURI("hf", "", repo, rev)
+
+
+def model_argument(text: str) -> "str | Path":
+    """An argparse type for a model argument: a URI stays text (a Path would fold its '//'), anything
+    else is a folder path."""
+    return text if is_uri(text) else Path(text)
 
 
 def is_uri(text: str) -> bool:
