@@ -119,6 +119,8 @@ async def test_custom_resource_to_served_image_and_back(tiny_model, tmp_path):
         kubelet = LocalKubelet(cluster, tmp_path)
         kubelet_task = asyncio.create_task(kubelet.run())
         try:
+            for i in range(REPLICAS):
+                await cluster.add_node(f"node-{i}", allocatable={"cpu": "2", "memory": "8Gi"})
             await cluster.create(secret)
             await cluster.create(res)
 

@@ -2,11 +2,10 @@
 
 import asyncio
 import json
-import os
 from pathlib import Path
 
 
-from cluster import dlodeployment, running_cluster
+from cluster import TEST_CONFIG, dlodeployment, running_cluster
 from dlo.operator import builders
 from dlo.operator.models import API_VERSION
 
@@ -125,7 +124,7 @@ async def test_invalid_spec_sets_degraded_instead_of_crashing_then_recovers():
         assert degraded["reason"] == "InvalidSpec" and "exactly one of model.path" in degraded["message"]
         assert condition(cluster, "Ready")["status"] == "False"
         assert cluster.get("StatefulSet", NS, "wan") is None
-        assert cluster.events("InvalidSpec")
+        await cluster.wait(lambda: cluster.events("InvalidSpec"), what="an InvalidSpec Event")
         await cluster.patch_dlod(NS, "wan", {"spec": {"model": {"claimName": None}}})
         await cluster.wait(lambda: (condition(cluster, "Degraded") or {}).get("status") == "False", what="recovered")
         assert cluster.get("StatefulSet", NS, "wan") is not None
@@ -150,7 +149,7 @@ async def test_reconcile_is_idempotent_children_are_not_rewritten():
         await cluster.create(dlodeployment("wan", NS, SPEC))
         await cluster.wait(lambda: (condition(cluster, "Ready") or {}).get("status") == "True", what="Ready")
         versions = {k: cluster.get(k, NS, n)["metadata"]["resourceVersion"] for k, n in CHILDREN}
-        await asyncio.sleep(3 * float(os.environ["DLO_OPERATOR_STATUS_INTERVAL"]))  # several timer rounds
+        await asyncio.sleep(3 * TEST_CONFIG.status_interval)  # several resync rounds
         assert {k: cluster.get(k, NS, n)["metadata"]["resourceVersion"] for k, n in CHILDREN} == versions
 
 
