@@ -49,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disk-budget", type=byte_size, default=None,
                         help="bytes the fetched models beside DEST may take; least recently served ones not "
                              "in use are evicted to fit (default: only the free space limits)")
+    parser.add_argument("--no-evict", action="store_true",
+                        help="never evict a cached model (a fetch that does not know which ones are in use)")
     parser.add_argument("--progress", choices=("auto", "bar", "plain", "none"), default="auto",
                         help="auto: a bar on a terminal, plain progress lines when piped")
     parser.add_argument("--result-file", type=Path, default=None,
@@ -67,7 +69,8 @@ def main(args: argparse.Namespace) -> int:
     for noisy in ("botocore", "boto3", "urllib3", "s3transfer", "huggingface_hub", "filelock", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     options = FetchOptions(endpoint=args.endpoint, concurrency=args.concurrency, part_size=args.part_size,
-                           keep=frozenset(args.keep), disk_budget=args.disk_budget)
+                           keep=frozenset(args.keep), disk_budget=args.disk_budget,
+                           evict=not args.no_evict)
     progress = Progress(args.progress)
     try:
         uri = parse_uri(args.uri, args.revision)

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dlo.delivery.cache import make_room, touch_served
+from dlo.delivery.cache import cached_models, make_room, touch_served
 from dlo.delivery.errors import FetchError, SourceRefused
 from dlo.delivery.pipeline import SourceFile, check_pipeline, index_files, read_json_file
 from dlo.delivery.progress import Progress
@@ -32,6 +32,7 @@ class FetchOptions:
     part_size: int = 16 * 2**20
     keep: frozenset[str] = frozenset()  # cache keys a pod on this node serves: never evicted
     disk_budget: int | None = None  # bytes the cache folder's fetched models may take
+    evict: bool = True  # False: never evict (a fetch that cannot know which models are in use)
     hf_cache: Path | None = None  # the Hugging Face cache to resolve from (default: the library's)
 
 
@@ -82,8 +83,10 @@ def fetch(uri: ModelURI, dest: Path, options: FetchOptions, progress: Progress) 
         staging.discard()  # nothing worth resuming: the source is not a model
         raise
     total = sum(f.size for f in files)
-    evicted = make_room(dest.parent, dest, total, total - staging.done_bytes(files), options.disk_budget,
-                        set(options.keep) | {dest.name})
+    keep = set(options.keep) | {dest.name}
+    if not options.evict:
+        keep |= {m.key for m in cached_models(dest.parent)}
+    evicted = make_room(dest.parent, dest, total, total - staging.done_bytes(files), options.disk_budget, keep)
     progress.start(total, len(files), staging.done_bytes(files), sum(staging.verified(f) for f in files))
     source.download(staging, files, progress)
     check_pipeline(str(uri), [f.path for f in files], read_json_file(str(staging.root)))

@@ -123,6 +123,7 @@ def registry(config: OperatorConfig, login: bool = True) -> kopf.OperatorRegistr
         key = (meta.get("namespace", ""), meta["name"])
         if event.get("type") == "DELETED":
             metrics.CONDITIONS.forget(*key)
+            metrics.FETCHES.forget(*key)
             wakeups.forget(*key)
         elif wakeups.generations.get(key) != meta.get("generation"):
             wakeups.generations[key] = meta.get("generation")
@@ -138,7 +139,8 @@ def registry(config: OperatorConfig, login: bool = True) -> kopf.OperatorRegistr
             view = View(nodes=[plain(n) for store in nodes.values() for n in store],
                         pods=[p for p in dlo_pods.get((namespace, name), [])],
                         all_pods=[p for store in dlo_pods.values() for p in store],
-                        jobs=[j for j in fetch_jobs.get((namespace, name), [])])
+                        jobs=[j for j in fetch_jobs.get((namespace, name), [])],
+                        all_jobs=[j for store in fetch_jobs.values() for j in store])
             ok = await asyncio.to_thread(run, memo.kube, plain(body), view, config)
             delay = config.status_interval if ok else config.retry_seconds
             await _sleep_until_woken(wake, stopped, delay)

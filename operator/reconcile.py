@@ -21,7 +21,9 @@ from typing import Any
 import kopf
 import urllib3
 
-from dlo.operator import builders, metrics, modes, status
+from dlo.operator import advice, builders, metrics, modes, status
+from dlo.operator.delivery_run import deliver
+from dlo.operator.pod_reasons import pod_problems
 from dlo.operator.config import OperatorConfig
 from dlo.operator.kube import Kube, KubeError
 from dlo.operator.models import API_VERSION, KIND, DLODeploymentSpec, SpecError, parse_spec, with_default_image
@@ -40,6 +42,7 @@ class View:
     pods: list[dict[str, Any]] = field(default_factory=list)  # this resource's dlo pods (engine, fetch)
     all_pods: list[dict[str, Any]] = field(default_factory=list)  # every dlo pod (what each node serves)
     jobs: list[dict[str, Any]] = field(default_factory=list)  # this resource's fetch Jobs
+    all_jobs: list[dict[str, Any]] = field(default_factory=list)  # every fetch Job (the fetch slots)
 
     def engine_pods(self) -> list[dict[str, Any]]:
         return [p for p in self.pods if (p["metadata"].get("labels") or {}).get(builders.COMPONENT) == "engine"]
@@ -89,21 +92,31 @@ def reconcile(kube: Kube, body: dict[str, Any], view: View, config: OperatorConf
     meta = body["metadata"]
     owner = builders.Owner(meta["name"], meta["namespace"])
     generation = meta.get("generation")
-    conditions = list((body.get("status") or {}).get("conditions") or [])
+    current = body.get("status") or {}
+    conditions = list(current.get("conditions") or [])
     spec = _valid_spec(body, conditions, generation, patch, config)
     if spec is None:
         return "invalid_spec"
     resolution = _resolve(body, spec, view.nodes)
+    plan = deliver(kube, body, owner, spec, view, config)
+    pods_spec = spec if plan is None else spec.model_copy(update={"model": plan.pods_model})
+    ctx = _context(kube, spec, pods_spec, view, config, resolution.mode)
     monitor_crd = kube.has_resource("monitoring.coreos.com/v1", MONITOR_PLURALS[spec.monitoring.kind])
-    objects = builders.build_all(owner, spec, resolution.mode, monitor_crd)
+    objects = builders.build_all(owner, spec, resolution.mode, monitor_crd, ctx, pods_spec)
     _apply(kube, body, objects)
+    autoscaler = _retire_autoscaler(kube, owner, current, objects)
     (sts,) = [o for o in objects if o["kind"] == "StatefulSet"]
     template_hash = sts["spec"]["template"]["metadata"]["annotations"][builders.TEMPLATE_HASH]
     pods = view.engine_pods()
     if spec.rollout.type == "Recreate":
         pods = _delete_old_pods(kube, body, pods, template_hash)
-    summary = status.summarize(spec.replicas, template_hash, pods, modes.model_residency(view.nodes, spec),
-                               spec.warmer.threshold, spec.warmer.enabled, builders.TEMPLATE_HASH)
+    observed = status.Observed(
+        spec.replicas, template_hash, pods, modes.model_residency(view.nodes, pods_spec), spec.warmer.threshold,
+        spec.warmer.enabled, builders.TEMPLATE_HASH,
+        problems=pod_problems([p for p in pods if not status.pod_ready(p)], _events_of(kube)),
+        model=plan.verdict if plan else None, fetches=plan.fetches if plan else {},
+        rolling_for_model=plan.rolling_for_model if plan else "")
+    summary = status.summarize(observed)
     verdicts = {**summary.pop("verdicts"), "Degraded": _health(body, conditions, pods)}
     patch.update(summary)
     patch.update({
@@ -113,9 +126,48 @@ def reconcile(kube: Kube, body: dict[str, Any], view: View, config: OperatorConf
         "mode": resolution.mode,
         "modeReason": resolution.reason,
         "modeInputs": resolution.inputs,
+        "warnings": advice.warnings(spec, ctx.autoscaler),
+        "autoscaler": autoscaler,
         "conditions": _conditions(conditions, verdicts, generation),
     })
     return "success"
+
+
+def _context(kube: Kube, spec: DLODeploymentSpec, pods_spec: DLODeploymentSpec, view: View, config: OperatorConfig,
+             mode: Any) -> builders.BuildContext:
+    """What the builders need beyond the spec: the memory estimate, the autoscaler kind, the config."""
+    keda = None
+    if spec.autoscaling.enabled:
+        installed = kube.has_resource("keda.sh/v1alpha1", "scaledobjects")
+        if spec.autoscaling.engine == "keda":
+            keda = "keda" if installed else None
+        else:
+            keda = "keda" if installed and spec.autoscaling.engine == "auto" else "hpa"
+    return builders.BuildContext(
+        cache_root=config.cache_root, memory_bytes=modes.pod_memory_bytes(pods_spec, view.nodes, mode),
+        autoscaler=keda, prometheus_url=config.prometheus_url, monitoring_release=config.monitoring_release)  # type: ignore[arg-type]
+
+
+AUTOSCALER_KINDS = {"ScaledObject": "keda.sh/v1alpha1", "HorizontalPodAutoscaler": "autoscaling/v2"}
+
+
+def _retire_autoscaler(kube: Kube, owner: builders.Owner, current: dict[str, Any], objects: list[dict[str, Any]]) -> str:
+    """The autoscaler kind applied now; the one the status recorded before is deleted when it is
+    another (autoscaling turned off, or KEDA installed or removed)."""
+    now = next((o["kind"] for o in objects if o["kind"] in AUTOSCALER_KINDS), "")
+    before = current.get("autoscaler") or ""
+    if before and before != now:
+        kube.delete(AUTOSCALER_KINDS[before], before, owner.namespace, owner.name)
+    return now
+
+
+def _events_of(kube: Kube) -> Any:
+    """The Events of a pod (asked only for a pod that is scheduled and has not started)."""
+    def events(pod: dict[str, Any]) -> list[dict[str, Any]]:
+        meta = pod["metadata"]
+        return kube.list("v1", "Event", meta["namespace"], fields={"involvedObject.name": meta["name"],
+                                                                  "involvedObject.kind": "Pod"})
+    return events
 
 
 def _valid_spec(body: dict[str, Any], conditions: list[dict[str, Any]], generation: int | None,

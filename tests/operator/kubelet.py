@@ -70,7 +70,8 @@ class LocalKubelet:
 
     async def run(self) -> None:
         while True:
-            pods = {p["metadata"]["uid"]: p for p in live_objects(self.cluster.emulator) if p.get("kind") == "Pod"}
+            pods = {p["metadata"]["uid"]: p for p in live_objects(self.cluster.emulator)
+                    if p.get("kind") == "Pod" and p["spec"].get("nodeName")}  # scheduled onto a node
             for uid, pod in pods.items():
                 if uid not in self.tasks:
                     self.tasks[uid] = asyncio.create_task(self._run_pod(pod))

@@ -129,7 +129,8 @@ def test_crd_carries_the_cel_rules_the_models_check():
     props = crd_schema()["properties"]["spec"]["properties"]
     model_rules = [r["rule"] for r in props["model"]["x-kubernetes-validations"]]
     rollout_rules = [r["rule"] for r in props["rollout"]["x-kubernetes-validations"]]
-    assert model_rules == ["has(self.path) != has(self.claimName)"]
+    assert model_rules == ["(has(self.path) ? 1 : 0) + (has(self.claimName) ? 1 : 0) + (has(self.uri) ? 1 : 0) == 1",
+                           "has(self.uri) || (!has(self.secretRef) && !has(self.endpoint))"]
     assert rollout_rules == ["!has(self.maxUnavailable) || self.type == 'RollingUpdate'"]
 
 
