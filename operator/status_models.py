@@ -37,8 +37,8 @@ class NodeModelStatus(_Model):
     bytes: int | None = Field(None, ge=0, description="bytes on the node so far")
     total_bytes: int | None = Field(None, ge=0, description="bytes of the whole model")
     percent: float | None = Field(None, ge=0, le=100, description="bytes / totalBytes, in percent")
-    reason: str = Field("", description="why a fetch failed (dlo fetch's reason: disk_full, auth, refused, ...)")
-    message: str = Field("", description="what the fetch said")
+    reason: str | None = Field(None, description="why a fetch failed (dlo fetch's reason: disk_full, auth, refused, ...)")
+    message: str | None = Field(None, description="what the fetch said")
 
 
 class NodeStatus(_Model):
