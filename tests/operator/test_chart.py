@@ -81,7 +81,63 @@ def test_all_on_renders_monitors_namespaces_and_agent_options():
     agent = by_kind(objs, "DaemonSet")[0]["spec"]["template"]["spec"]
     agent_args = agent["containers"][0]["args"]
     assert "--warm" in agent_args and "--calibration=/calibration/calibration.json" in agent_args
-    assert {"name": "models", "hostPath": {"path": "/mnt/models", "type": "DirectoryOrCreate"}} in agent["volumes"]
+    assert {"name": "models", "hostPath": {"path": "/mnt/models", "type": "Directory"}} in agent["volumes"]
+    # the agent creates nothing on the node; only a fetch (the operator's Jobs) creates the cache folder
+    assert not [v for o in objs for v in o.get("spec", {}).get("template", {}).get("spec", {}).get("volumes", [])
+                if v.get("hostPath", {}).get("type") == "DirectoryOrCreate"]
+    op_args = by_kind(objs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--cache-root=/mnt/models" in op_args  # fetched models land where the agent looks
+
+
+def test_agent_runs_on_accelerator_nodes_only_by_default_and_everywhere_when_asked():
+    (ds,) = by_kind(render(None), "DaemonSet")
+    terms = ds["spec"]["template"]["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert [t["matchExpressions"][0]["key"] for t in terms["nodeSelectorTerms"]] == ["nvidia.com/gpu.present",
+                                                                                     "accelerator"]
+    assert terms["nodeSelectorTerms"][0]["matchExpressions"][0]["values"] == ["true"]
+    (ds,) = by_kind(render({"agent": {"acceleratorNodeLabels": []}}), "DaemonSet")
+    assert "affinity" not in ds["spec"]["template"]["spec"]
+    (ds,) = by_kind(render({"agent": {"modelsRoot": ""}}), "DaemonSet")  # no model folders: no mount at all
+    assert "models" not in {v["name"] for v in ds["spec"]["template"]["spec"]["volumes"]}
+
+
+def test_watched_namespaces_get_roles_and_the_cluster_role_keeps_only_cluster_wide_rules():
+    objs = render({"operator": {"watchNamespaces": ["serving", "staging"]}})
+    roles = {r["metadata"]["namespace"]: r for r in by_kind(objs, "Role")}
+    assert set(roles) == {"serving", "staging"}
+    bindings = {b["metadata"]["namespace"]: b for b in by_kind(objs, "RoleBinding")}
+    assert bindings["serving"]["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                              "name": "dlo-operator"}
+    assert bindings["serving"]["subjects"] == [{"kind": "ServiceAccount", "name": "dlo-operator",
+                                                "namespace": "dlo-system"}]
+    cluster = named(objs, "ClusterRole", "dlo-operator")
+    assert {r for rule in cluster["rules"] for r in rule["resources"]} == {
+        "nodes", "customresourcedefinitions", "namespaces"}
+    assert "dlodeployments" in {r for rule in roles["serving"]["rules"] for r in rule["resources"]}
+
+
+def test_monitoring_release_labels_every_monitor_and_rule_and_runbooks_follow_the_prefix():
+    values = {"monitoring": {"release": "kps", "runbookUrl": "https://wiki.example/dlo"},
+              "serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True},
+              "prometheusRule": {"enabled": True}, "operator": {"watchNamespaces": ["serving"]}}
+    objs = render(values)
+    monitors = by_kind(objs, "ServiceMonitor") + by_kind(objs, "PodMonitor") + by_kind(objs, "PrometheusRule")
+    assert len(monitors) == 4 and all(m["metadata"]["labels"]["release"] == "kps" for m in monitors)
+    (pm,) = by_kind(objs, "PodMonitor")
+    assert pm["spec"]["namespaceSelector"] == {"matchNames": ["serving"]}
+    (rule,) = by_kind(objs, "PrometheusRule")
+    urls = [r["annotations"]["runbook_url"] for g in rule["spec"]["groups"] for r in g["rules"]]
+    assert urls and all(u.startswith("https://wiki.example/dlo#") for u in urls)
+    args = by_kind(objs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--monitoring-release=kps" in args  # the operator's own monitors of DLODeployments too
+    (pm,) = by_kind(render({"podMonitor": {"enabled": True}}), "PodMonitor")
+    assert pm["spec"]["namespaceSelector"] == {"any": True} and "release" not in pm["metadata"]["labels"]
+    assert "monitoring.release is empty" in notes({"podMonitor": {"enabled": True}})
+    assert "monitoring.release is empty" not in notes(values)
+
+
+def test_chart_needs_kubernetes_1_25():
+    assert yaml.safe_load((CHART / "Chart.yaml").read_text())["kubeVersion"] == ">=1.25.0-0"
 
 
 def test_agent_daemonset_reads_the_host_read_only():
@@ -325,8 +381,14 @@ def test_notes_say_what_was_installed_and_what_to_do_next(case):
     text = notes(VALUES[case])
     values = VALUES[case] or {}
     assert 'release "dlo" in namespace "dlo-system"' in text
-    assert "kubectl apply -n <namespace> -f examples/dlodeployment.yaml" in text
-    assert (ROOT / "examples" / "dlodeployment.yaml").is_file()
+    assert "kubectl apply -n <namespace> -f -" in text and "kind: DLODeployment" in text
+    assert "examples/" not in text  # the chart ships no examples folder
+    manifest = yaml.safe_load(text.split("cat <<EOF | kubectl apply -n <namespace> -f -", 1)[1].split("EOF", 1)[0])
+    from dlo.operator.models import parse_spec
+
+    parse_spec(manifest["spec"])  # the manifest NOTES show is a valid DLODeployment
+    agent_enabled = values.get("agent", {}).get("enabled", True)
+    assert ("pod-security.kubernetes.io/enforce=privileged" in text) == agent_enabled
     assert "kubectl get dlod -A" in text and "kubectl describe dlod" in text
     agent_on = values.get("agent", {}).get("enabled", True)
     assert ("DaemonSet dlo-agent" in text) == agent_on
