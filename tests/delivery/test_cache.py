@@ -93,3 +93,19 @@ def test_fetch_with_a_budget_evicts_an_unused_model_and_keeps_the_one_in_use(s3,
     assert result_of(proc)["evicted"] == ["two"]
     assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == ["one", "three"]
     assert files_of(root / "three") == files_of(tiny_model)
+
+
+def test_the_agent_reports_a_published_fetch_but_not_its_staging_folder(tiny_model, tmp_path):
+    """A fetch in progress sits in `.<key>.partial` beside its destination under the models root:
+    the agent's scan must not flag it as a broken model (dlo_model_error) while it downloads."""
+    import shutil
+
+    from dlo.agent.topology import model_folders
+    from dlo.delivery.staging import staging_dir
+
+    root = tmp_path / "models"
+    shutil.copytree(tiny_model, root / "tiny-wan-0123456789ab")
+    shutil.copytree(tiny_model / "vae", staging_dir(root / "other-0123456789ab") / "vae")  # half a pipeline
+    found = model_folders(root)
+    assert [f.name for f in found] == ["tiny-wan-0123456789ab"]
+    assert found[0].error is None
