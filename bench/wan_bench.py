@@ -162,6 +162,22 @@ def sha256_of(t) -> str:
     return hashlib.sha256(t.detach().contiguous().view(-1).view(__import__("torch").uint8).cpu().numpy().tobytes()).hexdigest()
 
 
+def compare_outputs(ref, got) -> dict:
+    """`got` against the reference output `ref`: bit-identical, else the max abs difference and the
+    PSNR over the reference's peak-to-peak range (None when identical: infinite)."""
+    import math
+
+    import torch
+
+    if got.shape != ref.shape:
+        return {"bit_identical": False, "error": f"shape {tuple(got.shape)} vs {tuple(ref.shape)}"}
+    diff = (got.float() - ref.float()).abs()
+    mse = float((diff.double() ** 2).mean())
+    peak = float(ref.max() - ref.min())
+    return {"bit_identical": bool(torch.equal(got, ref)), "max_abs_diff": float(diff.max()),
+            "psnr_db": None if mse == 0 else 10 * math.log10(peak * peak / mse)}
+
+
 def smaps_rollup(pid: int | str = "self") -> dict[str, int]:
     from dlo.agent.memory import parse_kb_table  # stdlib-only: fine on the device machine
 

@@ -60,13 +60,21 @@ def local_profile(device: str) -> Any:
     )
 
 
-def resolve_mode(mode: ModeOrAuto, model_dir: Path, dp: int, device: str,
-                 profile_path: Path | None = None, sp: int = 1) -> tuple[Mode, str]:
-    """The engine mode and why: `--mode` as given, else the node policy, else a fixed rule."""
+def resolve_mode(mode: ModeOrAuto, model_dir: Path, dp: int, device: str, profile_path: Path | None = None,
+                 sp: int = 1, *, max_device_memory: int = 0, memory: Any = None,
+                 resident_blocks: int | str = 0) -> tuple[Mode, str]:
+    """The engine mode and why: `--mode` as given, else the node policy, else a fixed rule. With the
+    deployment's `memory` (`dlo.engine.serving.budget`) the device budget is checked: a mode that does
+    not fit raises `DeviceBudgetError` (exit 2 before anything loads)."""
     if mode != "auto":
+        if memory is not None and device != "cpu":
+            from dlo.engine.serving.budget import check_mode, local_budget
+
+            budget = local_budget(local_profile(device).accelerator.memory_bytes, max_device_memory, memory)
+            log.info("%s", check_mode(mode, memory, budget, dp * sp, resident_blocks))
         return mode, "--mode given"
     try:
-        from dlo.agent.policy import PolicyError, choose_mode
+        from dlo.agent.policy import NoModeFits, PolicyError, choose_mode
         from dlo.agent.profile import CalibrationFragment, NodeProfile, apply_calibration, parse_file
     except ImportError:
         log.warning("dlo.agent.policy is not installed; using the fixed rule")
@@ -85,8 +93,13 @@ def resolve_mode(mode: ModeOrAuto, model_dir: Path, dp: int, device: str,
             else:  # a `dlo calibrate` fragment
                 profile = apply_calibration(profile, parse_file(CalibrationFragment, text, str(profile_path)))
         try:
-            decision = choose_mode(profile, describe(model_dir / "transformer"), dp, sp=sp)
+            decision = choose_mode(profile, describe(model_dir / "transformer"), dp, sp=sp,
+                                   device_budget_bytes=max_device_memory or None, pipeline=memory)
             return decision.engine_mode, f"policy: {decision.reason}"
+        except NoModeFits as e:
+            from dlo.engine.serving.budget import DeviceBudgetError
+
+            raise DeviceBudgetError(f"--mode auto: {e}") from None
         except (PolicyError, ValueError) as e:
             log.warning("mode policy gave no answer (%s); using the fixed rule", e)
     if dp * sp > 1:
@@ -229,8 +242,14 @@ def main(args: argparse.Namespace) -> int:
         print(f"dlo serve: --max-device-memory needs a cuda or npu device; --device resolved to {device}",
               file=sys.stderr)
         return 2
-    try:
-        mode, why = resolve_mode(args.mode, model_dir, dp, device, args.profile, sp=sp)
+    from dlo.engine.serving.budget import DeviceBudgetError, budget_inputs
+
+    try:  # the device budget against the pipeline at its limits (dlo.engine.serving.budget)
+        mode, why = resolve_mode(args.mode, model_dir, dp, device, args.profile, sp=sp,
+                                 **budget_inputs(args, model_dir, limits))
+    except DeviceBudgetError as e:
+        print(f"dlo serve: {e}", file=sys.stderr)
+        return 2
     except (ValueError, OSError) as e:  # an unreadable or invalid --profile file
         print(f"dlo serve: --profile: {e}", file=sys.stderr)
         return 2
