@@ -176,7 +176,8 @@ def pod_memory_bytes(spec: DLODeploymentSpec, nodes: list[dict[str, Any]], mode:
         if facts is None:
             continue
         try:
-            est = policy.estimate_modes(profile, facts, spec.dp, sp=spec.sp, require_bandwidth=False)[key]
+            est = policy.estimate_modes(profile, facts, spec.dp, sp=spec.sp, require_bandwidth=False,
+                                        device_budget_bytes=spec.engine.device_budget_bytes())[key]
         except policy.PolicyError:
             continue
         host_devices = spec.devices_per_node * est.device_weight_bytes if spec.engine.device == "cpu" else 0
