@@ -28,6 +28,7 @@ import socket
 import signal
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -205,7 +206,8 @@ class LocalKubelet:
                     warned = True
                     meta = pod["metadata"]
                     event = {"apiVersion": "v1", "kind": "Event",
-                             "metadata": {"name": f"{meta['name']}.mount", "namespace": meta["namespace"]},
+                             "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:10]}",
+                                          "namespace": meta["namespace"]},
                              "involvedObject": {"kind": "Pod", "name": meta["name"], "namespace": meta["namespace"]},
                              "reason": "FailedMount", "type": "Warning", "message": f"MountVolume.SetUp failed: {e}"}
                     async with self.cluster.emulator.request("POST", _path("v1", "Event", meta["namespace"]),
