@@ -156,6 +156,16 @@ def test_example_is_valid_against_the_crd_schema_and_the_models():
     assert spec.devices_per_node == 8 and spec.model.folder_name == "wan2.1-14b"
 
 
+def test_fetched_model_example_is_valid_and_renders_fetch_placement_and_autoscaling():
+    docs = [d for d in yaml.safe_load_all((ROOT / "examples" / "dlodeployment-fetched.yaml").read_text()) if d]
+    (res,) = [d for d in docs if d["kind"] == "DLODeployment"]
+    jsonschema.validate(res, crd_schema())
+    spec = parse_spec(res["spec"])
+    assert spec.model.served_name == "wan2.1-t2v-14b-diffusers" and spec.model.cache_key
+    secret = next(d for d in docs if d["kind"] == "Secret")
+    assert set(secret["stringData"]) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+
+
 def test_crd_schema_rejects_wrong_types_and_ranges():
     (res,) = example_resources()
     bad = json.loads(json.dumps(res))
