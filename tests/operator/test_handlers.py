@@ -203,3 +203,24 @@ async def test_status_url_names_the_client_service():
         await cluster.wait(lambda: status_of(cluster).get("url"), what="url")
         assert status_of(cluster)["url"] == f"http://wan.{NS}.svc:8080"
         assert cluster.get("Service", NS, "wan")["spec"]["ports"][0]["port"] == 8080
+
+
+async def test_changes_reach_the_status_through_watches_not_the_resync():
+    """With a resync of a minute, a spec change, a pod turning unready and a node's new profile
+    still reach the status within seconds: each wakes the resource's reconcile."""
+    async with running_cluster(status_interval=60.0) as cluster:
+        await add_gpu_nodes(cluster)
+        await cluster.create(dlodeployment("wan", NS, SPEC))
+        await cluster.wait(lambda: (condition(cluster, "Ready") or {}).get("status") == "True", what="Ready")
+        await cluster.call(cluster.kube.patch, "v1", "Pod", NS, "wan-1",
+                           {"status": {"conditions": [{"type": "Ready", "status": "False"}]}})
+        await cluster.wait(lambda: status_of(cluster).get("readyReplicas") == 1, timeout=10, what="the pod's change")
+        await cluster.call(cluster.kube.patch, "v1", "Node", None, "node-1",
+                           {"metadata": {"annotations": gpu_node_profile("node-1", "l4-node.json")}})
+        await cluster.wait(lambda: status_of(cluster).get("mode") == "allgather", timeout=10, what="the node's change")
+        await cluster.patch_dlod(NS, "wan", {"spec": {"service": {"port": 8080}}})
+        await cluster.wait(lambda: status_of(cluster).get("url", "").endswith(":8080"), timeout=10, what="the spec change")
+        nodes_listed = [r for r in cluster.emulator if r.method.value == "GET" and r.resource is not None
+                        and r.resource.plural in ("nodes", "pods") and r.params.get("watch") != "true"
+                        and r.headers.get("User-Agent", "").startswith("dlo-operator")]
+        assert nodes_listed == []  # the operator's own client lists neither: kopf's watches feed the indexes
