@@ -112,6 +112,10 @@ OPERATOR_ROWS: list[tuple[list[str], str]] = [
     (["operator", "run", "--status-interval", "-1"], "--status-interval: must be more than 0 seconds"),
     (["operator", "run", "--namespace", "Bad_NS"], "'Bad_NS' is not a namespace name"),
     (["operator", "run", "--liveness", "ftp://example"], "'ftp://example' is not an http:// or https:// URL"),
+    (["operator", "run", "--max-fetches", "0"], "--max-fetches: must be at least 1 (got 0)"),
+    (["operator", "run", "--fetch-retry", "0"], "--fetch-retry: must be more than 0 seconds"),
+    (["operator", "run", "--cache-disk-budget", "lots"], "--cache-disk-budget: 'lots' is not a number"),
+    (["operator", "run", "--prometheus-url", "prometheus:9090"], "'prometheus:9090' is not an http:// or https:// URL"),
 ]
 
 ENGINE_ROWS: list[tuple[list[str], str]] = [
