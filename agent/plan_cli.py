@@ -174,7 +174,7 @@ def _plan_model(args: argparse.Namespace) -> ModelFacts:
     from dlo.engine.facts import ModelFacts
 
     if args.model is not None:
-        from dlo.engine.families import describe
+        from dlo.engine.blocks import describe
 
         return describe(args.model)
     return ModelFacts(bytes=args.model_bytes, largest_block_bytes=args.max_block_bytes, blocks=args.blocks)

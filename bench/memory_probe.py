@@ -95,7 +95,7 @@ class Probe:
     def load_streamed(self, name: str) -> Any:
         """A component through `dlo.engine.load`, rank-local, every block streamed (what serves)."""
         import dlo.engine
-        from dlo.engine.families import describe
+        from dlo.engine.blocks import describe
         from dlo.engine.memory_model import placed_weight_bytes
         from dlo.engine.settings import OffloadSettings
 

@@ -106,7 +106,7 @@ def checkpoint_for(ckpt: str | None, layers: int, device: str, tiny: bool = Fals
     written = None
     if not (path / "config.json").exists():
         written = write_wan_checkpoint(path, layers, device, tiny=tiny)
-    from dlo.engine.families import describe
+    from dlo.engine.blocks import describe
 
     return path, written, describe(path)
 

@@ -239,7 +239,8 @@ def pipeline_memory(model_dir: Path | str, bounds: RequestBounds, *, tile_above_
     """The `PipelineMemory` of a pipeline folder (its configs and safetensors headers; torch-free);
     `table` defaults to the committed one. A folder that is no pipeline raises ValueError."""
     from dlo.engine.checkpoint import cached_checkpoint, read_json_config
-    from dlo.engine.families import describe, pipeline_facts
+    from dlo.engine.blocks import describe
+    from dlo.engine.families import pipeline_facts
 
     root = Path(model_dir)
     facts = pipeline_facts(root)

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from dlo.engine.serving.faults import FaultPlan
 from dlo.engine.serving.limits import Limits
 from dlo.engine.families import PipelineFacts
-from dlo.engine.serving.waves import Generation
+from dlo.engine.request import Generation
 
 MAX_SEED = 2**63 - 1
 TEST_FAULTS = FaultPlan.from_env()

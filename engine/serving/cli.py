@@ -79,7 +79,7 @@ def resolve_mode(mode: ModeOrAuto, model_dir: Path, dp: int, device: str, profil
     except ImportError:
         log.warning("dlo.agent.policy is not installed; using the fixed rule")
     else:
-        from dlo.engine.families import describe
+        from dlo.engine.blocks import describe
 
         profile = local_profile(device)
         if profile_path is not None:  # a file a person gave: any problem in it is an error (ProfileError)

@@ -27,6 +27,7 @@ from typing import Callable, Literal
 
 from dlo.engine.families import PipelineFacts
 from dlo.engine.parallel import Layout, LayoutError, check_tokens, leader_results, wave_assignments
+from dlo.engine.request import Generation
 from dlo.engine.serving.control import RankConfig, RequestError, Result, WaveError, summary
 from dlo.engine.serving.errors import (
     EngineFailed,
@@ -45,7 +46,7 @@ from dlo.engine.serving.threads import in_daemon_thread
 from dlo.engine.timing import process_age_seconds, uncached_bytecode, unneeded_imports
 from dlo.engine.serving.video_jobs import VideoRunner
 from dlo.engine.serving.videos import VideoStore
-from dlo.engine.serving.waves import Generation, Pending, WaveQueue
+from dlo.engine.serving.waves import Pending, WaveQueue
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,8 @@ from dlo.engine.serving.errors import ServiceError, VideoStorageError
 from dlo.engine.serving.videos import VideoJob
 
 if TYPE_CHECKING:  # pragma: no cover
-    from dlo.engine.serving.waves import Generation, Pending
+    from dlo.engine.request import Generation
+    from dlo.engine.serving.waves import Pending
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import pytest
 
 from dlo.agent.policy import choose_mode
 from dlo.agent.profile import NodeProfile
-from dlo.engine.families import describe
+from dlo.engine.blocks import describe
 
 ROOT = Path(__file__).resolve().parents[2]
 GB = 1_000_000_000
