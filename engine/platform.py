@@ -57,6 +57,9 @@ class Platform:
     def synchronize(self) -> None:
         pass
 
+    def host_wait(self, event: Any) -> None:
+        """Block the host until `event` has completed (CPU: work ran in program order, nothing to wait for)."""
+
     # ---- host memory -----------------------------------------------------------------------------
     def pin(self, t: torch.Tensor) -> bool:
         """Make `t`'s memory DMA-able in place (one call for the whole tensor). False if refused."""
@@ -124,6 +127,9 @@ class CudaPlatform(Platform):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
+
+    def host_wait(self, event: torch.cuda.Event) -> None:
+        event.synchronize()
 
     def pin(self, t: torch.Tensor) -> bool:
         err = torch.cuda.cudart().cudaHostRegister(

@@ -11,7 +11,8 @@ copies `(host bytes, offset in this rank's shard)`.
   small runs): one exact-size pinned allocation per rank (see `dlo.engine.arena`).
 `EarlyRegistration` starts the registration of a checkpoint's files on a thread before the model is
 built (`cudaHostRegister` releases the GIL): the driver pins the page cache while the loader imports
-and builds the model, and resident copies then run from registered memory at DMA speed.
+and builds the model, and resident copies then run from registered memory at DMA speed, file by
+file as each is registered (`dlo.engine.placement`).
 Must never: register or pin per tensor, or fall back silently (the choice and why are logged and
 reported), or leave a file registered that no `HostWeights` owns.
 """
@@ -66,8 +67,11 @@ class Run:
 
 class EarlyRegistration:
     """Every file of `ckpt` registered for DMA (read-only, whole files, in order) on a daemon thread,
-    started now. `wait()` says whether all were registered; `adopt(paths)` hands the registrations
-    of `paths` to the caller and unregisters the rest; `release()` unregisters all. The copies
+    started now. `wait_for(path)` waits for one file (the resident copies read each file as soon as
+    it is registered), `wait()` for all and says whether all were registered; `adopt(paths)` hands
+    the registrations of `paths` to the caller and unregisters the rest; `release()` unregisters
+    all. `hold_until(event)`: copies still read the registered files until `event` (the resident
+    copies, `dlo.engine.placement`): nothing is unregistered before it has completed. The copies
     must view the same mappings: use `ckpt` (this object's) for the load."""
 
     def __init__(self, ckpt: Checkpoint, platform: Platform, device: torch.device):
@@ -75,12 +79,15 @@ class EarlyRegistration:
         self.platform = platform
         self.registered: dict[Path, tuple[int, int]] = {}  # path -> (pointer, bytes)
         self.problem = ""  # why not every file is registered ("" when all are)
+        self._progress = threading.Condition()  # notified as each file is registered, and at the end
+        self._ended = False  # the thread has registered what it will (under `_progress`)
+        self._fence: object = None
 
         def run() -> None:
             t0 = time.perf_counter()
             try:
                 platform.device(device.index or 0)  # the caller's device (`early_registration` resolves it)
-                self.problem = _register_files(ckpt, ckpt.files, platform, self.registered)
+                self.problem = _register_files(ckpt, ckpt.files, platform, self.registered, self._progress)
             except Exception as e:  # reported by wait(); the load falls back as for a refusal
                 self.problem = f"registering the page cache failed: {type(e).__name__}: {e}"
             log.log(logging.WARNING if self.problem else logging.INFO,
@@ -88,13 +95,25 @@ class EarlyRegistration:
                     len(self.registered), len(ckpt.files), sum(n for _, n in self.registered.values()),
                     time.perf_counter() - t0, f" ({self.problem}; the files this rank uses are registered "
                                               "again when its host weights are prepared)" if self.problem else "")
+            with self._progress:
+                self._ended = True
+                self._progress.notify_all()
 
         self._thread = threading.Thread(target=run, name="dlo-register", daemon=True)
         self._thread.start()
 
+    def wait_for(self, path: Path) -> bool:
+        """Wait until `path` is registered (True) or the registration ended without it (False)."""
+        with self._progress:
+            self._progress.wait_for(lambda: path in self.registered or self._ended)
+            return path in self.registered
+
     def wait(self) -> bool:
         self._thread.join()
         return not self.problem
+
+    def hold_until(self, event: object) -> None:
+        self._fence = event
 
     def adopt(self, paths: set[Path]) -> list[tuple[int, int]]:
         self.wait()
@@ -105,20 +124,27 @@ class EarlyRegistration:
 
     def release(self) -> None:
         self.wait()
+        if self.registered and self._fence is not None:
+            self.platform.host_wait(self._fence)  # no DMA may still read what is unregistered
         for ptr, _ in self.registered.values():
             self.platform.unregister(ptr)
         self.registered.clear()
 
 
 def _register_files(ckpt: Checkpoint, paths: list[Path], platform: Platform,
-                    into: dict[Path, tuple[int, int]]) -> str:
+                    into: dict[Path, tuple[int, int]], progress: threading.Condition | None = None) -> str:
     """Register whole files for DMA in order, each into `into` (path -> (pointer, bytes)) as it
-    succeeds; returns why it stopped ("" when every file is registered)."""
+    succeeds (notifying `progress`); returns why it stopped ("" when every file is registered)."""
     for path in paths:
         whole = ckpt.file_bytes(path)
         if not platform.register_read_only(whole.data_ptr(), whole.numel()):
             return f"the platform refused to register {path.name}"
-        into[path] = (whole.data_ptr(), whole.numel())
+        if progress is None:
+            into[path] = (whole.data_ptr(), whole.numel())
+            continue
+        with progress:
+            into[path] = (whole.data_ptr(), whole.numel())
+            progress.notify_all()
     return ""
 
 

@@ -143,17 +143,100 @@ def test_load_releases_what_it_does_not_keep_on_every_path(sharded, mode):
     assert platform.live == {} and platform.calls == len(early.ckpt.files)
 
 
-def test_early_registration_starts_only_where_the_load_keeps_the_files_registered(sharded, monkeypatch):
+def test_early_registration_starts_in_every_mode_unless_the_arena_or_the_setting_says_no(sharded, monkeypatch):
     import dlo.engine.offload as offload
     from dlo.engine import OffloadSettings
 
     assert offload.early_registration(sharded, "cpu", OffloadSettings("rank-local")) is None  # cpu registers nothing
     platform = RecordingPlatform()
     monkeypatch.setattr(offload, "get_platform", lambda device: platform)
-    assert offload.early_registration(sharded, "cpu", OffloadSettings("resident")) is None
+    resident = offload.early_registration(sharded, "cpu", OffloadSettings("resident"))  # its copies read them
+    assert isinstance(resident, EarlyRegistration) and resident.wait()
+    resident.release()
     assert offload.early_registration(sharded, "cpu", OffloadSettings("allgather", weights="arena")) is None
     assert offload.early_registration(sharded, "cpu", OffloadSettings("allgather", register_early=False)) is None
     early = offload.early_registration(sharded, "cpu", OffloadSettings("allgather"))
     assert isinstance(early, EarlyRegistration) and early.wait()
     early.release()
-    assert platform.live == {} and platform.calls == len(early.ckpt.files)
+    assert platform.live == {} and platform.calls == 2 * len(early.ckpt.files)
+
+
+class StreamPlatform(RecordingPlatform):
+    """`RecordingPlatform` with stream and event handles (the work itself still runs in program
+    order on cpu) that records the host's waits, and refuses an unregistration that comes before
+    the host waited for the resident copies' event."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.events: list[str] = []
+        self.waited: list[str] = []
+
+    def new_stream(self, role):
+        return f"stream:{role}"
+
+    def current_stream(self):
+        return "stream:compute"
+
+    def new_event(self, timing=False):
+        self.events.append(f"event{len(self.events)}")
+        return self.events[-1]
+
+    def host_wait(self, event):
+        self.waited.append(event)
+
+    def unregister(self, ptr):
+        assert self.waited, "a file unregistered while the resident copies may still read it"
+        super().unregister(ptr)
+
+
+@pytest.mark.parametrize("settle", [True, False])
+def test_resident_copies_read_the_registered_files_until_they_settle(sharded, monkeypatch, settle):
+    """[Note: resident copies]: a resident load copies from the registered files (asynchronously
+    where the platform has streams) and the files stay registered until the host has waited for the
+    copies' event: at the end of `load`, or at `settle()` with `settle=False` (the caller's work
+    runs meanwhile). The weights are exactly those of a load without registration."""
+    import dlo.engine.offload as offload
+    from dlo.engine import OffloadSettings, load
+
+    ref = load(sharded, settings=OffloadSettings("resident"), device="cpu").module.state_dict()
+    platform = StreamPlatform()
+    monkeypatch.setattr(offload, "get_platform", lambda device: platform)
+    settings = OffloadSettings("resident")
+    m = load(sharded, settings=settings, device="cpu", early=offload.early_registration(sharded, "cpu", settings),
+             settle=settle)
+    got = m.module.state_dict()
+    assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
+    done = platform.events[-1]  # recorded on the copy stream after the last copy
+    if not settle:
+        assert platform.waited == [] and len(platform.live) == len(cached_checkpoint(sharded).files)
+        assert m.settle() >= 0.0
+    waits = len(platform.waited)
+    assert waits and set(platform.waited) == {done} and platform.live == {}
+    m.settle()  # idempotent
+    m.close()
+    assert len(platform.waited) == waits and platform.live == {}
+
+
+def test_a_streaming_load_unregisters_the_files_it_does_not_keep_only_after_the_resident_copies(sharded, monkeypatch):
+    """rank-local with a resident block: the host weights adopt the files of the streamed blocks and
+    the rest is unregistered inside `load`, while the resident copies may still read it: only after
+    the host has waited for their event (`EarlyRegistration.hold_until`; `StreamPlatform.unregister`
+    refuses otherwise). The forward is that of a load without registration."""
+    import dlo.engine.offload as offload
+    from dlo.engine import OffloadSettings, load
+    from tests.engine.inputs import forward
+
+    settings = OffloadSettings("rank-local", resident_blocks=1)
+    ref = load(sharded, settings=settings, device="cpu")
+    platform = StreamPlatform()
+    monkeypatch.setattr(offload, "get_platform", lambda device: platform)
+    m = load(sharded, settings=settings, device="cpu", early=offload.early_registration(sharded, "cpu", settings),
+             settle=False)
+    assert m.report.weights_source == "registered" and m.report.resident_blocks == 1
+    assert 0 < len(platform.live) < len(cached_checkpoint(sharded).files)  # some files were not kept
+    start, done = platform.events[:2]  # placement: the copy stream's start, then the copies' end
+    assert platform.waited[0] == done
+    assert torch.equal(forward(m.module, "wan", 0, torch.float32), forward(ref.module, "wan", 0, torch.float32))
+    m.close()
+    ref.close()
+    assert platform.live == {}
