@@ -90,6 +90,8 @@ class RankFacts:
     # component name -> {"weights_source", "host_bytes", "device_bytes"} for every component
     # (transformers from their load report, the others as loaded by diffusers)
     component_reports: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # where the rank's start went, in order: joining the weight plane, then the pipeline's load steps
+    load_phases: dict[str, float] = field(default_factory=dict)
 
 
 # ---- child -> rank 0 ----------------------------------------------------------------------------
@@ -139,6 +141,7 @@ class Result:
     step_seconds: tuple[float, ...] = ()
     seconds: float = 0.0
     error: RequestError | None = None
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # the request's seconds per phase
 
 
 @dataclass(frozen=True)
@@ -195,4 +198,5 @@ def summary(rank: int, ready: Ready | None) -> dict[str, Any]:
     if ready is None:
         return {"rank": rank}
     return {"rank": rank, "report": ready.facts.report.to_dict(), "components": dict(ready.facts.components),
-            "component_reports": dict(ready.facts.component_reports), "stats": asdict(ready.stats)}
+            "component_reports": dict(ready.facts.component_reports), "stats": asdict(ready.stats),
+            "load_phases": dict(ready.facts.load_phases)}

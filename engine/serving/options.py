@@ -160,9 +160,10 @@ def _add_weights_arguments(parser: argparse.ArgumentParser) -> None:
                         help="in the offloaded modes, the large text encoder (Wan's UMT5-XXL, Flux's T5-XXL, "
                              "Qwen-Image's Qwen2.5-VL) streams through the engine block by block in the same mode as "
                              "the transformer instead of sitting whole on every rank's device (idle ranks gather it "
-                             "as often); CLIP, image encoders and the VAE stay whole; --no-stream-text-encoders keeps "
-                             "it whole (default: streamed: on Wan2.1-14B it loads faster and costs no request time; "
-                             "docs/engine.md)")
+                             "as often); CLIP, image encoders and the VAE stay whole; in resident mode it loads whole "
+                             "through the engine (its copies read the registered page cache); --no-stream-text-encoders "
+                             "keeps it whole through diffusers (default: streamed: on Wan2.1-14B it loads faster and "
+                             "costs no request time; docs/engine.md)")
 
 
 def _cta_cap(text: str) -> int:
@@ -187,8 +188,9 @@ def _add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
                              "copies, exchanges beside compute), lean, or diffusers (diffusers' own); all give the "
                              "same bytes. Env: DLO_ULYSSES")
     parser.add_argument("--register-early", action=argparse.BooleanOptionalAction, default=None,
-                        help="register the streamed models' page cache for DMA on a thread while the pipeline is "
-                             "built (default: on; cuda). Env: DLO_REGISTER_EARLY=0|1")
+                        help="register the engine's models' page cache for DMA on a thread while the pipeline is "
+                             "built, in every mode; the resident copies read it (off: pageable copies; default: on; "
+                             "cuda). Env: DLO_REGISTER_EARLY=0|1")
 
 
 def engine_settings(args: argparse.Namespace, mode: Mode, device: DeviceKind, dp: int,

@@ -37,6 +37,7 @@ class RunResult:
     media_type: str  # "image/png" | "video/mp4"
     step_seconds: list[float] = field(default_factory=list)
     seconds: float = 0.0
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # prepare, denoise, decode, encode_output
 
 
 # Decoded pixels (width x height x frames x images) above which the VAE decodes in tiles: its
@@ -69,20 +70,34 @@ class ServingPipeline:
         `settings.device`); `group`: the shard group; `parallel`: the dp x sp groups (`make_groups`).
 
         The steps, in order (each a method below, torchtitan's `parallelize_*` style): configure
-        (facts, device, cap), load the engine's models, parallelize (dp x sp), build the diffusers
-        pipeline around them, place its other components on the device, attach the progress hooks.
-        `phases=` of the "pipeline loaded" log line times them."""
+        (facts, device, cap), start what runs beside the imports (a cold checkpoint's readahead, the
+        device libraries' warm-up: `prewarm.py`), load the engine's models (their resident copies
+        left in flight), parallelize (dp x sp), build the diffusers pipeline around them, place its
+        other components on the device, attach the progress hooks, settle the copies, join the
+        readahead (the library warm-up is joined before the first load: no device work of another
+        thread beside the loads' graph captures). `phases=` of the "pipeline loaded" log line
+        (`load_phases`) times them. A step that fails closes the models already loaded."""
         t0 = time.perf_counter()
         laps = Laps(t0)
         self._configure(Path(model_dir), settings, device, max_sequence_length)
-        self.models = self._load_models(group, laps)
-        self.model = self.models[self.facts.transformers[0]]
-        self._parallelize(parallel)
-        self.pipe = self._build_pipeline()
-        laps.lap("from_pretrained")
-        self.component_bytes = self._place_components()
-        laps.lap("components_to_device")
-        self._attach_progress_hooks()
+        readahead, libraries = self._start_beside_imports()
+        self.models = self._load_models(group, laps, libraries)
+        try:
+            self.model = self.models[self.facts.transformers[0]]
+            self._parallelize(parallel)
+            self.pipe = self._build_pipeline()
+            laps.lap("from_pretrained")
+            self.component_bytes = self._place_components()
+            laps.lap("components_to_device")
+            self._attach_progress_hooks()
+            for m in self.models.values():  # the resident copies the loads left in flight land here
+                m.settle()
+            laps.lap("settle")
+        except BaseException:
+            self.close()  # nothing stays registered, pinned or in flight
+            raise
+        self._join_beside_imports(readahead)
+        laps.lap("readahead_join")
         self.load_seconds = time.perf_counter() - t0
         self.load_phases = laps.rounded()
         log.info("pipeline loaded family=%s mode=%s device=%s components=%s seconds=%.2f phases=%s",
@@ -98,14 +113,17 @@ class ServingPipeline:
         self.facts = pipeline_facts(model_dir)
         self.adapter = self.facts.adapter
         # With `stream_encoders` (off in process by default; `dlo serve` turns it on unless told not
-        # to), the family's large text encoders stream the same way as the transformers (their own
-        # block lists), loaded after them.
-        self.encoders = self.adapter.streamable_encoders if settings.stream_encoders and self.mode != "resident" else ()
+        # to), the family's large text encoders load through the engine as the transformers do (their
+        # own block lists), after them: streamed in the offloaded modes, resident in `resident` mode,
+        # where their copies then read the registered page cache too (diffusers' own load copies
+        # them through pageable memory: 1.5 s for Wan's 11.4 GB UMT5 on an H200 against ~0.2 s).
+        self.encoders = self.adapter.streamable_encoders if settings.stream_encoders else ()
         self.device = torch.device(settings.device if device is None else device)
         self.max_sequence_length = max_sequence_length
         self.tick: Callable[[], None] = lambda: None
         self.steps_done = 0  # denoising steps of the running request (read by the progress reporter)
-        self.phase = "idle"  # the phase the running request is in
+        self._phase, self._phase_since = "idle", time.perf_counter()
+        self.phase_seconds: dict[str, float] = {}  # the running (or last) request's seconds per phase
         self.vae_tile_above_pixels = VAE_TILE_ABOVE_PIXELS
         if settings.max_device_memory:
             from dlo.engine.platform import cap_device_memory
@@ -113,7 +131,21 @@ class ServingPipeline:
             fraction = cap_device_memory(self.device, settings.max_device_memory)
             log.info("device memory capped at %d bytes (%.4f of the device)", settings.max_device_memory, fraction)
 
-    def _load_models(self, group: Any, laps: Laps) -> dict[str, Any]:
+    def _start_beside_imports(self) -> tuple[Any, Any]:
+        """A cold checkpoint's readahead (the engine's models first) and the device libraries'
+        warm-up, each on a thread while the main thread imports and builds (`prewarm.py`)."""
+        from dlo.engine.serving.prewarm import start_library_warmup, start_readahead
+
+        return (start_readahead(self.model_dir, (*self.facts.transformers, *self.encoders)),
+                start_library_warmup(self.device))
+
+    @staticmethod
+    def _join_beside_imports(job: Any) -> None:
+        if job is not None:
+            result = job.join()
+            log.info("%s done seconds=%.2f result=%s (beside the imports)", job.name, job.seconds, result)
+
+    def _load_models(self, group: Any, laps: Laps, libraries: Any = None) -> dict[str, Any]:
         """Every transformer of the pipeline (Wan2.2: two experts) through its own `dlo.engine.load`,
         in the same mode and shard group, in the same order on every rank (each load gathers its
         first block: the collective order starts here); then the streamed encoders.
@@ -131,9 +163,13 @@ class ServingPipeline:
             import diffusers  # noqa: F401  (the longest import, beside the registrations)
 
             laps.lap("imports")
+            # before the loads: no device work of another thread beside their graph captures
+            self._join_beside_imports(libraries)
+            laps.lap("library_warmup_join")
             for name in streamed:
                 models[name] = dlo.engine.load(self.model_dir / name, settings=self.settings.offload,
-                                               device=self.device, group=group, early=early.pop(name))
+                                               device=self.device, group=group, early=early.pop(name),
+                                               settle=False)
         except BaseException:
             for m in models.values():  # a later load failed: nothing stays pinned
                 m.close()
@@ -142,7 +178,7 @@ class ServingPipeline:
             for reg in early.values():  # registrations whose load never ran (something before it failed)
                 if reg is not None:
                     reg.release()
-        laps.lap("streamed_models")
+        laps.lap("engine_models")
         return models
 
     def _parallelize(self, parallel: Any) -> None:
@@ -209,6 +245,22 @@ class ServingPipeline:
         module = self.models[name].module
         return [b for list_name in family_of(type(module).__name__).block_lists
                 for b in module.get_submodule(list_name)]
+
+    @property
+    def phase(self) -> str:
+        """The phase the running request is in: idle, prepare (text encoding, scheduler set-up,
+        latents), denoise, decode, encode_output (`RequestError.phase`); each change adds the time
+        spent in the one left to `phase_seconds`."""
+        return self._phase
+
+    @phase.setter
+    def phase(self, name: str) -> None:
+        if name == self._phase:
+            return
+        now = time.perf_counter()
+        if self._phase != "idle":
+            self.phase_seconds[self._phase] = self.phase_seconds.get(self._phase, 0.0) + now - self._phase_since
+        self._phase, self._phase_since = name, now
 
     @property
     def report(self) -> Any:
@@ -287,6 +339,7 @@ class ServingPipeline:
             return kwargs
 
         self.steps_done = 0
+        self.phase_seconds = {}
         self.phase = "prepare"  # text encoding, scheduler set-up, latents
         self.tick()
         self._vae_tiling(gen)
@@ -299,6 +352,7 @@ class ServingPipeline:
         self.tick()
         result.step_seconds = steps
         result.seconds = time.perf_counter() - t0
+        result.phase_seconds = dict(self.phase_seconds)
         return result
 
     def encode_output(self, decoded: Decoded, fps: int) -> tuple[list[bytes], str]:
@@ -318,7 +372,8 @@ class ServingPipeline:
         return tiled
 
     def close(self) -> None:
-        """Remove the progress hooks and release the transformers' weights."""
-        self.hooks.remove()
+        """Remove the progress hooks and release the engine's models (also after a failed start)."""
+        if hasattr(self, "hooks"):  # attached by the last step of __init__
+            self.hooks.remove()
         for m in self.models.values():
             m.close()

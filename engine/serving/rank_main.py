@@ -88,12 +88,14 @@ def init_rank(cfg: RankConfig, rank: int) -> Any:
     log.info("rank %d joined the weight plane: phases=%s", rank, laps.rounded())
     pipe = ServingPipeline(cfg.model_dir, settings, device=device, group=parallel.shard_group, parallel=parallel,
                            max_sequence_length=cfg.max_sequence_length)
+    pipe.load_phases = {**laps.rounded(), **pipe.load_phases}  # the rank's start, in order
     install_rank_faults(pipe, rank)  # the test-only seam: installs nothing without DLO_TEST_HOOKS=1 and a plan
     return pipe
 
 
 def ready_message(pipe: Any) -> Ready:
-    return Ready(RankFacts(pipe.report, dict(pipe.component_bytes), pipe.component_reports()), pipe.stats())
+    return Ready(RankFacts(pipe.report, dict(pipe.component_bytes), pipe.component_reports(),
+                           dict(pipe.load_phases)), pipe.stats())
 
 
 def run_assignment(pipe: Any, cfg: RankConfig, wave: int, mine: Generation | None, wave_gen: Generation) -> Result:
@@ -129,7 +131,8 @@ def run_assignment(pipe: Any, cfg: RankConfig, wave: int, mine: Generation | Non
             return Result(wave, pipe.stats(), error=err)
         # sp > 1: every rank of the sp group ran the request; its first rank returns the output
         outputs = tuple(res.outputs) if getattr(pipe, "returns_outputs", True) else None
-        return Result(wave, pipe.stats(), outputs, res.media_type, tuple(res.step_seconds), res.seconds)
+        return Result(wave, pipe.stats(), outputs, res.media_type, tuple(res.step_seconds), res.seconds,
+                      phase_seconds=dict(res.phase_seconds))
     if cfg.mode == "allgather":
         pipe.gather_only(wave_gen)
     return Result(wave, pipe.stats())

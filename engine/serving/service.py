@@ -23,7 +23,7 @@ import tempfile
 import threading
 import time
 from dataclasses import asdict
-from typing import Callable, Literal
+from typing import Any, Callable, Literal
 
 from dlo.engine.families import PipelineFacts
 from dlo.engine.parallel import Layout, LayoutError, check_tokens, leader_results, wave_assignments
@@ -91,7 +91,7 @@ class Engine(VideoRunner):
         self.warmup = warmup
         self.warmup_size = warmup_size
         self.warmup_seconds: float | None = None
-        self.startup_seconds: dict[str, float] = {}  # set at ready (`_load`)
+        self.startup_seconds: dict[str, Any] = {}  # set at ready (`_load`): seconds, and rank 0's phases
         self._queue: WaveQueue | None = None
         self._inflight: list[Pending] = []
         self.shutdown_grace_s = shutdown_grace_s
@@ -124,9 +124,11 @@ class Engine(VideoRunner):
         ready0 = self.group.ranks[0].ready
         assert ready0 is not None  # start() returned: every rank is ready
         t1 = time.perf_counter()
+        warmup_phases: dict[str, float] = {}
         if self.warmup:
             try:
                 results = await in_daemon_thread(lambda: self.group.run_wave([self.warmup_generation()] * self.cfg.world))
+                warmup_phases = {f"warmup_{k}": round(v, 2) for k, v in results[0].phase_seconds.items()}
                 failed = [(r, res.error) for r, res in enumerate(results) if res.error is not None]
                 if failed:
                     rank, err = failed[0]
@@ -144,7 +146,9 @@ class Engine(VideoRunner):
         self._enter("ready")
         # where the time from process start to ready went (the rank's own load phases are in its log)
         self.startup_seconds = {"before_load": round(before_load, 2), "load": round(t1 - t0, 2),
-                                "warmup": round(self.warmup_seconds or 0.0, 2), "total": round(process_age_seconds(), 2)}
+                                "warmup": round(self.warmup_seconds or 0.0, 2), "total": round(process_age_seconds(), 2),
+                                # rank 0's: its load's steps in order, then the warm-up request's phases
+                                "phases": {**ready0.facts.load_phases, **warmup_phases}}
         log.info("engine ready mode=%s dp=%d family=%s device=%s seconds=%.1f warmup_seconds=%s startup=%s",
                  self.cfg.mode, self.cfg.dp, self.facts.family, self.cfg.device, time.perf_counter() - t0,
                  "off" if self.warmup_seconds is None else f"{self.warmup_seconds:.2f}", self.startup_seconds)

@@ -127,6 +127,23 @@ def test_streamed_text_encoders_give_the_same_bytes_and_follow_the_call_plan(tmp
     assert report["weights_source"] == "arena" and report["host_bytes"] > 0
 
 
+@pytest.mark.parametrize("name", ["tiny-wan2.1-t2v", "tiny-flux.1-dev", "tiny-qwen-image"])
+def test_resident_mode_loads_the_large_text_encoder_through_the_engine_with_the_same_bytes(tmp_path_factory, name):
+    """`stream_encoders` in resident mode: the large encoder is one of the engine's models (its
+    copies read the registered page cache on a GPU), resident whole, and the bytes are those of
+    diffusers' own load of it."""
+    from dlo.engine.serving.pipeline import ServingPipeline
+
+    model = preset_pipeline(tmp_path_factory, name)
+    gen = _gen(name, kind="image", frames=1, fps=0, negative_prompt="blurry", steps=2)
+    whole = ServingPipeline(model, EngineSettings(OffloadSettings("resident")), max_sequence_length=16)
+    pipe = ServingPipeline(model, EngineSettings(OffloadSettings("resident"), stream_encoders=True), max_sequence_length=16)
+    enc = pipe.encoders[0]
+    assert enc in pipe.models and enc not in pipe.component_bytes and enc in whole.component_bytes
+    assert pipe.models[enc].report.blocks == 0 and pipe.component_reports()[enc]["weights_source"] == "resident"
+    assert sha(pipe.run(gen).outputs[0]) == sha(whole.run(gen).outputs[0])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name,mode,flags", [
     # the large text encoder streams by default; --no-stream-text-encoders keeps it whole on every rank

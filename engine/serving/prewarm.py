@@ -1,0 +1,115 @@
+"""What a rank's start can do beside its GIL-bound imports: read a cold checkpoint ahead, and load
+and initialise the device libraries every request uses.
+
+Owns: `start_readahead` (the pipeline folder's safetensors files that are not in the page cache,
+read on a thread in the order the load needs them, in parallel chunks at the disk's speed through
+`dlo.agent.warm`; a warm page cache costs one residency check per file) and `start_library_warmup`
+(on a side stream of the device: bf16 and fp32 GEMMs, fused attention, 2-D and 3-D convolutions,
+norms, so that cuBLAS(Lt), cuDNN and the attention kernels are loaded and initialised here,
+inside C++ that releases the GIL, while the main thread imports; not in the warm-up generation
+before `/ready`). Both return a handle whose `join()` says what it did.
+Must never: change what a request computes (the library warm-up runs on tensors of its own, uses
+no random numbers, and leaves kernel selection as it was: cuDNN benchmarking stays off, so its
+heuristics choose the same algorithms whenever they are first asked), fail a start (each logs a
+warning and stops), or write to a model file.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+READAHEAD_THREADS = 8  # requests in flight: enough for an NVMe disk, 8 x 16 MiB of buffers at most
+RESIDENT_ENOUGH = 0.999  # a file this much in the page cache is not read again
+
+
+class Background:
+    """One daemon thread running `work`; `join()` returns its result (None after a failure, logged)."""
+
+    def __init__(self, name: str, work: Callable[[], Any]):
+        self.name = name
+        self.result: Any = None
+        self.seconds = 0.0
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                self.result = work()
+            except Exception as e:  # a start goes on without it: the warm-up or the load pays instead
+                log.warning("%s failed (the start goes on without it): %s: %s", name, type(e).__name__, e)
+            self.seconds = time.perf_counter() - t0
+
+        self._thread = threading.Thread(target=run, name=f"dlo-{name}", daemon=True)
+        self._thread.start()
+
+    def join(self) -> Any:
+        self._thread.join()
+        return self.result
+
+
+def start_readahead(model_dir: Path, components: tuple[str, ...]) -> Background | None:
+    """Read the files of `model_dir` that are not in the page cache, those of `components` first
+    (in that order), the rest of the folder's safetensors after; None when every file is cached."""
+    from dlo.agent.residency import file_residency, model_files
+
+    ordered: list[Path] = []
+    for sub in (*components, ""):
+        folder = model_dir / sub if sub else model_dir
+        ordered.extend(f for f in (model_files(folder) if folder.exists() else []) if f not in ordered)
+    cold = [f for f in ordered if file_residency(f).ratio < RESIDENT_ENOUGH]
+    if not cold:
+        return None
+
+    def read() -> dict[str, Any]:
+        from dlo.agent.warm import warm
+
+        session = warm(cold, threads=READAHEAD_THREADS)
+        return {"files": len(cold), "bytes": session.after.bytes, "seconds": round(session.seconds, 2)}
+
+    log.info("readahead of %d files not in the page cache (%d bytes) started", len(cold),
+             sum(f.stat().st_size for f in cold))
+    return Background("readahead", read)
+
+
+def start_library_warmup(device: Any) -> Background | None:
+    """Load and initialise the device libraries on a side stream of `device` (cuda only)."""
+    if getattr(device, "type", "") != "cuda":
+        return None
+    return Background("library-warmup", lambda: warm_libraries(device))
+
+
+def warm_libraries(device: Any) -> float:
+    """The first call of each library a diffusion pipeline uses, at small shapes, on a stream of its
+    own (cuda), waited for; returns the seconds it took. Runs on any device (the shapes are checked
+    on cpu)."""
+    import contextlib
+
+    import torch
+    import torch.nn.functional as F
+
+    t0 = time.perf_counter()
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    stream = torch.cuda.Stream(device) if cuda else None
+    on_side = (contextlib.ExitStack() if stream is None else torch.cuda.stream(stream))
+    with on_side, torch.inference_mode():
+        for dtype in (torch.bfloat16, torch.float32):
+            a = torch.ones(256, 256, dtype=dtype, device=device)
+            F.linear(a, a, a[0])  # cuBLASLt (with bias) and cuBLAS
+            torch.bmm(a[None], a[None])
+            F.layer_norm(a, (256,))
+            F.softmax(a, dim=-1)
+        q = torch.ones(1, 8, 256, 128, dtype=torch.bfloat16, device=device)
+        F.scaled_dot_product_attention(q, q, q)  # the fused attention kernels
+        x = torch.ones(1, 8, 16, 16, device=device)
+        F.group_norm(F.conv2d(x, torch.ones(8, 8, 3, 3, device=device), padding=1), 4)  # cuDNN
+        F.conv3d(x[:, :, None], torch.ones(8, 8, 3, 3, 3, device=device), padding=1)
+        F.interpolate(x, scale_factor=2.0, mode="nearest")
+    if stream is not None:
+        stream.synchronize()
+    return time.perf_counter() - t0
