@@ -29,7 +29,7 @@ def ensure_dlo_importable() -> None:
         pass
     shim = Path(tempfile.gettempdir()) / "dlo_shim"
     (shim / "dlo").mkdir(parents=True, exist_ok=True)
-    for part in ("engine", "agent", "cli"):
+    for part in ("engine", "agent", "cli", "delivery"):  # the dlo.* packages dlo serve imports
         link = shim / "dlo" / part
         if not link.exists():
             link.symlink_to(REPO / part)

@@ -45,7 +45,8 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
         self._log: Any = None
 
-    def start(self, ready_timeout_s: float = 180.0) -> "ServerProcess":
+    def start(self, ready_timeout_s: float = 180.0, poll_s: float = 0.2) -> "ServerProcess":
+        """Start the server and return once `/ready` answers 200 (asked every `poll_s`)."""
         self._log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True, preexec_fn=self._limits if self.nofile else None)
@@ -58,7 +59,7 @@ class ServerProcess:
                     return self
             except OSError:
                 pass
-            time.sleep(0.2)
+            time.sleep(poll_s)
         self.stop()
         raise TimeoutError(f"dlo serve not ready within {ready_timeout_s:.0f} s; log: {self.log_path}")
 

@@ -1,0 +1,347 @@
+"""Start-up on one H200 (issue 34): seconds from process start to `/ready` 200, warm-up included, for
+the full Wan2.1-T2V-14B pipeline, per mode, with a warm and with a cold page cache.
+
+    # one H200, one call (the plan's default: warm starts x5 of resident and rank-local, the
+    # folder's disk read and two cold resident starts, then the old resident path x2 for the
+    # before/after); a start that would end past --time-budget is skipped and counted
+    python3 bench/ready_h200.py run --models /tmp/models --raw $OUT/raw-ready-h200.json --check-output \
+        --time-budget 330
+    python3 bench/ready_h200.py merge RAW... --out bench/results --stem ready-h200-2026-12-02
+    python3 bench/ready_h200.py run --dry-run --raw /tmp/raw-ready.json   # CPU, tiny preset: every step
+
+`run` makes the pipeline if it is missing (`dlo make-random-model --preset wan2.1-t2v-14b`, as
+`bench/pipeline_h200.py` does: 49-64 s on an H200 host), reads it once into the page cache, then
+runs `--plan` in order: `MODE[:N]` is N warm starts of `dlo serve` in MODE (`MODES`), `disk-read`
+the seconds the disk takes to read the whole folder once (`dlo warm`'s parallel reader, after
+evicting it), `MODE@cold[:N]` N starts each after evicting the checkpoint (`os.sync`,
+`posix_fadvise(POSIX_FADV_DONTNEED)` per file: no privilege needed, and `drop_caches` where
+allowed, with the residency left checked by `dlo.agent.residency`). A warm start finds the folder
+in the page cache (read again first where a cold start left part of it out). Each start: the
+default warm-up at its default size and default limits; the seconds from `Popen` to the first
+`/ready` 200 (polled every 20 ms), the server's own `startup_seconds` (its phases: rank 0's load
+steps, then the warm-up's) and the exit code of SIGTERM. `--check-output` sends one image request
+after the first warm start of each mode (the bytes of every mode must agree). The raw file is
+rewritten after every step (a call cut short keeps what it measured), with the command, the package
+set (optional packages installed, bytecode) and the host. `merge` joins raw files into
+`<stem>.{json,md}` with its `summary`: `ready_seconds_median` and `ready_seconds_max` as {mode:
+seconds}, the cold ones, `disk_read_seconds`, and `cold_extra_over_disk_read` as {mode: (cold
+median - warm median) / seconds to read the folder once} (goal <= 1.0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import platform as host_platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pipeline_h200 as pb  # noqa: E402  (dlo importable, NVLink multicast off, the make step)
+from import_profile import bytecode_facts, optional_packages_installed  # noqa: E402
+
+GOAL_READY_S = 10.0
+GOAL_COLD_RATIO = 1.0
+POLL_S = 0.02
+# mode name -> `dlo serve` flags; "{partial}": the headline offloaded run's resident blocks
+# (pipeline_h200.RESIDENT_SHARE of Wan2.1's 40 blocks: 10)
+MODES: dict[str, tuple[str, ...]] = {
+    "resident": ("--mode", "resident"),  # what the policy picks on an H200 (the model fits)
+    "rank-local": ("--mode", "rank-local", "--resident-blocks", "{partial}"),
+    "allgather": ("--mode", "allgather", "--dp", "2"),  # two GPUs only
+    # the resident load as it was: pageable copies, the text encoder through diffusers
+    "resident-pageable": ("--mode", "resident", "--no-register-early", "--no-stream-text-encoders"),
+}
+CHECK_REQUEST = {"kind": "image", "size": "1024x1024", "steps": 4, "guidance": 5.0}
+TINY_CHECK_REQUEST = {"kind": "image", "size": "32x32", "steps": 2, "guidance": 5.0}
+
+
+def model_files(model: Path) -> list[Path]:
+    return sorted(model.rglob("*.safetensors"))
+
+
+def evict(model: Path) -> dict[str, Any]:
+    """The checkpoint out of the page cache (no server maps it now: DONTNEED skips mapped pages)."""
+    from dlo.agent.residency import folder_residency
+
+    os.sync()
+    for f in model_files(model):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        dropped = True
+    except OSError:  # not allowed here: fadvise alone
+        dropped = False
+    return {"drop_caches": dropped, "resident_ratio": round(folder_residency(model).ratio, 4)}
+
+
+def disk_read(model: Path) -> dict[str, Any]:
+    """Seconds to read the whole folder once from the disk (evicted first), with `dlo warm`'s
+    parallel reader, then evicted again."""
+    from dlo.agent.warm import warm
+
+    before = evict(model)
+    session = warm(model_files(model))
+    out = {"seconds": round(session.seconds, 4), "bytes": session.after.bytes,
+           "gb_per_s": round(session.after.bytes / max(session.seconds, 1e-9) / 1e9, 2), "evicted_before": before}
+    out["evicted_after"] = evict(model)
+    return out
+
+
+def start_once(model: Path, flags: list[str], args: argparse.Namespace, label: str,
+               check: dict | None) -> dict[str, Any]:
+    """One `dlo serve` start to `/ready`, its startup figures, an optional request, SIGTERM."""
+    from dlo.engine.serving.launch import ServerProcess
+
+    log = args.logs / f"serve-{label}.log"
+    srv = ServerProcess(model, "--device", args.device, *flags, log_path=log)
+    out: dict[str, Any] = {"flags": flags}
+    t0 = time.perf_counter()
+    try:
+        srv.start(ready_timeout_s=args.ready_timeout, poll_s=POLL_S)
+    except (RuntimeError, TimeoutError) as e:
+        lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
+        return {**out, "error": f"{e}: {lines[-1] if lines else ''}"[-1500:], "exit_code": srv.stop()}
+    out["ready_seconds"] = round(time.perf_counter() - t0, 3)
+    try:
+        info = srv.ready_info()
+        out.update(server_mode=info.get("mode"), warmup_seconds=info.get("warmup_seconds"),
+                   warmup_size=info.get("warmup_size"), startup_seconds=info.get("startup_seconds"))
+        if check is not None:
+            from openai import OpenAI
+
+            from pipeline_requests import generate
+
+            client = OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=300, max_retries=0)
+            try:
+                out["output_sha256"] = hashlib.sha256(generate(client, check)).hexdigest()
+            except Exception as e:  # recorded: the starts after it still run
+                out["check_error"] = f"{type(e).__name__}: {e}"[-1500:]
+    finally:
+        out["exit_code"] = srv.stop()
+    return out
+
+
+def mode_flags(mode: str, model: Path, args: argparse.Namespace) -> list[str]:
+    partial = max(1, round(pb.RESIDENT_SHARE["wan21"] * pb.transformer_blocks(model)))
+    flags = [f.format(partial=partial) for f in MODES[mode]]
+    return flags + (["--small-limits"] if args.dry_run else [])  # the tiny model's limits
+
+
+DEFAULT_PLAN = "resident:5,rank-local:5,disk-read,resident@cold:2,resident-pageable:2"
+ASSUMED_DISK_BPS = 1e9  # the disk read's estimate before it ran (for --time-budget only)
+
+
+def parse_plan(text: str) -> list[tuple[str, str, int]]:
+    """`--plan` as (kind, mode, count) steps, kind one of warm, cold, disk-read; ValueError naming
+    the item that is not one."""
+    steps = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        if item == "disk-read":
+            steps.append(("disk-read", "", 1))
+            continue
+        name, _, count = item.partition(":")
+        mode, _, cold = name.partition("@")
+        if mode not in MODES or cold not in ("", "cold") or not (count or "1").isdigit():
+            raise ValueError(f"{item!r}: expected MODE[:N], MODE@cold[:N] or disk-read (modes: {', '.join(MODES)})")
+        steps.append(("cold" if cold else "warm", mode, int(count or 1)))
+    return steps
+
+
+def ensure_warm(model: Path) -> float:
+    """The folder whole in the page cache before a warm start (`dlo warm`'s parallel reader); the
+    seconds it took (0 when it was)."""
+    from dlo.agent.residency import folder_residency
+    from dlo.agent.warm import warm
+
+    return 0.0 if folder_residency(model).ratio >= 0.999 else warm(model_files(model)).seconds
+
+
+class Budget:
+    """--time-budget: whether a step fits, from the longest of its kind so far (x 1.2)."""
+
+    def __init__(self, seconds: float, t0: float):
+        self.seconds, self.t0, self.longest = seconds, t0, {}
+
+    def fits(self, kind: str, estimate: float = 0.0) -> bool:
+        guess = 1.2 * max(self.longest.get(kind, 0.0), estimate)
+        return not self.seconds or time.perf_counter() - self.t0 + guess <= self.seconds
+
+    def took(self, kind: str, seconds: float) -> None:
+        self.longest[kind] = max(self.longest.get(kind, 0.0), seconds)
+
+
+def step_estimate(kind: str, rec: dict, budget: Budget) -> float:
+    """Seconds a step of `kind` may take before one of its kind ran (the disk at ASSUMED_DISK_BPS;
+    a cold start as a warm one plus one read of the folder)."""
+    if kind == "disk-read":
+        return rec["checkpoint_bytes"] / ASSUMED_DISK_BPS
+    if kind == "cold":
+        return budget.longest.get("warm", 0.0) + rec.get("disk_read", {}).get("seconds", 0.0)
+    return 0.0
+
+
+def run(args: argparse.Namespace) -> None:
+    preset, _ = (pb.TINY if args.dry_run else pb.MODELS)["wan21"]
+    model = args.models / "wan21"
+    args.logs.mkdir(parents=True, exist_ok=True)
+    rec: dict[str, Any] = {
+        "date": datetime.date.today().isoformat(), "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "host": host_platform.node(), "device": args.device, "optional_packages": optional_packages_installed(),
+        "bytecode": bytecode_facts(), "preset": preset, "plan": args.plan,
+        "make": pb.make(model, preset, None, args.device), "starts": [], "skipped_for_time": [],
+    }
+    rec["checkpoint_bytes"] = pb.checkpoint_bytes(model)
+    rec["page_cache_warm_seconds"] = round(ensure_warm(model), 2)
+
+    def save() -> None:
+        args.raw.write_text(json.dumps(rec, indent=1))
+
+    save()
+    budget, checked = Budget(args.time_budget, args.t0), set()
+    for kind, mode, count in parse_plan(args.plan):
+        for i in range(count):
+            if not budget.fits(kind, step_estimate(kind, rec, budget)):
+                rec["skipped_for_time"].append(f"{mode}@{kind}" if mode else kind)  # what fits is kept
+                continue
+            t_step = time.perf_counter()
+            if kind == "disk-read":
+                rec["disk_read"] = disk_read(model)
+                print(f"disk read: {rec['disk_read']['seconds']} s ({rec['disk_read']['gb_per_s']} GB/s)", flush=True)
+            else:
+                check = args.check_output and kind == "warm" and mode not in checked
+                run_start(rec, model, mode, kind == "cold", i, args, check)
+                if check:
+                    checked.add(mode)
+            budget.took(kind, time.perf_counter() - t_step)
+            save()
+    save()
+    print(json.dumps(summarize([rec]), indent=1))
+
+
+def run_start(rec: dict, model: Path, mode: str, cold: bool, i: int, args: argparse.Namespace, check: bool) -> None:
+    """One start of the plan, appended to `rec["starts"]` (the page cache made cold or warm first)."""
+    evicted = evict(model) if cold else None
+    rewarmed = None if cold else round(ensure_warm(model), 2)
+    label = f"{mode}-{'cold' if cold else 'warm'}-{i}"
+    request = (TINY_CHECK_REQUEST if args.dry_run else CHECK_REQUEST) if check else None
+    res = start_once(model, mode_flags(mode, model, args), args, label, request)
+    rec["starts"].append({"mode": mode, "start": i, "cold": cold, "evicted": evicted, "rewarm_seconds": rewarmed, **res})
+    print(f"{label}: ready {res.get('ready_seconds')} s startup {res.get('startup_seconds')}"
+          f"{' error ' + res['error'] if 'error' in res else ''}", flush=True)
+
+
+# ---- the record ----------------------------------------------------------------------------------
+def _ready(starts: list[dict], mode: str, cold: bool) -> list[float]:
+    return [s["ready_seconds"] for s in starts if s["mode"] == mode and s["cold"] == cold and "ready_seconds" in s]
+
+
+def summarize(raws: list[dict]) -> dict[str, Any]:
+    """The record's summary over every start of `raws` (medians and maxima per mode)."""
+    starts = [s for raw in raws for s in raw["starts"]]
+    modes = sorted({s["mode"] for s in starts})
+    out: dict[str, Any] = {}
+    for key, cold in (("ready_seconds", False), ("cold_ready_seconds", True)):
+        per = {m: _ready(starts, m, cold) for m in modes}
+        out[f"{key}_median"] = {m: round(statistics.median(v), 2) for m, v in per.items() if v}
+        out[f"{key}_max"] = {m: round(max(v), 2) for m, v in per.items() if v}
+        out[f"{key}_n"] = {m: len(v) for m, v in per.items() if v}
+    reads = [raw["disk_read"]["seconds"] for raw in raws if raw.get("disk_read")]
+    if reads and statistics.median(reads) > 0:
+        out["disk_read_seconds"] = round(statistics.median(reads), 4)
+        warm, cold = out["ready_seconds_median"], out["cold_ready_seconds_median"]
+        out["cold_extra_over_disk_read"] = {m: round((cold[m] - warm[m]) / out["disk_read_seconds"], 3)
+                                            for m in cold if m in warm}
+    shas = {s["mode"]: s["output_sha256"] for s in starts if s.get("output_sha256")}
+    if shas:
+        out["same_output_every_mode"] = len(set(shas.values())) == 1
+    out["goal_ready_seconds"], out["goal_cold_extra_over_disk_read"] = GOAL_READY_S, GOAL_COLD_RATIO
+    out["failed_starts"] = sum(1 for s in starts if "error" in s or s.get("exit_code") not in (0, None))
+    out["failed_checks"] = sum(1 for s in starts if "check_error" in s)
+    return out
+
+
+def markdown(rec: dict) -> str:
+    s = rec["summary"]
+    lines = [f"# Ready on one H200: {rec['preset']} ({rec['date']})", "",
+             f"Sources: {', '.join(rec['sources'])}. Package set: optional packages installed "
+             f"{rec['optional_packages']}. Goal: ready <= {GOAL_READY_S:.0f} s in every mode, warm-up included; "
+             f"cold extra <= {GOAL_COLD_RATIO} x one read of the folder.", "",
+             "| mode | warm median | warm max | n | cold median | cold max | n | cold extra / disk read |",
+             "|---|---|---|---|---|---|---|---|"]
+    for m in sorted(set(s["ready_seconds_median"]) | set(s["cold_ready_seconds_median"])):
+        row = [s[k].get(m, "") for k in ("ready_seconds_median", "ready_seconds_max", "ready_seconds_n",
+                                         "cold_ready_seconds_median", "cold_ready_seconds_max", "cold_ready_seconds_n")]
+        lines.append(f"| {m} | " + " | ".join(map(str, row)) + f" | {s.get('cold_extra_over_disk_read', {}).get(m, '')} |")
+    lines += ["", f"Disk read of the folder once: {s.get('disk_read_seconds', 'not measured')} s. "
+              f"Same output in every mode: {s.get('same_output_every_mode', 'not checked')}.", "",
+              "Phases of each start (rank 0, seconds; `warmup_*` are the warm-up request's):", ""]
+    for raw in rec["raws"]:
+        for st in raw["starts"]:
+            phases = (st.get("startup_seconds") or {}).get("phases", {})
+            lines.append(f"- {st['mode']} {'cold' if st['cold'] else 'warm'} {st['start']}: ready "
+                         f"{st.get('ready_seconds', st.get('error'))} s; {json.dumps(phases)}")
+    lines += ["", "Commands:", ""] + [f"- `{raw['command']}`" for raw in rec["raws"]]
+    return "\n".join(lines) + "\n"
+
+
+def merge(args: argparse.Namespace) -> None:
+    raws = [json.loads(Path(p).read_text()) for p in args.files]
+    rec = {"date": raws[0]["date"], "preset": raws[0]["preset"], "optional_packages": raws[0]["optional_packages"],
+           "sources": [Path(p).name for p in args.files], "raws": raws, "summary": summarize(raws)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.stem}.json").write_text(json.dumps(rec, indent=1))
+    (args.out / f"{args.stem}.md").write_text(markdown(rec))
+    print(json.dumps(rec["summary"], indent=1))
+
+
+def main() -> None:
+    t0 = time.perf_counter()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="start dlo serve repeatedly and record the seconds to /ready")
+    r.add_argument("--models", type=Path, default=None,
+                   help="folder of the wan21 pipeline, made if missing (default: /tmp/models; /tmp/tiny-models with --dry-run)")
+    r.add_argument("--raw", type=Path, required=True, help="the raw record (rewritten after every start)")
+    r.add_argument("--logs", type=Path, default=None, help="server logs (default: beside --raw)")
+    r.add_argument("--plan", default=DEFAULT_PLAN,
+                   help="comma-separated steps, in order: MODE[:N] warm starts, disk-read, MODE@cold[:N] cold starts "
+                        f"(modes: {', '.join(MODES)}; default: {DEFAULT_PLAN})")
+    r.add_argument("--check-output", action="store_true", help="one image request after each mode's first warm start")
+    r.add_argument("--device", default="cuda")
+    r.add_argument("--ready-timeout", type=float, default=120.0, help="seconds a start may take to /ready")
+    r.add_argument("--time-budget", type=float, default=0.0, metavar="S",
+                   help="start no step that would end more than S seconds after this process started (the longest "
+                        "of its kind so far x 1.2); the skipped steps are listed in the record (0: no budget)")
+    r.add_argument("--dry-run", action="store_true", help="tiny preset on cpu (every step, no figure is a result)")
+    m = sub.add_parser("merge", help="join raw records into <stem>.{json,md} with a summary")
+    m.add_argument("files", nargs="+")
+    m.add_argument("--out", type=Path, default=Path("bench/results"))
+    m.add_argument("--stem", required=True)
+    args = ap.parse_args()
+    if args.cmd == "merge":
+        return merge(args)
+    try:
+        parse_plan(args.plan)
+    except ValueError as e:
+        ap.error(f"--plan: {e}")
+    if args.dry_run:
+        args.device = "cpu"
+    args.models = args.models or Path("/tmp/tiny-models" if args.dry_run else "/tmp/models")
+    args.logs = args.logs or args.raw.parent / "logs"
+    args.t0 = t0
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

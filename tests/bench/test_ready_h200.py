@@ -1,0 +1,62 @@
+"""bench/ready_h200.py (issue 34): the CPU dry run of every step of a start-up measurement (make,
+the folder's disk read, evicting before a cold start, `/ready` with its phases, the output check,
+SIGTERM) and `merge`'s summary."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "bench" / "ready_h200.py"
+
+
+def bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def test_the_plan_is_read_in_order_and_a_bad_item_is_named() -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    import ready_h200
+
+    assert ready_h200.parse_plan("resident:5,rank-local,disk-read,resident@cold:2") == [
+        ("warm", "resident", 5), ("warm", "rank-local", 1), ("disk-read", "", 1), ("cold", "resident", 2)]
+    with pytest.raises(ValueError, match="'resident@hot'"):
+        ready_h200.parse_plan("resident@hot")
+    r = bench("run", "--raw", "/dev/null", "--plan", "fast:2")
+    assert r.returncode == 2 and "--plan: 'fast:2'" in r.stderr
+
+
+@pytest.mark.slow
+def test_the_dry_run_records_warm_and_cold_starts_with_their_phases_and_merge_summarizes_them(tmp_path: Path) -> None:
+    raw = tmp_path / "raw-ready.json"
+    r = bench("run", "--dry-run", "--models", str(tmp_path / "models"), "--raw", str(raw),
+              "--plan", "resident:1,disk-read,resident@cold:1", "--check-output")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rec = json.loads(raw.read_text())
+    assert rec["command"].startswith("python") and "optional_packages" in rec and rec["checkpoint_bytes"] > 0
+    assert rec["disk_read"]["bytes"] == rec["checkpoint_bytes"] and rec["disk_read"]["seconds"] > 0
+    assert rec["disk_read"]["evicted_before"]["resident_ratio"] < 1.0 and rec["skipped_for_time"] == []
+    warm, cold = rec["starts"]
+    assert (warm["cold"], cold["cold"]) == (False, True)
+    assert cold["evicted"]["resident_ratio"] < 1.0 and warm["evicted"] is None
+    for st in (cold, warm):
+        assert st["exit_code"] == 0 and st["ready_seconds"] > 0 and st["mode"] == st["server_mode"] == "resident", st
+        phases = st["startup_seconds"]["phases"]
+        assert {"imports", "engine_models", "settle", "warmup_denoise"} <= set(phases), phases
+    assert len(warm["output_sha256"]) == 64 and "output_sha256" not in cold
+    r = bench("merge", str(raw), "--out", str(tmp_path / "out"), "--stem", "ready-dry")
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "ready-dry.json").read_text())["summary"]
+    assert summary["ready_seconds_median"] == {"resident": round(warm["ready_seconds"], 2)}
+    assert summary["ready_seconds_max"] == {"resident": round(warm["ready_seconds"], 2)}
+    assert summary["cold_ready_seconds_median"] == {"resident": round(cold["ready_seconds"], 2)}
+    assert summary["disk_read_seconds"] == rec["disk_read"]["seconds"]
+    extra = (summary["cold_ready_seconds_median"]["resident"] - summary["ready_seconds_median"]["resident"])
+    assert summary["cold_extra_over_disk_read"]["resident"] == round(extra / summary["disk_read_seconds"], 3)
+    assert summary["failed_starts"] == summary["failed_checks"] == 0 and summary["same_output_every_mode"] is True
+    assert "| resident |" in (tmp_path / "out" / "ready-dry.md").read_text()
