@@ -10,11 +10,12 @@ Must never: import torch, or put a number where the table has none: an unmeasure
 `request_bytes = None` and says why (the policy then falls back to its reserve ratio).
 
 A rank's peak (bytes):
-    weights  = sum over components of what each places (below) x (1 + weights_overhead_ratio)
-    request  = A + R(A),  A = max over the largest accepted requests and the parts a request runs
-               (text encoders, image encoder and VAE encode for image-to-video, each transformer
-               call, the VAE decode: plain, or tiled above `tile_above_pixels`) of the part's fit,
-               R = the allocator fit (reserved beyond the activations)
+    weights  = sum over components of what each places (below) + the table's weights overhead of it
+    request  = max over the largest accepted requests and the parts a request runs (text encoders,
+               image encoder and VAE encode for image-to-video, each transformer call, the VAE
+               decode: plain, or tiled above `tile_above_pixels`; with a threshold below the
+               largest request, also the plain decode of the largest request at the threshold) of
+               the part's fit: the allocator's reserved growth, fragmentation included
     peak     = weights + request
 The phases run one after another and free their activations; the weights and slots stay. Placed
 weights per model with `S` its largest block, `N` its non-block bytes, `k` resident blocks and
@@ -120,7 +121,7 @@ class RankMemory:
     """One rank's predicted device memory in one mode."""
 
     weights: dict[str, int]  # component -> bytes placed (overhead included)
-    request_bytes: int | None  # activations + allocator reserve of the worst phase; None: unmeasured
+    request_bytes: int | None  # the worst phase's reserved growth (activations, fragmentation); None: unmeasured
     worst: str = ""  # that phase and shape, e.g. "vae_decode_tiled at 1920x1920x129"
     unmeasured: str = ""  # why request_bytes is None
     extrapolated: bool = False  # the worst phase's shape lies beyond the measured shapes
@@ -176,8 +177,7 @@ class PipelineMemory:
         weights.update({name: placed_weight_bytes(m, mode, g) if streamed else m.bytes
                         for name, m in self.encoders.items()})
         weights.update(self.whole)
-        ratio = self.table.weights_overhead_ratio or 0.0
-        weights = {name: int(b * (1 + ratio)) for name, b in weights.items()}
+        weights = {name: b + self.table.overhead(b) for name, b in weights.items()}
         return self._with_request(weights)
 
     def _with_request(self, weights: dict[str, int]) -> RankMemory:
@@ -185,8 +185,6 @@ class PipelineMemory:
         if fam is None:
             return RankMemory(weights, None, unmeasured=f"family {self.family!r} is not in the memory table "
                               "(bench/memory_h200.py calibrates it)")
-        if self.table.allocator is None:
-            return RankMemory(weights, None, unmeasured="the memory table has no allocator fit")
         worst: tuple[int, str, bool] | None = None
         for part, shape in self._phases():
             fit = fam.parts.get(part)
@@ -198,24 +196,45 @@ class PipelineMemory:
                 label = part if part.startswith(("text", "image")) else f"{part} at {shape}"
                 worst = (need, label, fit.extrapolated(x))
         assert worst is not None  # every pipeline runs a transformer and a decode
-        activation, label, extrapolated = worst
-        reserve = self.table.allocator.predict({"activation": float(activation)})
-        return RankMemory(weights, activation + reserve, label, extrapolated=extrapolated)
+        need, label, extrapolated = worst
+        return RankMemory(weights, need, label, extrapolated=extrapolated)
 
     def _phases(self) -> Iterable[tuple[str, Shape]]:
-        """(part, shape) of every phase the largest accepted requests run."""
+        """(part, shape) of every phase the largest accepted requests run; where the tiling threshold
+        lies below one, the largest request it leaves plain decodes plain too."""
         for shape in largest_requests(self.bounds, self.geometry):
             for name in self.encoders:
                 yield name, shape
             for name in self.whole:
                 if name.startswith("text_encoder"):
                     yield name, shape
-            tiled = shape.width * shape.height * shape.frames * shape.batch > self.tile_above_pixels
+            tiled = decoded_pixels(shape) > self.tile_above_pixels
+            plain = self._largest_plain(shape) if tiled else shape
             if self.geometry.image_input:
                 yield "image_encoder", shape
                 yield "vae_encode_tiled" if tiled else "vae_encode", shape
+                if plain is not None and plain is not shape:
+                    yield "vae_encode", plain
             yield "transformer", shape
             yield "vae_decode_tiled" if tiled else "vae_decode", shape
+            if plain is not None and plain is not shape:
+                yield "vae_decode", plain
+
+    def _largest_plain(self, shape: Shape) -> Shape | None:
+        """The largest request below `shape` that the threshold leaves plain (fewer frames, or
+        fewer images, at the largest size; None when not one frame or image of it is plain)."""
+        area = shape.width * shape.height
+        if self.geometry.temporal_factor and shape.frames > 1:
+            t = self.geometry.temporal_factor
+            frames = (self.tile_above_pixels // (area * shape.batch) - 1) // t * t + 1
+            return Shape(shape.width, shape.height, frames, shape.batch) if frames >= 1 else None
+        n = self.tile_above_pixels // area
+        return Shape(shape.width, shape.height, 1, min(n, shape.batch)) if n >= 1 else None
+
+
+def decoded_pixels(shape: Shape) -> int:
+    """What the tiling threshold compares: width x height x frames x images."""
+    return shape.width * shape.height * max(1, shape.frames) * shape.batch
 
 
 def largest_fitting_size(memory: PipelineMemory, mode: str, g: int, budget: int) -> int | None:
