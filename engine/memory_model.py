@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from dlo.engine.facts import ModelFacts
 from dlo.engine.memory_table import FamilyTable, MemoryTable, part_features
@@ -169,12 +169,15 @@ class PipelineMemory:
     def with_bounds(self, bounds: RequestBounds) -> "PipelineMemory":
         return dataclasses.replace(self, bounds=bounds)
 
-    def rank(self, mode: str, g: int = 1, resident_blocks: int = 0) -> RankMemory:
-        """The rank's weights and the largest accepted request's needs in `mode` (`g` sharing ranks)."""
+    def rank(self, mode: str, g: int = 1, resident_blocks: int | Mapping[str, int] = 0) -> RankMemory:
+        """The rank's weights and the largest accepted request's needs in `mode` (`g` sharing ranks);
+        `resident_blocks`: per transformer, or per streamed model by name."""
         mode = mode.replace("_", "-")
         streamed = mode != "resident" and self.stream_encoders
-        weights = {name: placed_weight_bytes(m, mode, g, resident_blocks) for name, m in self.transformers.items()}
-        weights.update({name: placed_weight_bytes(m, mode, g) if streamed else m.bytes
+        kept = (resident_blocks if isinstance(resident_blocks, Mapping)
+                else {name: resident_blocks for name in self.transformers})
+        weights = {name: placed_weight_bytes(m, mode, g, kept.get(name, 0)) for name, m in self.transformers.items()}
+        weights.update({name: placed_weight_bytes(m, mode, g, kept.get(name, 0)) if streamed else m.bytes
                         for name, m in self.encoders.items()})
         weights.update(self.whole)
         weights = {name: b + self.table.overhead(b) for name, b in weights.items()}

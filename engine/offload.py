@@ -3,7 +3,9 @@
 Owns: `load` (the orchestrator: parse the checkpoint, build the model on meta, place resident
 weights, prepare the host weights, start the `SlotPrefetcher`, attach its hooks, report) and
 `OffloadedModel` (what callers hold: the module, the report, `gather_only`, `stats`, `close`),
-and which blocks stay resident (`spread_resident`, `resident_blocks="auto"`).
+which blocks stay resident (`spread_resident`), and the shard group's agreement on how many
+(`agree_on_resident_blocks`; `--resident-blocks auto` itself is sized from the device budget and
+the memory table before any load: `dlo.engine.memory_plan`).
 Must never: run the hot path itself (`dlo.engine.prefetch` does, under its `[Note: stream
 lifetimes]` and `[Note: collective order]`), or modify a module other than through `dlo.engine.hooks`.
 
@@ -37,7 +39,7 @@ from dlo.engine.peergather import agree_on_path
 from dlo.engine.platform import Platform, get_platform
 from dlo.engine.prefetch import OffloadedBlock, SlotPrefetcher
 from dlo.engine.report import GatherStats, LoadReport
-from dlo.engine.settings import OffloadSettings
+from dlo.engine.settings import ConfigError, OffloadSettings
 from dlo.engine.timing import Laps
 from dlo.engine.transfers import choose_transfer
 from dlo.engine.weights import EarlyRegistration, HostWeights, prepare_host_weights
@@ -45,10 +47,6 @@ from dlo.engine.weights import EarlyRegistration, HostWeights, prepare_host_weig
 log = logging.getLogger(__name__)
 
 __all__ = ["load", "OffloadedModel", "OffloadSettings", "LoadReport", "GatherStats", "MODES", "Mode", "spread_resident"]
-
-# Device memory kept free for activations when `resident_blocks="auto"` sizes resident blocks.
-AUTO_RESIDENT_RESERVE_BYTES = 24 * 1024**3
-
 
 class OffloadedModel:
     """What `load` returns: the module to call, the load report, and `gather_only`."""
@@ -118,8 +116,8 @@ def load(
     DMA-registered: no arena), `arena` (one pinned copy of this rank's shards), or `auto`
     (registered where the platform allows it, else the arena; the report says which and the log
     says why). Resident blocks are spread evenly through the execution order (`spread_resident`);
-    "auto" keeps as many as free device memory allows after `AUTO_RESIDENT_RESERVE_BYTES` for
-    activations (0 on cpu). `early`: the registration of this folder's files already started by the
+    `settings.resident_blocks` is a number here ("auto" is sized by the caller, who knows the
+    requests: `dlo.engine.memory_plan`). `early`: the registration of this folder's files already started by the
     caller (`early_registration`, to overlap it with the caller's own imports); else one starts here
     where it can help, so that the driver pins the page cache while the model is built and the
     resident copies run at DMA speed.
@@ -133,7 +131,7 @@ def load(
     host: HostWeights | None = None
     try:
         ckpt, meta = _parse_and_build(component_dir, early, laps)
-        keep = spread_resident(len(meta.blocks), _resident_count(settings, ckpt, meta, platform, device, group))
+        keep = spread_resident(len(meta.blocks), _resident_count(settings, len(meta.blocks)))
         resident_bytes = _place_resident_weights(ckpt, meta, keep, device, early, laps)
         offloaded = [b for i, b in enumerate(meta.blocks) if i not in keep]
         layouts = [block_layout(ckpt, b, meta.target_dtype) for b in offloaded]
@@ -226,21 +224,25 @@ def _compute_dtype(meta: MetaModel, ckpt: Checkpoint) -> torch.dtype:
     return torch_dtype(max(totals, key=lambda d: totals[d])) if totals else torch.float32
 
 
-def _resident_count(settings: OffloadSettings, ckpt: Checkpoint, meta: MetaModel,
-                    platform: Platform, device: torch.device, group: Any) -> int:
+def _resident_count(settings: OffloadSettings, n_blocks: int) -> int:
     """How many blocks stay on the device (all of them in `resident` mode)."""
     if settings.mode == "resident":
-        return len(meta.blocks)
-    if settings.resident_blocks != "auto":
-        return min(settings.resident_blocks, len(meta.blocks))
-    n = _auto_resident_blocks(ckpt, meta, platform, device)
-    if settings.mode == "allgather" and dist.is_initialized() and dist.get_world_size(group) > 1:
-        # Every rank of a shard group must stream the same blocks (same collectives): the rank with
-        # the least free memory decides.
-        agreed = torch.tensor([n], dtype=torch.int64, device=device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
-        n = int(agreed.item())
-    return n
+        return n_blocks
+    if settings.resident_blocks == "auto":
+        raise ConfigError("resident_blocks 'auto' is sized from the device budget and the largest accepted request "
+                          "(dlo serve does it: dlo.engine.memory_plan); dlo.engine.load takes a number of blocks")
+    return min(settings.resident_blocks, n_blocks)
+
+
+def agree_on_resident_blocks(counts: dict[str, int], mode: str, group: Any, device: torch.device) -> dict[str, int]:
+    """Per model, the smallest count of the shard group's ranks in allgather mode (every rank must
+    stream the same blocks: the same collectives); the counts as they are otherwise."""
+    if mode != "allgather" or not dist.is_initialized() or dist.get_world_size(group) <= 1 or not counts:
+        return counts
+    names = sorted(counts)
+    agreed = torch.tensor([counts[n] for n in names], dtype=torch.int64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+    return dict(zip(names, (int(v) for v in agreed.tolist())))
 
 
 def early_registration(component_dir: Path | str, device: torch.device | str,
@@ -305,22 +307,3 @@ def spread_resident(n_blocks: int, k: int) -> set[int]:
     if k >= n_blocks:
         return set(range(n_blocks))
     return {n_blocks - 1 - (j * n_blocks) // k for j in range(k)}
-
-
-def _auto_resident_blocks(ckpt: Checkpoint, meta: MetaModel, platform: Platform, device: torch.device) -> int:
-    """Leading blocks that fit in free device memory beside the non-block weights, two slots and
-    `AUTO_RESIDENT_RESERVE_BYTES` for activations."""
-    free = platform.free_memory(device)
-    if free <= 0:
-        return 0
-    sizes = [sum(ckpt.tensors[k].nbytes for k in b.keys) for b in meta.blocks]
-    budget = free - AUTO_RESIDENT_RESERVE_BYTES - sum(ckpt.tensors[k].nbytes for k in meta.nonblock)
-    budget -= 2 * max(sizes, default=0)
-    n = 0
-    for size in sizes:
-        if budget < size:
-            break
-        budget -= size
-        n += 1
-    log.info("resident_blocks=auto free=%d reserve=%d -> %d of %d blocks", free, AUTO_RESIDENT_RESERVE_BYTES, n, len(sizes))
-    return n

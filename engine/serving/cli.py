@@ -232,11 +232,11 @@ def main(args: argparse.Namespace) -> int:
         print(f"dlo serve: --max-device-memory needs a cuda or npu device; --device resolved to {device}",
               file=sys.stderr)
         return 2
-    from dlo.engine.serving.budget import DeviceBudgetError, budget_inputs
+    from dlo.engine.serving.budget import DeviceBudgetError, budget_inputs, deployment, plan_settings
 
     try:  # the device budget against the pipeline at its limits (dlo.engine.serving.budget)
-        mode, why = resolve_mode(args.mode, model_dir, dp, device, args.profile, sp=sp,
-                                 **budget_inputs(args, model_dir, limits))
+        dep = deployment(args, model_dir, limits, device)
+        mode, why = resolve_mode(args.mode, model_dir, dp, device, args.profile, sp=sp, **budget_inputs(args, dep))
     except DeviceBudgetError as e:
         print(f"dlo serve: {e}", file=sys.stderr)
         return 2
@@ -246,10 +246,12 @@ def main(args: argparse.Namespace) -> int:
     log.info("serving %s family=%s mode=%s (%s) dp=%d sp=%d device=%s", model_dir, facts.family, mode, why, dp, sp,
              device)
     try:
-        settings = engine_settings(args, mode, device, dp, os.environ)
+        settings, lines = plan_settings(engine_settings(args, mode, device, dp, os.environ), dep)
     except ConfigError as e:
         print(f"dlo serve: {e}", file=sys.stderr)
         return 2
+    for line in lines:
+        log.info("%s", line)
     cfg = RankConfig(
         model_dir=str(model_dir), settings=settings, master_port=free_port(), control_port=free_port(),
         max_sequence_length=limits.max_sequence_length, collective_timeout_s=max(1800.0, 4 * args.progress_timeout),

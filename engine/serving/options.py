@@ -136,9 +136,12 @@ def _add_weights_arguments(parser: argparse.ArgumentParser) -> None:
     """Where the weights live and how much device memory a rank may use."""
     parser.add_argument("--cpu-threads", type=positive_int, default=1,
                         help="intra-op threads per rank on cpu (fixed so results do not depend on dp)")
-    parser.add_argument("--resident-blocks", type=_resident_blocks, default=0,
-                        help="blocks kept on the device instead of streamed, spread evenly through the order; "
-                             "'auto': as many as free device memory allows after an activation reserve")
+    parser.add_argument("--resident-blocks", type=_resident_blocks, default=None,
+                        help="blocks of each streamed model kept on the device instead of streamed, spread evenly "
+                             "through the order; 'auto' (the default on cuda and npu; 0 on cpu): as many as the "
+                             "device budget leaves after the weights and the largest request the limits accept "
+                             "(from the measured memory table) plus a 10%% margin, the transformers first; "
+                             "decided at start and logged with its arithmetic (allgather ranks agree on the smallest)")
     parser.add_argument("--weights", choices=("auto", "arena", "registered"), default="auto",
                         help="host source of block bytes: registered (the page cache itself, read in place; DMA-"
                              "registered on cuda), arena (one pinned copy of this rank's shards), auto (registered "
@@ -195,8 +198,9 @@ def engine_settings(args: argparse.Namespace, mode: Mode, device: DeviceKind, dp
              "ulysses_exchange": args.ulysses_exchange, "register_early": args.register_early}
     chosen = {**from_environment(environ), **{k: v for k, v in flags.items() if v is not None}}
     offload, parallel = split_overrides(chosen)
+    resident = args.resident_blocks if args.resident_blocks is not None else ("auto" if device != "cpu" else 0)
     return EngineSettings(
-        offload=OffloadSettings(mode=mode, resident_blocks=args.resident_blocks, weights=args.weights,
+        offload=OffloadSettings(mode=mode, resident_blocks=resident, weights=args.weights,
                                 stream_dtype=args.stream_dtype, **offload),
         parallel=ParallelSettings(dp=dp, sp=args.sp, sp_kind=args.sp_kind, **parallel),
         device=device, max_device_memory=args.max_device_memory,
