@@ -103,16 +103,17 @@ def padded_shard_bytes(block_bytes: int, g: int) -> int:
 
 def placed_weight_bytes(model: ModelFacts, mode: str, g: int = 1, resident_blocks: int = 0) -> int:
     """Device bytes one model's weights take on a rank: all of it resident; else its non-block
-    tensors, the two slots and `resident_blocks` blocks (counted at the largest block's size)."""
+    tensors, the two slots (FP8 streaming: and the buffer a block is dequantized into) and
+    `resident_blocks` blocks (counted at the largest block's size, in the compute dtype)."""
     mode = mode.replace("_", "-")
     s = model.largest_block_bytes
     if mode == "resident":
-        return model.bytes
-    kept = min(resident_blocks, model.blocks) * s
+        return model.compute_bytes or model.bytes
+    kept = min(resident_blocks, model.blocks) * (model.compute_block_bytes or s)
     if mode == "rank-local":
-        return model.nonblock_bytes + 2 * s + kept
+        return model.nonblock_bytes + 2 * s + model.dequant_bytes + kept
     if mode == "allgather":
-        return model.nonblock_bytes + 2 * g * padded_shard_bytes(s, g) + kept
+        return model.nonblock_bytes + 2 * g * padded_shard_bytes(s, g) + model.dequant_bytes + kept
     raise ValueError(f"unknown mode {mode!r}")
 
 
@@ -257,9 +258,11 @@ def largest_fitting_size(memory: PipelineMemory, mode: str, g: int, budget: int)
 
 
 def pipeline_memory(model_dir: Path | str, bounds: RequestBounds, *, tile_above_pixels: int,
-                    stream_encoders: bool = True, table: MemoryTable | None = None) -> PipelineMemory:
-    """The `PipelineMemory` of a pipeline folder (its configs and safetensors headers; torch-free);
-    `table` defaults to the committed one. A folder that is no pipeline raises ValueError."""
+                    stream_encoders: bool = True, table: MemoryTable | None = None,
+                    stream_dtype: str = "bfloat16") -> PipelineMemory:
+    """The `PipelineMemory` of a pipeline folder (its configs and safetensors headers; torch-free),
+    its transformers streamed as `stream_dtype`; `table` defaults to the committed one. A folder
+    that is no pipeline raises ValueError."""
     from dlo.engine.checkpoint import cached_checkpoint, read_json_config
     from dlo.engine.blocks import describe
     from dlo.engine.families import pipeline_facts
@@ -268,7 +271,7 @@ def pipeline_memory(model_dir: Path | str, bounds: RequestBounds, *, tile_above_
     facts = pipeline_facts(root)
     index = read_json_config(root / "model_index.json")
     streamable = facts.adapter.streamable_encoders
-    transformers = {name: describe(root / name) for name in facts.transformers}
+    transformers = {name: describe(root / name, stream_dtype) for name in facts.transformers}
     encoders = {name: describe(root / name) for name in streamable if (root / name).is_dir()}
     whole: dict[str, int] = {}
     for name, spec in index.items():

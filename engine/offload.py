@@ -32,12 +32,14 @@ from dlo.engine.checkpoint import Checkpoint, cached_checkpoint
 from dlo.engine.dtypes import torch_dtype
 from dlo.engine.facts import MODES, Mode
 from dlo.engine.blocks import block_layout
+from dlo.engine.fp8 import Fp8Plan, fp8_plan, wire_layout
 from dlo.engine.hooks import HookSet, attach_prefetcher
 from dlo.engine.checkpoint import CheckpointError
 from dlo.engine.model import MetaModel, assert_nothing_on_meta, build_meta_model, move_free_buffers, owner_of, set_tensor
 from dlo.engine.peergather import agree_on_path
 from dlo.engine.platform import Platform, get_platform
 from dlo.engine.prefetch import OffloadedBlock, SlotPrefetcher
+from dlo.engine.quantize import InMemoryFp8, resident_fp8
 from dlo.engine.report import GatherStats, LoadReport
 from dlo.engine.settings import ConfigError, OffloadSettings
 from dlo.engine.timing import Laps
@@ -131,16 +133,20 @@ def load(
     host: HostWeights | None = None
     try:
         ckpt, meta = _parse_and_build(component_dir, early, laps)
+        fp8 = fp8_plan(ckpt, (k for b in meta.blocks for k in b.keys), settings.stream_dtype)
         keep = spread_resident(len(meta.blocks), _resident_count(settings, len(meta.blocks)))
-        resident_bytes = _place_resident_weights(ckpt, meta, keep, device, early, laps)
+        resident_bytes = _place_resident_weights(ckpt, meta, keep, device, early, laps, fp8)
         offloaded = [b for i, b in enumerate(meta.blocks) if i not in keep]
-        layouts = [block_layout(ckpt, b, meta.target_dtype) for b in offloaded]
+        wires = [_wire(ckpt, b, meta, fp8) for b in offloaded]
+        layouts = [lay for lay, _ in wires]
         g, r = _shard_group(settings.mode, group)
         stream = None
         if offloaded:  # the host weights adopt the registrations they use and release the rest
-            host = prepare_host_weights(ckpt, layouts, meta.target_dtype, g, r, platform, settings.weights, early)
+            derived = InMemoryFp8(ckpt, dict(fp8.quantized)).bytes_of if fp8 is not None and not fp8.stored else None
+            host = prepare_host_weights(ckpt, layouts, meta.target_dtype, g, r, platform, settings.weights, early,
+                                        derived=derived)
             laps.lap("host_weights")
-            stream = _start_streaming(meta, offloaded, layouts, host, settings, platform, device, group, g, r)
+            stream = _start_streaming(meta, offloaded, wires, host, settings, platform, device, group, g, r)
             laps.lap("slots")
     except BaseException:
         if host is not None:  # e.g. the slots did not fit: nothing stays registered or pinned
@@ -157,7 +163,7 @@ def load(
         blocks=len(offloaded),
         largest_block_bytes=max((lay.nbytes for lay in layouts), default=0),
         host_pinned_bytes=host.pinned_bytes if host else 0,
-        slot_bytes=2 * prefetcher.slot_bytes if prefetcher else 0,
+        slot_bytes=prefetcher.device_bytes if prefetcher else 0,
         resident_bytes=resident_bytes,
         load_seconds=time.perf_counter() - t0,
         shard_group_size=g,
@@ -183,24 +189,33 @@ def _parse_and_build(component_dir: Path | str, early: EarlyRegistration | None,
 
 
 def _place_resident_weights(ckpt: Checkpoint, meta: MetaModel, keep: set[int], device: torch.device,
-                            early: EarlyRegistration | None, laps: Laps) -> int:
+                            early: EarlyRegistration | None, laps: Laps, fp8: Fp8Plan | None = None) -> int:
     """Step 2: the non-block weights and the kept blocks onto the device (from the registered page
-    cache when an early registration went through); returns their bytes."""
+    cache when an early registration went through; FP8 weights dequantized as streamed ones are, so
+    every mode computes with the same values); returns their bytes."""
     if early is not None:
         early.wait()
     laps.lap("registration_wait")
-    placed = _place_resident(ckpt, meta, keep, device)
+    placed = _place_resident(ckpt, meta, keep, device, fp8)
     _bind_aliases(meta)
     laps.lap("resident_copies")
     return placed
 
 
-def _start_streaming(meta: MetaModel, offloaded: list[Any], layouts: list[Any], host: HostWeights,
-                     settings: OffloadSettings, platform: Platform, device: torch.device, group: Any,
-                     g: int, r: int) -> tuple[SlotPrefetcher, HookSet]:
+def _wire(ckpt: Checkpoint, block: Any, meta: MetaModel, fp8: Fp8Plan | None) -> tuple[Any, tuple[Any, ...]]:
+    """A streamed block's slot layout, and where its FP8 weights are dequantized to (none without FP8)."""
+    if fp8 is None:
+        return block_layout(ckpt, block, meta.target_dtype), ()
+    return wire_layout(ckpt, block.keys, meta.target_dtype, fp8)
+
+
+def _start_streaming(meta: MetaModel, offloaded: list[Any], wires: list[tuple[Any, tuple[Any, ...]]],
+                     host: HostWeights, settings: OffloadSettings, platform: Platform, device: torch.device,
+                     group: Any, g: int, r: int) -> tuple[SlotPrefetcher, HookSet]:
     """Step 3: how blocks move (`choose_transfer`, once, for every streamed block), the slot
     prefetcher over the streamed blocks, and its hooks on the module."""
-    blocks = [OffloadedBlock(meta.block_module(b), lay, lay.shard_bytes(g)) for b, lay in zip(offloaded, layouts)]
+    blocks = [OffloadedBlock(meta.block_module(b), lay, lay.shard_bytes(g), dequant=pieces)
+              for b, (lay, pieces) in zip(offloaded, wires)]
     if settings.mode == "allgather" and g > 1:  # the same transfer on every rank of the shard group
         agree_on_path(group, device, settings.transfer)
     else:  # nothing to gather from peers: one rank, or no collective
@@ -264,12 +279,16 @@ def early_registration(component_dir: Path | str, device: torch.device | str,
     return EarlyRegistration(cached_checkpoint(component_dir), platform, device)
 
 
-def _place_resident(ckpt: Checkpoint, meta: MetaModel, keep: set[int], device: torch.device) -> int:
+def _place_resident(ckpt: Checkpoint, meta: MetaModel, keep: set[int], device: torch.device,
+                    fp8: Fp8Plan | None = None) -> int:
     """Copy the non-block weights and the kept blocks to the device; returns their bytes."""
     names = list(meta.nonblock) + [k for i in sorted(keep) for k in meta.blocks[i].keys]
     placed = 0
     for name in names:
-        value = ckpt.view(name).to(device=device, dtype=torch_dtype(meta.target_dtype[name]), copy=True)
+        if fp8 is not None and name in fp8.quantized:
+            value = resident_fp8(ckpt, fp8, name, device, torch_dtype(meta.target_dtype[name]))
+        else:
+            value = ckpt.view(name).to(device=device, dtype=torch_dtype(meta.target_dtype[name]), copy=True)
         set_tensor(meta.module, name, value)
         placed += value.numel() * value.element_size()
     return placed + move_free_buffers(meta.module, device, set(meta.target_dtype))

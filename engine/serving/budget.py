@@ -32,7 +32,8 @@ class DeviceBudgetError(ConfigError):
     and the smallest budget, or the largest `--max-size`, that would."""
 
 
-def deployment_memory(model_dir: Path, limits: Limits, *, stream_encoders: bool = True) -> PipelineMemory:
+def deployment_memory(model_dir: Path, limits: Limits, *, stream_encoders: bool = True,
+                      stream_dtype: str = "bfloat16") -> PipelineMemory:
     """The pipeline's memory at `limits` (`dlo.engine.memory_model.pipeline_memory`); a memory table
     or a component header that does not parse is a `DeviceBudgetError` naming it."""
     from dlo.engine.memory_model import RequestBounds, pipeline_memory
@@ -43,8 +44,10 @@ def deployment_memory(model_dir: Path, limits: Limits, *, stream_encoders: bool 
                            limits.max_sequence_length)
     try:
         return pipeline_memory(model_dir, bounds, tile_above_pixels=VAE_TILE_ABOVE_PIXELS,
-                               stream_encoders=stream_encoders)
+                               stream_encoders=stream_encoders, stream_dtype=stream_dtype)
     except TableError as e:
+        raise DeviceBudgetError(str(e)) from None
+    except ConfigError as e:  # an FP8 folder (dlo quantize) without --stream-dtype fp8
         raise DeviceBudgetError(str(e)) from None
     except (KeyError, ValueError) as e:  # a component's config or safetensors header (CheckpointError)
         raise DeviceBudgetError(f"{model_dir}: cannot read the pipeline's weights: {e}") from None
@@ -62,7 +65,8 @@ class Deployment:
 def deployment(args: Any, model_dir: Path, limits: Limits, device: str) -> Deployment:
     """`deployment_memory` for `dlo serve`'s options, this host's budget (`local_budget`) and the
     tiling rule it implies (`dlo.engine.memory_plan.tiling_for_budget`)."""
-    memory = deployment_memory(model_dir, limits, stream_encoders=args.stream_text_encoders)
+    memory = deployment_memory(model_dir, limits, stream_encoders=args.stream_text_encoders,
+                               stream_dtype=args.stream_dtype)
     if device not in ("cuda", "npu"):
         return Deployment(memory, None, "no device budget on cpu: the fixed rule")
     from dlo.engine.devices import device_facts

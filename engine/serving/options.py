@@ -154,7 +154,14 @@ def _add_weights_arguments(parser: argparse.ArgumentParser) -> None:
                              "naming the smallest budget or the largest --max-size that would; an error on cpu or "
                              "above the device's memory; default: the device's memory")
     parser.add_argument("--stream-dtype", choices=STREAM_DTYPES, default="bfloat16",
-                        help="the dtype streamed blocks are held in on the host and copied as")
+                        help="how the transformers' streamed blocks are held on the host and copied: bfloat16 (as the "
+                             "folder stores them) or fp8 (each linear weight float8 e4m3 with a float32 scale per "
+                             "output row, dequantized into bfloat16 on the device after the copy: half the bytes over "
+                             "H2D and AllGather, compute stays bfloat16; norms, biases and small tensors stay "
+                             "bfloat16). fp8 reads a `dlo quantize` folder from the page cache (no extra host "
+                             "memory), or converts a bfloat16 folder at load into each rank's pinned arena (half "
+                             "the streamed blocks' bytes, 1/dp each in allgather). Outputs differ from bfloat16; "
+                             "they are identical across modes and dp")
     parser.add_argument("--stream-text-encoders", action=argparse.BooleanOptionalAction, default=True,
                         help="in the offloaded modes, the large text encoder (Wan's UMT5-XXL, Flux's T5-XXL, "
                              "Qwen-Image's Qwen2.5-VL) streams through the engine block by block in the same mode as "

@@ -110,9 +110,12 @@ class ServingPipeline:
             # the same mode and shard group, loaded in the same order on every rank (each load gathers
             # its first block: the collective order starts here); then the streamed encoders.
             for name in streamed:
-                self.models[name] = dlo.engine.load(Path(model_dir) / name,
-                                                    settings=settings.offload.but(resident_blocks=kept[name]),
-                                                    device=self.device, group=group, early=early.pop(name))
+                # FP8 streaming is the transformers' (`dlo quantize` converts only them): in resident mode the
+                # text encoders load whole in their own dtype, so they stream in it too (same bytes in every mode)
+                dtype = settings.offload.stream_dtype if name in self.facts.transformers else "bfloat16"
+                self.models[name] = dlo.engine.load(
+                    Path(model_dir) / name, settings=settings.offload.but(resident_blocks=kept[name], stream_dtype=dtype),
+                    device=self.device, group=group, early=early.pop(name))
         except BaseException:
             for m in self.models.values():  # a later load failed: nothing stays pinned
                 m.close()
