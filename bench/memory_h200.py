@@ -106,7 +106,7 @@ def _make(folder: Path, plan: Plan, device: str, dry_run: bool) -> dict:
     """The pipeline folder: `dlo make-random-model` in a child process on the device (this process
     holds no device memory while the families are measured); in this process for the dry run."""
     if not dry_run:
-        from pipeline_h200 import make  # the same make (skipped when present) as the pipeline bench
+        from model_folders import make  # the same make (skipped when present) as the pipeline bench
 
         return make(folder, plan.preset, plan.layers, device)
     from dlo.engine.presets import preset
