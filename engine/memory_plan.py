@@ -95,7 +95,8 @@ def resident_plan(memory: PipelineMemory, mode: str, g: int, budget: int) -> tup
             _fill(counts, group, peak, budget)
     placed = peak(counts)
     models = {**memory.transformers, **memory.encoders}
-    per_block = {name: _block_bytes(memory, models[name].largest_block_bytes) for name in counts}
+    per_block = {name: _block_bytes(memory, models[name].compute_block_bytes or models[name].largest_block_bytes)
+                 for name in counts}
     plan = ResidentPlan(blocks=counts, block_bytes=per_block, budget_bytes=budget, spare_bytes=max(0, budget - placed),
                         encoders=tuple(memory.encoders))
     kept = ", ".join(f"{n} {counts[n]} of {models[n].blocks} ({format_gb(per_block[n])} each)" for n in counts)
@@ -106,7 +107,8 @@ def resident_plan(memory: PipelineMemory, mode: str, g: int, budget: int) -> tup
 
 
 def _block_bytes(memory: PipelineMemory, block: int) -> int:
-    """What one more resident block places: the block and the table's overhead per byte."""
+    """What one more resident block places (in the compute dtype: FP8 streaming keeps it dequantized):
+    the block and the table's overhead per byte."""
     fit = memory.table.weights_overhead
     return block + (math.ceil(fit.coef[1] * block) if fit is not None and len(fit.coef) > 1 else 0)
 

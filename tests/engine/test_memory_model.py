@@ -85,6 +85,15 @@ def test_placed_weights_per_mode() -> None:
     assert placed_weight_bytes(WAN_T, "allgather", 8) == 500_000_000 + 2 * 8 * shard
 
 
+def test_fp8_streaming_places_half_slots_a_dequant_buffer_and_resident_blocks_in_bfloat16() -> None:
+    fp8 = dataclasses.replace(WAN_T, largest_block_bytes=352_000_000, dequant_bytes=702_000_000,
+                              compute_block_bytes=703_000_000, compute_bytes=WAN_T.bytes)
+    assert placed_weight_bytes(fp8, "rank-local") == placed_weight_bytes(WAN_T, "rank-local") - 2 * 351_000_000 + 702_000_000
+    assert placed_weight_bytes(fp8, "rank-local", resident_blocks=3) == 500_000_000 + 2 * 352_000_000 + 702_000_000 \
+        + 3 * 703_000_000
+    assert placed_weight_bytes(fp8, "resident") == WAN_T.bytes  # dequantized at placement
+
+
 def test_a_ranks_peak_over_the_small_test_table() -> None:
     m = wan(RequestBounds(832, 480, 17, 1, 512))
     rank = m.rank("rank-local")
