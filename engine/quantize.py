@@ -104,6 +104,7 @@ def quantize_folder(src: Path, dst: Path, *, show_progress: bool = True) -> dict
             raise QuantizeError(f"SRC {src}: {name} already holds FP8 weights")
     need = sum(_fp8_bytes(c, src / name) for name, c in ckpts.items())
     partial = dst.with_name(dst.name + ".partial")
+    dst.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(dst.parent).free
     if need > free:
         raise QuantizeError(f"DST {dst}: the FP8 transformers need {need / 2**30:.2f} GiB and "
