@@ -24,6 +24,7 @@ from dlo.cli.args import (
     non_negative_int,
     non_negative_seconds,
     positive_int,
+    rank_count,
 )
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ def plan_parser() -> argparse.ArgumentParser:
                    help="largest block's bytes (with --model-bytes)")
     p.add_argument("--blocks", type=non_negative_int, default=0,
                    help="number of blocks (informational, with --model-bytes)")
-    p.add_argument("--dp", type=positive_int, default=None,
+    p.add_argument("--dp", type=rank_count, default=None,
                    help="data-parallel ranks on the node (default: device count, or 1)")
     p.add_argument("--sp", type=positive_int, default=1, help="sequence-parallel degree (default 1)")
     work = p.add_mutually_exclusive_group()
