@@ -1,4 +1,4 @@
 """dlo.agent: the node agent (memory truth, page-cache warmer, topology, policy, exporter).
 
-Never imports torch. May import the torch-free `dlo.engine.checkpoint` and `dlo.engine.families`.
+Never imports torch. May import the torch-free `dlo.engine.checkpoint`, `dlo.engine.families` and `dlo.engine.blocks`.
 """

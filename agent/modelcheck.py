@@ -178,7 +178,7 @@ def check_folder(folder: Path | str) -> ModelError | None:
 
 
 def describe_error(folder: Path, error: CheckpointError) -> ModelError:
-    """The reason for what `dlo.engine.families.describe` found after `check_folder` passed: the
+    """The reason for what `dlo.engine.blocks.describe` found after `check_folder` passed: the
     files disagree with each other (a key in two files, an index and its shards)."""
     root = component_root(folder)
     if isinstance(error.__cause__, OSError):

@@ -1,9 +1,11 @@
 """`dlo plan`: memory and time estimates per mode, and the mode the policy chooses.
 
 Owns: the arguments of `dlo plan` (every count, ratio and path checked up front: bad input is one
-line on stderr and exit 2), reading the node (`--profile`, strict keys, else this machine) and the
-model (`--model` folder or byte counts), the table (mode names never cut, at 80 columns or piped)
-and the exit codes: 0 with a choice, 1 only when no mode fits, 2 for bad input.
+line on stderr and exit 2), reading the node (`--profile`, strict keys, else this machine), the
+device budget (`--max-device-memory`, parsed as `dlo serve` parses it) and the model (`--model`
+folder or byte counts; a pipeline folder adds its text encoders, VAE and the largest request its
+limits accept, from `dlo.engine.memory_model`), the table (mode names never cut, at 80 columns or
+piped) and the exit codes: 0 with a choice, 1 only when no mode fits, 2 for bad input.
 Must never: import torch, or compute an estimate itself (dlo.agent.policy does, with
 `require_bandwidth=False`: memory and fit are answered without a bandwidth, the time is n/a).
 """
@@ -18,19 +20,29 @@ from typing import TYPE_CHECKING
 from dlo.cli.args import (
     UNITS,
     Parser,
+    byte_size,
     existing_dir,
     existing_file,
     fail,
     non_negative_int,
     non_negative_seconds,
     positive_int,
-    rank_count,
 )
 
 if TYPE_CHECKING:
     from dlo.agent.policy import ModeEstimate
     from dlo.agent.profile import NodeProfile
     from dlo.engine.facts import ModelFacts
+    from dlo.engine.memory_model import PipelineMemory
+
+MAX_RANKS = 1024  # ranks on one node: more is no deployment (and overflows the time model)
+
+
+def _ranks(text: str) -> int:
+    value = positive_int(text)
+    if value > MAX_RANKS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_RANKS} ranks on one node (got {value})")
+    return value
 
 
 def plan_parser() -> argparse.ArgumentParser:
@@ -61,9 +73,18 @@ def plan_parser() -> argparse.ArgumentParser:
                    help="largest block's bytes (with --model-bytes)")
     p.add_argument("--blocks", type=non_negative_int, default=0,
                    help="number of blocks (informational, with --model-bytes)")
-    p.add_argument("--dp", type=rank_count, default=None,
-                   help="data-parallel ranks on the node (default: device count, or 1)")
-    p.add_argument("--sp", type=positive_int, default=1, help="sequence-parallel degree (default 1)")
+    p.add_argument("--dp", type=_ranks, default=None,
+                   help=f"data-parallel ranks on the node (default: device count, or 1; at most {MAX_RANKS})")
+    p.add_argument("--sp", type=_ranks, default=1, help="sequence-parallel degree (default 1)")
+    p.add_argument("--max-device-memory", type=byte_size, default=None, metavar="BYTES",
+                   help="the device budget per rank, as `dlo serve --max-device-memory` takes it (an integer, or "
+                        "24GiB, 24GB): plan for a smaller device; default: the device's memory (or the profile's "
+                        "accelerator.budget_bytes)")
+    p.add_argument("--limits", type=existing_file, default=None, metavar="FILE",
+                   help="with a pipeline folder: `dlo serve`'s request limits (JSON or YAML); the device peak "
+                        "counts the largest request they accept (default: dlo serve's default limits)")
+    p.add_argument("--max-size", type=positive_int, default=None,
+                   help="with a pipeline folder: override max_width and max_height, as `dlo serve --max-size`")
     work = p.add_mutually_exclusive_group()
     work.add_argument("--block-compute-seconds", type=non_negative_seconds, metavar="T",
                       help="measured compute time of one block")
@@ -83,7 +104,7 @@ def plan_parser() -> argparse.ArgumentParser:
 def run_plan(argv: list[str]) -> int:
     parser = plan_parser()
     args = parser.parse_args(argv)
-    from dlo.agent.policy import NoModeFits, PolicyError, choose_mode
+    from dlo.agent.policy import NoModeFits, PolicyError, choose_mode, device_budget
     from dlo.agent.profile import CalibrationFragment, NodeProfile, apply_calibration, parse_file
     from dlo.agent.topology import local_profile
 
@@ -93,8 +114,11 @@ def run_plan(argv: list[str]) -> int:
         parser.error("--max-block-bytes goes with --model-bytes (--model reads it from the folder)")
     if args.model_bytes is not None and args.max_block_bytes > args.model_bytes:
         parser.error(f"--max-block-bytes ({args.max_block_bytes}) is larger than --model-bytes ({args.model_bytes})")
+    if (args.dp or 1) * args.sp > MAX_RANKS:
+        parser.error(f"--dp x --sp is {(args.dp or 1) * args.sp} ranks; at most {MAX_RANKS} on one node")
     try:
         model = _plan_model(args)
+        pipeline = _plan_pipeline(args)
         if args.profile is not None:
             profile = parse_file(NodeProfile, args.profile.read_text(), str(args.profile))
         else:
@@ -112,18 +136,25 @@ def run_plan(argv: list[str]) -> int:
         return fail("dlo plan", f"--host-headroom-bytes ({args.host_headroom_bytes}) leaves nothing of the "
                      f"host's {profile.host_memory_bytes} bytes of memory")
     dp = args.dp if args.dp is not None else max(1, profile.accelerator.count)
+    if dp * args.sp > MAX_RANKS:
+        return fail("dlo plan", f"{dp * args.sp} ranks (the profile's device count x --sp); at most {MAX_RANKS}")
+    if args.max_device_memory is not None and not profile.accelerator.memory_bytes:
+        return fail("dlo plan", "--max-device-memory needs a node with accelerators (this one has none; give "
+                    "--profile FILE of one)")
+    budget = None if not profile.accelerator.memory_bytes else device_budget(
+        profile, args.max_device_memory, pipeline.context_bytes if pipeline else 0)
     try:
         decision = choose_mode(
             profile, model, dp=dp, sp=args.sp, tokens_per_rank=args.tokens,
             host_headroom_bytes=args.host_headroom_bytes, block_compute_seconds=args.block_compute_seconds,
-            require_bandwidth=False,
+            require_bandwidth=False, device_budget_bytes=args.max_device_memory, pipeline=pipeline,
         )
     except NoModeFits as e:
         if args.json:
-            print(json.dumps({"choice": None, "error": str(e),
+            print(json.dumps({"choice": None, "error": str(e), "device_budget_bytes": budget,
                               "modes": {k: v.model_dump() for k, v in e.estimates.items()}}, indent=1))
         else:
-            _print_plan_table(e.estimates, model, profile, dp * args.sp)
+            _print_plan_table(e.estimates, model, profile, dp * args.sp, budget, pipeline)
             print(f"dlo plan: {e}", file=sys.stderr)
         return 1
     except PolicyError as e:  # inputs that describe no deployment
@@ -131,7 +162,7 @@ def run_plan(argv: list[str]) -> int:
     if args.json:
         print(json.dumps(decision.plan_json(), indent=1))
     else:
-        _print_plan_table(decision.estimates, model, profile, dp * args.sp)
+        _print_plan_table(decision.estimates, model, profile, dp * args.sp, budget, pipeline)
         from rich.console import Console
 
         Console().print(f"[bold]choice: {decision.engine_mode}[/bold] - {decision.reason}", markup=True,
@@ -143,13 +174,39 @@ def _plan_model(args: argparse.Namespace) -> ModelFacts:
     from dlo.engine.facts import ModelFacts
 
     if args.model is not None:
-        from dlo.engine.families import describe
+        from dlo.engine.blocks import describe
 
         return describe(args.model)
     return ModelFacts(bytes=args.model_bytes, largest_block_bytes=args.max_block_bytes, blocks=args.blocks)
 
 
-def _print_plan_table(estimates: dict[str, ModeEstimate], model: ModelFacts, profile: NodeProfile, g: int) -> None:
+def _plan_pipeline(args: argparse.Namespace) -> PipelineMemory | None:
+    """A pipeline folder's memory at its limits (None for a transformer folder or byte counts)."""
+    from dlo.engine.families import pipeline_facts
+
+    try:
+        if args.model is None:
+            raise ValueError("no folder")
+        pipeline_facts(args.model)
+    except ValueError:  # a transformer folder, or byte counts: the transformer alone
+        if args.limits is not None or args.max_size is not None:
+            raise ValueError("--limits and --max-size need --model PIPELINE_DIR (a diffusers pipeline folder)") from None
+        return None
+    from dlo.engine.memory_model import RequestBounds, pipeline_memory
+    from dlo.engine.serving.limits import Limits
+    from dlo.engine.serving.pipeline import VAE_TILE_ABOVE_PIXELS
+
+    try:
+        limits = Limits.load(args.limits, max_width=args.max_size, max_height=args.max_size)
+    except Exception as e:  # pydantic's ValidationError, YAML and JSON errors: one line naming the file
+        raise ValueError(f"--limits {args.limits}: {e}") from None
+    bounds = RequestBounds(limits.max_width, limits.max_height, limits.max_frames, limits.max_n,
+                           limits.max_sequence_length)
+    return pipeline_memory(args.model, bounds, tile_above_pixels=VAE_TILE_ABOVE_PIXELS)
+
+
+def _print_plan_table(estimates: dict[str, ModeEstimate], model: ModelFacts, profile: NodeProfile, g: int,
+                      budget: int | None = None, pipeline: PipelineMemory | None = None) -> None:
     from rich import box
     from rich.console import Console
     from rich.measure import Measurement
@@ -161,22 +218,25 @@ def _print_plan_table(estimates: dict[str, ModeEstimate], model: ModelFacts, pro
         return f"{n / 1e9:,.1f}"
 
     title = (
-        f"model {gb(model.bytes)} GB, largest block {gb(model.largest_block_bytes)} GB; {g} ranks; "
+        f"model {gb(model.bytes)} GB (page cache in every mode), largest block {gb(model.largest_block_bytes)} GB; "
+        f"{g} ranks; "
         f"host {gb(profile.host_memory_bytes)} GB, device {gb(profile.accelerator.memory_bytes)} GB"
+        + (f", budget {gb(budget)} GB" if budget is not None and budget != profile.accelerator.memory_bytes else "")
     )
     # No vertical rules and the units in the headers: the table fits 80 columns (a pipe, a log,
     # a small terminal) without cutting anything.
     t = Table(box=box.SIMPLE_HEAD)
     # The mode is never cut (`rank-loc…`): its column keeps its width whatever the console's.
     t.add_column("mode", justify="left", no_wrap=True, min_width=max(len(mode_of_key(k)) for k in MODE_KEYS))
-    for col in ("pinned\nhost GB", "page\ncache GB", "cold-start\npeak GB", "device\nweights GB", "fits",
+    # the page cache is the model in every mode: in the title, not a column
+    for col in ("pinned\nhost GB", "cold-start\npeak GB", "device\nweights GB", "device\npeak GB", "fits",
                 "time per\nblock ms"):
         t.add_column(col, justify="right")
     for name, e in estimates.items():
         t.add_row(
-            mode_of_key(name), gb(e.pinned_host_bytes), gb(e.page_cache_bytes), gb(e.cold_start_peak_bytes),  # type: ignore[arg-type]
-            gb(e.device_weight_bytes), "yes" if e.fits else "no",
-            "n/a" if e.block_seconds is None else f"{e.block_seconds * 1e3:.2f}",
+            mode_of_key(name), gb(e.pinned_host_bytes), gb(e.cold_start_peak_bytes),  # type: ignore[arg-type]
+            gb(e.device_weight_bytes), "n/a" if e.device_peak_bytes is None else gb(e.device_peak_bytes),
+            "yes" if e.fits else "no", "n/a" if e.block_seconds is None else f"{e.block_seconds * 1e3:.2f}",
         )
     console = Console(highlight=False)
     widest = Measurement.get(console, console.options.update_width(10_000), t).maximum
@@ -184,9 +244,21 @@ def _print_plan_table(estimates: dict[str, ModeEstimate], model: ModelFacts, pro
         console = Console(highlight=False, width=widest)
     console.print(title, markup=False)
     console.print(t)
-    note = _why_no_time(profile, g)
-    if note:
-        console.print(note, markup=False)
+    for note in (_why_no_time(profile, g), budget is not None and _why_no_peak(estimates, pipeline)):
+        if note:
+            console.print(note, markup=False)
+
+
+def _why_no_peak(estimates: dict[str, ModeEstimate], pipeline: PipelineMemory | None) -> str | None:
+    """Why the device peak is n/a (its device fit then keeps 15% of the budget for the rest)."""
+    if any(e.device_peak_bytes is not None for e in estimates.values()):
+        return None
+    from dlo.agent.policy import DEVICE_RESERVE_RATIO
+
+    why = ("give --model PIPELINE_DIR to count the text encoders, VAE and requests" if pipeline is None
+           else pipeline.rank("rank-local").unmeasured)
+    return (f"device peak n/a: {why}; the device fit keeps {DEVICE_RESERVE_RATIO:.0%} of the budget for "
+            "activations instead.")
 
 
 def _why_no_time(profile: NodeProfile, g: int) -> str | None:

@@ -39,6 +39,9 @@ class Accelerator(_Model):
     model: str = ""
     count: int = Field(0, ge=0)
     memory_bytes: int = Field(0, ge=0, description="memory of ONE device")
+    # What one rank may use of ONE device (a smaller device, or room left for something else): the
+    # policy plans with the smallest of this, memory_bytes and `--max-device-memory`. None: all of it.
+    budget_bytes: int | None = Field(None, ge=1, description="device budget of ONE device (None: its memory)")
     # Dense bf16 rate one device sustains in a DiT block; None: take the nominal figure of `model`.
     bf16_flops: float | None = Field(None, gt=0)
 

@@ -3,7 +3,7 @@
 Owns: building the `NodeProfile` (dlo.agent.profile) from the host - NVML (nvidia-ml-py) for NVIDIA
 devices, `npu-smi info` text for Ascend devices, sysfs for PCIe links and NUMA nodes,
 `/proc/meminfo` for RAM - plus the facts of each model folder under a models root
-(`dlo.engine.families.describe`, page-cache residency). Nominal bandwidths come from
+(`dlo.engine.blocks.describe`, page-cache residency). Nominal bandwidths come from
 dlo.agent.profile unless a `dlo calibrate` fragment is applied.
 Must never: import torch, fail because a device library or tool is missing (no accelerator is a
 valid answer), or write to the host.
@@ -259,7 +259,7 @@ def _folder_signature(folder: Path) -> tuple:
 def _check_and_describe(folder: Path) -> tuple[ModelError | None, ModelFacts | None]:
     """(why the folder is broken or None, its transformer's facts or None); cached per signature."""
     from dlo.engine.checkpoint import CheckpointError
-    from dlo.engine.families import describe
+    from dlo.engine.blocks import describe
 
     try:
         sig = _folder_signature(folder)

@@ -73,7 +73,7 @@ def _build(system: str, ckpt: str, device: str, resident_blocks: int):
             kw["time_waits"] = False
         if system.endswith("_eager"):
             kw["transfer_graphs"] = False
-        m = load(ckpt, **kw, settings=OffloadSettings(mode), device=device)
+        m = load(ckpt, settings=OffloadSettings(mode, **kw), device=device)
         return m, m.prefetcher
     import diffusers
 
@@ -219,10 +219,11 @@ def child(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------------- parent side
 def block_bytes(ckpt: str) -> list[int]:
     from dlo.engine.checkpoint import Checkpoint
-    from dlo.engine.families import FAMILIES, block_layout, group_keys
+    from dlo.engine.blocks import block_layout, group_keys
+    from dlo.engine.families import BLOCK_FAMILIES
 
     ck = Checkpoint(ckpt)
-    blocks, _ = group_keys(set(ck.tensors), FAMILIES["wan"])
+    blocks, _ = group_keys(set(ck.tensors), BLOCK_FAMILIES["wan"])
     return [block_layout(ck, b).nbytes for b in blocks]
 
 

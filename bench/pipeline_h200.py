@@ -1,48 +1,45 @@
-"""Full-size pipelines on the GPU (issue 15 item 5): `dlo serve` over HTTP against the same pipeline
-resident in plain diffusers, a device-memory cap, Wan2.2's two experts, host memory and readiness.
+"""Full-size pipelines on the GPU (issues 15 and 27): `dlo serve` over HTTP against the same pipeline
+in plain diffusers (resident, and group offloading under a device-memory cap), caps with the default
+mode, the largest request the limits accept, Wan2.2's two experts, host memory and readiness.
 
-    # one H200, 64 GiB disk: full Wan2.1-T2V-14B (37.7 GiB) and Flux.1-dev (31.6 GiB) one after the
-    # other (each folder is deleted after its runs), Wan2.2 (64.4 GiB) at two layer counts
-    python bench/pipeline_h200.py --models /tmp/models --out bench/results --wan22-layers 10,20
+    # one H200, 64 GiB disk: one full folder at a time (each is deleted after its runs)
+    python bench/pipeline_h200.py --only wan21 --models /tmp/models --out /tmp/o --logs /tmp/o/logs \
+      --runs diffusers_resident,diffusers_group_offload_capped_24gib,serve_rank_local_partial,serve_default_capped_24gib
     # two H200 (128 GiB disk): Wan2.2 full size, and allgather at dp 2 for the host-memory claim
     python bench/pipeline_h200.py --models /tmp/models --out bench/results --only wan22 --dp 2
     # CPU dry run of every step with the tiny presets (no figure of it is a result)
     python bench/pipeline_h200.py --tiny --models /tmp/tiny-models --out /tmp/pipeline-dry
 
-Runs, per model (`--only wan21,flux,wan22`):
+Models (`--only wan21,wan21i2v,flux,qwen,wan22`), each with one request and the limits the servers
+get (largest size and frames = the request's, one image per request; `--limits-json` adds to them):
 - `make`: `dlo make-random-model --preset P --device cuda` (seconds, bytes), skipped if present;
-- `diffusers_resident`: a child process loads the folder with plain diffusers (`from_pretrained`,
-  bf16, VAE float32, `.to(cuda)`), runs one warm-up at the request's size with 2 steps, then the
-  request: seconds, peak device bytes (allocator), SHA256 of the decoded frames;
-- `serve_<mode>`: `dlo serve` (resident for the bytes reference, rank-local, and allgather at
-  `--dp` > 1; `--max-device-memory 24GiB` for the capped run) with the page cache warm: seconds to
-  `/ready`, the ready report's per-component weights source / host / device bytes, the request
-  over HTTP with the official SDK (seconds, SHA256 of the returned PNG/MP4), the allocator peak per
-  rank from `/metrics`, and host memory of the whole process tree (PSS: the page cache mapped by the
-  ranks counts once) against the checkpoint bytes of the folder;
-- `serve_ready_no_warmup`: seconds to `/ready` with `--no-warmup` (the readiness claim: the load alone),
-  `..._late_registration` the same with `DLO_REGISTER_EARLY=0` (the page cache registered only when
-  the host weights are prepared, not while the imports run), `serve_resident_ready_no_warmup` resident,
-  `..._importtime` with `PYTHONPROFILEIMPORTTIME=1` (the server's import profile in its log);
-- `serve_rank_local_partial_whole_encoder`: the headline run with `--no-stream-text-encoders`
-  (UMT5-XXL / T5-XXL whole on the device instead of streamed, the default).
+- `diffusers_resident`, `diffusers_resident_capped_24gib`, `diffusers_group_offload_capped_24gib`: a
+  child process (`bench/diffusers_baseline.py`) loads the folder with plain diffusers (bf16, VAE
+  float32), resident, or with group offloading at leaf level + stream on the transformers and text
+  encoders, under the allocator cap `dlo serve --max-device-memory` sets; one warm-up at the
+  request's size, then the request (`--requests` times, the fastest kept): seconds, peak device
+  bytes overall and per component, host memory (`/proc/self/smaps_rollup`), SHA256 of the frames;
+- `serve_<run>` (`runs_for`): `dlo serve` with the page cache warm: seconds to `/ready`, the mode it
+  resolved, per-component weights source / host / device bytes, the request over HTTP with the
+  official SDK (seconds, SHA256 of the PNG/MP4; image-to-video sends a mid-grey first frame, Qwen
+  a negative prompt: true CFG), then the largest request the limits accept (`largest_request`:
+  served or not), the allocator peak per rank, and host memory of the whole process tree (PSS from
+  `/proc/PID/smaps_rollup`: anonymous and file-backed apart; the page cache the ranks map counts
+  once) against the checkpoint bytes of the folder. `serve_default_capped_24gib` and `..._12gib`
+  give only the cap (default mode and resident blocks); a server that refuses to start says why in
+  `error` (its log's last line).
 
-The record `pipeline-h200-<date>.json` holds every run and a `summary` with
-`wan21_e2e_over_resident`, `wan21_capped24_over_uncapped`, `flux_e2e_over_resident`,
-`wan22_e2e_over_resident` (null where resident cannot run), `host_bytes_over_checkpoint` (the worst
-run), `wan21_ready_seconds` and `peak_device_bytes` per run and component; the markdown beside it is
-generated from the JSON. Nothing is written into the record that was not measured by this run.
+The record (`pipeline_record.py`: `summary`, markdown, `--merge`) holds every run; nothing is
+written into it that was not measured by a run.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
 import datetime
 import hashlib
 import json
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -53,24 +50,35 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import wan_bench as wb  # noqa: E402
-from import_profile import bytecode_facts, cached, optional_packages_installed  # noqa: E402
+from import_profile import bytecode_facts, optional_packages_installed  # noqa: E402
+
+from _env import multicast_off  # noqa: E402
 
 wb.ensure_dlo_importable()
-for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ[_k] = _v
+multicast_off()  # before torch: the servers and children inherit it
 
-PROMPT = "a lighthouse on a cliff at dusk, waves breaking below"
-SEED = 42
+from host_memory import tree_memory  # noqa: E402
+from pipeline_record import PER_RUN, markdown, merge, summarize  # noqa: E402
+from pipeline_requests import generate, grey_png, largest_request, server_limits  # noqa: E402
+
+CAP_24 = 24 * 2**30
 
 # name -> (preset, request); full size first, the tiny dry run second
 MODELS = {
     "wan21": ("wan2.1-t2v-14b", {"kind": "video", "size": "832x480", "frames": 17, "steps": 10, "guidance": 5.0}),
+    "wan21i2v": ("wan2.1-i2v-14b", {"kind": "video", "size": "832x480", "frames": 17, "steps": 10, "guidance": 5.0,
+                                    "image_input": True}),
     "flux": ("flux.1-dev", {"kind": "image", "size": "1024x1024", "steps": 20, "guidance": 3.5}),
+    "qwen": ("qwen-image", {"kind": "image", "size": "1024x1024", "steps": 10, "guidance": 4.0,
+                            "negative_prompt": True}),
     "wan22": ("wan2.2-t2v-a14b", {"kind": "video", "size": "832x480", "frames": 17, "steps": 10, "guidance": 4.0}),
 }
 TINY = {
     "wan21": ("tiny-wan2.1-t2v", {"kind": "video", "size": "32x32", "frames": 5, "steps": 2, "guidance": 5.0}),
+    "wan21i2v": ("tiny-wan2.1-i2v", {"kind": "video", "size": "32x32", "frames": 5, "steps": 2, "guidance": 5.0,
+                                     "image_input": True}),
     "flux": ("tiny-flux.1-dev", {"kind": "image", "size": "32x32", "steps": 2, "guidance": 3.5}),
+    "qwen": ("tiny-qwen-image", {"kind": "image", "size": "32x32", "steps": 2, "guidance": 4.0, "negative_prompt": True}),
     "wan22": ("tiny-wan2.2-t2v-a14b", {"kind": "video", "size": "32x32", "frames": 5, "steps": 4, "guidance": 4.0}),
 }
 
@@ -100,187 +108,104 @@ def make(model: Path, preset: str, layers: int | None, device: str) -> dict:
     return {"command": " ".join(cmd[1:]), "seconds": round(time.perf_counter() - t0, 2), **json.loads(r.stdout)}
 
 
-# ---- plain diffusers, resident (a child process: its device memory is its own) ---------------------
-def resident_child(model: str, request: dict, device: str) -> dict:
-    import diffusers
-    import numpy as np
-    import torch
-
-    t0 = time.perf_counter()
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    index = json.loads((Path(model) / "model_index.json").read_text())
-    pipe = getattr(diffusers, index["_class_name"]).from_pretrained(
-        model, torch_dtype={"default": dtype, "vae": torch.float32},
-        **{name: _transformer(Path(model) / name, device) for name in ("transformer", "transformer_2")
-           if (index.get(name) or [None])[0] is not None})
-    pipe.to(device)
-    pipe.set_progress_bar_config(disable=True)
-    from dlo.engine.serving.pipeline import decode_in_own_dtype
-
-    decode_in_own_dtype(pipe.vae)  # Flux/QwenImage hand a float32 VAE bfloat16 latents (the same cast dlo serve makes)
-    load = time.perf_counter() - t0
-    w, h = map(int, request["size"].split("x"))
-
-    def call(steps: int) -> Any:
-        kw: dict[str, Any] = dict(prompt=PROMPT, height=h, width=w, num_inference_steps=steps,
-                                  guidance_scale=request["guidance"], output_type="np",
-                                  generator=torch.Generator("cpu").manual_seed(SEED), max_sequence_length=512)
-        if request["kind"] == "video":
-            kw["num_frames"] = request["frames"]
-        with torch.inference_mode():
-            return pipe(**kw)
-
-    # the file a user gets, with the encoder `dlo serve` uses (random weights give noise-like frames:
-    # H.264 of noise costs seconds, of a natural video a fraction of that)
-    from dlo.engine.serving.encode import encode_mp4, encode_png
-
-    call(2)  # warm-up at the request's size
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    timed: list[tuple[float, float]] = []  # (seconds, pipeline seconds) of each repeat
-    for _ in range(max(1, request.get("repeats", 1))):  # as many as the server's requests: the fastest of each
-        t1 = time.perf_counter()
-        out = call(request["steps"])
-        if device == "cuda":
-            torch.cuda.synchronize()
-        pipeline_seconds = time.perf_counter() - t1
-        frames = np.asarray(out.frames if request["kind"] == "video" else out.images)
-        if request["kind"] == "video":
-            encode_mp4(frames[0], 16)
-        else:
-            encode_png(frames[0])
-        timed.append((time.perf_counter() - t1, pipeline_seconds))
-    seconds, pipeline_seconds = min(timed)
-    return {"seconds": round(seconds, 3), "pipeline_seconds": round(pipeline_seconds, 3),
-            "request_seconds": [round(t, 3) for t, _ in timed],
-            "encode_seconds": round(seconds - pipeline_seconds, 3), "load_seconds": round(load, 2),
-            "peak_device_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
-            "frames_sha256": hashlib.sha256(frames.tobytes()).hexdigest()}
+# ---- plain diffusers (a child process: its device and host memory are its own) ---------------------
+DIFFUSERS_RUNS = {
+    "diffusers_resident": {},
+    "diffusers_resident_capped_24gib": {"cap_bytes": CAP_24},
+    "diffusers_group_offload_capped_24gib": {"placement": "group_offload", "cap_bytes": CAP_24},
+}
 
 
-def _transformer(folder: Path, device: str) -> Any:
-    """A diffusers transformer, whole on the device: its safetensors loaded straight to the device and
-    assigned to a skeleton whose parameters are on meta (buffers computed for real). Without the
-    accelerate package `from_pretrained` refuses classes with `_keep_in_fp32_modules`, and a plain
-    `from_config` would first allocate 57 GB of float32 for a 14B model."""
-    import diffusers
-    from safetensors.torch import load_file
-
-    from dlo.engine.model import parameters_on_meta
-
-    config = json.loads((folder / "config.json").read_text())
-    cls = getattr(diffusers, config["_class_name"])
-    with parameters_on_meta():
-        model = cls.from_config(config)
-    state: dict = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        state.update(load_file(f, device=device))
-    model.load_state_dict(state, strict=True, assign=True)  # the stored dtypes: bf16, fp32-kept modules fp32
-    return model.to(device).eval()
-
-
-def diffusers_resident(model: Path, request: dict, device: str) -> dict:
-    r = subprocess.run([sys.executable, __file__, "--_resident-child", str(model), "--_request", json.dumps(request),
-                        "--device", device], capture_output=True, text=True)
+def diffusers_run(model: Path, request: dict, device: str, **extra: Any) -> dict:
+    if device != "cuda":
+        extra.pop("cap_bytes", None)  # no allocator to cap on cpu (the dry run)
+    if extra.get("placement") == "group_offload" and device != "cuda":
+        return {"skipped": "group offloading with a stream needs cuda"}
+    r = subprocess.run([sys.executable, __file__, "--_baseline-child", str(model), "--_request",
+                        json.dumps({**request, **extra}), "--device", device], capture_output=True, text=True)
     if r.returncode != 0:
         tail = r.stderr[-3000:]
-        return {"error": "out of device memory" if "OutOfMemory" in tail else "failed", "stderr_tail": tail}
+        return {"error": "out of device memory" if "OutOfMemory" in tail else "failed", "stderr_tail": tail, **extra}
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 # ---- dlo serve over HTTP -------------------------------------------------------------------------
-def _tree_memory(pid: int) -> dict[str, int]:
-    """Host memory of the server's process tree (PSS: pages shared by ranks count once): in total,
-    in mappings of safetensors files (the page cache the ranks read weights from), and anonymous."""
-    import psutil
-
-    procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    out = {"pss_bytes": 0, "pss_safetensors_bytes": 0, "pss_anon_bytes": 0}
-    for p in procs:
-        try:
-            text = Path(f"/proc/{p.pid}/smaps").read_text()
-        except OSError:
-            continue
-        path = ""
-        for line in text.splitlines():
-            head = line.split()
-            if not head:
-                continue
-            if not head[0].endswith(":") or "-" in head[0]:  # a mapping's first line: range perms ... [path]
-                path = head[5] if len(head) > 5 else ""
-                continue
-            if head[0] == "Pss:":
-                kb = int(head[1]) * 1024
-                out["pss_bytes"] += kb
-                if path.endswith(".safetensors"):
-                    out["pss_safetensors_bytes"] += kb
-            elif head[0] == "Pss_Anon:":
-                out["pss_anon_bytes"] += int(head[1]) * 1024
-    return out
-
-
 def serve(model: Path, request: dict, args: argparse.Namespace, name: str, *flags: str) -> dict:
-    from openai import OpenAI
-
     from dlo.engine.serving.launch import ServerProcess
 
-    w, h = request["size"].split("x")
-    limits = ["--small-limits"] if args.tiny else ["--max-size", str(max(int(w), int(h))), "--max-steps", "50"]
+    limits = server_limits(request, args.tiny, args.limits_json)
+    limit_flags = ["--small-limits"]
+    if not limits.get("small"):
+        (args.logs or args.out).mkdir(parents=True, exist_ok=True)
+        path = (args.logs or args.out) / f"limits-{name}.json"
+        path.write_text(json.dumps(limits))
+        limit_flags = ["--limits", str(path)]
     settings = [f for f in flags if f.startswith(ENV_PREFIXES) and "=" in f]  # e.g. DLO_REGISTER_EARLY=0
     env = dict(f.split("=", 1) for f in settings)
     flags = tuple(f for f in flags if f not in settings)
     extra = [] if "--no-warmup" in flags else ["--warmup-size", request["size"]]
     log = (args.logs or args.out) / f"serve-{name}.log"
-    srv = ServerProcess(model, "--device", args.device, *limits, *extra, *flags, log_path=log, env=env)
+    srv = ServerProcess(model, "--device", args.device, *limit_flags, *extra, *flags, log_path=log, env=env)
+    out: dict[str, Any] = {"flags": list(flags) + extra, "limits": limits}
     t0 = time.perf_counter()
-    srv.start(ready_timeout_s=1800)
-    ready_s = time.perf_counter() - t0
-    out: dict[str, Any] = {"flags": list(flags) + extra, "ready_seconds": round(ready_s, 2)}
+    try:
+        srv.start(ready_timeout_s=1800)
+    except RuntimeError as e:  # refused or failed before ready: the log's last line says why
+        lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
+        return {**out, "error": f"{e}: {lines[-1] if lines else ''}"[-1500:], "exit_code": srv.stop()}
+    out["ready_seconds"] = round(time.perf_counter() - t0, 2)
     if env:
         out["env"] = env
     try:
-        info = srv.ready_info()
-        out["warmup_seconds"] = info.get("warmup_seconds")
-        out["startup_seconds"] = info.get("startup_seconds")  # before_load, load, warmup, total
-        out["component_reports"] = {str(r["rank"]): r.get("component_reports") for r in info["ranks"]}
-        if "--no-warmup" in flags:
-            return out
-        client = OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=3600, max_retries=0)
-        body = {"seed": SEED, "num_inference_steps": request["steps"], "guidance_scale": request["guidance"]}
-        shas, secs = [], []
-        for _ in range(args.requests):  # the first after ready, then warm ones (the same seed: same bytes)
-            t1 = time.perf_counter()
-            if request["kind"] == "video":
-                job = client.videos.create_and_poll(prompt=PROMPT, size=request["size"], poll_interval_ms=50,
-                                                    extra_body={**body, "num_frames": request["frames"]})
-                if job.status != "completed":
-                    raise RuntimeError(f"video failed: {job.error}")
-                data = client.videos.download_content(job.id).read()
-            else:
-                r = client.images.generate(prompt=PROMPT, size=request["size"], response_format="b64_json",
-                                           extra_body=body)
-                data = base64.b64decode(r.data[0].b64_json or "")
-            secs.append(time.perf_counter() - t1)  # video: includes at most one 50 ms poll and the download
-            shas.append(hashlib.sha256(data).hexdigest())
-        m = srv.metrics()
-        out.update({
-            "seconds": round(min(secs), 3), "request_seconds": [round(x, 3) for x in secs],
-            "first_request_seconds": round(secs[0], 3), "output_sha256": shas[0],
-            "same_bytes_every_request": len(set(shas)) == 1,
-            "peak_device_bytes": {lab["rank"]: v for lab, v in m.get("dlo_device_memory_peak_bytes", [])},
-            "host_memory": _tree_memory(srv.proc.pid), "checkpoint_bytes": checkpoint_bytes(model),
-        })
-        # weight bytes the node holds for this server: the mapped page cache (once, whatever dp) plus
-        # every rank's arena (registered weights have none); the runtime (Python, torch, CUDA) is in
-        # host_memory.pss_bytes beside it
-        arenas = sum(c.get("host_bytes", 0) for comps in out["component_reports"].values() for name, c in
-                     (comps or {}).items() if c.get("weights_source") == "arena")
-        out["host_weight_bytes"] = out["host_memory"]["pss_safetensors_bytes"] + arenas
-        out["host_bytes_over_checkpoint"] = round(out["host_weight_bytes"] / out["checkpoint_bytes"], 4)
+        _serve_requests(srv, model, request, limits, args, out, flags)
     finally:
         out["exit_code"] = srv.stop()
     return out
+
+
+def _serve_requests(srv: Any, model: Path, request: dict, limits: dict, args: argparse.Namespace, out: dict,
+                    flags: tuple) -> None:
+    """The requests of one run (the timed ones, then the largest accepted) and what the server held."""
+    from openai import OpenAI
+
+    info = srv.ready_info()
+    out.update(mode=info.get("mode"), warmup_seconds=info.get("warmup_seconds"),
+               startup_seconds=info.get("startup_seconds"),  # before_load, load, warmup, total
+               component_reports={str(r["rank"]): r.get("component_reports") for r in info["ranks"]})
+    if "--no-warmup" in flags:
+        return
+    client = OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=3600, max_retries=0)
+    if request.get("image_input"):  # image-to-video: the same mid-grey first frame as the diffusers child
+        request = {**request, "image": grey_png(request["size"])}
+    shas, secs = [], []
+    for _ in range(args.requests):  # the first after ready, then warm ones (the same seed: same bytes)
+        t1 = time.perf_counter()
+        data = generate(client, request)
+        secs.append(time.perf_counter() - t1)  # video: includes at most one 50 ms poll and the download
+        shas.append(hashlib.sha256(data).hexdigest())
+    out.update({"seconds": round(min(secs), 3), "request_seconds": [round(x, 3) for x in secs],
+                "first_request_seconds": round(secs[0], 3), "output_sha256": shas[0],
+                "same_bytes_every_request": len(set(shas)) == 1})
+    largest = largest_request(limits, request)
+    if largest.get("image"):
+        largest["image"] = grey_png(largest["size"])
+    t1 = time.perf_counter()
+    try:
+        generate(client, largest)
+        out["largest_request"] = {"ok": True, "seconds": round(time.perf_counter() - t1, 3)}
+    except Exception as e:  # a request that fails is recorded, and the server must still answer
+        out["largest_request"] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
+    out["largest_request"].update({k: largest.get(k) for k in ("size", "frames", "n") if largest.get(k)})
+    m = srv.metrics()
+    out.update({"peak_device_bytes": {lab["rank"]: v for lab, v in m.get("dlo_device_memory_peak_bytes", [])},
+                "host_memory": tree_memory(srv.proc.pid), "checkpoint_bytes": checkpoint_bytes(model)})
+    # weight bytes the node holds for this server: the mapped page cache (once, whatever dp) plus
+    # every rank's arena (registered weights have none); the runtime (Python, torch, CUDA) is in
+    # host_memory.pss_bytes beside it
+    arenas = sum(c.get("host_bytes", 0) for comps in out["component_reports"].values() for c in
+                 (comps or {}).values() if c.get("weights_source") == "arena")
+    out["host_weight_bytes"] = out["host_memory"]["pss_safetensors_bytes"] + arenas
+    out["host_bytes_over_checkpoint"] = round(out["host_weight_bytes"] / out["checkpoint_bytes"], 4)
 
 
 # Share of each transformer's blocks kept on the device in the headline offloaded run: enough that
@@ -289,9 +214,10 @@ def serve(model: Path, request: dict, args: argparse.Namespace, name: str, *flag
 # compute per block and call is at least the ~13 ms copy of a 0.7 GB block), so a quarter is margin;
 # Flux.1-dev at 1024x1024 computes ~0.18 s per step against ~0.46 s to stream its 23.8 GB: at 60%
 # resident the copy engine is exactly as busy as the compute and the run measured 1.134x (section 11);
-# 75% leaves the copies slack (the first guess, 45%, assumed 0.28 s per step).
+# 75% leaves the copies slack (the first guess, 45%, assumed 0.28 s per step). Wan2.1-I2V as Wan2.1;
+# Qwen-Image (60 blocks of 0.68 GB, 4,096 image tokens) half, a first guess not yet measured.
 ENV_PREFIXES = ("DLO_", "PYTHON")  # a run's flags of these prefixes are its server's environment
-RESIDENT_SHARE = {"wan21": 0.25, "flux": 0.75, "wan22": 0.25}
+RESIDENT_SHARE = {"wan21": 0.25, "wan21i2v": 0.25, "flux": 0.75, "qwen": 0.5, "wan22": 0.25}
 
 
 def transformer_blocks(model: Path) -> int:
@@ -308,6 +234,9 @@ def runs_for(key: str, args: argparse.Namespace, n_blocks: int) -> dict[str, tup
         "serve_resident": ("--mode", "resident", "--dp", "1"),  # the bytes reference
         "serve_rank_local": rl,  # streaming every block
     }
+    if args.device == "cuda":  # a smaller device, as a new user asks for it: the cap, nothing else
+        runs["serve_default_capped_24gib"] = ("--dp", "1", "--max-device-memory", "24GiB")
+        runs["serve_default_capped_12gib"] = ("--dp", "1", "--max-device-memory", "12GiB")
     if args.dp > 1:  # one request, the other rank gathers only: the host links of dp GPUs pooled
         runs[f"serve_allgather_dp{args.dp}"] = ("--mode", "allgather", "--dp", str(args.dp))
     if args.device == "cuda" and key == "wan21":
@@ -339,10 +268,12 @@ def run_model(key: str, args: argparse.Namespace, layers: int | None, save: Any)
     rec["transformer_blocks"] = transformer_blocks(model)
     rec["page_cache_warm_seconds"] = round(warm_page_cache(model), 2)
     save(rec)
-    if not args.runs or "diffusers_resident" in args.runs.split(","):
-        rec["diffusers_resident"] = diffusers_resident(model, {**request, "repeats": args.requests}, args.device)
-        print(f"{key} diffusers_resident: {json.dumps(rec['diffusers_resident'])[:300]}", file=sys.stderr, flush=True)
-        save(rec)
+    chosen = args.runs.split(",") if args.runs else ["diffusers_resident"]
+    for name, extra in DIFFUSERS_RUNS.items():
+        if name in chosen:
+            rec[name] = diffusers_run(model, {**request, "repeats": args.requests}, args.device, **extra)
+            print(f"{key} {name}: {json.dumps(rec[name])[:300]}", file=sys.stderr, flush=True)
+            save(rec)
     for name, flags in runs_for(key, args, rec["transformer_blocks"]).items():
         try:
             rec[name] = serve(model, request, args, f"{key}-{name}", *flags)
@@ -355,135 +286,20 @@ def run_model(key: str, args: argparse.Namespace, layers: int | None, save: Any)
     return rec
 
 
-def _ratio(a: Any, b: Any) -> float | None:
-    return round(a / b, 4) if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
-
-
-def _call_facts(rec: dict, key: str, run: dict) -> Any:
-    """`rec[key]` as recorded by the call that measured `run` (a merged record keeps one per file)."""
-    facts = rec.get(key)
-    return facts.get(run["source"]) if isinstance(facts, dict) and run and "source" in run else facts
-
-
-def _bytecode_cached(rec: dict, run: dict) -> bool | None:
-    """Whether torch and diffusers had cached bytecode in the call that measured `run` (None: not recorded)."""
-    facts = _call_facts(rec, "bytecode", run)
-    states = [cached(facts, p) for p in ("torch", "diffusers")] if run and facts else [None]
-    return None if None in states else all(states)
-
-
-def _same_bytes(runs: dict) -> bool | None:
-    """Whether the current serve runs (a merge keeps replaced ones as `<name>@<file>`: other code,
-    other bytes) returned the same output; None with fewer than two to compare."""
-    shas = [r["output_sha256"] for n, r in runs.items() if n.startswith("serve_") and "@" not in n
-            and isinstance(r, dict) and "output_sha256" in r]
-    return None if len(shas) < 2 else len(set(shas)) == 1
-
-
-def summarize(rec: dict) -> dict:
-    def run(model: str, name: str) -> dict:
-        """The model's run at full size (key without `@L<layers>`) if it has one, else the first shrunk one."""
-        for k in sorted(rec["models"], key=lambda k: "@" in k):
-            if k.split("@")[0] == model and name in rec["models"][k]:
-                return rec["models"][k][name]
-        return {}
-
-    peaks = {f"{m}/{name}": {"ranks": r.get("peak_device_bytes"), "components": r.get("component_reports")}
-             for m, v in rec["models"].items() for name, r in v.items()
-             if isinstance(r, dict) and "peak_device_bytes" in r}
-    hosts = [r["host_bytes_over_checkpoint"] for v in rec["models"].values() for r in v.values()
-             if isinstance(r, dict) and "host_bytes_over_checkpoint" in r]
-    return {
-        # the headline offloaded run (part of each transformer kept resident, RESIDENT_SHARE) ...
-        "wan21_e2e_over_resident": _ratio(run("wan21", "serve_rank_local_partial").get("seconds"),
-                                          run("wan21", "diffusers_resident").get("seconds")),
-        "wan21_capped24_over_uncapped": _ratio(run("wan21", "serve_capped_24gib").get("seconds"),
-                                               run("wan21", "serve_rank_local_partial").get("seconds")),
-        "flux_e2e_over_resident": _ratio(run("flux", "serve_rank_local_partial").get("seconds"),
-                                         run("flux", "diffusers_resident").get("seconds")),
-        "wan22_e2e_over_resident": _ratio(run("wan22", "serve_rank_local_partial").get("seconds"),
-                                          run("wan22", "diffusers_resident").get("seconds")),
-        # ... every block streamed on one GPU, and one request over the pooled host links of dp GPUs
-        "streamed_only_over_resident": {m: _ratio(
-            v.get("serve_rank_local", {}).get("seconds"), v.get("diffusers_resident", {}).get("seconds"))
-            for m, v in rec["models"].items()},
-        "allgather_single_over_resident": {m: _ratio(r.get("seconds"), v.get("diffusers_resident", {}).get("seconds"))
-                                           for m, v in rec["models"].items() for n, r in v.items()
-                                           if n.startswith("serve_allgather_dp") and "@" not in n
-                                           and isinstance(r, dict)},
-        # our server with everything resident (what the policy picks where the pipeline fits): the
-        # serving cost alone (HTTP, PNG/MP4) against the same pipeline in plain diffusers
-        "serve_resident_over_resident": {m: _ratio(v.get("serve_resident", {}).get("seconds"),
-                                                   v.get("diffusers_resident", {}).get("seconds"))
-                                         for m, v in rec["models"].items()},
-        "host_bytes_over_checkpoint": max(hosts) if hosts else None,
-        "wan21_ready_seconds": run("wan21", "serve_ready_no_warmup").get("ready_seconds"),
-        # ... measured with torch's and diffusers' bytecode cached (as an image pip built has it)?
-        "wan21_ready_bytecode_cached": _bytecode_cached(rec, run("wan21", "serve_ready_no_warmup")),
-        # every such run a merge kept (the spread: start-up is CPU-bound Python, it varies by host load)
-        "wan21_ready_seconds_all": [
-            {"seconds": r.get("ready_seconds"), "bytecode_cached": _bytecode_cached(rec, r),
-             "optional_packages": _call_facts(rec, "optional_packages", r), "source": r.get("source")}
-            for m, v in rec["models"].items() if m == "wan21" for n, r in v.items()
-            if n.split("@")[0] == "serve_ready_no_warmup" and isinstance(r, dict) and "ready_seconds" in r],
-        "bytes_identical_to_resident_serve": {m: _same_bytes(v) for m, v in rec["models"].items()},
-        "peak_device_bytes": peaks,
-    }
-
-
-def markdown(rec: dict) -> str:
-    lines = [f"# Full-size pipelines ({rec['date']}, {rec['device']})", "", "Generated from the JSON beside it.", "",
-             "## Summary", "", "```json", json.dumps({k: v for k, v in rec["summary"].items() if k != "peak_device_bytes"},
-                                                      indent=2), "```", "", "## Runs", "",
-             "| model | run | seconds | ready s | host/ckpt | sha256 |", "|---|---|---|---|---|---|"]
-    for m, v in rec["models"].items():
-        for name, r in v.items():
-            if isinstance(r, dict) and name.startswith(("serve_", "diffusers_")):
-                sha = (r.get("output_sha256") or r.get("frames_sha256") or r.get("error") or "")[:16]
-                lines.append(f"| {m} | {name} | {r.get('seconds', '')} | {r.get('ready_seconds', '')} | "
-                             f"{r.get('host_bytes_over_checkpoint', '')} | {sha} |")
-    lines += ["", "Commands: `" + rec["command"] + "`", ""]
-    return "\n".join(lines)
-
-
-def merge(files: list[Path], stem: Path) -> dict:
-    """Several calls' records -> one: per model, a later file's run replaces an earlier one of the same
-    name, which stays beside it as `<name>@<its file's stem>`; every run names its file (`source`)."""
-    rec: dict[str, Any] = {"sources": [str(f) for f in files], "models": {}}
-    for f in files:
-        part = json.loads(f.read_text())
-        rec.setdefault("date", part["date"])
-        rec["device"] = part["device"]
-        rec.setdefault("commands", []).append(part["command"])
-        rec.setdefault("bytecode", {})[f.stem] = part.get("bytecode")
-        rec.setdefault("optional_packages", {})[f.stem] = part.get("optional_packages")
-        for m, runs in part["models"].items():
-            into = rec["models"].setdefault(m, {})
-            for name, r in runs.items():
-                if isinstance(r, dict) and (name.startswith(("serve_", "diffusers_"))):
-                    r = {**r, "source": f.stem}
-                    if name in into:
-                        into[f"{name}@{into[name]['source']}"] = into[name]
-                into[name] = r
-    rec["command"] = " ; ".join(rec["commands"])
-    rec["summary"] = summarize(rec)
-    stem.with_suffix(".json").write_text(json.dumps(rec, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(markdown(rec))
-    return rec
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", type=Path, default=Path("/tmp/models"), help="where pipeline folders are written")
     ap.add_argument("--out", type=Path, default=HERE / "results")
-    ap.add_argument("--only", default="wan21,flux,wan22")
+    ap.add_argument("--only", default="wan21,flux,wan22", help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--device", default=None, help="cuda (default), or cpu (the default with --tiny)")
     ap.add_argument("--logs", type=Path, default=None, help="folder for the servers' logs (default: --out)")
     ap.add_argument("--requests", type=int, default=2, help="requests per server: the first, then warm ones; "
                     "`seconds` is the fastest (the diffusers baseline repeats its call as often)")
     ap.add_argument("--resident-blocks-capped", type=int, default=None,
                     help="resident blocks of the capped Wan2.1 run (default: the headline run's)")
-    ap.add_argument("--runs", default="", help="comma-separated run names to keep (default: all)")
+    ap.add_argument("--runs", default="", help="comma-separated run names to keep (default: diffusers_resident "
+                    "and every serve run)")
+    ap.add_argument("--limits-json", default=None, help='added to each server\'s limits, e.g. \'{"max_n": 2}\'')
     ap.add_argument("--stem", default=None, help="record file name without suffix (default: pipeline-h200-<date>)")
     ap.add_argument("--dp", type=int, default=1, help="also allgather and rank-local at this dp (GPUs)")
     ap.add_argument("--wan22-layers", default="",
@@ -491,23 +307,24 @@ def main() -> None:
     ap.add_argument("--delete-after", action=argparse.BooleanOptionalAction, default=True,
                     help="delete each pipeline folder after its runs (disk)")
     ap.add_argument("--tiny", action="store_true", help="CPU dry run with the tiny-* presets (no results)")
-    ap.add_argument("--_resident-child", dest="resident_child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--_baseline-child", dest="baseline_child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_request", dest="request", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--merge", nargs="+", type=Path, default=None, metavar="RECORD",
                     help="merge records of several calls into --out/--stem (no runs)")
     args = ap.parse_args()
     if args.merge:
         rec = merge(args.merge, args.out / (args.stem or f"pipeline-h200-{datetime.date.today().isoformat()}"))
-        print(json.dumps({k: v for k, v in rec["summary"].items() if k != "peak_device_bytes"}, indent=2))
+        print(json.dumps({k: v for k, v in rec["summary"].items() if k not in PER_RUN}, indent=2))
         return
-    if args.resident_child:
-        print(json.dumps(resident_child(args.resident_child, json.loads(args.request), args.device)))
+    if args.baseline_child:
+        from diffusers_baseline import baseline_child
+
+        print(json.dumps(baseline_child(args.baseline_child, json.loads(args.request), args.device)))
         return
     args.device = args.device or ("cpu" if args.tiny else "cuda")
-    args.out.mkdir(parents=True, exist_ok=True)
-    if args.logs:
-        args.logs.mkdir(parents=True, exist_ok=True)
-    args.models.mkdir(parents=True, exist_ok=True)
+    for d in (args.out, args.logs, args.models):
+        if d:
+            d.mkdir(parents=True, exist_ok=True)
     date = datetime.date.today().isoformat()
     rec: dict[str, Any] = {"date": date, "device": args.device, "tiny": args.tiny,
                            "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]), "models": {}}

@@ -23,7 +23,8 @@ def main() -> None:
 
     from dlo.engine.checkpoint import Checkpoint
     from dlo.engine.dtypes import safetensors_name
-    from dlo.engine.families import FAMILIES, block_layout, group_keys
+    from dlo.engine.blocks import block_layout, group_keys
+    from dlo.engine.families import BLOCK_FAMILIES
     from dlo.engine.model import parameters_on_meta
     from dlo.engine.weights import page_cache_runs
 
@@ -49,7 +50,7 @@ def main() -> None:
             fh.write(len(raw).to_bytes(8, "little") + raw)
             fh.truncate(8 + len(raw) + off)  # sparse: no data written
         ck = Checkpoint(f)
-        blocks, _ = group_keys(set(ck.tensors), FAMILIES["wan"])
+        blocks, _ = group_keys(set(ck.tensors), BLOCK_FAMILIES["wan"])
         result = {}
         for g in (1, 2, 4, 8):
             counts = []

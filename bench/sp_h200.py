@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import statistics
@@ -269,19 +268,11 @@ def _timed_last(fn, dev, iters: int, after_warmup=None) -> tuple[list[float], ob
 
 
 def compare(name: str, w: str) -> dict:
-    """Rank 0's seed-1 output of `name` against the one-GPU resident output (bit-identical, else max
-    abs difference and PSNR over the reference's peak-to-peak range)."""
+    """Rank 0's seed-1 output of `name` against the one-GPU resident output (`wan_bench.compare_outputs`)."""
     import torch
 
-    ref = torch.load(OUT_DIR / f"out-one_gpu_resident-{w}.pt")
-    got = torch.load(OUT_DIR / f"out-{name}-{w}.pt")
-    if got.shape != ref.shape:
-        return {"bit_identical": False, "error": f"shape {tuple(got.shape)} vs {tuple(ref.shape)}"}
-    diff = (got - ref).abs()
-    mse = float((diff.double() ** 2).mean())
-    peak = float(ref.max() - ref.min())
-    return {"bit_identical": bool(torch.equal(got, ref)), "max_abs_diff": float(diff.max()),
-            "psnr_db": None if mse == 0 else 10 * math.log10(peak * peak / mse)}  # None: identical (infinite)
+    return wb.compare_outputs(torch.load(OUT_DIR / f"out-one_gpu_resident-{w}.pt"),
+                              torch.load(OUT_DIR / f"out-{name}-{w}.pt"))
 
 
 def run_plans(args: argparse.Namespace, facts) -> dict:

@@ -106,7 +106,7 @@ def checkpoint_for(ckpt: str | None, layers: int, device: str, tiny: bool = Fals
     written = None
     if not (path / "config.json").exists():
         written = write_wan_checkpoint(path, layers, device, tiny=tiny)
-    from dlo.engine.families import describe
+    from dlo.engine.blocks import describe
 
     return path, written, describe(path)
 
@@ -160,6 +160,22 @@ def median_ms(timer: Timer, fn: Callable[[], Any], warmup: int, iters: int) -> t
 
 def sha256_of(t) -> str:
     return hashlib.sha256(t.detach().contiguous().view(-1).view(__import__("torch").uint8).cpu().numpy().tobytes()).hexdigest()
+
+
+def compare_outputs(ref, got) -> dict:
+    """`got` against the reference output `ref`: bit-identical, else the max abs difference and the
+    PSNR over the reference's peak-to-peak range (None when identical: infinite)."""
+    import math
+
+    import torch
+
+    if got.shape != ref.shape:
+        return {"bit_identical": False, "error": f"shape {tuple(got.shape)} vs {tuple(ref.shape)}"}
+    diff = (got.float() - ref.float()).abs()
+    mse = float((diff.double() ** 2).mean())
+    peak = float(ref.max() - ref.min())
+    return {"bit_identical": bool(torch.equal(got, ref)), "max_abs_diff": float(diff.max()),
+            "psnr_db": None if mse == 0 else 10 * math.log10(peak * peak / mse)}
 
 
 def smaps_rollup(pid: int | str = "self") -> dict[str, int]:

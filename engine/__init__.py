@@ -1,14 +1,15 @@
 """dlo.engine: the Distributed Layerwise Offload engine.
 
 Importing this package must not import torch (the agent and operator import the torch-free
-`dlo.engine.checkpoint` and `dlo.engine.families`). `load` and `OffloadedModel` are resolved lazily from
-`dlo.engine.offload`; `LoadReport` and `GatherStats` from the torch-free `dlo.engine.report`, the
+`dlo.engine.checkpoint`, `dlo.engine.families` and `dlo.engine.blocks`). `load` and
+`OffloadedModel` are resolved lazily from `dlo.engine.offload`; `LoadReport` and `GatherStats` from the torch-free `dlo.engine.report`, the
 settings (`OffloadSettings`, `ParallelSettings`, `EngineSettings`, `ConfigError`) from the
 torch-free `dlo.engine.settings`.
 
 Map: the offload core sits here (checkpoint, layout, dtypes, facts, model, weights, arena,
-prefetch, hooks, platform, report, offload = `load`); one adapter per model family in
-`families/`; the server in `serving/` (see docs/engine.md).
+prefetch, hooks, platform, report, offload = `load`; the request type in request.py, a model's
+blocks in blocks.py); one adapter per model family in `families/`; the server in `serving/` (see
+docs/engine.md).
 
 Owns: the public API names (`load`, `OffloadedModel`, `LoadReport`, `GatherStats`, the settings).
 Must never: import torch at package import.

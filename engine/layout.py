@@ -6,7 +6,7 @@ S = ceil(nbytes / g) rounded up to 256; rank r owns bytes [r*S, (r+1)*S). The de
 g*S bytes; the tail past `nbytes` is zero padding.
 
 Owns: `BlockLayout` (offsets of a block's tensors) and the shard arithmetic.
-Must never: import torch or do I/O (the agent and operator reach it through `families`).
+Must never: import torch or do I/O (the agent and operator reach it through `dlo.engine.blocks`).
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ from torch import nn
 
 from dlo.engine.checkpoint import FLOAT_DTYPES, Checkpoint, CheckpointError
 from dlo.engine.dtypes import safetensors_name
-from dlo.engine.families import BlockKeys, Family, family_of, group_keys, read_config
+from dlo.engine.blocks import BlockKeys, group_keys
+from dlo.engine.families import BlockFamily, family_of, read_config
 
 
 @contextlib.contextmanager
@@ -49,7 +50,7 @@ def parameters_on_meta() -> Iterator[None]:
 class MetaModel:
     module: nn.Module
     config: dict
-    family: Family
+    family: BlockFamily
     blocks: list[BlockKeys]  # execution order
     nonblock: list[str]
     target_dtype: dict[str, str]  # checkpoint name -> safetensors dtype the model computes it in
@@ -132,7 +133,7 @@ def _compute_dtype(ckpt: Checkpoint, expected: dict[str, torch.Tensor]) -> str:
     return by_bytes.most_common(1)[0][0]
 
 
-def _check_blocks_match_lists(module: nn.Module, family: Family, blocks: list[BlockKeys]) -> None:
+def _check_blocks_match_lists(module: nn.Module, family: BlockFamily, blocks: list[BlockKeys]) -> None:
     n = sum(len(module.get_submodule(name)) for name in family.block_lists)
     if n != len(blocks):
         raise CheckpointError(

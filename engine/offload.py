@@ -29,7 +29,7 @@ from torch import nn
 from dlo.engine.checkpoint import Checkpoint, cached_checkpoint
 from dlo.engine.dtypes import torch_dtype
 from dlo.engine.facts import MODES, Mode
-from dlo.engine.families import block_layout
+from dlo.engine.blocks import block_layout
 from dlo.engine.hooks import HookSet, attach_prefetcher
 from dlo.engine.checkpoint import CheckpointError
 from dlo.engine.model import MetaModel, assert_nothing_on_meta, build_meta_model, move_free_buffers, owner_of, set_tensor
@@ -39,6 +39,7 @@ from dlo.engine.prefetch import OffloadedBlock, SlotPrefetcher
 from dlo.engine.report import GatherStats, LoadReport
 from dlo.engine.settings import OffloadSettings
 from dlo.engine.timing import Laps
+from dlo.engine.transfers import choose_transfer
 from dlo.engine.weights import EarlyRegistration, HostWeights, prepare_host_weights
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ class OffloadedModel:
         return self.prefetcher is None or self.prefetcher.between_forwards
 
     def stats(self) -> GatherStats:
-        """Cumulative counters (gathers, H2D bytes, collective bytes, gather wait seconds)."""
+        """The cumulative counters now (gathers, H2D bytes, collective bytes, gather wait seconds)."""
         if self.prefetcher is None:
             return GatherStats()
         self.prefetcher.collect_waits()
@@ -165,7 +166,7 @@ def load(
         rank=r,
         resident_blocks=len(keep),
         pinned=bool(host and host.pinned),
-        transfer=prefetcher.transfer if prefetcher else "none",
+        transfer=prefetcher.transfer.name if prefetcher else "none",
         model_bytes=ckpt.nbytes,
     )
     log.info("dlo loaded %s phases=%s", " ".join(f"{k}={v}" for k, v in report.to_dict().items()), laps.rounded())
@@ -199,14 +200,16 @@ def _place_resident_weights(ckpt: Checkpoint, meta: MetaModel, keep: set[int], d
 def _start_streaming(meta: MetaModel, offloaded: list[Any], layouts: list[Any], host: HostWeights,
                      settings: OffloadSettings, platform: Platform, device: torch.device, group: Any,
                      g: int, r: int) -> tuple[SlotPrefetcher, HookSet]:
-    """Step 3: the slot prefetcher over the streamed blocks, and its hooks on the module."""
+    """Step 3: how blocks move (`choose_transfer`, once, for every streamed block), the slot
+    prefetcher over the streamed blocks, and its hooks on the module."""
     blocks = [OffloadedBlock(meta.block_module(b), lay, lay.shard_bytes(g)) for b, lay in zip(offloaded, layouts)]
     if settings.mode == "allgather" and g > 1:  # the same transfer on every rank of the shard group
         agree_on_path(group, device, settings.transfer)
     else:  # nothing to gather from peers: one rank, or no collective
         settings = settings.but(transfer="collective")
-    prefetcher = SlotPrefetcher(meta.module, blocks, host.copies, settings=settings, platform=platform,
-                                device=device, group=group, g=g, r=r)
+    transfer = choose_transfer(settings, platform, group, g)
+    prefetcher = SlotPrefetcher(meta.module, blocks, host.copies, transfer=transfer, settings=settings,
+                                platform=platform, device=device, g=g, r=r)
     hooks = HookSet()
     attach_prefetcher(prefetcher, hooks)
     return prefetcher, hooks

@@ -1,10 +1,13 @@
 """The slot prefetcher: two device slots, three streams, and the order blocks are gathered in.
 
-Owns: `SlotPrefetcher` (gather = H2D + in-place AllGather of a block into a slot, bind = point a
-block's parameters at its slot views, the per-block schedule that runs before and after each
-block), the gather function (`make_gather`), the wait-timing ring, and `PrefetchOrderError`.
-Must never: synchronise the host in the hot path, attach itself to a module (`dlo.engine.hooks`
-does that), or let a rank issue gathers in a different order from its shard group.
+Owns: `SlotPrefetcher` (the two slots, the three streams and their events, the order gathers are
+issued in and its checks, bind = point a block's parameters at its slot views, the per-block
+schedule that runs before and after each block, the gather counters), the wait-timing ring, and
+`PrefetchOrderError`. How a gather moves the bytes (eager H2D and AllGather, CUDA-graph replay,
+peer pulls) is the `BlockTransfer` that `dlo.engine.load` chose (`dlo.engine.transfers`).
+Must never: synchronise the host in the hot path, branch on the transfer strategy, attach itself
+to a module (`dlo.engine.hooks` does that), or let a rank issue gathers in a different order from
+its shard group.
 
 Data path, per offloaded block b (CONTRACTS.md sections 3 and 4):
 
@@ -18,7 +21,8 @@ starts cold. The host never synchronises in this loop; per-block host work is a 
 two or three launches.
 
 [Note: stream lifetimes]
-Three rules keep the two slots safe without host synchronisation:
+Three rules keep the two slots safe without host synchronisation (rules 1 and 2 are applied by
+every `BlockTransfer.issue` in `dlo.engine.transfers`, rule 3 by `before_block`):
 1. The copy stream waits `free[k]` before overwriting slot k: `free[k]` is recorded on the compute
    stream after the last block that read slot k, so no kernel still reads the bytes being replaced.
 2. The comm stream waits `h2d[k]` before gathering slot k: the rank's own shard must have landed.
@@ -36,26 +40,21 @@ prefetcher for good: `PrefetchOrderError`, and the engine must restart (collecti
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.autograd.profiler import record_function
 
 from dlo.engine.dtypes import torch_dtype
 from dlo.engine.layout import BlockLayout
 from dlo.engine.model import owner_of
-from dlo.engine.peergather import PeerGather
 from dlo.engine.platform import Platform
 from dlo.engine.report import GatherStats
 from dlo.engine.settings import OffloadSettings
-
-log = logging.getLogger(__name__)
+from dlo.engine.transfers import BlockTransfer, Lanes, SlotPlan
 
 
 def profiling() -> bool:
@@ -63,27 +62,9 @@ def profiling() -> bool:
     return torch.autograd.profiler._is_profiler_enabled
 
 
-def make_gather(group: Any) -> Any:
-    """In-place AllGather `fn(out, shard)` with the argument checks done once, not per block.
-
-    The public `all_gather_into_tensor` (renamed `all_gather_single` in torch 2.13) re-validates
-    its arguments and looks the group up on every call: ~100 us of Python per block. The shapes
-    here are fixed at load, so the hot path calls the process group's base allgather directly.
-    """
-    pg = group if group is not None else dist.distributed_c10d._get_default_group()
-    base = getattr(pg, "_allgather_base", None)
-    if base is None:  # pragma: no cover - older/other torch builds
-        public = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return lambda out, shard: public(out, shard, group=group)
-    opts = dist.distributed_c10d.AllgatherOptions()
-
-    def gather(out: torch.Tensor, shard: torch.Tensor) -> None:
-        base(out, shard, opts).wait()
-
-    return gather
-
-
 WAIT_RING = 256
+
+
 class PrefetchOrderError(RuntimeError):
     """The prefetcher lost its block order; the engine must restart (collectives may be in flight)."""
 
@@ -109,44 +90,47 @@ class SlotPrefetcher:
         blocks: list[OffloadedBlock],
         copies: list[list[tuple[torch.Tensor, int]]],
         *,
+        transfer: BlockTransfer,
         settings: OffloadSettings,
         platform: Platform,
         device: torch.device,
-        group: Any,
         g: int,
         r: int,
     ):
-        """`settings` as `dlo.engine.load` resolved them for this model: `mode` allgather gathers over
-        the `g` ranks of `group` (this one is `r`); `transfer` peer rebuilds blocks by peer copies
-        (dlo.engine.peergather), only for allgather over g > 1 ranks; `transfer_graphs` None: on cuda."""
-        collective = settings.mode == "allgather"
-        peer = settings.transfer == "peer"
-        if peer and not (collective and g > 1):
-            raise ValueError("peer gathers need allgather over more than one rank")
-        graphs = platform.name == "cuda" if settings.transfer_graphs is None else settings.transfer_graphs
-        time_waits = settings.time_waits
+        """`transfer` as `dlo.engine.load` chose it (`dlo.engine.transfers.choose_transfer`) for the
+        `g` ranks sharing the weights (this one is `r`; g = 1 without a collective); `settings` as
+        load resolved them (`time_waits`: time the compute stream's waits on stream platforms)."""
         self.root = root
         self.blocks = blocks
         self.copies = copies  # per block: (host bytes, offset in this rank's shard)
         self.platform = platform
-        self.g, self.r, self.collective = g, r, collective
+        self.g, self.r = g, r
         self.slot_bytes = max(b.shard * g for b in blocks)
-        self.copy_stream = platform.new_stream("copy")
-        self.comm_stream = platform.new_stream("comm")
-        self.compute_stream = platform.current_stream()
-        self.h2d = [platform.new_event() for _ in range(2)]
-        self.ready = [platform.new_event() for _ in range(2)]
-        self.free = [platform.new_event() for _ in range(2)]
-        # peer gathers (dlo.engine.peergather): the slots are shared with the shard group's ranks,
-        # which copy each other's shards out of them instead of running the collective
-        self._peer = (PeerGather(group=group, g=g, r=r, device=device, slot_bytes=self.slot_bytes,
-                                 copy_stream=self.copy_stream, comm_stream=self.comm_stream)
-                      if peer else None)
-        self.slots = (self._peer.slots if self._peer is not None else
-                      [torch.empty(self.slot_bytes, dtype=torch.uint8, device=device) for _ in range(2)])
-        self._gather = make_gather(group) if collective and self._peer is None else None
+        self.lanes = Lanes.create(platform)
+        self.compute_stream, self.ready, self.free = self.lanes.compute, self.lanes.ready, self.lanes.free
+        plan = SlotPlan(copies, [b.shard for b in blocks], g, r, device, self.slot_bytes)
+        self.slots = transfer.attach(self.lanes, plan)
         self._n = 0  # gathers issued since load: gather n fills slot n % 2
-        self.stats = GatherStats()
+        # the gather counters (`stats`), per block what one gather adds
+        self._gathers = self._h2d_bytes = self._collective_bytes = 0
+        self._wait_seconds = 0.0
+        self._received = [b.shard * (g - 1) if transfer.receives else 0 for b in blocks]
+        self._init_wait_timing(settings.time_waits)
+        for b in blocks:
+            b.binds = [self._views(b, s) for s in self.slots]
+        self._expected = 0  # index of the block whose gather is in flight
+        self._cur = 0  # slot holding (or receiving) that block
+        self._running = 0
+        self.broken: str | None = None
+        # Block 0 is gathered eagerly first whatever the transfer: NCCL must set up its communicator
+        # outside graph capture, and the next call starts from it. Then the transfer every later
+        # gather uses (transfer graphs are captured here), fixed for the model's life.
+        self.transfer = transfer.eager
+        self._issue(0, 0)
+        self.transfer = transfer.start()
+
+    def _init_wait_timing(self, time_waits: bool) -> None:
+        platform = self.platform
         # ring of timing-event pairs around the compute stream's waits (streams only)
         self._wait_ring = (
             [(platform.new_event(True), platform.new_event(True)) for _ in range(WAIT_RING)]
@@ -157,25 +141,8 @@ class SlotPrefetcher:
         # collect_waits runs on the compute thread (ring full) and from stats() on any thread
         # (serving's progress watchdog): one fold at a time, or a pair would count twice.
         self._wait_lock = threading.Lock()
+        # without streams every gather is synchronous: its host time is the wait
         self._timed = not platform.has_streams
-        self._slot_in = [
-            [s.narrow(0, r * b.shard, b.shard) for s in self.slots] for b in blocks
-        ]
-        self._slot_out = [[s[: g * b.shard] for s in self.slots] for b in blocks]
-        for b in blocks:
-            b.binds = [self._views(b, s) for s in self.slots]
-        self._expected = 0  # index of the block whose gather is in flight
-        self._cur = 0  # slot holding (or receiving) that block
-        self._running = 0
-        self.broken: str | None = None
-        self._graphs: list[list[Any]] | None = None
-        # Block 0 is gathered eagerly first either way: NCCL must set up its communicator outside
-        # graph capture, and the next call starts from it.
-        self._issue(0, 0)
-        if graphs and self._peer is not None:
-            log.info("transfer graphs off: peer gathers are issued eagerly (a host handshake per gather)")
-        elif graphs:
-            self._capture_graphs()
 
     def _views(self, b: OffloadedBlock, slot: torch.Tensor) -> list[tuple[dict, str, torch.Tensor]]:
         out = []
@@ -185,65 +152,17 @@ class SlotPrefetcher:
             out.append((owner._parameters if is_param else owner._buffers, attr, view))
         return out
 
-    # ---- the hot path ----------------------------------------------------------------------------
-    def _capture_graphs(self) -> None:
-        """Capture each (block, slot) transfer as CUDA graphs: its H2D runs as one graph on the copy
-        stream and its in-place AllGather as one on the comm stream, one launch each instead of one
-        per run plus the collective's Python and bookkeeping. Two graphs, not one: the next block's
-        H2D (PCIe) then overlaps this block's AllGather (NVLink) instead of queueing behind it on
-        one stream, so a block's transfer costs max(H2D, AllGather), not their sum (bench/NOTES.md 6)."""
-        p = self.platform
-        try:
-            p.synchronize()  # block 0's eager gather (issued first) is complete before capture
-            graphs = []
-            for i in range(len(self.blocks)):
-                per_slot = []
-                for k in range(2):
-                    copy = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(copy, stream=self.copy_stream, capture_error_mode="thread_local"):
-                        self._copy_in(i, k)
-                    gather = None
-                    if self._gather is not None:
-                        gather = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(gather, stream=self.comm_stream, capture_error_mode="thread_local"):
-                            self._gather(self._slot_out[i][k], self._slot_in[i][k])
-                    per_slot.append((copy, gather))
-                graphs.append(per_slot)
-            p.synchronize()
-            self._graphs = graphs
-        except Exception as e:  # capture unsupported here: stay eager, say so
-            log.warning("transfer graphs unavailable (%s: %s); using eager transfers", type(e).__name__, e)
-            self._graphs = None
-
     @property
-    def transfer(self) -> str:
-        """How blocks move (`LoadReport.transfer`): "peer", "graph" or "eager"."""
-        return "peer" if self._peer is not None else "graph" if self._graphs is not None else "eager"
+    def stats(self) -> GatherStats:
+        """The counters so far (wait timings folded in by `collect_waits`)."""
+        return GatherStats(self._gathers, self._h2d_bytes, self._collective_bytes, self._wait_seconds)
 
     def release(self) -> None:
-        """After in-flight work, drop the transfer graphs (NCCL cannot tear a communicator down while
-        graphs holding its collectives are alive, so this comes before leaving the group) or the peer
-        gathers' mappings of the other ranks' slots."""
-        if self._graphs is None and self._peer is None:
-            return
-        self.platform.synchronize()
-        self._graphs = None
-        if self._peer is not None:
-            self._peer.close()
+        """After in-flight work, release what the transfer holds (transfer graphs, which NCCL needs
+        gone before the group is left; the peer gathers' mappings of the other ranks' slots)."""
+        self.transfer.release()
 
-    def _copy_in(self, i: int, k: int) -> None:
-        """H2D this rank's bytes of block i into its part of slot k, on the current stream."""
-        dst = self._slot_in[i][k]
-        for src, off in self.copies[i]:
-            dst[off : off + src.numel()].copy_(src, non_blocking=True)
-
-    def _count(self, i: int) -> None:
-        shard = self.blocks[i].shard
-        self.stats.gathers += 1
-        self.stats.h2d_bytes += shard
-        if self.collective:
-            self.stats.collective_bytes += shard * (self.g - 1)
-
+    # ---- the hot path ----------------------------------------------------------------------------
     def _issue(self, i: int, k: int) -> None:
         if profiling():
             with record_function("dlo::gather"):
@@ -251,54 +170,15 @@ class SlotPrefetcher:
         return self._issue_any(i, k)
 
     def _issue_any(self, i: int, k: int) -> None:
+        """Gather n (block i into slot k) through the transfer, and count it."""
         n, self._n = self._n, self._n + 1
-        if self._graphs is None:
-            return self._issue_eager(i, k, n)
-        p = self.platform
-        copy, gather = self._graphs[i][k]
-        p.set_stream(self.copy_stream)
-        p.wait(self.copy_stream, self.free[k])  # [Note: stream lifetimes] rule 1
-        copy.replay()
-        if gather is None:
-            p.record(self.ready[k], self.copy_stream)
-        else:
-            p.record(self.h2d[k], self.copy_stream)
-            p.set_stream(self.comm_stream)
-            p.wait(self.comm_stream, self.h2d[k])  # rule 2
-            gather.replay()
-            p.record(self.ready[k], self.comm_stream)
-        p.set_stream(self.compute_stream)
-        self._count(i)
-
-    def _issue_eager(self, i: int, k: int, n: int) -> None:
-        """Gather n (block i into slot k), asynchronously where the platform has streams: H2D, then
-        the collective or the peer copies ([Note: peer handshake] in dlo.engine.peergather)."""
-        p, peer = self.platform, self._peer
         t0 = time.perf_counter() if self._timed else 0.0
-        try:
-            p.set_stream(self.copy_stream)
-            p.wait(self.copy_stream, self.free[k])  # [Note: stream lifetimes] rule 1
-            if peer is not None:
-                peer.before_h2d(n, k)  # and no peer still reads this rank's part of slot k
-            self._copy_in(i, k)
-            # without a second stage the block is ready as soon as its bytes have landed
-            second = self._gather is not None or peer is not None
-            p.record(self.h2d[k] if second else self.ready[k], self.copy_stream)
-            if second:
-                if peer is not None:
-                    peer.after_h2d(n, k)
-                p.set_stream(self.comm_stream)
-                p.wait(self.comm_stream, self.h2d[k])  # rule 2
-                if peer is not None:
-                    peer.pull(n, k, self.blocks[i].shard)
-                else:
-                    self._gather(self._slot_out[i][k], self._slot_in[i][k])
-                p.record(self.ready[k], self.comm_stream)
-        finally:  # a gather that raised (a broken collective, a peer gone) leaves the compute stream current
-            p.set_stream(self.compute_stream)
-        self._count(i)
+        self.transfer.issue(i, k, n)
+        self._gathers += 1
+        self._h2d_bytes += self.blocks[i].shard
+        self._collective_bytes += self._received[i]
         if self._timed:
-            self.stats.gather_wait_seconds += time.perf_counter() - t0
+            self._wait_seconds += time.perf_counter() - t0
 
     def before_block(self, i: int) -> None:
         """Wait for block i's slot, bind it, gather the next block ([Note: collective order]: loud
@@ -370,7 +250,7 @@ class SlotPrefetcher:
                 sec = self.platform.elapsed_seconds(*self._wait_ring[j])
                 if sec is None:
                     break
-                self.stats.gather_wait_seconds += sec
+                self._wait_seconds += sec
                 done += 1
             if done:
                 del pending[:done]

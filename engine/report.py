@@ -1,15 +1,17 @@
 """What a loaded model reports: `LoadReport` (how it was loaded) and `GatherStats` (what it moved).
 
 Owns: the two plain data types `dlo.engine.load` hands out, so that torch-free code (the serving
-control messages between ranks, metrics, benchmarks) can carry and read them without importing torch.
+control messages between ranks, metrics, benchmarks) can carry and read them without importing torch;
+`GatherStats` is the one definition of the gather counters (serving's `RankStats` extends it, sums
+of several models are `GatherStats.total`).
 Must never: import torch, or hold anything but plain numbers and strings (they are pickled between
 processes and printed as JSON).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Iterable
 
 from dlo.engine.facts import Mode
 
@@ -37,9 +39,9 @@ class LoadReport:
         return asdict(self)
 
 
-@dataclass
+@dataclass(frozen=True)
 class GatherStats:
-    """Cumulative counters of the slot prefetcher (`OffloadedModel.stats()`), updated in place."""
+    """The slot prefetcher's cumulative counters at one moment (`OffloadedModel.stats()`)."""
 
     gathers: int = 0
     h2d_bytes: int = 0
@@ -47,3 +49,12 @@ class GatherStats:
     # Time the compute stream stalled waiting for weights. CPU: host time in the (synchronous)
     # gathers. Streams: event pairs around each wait, read back once complete (never a host sync).
     gather_wait_seconds: float = 0.0
+
+    @classmethod
+    def total(cls, stats: Iterable["GatherStats"]) -> "GatherStats":
+        """The counters of several models (a pipeline's streamed transformers and encoders) summed."""
+        sums = {f.name: f.default for f in fields(GatherStats)}
+        for s in stats:
+            for name in sums:
+                sums[name] += getattr(s, name)
+        return cls(**sums)

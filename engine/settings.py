@@ -29,6 +29,9 @@ TRANSFERS: tuple[Transfer, ...] = get_args(Transfer)
 # How Wan's Ulysses self-attention exchanges (dlo.engine.ulysses); the default first.
 UlyssesExchange = Literal["overlap", "lean", "diffusers"]
 ULYSSES_EXCHANGES: tuple[UlyssesExchange, ...] = get_args(UlyssesExchange)
+# The dtype streamed blocks are held in on the host and copied as (issue 27: fp8 follows).
+StreamDtype = Literal["bfloat16"]
+STREAM_DTYPES: tuple[StreamDtype, ...] = get_args(StreamDtype)
 SpKind = Literal["ulysses", "ring"]
 SP_KINDS: tuple[SpKind, ...] = get_args(SpKind)
 DEVICES: tuple[DeviceKind, ...] = get_args(DeviceKind)
@@ -67,6 +70,7 @@ class OffloadSettings:
     transfer_graphs: bool | None = None  # each block's transfer replayed as CUDA graphs; None: on cuda
     time_waits: bool = True  # time the compute stream's waits for weights (event pairs)
     register_early: bool = True  # register the page cache on a thread while the model is built
+    stream_dtype: StreamDtype = "bfloat16"  # how streamed blocks are held and copied
 
     def __post_init__(self) -> None:
         _one_of("mode", self.mode, MODES)
@@ -80,6 +84,7 @@ class OffloadSettings:
         _flag("transfer_graphs", self.transfer_graphs, optional=True)
         _flag("time_waits", self.time_waits)
         _flag("register_early", self.register_early)
+        _one_of("stream_dtype", self.stream_dtype, STREAM_DTYPES)
 
     def but(self, **changes: Any) -> "OffloadSettings":
         """A copy with `changes` (validated like any other)."""
@@ -117,7 +122,10 @@ class EngineSettings:
     offload: OffloadSettings
     parallel: ParallelSettings = field(default_factory=ParallelSettings)
     device: DeviceKind = "cpu"
-    max_device_memory: int = 0  # bytes the device allocator may hold per rank (0: no cap)
+    # The device budget per rank (0: the device's memory): the allocator's cap, and what the mode
+    # policy and the memory model plan with (`dlo.engine.serving.budget`); one number for both, so
+    # that a plan never assumes memory the allocator may not take, nor a cap go unplanned.
+    max_device_memory: int = 0
     # the family's large text encoders stream like the transformers (offloaded modes only)
     stream_encoders: bool = False
     cpu_threads: int = 1  # intra-op threads per cpu rank (fixed: results do not depend on dp)

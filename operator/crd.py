@@ -53,6 +53,8 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
             out[key] = {k: _structural(v, defs) for k, v in value.items()}
         elif key == "items":
             out[key] = _structural(value, defs)
+        elif key == "const":  # a one-value Literal: Kubernetes schemas have enum, not const
+            out["enum"] = [value]
         else:
             out[key] = value
     extra = node.get("additionalProperties")

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from dlo.engine.settings import MAX_GATHER_CTAS, Transfer, UlyssesExchange
+from dlo.engine.settings import MAX_GATHER_CTAS, StreamDtype, Transfer, UlyssesExchange
 from dlo.operator.k8s_schemas import cel_rules, kubernetes_field
 from dlo.operator.spec_base import SpecModel as _Model
 
@@ -46,9 +46,16 @@ _SWITCH_ENV_RULE = (
 # dlo's own switches mean nothing to vllm-omni
 _DLO_SWITCHES_RULE = (
     "self.kind == 'dlo' || (!has(self.gather) && !has(self.gatherMaxCtas) && !has(self.ulyssesExchange)"
-    " && !has(self.registerEarly))",
-    "engine.gather, gatherMaxCtas, ulyssesExchange and registerEarly are dlo's switches: only with engine.kind dlo",
+    " && !has(self.registerEarly) && !has(self.maxDeviceMemory) && !has(self.streamDtype))",
+    "engine.gather, gatherMaxCtas, ulyssesExchange, registerEarly, maxDeviceMemory and streamDtype are dlo's "
+    "switches: only with engine.kind dlo",
 )
+_BUDGET_DEVICE_RULE = (
+    "!has(self.maxDeviceMemory) || self.device != 'cpu'",
+    "engine.maxDeviceMemory is an accelerator's budget: not with engine.device cpu",
+)
+# `dlo serve --max-device-memory`'s syntax (dlo.cli.args.byte_size): bytes, or a number with a unit
+BYTE_SIZE_PATTERN = r"^[0-9]+(\.[0-9]+)?([Bb]|[KkMmGgTt][Ii]?[Bb])?$"
 # a cap of the weight gathers' NCCL communicator: NCCL runs on cuda only
 _CTAS_DEVICE_RULE = (
     "!has(self.gatherMaxCtas) || self.device == 'auto' || self.device == 'cuda'",
@@ -63,11 +70,23 @@ VLLM_OMNI_REFUSED_FLAGS = (
 )
 
 
+def _byte_count(text: str) -> int:
+    """`text` as `dlo serve` parses --max-device-memory; ValueError with its one-line message."""
+    import argparse
+
+    from dlo.cli.args import byte_size
+
+    try:
+        return byte_size(text)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"engine.maxDeviceMemory: {e}") from None
+
+
 class EngineSpec(_Model):
     """The engine container: which server, its image, device, engine switches, extra arguments and
     resources."""
 
-    model_config = ConfigDict(json_schema_extra=cel_rules(_DLO_SWITCHES_RULE, _CTAS_DEVICE_RULE))
+    model_config = ConfigDict(json_schema_extra=cel_rules(_DLO_SWITCHES_RULE, _CTAS_DEVICE_RULE, _BUDGET_DEVICE_RULE))
 
     kind: Literal["dlo", "vllm-omni"] = Field(
         "dlo",
@@ -131,6 +150,25 @@ class EngineSpec(_Model):
         description="register the streamed models' page cache for DMA while the pipeline builds "
         "(`--register-early`; default on)",
     )
+    max_device_memory: str | None = Field(
+        None, pattern=BYTE_SIZE_PATTERN,
+        description="the device budget of each rank (`--max-device-memory`: bytes, or 24GiB / 24GB): the engine's "
+        "allocator is capped at it, and spec.mode auto and the engine plan with it; unset: the device's memory",
+    )
+    stream_dtype: StreamDtype | None = Field(
+        None, description="the dtype streamed blocks are held in and copied as (`--stream-dtype`); unset: bfloat16",
+    )
+
+    @field_validator("max_device_memory")
+    @classmethod
+    def _a_byte_count(cls, value: str | None) -> str | None:
+        if value is not None:
+            _byte_count(value)
+        return value
+
+    def device_budget_bytes(self) -> int | None:
+        """`max_device_memory` in bytes (None: unset)."""
+        return None if self.max_device_memory is None else _byte_count(self.max_device_memory)
 
     @model_validator(mode="after")
     def _api_key_only_from_a_secret(self) -> EngineSpec:
@@ -146,6 +184,8 @@ class EngineSpec(_Model):
             raise ValueError(_DLO_SWITCHES_RULE[1])
         if self.gather_max_ctas is not None and self.device not in ("auto", "cuda"):
             raise ValueError(_CTAS_DEVICE_RULE[1])
+        if self.max_device_memory is not None and self.device == "cpu":
+            raise ValueError(_BUDGET_DEVICE_RULE[1])
         return self
 
     def engine_switches(self) -> list[str]:
@@ -159,6 +199,10 @@ class EngineSpec(_Model):
             out += ["--ulysses-exchange", self.ulysses_exchange]
         if self.register_early is not None:
             out += ["--register-early" if self.register_early else "--no-register-early"]
+        if self.max_device_memory is not None:
+            out += ["--max-device-memory", self.max_device_memory]
+        if self.stream_dtype is not None:
+            out += ["--stream-dtype", self.stream_dtype]
         return out
 
     @model_validator(mode="after")

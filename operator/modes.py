@@ -56,6 +56,7 @@ def inputs_digest(spec: DLODeploymentSpec, nodes: list[dict[str, Any]]) -> str:
     payload = {
         "dp": spec.devices_per_node,
         **({"sp": spec.sp} if spec.sp != 1 else {}),
+        **({"budget": spec.engine.device_budget_bytes()} if spec.engine.max_device_memory else {}),
         "model": spec.model.model_dump(mode="json"),
         "profiles": {n["metadata"]["name"]: node_profile_json(n) for n in nodes},
     }
@@ -124,7 +125,8 @@ def _resolve_with_policy(policy: Any, spec: DLODeploymentSpec, eligible: list[di
             skipped.append(f"{name}: no facts for model {spec.model.folder_name!r}")
             continue
         try:
-            decision = policy.choose_mode(profile, facts, spec.dp, sp=spec.sp)
+            decision = policy.choose_mode(profile, facts, spec.dp, sp=spec.sp,
+                                          device_budget_bytes=spec.engine.device_budget_bytes())
         except policy.PolicyError as e:
             skipped.append(f"{name}: {e}")
             continue

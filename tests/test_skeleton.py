@@ -37,9 +37,26 @@ def test_parts_map_into_dlo_namespace():
 def test_import_dlo_engine_and_torch_free_modules_do_not_import_torch():
     out = run_py(
         "import sys, dlo.engine, dlo.engine.checkpoint, dlo.engine.families, dlo.engine.layout;"
+        "import dlo.engine.blocks, dlo.engine.request, dlo.engine.families.tiny;"
         "import dlo.agent, dlo.cli.main; print('torch' in sys.modules)"
     )
     assert out == "False"
+
+
+def test_the_core_never_imports_serving():
+    """The core (engine/*.py, engine/families/) imports nothing of dlo.engine.serving, anywhere in a
+    module: not at the top, not in a function, not for type checking (layers point down)."""
+    import ast
+
+    offenders = []
+    for path in sorted([*(ROOT / "engine").glob("*.py"), *(ROOT / "engine" / "families").glob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names += [f"{node.module}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom) else []
+            if any(n == "dlo.engine.serving" or n.startswith("dlo.engine.serving.") for n in names):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not offenders, offenders
 
 
 def test_dispatcher_lists_every_contract_subcommand():

@@ -1,55 +1,55 @@
-"""Model families: the registry of family adapters, checkpoint key grouping, and model facts.
+"""Model families: the one registry of family adapters, and the pipeline facts of a folder.
 
-Owns: `Family` (the adapter interface: block lists in execution order, the diffusers pipeline
-class, what a request implies for that pipeline, output decoding, the tiny-model writer), the
-registry `FAMILIES` (one module per family: `wan.py`, `wan_i2v.py`, `wan22.py`, `flux.py`,
-`qwen_image.py`), `family_of`, `group_keys` /
-`BlockKeys`, the slot layout of a block (`block_layout`), the pipeline facts a request is validated
-against (`PipelineFacts`), and `describe` (the torch-free `ModelFacts` the agent and operator use).
-Adding a family is one module here and its tests.
-Must never: import torch or diffusers at import time (the agent and operator import this package;
-adapters import them inside the functions that need them).
+Owns: the registry (`FAMILIES`: the pipeline families `dlo serve` runs, one module each: `wan.py`,
+`wan_i2v.py`, `wan22.py`, `flux.py`, `qwen_image.py`; `BLOCK_FAMILIES`: the block lists the
+offload streams, every pipeline's transformer and the streamed text encoders of
+`text_encoders.py`), `family_of` (a model class's `BlockFamily`) and `pipeline_facts` (a folder's
+`PipelineFacts`). The contract has two halves: `base.BlockFamily` (what the offload needs) and
+`pipelines.PipelineFamily` (what serving needs); the tiny-model writers are `tiny_writers.py`; how
+a checkpoint splits into blocks and the model facts of a folder are `dlo.engine.blocks`. Adding a
+family is one module here (its `BlockFamily` and `PipelineFamily`), its entry below and its tests.
+Must never: import torch or diffusers (the agent and operator import this package; adapters
+import them inside the functions that need them), or import `dlo.engine.serving`.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
-from dlo.engine.checkpoint import Checkpoint, CheckpointError, cached_checkpoint, read_json_config
-from dlo.engine.facts import ModelFacts
-from dlo.engine.families.base import Family, PipelineFacts, read_config
+from dlo.engine.checkpoint import CheckpointError, read_json_config
+from dlo.engine.families.base import BlockFamily, read_config
 from dlo.engine.families.flux import FluxFamily
+from dlo.engine.families.pipelines import Decoded, PipelineFacts, PipelineFamily
 from dlo.engine.families.qwen_image import QwenImageFamily
-from dlo.engine.families.text_encoders import QwenVLEncoderFamily, T5EncoderFamily
+from dlo.engine.families.text_encoders import QWEN_VL_ENCODER_BLOCKS, T5_ENCODER_BLOCKS
 from dlo.engine.families.wan import WanFamily
 from dlo.engine.families.wan22 import Wan22Family
 from dlo.engine.families.wan_i2v import WanI2VFamily
-from dlo.engine.layout import BlockLayout, build_layout
 
 __all__ = [
-    "FAMILIES", "BlockKeys", "Family", "ModelFacts", "PipelineFacts", "block_layout", "describe", "family_of",
-    "group_keys", "pipeline_facts", "read_config",
+    "BLOCK_FAMILIES", "FAMILIES", "BlockFamily", "Decoded", "PipelineFacts", "PipelineFamily", "family_of",
+    "pipeline_facts", "read_config",
 ]
 
 # Order matters where two adapters serve one pipeline class: Wan2.2 (two experts) before Wan2.1.
-FAMILIES: dict[str, Family] = {
+FAMILIES: dict[str, PipelineFamily] = {
     f.name: f for f in (Wan22Family(), WanFamily(), WanI2VFamily(), FluxFamily(), QwenImageFamily())
 }
 
-# Block-list adapters of components that stream but are no pipeline (text encoders).
-ENCODER_FAMILIES: dict[str, Family] = {f.name: f for f in (T5EncoderFamily(), QwenVLEncoderFamily())}
+# What the offload streams, by `BlockFamily.name`: the pipelines' transformers (Wan's serves three
+# pipelines), then the text encoders that stream but are no pipeline.
+BLOCK_FAMILIES: dict[str, BlockFamily] = {
+    b.name: b for b in (*(f.blocks for f in FAMILIES.values()), T5_ENCODER_BLOCKS, QWEN_VL_ENCODER_BLOCKS)
+}
 
 
-def family_of(class_name: str) -> Family:
-    """The family of a model class (`_class_name` of its config.json, or a transformers class of
+def family_of(class_name: str) -> BlockFamily:
+    """The block lists of a model class (`_class_name` of its config.json, or a transformers class of
     `architectures`); KeyError names the known ones."""
-    for fam in (*FAMILIES.values(), *ENCODER_FAMILIES.values()):
+    for fam in BLOCK_FAMILIES.values():
         if class_name in fam.class_names:
             return fam
-    known = sorted(c for f in (*FAMILIES.values(), *ENCODER_FAMILIES.values()) for c in f.class_names)
+    known = sorted(c for f in BLOCK_FAMILIES.values() for c in f.class_names)
     raise KeyError(f"model class {class_name!r} has no DLO family; known: {', '.join(known)}")
 
 
@@ -71,63 +71,3 @@ def pipeline_facts(model_dir: Path | str) -> PipelineFacts:
             return fam.pipeline_facts(root, index, transformer, vae)
     supported = ", ".join(sorted({f.pipeline_class for f in FAMILIES.values()}))
     raise ValueError(f"{root}: pipeline class {name!r} is not supported; supported: {supported}")
-
-
-@dataclass(frozen=True)
-class BlockKeys:
-    """One block: where it sits (`list_name[index]`) and its checkpoint keys (name relative to it)."""
-
-    order: int  # position in execution order across all block lists
-    list_name: str
-    index: int
-    keys: tuple[str, ...]  # full checkpoint names
-
-    @property
-    def prefix(self) -> str:
-        return f"{self.list_name}.{self.index}."
-
-
-def group_keys(names: list[str] | set[str], family: Family) -> tuple[list[BlockKeys], list[str]]:
-    """Split checkpoint names into blocks (execution order) and non-block names."""
-    pattern = re.compile(r"^(" + "|".join(map(re.escape, family.block_lists)) + r")\.(\d+)\.")
-    grouped: dict[tuple[int, int], list[str]] = {}
-    nonblock: list[str] = []
-    for name in sorted(names):
-        m = pattern.match(name)
-        if m is None:
-            nonblock.append(name)
-            continue
-        key = (family.block_lists.index(m.group(1)), int(m.group(2)))
-        grouped.setdefault(key, []).append(name)
-    blocks = [
-        BlockKeys(order, family.block_lists[li], idx, tuple(keys))
-        for order, ((li, idx), keys) in enumerate(sorted(grouped.items()))
-    ]
-    return blocks, nonblock
-
-
-def block_layout(ckpt: Checkpoint, block: BlockKeys, dtype_of: Mapping[str, str] | None = None) -> BlockLayout:
-    """The block's slot layout (CONTRACTS.md section 4), tensors in file order so that runs stay
-    contiguous with the file. `dtype_of` gives the dtype the model computes a tensor in where it
-    differs from the stored one (a cast on load)."""
-    infos = sorted((ckpt.tensors[k] for k in block.keys), key=lambda i: (str(i.path), i.start))
-    dtype_of = dtype_of or {}
-    return build_layout([(i.name, dtype_of.get(i.name, i.dtype), i.shape) for i in infos])
-
-
-def describe(component_dir: Path | str) -> ModelFacts:
-    """Model facts of a transformer folder (or of a pipeline folder's `transformer/`)."""
-    root = Path(component_dir)
-    if (root / "model_index.json").is_file() and (root / "transformer").is_dir():
-        root = root / "transformer"
-    family = family_of(read_config(root)["_class_name"])
-    ckpt = cached_checkpoint(root)
-    blocks, nonblock = group_keys(set(ckpt.tensors), family)
-    sizes = [block_layout(ckpt, b).nbytes for b in blocks]
-    return ModelFacts(
-        family=family.name,
-        bytes=ckpt.nbytes,
-        blocks=len(blocks),
-        largest_block_bytes=max(sizes, default=0),
-        nonblock_bytes=sum(ckpt.tensors[k].nbytes for k in nonblock),
-    )

@@ -10,18 +10,18 @@ Must never: import torch or diffusers at import time.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from dlo.engine.families.base import Decoded, Family, PipelineFacts
+from dlo.engine.families.base import BlockFamily
+from dlo.engine.families.pipelines import Decoded, PipelineFacts, PipelineFamily
+from dlo.engine.request import Generation
 
-if TYPE_CHECKING:  # pragma: no cover
-    from dlo.engine.serving.waves import Generation
+QWEN_IMAGE_BLOCKS = BlockFamily("qwen-image", ("QwenImageTransformer2DModel",), ("transformer_blocks",))
 
 
-class QwenImageFamily(Family):
+class QwenImageFamily(PipelineFamily):
     name = "qwen-image"
-    class_names = ("QwenImageTransformer2DModel",)
-    block_lists = ("transformer_blocks",)
+    blocks = QWEN_IMAGE_BLOCKS
     pipeline_class = "QwenImagePipeline"
     streamable_encoders = ("text_encoder",)  # Qwen2.5-VL-7B's language model layers
 
@@ -29,14 +29,14 @@ class QwenImageFamily(Family):
         scale = 2 ** len(vae.get("temperal_downsample", [False, True, True]))
         return PipelineFacts(self.name, self.pipeline_class, scale * 2, 0, 4.0, transformer["_class_name"])
 
-    def uses_cfg(self, gen: "Generation") -> bool:
+    def uses_cfg(self, gen: Generation) -> bool:
         return gen.negative_prompt is not None and gen.guidance_scale > 1.0
 
-    def call_kwargs(self, gen: "Generation") -> dict[str, Any]:
+    def call_kwargs(self, gen: Generation) -> dict[str, Any]:
         return {"num_images_per_prompt": gen.n, "true_cfg_scale": gen.guidance_scale if self.uses_cfg(gen) else 1.0,
                 "guidance_scale": None}
 
-    def decode(self, out: Any, gen: "Generation") -> Decoded:
+    def decode(self, out: Any, gen: Generation) -> Decoded:
         import numpy as np
 
         return Decoded(images=tuple(np.asarray(out.images)))

@@ -3,11 +3,10 @@
 `dlo make-tiny-model OUT_DIR --family wan|flux` writes OUT_DIR/transformer and the other pipeline
 components (VAE, text encoder(s), tokenizer(s), scheduler, model_index.json).
 
-Owns: the family-independent part of a tiny model (random seeded weights, byte-level tokenizers,
-the flow-matching scheduler, the transformer writer) and the `make-tiny-model` subcommand; each
-family's adapter (`wan.py`, `flux.py`) owns its transformer config and component list.
-Must never: download anything. Tokenizers are built locally with the `tokenizers` library (a
-byte-level vocabulary with no merges: any prompt tokenizes, the vocabulary stays 260 entries).
+Owns: the transformer writer (random seeded weights, `_keep_in_fp32_modules` kept float32), the
+pipeline folder's `model_index.json`, and the `make-tiny-model` subcommand; each family's tiny
+transformer config and other components are its writer's (`dlo.engine.families.tiny_writers`).
+Must never: download anything (tokenizers are built locally with the `tokenizers` library).
 """
 
 from __future__ import annotations
@@ -18,76 +17,9 @@ import logging
 from pathlib import Path
 
 from dlo.cli.args import new_folder, positive_int
+from dlo.engine.families.tiny_writers import HEAD_DIM, TEXT_DIM, TINY_WRITERS, TinyWriter
 
 log = logging.getLogger(__name__)
-
-# Wan needs head_dim splittable into (t, h, w) rope parts; Flux's rope axes must sum to head_dim.
-HEAD_DIM = 16
-# Must match the transformer's text_dim / joint_attention_dim / pooled_projection_dim.
-TEXT_DIM = 32
-SPECIALS = ["<pad>", "</s>", "<unk>", "<s>"]  # ids 0..3
-VOCAB_SIZE = 256 + len(SPECIALS)
-CLIP_MAX_LENGTH = 77
-# Wan's UMT5 and Flux's T5 encoders: the same tiny shape.
-T5_CONFIG = dict(
-    vocab_size=VOCAB_SIZE, d_model=TEXT_DIM, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-    relative_attention_num_buckets=8, relative_attention_max_distance=32,
-    pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-)
-
-
-def byte_level_tokenizer(model_max_length: int, bos: bool):
-    """A PreTrainedTokenizerFast over single bytes (no merges), appending `</s>` to every text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
-    for ch in sorted(alphabet):
-        vocab[ch] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    if bos:
-        tok.post_processor = processors.TemplateProcessing(
-            single="<s> $A </s>", special_tokens=[("<s>", vocab["<s>"]), ("</s>", vocab["</s>"])]
-        )
-    else:
-        tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", vocab["</s>"])])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="<pad>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        bos_token="<s>",
-        model_max_length=model_max_length,
-    )
-
-
-def _randomize(model, seed: int) -> None:
-    """Replace default inits (many exact zeros and ones) so every weight shapes the output."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim >= 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * (1.0 / max(1, p[0].numel()) ** 0.5))
-
-
-def save_random(model, path: Path, dtype: str, seed: int) -> None:
-    import torch
-
-    _randomize(model, seed)
-    if dtype != "float32":
-        model = model.to(getattr(torch, dtype))
-    model.save_pretrained(path, safe_serialization=True)
-
-
-def flow_scheduler(out: Path, **config) -> None:
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    FlowMatchEulerDiscreteScheduler(**config).save_pretrained(out / "scheduler")
 
 
 def write_pipeline_components(out_dir: Path | str, *, family: str = "wan", seed: int = 0, dtype: str = "float32") -> Path:
@@ -96,25 +28,23 @@ def write_pipeline_components(out_dir: Path | str, *, family: str = "wan", seed:
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    index = _family(family).write_tiny_components(out, seed, dtype)
+    index = _writer(family).write_components(out, seed, dtype)
     index["_diffusers_version"] = diffusers.__version__
     (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
     log.info("wrote tiny %s pipeline components to %s", family, out)
     return out
 
 
-def _family(family: str):
-    from dlo.engine.families import FAMILIES
-
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; choose {' or '.join(FAMILIES)}")
-    return FAMILIES[family]
+def _writer(family: str) -> TinyWriter:
+    if family not in TINY_WRITERS:
+        raise ValueError(f"unknown family {family!r}; choose {' or '.join(TINY_WRITERS)}")
+    return TINY_WRITERS[family]
 
 
 def transformer_config(family: str, layers: int, dim: int, in_channels: int = 16, text_dim: int = TEXT_DIM) -> dict:
     if dim % HEAD_DIM:
         raise ValueError(f"--dim must be a multiple of {HEAD_DIM}, got {dim}")
-    return _family(family).tiny_transformer_config(layers, dim, HEAD_DIM, in_channels, text_dim)
+    return _writer(family).transformer_config(layers, dim, HEAD_DIM, in_channels, text_dim)
 
 
 def make_tiny_transformer(
@@ -168,7 +98,7 @@ def _dim(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out_dir", type=new_folder, help="folder to write the pipeline into (created; must be new or empty)")
-    parser.add_argument("--family", choices=["wan", "flux"], default="wan")  # FAMILIES' names
+    parser.add_argument("--family", choices=list(TINY_WRITERS), default="wan")
     parser.add_argument("--layers", type=positive_int, default=3, help="transformer blocks (flux: double-stream blocks)")
     parser.add_argument("--dim", type=_dim, default=32, help=f"hidden size, a multiple of {HEAD_DIM}")
     parser.add_argument("--seed", type=int, default=0)

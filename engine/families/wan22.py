@@ -13,18 +13,15 @@ Must never: import torch or diffusers at import time.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from dlo.engine.families.base import PipelineFacts
+from dlo.engine.families.pipelines import PipelineFacts
 from dlo.engine.families.wan import WanFamily
-
-if TYPE_CHECKING:  # pragma: no cover
-    from dlo.engine.serving.waves import Generation
+from dlo.engine.request import Generation
 
 
 class Wan22Family(WanFamily):
-    name = "wan2.2"
-    class_names = ()  # a Wan transformer folder alone is the "wan" family (same blocks)
+    name = "wan2.2"  # both experts have Wan's blocks (`WAN_BLOCKS`)
 
     def matches(self, index: dict) -> bool:
         return (index.get("_class_name") == self.pipeline_class
@@ -39,7 +36,7 @@ class Wan22Family(WanFamily):
                              int(vae.get("scale_factor_temporal") or 4), 4.0, transformer["_class_name"],
                              transformers=("transformer", "transformer_2"))
 
-    def call_plan(self, gen: "Generation", pipe: Any) -> list[tuple[str, int]]:
+    def call_plan(self, gen: Generation, pipe: Any) -> list[tuple[str, int]]:
         # The timesteps WanPipeline will run: a fresh scheduler of the same config, same call.
         sched = type(pipe.scheduler).from_config(pipe.scheduler.config)
         sched.set_timesteps(gen.steps, device="cpu")

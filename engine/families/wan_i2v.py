@@ -11,18 +11,15 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from dlo.engine.families.base import PipelineFacts
+from dlo.engine.families.pipelines import PipelineFacts
 from dlo.engine.families.wan import WanFamily
-
-if TYPE_CHECKING:  # pragma: no cover
-    from dlo.engine.serving.waves import Generation
+from dlo.engine.request import Generation
 
 
 class WanI2VFamily(WanFamily):
-    name = "wan-i2v"
-    class_names = ()  # the transformer class is Wan's
+    name = "wan-i2v"  # the transformer is Wan's (`WAN_BLOCKS`)
     pipeline_class = "WanImageToVideoPipeline"
 
     def matches(self, index: dict) -> bool:
@@ -34,7 +31,7 @@ class WanI2VFamily(WanFamily):
         return PipelineFacts(self.name, self.pipeline_class, base.size_multiple, base.temporal_factor,
                              base.default_guidance, base.transformer_class, image_input=True)
 
-    def call_inputs(self, gen: "Generation") -> dict[str, Any]:
+    def call_inputs(self, gen: Generation) -> dict[str, Any]:
         from PIL import Image
 
         if gen.image is None:  # the warm-up: no upload, a mid-grey first frame of the requested size

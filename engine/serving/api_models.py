@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dlo.engine.serving.limits import Limits
 from dlo.engine.families import PipelineFacts
-from dlo.engine.serving.waves import Generation
+from dlo.engine.request import Generation
 
 MAX_SEED = 2**63 - 1
 _SIZE = re.compile(r"([0-9]{1,5})x([0-9]{1,5})")  # ASCII digits, matched whole (no trailing newline)

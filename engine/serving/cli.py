@@ -99,24 +99,37 @@ def _profile_from_file(profile: Any, profile_path: Path) -> Any:
     return apply_calibration(profile, parse_file(CalibrationFragment, text, str(profile_path)))
 
 
-def resolve_mode(mode: ModeOrAuto, model_dir: Path, dp: int, device: str,
-                 profile_path: Path | None = None, sp: int = 1) -> tuple[Mode, str]:
-    """The engine mode and why: `--mode` as given, else the node policy, else a fixed rule."""
+def resolve_mode(mode: ModeOrAuto, model_dir: Path, dp: int, device: str, profile_path: Path | None = None,
+                 sp: int = 1, *, max_device_memory: int = 0, memory: Any = None,
+                 resident_blocks: int | str = 0) -> tuple[Mode, str]:
+    """The engine mode and why: `--mode` as given, else the node policy, else a fixed rule. With the
+    deployment's `memory` (`dlo.engine.serving.budget`) the device budget is checked: a mode that does
+    not fit raises `DeviceBudgetError` (exit 2 before anything loads)."""
     if mode != "auto":
+        if memory is not None and device != "cpu":
+            from dlo.engine.serving.budget import check_mode, local_budget
+
+            budget = local_budget(local_profile(device).accelerator.memory_bytes, max_device_memory, memory)
+            log.info("%s", check_mode(mode, memory, budget, dp * sp, resident_blocks))
         return mode, "--mode given"
     try:
-        from dlo.agent.policy import PolicyError, choose_mode
+        from dlo.agent.policy import NoModeFits, PolicyError, choose_mode
     except ImportError:
         log.warning("dlo.agent.policy is not installed; using the fixed rule")
     else:
-        from dlo.engine.families import describe
+        from dlo.engine.blocks import describe
 
         profile = local_profile(device)
         if profile_path is not None:
             profile = _profile_from_file(profile, profile_path)
         try:
-            decision = choose_mode(profile, describe(model_dir / "transformer"), dp, sp=sp)
+            decision = choose_mode(profile, describe(model_dir / "transformer"), dp, sp=sp,
+                                   device_budget_bytes=max_device_memory or None, pipeline=memory)
             return decision.engine_mode, f"policy: {decision.reason}"
+        except NoModeFits as e:
+            from dlo.engine.serving.budget import DeviceBudgetError
+
+            raise DeviceBudgetError(f"--mode auto: {e}") from None
         except (PolicyError, ValueError) as e:
             log.warning("mode policy gave no answer (%s); using the fixed rule", e)
     if dp * sp > 1:
@@ -252,8 +265,13 @@ def _prepare(args: argparse.Namespace) -> _Start:
     start.api_key = read_api_key(args.api_key_file)
     _model_and_limits(args, start)
     _layout(args, start)
-    try:
-        start.mode, why = resolve_mode(args.mode, start.model_dir, start.dp, start.device, args.profile, sp=args.sp)
+    from dlo.engine.serving.budget import DeviceBudgetError, budget_inputs
+
+    try:  # the device budget against the pipeline at its limits (dlo.engine.serving.budget)
+        start.mode, why = resolve_mode(args.mode, start.model_dir, start.dp, start.device, args.profile, sp=args.sp,
+                                       **budget_inputs(args, start.model_dir, start.limits))
+    except DeviceBudgetError as e:
+        raise StartError(str(e)) from None
     except (ValueError, OSError) as e:  # an unreadable or invalid --profile file
         raise StartError(f"--profile: {e}") from None
     log.info("serving %s family=%s mode=%s (%s) dp=%d sp=%d device=%s", start.model_dir, start.facts.family,

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Union
 
 from dlo.engine.facts import Mode
 from dlo.engine.report import GatherStats, LoadReport
 from dlo.engine.settings import EngineSettings
-from dlo.engine.serving.waves import Generation
+from dlo.engine.request import Generation
 
 
 class WaveError(RuntimeError):
@@ -69,19 +69,16 @@ class RankConfig:
 
 
 @dataclass(frozen=True)
-class RankStats:
-    """A snapshot of one rank's counters: `GatherStats` plus the device allocator's peak."""
+class RankStats(GatherStats):
+    """A snapshot of one rank's counters: the gather counters of its streamed models together
+    (`GatherStats`, the one definition of them) plus the device allocator's peak."""
 
-    gathers: int = 0
-    h2d_bytes: int = 0
-    collective_bytes: int = 0
-    gather_wait_seconds: float = 0.0
     device_memory_peak_bytes: int = 0
 
     @classmethod
     def of(cls, stats: GatherStats, device_memory_peak_bytes: int) -> "RankStats":
-        return cls(stats.gathers, stats.h2d_bytes, stats.collective_bytes, stats.gather_wait_seconds,
-                   device_memory_peak_bytes)
+        return cls(**{f.name: getattr(stats, f.name) for f in fields(GatherStats)},
+                   device_memory_peak_bytes=device_memory_peak_bytes)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from dlo.engine.families.base import Decoded
+from dlo.engine.families.pipelines import Decoded
 
 
 def _to_uint8(x: Any) -> Any:

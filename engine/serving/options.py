@@ -16,6 +16,7 @@ from dlo.cli.args import byte_size, existing_file, non_negative_seconds, port, p
 from dlo.engine.facts import MODES_OR_AUTO, DeviceKind, Mode
 from dlo.engine.settings import (
     MAX_GATHER_CTAS,
+    STREAM_DTYPES,
     TRANSFERS,
     ULYSSES_EXCHANGES,
     EngineSettings,
@@ -166,9 +167,14 @@ def _add_weights_arguments(parser: argparse.ArgumentParser) -> None:
                              "registered on cuda), arena (one pinned copy of this rank's shards), auto (registered "
                              "where the platform allows it, else the arena; on cpu the arena)")
     parser.add_argument("--max-device-memory", type=byte_size, default=0, metavar="BYTES",
-                        help="cap each rank's device allocator at BYTES (an integer or 24GiB, 24GB): emulates a "
-                             "smaller device on a larger one (torch.cuda.set_per_process_memory_fraction of the "
-                             "device's total); an error on cpu or above the device's memory; default: no cap")
+                        help="the device budget of each rank, BYTES (an integer or 24GiB, 24GB): the allocator is "
+                             "capped at it (torch.cuda.set_per_process_memory_fraction of the device's total: a "
+                             "smaller device on a larger one) and --mode auto plans with it; a mode whose weights "
+                             "and largest accepted request (the limits) do not fit it exits 2 before loading, "
+                             "naming the smallest budget or the largest --max-size that would; an error on cpu or "
+                             "above the device's memory; default: the device's memory")
+    parser.add_argument("--stream-dtype", choices=STREAM_DTYPES, default="bfloat16",
+                        help="the dtype streamed blocks are held in on the host and copied as")
     parser.add_argument("--stream-text-encoders", action=argparse.BooleanOptionalAction, default=True,
                         help="in the offloaded modes, the large text encoder (Wan's UMT5-XXL, Flux's T5-XXL, "
                              "Qwen-Image's Qwen2.5-VL) streams through the engine block by block in the same mode as "
@@ -213,7 +219,8 @@ def engine_settings(args: argparse.Namespace, mode: Mode, device: DeviceKind, dp
     chosen = {**from_environment(environ), **{k: v for k, v in flags.items() if v is not None}}
     offload, parallel = split_overrides(chosen)
     return EngineSettings(
-        offload=OffloadSettings(mode=mode, resident_blocks=args.resident_blocks, weights=args.weights, **offload),
+        offload=OffloadSettings(mode=mode, resident_blocks=args.resident_blocks, weights=args.weights,
+                                stream_dtype=args.stream_dtype, **offload),
         parallel=ParallelSettings(dp=dp, sp=args.sp, sp_kind=args.sp_kind, **parallel),
         device=device, max_device_memory=args.max_device_memory,
         stream_encoders=args.stream_text_encoders, cpu_threads=args.cpu_threads,

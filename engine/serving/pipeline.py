@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dlo.engine.families import pipeline_facts
+from dlo.engine.report import GatherStats
 from dlo.engine.serving.control import RankStats
 from dlo.engine.serving.encode import encode
 from dlo.engine.settings import EngineSettings
 from dlo.engine.timing import Laps
-from dlo.engine.serving.waves import Generation
+from dlo.engine.request import Generation
 
 log = logging.getLogger(__name__)
 
@@ -190,15 +191,8 @@ class ServingPipeline:
         return out
 
     def stats(self) -> RankStats:
-        from dlo.engine.report import GatherStats
-
-        total = GatherStats()
-        for m in self.models.values():
-            s = m.stats()
-            total.gathers += s.gathers
-            total.h2d_bytes += s.h2d_bytes
-            total.collective_bytes += s.collective_bytes
-            total.gather_wait_seconds += s.gather_wait_seconds
+        """This rank's counters: every streamed model's gathers together, and the allocator's peak."""
+        total = GatherStats.total(m.stats() for m in self.models.values())
         return RankStats.of(total, self.model.platform.memory_peak(self.device))
 
     def call_plan(self, gen: Generation) -> list[tuple[str, int]]:
@@ -242,7 +236,7 @@ class ServingPipeline:
         wrap(pipe, "encode_prompt", "encode")
         wrap(pipe.scheduler, "set_timesteps", "setup")
         wrap(pipe.vae, "decode", "decode")
-        blocks = [b for name in self.adapter.block_lists for b in getattr(self.model.module, name)]
+        blocks = [b for name in self.adapter.blocks.block_lists for b in getattr(self.model.module, name)]
         self.hooks.add_pre(blocks[len(blocks) // 2], lambda *_: self._fault("forward"))
 
     def _fault(self, phase: str) -> None:

@@ -34,7 +34,7 @@ from dlo.engine.serving.control import (
 )
 from dlo.engine.serving.faults import FaultPlan, InjectedFault
 from dlo.engine.timing import Laps
-from dlo.engine.serving.waves import Generation
+from dlo.engine.request import Generation
 
 log = logging.getLogger(__name__)
 

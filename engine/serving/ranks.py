@@ -72,7 +72,7 @@ from dlo.engine.serving.rank_main import (
     ready_message,
     run_assignment,
 )
-from dlo.engine.serving.waves import Generation
+from dlo.engine.request import Generation
 
 log = logging.getLogger(__name__)
 

@@ -1,15 +1,16 @@
-"""The serving engine on rank 0: readiness, the wave scheduler, video jobs, fault handling.
+"""The serving engine on rank 0: readiness, the wave scheduler, fault handling.
 
 Owns: the lifecycle `loading -> ready -> draining -> stopping`, any state -> `failed` (`State`,
-changed only through `_enter`), the graceful drain on SIGTERM (`begin_drain`: `/ready` turns 503 at
-once, new requests are refused with `ShuttingDown`, the waves and queue already accepted run up to
-`shutdown_grace_s`, what is left then fails with `ShuttingDown`, and the server is asked to exit 0;
-a wave still running then is abandoned: its ranks are killed, never waited for; the drain also waits for
-video jobs whose MP4 is being written, so a finished job is on disk before the pod goes), the asyncio scheduler that drains `WaveQueue` into `RankGroup.run_wave` one wave at a
-time, running video jobs (their records live in `videos.VideoStore`), and what happens on a fault: every request of the wave and of the queue
-fails with `EngineFailed` naming the cause, `/health` turns unhealthy, and the server is asked to
-exit non-zero (`RankGroup.kill` and a hard exit follow if anything is stuck in a collective).
-Refusals are domain errors (`dlo.engine.serving.errors`); the server maps them to HTTP.
+changed only through `_enter`); the drain on SIGTERM (`begin_drain`: `/ready` 503 at once, new
+requests refused with `ShuttingDown`, the waves, queue and video jobs already accepted run up to
+`shutdown_grace_s` - a finished job's MP4 is on disk before the pod goes - what is left then fails
+with `ShuttingDown`, a wave still running is abandoned: its ranks are killed, never waited for);
+the asyncio scheduler that drains `WaveQueue` into `RankGroup.run_wave` one wave at a time;
+withdrawing a request whose client left (`withdraw`: dropped while queued, a running one finishes
+its wave); the startup deadline (`unhealthy_reason`); and faults: every request of the wave and
+queue fails with `EngineFailed` naming the cause, `/health` turns unhealthy, the server exits
+non-zero (`RankGroup.kill` and a hard exit follow if anything is stuck in a collective). Video jobs
+are `video_jobs.VideoJobs`, composed in. Refusals are domain errors; the server maps them to HTTP.
 Must never: speak HTTP (no status codes here), block the event loop on the ranks (waves run in a
 daemon thread), signal the ranks' processes itself (ask `RankGroup`), or run a wave after a fault.
 """
@@ -28,6 +29,7 @@ from typing import Callable, Literal
 
 from dlo.engine.families import PipelineFacts
 from dlo.engine.parallel import Layout, LayoutError, check_tokens, leader_results, wave_assignments
+from dlo.engine.request import Generation
 from dlo.engine.serving.control import RankConfig, Result, WaveError, summary
 from dlo.engine.serving.errors import (
     EngineFailed,
@@ -46,7 +48,7 @@ from dlo.engine.serving.threads import in_daemon_thread
 from dlo.engine.timing import process_age_seconds
 from dlo.engine.serving.video_jobs import VideoJobs
 from dlo.engine.serving.videos import VideoStore
-from dlo.engine.serving.waves import Generation, Pending, WaveQueue
+from dlo.engine.serving.waves import Pending, WaveQueue
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 
 from dlo.engine.families import PipelineFacts
+from dlo.engine.request import Generation
 from dlo.engine.timing import process_age_seconds, uncached_bytecode, unneeded_imports
-from dlo.engine.serving.waves import Generation
 
 log = logging.getLogger(__name__)
 

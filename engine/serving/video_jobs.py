@@ -24,7 +24,7 @@ from dlo.engine.serving.metrics import EngineMetrics
 from dlo.engine.serving.videos import VideoJob, VideoStore
 
 if TYPE_CHECKING:  # pragma: no cover
-    from dlo.engine.serving.waves import Generation
+    from dlo.engine.request import Generation
 
 log = logging.getLogger(__name__)
 

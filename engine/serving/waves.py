@@ -1,8 +1,8 @@
 """Waves: grouping queued requests that can run together on the ranks.
 
-Owns: `Generation` (one validated request, what travels to a rank), its compatibility key (every
-field that changes tensor shapes or the collective schedule), the pure wave-forming rule
-`next_wave`, and `WaveQueue`, the asyncio queue rank 0's scheduler drains.
+Owns: the compatibility key of a request (`compatibility_key`: every field of a
+`dlo.engine.request.Generation` that changes tensor shapes or the collective schedule), `Pending`,
+the pure wave-forming rule `next_wave`, and `WaveQueue`, the asyncio queue rank 0's scheduler drains.
 
 Rules (the published system's weaknesses we do not repeat):
 - a request is never rejected because of its neighbours: a request whose key differs from the
@@ -19,50 +19,30 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
 
+from dlo.engine.request import Generation
 from dlo.engine.serving.errors import QueueFull
 
 
-@dataclass(frozen=True)
-class Generation:
-    """One request, validated and with every default resolved."""
+def compatibility_key(gen: Generation) -> str:
+    """Requests with equal keys run the same shapes and gather schedule: every field that changes
+    tensor shapes or the collective schedule.
 
-    kind: Literal["image", "video"]
-    prompt: str
-    seed: int
-    width: int
-    height: int
-    steps: int
-    guidance_scale: float
-    n: int = 1
-    frames: int = 1
-    fps: int = 0
-    negative_prompt: str | None = None
-    lora_id: str | None = None
-    lora_scale: float = 1.0
-    extras: dict[str, Any] = field(default_factory=dict)  # pipeline extras, JSON values
-    # image-to-video: the uploaded first frame (encoded bytes, decoded on the rank); not part of the
-    # key: every image of a wave is resized to the wave's size
-    image: bytes | None = field(default=None, repr=False)
-
-    def key(self) -> str:
-        """Compatibility key: requests with equal keys run the same shapes and gather schedule.
-
-        Seeds, prompts and negative-prompt text may differ inside a wave; whether a negative
-        prompt is present may not (it can add a CFG branch).
-        """
-        return json.dumps(
-            {
-                "height": self.height, "width": self.width, "frames": self.frames, "fps": self.fps,
-                "steps": self.steps, "guidance_scale": self.guidance_scale, "cfg": self.guidance_scale > 1.0,
-                "negative_prompt": self.negative_prompt is not None, "n": self.n,
-                "lora": [self.lora_id, self.lora_scale if self.lora_id else None],
-                "extras": self.extras,
-            },
-            sort_keys=True, separators=(",", ":"),
-        )
+    Seeds, prompts and negative-prompt text may differ inside a wave; whether a negative prompt is
+    present may not (it can add a CFG branch). The input image is not part of it (resized to the
+    wave's size).
+    """
+    return json.dumps(
+        {
+            "height": gen.height, "width": gen.width, "frames": gen.frames, "fps": gen.fps,
+            "steps": gen.steps, "guidance_scale": gen.guidance_scale, "cfg": gen.guidance_scale > 1.0,
+            "negative_prompt": gen.negative_prompt is not None, "n": gen.n,
+            "lora": [gen.lora_id, gen.lora_scale if gen.lora_id else None],
+            "extras": gen.extras,
+        },
+        sort_keys=True, separators=(",", ":"),
+    )
 
 
 @dataclass
@@ -77,7 +57,7 @@ class Pending:
 
     def __post_init__(self) -> None:
         if not self.key:
-            self.key = self.gen.key()
+            self.key = compatibility_key(self.gen)
 
 
 def next_wave(queue: list[Pending], dp: int, now: float, window_s: float) -> tuple[list[Pending], float | None]:

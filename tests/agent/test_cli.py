@@ -16,7 +16,7 @@ import pytest
 
 from dlo.agent.policy import choose_mode
 from dlo.agent.profile import NodeProfile
-from dlo.engine.families import describe
+from dlo.engine.blocks import describe
 
 ROOT = Path(__file__).resolve().parents[2]
 GB = 1_000_000_000
@@ -27,7 +27,7 @@ PROFILE = {
     "h2d_bandwidth_bps": 55 * GB, "host_memory_bytes": 2000 * GB, "can_register_page_cache": False,
 }
 ESTIMATE_KEYS = {"pinned_host_bytes", "page_cache_bytes", "cold_start_peak_bytes", "device_weight_bytes",
-                 "block_seconds", "fits"}
+                 "block_seconds", "fits", "device_peak_bytes"}
 
 
 def dlo(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -48,7 +48,7 @@ def test_plan_json_shape_for_byte_counts(profile_file: Path) -> None:
             "--block-compute-seconds", "0.003", "--profile", str(profile_file), "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
-    assert set(doc) == {"choice", "modes"}
+    assert set(doc) == {"choice", "modes", "device_budget_bytes"}
     assert doc["choice"]["mode"] == "allgather" and doc["choice"]["reason"]
     assert set(doc["modes"]) == {"allgather", "rank_local", "resident"}
     assert all(set(v) == ESTIMATE_KEYS for v in doc["modes"].values())
@@ -387,3 +387,16 @@ def test_agent_log_lines_escape_a_newline_in_a_folder_name(tmp_path: Path) -> No
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=10)
+
+
+def test_plan_takes_the_device_budget_as_dlo_serve_does(profile_file: Path) -> None:
+    one = ["--model-bytes", str(28 * GB), "--max-block-bytes", str(700_000_000), "--dp", "1",
+           "--profile", str(profile_file)]
+    assert json.loads(dlo("plan", *one, "--json").stdout)["choice"]["mode"] == "resident"  # 48 GB devices
+    r = dlo("plan", *one, "--max-device-memory", "24GiB", "--json")
+    doc = json.loads(r.stdout)
+    assert r.returncode == 0 and doc["choice"]["mode"] == "rank_local" and doc["device_budget_bytes"] == 24 * 2**30
+    assert not doc["modes"]["resident"]["fits"]
+    small = dlo("plan", *one, "--max-device-memory", "1GB")
+    assert small.returncode == 1 and "smallest device budget that fits is 1.6 GB (rank-local)" in small.stderr
+    assert "budget 1.0 GB" in small.stdout  # the table is printed, with the budget in its title

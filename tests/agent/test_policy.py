@@ -204,15 +204,17 @@ def test_profile_without_h2d_bandwidth_is_rejected() -> None:
 def test_plan_json_shape() -> None:
     d = choose_mode(node(), MODEL_60, dp=8, block_compute_seconds=0.003)
     doc = json.loads(json.dumps(d.plan_json()))
-    assert set(doc) == {"choice", "modes"}
+    assert set(doc) == {"choice", "modes", "device_budget_bytes"}
+    assert doc["device_budget_bytes"] == 48 * GB
     assert set(doc["choice"]) == {"mode", "reason"}
     assert set(doc["modes"]) == {"allgather", "rank_local", "resident"}
     for est in doc["modes"].values():
         assert set(est) == {
             "pinned_host_bytes", "page_cache_bytes", "cold_start_peak_bytes",
-            "device_weight_bytes", "block_seconds", "fits",
+            "device_weight_bytes", "block_seconds", "fits", "device_peak_bytes",
         }
-    assert Decision.model_validate({"mode": d.mode, "reason": d.reason, "estimates": doc["modes"]}) == d
+    assert Decision.model_validate({"mode": d.mode, "reason": d.reason, "estimates": doc["modes"],
+                                    "device_budget_bytes": doc["device_budget_bytes"]}) == d
 
 
 def test_rank_local_engine_spelling() -> None:
@@ -328,3 +330,4 @@ def test_host_ranks_without_a_collective_bandwidth_can_still_gather() -> None:
     assert d.mode == "allgather" and "collective bandwidth between host ranks" in d.reason
     gpu = estimate_modes(node(kind="none", coll=0), MODEL_60, dp=8)
     assert not gpu["allgather"].fits and gpu["allgather"].block_seconds is None
+

@@ -84,7 +84,7 @@ def test_model_bytes_say_which_size_they_are(models_root: Path) -> None:
     metric carries the transformer's size, and both help texts say which is which."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from dlo.engine.families import describe
+    from dlo.engine.blocks import describe
 
     text, body = _scrape(models_root)
     families = {f.name: f for f in text_string_to_metric_families(text)}

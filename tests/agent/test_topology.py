@@ -21,7 +21,7 @@ from dlo.agent.topology import (
     parse_npu_smi_topo,
     pcie_link,
 )
-from dlo.engine.families import describe
+from dlo.engine.blocks import describe
 
 from .conftest import write_wan_folder
 

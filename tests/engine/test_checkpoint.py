@@ -207,7 +207,7 @@ def test_two_processes_share_one_page_cache_copy(tmp_path):
 
 def test_a_folder_is_parsed_once_per_process_until_its_files_change(tmp_path, monkeypatch):
     import dlo.engine.checkpoint as checkpoint
-    from dlo.engine.families import describe
+    from dlo.engine.blocks import describe
     from dlo.engine.families.tiny import make_tiny_transformer
 
     path = make_tiny_transformer(tmp_path / "t", "wan", layers=2)

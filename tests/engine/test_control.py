@@ -22,7 +22,7 @@ from dlo.engine.serving.errors import (
     ServiceError,
     ShuttingDown,
 )
-from dlo.engine.serving.waves import Generation
+from dlo.engine.request import Generation
 
 GEN = Generation(kind="image", prompt="a lighthouse", seed=1, width=64, height=64, steps=2, guidance_scale=5.0)
 REPORT = LoadReport(mode="allgather", weights_source="arena", blocks=3, largest_block_bytes=10, host_pinned_bytes=20,
@@ -63,6 +63,18 @@ def test_ready_summary_is_the_json_of_slash_ready():
     assert s["rank"] == 1 and s["report"]["weights_source"] == "arena" and s["components"] == {"vae": 7}
     assert s["stats"]["gathers"] == 1
     assert summary(2, None) == {"rank": 2}
+
+
+def test_rank_stats_are_the_gather_counters_plus_the_peak_with_the_same_json():
+    from dlo.engine.report import GatherStats
+
+    total = GatherStats.total([GatherStats(1, 2, 3, 0.5), GatherStats(4, 5, 6, 0.25)])
+    assert total == GatherStats(5, 7, 9, 0.75) and GatherStats.total([]) == GatherStats()
+    stats = RankStats.of(total, 11)
+    assert isinstance(stats, GatherStats)  # one definition of the counters, extended by the peak
+    # /ready's and the metrics' per-rank `stats` stay one flat object
+    assert dataclasses.asdict(stats) == {"gathers": 5, "h2d_bytes": 7, "collective_bytes": 9,
+                                         "gather_wait_seconds": 0.75, "device_memory_peak_bytes": 11}
 
 
 def test_control_and_errors_import_neither_torch_nor_fastapi():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dlo.engine.checkpoint import cached_checkpoint
-from dlo.engine.families import block_layout
+from dlo.engine.blocks import block_layout
 from dlo.engine.families.tiny import make_tiny_transformer
 from dlo.engine.model import build_meta_model
 from dlo.engine.platform import Platform

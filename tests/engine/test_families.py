@@ -2,7 +2,8 @@
 
 import pytest
 
-from dlo.engine.families import FAMILIES, describe, family_of, group_keys
+from dlo.engine.blocks import describe, group_keys
+from dlo.engine.families import BLOCK_FAMILIES, FAMILIES, family_of
 
 
 def test_flux_blocks_run_double_then_single_stream():
@@ -14,7 +15,7 @@ def test_flux_blocks_run_double_then_single_stream():
         "transformer_blocks.10.attn.to_q.weight",
         "single_transformer_blocks.2.norm.linear.weight",
     ]
-    blocks, nonblock = group_keys(names, FAMILIES["flux"])
+    blocks, nonblock = group_keys(names, BLOCK_FAMILIES["flux"])
     assert [(b.list_name, b.index) for b in blocks] == [
         ("transformer_blocks", 0), ("transformer_blocks", 1), ("transformer_blocks", 10),
         ("single_transformer_blocks", 0), ("single_transformer_blocks", 2),
@@ -24,7 +25,7 @@ def test_flux_blocks_run_double_then_single_stream():
 
 
 def test_wan_prefix_is_not_confused_with_similar_names():
-    blocks, nonblock = group_keys(["blocks.0.a", "blocks_extra.0.a", "blocks.1"], FAMILIES["wan"])
+    blocks, nonblock = group_keys(["blocks.0.a", "blocks_extra.0.a", "blocks.1"], BLOCK_FAMILIES["wan"])
     assert [b.keys for b in blocks] == [("blocks.0.a",)]
     assert sorted(nonblock) == ["blocks.1", "blocks_extra.0.a"]
 
@@ -47,22 +48,33 @@ def test_describe_reads_facts_without_torch(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_every_family_adapter_implements_the_whole_interface(name):
-    from dlo.engine.families.base import Family
+    from dlo.engine.families.pipelines import PipelineFamily
     from dlo.engine.presets import PRESETS
 
     fam = FAMILIES[name]
-    assert fam.name == name and fam.block_lists and fam.pipeline_class
+    assert fam.name == name and fam.pipeline_class and fam.blocks.block_lists
     for method in ("pipeline_facts", "call_kwargs", "decode"):
-        assert getattr(type(fam), method) is not getattr(Family, method), f"{name} lacks {method}"
-    if name in ("wan", "flux"):  # `dlo make-tiny-model --family` writes these
-        for method in ("tiny_transformer_config", "write_tiny_components"):
-            assert getattr(type(fam), method) is not getattr(Family, method), f"{name} lacks {method}"
-    if fam.class_names:
-        assert family_of(fam.class_names[0]) is fam
-    else:  # a pipeline variant (I2V, two experts) of a transformer class another adapter names
-        assert any(f.block_lists == fam.block_lists and f.class_names for f in FAMILIES.values())
+        assert getattr(type(fam), method) is not getattr(PipelineFamily, method), f"{name} lacks {method}"
+    # the offload finds the transformer's block lists by its class, in the one registry
+    assert BLOCK_FAMILIES[fam.blocks.name] is fam.blocks and family_of(fam.blocks.class_names[0]) is fam.blocks
     # every family has a tiny preset of `dlo make-random-model` (the CI pipelines)
     assert any(p.name.startswith("tiny-") and fam.matches(_index(p)) for p in PRESETS.values()), name
+
+
+@pytest.mark.parametrize("name", ["wan", "flux"])
+def test_make_tiny_model_families_have_a_tiny_writer(name):
+    from dlo.engine.families.tiny_writers import TINY_WRITERS, TinyWriter
+
+    assert set(TINY_WRITERS) <= set(FAMILIES)  # keyed by pipeline families
+    writer = TINY_WRITERS[name]
+    for method in ("transformer_config", "write_components"):
+        assert getattr(type(writer), method) is not getattr(TinyWriter, method), f"{name} lacks {method}"
+
+
+def test_block_families_cover_streamed_text_encoders_without_a_pipeline():
+    assert family_of("UMT5EncoderModel") is family_of("T5EncoderModel") is BLOCK_FAMILIES["t5-encoder"]
+    assert family_of("Qwen2_5_VLForConditionalGeneration").block_lists == ("model.language_model.layers",)
+    assert not {"t5-encoder", "qwen2.5-vl-encoder"} & set(FAMILIES)
 
 
 def _index(p) -> dict:

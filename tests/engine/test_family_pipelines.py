@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dlo.engine.serving.waves import Generation
+from dlo.engine.request import Generation
+from dlo.engine.serving.waves import compatibility_key
 from dlo.engine.settings import EngineSettings, OffloadSettings
 from tests.engine.serving_helpers import sha
 
@@ -79,7 +80,7 @@ def test_families_are_recognised_from_the_folders(tmp_path_factory):
     assert facts["tiny-wan2.2-t2v-a14b"].transformers == ("transformer", "transformer_2")
     assert facts["tiny-wan2.1-i2v"].image_input and not facts["tiny-wan2.1-t2v"].image_input
     assert (facts["tiny-qwen-image"].size_multiple, facts["tiny-qwen-image"].supports_video) == (16, False)
-    from dlo.engine.families import describe
+    from dlo.engine.blocks import describe
 
     t5 = describe(preset_pipeline(tmp_path_factory, "tiny-flux.1-dev") / "text_encoder_2")  # torch-free facts
     assert (t5.family, t5.blocks) == ("t5-encoder", 2)
@@ -103,7 +104,7 @@ def test_input_reference_validation():
             video_generation(VideoCreateRequest(prompt="x", input_reference=bad), i2v, SMALL, "m")
         assert e.value.status == 400
     gen = video_generation(VideoCreateRequest(prompt="x", input_reference=ref, size="32x32"), i2v, SMALL, "m")
-    assert gen.image == png() and "image" not in gen.key()
+    assert gen.image == png() and "image" not in compatibility_key(gen)
 
 
 @pytest.mark.parametrize("name", ["tiny-wan2.1-t2v", "tiny-flux.1-dev", "tiny-qwen-image"])

@@ -10,7 +10,7 @@ import pytest
 
 from dlo.engine.serving.control import RankConfig
 from dlo.engine.serving.faults import FAULTS_ENV, HOOKS_ENV, FaultPlan, InjectedFault
-from dlo.engine.serving.waves import Generation
+from dlo.engine.request import Generation
 from dlo.engine.settings import EngineSettings, OffloadSettings
 from tests.engine.serving_helpers import tiny_pipeline
 

@@ -70,11 +70,12 @@ def big_model(tmp_path_factory):
 @pytest.mark.parametrize("world", [2, 4])
 def test_allgather_rank_holds_only_its_shards(big_model, world):
     from dlo.engine.checkpoint import Checkpoint
-    from dlo.engine.families import FAMILIES, block_layout, group_keys
+    from dlo.engine.blocks import block_layout, group_keys
+    from dlo.engine.families import BLOCK_FAMILIES
 
     ck = Checkpoint(big_model)
     assert ck.nbytes >= 256 * 1024 * 1024
-    blocks, _ = group_keys(set(ck.tensors), FAMILIES["wan"])
+    blocks, _ = group_keys(set(ck.tensors), BLOCK_FAMILIES["wan"])
     shard_total = 0
     for b in blocks:
         shard_total += block_layout(ck, b).shard_bytes(world)

@@ -71,7 +71,7 @@ def test_single_process_modes_and_report(models):
     import torch.distributed as dist
 
     from dlo.engine import OffloadSettings, load
-    from dlo.engine.families import describe
+    from dlo.engine.blocks import describe
     from dlo.engine.layout import shard_bytes
 
     path = models[("flux", "fp32")]
@@ -113,11 +113,12 @@ def test_out_of_order_block_breaks_prefetcher_loudly(models):
 
 def test_page_cache_runs_merge_per_dtype(models):
     from dlo.engine.checkpoint import Checkpoint
-    from dlo.engine.families import FAMILIES, block_layout, group_keys
+    from dlo.engine.blocks import block_layout, group_keys
+    from dlo.engine.families import BLOCK_FAMILIES
     from dlo.engine.weights import page_cache_runs
 
     ck = Checkpoint(models[("wan", "bf16")])
-    blocks, _ = group_keys(set(ck.tensors), FAMILIES["wan"])
+    blocks, _ = group_keys(set(ck.tensors), BLOCK_FAMILIES["wan"])
     lay = block_layout(ck, blocks[1])
     runs = page_cache_runs(ck, lay, 1, 0)
     # contiguous in the file and 256-byte sized tensors merge; never more runs than tensors

@@ -120,7 +120,7 @@ def _one_rank_stops(rank: int, world: int, path: str) -> str:
     m = load(path, settings=OffloadSettings("allgather", transfer="peer"), device="cpu")
     forward(m.module, "flux", 0, torch.float32)  # one call together
     dist.barrier()
-    m.prefetcher._peer.wait_s = 3.0  # from here on (the load and the first call ran under the group's timeout)
+    m.prefetcher.transfer.peer.wait_s = 3.0  # from here on (the load and the first call ran under the group's timeout)
     if rank == 1:
         return "stopped"  # and never gathers again: as dead to its peers as a killed rank
     try:

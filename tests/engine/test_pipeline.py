@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from dlo.engine.families import PipelineFacts
-from dlo.engine.serving.waves import Generation
+from dlo.engine.request import Generation
 from tests.engine.serving_helpers import sha, tiny_pipeline
 from dlo.engine.settings import EngineSettings, OffloadSettings
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dlo.engine.serving.waves import Generation
+from dlo.engine.request import Generation
 from tests.engine.serving_helpers import sha
 from dlo.engine.settings import EngineSettings, OffloadSettings
 

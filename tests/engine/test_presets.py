@@ -109,7 +109,7 @@ def test_cli_writes_a_tiny_preset_the_engine_and_diffusers_read(tmp_path):
     import torch
 
     from dlo.engine.checkpoint import Checkpoint
-    from dlo.engine.families import describe
+    from dlo.engine.blocks import describe
 
     out = tmp_path / "wan22"
     r = subprocess.run([sys.executable, "-m", "cli.main", "make-random-model", str(out), "--preset",

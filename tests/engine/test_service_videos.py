@@ -13,7 +13,8 @@ from dlo.engine.serving.errors import EngineFailed, QueueFull
 from dlo.engine.serving.limits import Limits
 from dlo.engine.serving.service import Engine, EngineOptions
 from dlo.engine.serving.videos import VideoStore
-from dlo.engine.serving.waves import Generation, WaveQueue
+from dlo.engine.request import Generation
+from dlo.engine.serving.waves import WaveQueue
 from dlo.engine.settings import EngineSettings, OffloadSettings
 
 GEN = Generation(kind="video", prompt="waves", seed=1, width=64, height=64, steps=2, guidance_scale=5.0, frames=5,

@@ -94,3 +94,55 @@ def test_a_profile_file_with_an_unknown_key_is_refused_naming_it(wan, tmp_path):
                          env=offline_env(), timeout=120)
     assert res.returncode == 2 and "h2d_bandwith_bps" in res.stderr and "--profile" in res.stderr, res.stderr[-2000:]
     assert "Traceback" not in res.stderr
+
+
+def test_a_device_budget_no_mode_fits_exits_2_before_anything_loads(wan, tmp_path):
+    """`--mode auto` over a node whose device budget is below every mode's weights: one line naming
+    what does not fit and the smallest budget that would, exit 2, no rank started."""
+    import subprocess
+    import sys
+
+    from tests.engine.serving_helpers import offline_env
+
+    profile = tmp_path / "node.json"
+    profile.write_text(json.dumps({
+        "version": "v1", "node": "small", "h2d_bandwidth_bps": 25 * 10**9, "host_memory_bytes": 10**12,
+        "accelerator": {"vendor": "nvidia", "model": "test", "count": 1, "memory_bytes": 80 * 10**9,
+                        "budget_bytes": 100_000}}))
+    res = subprocess.run([sys.executable, "-m", "dlo.cli.main", "serve", str(wan), "--device", "cpu", "--dp", "1",
+                          "--mode", "auto", "--profile", str(profile), "--small-limits"],
+                         capture_output=True, text=True, env=offline_env(), timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    line = res.stderr.strip().splitlines()[-1]
+    assert line.startswith("dlo serve: --mode auto: no mode fits") and "the smallest device budget that fits is" in line
+    assert "Traceback" not in res.stderr and "loaded" not in res.stderr  # refused before any load
+
+
+def test_a_given_mode_is_checked_against_the_budget():
+    from pathlib import Path
+
+    from dlo.engine.facts import ModelFacts
+    from dlo.engine.memory_model import Geometry, PipelineMemory, RequestBounds
+    from dlo.engine.memory_table import MemoryTable
+    from dlo.engine.serving.budget import DeviceBudgetError, check_mode, local_budget
+
+    t = ModelFacts(bytes=28_640_000_000, largest_block_bytes=703_000_000, blocks=40, nonblock_bytes=500_000_000)
+    table = MemoryTable.load(Path(__file__).parent / "fixtures" / "memory_table_small.json")
+    memory = PipelineMemory("wan", Geometry(16, 4), {"transformer": t}, {}, {"vae": 508_000_000},
+                            RequestBounds(1920, 1920, 129), 1280 * 720 * 81, table)
+    assert local_budget(150 * 10**9, 0, memory) == 150 * 10**9 - 500_000_000  # the context lives outside
+    assert local_budget(150 * 10**9, 24 * 2**30, memory) == 24 * 2**30  # a cap is the allocator's own
+    peak = memory.rank("rank-local").peak_bytes
+    assert "fits the device budget" in check_mode("rank-local", memory, peak, 1)
+    with pytest.raises(DeviceBudgetError) as err:
+        check_mode("rank-local", memory, peak - 1, 1)
+    assert f"the smallest budget that fits --mode rank-local is {peak / 1e9:.1f} GB" in str(err.value)
+    assert "--max-size" in str(err.value) and "1920x1920x129" in str(err.value)
+    with pytest.raises(DeviceBudgetError, match="--mode resident does not fit"):
+        check_mode("resident", memory, 24 * 2**30, 1)
+    unmeasured = PipelineMemory("wan", Geometry(16, 4), {"transformer": t}, {}, {}, RequestBounds(832, 480, 17),
+                                1280 * 720 * 81, MemoryTable())
+    weights = unmeasured.rank("rank-local").weights_bytes
+    assert "less than 15% left" in check_mode("rank-local", unmeasured, weights + 1, 1)  # a warning, not a refusal
+    with pytest.raises(DeviceBudgetError, match="needs 1.9 GB"):
+        check_mode("rank-local", unmeasured, weights - 1, 1)  # the weights alone: certain to fail

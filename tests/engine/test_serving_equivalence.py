@@ -95,7 +95,7 @@ def test_flux_partial_waves_keep_the_gathers_in_step_and_match_in_process_reside
     import dataclasses
 
     from dlo.engine.serving.pipeline import ServingPipeline
-    from dlo.engine.serving.waves import Generation
+    from dlo.engine.request import Generation
 
     model = tiny_pipeline(tmp_path_factory, "flux")
     srv = ServerProcess(model, "--dp", "2", "--mode", "allgather", "--device", "cpu", "--small-limits",

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from dlo.engine.prefetch import WAIT_RING, SlotPrefetcher
+from dlo.engine.transfers import EagerTransfer
 from dlo.engine.platform import Platform
 from dlo.engine.families.tiny import make_tiny_transformer
 
@@ -56,8 +57,9 @@ def pipeline(tmp_path):
     m = load(make_tiny_transformer(tmp_path / "t", "wan", layers=3), settings=OffloadSettings("rank-local"), device="cpu")
     src = m.prefetcher
     clock = ClockPlatform()
-    pipe = SlotPrefetcher(m.module, src.blocks, src.copies, settings=OffloadSettings("rank-local", time_waits=True),
-                          platform=clock, device=src.slots[0].device, group=None, g=1, r=0)
+    pipe = SlotPrefetcher(m.module, src.blocks, src.copies, transfer=EagerTransfer(),
+                          settings=OffloadSettings("rank-local", time_waits=True),
+                          platform=clock, device=src.slots[0].device, g=1, r=0)
     return pipe, clock
 
 

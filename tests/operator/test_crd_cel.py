@@ -119,12 +119,23 @@ CASES: dict[str, list[tuple[dict, bool]]] = {
     ],
     # the engine switches are typed fields (issue 26): rules on spec.engine and on the spec
     "self.kind == 'dlo' || (!has(self.gather) && !has(self.gatherMaxCtas) && !has(self.ulyssesExchange)"
-    " && !has(self.registerEarly))": [
+    " && !has(self.registerEarly) && !has(self.maxDeviceMemory) && !has(self.streamDtype))": [
         ({}, True),
         ({"gather": "collective", "registerEarly": False}, True),  # (the others need more devices: spec rules)
+        ({"maxDeviceMemory": "24GiB", "streamDtype": "bfloat16"}, True),
         ({"kind": "vllm-omni"}, True),
         ({"kind": "vllm-omni", "registerEarly": True}, False),
         ({"kind": "vllm-omni", "gather": "collective"}, False),
+        ({"kind": "vllm-omni", "maxDeviceMemory": "24GiB"}, False),
+        ({"kind": "vllm-omni", "streamDtype": "bfloat16"}, False),
+    ],
+    # the device budget (issue 27): an accelerator's
+    "!has(self.maxDeviceMemory) || self.device != 'cpu'": [
+        ({}, True),
+        ({"device": "cpu"}, True),
+        ({"maxDeviceMemory": "24GiB"}, True),
+        ({"maxDeviceMemory": "25769803776", "device": "cuda"}, True),
+        ({"maxDeviceMemory": "24GB", "device": "cpu"}, False),
     ],
     "!has(self.gatherMaxCtas) || self.device == 'auto' || self.device == 'cuda'": [
         ({}, True),

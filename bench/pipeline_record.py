@@ -1,0 +1,184 @@
+"""The record of `bench/pipeline_h200.py`: its summary, its markdown, and the merge of several calls.
+
+Owns: `summarize` (the figures the issues ask for, computed from the runs: ratios, which runs
+served, host and device memory per run), `markdown` (generated from the JSON), and `merge` (several
+calls' raw records into one; a later file's run replaces an earlier one, which stays as
+`<name>@<file>`). Host memory from before `/proc/PID/smaps_rollup` was read (per-mapping smaps has
+no `Pss_Anon` line, so every such record says 0) is marked unmeasured in a merged record.
+Must never: put a number into the record that no run measured.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from import_profile import cached
+
+# summary entries per run (in the runs table, or only in the JSON): not repeated in the markdown's summary
+PER_RUN = ("peak_device_bytes", "host_memory", "component_peak_device_bytes")
+ANON_UNMEASURED = ("not measured: read from per-mapping /proc/PID/smaps, which has no Pss_Anon line "
+                   "(bench/NOTES.md section 17)")
+
+
+def _ratio(a: Any, b: Any) -> float | None:
+    return round(a / b, 4) if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
+
+
+def _call_facts(rec: dict, key: str, run: dict) -> Any:
+    """`rec[key]` as recorded by the call that measured `run` (a merged record keeps one per file)."""
+    facts = rec.get(key)
+    return facts.get(run["source"]) if isinstance(facts, dict) and run and "source" in run else facts
+
+
+def _bytecode_cached(rec: dict, run: dict) -> bool | None:
+    """Whether torch and diffusers had cached bytecode in the call that measured `run` (None: not recorded)."""
+    facts = _call_facts(rec, "bytecode", run)
+    states = [cached(facts, p) for p in ("torch", "diffusers")] if run and facts else [None]
+    return None if None in states else all(states)
+
+
+def _same_bytes(runs: dict) -> bool | None:
+    """Whether the current serve runs (a merge keeps replaced ones as `<name>@<file>`: other code,
+    other bytes) returned the same output; None with fewer than two to compare."""
+    shas = [r["output_sha256"] for n, r in runs.items() if n.startswith("serve_") and "@" not in n
+            and isinstance(r, dict) and "output_sha256" in r]
+    return None if len(shas) < 2 else len(set(shas)) == 1
+
+
+def summarize(rec: dict) -> dict:
+    def run(model: str, name: str) -> dict:
+        """The model's run at full size (key without `@L<layers>`) if it has one, else the first shrunk one."""
+        for k in sorted(rec["models"], key=lambda k: "@" in k):
+            if k.split("@")[0] == model and name in rec["models"][k]:
+                return rec["models"][k][name]
+        return {}
+
+    peaks = {f"{m}/{name}": {"ranks": r.get("peak_device_bytes"), "components": r.get("component_reports")}
+             for m, v in rec["models"].items() for name, r in v.items()
+             if isinstance(r, dict) and "peak_device_bytes" in r}
+    hosts = [r["host_bytes_over_checkpoint"] for v in rec["models"].values() for r in v.values()
+             if isinstance(r, dict) and "host_bytes_over_checkpoint" in r]
+    return {
+        # the headline offloaded run (part of each transformer kept resident, RESIDENT_SHARE) ...
+        "wan21_e2e_over_resident": _ratio(run("wan21", "serve_rank_local_partial").get("seconds"),
+                                          run("wan21", "diffusers_resident").get("seconds")),
+        "wan21_capped24_over_uncapped": _ratio(run("wan21", "serve_capped_24gib").get("seconds"),
+                                               run("wan21", "serve_rank_local_partial").get("seconds")),
+        "flux_e2e_over_resident": _ratio(run("flux", "serve_rank_local_partial").get("seconds"),
+                                         run("flux", "diffusers_resident").get("seconds")),
+        "wan22_e2e_over_resident": _ratio(run("wan22", "serve_rank_local_partial").get("seconds"),
+                                          run("wan22", "diffusers_resident").get("seconds")),
+        # ... every block streamed on one GPU, and one request over the pooled host links of dp GPUs
+        "streamed_only_over_resident": {m: _ratio(
+            v.get("serve_rank_local", {}).get("seconds"), v.get("diffusers_resident", {}).get("seconds"))
+            for m, v in rec["models"].items()},
+        "allgather_single_over_resident": {m: _ratio(r.get("seconds"), v.get("diffusers_resident", {}).get("seconds"))
+                                           for m, v in rec["models"].items() for n, r in v.items()
+                                           if n.startswith("serve_allgather_dp") and "@" not in n
+                                           and isinstance(r, dict)},
+        # our server with everything resident (what the policy picks where the pipeline fits): the
+        # serving cost alone (HTTP, PNG/MP4) against the same pipeline in plain diffusers
+        "serve_resident_over_resident": {m: _ratio(v.get("serve_resident", {}).get("seconds"),
+                                                   v.get("diffusers_resident", {}).get("seconds"))
+                                         for m, v in rec["models"].items()},
+        "host_bytes_over_checkpoint": max(hosts) if hosts else None,
+        "wan21_ready_seconds": run("wan21", "serve_ready_no_warmup").get("ready_seconds"),
+        # ... measured with torch's and diffusers' bytecode cached (as an image pip built has it)?
+        "wan21_ready_bytecode_cached": _bytecode_cached(rec, run("wan21", "serve_ready_no_warmup")),
+        # every such run a merge kept (the spread: start-up is CPU-bound Python, it varies by host load)
+        "wan21_ready_seconds_all": [
+            {"seconds": r.get("ready_seconds"), "bytecode_cached": _bytecode_cached(rec, r),
+             "optional_packages": _call_facts(rec, "optional_packages", r), "source": r.get("source")}
+            for m, v in rec["models"].items() if m == "wan21" for n, r in v.items()
+            if n.split("@")[0] == "serve_ready_no_warmup" and isinstance(r, dict) and "ready_seconds" in r],
+        "bytes_identical_to_resident_serve": {m: _same_bytes(v) for m, v in rec["models"].items()},
+        **_small_gpu(rec, run),
+        "peak_device_bytes": peaks,
+    }
+
+
+def _served(r: dict) -> bool | None:
+    """Whether a serve run became ready and answered its requests (None: not run)."""
+    return None if not r else "seconds" in r and not r.get("error")
+
+
+def _small_gpu(rec: dict, run: Any) -> dict:
+    """The small-GPU figures (issue 27): default mode under a cap, against diffusers' group offloading
+    under the same cap, the largest accepted request, host memory per run."""
+    models = rec["models"]
+    current = {m: {n: r for n, r in v.items() if isinstance(r, dict) and "@" not in n} for m, v in models.items()}
+    return {
+        "wan21_capped24_default_mode_serves": _served(run("wan21", "serve_default_capped_24gib")),
+        "wan21_capped24_default_over_uncapped": _ratio(run("wan21", "serve_default_capped_24gib").get("seconds"),
+                                                       run("wan21", "serve_rank_local_partial").get("seconds")),
+        "wan21_capped12_default_mode_serves": _served(run("wan21", "serve_default_capped_12gib")),
+        "capped24_over_diffusers_group_offload": {
+            m: _ratio(v.get("serve_default_capped_24gib", {}).get("seconds"),
+                      v.get("diffusers_group_offload_capped_24gib", {}).get("seconds")) for m, v in current.items()},
+        "largest_request_served": {f"{m}/{n}": r["largest_request"].get("ok") for m, v in current.items()
+                                   for n, r in v.items() if isinstance(r.get("largest_request"), dict)},
+        "host_memory": {f"{m}/{n}": r["host_memory"] for m, v in current.items() for n, r in v.items()
+                        if isinstance(r.get("host_memory"), dict)},
+        "component_peak_device_bytes": {f"{m}/{n}": r["component_peak_device_bytes"] for m, v in current.items()
+                                        for n, r in v.items() if r.get("component_peak_device_bytes")},
+    }
+
+
+def markdown(rec: dict) -> str:
+    lines = [f"# Full-size pipelines ({rec['date']}, {rec['device']})", "", "Generated from the JSON beside it.", "",
+             "## Summary", "", "```json", json.dumps({k: v for k, v in rec["summary"].items() if k not in PER_RUN},
+                                                      indent=2), "```", "", "## Runs", "",
+             "| model | run | seconds | ready s | host/ckpt | anon GB | file GB | sha256 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for m, v in rec["models"].items():
+        for name, r in v.items():
+            if isinstance(r, dict) and name.startswith(("serve_", "diffusers_")):
+                sha = (r.get("output_sha256") or r.get("frames_sha256") or r.get("error") or "")[:16]
+                host = r.get("host_memory") or {}
+                lines.append(f"| {m} | {name} | {r.get('seconds', '')} | {r.get('ready_seconds', '')} | "
+                             f"{r.get('host_bytes_over_checkpoint', '')} | {_gb(host.get('pss_anon_bytes'))} | "
+                             f"{_gb(host.get('pss_file_bytes'))} | {sha} |")
+    lines += ["", "Commands: `" + rec["command"] + "`", ""]
+    return "\n".join(lines)
+
+
+def _gb(n: Any) -> str:
+    return f"{n / 1e9:.2f}" if isinstance(n, (int, float)) else ("unmeasured" if n is None else "")
+
+
+def _mark_unmeasured_anon(r: dict) -> dict:
+    """A run whose host memory predates smaps_rollup: its `pss_anon_bytes` (always 0) is no figure."""
+    host = r.get("host_memory")
+    if isinstance(host, dict) and "source" not in host and "pss_anon_bytes" in host:
+        r = {**r, "host_memory": {**host, "pss_anon_bytes": None, "pss_anon_note": ANON_UNMEASURED}}
+    return r
+
+
+def merge(files: list[Path], stem: Path) -> dict:
+    """Several calls' records -> one: per model, a later file's run replaces an earlier one of the same
+    name, which stays beside it as `<name>@<its file's stem>`; every run names its file (`source`)."""
+    rec: dict[str, Any] = {"sources": [str(f) for f in files], "models": {}}
+    for f in files:
+        part = json.loads(f.read_text())
+        rec.setdefault("date", part["date"])
+        rec["device"] = part["device"]
+        rec.setdefault("commands", []).append(part["command"])
+        rec.setdefault("bytecode", {})[f.stem] = part.get("bytecode")
+        rec.setdefault("optional_packages", {})[f.stem] = part.get("optional_packages")
+        for m, runs in part["models"].items():
+            into = rec["models"].setdefault(m, {})
+            for name, r in runs.items():
+                if isinstance(r, dict) and (name.startswith(("serve_", "diffusers_"))):
+                    r = {**_mark_unmeasured_anon(r), "source": f.stem}
+                    if name in into:
+                        into[f"{name}@{into[name]['source']}"] = into[name]
+                into[name] = r
+    rec["command"] = " ; ".join(rec["commands"])
+    rec["summary"] = summarize(rec)
+    stem.with_suffix(".json").write_text(json.dumps(rec, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(markdown(rec))
+    return rec
+
+

@@ -1,0 +1,268 @@
+"""A rank's peak device memory for a deployment: the weights it places and what the largest request
+its limits accept needs beyond them, from the measured table (`dlo.engine.memory_table`).
+
+Owns: `RequestBounds` (the limits that bound a request's shape) and `largest_requests`,
+`placed_weight_bytes` / `padded_shard_bytes` (what one streamed or resident model puts on a rank's
+device, per mode: the one definition the policy uses too), `PipelineMemory.rank(mode, g)` ->
+`RankMemory`, the largest size a budget allows (`largest_fitting_size`), and `pipeline_memory`,
+which reads a pipeline folder's facts (checkpoint headers only) into a `PipelineMemory`.
+Must never: import torch, or put a number where the table has none: an unmeasured family gives
+`request_bytes = None` and says why (the policy then falls back to its reserve ratio).
+
+A rank's peak (bytes):
+    weights  = sum over components of what each places (below) x (1 + weights_overhead_ratio)
+    request  = A + R(A),  A = max over the largest accepted requests and the parts a request runs
+               (text encoders, image encoder and VAE encode for image-to-video, each transformer
+               call, the VAE decode: plain, or tiled above `tile_above_pixels`) of the part's fit,
+               R = the allocator fit (reserved beyond the activations)
+    peak     = weights + request
+The phases run one after another and free their activations; the weights and slots stay. Placed
+weights per model with `S` its largest block, `N` its non-block bytes, `k` resident blocks and
+`g` ranks sharing it: resident all bytes; rank-local `N + 2 S + k S`; allgather
+`N + 2 g S_pad + k S` (`S_pad`: CONTRACTS.md section 4). Text encoders stream (as models) in the
+offloaded modes when `stream_encoders`, else sit whole; the VAE, CLIP and image encoders are whole.
+With sp > 1 the transformer's activations are counted for the whole sequence (an upper bound: the
+table is measured on one rank).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+from dlo.engine.facts import ModelFacts
+from dlo.engine.memory_table import FamilyTable, MemoryTable, part_features
+
+SLOT_ALIGN = 256
+
+
+@dataclass(frozen=True)
+class RequestBounds:
+    """What the deployment's limits (`dlo.engine.serving.limits.Limits`) let one request ask for."""
+
+    max_width: int
+    max_height: int
+    max_frames: int = 1
+    max_n: int = 1
+    max_sequence_length: int = 512
+
+
+@dataclass(frozen=True)
+class Shape:
+    width: int
+    height: int
+    frames: int = 1
+    batch: int = 1
+
+    def __str__(self) -> str:
+        return f"{self.width}x{self.height}" + (f"x{self.frames}" if self.frames > 1 else "") + (
+            f" n={self.batch}" if self.batch > 1 else "")
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """How a family maps a request's pixels to tokens (from its `PipelineFacts`)."""
+
+    size_multiple: int  # VAE scale x patch: one token per size_multiple^2 pixels of a frame
+    temporal_factor: int  # video: latent frames = (frames - 1) / temporal_factor + 1; 0: images only
+    image_input: bool = False  # image-to-video: requests are videos only, with an input image
+
+
+def features(part: str, shape: Shape, geometry: Geometry, sequence: int) -> dict[str, float]:
+    """The feature values of `part` at `shape` (`dlo.engine.memory_table.part_features`)."""
+    latent_frames = (shape.frames - 1) // geometry.temporal_factor + 1 if geometry.temporal_factor else 1
+    m = geometry.size_multiple
+    area = shape.batch * shape.width * shape.height
+    every = {"tokens": float(shape.batch * latent_frames * (shape.width // m) * (shape.height // m)),
+             "area": float(area), "pixels": float(area * shape.frames), "sequence": float(sequence)}
+    return {f: every[f] for f in part_features(part, video=geometry.temporal_factor > 0)}
+
+
+def largest_requests(bounds: RequestBounds, geometry: Geometry) -> list[Shape]:
+    """The largest request of each kind the limits accept: a video (one, the most frames) and an
+    image request (`max_n` images), each at the largest width and height."""
+    m = geometry.size_multiple
+    w, h = max(m, bounds.max_width // m * m), max(m, bounds.max_height // m * m)
+    out: list[Shape] = []
+    if geometry.temporal_factor:
+        t = geometry.temporal_factor
+        out.append(Shape(w, h, max(1, (bounds.max_frames - 1) // t * t + 1), 1))
+    if not geometry.image_input:
+        out.append(Shape(w, h, 1, bounds.max_n))
+    return out
+
+
+def padded_shard_bytes(block_bytes: int, g: int) -> int:
+    """`S_pad`: ceil(block / g) rounded up to 256 bytes (CONTRACTS.md section 4)."""
+    shard = -(-block_bytes // g)
+    return -(-shard // SLOT_ALIGN) * SLOT_ALIGN
+
+
+def placed_weight_bytes(model: ModelFacts, mode: str, g: int = 1, resident_blocks: int = 0) -> int:
+    """Device bytes one model's weights take on a rank: all of it resident; else its non-block
+    tensors, the two slots and `resident_blocks` blocks (counted at the largest block's size)."""
+    mode = mode.replace("_", "-")
+    s = model.largest_block_bytes
+    if mode == "resident":
+        return model.bytes
+    kept = min(resident_blocks, model.blocks) * s
+    if mode == "rank-local":
+        return model.nonblock_bytes + 2 * s + kept
+    if mode == "allgather":
+        return model.nonblock_bytes + 2 * g * padded_shard_bytes(s, g) + kept
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's predicted device memory in one mode."""
+
+    weights: dict[str, int]  # component -> bytes placed (overhead included)
+    request_bytes: int | None  # activations + allocator reserve of the worst phase; None: unmeasured
+    worst: str = ""  # that phase and shape, e.g. "vae_decode_tiled at 1920x1920x129"
+    unmeasured: str = ""  # why request_bytes is None
+    extrapolated: bool = False  # the worst phase's shape lies beyond the measured shapes
+
+    @property
+    def weights_bytes(self) -> int:
+        return sum(self.weights.values())
+
+    @property
+    def peak_bytes(self) -> int | None:
+        return None if self.request_bytes is None else self.weights_bytes + self.request_bytes
+
+    def describe(self) -> str:
+        """One line: the weights by component and what the request needs (GB)."""
+        parts = ", ".join(f"{n} {format_gb(b)}" for n, b in self.weights.items())
+        need = (f"the largest accepted request {format_gb(self.request_bytes)} ({self.worst}"
+                f"{', extrapolated beyond the measured shapes' if self.extrapolated else ''})"
+                if self.request_bytes is not None else f"the request unmeasured ({self.unmeasured})")
+        return f"weights {format_gb(self.weights_bytes)} ({parts}) + {need}"
+
+
+@dataclass(frozen=True)
+class PipelineMemory:
+    """A pipeline's memory facts, its limits and its family's table: what `rank` predicts from."""
+
+    family: str
+    geometry: Geometry
+    transformers: dict[str, ModelFacts]  # every streamed transformer (Wan2.2: two experts)
+    encoders: dict[str, ModelFacts]  # the text encoders that may stream
+    whole: dict[str, int]  # components always whole on the device (VAE, CLIP, image encoder)
+    bounds: RequestBounds
+    tile_above_pixels: int  # decoded pixels above which the VAE decodes in tiles (the engine's rule)
+    table: MemoryTable = field(default_factory=MemoryTable)
+    stream_encoders: bool = True
+
+    @property
+    def family_table(self) -> FamilyTable | None:
+        return self.table.family(self.family)
+
+    @property
+    def context_bytes(self) -> int:
+        """Device memory outside the allocator (measured; 0 when unmeasured)."""
+        return self.table.context_bytes or 0
+
+    def with_bounds(self, bounds: RequestBounds) -> "PipelineMemory":
+        return dataclasses.replace(self, bounds=bounds)
+
+    def rank(self, mode: str, g: int = 1, resident_blocks: int = 0) -> RankMemory:
+        """The rank's weights and the largest accepted request's needs in `mode` (`g` sharing ranks)."""
+        mode = mode.replace("_", "-")
+        streamed = mode != "resident" and self.stream_encoders
+        weights = {name: placed_weight_bytes(m, mode, g, resident_blocks) for name, m in self.transformers.items()}
+        weights.update({name: placed_weight_bytes(m, mode, g) if streamed else m.bytes
+                        for name, m in self.encoders.items()})
+        weights.update(self.whole)
+        ratio = self.table.weights_overhead_ratio or 0.0
+        weights = {name: int(b * (1 + ratio)) for name, b in weights.items()}
+        return self._with_request(weights)
+
+    def _with_request(self, weights: dict[str, int]) -> RankMemory:
+        fam = self.family_table
+        if fam is None:
+            return RankMemory(weights, None, unmeasured=f"family {self.family!r} is not in the memory table "
+                              "(bench/memory_h200.py calibrates it)")
+        if self.table.allocator is None:
+            return RankMemory(weights, None, unmeasured="the memory table has no allocator fit")
+        worst: tuple[int, str, bool] | None = None
+        for part, shape in self._phases():
+            fit = fam.parts.get(part)
+            if fit is None:
+                return RankMemory(weights, None, unmeasured=f"family {self.family!r} has no measured {part}")
+            x = features(part, shape, self.geometry, self.bounds.max_sequence_length)
+            need = fit.predict(x)
+            if worst is None or need > worst[0]:
+                label = part if part.startswith(("text", "image")) else f"{part} at {shape}"
+                worst = (need, label, fit.extrapolated(x))
+        assert worst is not None  # every pipeline runs a transformer and a decode
+        activation, label, extrapolated = worst
+        reserve = self.table.allocator.predict({"activation": float(activation)})
+        return RankMemory(weights, activation + reserve, label, extrapolated=extrapolated)
+
+    def _phases(self) -> Iterable[tuple[str, Shape]]:
+        """(part, shape) of every phase the largest accepted requests run."""
+        for shape in largest_requests(self.bounds, self.geometry):
+            for name in self.encoders:
+                yield name, shape
+            for name in self.whole:
+                if name.startswith("text_encoder"):
+                    yield name, shape
+            tiled = shape.width * shape.height * shape.frames * shape.batch > self.tile_above_pixels
+            if self.geometry.image_input:
+                yield "image_encoder", shape
+                yield "vae_encode_tiled" if tiled else "vae_encode", shape
+            yield "transformer", shape
+            yield "vae_decode_tiled" if tiled else "vae_decode", shape
+
+
+def largest_fitting_size(memory: PipelineMemory, mode: str, g: int, budget: int) -> int | None:
+    """The largest `--max-size` (width and height bound, other limits kept) at which `mode` fits
+    `budget` with the table's prediction; None when none does or the request is unmeasured."""
+    step = memory.geometry.size_multiple
+    top = max(memory.bounds.max_width, memory.bounds.max_height) // step * step
+    for side in range(top, step - 1, -step):
+        bounds = dataclasses.replace(memory.bounds, max_width=min(memory.bounds.max_width, side),
+                                     max_height=min(memory.bounds.max_height, side))
+        peak = memory.with_bounds(bounds).rank(mode, g).peak_bytes
+        if peak is None:
+            return None
+        if peak <= budget:
+            return side
+    return None
+
+
+def pipeline_memory(model_dir: Path | str, bounds: RequestBounds, *, tile_above_pixels: int,
+                    stream_encoders: bool = True, table: MemoryTable | None = None) -> PipelineMemory:
+    """The `PipelineMemory` of a pipeline folder (its configs and safetensors headers; torch-free);
+    `table` defaults to the committed one. A folder that is no pipeline raises ValueError."""
+    from dlo.engine.checkpoint import cached_checkpoint, read_json_config
+    from dlo.engine.blocks import describe
+    from dlo.engine.families import pipeline_facts
+
+    root = Path(model_dir)
+    facts = pipeline_facts(root)
+    index = read_json_config(root / "model_index.json")
+    streamable = facts.adapter.streamable_encoders
+    transformers = {name: describe(root / name) for name in facts.transformers}
+    encoders = {name: describe(root / name) for name in streamable if (root / name).is_dir()}
+    whole: dict[str, int] = {}
+    for name, spec in index.items():
+        folder = root / name
+        if (name.startswith("_") or name in transformers or name in encoders or not isinstance(spec, list)
+                or spec[0] is None or not any(folder.glob("*.safetensors"))):
+            continue
+        whole[name] = cached_checkpoint(folder).nbytes
+    geometry = Geometry(facts.size_multiple, facts.temporal_factor, facts.image_input)
+    loaded = table if table is not None else MemoryTable.load()  # TableError names a broken file
+    return PipelineMemory(facts.family, geometry, transformers, encoders, whole, bounds, tile_above_pixels,
+                          loaded, stream_encoders)
+
+
+def format_gb(n: int | float | None) -> str:
+    """Bytes as the policy's messages write them: `25.8 GB` (10^9; MB below 0.1 GB), `?` when unknown."""
+    if n is None:
+        return "?"
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"

@@ -1,0 +1,36 @@
+"""The request type: one generation, validated, as it travels from rank 0's HTTP side to a rank.
+
+Owns: `Generation`, the plain data a family adapter reads to plan and run a request (its call plan,
+keyword arguments, inputs and decoding) and that the control plane pickles to the ranks.
+Must never: import torch or anything of `dlo.engine.serving` (the family adapters import it: the
+core does not reach up into serving), or know how requests are grouped into waves (the
+compatibility key and the queue are `dlo.engine.serving.waves`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One request, validated and with every default resolved."""
+
+    kind: Literal["image", "video"]
+    prompt: str
+    seed: int
+    width: int
+    height: int
+    steps: int
+    guidance_scale: float
+    n: int = 1
+    frames: int = 1
+    fps: int = 0
+    negative_prompt: str | None = None
+    lora_id: str | None = None
+    lora_scale: float = 1.0
+    extras: dict[str, Any] = field(default_factory=dict)  # pipeline extras, JSON values
+    # image-to-video: the uploaded first frame (encoded bytes, decoded on the rank); not part of the
+    # wave's compatibility key: every image of a wave is resized to the wave's size
+    image: bytes | None = field(default=None, repr=False)

@@ -1,0 +1,85 @@
+"""The device budget of `dlo serve`: what one rank may use of its device, and whether the mode fits it.
+
+Owns: the deployment's memory (`deployment_memory`: the pipeline folder's facts at the limits it
+serves, from `dlo.engine.memory_model`; `budget_inputs`, what `resolve_mode` gets of it), the budget of this host's device (`local_budget`: the
+smallest of its memory and `--max-device-memory`), the check of a `--mode` given on the command
+line against it (`check_mode`), and `DeviceBudgetError`, which `dlo serve` prints in one line and
+exits 2 on, before anything loads. `--mode auto` gets the same inputs through the policy
+(`dlo.agent.policy.choose_mode(device_budget_bytes=..., pipeline=...)`).
+Must never: allocate on a device, or refuse a mode on a guess: without a measured table a given
+mode is refused only when its weights alone exceed the budget.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dlo.engine.settings import ConfigError
+
+if TYPE_CHECKING:
+    from dlo.engine.memory_model import PipelineMemory
+    from dlo.engine.serving.limits import Limits
+
+
+class DeviceBudgetError(ConfigError):
+    """No mode (or not the mode given) fits the device budget: the message names what does not fit
+    and the smallest budget, or the largest `--max-size`, that would."""
+
+
+def deployment_memory(model_dir: Path, limits: Limits, *, stream_encoders: bool = True) -> PipelineMemory:
+    """The pipeline's memory at `limits` (`dlo.engine.memory_model.pipeline_memory`); a memory table
+    or a component header that does not parse is a `DeviceBudgetError` naming it."""
+    from dlo.engine.memory_model import RequestBounds, pipeline_memory
+    from dlo.engine.memory_table import TableError
+    from dlo.engine.serving.pipeline import VAE_TILE_ABOVE_PIXELS
+
+    bounds = RequestBounds(limits.max_width, limits.max_height, limits.max_frames, limits.max_n,
+                           limits.max_sequence_length)
+    try:
+        return pipeline_memory(model_dir, bounds, tile_above_pixels=VAE_TILE_ABOVE_PIXELS,
+                               stream_encoders=stream_encoders)
+    except TableError as e:
+        raise DeviceBudgetError(str(e)) from None
+    except (KeyError, ValueError) as e:  # a component's config or safetensors header (CheckpointError)
+        raise DeviceBudgetError(f"{model_dir}: cannot read the pipeline's weights: {e}") from None
+
+
+def budget_inputs(args: Any, model_dir: Path, limits: Limits) -> dict[str, Any]:
+    """`resolve_mode`'s budget keywords from `dlo serve`'s options (`--max-device-memory`,
+    `--resident-blocks`, `--stream-text-encoders`) and the limits it serves."""
+    return {"max_device_memory": args.max_device_memory, "resident_blocks": args.resident_blocks,
+            "memory": deployment_memory(model_dir, limits, stream_encoders=args.stream_text_encoders)}
+
+
+def local_budget(device_memory: int, max_device_memory: int, memory: PipelineMemory) -> int:
+    """What one rank may use of a device of `device_memory` bytes under an optional cap: the cap is
+    the allocator's own; the device's memory loses what lives outside the allocator (measured)."""
+    usable = device_memory - memory.context_bytes
+    return min(usable, max_device_memory) if max_device_memory else usable
+
+
+def check_mode(mode: str, memory: PipelineMemory, budget: int, g: int, resident_blocks: int | str = 0) -> str:
+    """The one-line verdict of a given `--mode` against `budget`; `DeviceBudgetError` when it does
+    not fit (its predicted peak over the budget, or without a measured table its weights alone)."""
+    from dlo.agent.policy import DEVICE_RESERVE_RATIO
+    from dlo.engine.memory_model import format_gb as _gb
+    from dlo.engine.memory_model import largest_fitting_size
+
+    kept = resident_blocks if isinstance(resident_blocks, int) else 0  # "auto" sizes itself at load
+    rank = memory.rank(mode, g if mode == "allgather" else 1, kept)
+    peak = rank.peak_bytes
+    if peak is not None and peak <= budget:
+        return f"--mode {mode} fits the device budget of {_gb(budget)}: {rank.describe()}"
+    if peak is None and rank.weights_bytes <= budget:
+        tight = rank.weights_bytes > budget * (1 - DEVICE_RESERVE_RATIO)
+        return (f"--mode {mode}: {rank.describe()}; the device budget is {_gb(budget)}"
+                + (" (less than 15% left for activations: a large request may run out of memory)" if tight else ""))
+    need = peak if peak is not None else rank.weights_bytes
+    advice = f"the smallest budget that fits --mode {mode} is {_gb(need)}"
+    if peak is not None:
+        side = largest_fitting_size(memory, mode, g if mode == "allgather" else 1, budget)
+        if side is not None:
+            advice += f", or limits up to --max-size {side} at this budget"
+    raise DeviceBudgetError(f"--mode {mode} does not fit the device budget of {_gb(budget)} per rank: needs "
+                            f"{_gb(need)} ({rank.describe()}); {advice}")

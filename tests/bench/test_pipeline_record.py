@@ -1,0 +1,58 @@
+"""bench/host_memory.py and bench/pipeline_record.py: host memory from smaps_rollup (anonymous bytes
+were 0 in every record read from per-mapping smaps), and the merged record marking those unmeasured."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH))
+
+from host_memory import tree_memory  # noqa: E402
+from pipeline_record import merge  # noqa: E402
+
+
+def test_host_memory_reads_anonymous_and_file_backed_pss_from_smaps_rollup() -> None:
+    ballast = bytearray(64 << 20)  # 64 MiB of private anonymous memory, touched
+    for i in range(0, len(ballast), 4096):
+        ballast[i] = 1
+    mem = tree_memory(os.getpid(), children=False)
+    assert mem["source"] == "smaps_rollup"
+    assert mem["pss_anon_bytes"] >= 64 << 20 and mem["pss_file_bytes"] > 0  # the interpreter's own files
+    assert abs(mem["pss_bytes"] - mem["pss_anon_bytes"] - mem["pss_file_bytes"] - mem["pss_shmem_bytes"]) < 1 << 20
+    assert mem["rss_peak_bytes"] >= mem["rss_bytes"] > 0
+    del ballast
+
+
+def _record(stem: str, runs: dict) -> dict:
+    return {"date": "2026-12-01", "device": "1 x NVIDIA H200", "command": f"python3 bench/pipeline_h200.py --stem {stem}",
+            "models": {"wan21": runs}}
+
+
+def test_merge_marks_anonymous_bytes_before_smaps_rollup_unmeasured(tmp_path: Path) -> None:
+    old = {"serve_rank_local_partial": {"seconds": 11.8, "output_sha256": "a", "host_memory": {
+        "pss_bytes": 10, "pss_safetensors_bytes": 8, "pss_anon_bytes": 0}}}
+    new = {"serve_default_capped_24gib": {"seconds": 12.0, "output_sha256": "a", "largest_request": {"ok": True},
+                                          "host_memory": {"pss_bytes": 10, "pss_anon_bytes": 2, "pss_file_bytes": 8,
+                                                          "source": "smaps_rollup"}},
+           "diffusers_group_offload_capped_24gib": {"seconds": 16.0, "frames_sha256": "b",
+                                                    "component_peak_device_bytes": {"transformer": 5},
+                                                    "host_memory": {"pss_anon_bytes": 52, "source": "smaps_rollup"}}}
+    files = []
+    for stem, runs in (("raw-old", old), ("raw-new", new)):
+        files.append(tmp_path / f"{stem}.json")
+        files[-1].write_text(json.dumps(_record(stem, runs)))
+    rec = merge(files, tmp_path / "merged")
+    runs = rec["models"]["wan21"]
+    assert runs["serve_rank_local_partial"]["host_memory"]["pss_anon_bytes"] is None
+    assert "Pss_Anon" in runs["serve_rank_local_partial"]["host_memory"]["pss_anon_note"]
+    assert runs["serve_default_capped_24gib"]["host_memory"]["pss_anon_bytes"] == 2  # measured: kept
+    s = rec["summary"]
+    assert s["wan21_capped24_default_mode_serves"] is True and s["wan21_capped24_default_over_uncapped"] == 1.0169
+    assert s["capped24_over_diffusers_group_offload"] == {"wan21": 0.75}
+    assert s["largest_request_served"] == {"wan21/serve_default_capped_24gib": True}
+    assert s["component_peak_device_bytes"] == {"wan21/diffusers_group_offload_capped_24gib": {"transformer": 5}}
+    assert "| unmeasured |" in (tmp_path / "merged.md").read_text()
