@@ -83,6 +83,68 @@ def _flatten(d: object, prefix: str = "") -> dict[str, object]:
     return out
 
 
+# (finding, figure, path into the measurement): the headline figures, one row each
+SUMMARY = [
+    ("1 agent: one bad folder", "good folders in /profile (of 2)", "agent.agent_bad_folder.profile_models"),
+    ("1 agent: one bad folder", "folders flagged broken", "agent.agent_bad_folder.flagged_broken"),
+    ("2 agent: 1,000 half-sent heads", "connections held after 20 s", "agent.agent_half_sent_1000.held_after_window"),
+    ("2 agent: 1,000 half-sent heads", "threads during the flood", "agent.agent_half_sent_1000.threads_during"),
+    ("2 agent: 1,000 half-sent heads", "seconds of /health outage, probed from another address",
+     "agent.agent_half_sent_1000.other_address.outage_s"),
+    ("2 agent: 1,000 half-sent heads", "seconds of /health outage, probed from the flood's address",
+     "agent.agent_half_sent_1000.same_address.outage_s"),
+    ("3 serve: 4 slow bodies, --max-connections 4", "connections held after 25 s", "serve.serve_slow_bodies.held_after_window"),
+    ("3 serve: 4 slow bodies, --max-connections 4", "seconds of /health outage (of 25)", "serve.serve_slow_bodies.outage_s"),
+    ("4 serve: 30 clients leave after 50 ms", "requests run on the ranks", "serve.serve_disconnects.ran_on_ranks"),
+    ("4 serve: 30 clients leave after 50 ms", "dlo_requests_total by code", "serve.serve_disconnects.counted"),
+    ("5 serve: 20 x 4096x4096 PNG references", "seconds of /health outage", "serve.serve_reference_images.outage_s"),
+    ("5 serve: 20 x 4096x4096 PNG references", "answers (small profile)", "serve.serve_reference_images.answers"),
+    ("5 serve: the same, decoded (pixel cap 4096x4096)", "seconds of /health outage",
+     "serve.serve_reference_images_decoded.outage_s"),
+    ("5 serve: the same, decoded (pixel cap 4096x4096)", "answers", "serve.serve_reference_images_decoded.answers"),
+    ("6 serve: read-only video folder", "DELETE answer", "serve.serve_read_only_videos.delete"),
+    ("6 serve: read-only video folder", "files left after the DELETE", "serve.serve_read_only_videos.files_left"),
+    ("6 serve: read-only video folder", "GET of the job after a restart", "serve.serve_read_only_videos.after_restart"),
+    ("6 serve: read-only video folder", "warned at start", "serve.serve_read_only_videos.warned_at_start"),
+    ("6 serve: read-only video folder", "create on it", "serve.serve_read_only_videos.create_on_read_only"),
+    ("7 serve: silent peer on the control socket", "ready", "serve.serve_silent_control_peer.ready"),
+    ("7 serve: silent peer on the control socket", "seconds to ready (or to give up)", "serve.serve_silent_control_peer.seconds_to_ready_or_exit"),
+    ("7 serve: silent peer on the control socket", "/health after", "serve.serve_silent_control_peer.health_after"),
+    ("8 HTTP: a 100 KiB head", "status, content type", "edges.framing.head_100KiB"),
+    ("8 HTTP: a 200 KiB head", "status, content type", "edges.framing.head_200KiB"),
+    ("8 HTTP: Content-Length + Transfer-Encoding", "responses on the connection", "edges.framing.cl_and_te.responses"),
+    ("8 HTTP: HEAD /health", "status", "edges.framing.head_health"),
+    ("9 a 5,000-digit integer", "status, code", "edges.bodies.int_5000_digits"),
+    ("9 size \"64x64\\n\"", "status, code", "edges.bodies.size_newline"),
+    ("9 multipart without its closing boundary", "status, code", "edges.bodies.multipart_unclosed"),
+    ("9 two Authorization headers", "status", "edges.headers.two_authorization_headers"),
+    ("9 /docs without the key", "status", "edges.headers.no_key_docs"),
+    ("9 --api-key-file not UTF-8", "exit code, traceback", "edges.key_files.key_file_not_utf8"),
+    ("9 a non-ASCII key", "started", "edges.key_files.non_ascii_key.started"),
+    ("9 the port in use", "exit code, seconds", "edges.port_in_use"),
+    ("9 the video job cap", "another client's finished job kept", "edges.job_cap.victim_job_kept"),
+    ("9 agent: a newline in a folder name", "log line split", "agent.agent_newline_name.line_split"),
+    ("9 dlo warm: a 0-byte file", "exit code, last line", "agent.warm_and_plan.warm_zero_byte"),
+    ("9 dlo plan --dp 23 digits", "exit code", "agent.warm_and_plan.plan_huge_dp.rc"),
+]
+
+
+def _at(d: dict, path: str) -> object:
+    for key in path.split("."):
+        if not isinstance(d, dict) or key not in d:
+            return None
+        d = d[key]
+    if isinstance(d, dict) and {"rc", "traceback"} <= set(d):
+        return [d["rc"], d.get("seconds_to_exit", "traceback" if d["traceback"] else d.get("last_line", "")[:80])]
+    return d
+
+
+def _summary(before: dict, after: dict) -> list[str]:
+    out = ["## Summary", "", "| finding | figure | before | after |", "|---|---|---|---|"]
+    out += [f"| {name} | {fig} | {_cell(_at(before, path))} | {_cell(_at(after, path))} |" for name, fig, path in SUMMARY]
+    return out + [""]
+
+
 def render(before: dict, after: dict) -> str:
     lines = [f"# Hardening attacks (issue 32), {after.get('date')}", "",
              f"Measured on {after.get('cpus')} CPU cores (Python {after.get('python')}, torch CPU build), real "
@@ -90,11 +152,11 @@ def render(before: dict, after: dict) -> str:
              f"at `{before.get('tree')}` (main before this change); *after*: `{after.get('tree')}`. The same "
              "script measured both: `python bench/reliability_attacks.py --json FILE` with each tree's "
              "interpreter, rendered with `--render BEFORE AFTER`. Timings on a shared 2-core machine move by tens "
-             "of percent; the raw JSON is beside this file.", ""]
+             "of percent; the raw JSON is beside this file.", "", *_summary(before, after), "## Every figure", ""]
     for group in GROUPS:
         if group not in before and group not in after:
             continue
-        lines += [f"## {group} ({before.get(group + '_seconds', '-')} s before, {after.get(group + '_seconds', '-')} "
+        lines += [f"### {group} ({before.get(group + '_seconds', '-')} s before, {after.get(group + '_seconds', '-')} "
                   "s after)", "", "| attack | figure | before | after |", "|---|---|---|---|"]
         b, a = before.get(group, {}), after.get(group, {})
         for attack in dict.fromkeys([*b, *a]):

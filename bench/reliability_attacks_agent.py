@@ -75,7 +75,9 @@ def half_sent(root: Path, n: int, window_s: float = 20.0) -> dict:
     empty.mkdir(exist_ok=True)
     with Agent(empty, root / f"agent-half-{n}.log") as agent:
         threads_before = agent.threads()
-        with Prober(agent.url + "/health") as probe:
+        # the flood from 127.0.0.1; the probes from it too and from 127.0.0.2, another client (the
+        # kubelet's address is not the attacker's)
+        with Prober(agent.url + "/health") as same, Prober(agent.url + "/health", source="127.0.0.2") as other:
             socks = open_sockets(agent.port, n, HALF_HEAD, connect_timeout=1.0)
             connected = len(socks)
             time.sleep(window_s)
@@ -85,7 +87,7 @@ def half_sent(root: Path, n: int, window_s: float = 20.0) -> dict:
         recovered = wait_for(lambda: get(agent.url + "/health")[0] == 200, 60, poll_s=0.2)
     return {"connections": n, "connected": connected, "held_after_window": held, "window_s": window_s,
             "threads_before": threads_before, "threads_during": threads_during, "recovered": recovered,
-            **probe.figures()}
+            "same_address": same.figures(), "other_address": other.figures()}
 
 
 def newline_name(root: Path, model: Path) -> dict:

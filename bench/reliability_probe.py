@@ -52,8 +52,24 @@ def tiny_models(root: Path) -> dict[str, Path]:
     return out
 
 
-def get(url: str, timeout: float = 2.0, method: str = "GET", headers: dict | None = None) -> tuple[int, bytes]:
-    """Status and body; 0 when the server did not answer within `timeout` (or refused)."""
+def get(url: str, timeout: float = 2.0, method: str = "GET", headers: dict | None = None,
+        source: str | None = None) -> tuple[int, bytes]:
+    """Status and body; 0 when the server did not answer within `timeout` (or refused). `source`: the
+    client address to send from (another loopback address stands for another client)."""
+    if source is not None:
+        import http.client
+        from urllib.parse import urlsplit
+
+        u = urlsplit(url)
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout, source_address=(source, 0))
+        try:
+            conn.request(method, u.path or "/", headers=headers or {})
+            r = conn.getresponse()
+            return r.status, r.read()
+        except (OSError, http.client.HTTPException):
+            return 0, b""
+        finally:
+            conn.close()
     req = urllib.request.Request(url, method=method, headers=headers or {})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -139,6 +155,7 @@ class Prober:
     url: str
     every_s: float = 0.25
     timeout_s: float = 1.0
+    source: str | None = None
     samples: list[tuple[float, float, int]] = field(default_factory=list)  # (start, seconds, status)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -147,7 +164,7 @@ class Prober:
         def loop() -> None:
             while not self._stop.is_set():
                 t0 = time.monotonic()
-                code, _ = get(self.url, timeout=self.timeout_s)
+                code, _ = get(self.url, timeout=self.timeout_s, source=self.source)
                 self.samples.append((t0, time.monotonic() - t0, code))
                 self._stop.wait(max(0.0, self.every_s - (time.monotonic() - t0)))
 

@@ -259,11 +259,9 @@ class Engine:
         that hangs, say on a peer that never answers, must not look healthy for ever)."""
         if self.state == "failed":
             return self.failure
-        waited = time.monotonic() - self.started
-        if self.state == "loading" and waited > self.options.startup_timeout_s:
-            return (f"still loading after {waited:.0f} s (--startup-timeout {self.options.startup_timeout_s:g}): "
-                    "the start is stuck; restart the server")
-        return None
+        waited, limit = time.monotonic() - self.started, self.options.startup_timeout_s
+        stuck = self.state == "loading" and waited > limit
+        return f"still loading after {waited:.0f} s (--startup-timeout {limit:g}): the start is stuck" if stuck else None
 
     def steps_done(self, rank: int) -> int:
         return self.group.steps_done(rank)
