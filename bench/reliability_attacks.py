@@ -139,10 +139,31 @@ def _at(d: dict, path: str) -> object:
     return d
 
 
+NOTES = [
+    "How to read it:",
+    "- 2: the agent's server caps connections per client address (32) and closes a head not complete "
+    "within 5 s; probed from the flood's own address, /health is refused until those 5 s free a place "
+    "(by design: one address cannot take another's place); from another address (the kubelet's) it never "
+    "waits. Before, every connection held a thread (905 threads) for as long as the client liked.",
+    "- 3: the four slow clients are answered 408 within the body timeout (10 s, plus 1 s per 4096 bytes); "
+    "/health from loopback is a probe address and is served from the reserve even while they hold the cap.",
+    "- 4: one request was running when its client left: its wave finished (the collective schedule is never "
+    "cut) and it is counted 499 with the 29 that were dropped from the queue.",
+    "- 5: the small profile caps references at 512 x 512, so after the change the 4096 x 4096 images are "
+    "refused from their header; the 'decoded' row raises the cap to 4096 x 4096 (the default profile's), so "
+    "every image is decoded, off the event loop. The field does not exist before the change ('-').",
+    "- 6: before, DELETE answered deleted: true and left both files (the job came back after a restart); "
+    "after, it answers storage_error and the job stays as it is, consistently.",
+    "- 7: the silent peer is accepted beside the children and dropped after its 10 s handshake deadline; "
+    "the seconds are the whole start of a dp 2 server on the loaded machine.",
+    "",
+]
+
+
 def _summary(before: dict, after: dict) -> list[str]:
     out = ["## Summary", "", "| finding | figure | before | after |", "|---|---|---|---|"]
     out += [f"| {name} | {fig} | {_cell(_at(before, path))} | {_cell(_at(after, path))} |" for name, fig, path in SUMMARY]
-    return out + [""]
+    return out + ["", *NOTES]
 
 
 def render(before: dict, after: dict) -> str:
