@@ -9,8 +9,9 @@ pod's finished jobs come back until they expire, a job that was queued or runnin
 stopped comes back `failed` with code `server_restarted`.
 - A shared folder (`--video-dir` on a ReadWriteMany volume, every pod of a deployment the same):
   each pod reloads only the jobs its id names; a finished job of another pod is read from the
-  folder (`get`, `content_path`: 200 from any pod, also after its pod is gone); an unfinished one
-  is the other pod's to answer (`VideoElsewhere`: forwarded); expired records of any pod are swept.
+  folder (`get`, `content_path`, `delete`: from any pod, also after its pod is gone; a pod forgets a
+  finished job whose record another pod deleted); an unfinished one is the other pod's to answer
+  (`VideoElsewhere`: forwarded); expired records of any pod are swept.
 - A folder that cannot be written (read-only): a warning at start, new jobs refused with
   `VideoStoreReadOnly`, deletes answered with `VideoStorageError`; finished jobs are still served.
 - The cap: at most `max_jobs` jobs, `max_jobs_per_client` of one client; beyond, new jobs are
@@ -238,7 +239,8 @@ class VideoStore:
         return job
 
     def sweep(self) -> int:
-        """Drop this pod's expired jobs and their files; the number dropped."""
+        """Drop this pod's expired jobs and their files, and finished ones another pod deleted from a
+        shared folder (their record is gone); the number dropped."""
         now = self.clock()
         expired = [j.id for j in self._jobs.values() if j.expires_at is not None and j.expires_at <= now]
         for video_id in expired:
@@ -246,6 +248,9 @@ class VideoStore:
             self._remove_files(video_id)
         if expired:
             log.info("video store: %d job(s) expired", len(expired))
+        for job in [j for j in self._jobs.values() if j.status in FINISHED]:
+            if not (self.folder / f"{job.id}.json").exists():
+                self._jobs.pop(job.id, None)
         return len(expired)
 
     def sweep_folder(self) -> int:

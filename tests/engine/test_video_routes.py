@@ -252,6 +252,11 @@ def test_a_finished_job_of_another_pod_is_answered_from_the_shared_folder(tmp_pa
         content = requests.get(f"{srv.url}/v1/videos/{done.id}/content", headers=AUTH, timeout=30)
         assert content.status_code == 200 and content.content.endswith(done.id.encode())
         assert requests.get(f"{srv.url}/v1/videos", headers=AUTH).json()["data"] == []
+        gone = requests.delete(f"{srv.url}/v1/videos/{done.id}", headers=AUTH, timeout=30)  # from the shared folder
+        assert gone.status_code == 200 and not other.folder.joinpath(f"{done.id}.json").exists()
+        assert requests.get(f"{srv.url}/v1/videos/{done.id}", headers=AUTH, timeout=30).status_code == 404
+        with pytest.raises(VideoNotFound):  # and its own pod no longer lists it
+            other.get(done.id)
     again = VideoStore(engine.videos.folder, ttl_s=600, pod="wan-0")
     again.load()  # this pod's restart: the other pod's running job is not "restarted" by it
     assert len(again) == 0
