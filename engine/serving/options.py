@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 from typing import Mapping
 
-from dlo.cli.args import byte_size, non_negative_seconds, port, positive_int, positive_seconds
+from dlo.cli.args import byte_size, existing_file, non_negative_seconds, port, positive_int, positive_seconds, rank_count
 from dlo.delivery.uri import model_argument
 from dlo.engine.facts import MODES_OR_AUTO, DeviceKind, Mode
 from dlo.engine.settings import (
@@ -40,6 +40,15 @@ def _resident_blocks(value: str) -> int | str:
     return n
 
 
+def _network(text: str) -> object:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a network such as 10.0.0.0/8 or an address") from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Every `dlo serve` option, in groups."""
     for add in (_add_layout_arguments, _add_server_arguments, _add_request_arguments, _add_weights_arguments,
@@ -60,7 +69,7 @@ def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
                         help="diffusers pipeline folder (model_index.json, transformer/, vae/, ...), or a model URI "
                              "(s3://bucket/prefix, hf://org/name[@revision]) fetched first as `dlo fetch` does, into "
                              "$XDG_CACHE_HOME/dlo/models (a revision in the Hugging Face cache is served from it)")
-    parser.add_argument("--dp", type=positive_int, default=None,
+    parser.add_argument("--dp", type=rank_count, default=None,
                         help="ranks (one request each per wave); default: the device count (1 on cpu)")
     parser.add_argument("--sp", type=int, default=1,
                         help="sequence-parallel ranks per request (default 1): the node runs dp x sp ranks, each "
@@ -85,9 +94,11 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
     parser.add_argument("--port", type=port, default=8000, help="TCP port (0: any free port)")
     parser.add_argument("--served-model-name", default=None, help="model id in the API; default: the folder name")
-    parser.add_argument("--api-key-file", type=Path, default=None,
+    parser.add_argument("--api-key-file", type=existing_file, default=None,
                         help="file holding the API key clients must send as 'Authorization: Bearer KEY' "
-                             "(or set DLO_API_KEY; keys are never taken from the command line)")
+                             "(UTF-8 text of printable ASCII characters, surrounding white space ignored; or set "
+                             "DLO_API_KEY; keys are never taken from the command line). With a key, /v1/*, /docs, "
+                             "/redoc and /openapi.json need it; /health, /ready and /metrics never do")
     parser.add_argument("--max-queue", type=positive_int, default=64, help="requests waiting for a wave before 429")
     parser.add_argument("--wave-window-ms", type=non_negative_seconds, default=5.0,
                         help="how long the oldest request waits for compatible company before a partial wave starts")
@@ -108,6 +119,18 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a connection may stay open without sending a complete request head (after "
                              "it opens, or after its previous response); then it is closed. A request being "
                              "served is never cut by it")
+    parser.add_argument("--body-timeout", type=positive_seconds, default=10.0,
+                        help="seconds a request body may take, plus 1 s per --min-body-rate bytes received; a body "
+                             "slower than that gets 408 request_timeout and the connection is closed")
+    parser.add_argument("--min-body-rate", type=positive_int, default=4096, metavar="BYTES_PER_S",
+                        help="the body rate (bytes per second) that keeps extending --body-timeout")
+    parser.add_argument("--probe-cidr", type=_network, action="append", default=[], metavar="CIDR",
+                        help="a network whose clients (the kubelet's node address, Prometheus) keep "
+                             f"a reserve of connections beyond --max-connections for GET/HEAD /health, /ready and "
+                             "/metrics (repeatable; loopback always does)")
+    parser.add_argument("--startup-timeout", type=positive_seconds, default=900.0,
+                        help="seconds the engine may spend loading: after that /health answers 503 unhealthy "
+                             "(so a liveness probe restarts a start that hangs); /ready stays 503 until ready")
 
 
 def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
