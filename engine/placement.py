@@ -2,7 +2,8 @@
 
 Owns: `place_resident` (each resident tensor into its own device tensor: from the registered page
 cache, asynchronously on a copy stream of its own, file by file as the early registration reaches
-each file; from pageable memory, synchronously, where a file is not registered) and `Placement`
+each file; from pageable memory, synchronously, where a file is not registered or a tensor needs a
+cast; an FP8-streamed weight dequantized on the device as a streamed block's is) and `Placement`
 (the bytes placed, the seconds waited for the registration, and the event the copies end with).
 Must never: let a file be unregistered while a copy still reads it (`EarlyRegistration.hold_until`
 gets the copies' event), give a tensor other bytes or another dtype than `.to(device, dtype)`
@@ -36,6 +37,7 @@ from dlo.engine.checkpoint import Checkpoint, CheckpointError
 from dlo.engine.dtypes import torch_dtype
 from dlo.engine.model import MetaModel, move_free_buffers, owner_of, set_tensor
 from dlo.engine.platform import Platform
+from dlo.engine.quantize import resident_fp8
 from dlo.engine.weights import EarlyRegistration
 
 
@@ -48,12 +50,16 @@ class Placement:
 
 
 def place_resident(ckpt: Checkpoint, meta: MetaModel, keep: set[int], device: torch.device, platform: Platform,
-                   early: EarlyRegistration | None) -> Placement:
+                   early: EarlyRegistration | None, fp8: Any = None) -> Placement:
     """Copy the non-block weights and the kept blocks `keep` to the device and bind them (tied
-    tensors included); see [Note: resident copies]."""
+    tensors included); `fp8`: the model's `Fp8Plan` (its weights are dequantized, synchronously,
+    by `resident_fp8`); see [Note: resident copies]."""
     names = list(meta.nonblock) + [k for i in sorted(keep) for k in meta.blocks[i].keys]
+    quantized = set(fp8.quantized) if fp8 is not None else set()
     dst = {name: torch.empty(ckpt.tensors[name].shape, dtype=torch_dtype(meta.target_dtype[name]), device=device)
-           for name in names}  # rule 1: allocated first, in the model's order
+           for name in names if name not in quantized}  # rule 1: allocated first, in the model's order
+    for name in (n for n in names if n in quantized):  # on the compute stream, before the copies
+        dst[name] = resident_fp8(ckpt, fp8, name, device, torch_dtype(meta.target_dtype[name]))
     compute = platform.current_stream()
     lane = None
     if early is not None and platform.has_streams:
@@ -62,7 +68,8 @@ def place_resident(ckpt: Checkpoint, meta: MetaModel, keep: set[int], device: to
         platform.record(start, compute)
         platform.wait(lane, start)
     try:
-        waited, registered_bytes = _copy_in_file_order(ckpt, names, dst, platform, early, lane, compute)
+        copied = [n for n in names if n not in quantized]
+        waited, registered_bytes = _copy_in_file_order(ckpt, copied, dst, platform, early, lane, compute)
     except BaseException:
         platform.synchronize()  # rule 3: nothing in flight when the caller releases the registrations
         raise

@@ -24,7 +24,9 @@ from dlo.engine.families import Decoded, pipeline_facts
 from dlo.engine.report import GatherStats
 from dlo.engine.serving.control import RankStats
 from dlo.engine.serving.encode import encode
-from dlo.engine.settings import EngineSettings
+from dlo.engine.serving.prewarm import join_logged, start_beside_imports
+from dlo.engine.memory_model import Shape, decoded_pixels
+from dlo.engine.settings import VAE_TILE_ABOVE_PIXELS, EngineSettings
 from dlo.engine.timing import Laps
 from dlo.engine.request import Generation
 
@@ -40,10 +42,7 @@ class RunResult:
     phase_seconds: dict[str, float] = field(default_factory=dict)  # prepare, denoise, decode, encode_output
 
 
-# Decoded pixels (width x height x frames x images) above which the VAE decodes in tiles: its
-# activations, not its weights, then bound the peak. 1280x720 x 81 frames; a first rule, to be set
-# from the GPU measurements (bench/pipeline_h200.py reports peak device bytes per run).
-VAE_TILE_ABOVE_PIXELS = 1280 * 720 * 81
+__all__ = ["ServingPipeline", "RunResult", "VAE_TILE_ABOVE_PIXELS", "decode_in_own_dtype"]
 
 
 def decode_in_own_dtype(vae: Any) -> None:
@@ -80,7 +79,8 @@ class ServingPipeline:
         t0 = time.perf_counter()
         laps = Laps(t0)
         self._configure(Path(model_dir), settings, device, max_sequence_length)
-        readahead, libraries = self._start_beside_imports()
+        engine_models = (*self.facts.transformers, *self.encoders)
+        readahead, libraries = start_beside_imports(self.model_dir, engine_models, self.device)
         self.models = self._load_models(group, laps, libraries)
         try:
             self.model = self.models[self.facts.transformers[0]]
@@ -96,7 +96,7 @@ class ServingPipeline:
         except BaseException:
             self.close()  # nothing stays registered, pinned or in flight
             raise
-        self._join_beside_imports(readahead)
+        join_logged(readahead)
         laps.lap("readahead_join")
         self.load_seconds = time.perf_counter() - t0
         self.load_phases = laps.rounded()
@@ -124,26 +124,13 @@ class ServingPipeline:
         self.steps_done = 0  # denoising steps of the running request (read by the progress reporter)
         self._phase, self._phase_since = "idle", time.perf_counter()
         self.phase_seconds: dict[str, float] = {}  # the running (or last) request's seconds per phase
-        self.vae_tile_above_pixels = VAE_TILE_ABOVE_PIXELS
+        # the deployment's tiling rule (`dlo serve` resolves it from the device budget: memory_plan)
+        self.vae_tile_above_pixels = settings.vae_tile_above_pixels
         if settings.max_device_memory:
             from dlo.engine.platform import cap_device_memory
 
             fraction = cap_device_memory(self.device, settings.max_device_memory)
             log.info("device memory capped at %d bytes (%.4f of the device)", settings.max_device_memory, fraction)
-
-    def _start_beside_imports(self) -> tuple[Any, Any]:
-        """A cold checkpoint's readahead (the engine's models first) and the device libraries'
-        warm-up, each on a thread while the main thread imports and builds (`prewarm.py`)."""
-        from dlo.engine.serving.prewarm import start_library_warmup, start_readahead
-
-        return (start_readahead(self.model_dir, (*self.facts.transformers, *self.encoders)),
-                start_library_warmup(self.device))
-
-    @staticmethod
-    def _join_beside_imports(job: Any) -> None:
-        if job is not None:
-            result = job.join()
-            log.info("%s done seconds=%.2f result=%s (beside the imports)", job.name, job.seconds, result)
 
     def _load_models(self, group: Any, laps: Laps, libraries: Any = None) -> dict[str, Any]:
         """Every transformer of the pipeline (Wan2.2: two experts) through its own `dlo.engine.load`,
@@ -163,13 +150,17 @@ class ServingPipeline:
             import diffusers  # noqa: F401  (the longest import, beside the registrations)
 
             laps.lap("imports")
+            kept = self._resident_blocks(streamed, group)
             # before the loads: no device work of another thread beside their graph captures
-            self._join_beside_imports(libraries)
+            join_logged(libraries)
             laps.lap("library_warmup_join")
             for name in streamed:
-                models[name] = dlo.engine.load(self.model_dir / name, settings=self.settings.offload,
-                                               device=self.device, group=group, early=early.pop(name),
-                                               settle=False)
+                # FP8 streaming is the transformers' (`dlo quantize` converts only them): the text
+                # encoders stream (or sit resident) in their own dtype (same bytes in every mode)
+                dtype = self.settings.offload.stream_dtype if name in self.facts.transformers else "bfloat16"
+                settings = self.settings.offload.but(resident_blocks=kept[name], stream_dtype=dtype)
+                models[name] = dlo.engine.load(self.model_dir / name, settings=settings, device=self.device,
+                                               group=group, early=early.pop(name), settle=False)
         except BaseException:
             for m in models.values():  # a later load failed: nothing stays pinned
                 m.close()
@@ -261,6 +252,28 @@ class ServingPipeline:
         if self._phase != "idle":
             self.phase_seconds[self._phase] = self.phase_seconds.get(self._phase, 0.0) + now - self._phase_since
         self._phase, self._phase_since = name, now
+
+    def _resident_blocks(self, streamed: tuple[str, ...], group: Any) -> dict[str, int]:
+        """Blocks each streamed model keeps on the device: as given, or `--resident-blocks auto`'s plan
+        (`dlo.engine.memory_plan`) within this rank's device room, the shard group agreeing on the
+        smallest; with no plan (no device budget known: cpu) none."""
+        from dlo.engine.memory_plan import within
+        from dlo.engine.offload import agree_on_resident_blocks
+        from dlo.engine.platform import get_platform
+
+        settings = self.settings
+        asked = settings.offload.resident_blocks
+        if asked != "auto" or settings.mode == "resident":
+            return {name: 0 if asked == "auto" else asked for name in streamed}
+        plan = settings.resident_plan
+        if plan is None:
+            log.info("resident_blocks=auto: no device budget known (%s): every block streams", self.device.type)
+            return {name: 0 for name in streamed}
+        room = get_platform(self.device).free_memory(self.device) if self.device.type != "cpu" else None
+        counts = within(plan, room)
+        agreed = agree_on_resident_blocks({n: counts.get(n, 0) for n in streamed}, settings.mode, group, self.device)
+        log.info("resident_blocks=auto on this rank: room=%s planned=%s kept=%s", room, dict(plan.blocks), agreed)
+        return agreed
 
     @property
     def report(self) -> Any:
@@ -363,7 +376,7 @@ class ServingPipeline:
         """Tiled VAE decoding for requests above `vae_tile_above_pixels` decoded pixels (the same rule
         on every rank and in every mode, so bytes stay identical across them); returns whether on."""
         vae = getattr(self.pipe, "vae", None)
-        tiled = gen.width * gen.height * max(1, gen.frames) * gen.n > self.vae_tile_above_pixels
+        tiled = decoded_pixels(Shape(gen.width, gen.height, max(1, gen.frames), gen.n)) > self.vae_tile_above_pixels
         if vae is not None and hasattr(vae, "enable_tiling"):
             if tiled:
                 vae.enable_tiling()

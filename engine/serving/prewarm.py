@@ -1,7 +1,8 @@
 """What a rank's start can do beside its GIL-bound imports: read a cold checkpoint ahead, and load
 and initialise the device libraries every request uses.
 
-Owns: `start_readahead` (the pipeline folder's safetensors files that are not in the page cache,
+Owns: `start_beside_imports` and `join_logged` (both jobs, as `ServingPipeline` runs them),
+`start_readahead` (the pipeline folder's safetensors files that are not in the page cache,
 read on a thread in the order the load needs them, in parallel chunks at the disk's speed through
 `dlo.agent.warm`; a warm page cache costs one residency check per file) and `start_library_warmup`
 (on a side stream of the device: bf16 and fp32 GEMMs, fused attention, 2-D and 3-D convolutions,
@@ -50,6 +51,19 @@ class Background:
     def join(self) -> Any:
         self._thread.join()
         return self.result
+
+
+def start_beside_imports(model_dir: Path, components: tuple[str, ...], device: Any) -> tuple[Any, Any]:
+    """The readahead of `model_dir` (`components` first) and the library warm-up of `device`, each
+    on a thread while the caller imports and builds; `join_logged` each (None: nothing started)."""
+    return start_readahead(model_dir, components), start_library_warmup(device)
+
+
+def join_logged(job: Background | None) -> None:
+    """Wait for `job` (if one started) and log what it did."""
+    if job is not None:
+        result = job.join()
+        log.info("%s done seconds=%.2f result=%s (beside the imports)", job.name, job.seconds, result)
 
 
 def start_readahead(model_dir: Path, components: tuple[str, ...]) -> Background | None:

@@ -160,24 +160,31 @@ def test_cast_needed_falls_back_to_arena_with_reason(tmp_path):
         load(path, settings=OffloadSettings("rank-local", weights="registered"), device="cpu")
 
 
-def _auto_resident(rank: int, world: int, path: str) -> list[tuple[int, bool]]:
+def _agreed_resident(rank: int, world: int, path: str) -> list[tuple[int, bool]]:
     from dlo.engine import OffloadSettings, load
-    from dlo.engine.offload import agree_resident_blocks
+    from dlo.engine.offload import agree_on_resident_blocks
 
     ref = [forward(load(path, settings=OffloadSettings("resident"), device="cpu").module, "wan", s, torch.bfloat16)
            for s in range(CALLS)]
-    out = []
-    # Ranks whose devices leave room for different counts (3 and 1 here: what `auto` found on each)
+    # Ranks whose devices leave room for different counts (3 and 1 here: what each rank's plan found)
     # run with the smallest, every block beyond it streamed by the same gathers on both.
-    agreed = agree_resident_blocks(3 - 2 * rank, "allgather", torch.device("cpu"), None)
-    for resident in (agreed, "auto"):  # on cpu `auto` finds no device memory: 0, agreed as well
-        m = load(path, settings=OffloadSettings("allgather", resident_blocks=resident), device="cpu")
-        same = all(torch.equal(forward(m.module, "wan", s, torch.bfloat16), ref[s]) for s in range(CALLS))
-        out.append((m.report.resident_blocks, same and m.report.blocks > 0))
-        m.close()
+    agreed = agree_on_resident_blocks({"transformer": 3 - 2 * rank}, "allgather", None, torch.device("cpu"))
+    m = load(path, settings=OffloadSettings("allgather", resident_blocks=agreed["transformer"]), device="cpu")
+    same = all(torch.equal(forward(m.module, "wan", s, torch.bfloat16), ref[s]) for s in range(CALLS))
+    out = [(m.report.resident_blocks, same and m.report.blocks > 0)]
+    m.close()
     return out
 
 
 @pytest.mark.slow
-def test_resident_blocks_auto_agrees_across_the_shard_group(models):
-    assert run_ranks(2, _auto_resident, models[("wan", "bf16")]) == [[(1, True), (0, True)]] * 2
+def test_resident_blocks_agree_across_the_shard_group_and_stream_the_rest_bit_identically(models):
+    assert run_ranks(2, _agreed_resident, models[("wan", "bf16")]) == [[(1, True)]] * 2
+
+
+def test_load_takes_a_number_of_resident_blocks_auto_is_sized_by_the_caller(models):
+    from dlo.engine import OffloadSettings, load
+    from dlo.engine.settings import ConfigError
+
+    # "auto" needs the largest request's peak (dlo serve: dlo.engine.memory_plan); load has no such request
+    with pytest.raises(ConfigError, match="resident_blocks 'auto' is sized from the device budget"):
+        load(models[("wan", "bf16")], settings=OffloadSettings("rank-local", resident_blocks="auto"), device="cpu")

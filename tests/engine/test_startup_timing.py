@@ -103,4 +103,4 @@ def test_a_server_that_imported_an_unneeded_package_says_so_once_at_ready(tmp_pa
                        log_path=log, env=env):
         pass
     lines = [ln for ln in log.read_text().splitlines() if "imported only because installed" in ln]
-    assert len(lines) == 1 and "WARNING dlo.engine.serving.service onnxruntime imported only" in lines[0], lines
+    assert len(lines) == 1 and "WARNING dlo.engine.serving.startup onnxruntime imported only" in lines[0], lines
