@@ -1,8 +1,9 @@
 """Every engine switch as one typed, validated object: what `dlo serve` builds and passes down whole.
 
 Owns: `OffloadSettings` (how `dlo.engine.load` places and streams one model's weights),
-`ParallelSettings` (dp x sp and how the ranks exchange), `EngineSettings` (both, plus what a rank's
-device and pipeline are started with), `ConfigError` (the one error a bad setting raises; `dlo serve`
+`ParallelSettings` (dp x sp and how the ranks exchange), `LoraSettings` (the per-request LoRA
+adapters and when they load), `EngineSettings` (all three, plus what a rank's device and pipeline are
+started with), `ConfigError` (the one error a bad setting raises; `dlo serve`
 prints it in one line and exits 2), and `from_environment`: the one reader of the engine's `DLO_*`
 switches (vLLM's `envs.py` pattern), called only by `dlo serve` and the benchmarks, so that the
 variables keep working beside the flags named after them.
@@ -115,6 +116,27 @@ class ParallelSettings:
         return self.dp * self.sp
 
 
+# When adapters reach a rank's device. Only "start": every adapter of the folder on every rank
+# before /ready (device bytes: the sum of the adapters, in the model's dtype). A load on first use
+# would run inside a wave, where in allgather mode the ranks sharing the weights wait for the slowest
+# (the whole wave stalls for one rank's file read and copy), so it is not offered.
+LoraLoad = Literal["start"]
+LORA_LOADS: tuple[LoraLoad, ...] = get_args(LoraLoad)
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """Per-request LoRA adapters (`dlo.engine.lora`): the folder of adapters, and when they load."""
+
+    directory: str | None = None  # `dlo serve --lora-dir`; None: no adapters
+    load: LoraLoad = "start"
+
+    def __post_init__(self) -> None:
+        if self.directory is not None and (not isinstance(self.directory, str) or not self.directory):
+            raise ConfigError(f"lora directory must be a folder path or unset, got {self.directory!r}")
+        _one_of("lora load", self.load, LORA_LOADS)
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     """What every rank of an engine is started with, carried whole from `dlo serve` to the prefetcher."""
@@ -129,10 +151,13 @@ class EngineSettings:
     # the family's large text encoders stream like the transformers (offloaded modes only)
     stream_encoders: bool = False
     cpu_threads: int = 1  # intra-op threads per cpu rank (fixed: results do not depend on dp)
+    lora: LoraSettings = field(default_factory=LoraSettings)
 
     def __post_init__(self) -> None:
         if not isinstance(self.offload, OffloadSettings) or not isinstance(self.parallel, ParallelSettings):
             raise ConfigError("offload and parallel must be OffloadSettings and ParallelSettings")
+        if not isinstance(self.lora, LoraSettings):
+            raise ConfigError("lora must be LoraSettings")
         _one_of("device", self.device, DEVICES)
         _whole("max_device_memory", self.max_device_memory, 0)
         if self.max_device_memory and self.device == "cpu":
@@ -155,7 +180,8 @@ class EngineSettings:
         try:
             offload = OffloadSettings(**data.pop("offload"))
             parallel = ParallelSettings(**data.pop("parallel", {}))
-            return cls(offload=offload, parallel=parallel, **data)
+            lora = LoraSettings(**data.pop("lora", {}))
+            return cls(offload=offload, parallel=parallel, lora=lora, **data)
         except (KeyError, TypeError) as e:
             raise ConfigError(f"engine settings do not parse: {e}") from None
 

@@ -124,6 +124,34 @@ def _warmup_size(flag: str | None, facts: Any, limits: Any) -> tuple[int, int] |
         return None
 
 
+def _check_adapters(lora_dir: Path | None, model_dir: Path, facts: Any, sp: int) -> dict[str, str]:
+    """`--lora-dir`'s adapters checked against the transformer before any rank starts (an
+    `AdapterError` names the file): name -> its file or folder in the directory."""
+    if lora_dir is None:
+        return {}
+    from dlo.engine.lora import AdapterError, check_adapters
+
+    lora_dir = lora_dir.resolve()
+    plans = check_adapters(lora_dir, model_dir, facts.pipeline_class)
+    if sp > 1 and plans:  # diffusers' context parallelism gathers these outputs inside their forward
+        import diffusers
+
+        cp_plan = getattr(getattr(diffusers, facts.transformer_class, None), "_cp_plan", None) or {}
+        gathered = {k for k, v in cp_plan.items() if type(v).__name__ == "ContextParallelOutput"}
+        for plan in plans:
+            for m in plan.modules:
+                if m.module in gathered:
+                    raise AdapterError(plan.path, f"targets {m.module}, whose output sequence parallelism gathers "
+                                                  "across the sp ranks before a hook could add the branch; serve "
+                                                  "it with --sp 1")
+    if not plans:
+        log.warning("--lora-dir %s holds no adapters (NAME.safetensors files or NAME/ folders)", lora_dir)
+    for plan in plans:
+        log.info("lora adapter %s: %s modules, %d device bytes per rank", plan.name, len(plan.modules),
+                 plan.device_bytes)
+    return {plan.name: plan.path.relative_to(lora_dir).parts[0] for plan in plans}
+
+
 def _attention_heads(model_dir: Path) -> int | None:
     """The transformer's attention heads (Ulysses splits them over the sp ranks), if its config says."""
     from dlo.engine.checkpoint import CheckpointError, read_json_config
@@ -168,6 +196,7 @@ def main(args: argparse.Namespace) -> int:
 
     from dlo.engine.checkpoint import CheckpointError, cached_checkpoint
     from dlo.engine.families import pipeline_facts
+    from dlo.engine.lora import AdapterError
     from dlo.engine.devices import device_count, resolve_device
     from dlo.engine.ports import free_port
     from dlo.engine.serving.connections import (
@@ -195,6 +224,10 @@ def main(args: argparse.Namespace) -> int:
         limits = Limits.load(args.limits, SMALL if args.small_limits else None, max_steps=args.max_steps,
                              max_width=args.max_size, max_height=args.max_size)
         warmup_size = _warmup_size(args.warmup_size, facts, limits)
+        adapters = _check_adapters(args.lora_dir, model_dir, facts, args.sp)
+    except AdapterError as e:
+        print(f"dlo serve: --lora-dir: refusing an adapter that does not fit the model: {e}", file=sys.stderr)
+        return 2
     except ApiError as e:
         print(f"dlo serve: --warmup-size: {e.message}", file=sys.stderr)
         return 2
@@ -265,7 +298,7 @@ def main(args: argparse.Namespace) -> int:
     engine = Engine(cfg, limits=limits, facts=facts, model_id=args.served_model_name or model_dir.name,
                     progress_timeout_s=args.progress_timeout, max_queue=args.max_queue,
                     wave_window_ms=args.wave_window_ms, warmup=args.warmup, warmup_size=warmup_size,
-                    videos=videos, shutdown_grace_s=args.shutdown_grace)
+                    videos=videos, shutdown_grace_s=args.shutdown_grace, adapters=adapters)
     engine.group.spawn()
     app = create_app(engine, api_key, peers)
     nofile = raise_nofile_limit()

@@ -2,7 +2,8 @@
 
 Owns: building the family's diffusers pipeline (looked up from its adapter in
 `dlo.engine.families`) with the transformer from `dlo.engine.load` in place of diffusers' own,
-the progress ticks of a rank (a pre-hook on every block, through `dlo.engine.hooks`), and running
+the progress ticks of a rank (a pre-hook on every block, through `dlo.engine.hooks`), the rank's LoRA
+adapters (`dlo.engine.lora.LoraBank`: applied to the request's transformer forwards only), and running
 one request through the pipeline's single-request path into encoded PNG or MP4 bytes (`encode.py`).
 Everything family-specific (pipeline class, call count, call arguments, output decoding) is the
 adapter's.
@@ -166,6 +167,14 @@ class ServingPipeline:
             if name in self.facts.transformers:
                 self.hooks.add_pre(blocks[0], lambda *_: setattr(self, "phase", "denoise"))
             self.hooks.add_post(blocks[-1], lambda *_, n=name: self.calls_done.__setitem__(n, self.calls_done[n] + 1))
+        # LoRA adapters (`--lora-dir`) on the first transformer, as diffusers' load_lora_weights puts
+        # them (Wan2.2's second expert gets none): on this rank's device, one request's at a time
+        from dlo.engine.lora.bank import LoraBank
+
+        first = self.facts.transformers[0]
+        self.lora = LoraBank.load(settings.lora.directory, self.facts.pipeline_class, Path(model_dir) / first,
+                                  self.models[first], self.device)
+        laps.lap("lora")
         self._faults: Any = None  # test-only FaultPlan (`install_faults`)
         self._rank = 0
         self._prompt = ""
@@ -188,6 +197,8 @@ class ServingPipeline:
                          "device_bytes": r.slot_bytes + r.resident_bytes}
         for name, nbytes in self.component_bytes.items():
             out[name] = {"weights_source": "resident", "host_bytes": 0, "device_bytes": nbytes}
+        if self.lora.adapters:  # every adapter, loaded at start
+            out["lora"] = {"weights_source": "resident", "host_bytes": 0, "device_bytes": self.lora.device_bytes}
         return out
 
     def stats(self) -> RankStats:
@@ -280,7 +291,7 @@ class ServingPipeline:
         self.phase = "prepare"  # text encoding, scheduler set-up, latents
         self.tick()
         self._vae_tiling(gen)
-        with torch.inference_mode():
+        with torch.inference_mode(), self.lora.applied(gen.lora_id, gen.lora_scale):
             out = self.pipe(**self._call_kwargs(gen), callback_on_step_end=on_step)
         self.tick()
         self.phase = "encode_output"
@@ -306,7 +317,8 @@ class ServingPipeline:
         return tiled
 
     def close(self) -> None:
-        """Remove the progress hooks and release the transformers' weights."""
+        """Remove the progress hooks and release the transformers' weights and the adapters."""
         self.hooks.remove()
+        self.lora.close()
         for m in self.models.values():
             m.close()

@@ -2,7 +2,7 @@
 
 Routes: `POST /v1/images/generations`, `POST /v1/videos` (JSON or multipart/form-data, as the
 official SDK sends it), `GET /v1/videos` (list), `GET` and `DELETE /v1/videos/{id}`,
-`GET /v1/videos/{id}/content`, `GET /v1/models`, `/health`, `/ready`, `/metrics`. Errors use
+`GET /v1/videos/{id}/content`, `GET /v1/models` (the model, and its LoRA adapters as `MODEL:NAME`), `/health`, `/ready`, `/metrics`. Errors use
 OpenAI's body `{"error": {message, type, param, code}}`: 400 invalid fields (FastAPI's 422
 included) or a request its own input failed on its rank, 401 wrong key, 404 unknown model, video or
 route, 405 wrong method, 409 deleting an unfinished video, 413 body over `Limits.max_body_bytes`
@@ -38,6 +38,7 @@ from dlo.engine.serving.api_models import (
     ApiError,
     ImageGenerationRequest,
     ImagesResponse,
+    ModelCard,
     ModelList,
     VideoCreateRequest,
     VideoDeleted,
@@ -230,7 +231,7 @@ def create_app(engine: Engine, api_key: str | None = None, peers: Peers | None =
                       "negative_prompt)")
     async def images(body: ImageGenerationRequest) -> ImagesResponse:
         engine.check_available()
-        gen = image_generation(body, engine.facts, engine.limits, engine.model_id)
+        gen = image_generation(body, engine.facts, engine.limits, engine.model_id, engine.adapters)
         res = await engine.submit(gen)
         return ImagesResponse(
             created=int(time.time()),
@@ -247,7 +248,7 @@ def create_app(engine: Engine, api_key: str | None = None, peers: Peers | None =
     async def create_video(request: Request) -> VideoObject:
         engine.check_available()
         body = await _video_body(request)
-        gen = video_generation(body, engine.facts, engine.limits, engine.model_id)
+        gen = video_generation(body, engine.facts, engine.limits, engine.model_id, engine.adapters)
         seconds = f"{gen.frames / gen.fps:g}"
         return _video_object(engine, engine.create_video(gen, seconds))
 
@@ -287,9 +288,13 @@ def create_app(engine: Engine, api_key: str | None = None, peers: Peers | None =
 
         return StreamingResponse(chunks(), media_type="video/mp4", headers={"Content-Length": str(size)})
 
-    @app.get("/v1/models", response_model=ModelList, summary="The served model")
+    @app.get("/v1/models", response_model=ModelList,
+             summary="The served model, then each LoRA adapter as MODEL:NAME with its parent (as vLLM lists adapters)")
     async def models() -> ModelList:
-        return ModelList(data=[{"id": engine.model_id, "created": engine.created}])  # type: ignore[list-item]
+        cards = [ModelCard(id=engine.model_id, created=engine.created)]
+        cards += [ModelCard(id=f"{engine.model_id}:{name}", created=engine.created, parent=engine.model_id, root=root)
+                  for name, root in engine.adapters.items()]
+        return ModelList(data=cards)
 
     # -- operations ---------------------------------------------------------------------------------
     @app.get("/health", summary="200 unless a rank failed; the state and the requests running and queued")

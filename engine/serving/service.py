@@ -23,7 +23,7 @@ import tempfile
 import threading
 import time
 from dataclasses import asdict
-from typing import Callable, Literal
+from typing import Callable, Literal, Mapping
 
 from dlo.engine.families import PipelineFacts
 from dlo.engine.parallel import Layout, LayoutError, check_tokens, leader_results, wave_assignments
@@ -71,8 +71,11 @@ class Engine(VideoRunner):
     def __init__(self, cfg: RankConfig, *, limits: Limits, facts: PipelineFacts, model_id: str,
                  progress_timeout_s: float, max_queue: int, wave_window_ms: float, warmup: bool = True,
                  warmup_size: tuple[int, int] | None = None, videos: VideoStore | None = None,
-                 shutdown_grace_s: float = 25.0):
+                 shutdown_grace_s: float = 25.0, adapters: Mapping[str, str] | None = None):
+        """`adapters`: the LoRA adapters every rank loads (`cfg.settings.lora`), name -> file or
+        folder in `--lora-dir`, checked by `dlo serve` before the ranks start."""
         self.cfg, self.limits, self.facts, self.model_id = cfg, limits, facts, model_id
+        self.adapters: dict[str, str] = dict(adapters or {})
         self.max_queue, self.window_s = max_queue, wave_window_ms / 1000.0
         self.state: State = "loading"
         self.failure: str | None = None

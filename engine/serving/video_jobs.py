@@ -46,7 +46,8 @@ class VideoRunner:
     def create_video(self, gen: Generation, seconds: str) -> VideoJob:
         """Record a video job, then queue it: a job that could not be recorded never runs, and one the
         queue refuses (`QueueFull`) leaves no record."""
-        job = VideoJob(id=self.videos.new_id(), created_at=int(time.time()), model=self.model_id, prompt=gen.prompt,
+        model = f"{self.model_id}:{gen.lora_id}" if gen.lora_id else self.model_id  # the id the client chose
+        job = VideoJob(id=self.videos.new_id(), created_at=int(time.time()), model=model, prompt=gen.prompt,
                        seconds=seconds, size=f"{gen.width}x{gen.height}", steps=gen.steps)
         self.check_available()
         try:
