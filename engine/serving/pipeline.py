@@ -167,13 +167,7 @@ class ServingPipeline:
             if name in self.facts.transformers:
                 self.hooks.add_pre(blocks[0], lambda *_: setattr(self, "phase", "denoise"))
             self.hooks.add_post(blocks[-1], lambda *_, n=name: self.calls_done.__setitem__(n, self.calls_done[n] + 1))
-        # LoRA adapters (`--lora-dir`) on the first transformer, as diffusers' load_lora_weights puts
-        # them (Wan2.2's second expert gets none): on this rank's device, one request's at a time
-        from dlo.engine.lora.bank import LoraBank
-
-        first = self.facts.transformers[0]
-        self.lora = LoraBank.load(settings.lora.directory, self.facts.pipeline_class, Path(model_dir) / first,
-                                  self.models[first], self.device)
+        self.lora = self._load_lora(settings, Path(model_dir))
         laps.lap("lora")
         self._faults: Any = None  # test-only FaultPlan (`install_faults`)
         self._rank = 0
@@ -181,6 +175,15 @@ class ServingPipeline:
         self.load_seconds = time.perf_counter() - t0
         log.info("pipeline loaded family=%s mode=%s device=%s components=%s seconds=%.2f phases=%s",
                  self.facts.family, mode, self.device, self.component_bytes, self.load_seconds, laps.rounded())
+
+    def _load_lora(self, settings: EngineSettings, model_dir: Path) -> Any:
+        """The `--lora-dir` adapters on the first transformer, where diffusers' load_lora_weights puts
+        them (Wan2.2's second expert gets none), on this rank's device (`dlo.engine.lora.LoraBank`)."""
+        from dlo.engine.lora.bank import LoraBank
+
+        first = self.facts.transformers[0]
+        return LoraBank.load(settings.lora.directory, self.facts.pipeline_class, model_dir / first,
+                             self.models[first], self.device)
 
     @property
     def report(self) -> Any:
