@@ -16,12 +16,17 @@ BENCH = ROOT / "bench" / "lora_h200.py"
 
 @pytest.mark.slow
 def test_the_dry_run_measures_every_step_and_merges_into_the_record(tmp_path: Path) -> None:
+    from dlo.engine.presets import preset
+    from dlo.engine.random_model import write_pipeline
+
+    write_pipeline(tmp_path / "models" / "tiny-flux.1-dev", preset("tiny-flux.1-dev"))  # the bench's make skips it
     r = subprocess.run([sys.executable, str(BENCH), "run", "--dry-run", "--only", "flux", "--runs", "serve_rank_local",
                         "--requests", "1", "--models", str(tmp_path / "models"), "--out", str(tmp_path / "out"),
                         "--stem", "raw-dry"], capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     rec = json.loads((tmp_path / "out" / "raw-dry.json").read_text())
     flux = rec["models"]["flux"]
+    assert flux["make"] == {"skipped": "present", "bytes": flux["checkpoint_bytes"]}
     assert {a: flux["adapters"][a]["rank"] for a in ("r64", "r64-attention")} == {"r64": 64, "r64-attention": 64}
     row = flux["per_block"]["workloads"]["64"]
     assert set(row) == {"base", "lora", "lora_scale_0.8", "lora_addmm", "lora_unfolded", "lora_attention"}

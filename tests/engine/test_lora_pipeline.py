@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from dlo.engine.settings import EngineSettings, LoraSettings, OffloadSettings
-from tests.engine.lora_helpers import SEQ, lora_setups  # noqa: F401  (the fixture)
+from tests.engine.lora_helpers import SEQ
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("family,mode", [("wan", "resident"), ("flux", "rank-local")])
-def test_every_adapter_equals_diffusers_load_lora_weights_bit_for_bit(lora_setups, family, mode):  # noqa: F811
+def test_every_adapter_equals_diffusers_load_lora_weights_bit_for_bit(lora_setups, family, mode):
     from dlo.engine.serving.pipeline import ServingPipeline
 
     s = lora_setups[family]

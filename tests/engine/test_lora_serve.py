@@ -17,7 +17,7 @@ import pytest
 from openai import OpenAI
 
 from dlo.engine.serving.launch import ServerProcess
-from tests.engine.lora_helpers import SIZE, STEPS, LoraSetup, lora_setups  # noqa: F401  (the fixture)
+from tests.engine.lora_helpers import SIZE, STEPS, LoraSetup
 from tests.engine.serving_helpers import offline_env, submit_in_order
 
 pytestmark = pytest.mark.slow
@@ -49,7 +49,7 @@ def _server(s: LoraSetup, tmp_path, *flags: str, env: dict | None = None) -> Ser
                          "--wave-window-ms", str(WINDOW_MS), *flags, log_path=tmp_path / "serve.log", env=env)
 
 
-def test_wan_allgather_dp2_adapters_per_request_share_waves_and_equal_diffusers(lora_setups, tmp_path):  # noqa: F811
+def test_wan_allgather_dp2_adapters_per_request_share_waves_and_equal_diffusers(lora_setups, tmp_path):
     s = lora_setups["wan"]
     # a stand-in `peft` that records being imported: importable, but without the distribution
     # metadata diffusers checks before importing peft itself, so only our own code could import it
@@ -92,7 +92,7 @@ def test_wan_allgather_dp2_adapters_per_request_share_waves_and_equal_diffusers(
     assert "peft" not in "".join(ln for ln in log.splitlines() if "imported only because installed" in ln)
 
 
-def test_flux_rank_local_dp2_community_formats_share_a_wave_and_equal_diffusers(lora_setups, tmp_path):  # noqa: F811
+def test_flux_rank_local_dp2_community_formats_share_a_wave_and_equal_diffusers(lora_setups, tmp_path):
     s = lora_setups["flux"]
     with _server(s, tmp_path, "--dp", "2", "--mode", "rank-local") as srv:
         client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
@@ -105,7 +105,7 @@ def test_flux_rank_local_dp2_community_formats_share_a_wave_and_equal_diffusers(
         assert _image(client, mid, 1, lora="flux-d") == s.ref_bytes(s.case("flux-d", 1.0, 1))
 
 
-def test_an_adapter_that_does_not_fit_the_model_is_refused_at_start_naming_the_file(lora_setups, tmp_path):  # noqa: F811
+def test_an_adapter_that_does_not_fit_the_model_is_refused_at_start_naming_the_file(lora_setups, tmp_path):
     """A Flux adapter in a Wan server's folder: modules the model does not have (checked from the
     file's header, before any rank starts)."""
     import shutil
