@@ -17,15 +17,13 @@ from typing import Any, Collection, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from dlo.engine.serving.faults import FaultPlan
 from dlo.engine.serving.limits import Limits
 from dlo.engine.families import PipelineFacts
 from dlo.engine.request import Generation
 
 MAX_SEED = 2**63 - 1
 MAX_LORA_SCALE = 10.0  # |lora_scale|: peft takes any float; beyond this an adapter only breaks images
-TEST_FAULTS = FaultPlan.from_env()
-_SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+_SIZE = re.compile(r"([0-9]{1,5})x([0-9]{1,5})")  # ASCII digits, matched whole (no trailing newline)
 
 
 class ApiError(Exception):
@@ -173,7 +171,7 @@ def _bad(message: str, param: str) -> ApiError:
 
 
 def parse_size(size: str, facts: PipelineFacts, limits: Limits) -> tuple[int, int]:
-    m = _SIZE.match(size)
+    m = _SIZE.fullmatch(size)
     if m is None:
         raise _bad(f'size must look like "WIDTHxHEIGHT" (e.g. "{limits.default_size}"), got {size!r}', "size")
     w, h = int(m.group(1)), int(m.group(2))
@@ -211,8 +209,6 @@ def _adapter(req: _Extensions, model_id: str, adapters: Collection[str]) -> dict
 
 def _common(req: _Extensions, facts: PipelineFacts, limits: Limits, model_id: str,
             adapters: Collection[str] = ()) -> dict[str, Any]:
-    if TEST_FAULTS is not None:  # test-only (dlo.engine.serving.faults); None in production
-        TEST_FAULTS.check("validation", 0, req.prompt)
     lora = _adapter(req, model_id, adapters)
     for name in ("prompt", "negative_prompt"):
         text = getattr(req, name)
@@ -244,11 +240,8 @@ def image_generation(req: ImageGenerationRequest, facts: PipelineFacts, limits: 
     if not 1 <= req.n <= limits.max_n:
         raise _bad(f"n must be between 1 and {limits.max_n}, got {req.n}", "n")
     common = _common(req, facts, limits, model_id, adapters)
-    w, h = parse_size(req.size or limits.default_size, facts, limits)
+    w, h = parse_size(req.size if req.size is not None else limits.default_size, facts, limits)
     return Generation(kind="image", width=w, height=h, n=req.n, **common)
-
-
-MAX_REFERENCE_PIXELS = 4096 * 4096
 
 
 def form_field(name: str, value: Any) -> Any:
@@ -261,9 +254,11 @@ def form_field(name: str, value: Any) -> Any:
     raise ApiError(400, f"file upload {name!r} is not supported", name, "invalid_value")
 
 
-def reference_image(value: Any, width: int, height: int) -> bytes:
-    """The `input_reference` as encoded image bytes, checked: decodable by PIL, at most
-    MAX_REFERENCE_PIXELS pixels (the pipeline resizes it to the video's size)."""
+def reference_image(value: Any, max_pixels: int) -> bytes:
+    """The `input_reference` as encoded image bytes, checked: decodable by PIL, at most `max_pixels`
+    pixels (read from the header before anything is decoded: the decode's cost is bounded by the
+    cap, whatever the file's compression ratio; the pipeline resizes it to the video's size).
+    CPU-bound: the server runs it off the event loop."""
     import base64
     import io
 
@@ -280,8 +275,9 @@ def reference_image(value: Any, width: int, height: int) -> bytes:
     try:
         with Image.open(io.BytesIO(value)) as img:
             w, h = img.size
-            if w * h > MAX_REFERENCE_PIXELS:
-                raise _bad(f"input_reference is {w}x{h}; at most {MAX_REFERENCE_PIXELS} pixels", "input_reference")
+            if w * h > max_pixels:
+                raise _bad(f"input_reference is {w}x{h} ({w * h} pixels); this server takes at most {max_pixels} "
+                           "pixels (limits: max_reference_pixels)", "input_reference")
             img.convert("RGB").load()  # decodes the whole image now: a truncated file is the client's fault
     except ApiError:
         raise
@@ -302,9 +298,9 @@ def video_generation(req: VideoCreateRequest, facts: PipelineFacts, limits: Limi
         raise _bad(f"model {model_id!r} ({facts.pipeline_class}) is image-to-video: input_reference (the first "
                    "frame) is required", "input_reference")
     common = _common(req, facts, limits, model_id, adapters)
-    w, h = parse_size(req.size or limits.default_video_size, facts, limits)
+    w, h = parse_size(req.size if req.size is not None else limits.default_video_size, facts, limits)
     if facts.image_input:
-        common["image"] = reference_image(req.input_reference, w, h)
+        common["image"] = reference_image(req.input_reference, limits.max_reference_pixels)
     fps = limits.video_fps
     if req.num_frames is not None:
         frames = req.num_frames

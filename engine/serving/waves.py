@@ -96,6 +96,12 @@ class WaveQueue:
         self._items.append(pending)
         self._changed.set()
 
+    def remove_future(self, future: asyncio.Future) -> bool:
+        """Drop the waiting request whose future this is (its client left); False if none waits."""
+        kept = [p for p in self._items if p.future is not future]
+        removed, self._items = len(kept) != len(self._items), kept
+        return removed
+
     def drain(self) -> list[Pending]:
         items, self._items = self._items, []
         return items
