@@ -2,7 +2,8 @@
 
 Owns: building the family's diffusers pipeline (looked up from its adapter in
 `dlo.engine.families`) with the transformer from `dlo.engine.load` in place of diffusers' own,
-the progress ticks of a rank (a pre-hook on every block, through `dlo.engine.hooks`), and running
+the progress ticks of a rank (a pre-hook on every block, through `dlo.engine.hooks`), the rank's LoRA
+adapters (`dlo.engine.lora.LoraBank`: applied to the request's transformer forwards only), and running
 one request through the pipeline's single-request path into encoded PNG or MP4 bytes (`encode.py`).
 Everything family-specific (pipeline class, call count, call arguments, output decoding) is the
 adapter's.
@@ -170,12 +171,23 @@ class ServingPipeline:
             if name in self.facts.transformers:
                 self.hooks.add_pre(blocks[0], lambda *_: setattr(self, "phase", "denoise"))
             self.hooks.add_post(blocks[-1], lambda *_, n=name: self.calls_done.__setitem__(n, self.calls_done[n] + 1))
+        self.lora = self._load_lora(settings, Path(model_dir))
+        laps.lap("lora")
         self._faults: Any = None  # test-only FaultPlan (`install_faults`)
         self._rank = 0
         self._prompt = ""
         self.load_seconds = time.perf_counter() - t0
         log.info("pipeline loaded family=%s mode=%s device=%s components=%s seconds=%.2f phases=%s",
                  self.facts.family, mode, self.device, self.component_bytes, self.load_seconds, laps.rounded())
+
+    def _load_lora(self, settings: EngineSettings, model_dir: Path) -> Any:
+        """The `--lora-dir` adapters on the first transformer, where diffusers' load_lora_weights puts
+        them (Wan2.2's second expert gets none), on this rank's device (`dlo.engine.lora.LoraBank`)."""
+        from dlo.engine.lora.bank import LoraBank
+
+        first = self.facts.transformers[0]
+        return LoraBank.load(settings.lora.directory, self.facts.pipeline_class, model_dir / first,
+                             self.models[first], self.device)
 
     def _resident_blocks(self, settings: EngineSettings, streamed: tuple[str, ...], group: Any) -> dict[str, int]:
         """Blocks each streamed model keeps on the device: as given, or `--resident-blocks auto`'s plan
@@ -213,6 +225,8 @@ class ServingPipeline:
                          "device_bytes": r.slot_bytes + r.resident_bytes}
         for name, nbytes in self.component_bytes.items():
             out[name] = {"weights_source": "resident", "host_bytes": 0, "device_bytes": nbytes}
+        if self.lora.adapters:  # every adapter, loaded at start
+            out["lora"] = {"weights_source": "resident", "host_bytes": 0, "device_bytes": self.lora.device_bytes}
         return out
 
     def stats(self) -> RankStats:
@@ -305,7 +319,7 @@ class ServingPipeline:
         self.phase = "prepare"  # text encoding, scheduler set-up, latents
         self.tick()
         self._vae_tiling(gen)
-        with torch.inference_mode():
+        with torch.inference_mode(), self.lora.applied(gen.lora_id, gen.lora_scale):
             out = self.pipe(**self._call_kwargs(gen), callback_on_step_end=on_step)
         self.tick()
         self.phase = "encode_output"
@@ -331,7 +345,8 @@ class ServingPipeline:
         return tiled
 
     def close(self) -> None:
-        """Remove the progress hooks and release the transformers' weights."""
+        """Remove the progress hooks and release the transformers' weights and the adapters."""
         self.hooks.remove()
+        self.lora.close()
         for m in self.models.values():
             m.close()
