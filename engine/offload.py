@@ -84,6 +84,16 @@ class OffloadedModel:
         offload (resident)."""
         return self.prefetcher is None or self.prefetcher.between_forwards
 
+    def dtype_of(self, name: str) -> torch.dtype:
+        """The dtype tensor `name` (a checkpoint key) computes in: a streamed block's tensors are
+        placeholders between forwards (their slot views carry the real dtype), the others are real."""
+        if self.prefetcher is not None:
+            for b in self.prefetcher.blocks:
+                for t in b.layout.tensors:
+                    if t.name == name:
+                        return torch_dtype(t.dtype)
+        return self.module.get_parameter(name).dtype
+
     def stats(self) -> GatherStats:
         """The cumulative counters now (gathers, H2D bytes, collective bytes, gather wait seconds)."""
         if self.prefetcher is None:

@@ -2,7 +2,8 @@
 
 Owns: `OffloadSettings` (how `dlo.engine.load` places and streams one model's weights),
 `ParallelSettings` (dp x sp and how the ranks exchange), `ResidentPlan` (`--resident-blocks auto` as
-`dlo serve` resolved it), `EngineSettings` (all of them, plus what a rank's device and pipeline are
+`dlo serve` resolved it), `LoraSettings` (the per-request LoRA adapters and when they load),
+`EngineSettings` (all of them, plus what a rank's device and pipeline are
 started with), `ConfigError` (the one error a bad setting raises; `dlo serve`
 prints it in one line and exits 2), and `from_environment`: the one reader of the engine's `DLO_*`
 switches (vLLM's `envs.py` pattern), called only by `dlo serve` and the benchmarks, so that the
@@ -120,6 +121,27 @@ class ParallelSettings:
         return self.dp * self.sp
 
 
+# When adapters reach a rank's device. Only "start": every adapter of the folder on every rank
+# before /ready (device bytes: the sum of the adapters, in the model's dtype). A load on first use
+# would run inside a wave, where in allgather mode the ranks sharing the weights wait for the slowest
+# (the whole wave stalls for one rank's file read and copy), so it is not offered.
+LoraLoad = Literal["start"]
+LORA_LOADS: tuple[LoraLoad, ...] = get_args(LoraLoad)
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """Per-request LoRA adapters (`dlo.engine.lora`): the folder of adapters, and when they load."""
+
+    directory: str | None = None  # `dlo serve --lora-dir`; None: no adapters
+    load: LoraLoad = "start"
+
+    def __post_init__(self) -> None:
+        if self.directory is not None and (not isinstance(self.directory, str) or not self.directory):
+            raise ConfigError(f"lora directory must be a folder path or unset, got {self.directory!r}")
+        _one_of("lora load", self.load, LORA_LOADS)
+
+
 @dataclass(frozen=True)
 class ResidentPlan:
     """`--resident-blocks auto` as `dlo serve` resolved it for the deployment's budget and limits
@@ -155,6 +177,7 @@ class EngineSettings:
     # the family's large text encoders stream like the transformers (offloaded modes only)
     stream_encoders: bool = False
     cpu_threads: int = 1  # intra-op threads per cpu rank (fixed: results do not depend on dp)
+    lora: LoraSettings = field(default_factory=LoraSettings)
     # `--resident-blocks auto` resolved for the deployment (None: no budget known, e.g. cpu: none kept)
     resident_plan: ResidentPlan | None = None
     # decoded pixels above which the VAE tiles (0: every decode): one rule for every rank and mode
@@ -163,6 +186,8 @@ class EngineSettings:
     def __post_init__(self) -> None:
         if not isinstance(self.offload, OffloadSettings) or not isinstance(self.parallel, ParallelSettings):
             raise ConfigError("offload and parallel must be OffloadSettings and ParallelSettings")
+        if not isinstance(self.lora, LoraSettings):
+            raise ConfigError("lora must be LoraSettings")
         _one_of("device", self.device, DEVICES)
         _whole("max_device_memory", self.max_device_memory, 0)
         if self.max_device_memory and self.device == "cpu":
@@ -188,8 +213,10 @@ class EngineSettings:
         try:
             offload = OffloadSettings(**data.pop("offload"))
             parallel = ParallelSettings(**data.pop("parallel", {}))
+            lora = LoraSettings(**data.pop("lora", {}))
             plan = data.pop("resident_plan", None)
-            return cls(offload=offload, parallel=parallel, resident_plan=ResidentPlan(**plan) if plan else None, **data)
+            return cls(offload=offload, parallel=parallel, lora=lora,
+                       resident_plan=ResidentPlan(**plan) if plan else None, **data)
         except (KeyError, TypeError) as e:
             raise ConfigError(f"engine settings do not parse: {e}") from None
 

@@ -39,6 +39,25 @@ def process_age_seconds() -> float:
         return time.time() - psutil.Process().create_time()
 
 
+class PhaseClock:
+    """The phase a piece of work is in ("idle" between pieces) and the seconds spent in each phase
+    since `reset()`: `enter(name)` adds the time of the phase it leaves."""
+
+    def __init__(self) -> None:
+        self.phase, self.seconds, self._since = "idle", {}, time.perf_counter()
+
+    def reset(self) -> None:
+        self.seconds = {}
+
+    def enter(self, name: str) -> None:
+        if name == self.phase:
+            return
+        now = time.perf_counter()
+        if self.phase != "idle":
+            self.seconds[self.phase] = self.seconds.get(self.phase, 0.0) + now - self._since
+        self.phase, self._since = name, now
+
+
 class Laps:
     """`lap(name)` records the seconds since the previous lap (or since construction) under `name`."""
 

@@ -1,7 +1,8 @@
 """HTTP bodies of the OpenAI-compatible API, and their translation into `Generation`s.
 
 Owns: the pydantic request and response models (OpenAI Images and Videos shapes plus our
-extensions `seed`, `num_inference_steps`, `guidance_scale`, `negative_prompt`), the OpenAI error
+extensions `seed`, `num_inference_steps`, `guidance_scale`, `negative_prompt`, `lora`, `lora_scale`;
+a LoRA adapter is also chosen by the model id `MODEL:ADAPTER`, as GET /v1/models lists it), the OpenAI error
 body, and every limit check: anything a client can get wrong is an `ApiError` with status 400 and
 the offending field in `param`, never a 5xx.
 Must never: import torch.
@@ -12,7 +13,7 @@ from __future__ import annotations
 import math
 import re
 import secrets
-from typing import Any, Literal
+from typing import Any, Collection, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -21,6 +22,7 @@ from dlo.engine.families import PipelineFacts
 from dlo.engine.request import Generation
 
 MAX_SEED = 2**63 - 1
+MAX_LORA_SCALE = 10.0  # |lora_scale|: peft takes any float; beyond this an adapter only breaks images
 _SIZE = re.compile(r"([0-9]{1,5})x([0-9]{1,5})")  # ASCII digits, matched whole (no trailing newline)
 
 
@@ -51,6 +53,11 @@ class _Extensions(BaseModel):
     num_inference_steps: int | None = Field(None, description="denoising steps (server default when omitted)")
     guidance_scale: float | None = Field(None, allow_inf_nan=False, description="classifier-free guidance scale")
     negative_prompt: str | None = Field(None, description="what to steer away from")
+    lora: str | None = Field(None, description="a LoRA adapter of this server by name (GET /v1/models lists it as "
+                                               "MODEL:NAME; `model: \"MODEL:NAME\"` chooses it too)")
+    lora_scale: float | None = Field(None, allow_inf_nan=False,
+                                     description=f"the adapter's strength, -{MAX_LORA_SCALE:g} to {MAX_LORA_SCALE:g} "
+                                                 "(peft's scale: 0 the base model, 1 as trained; default 1)")
     user: str | None = Field(None, description="accepted for OpenAI compatibility; unused")
 
     @field_validator("prompt", "negative_prompt")
@@ -113,6 +120,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "dlo"
+    parent: str | None = None  # a LoRA adapter's base model (as vLLM lists adapters)
+    root: str | None = None  # a LoRA adapter's file or folder in --lora-dir
 
 
 class ModelList(BaseModel):
@@ -174,10 +183,33 @@ def parse_size(size: str, facts: PipelineFacts, limits: Limits) -> tuple[int, in
     return w, h
 
 
-def _common(req: _Extensions, facts: PipelineFacts, limits: Limits, model_id: str) -> dict[str, Any]:
+def _adapter(req: _Extensions, model_id: str, adapters: Collection[str]) -> dict[str, Any]:
+    """The request's LoRA adapter (`lora_id`, `lora_scale`): by `model: "MODEL:NAME"` or `lora: NAME`."""
+    named, param = None, "model"
     if req.model is not None and req.model != model_id:
-        raise ApiError(404, f"model {req.model!r} is not served here; this server serves {model_id!r}", "model",
-                       "model_not_found")
+        if not req.model.startswith(model_id + ":"):
+            raise ApiError(404, f"model {req.model!r} is not served here; this server serves {model_id!r}", "model",
+                           "model_not_found")
+        named = req.model[len(model_id) + 1:]
+    if req.lora is not None:
+        if named is not None and named != req.lora:
+            raise _bad(f"model {req.model!r} and lora {req.lora!r} name different adapters; give one", "lora")
+        named, param = req.lora, "lora"
+    if named is not None and named not in adapters:
+        known = ", ".join(sorted(adapters)) or "none (dlo serve --lora-dir DIR loads them)"
+        raise _bad(f"no LoRA adapter {named!r} on this server; its adapters: {known}", param)
+    if req.lora_scale is not None:
+        if named is None:
+            raise _bad("lora_scale needs an adapter (lora, or model MODEL:NAME)", "lora_scale")
+        if abs(req.lora_scale) > MAX_LORA_SCALE:
+            raise _bad(f"lora_scale must be between -{MAX_LORA_SCALE:g} and {MAX_LORA_SCALE:g}, got {req.lora_scale:g}",
+                       "lora_scale")
+    return {"lora_id": named, "lora_scale": float(req.lora_scale if req.lora_scale is not None else 1.0)}
+
+
+def _common(req: _Extensions, facts: PipelineFacts, limits: Limits, model_id: str,
+            adapters: Collection[str] = ()) -> dict[str, Any]:
+    lora = _adapter(req, model_id, adapters)
     for name in ("prompt", "negative_prompt"):
         text = getattr(req, name)
         if text is not None and len(text) > limits.max_prompt_chars:
@@ -193,11 +225,12 @@ def _common(req: _Extensions, facts: PipelineFacts, limits: Limits, model_id: st
                    "guidance_scale")
     return {
         "prompt": req.prompt, "negative_prompt": req.negative_prompt, "steps": steps, "guidance_scale": float(guidance),
-        "seed": req.seed if req.seed is not None else secrets.randbelow(2**31),
+        "seed": req.seed if req.seed is not None else secrets.randbelow(2**31), **lora,
     }
 
 
-def image_generation(req: ImageGenerationRequest, facts: PipelineFacts, limits: Limits, model_id: str) -> Generation:
+def image_generation(req: ImageGenerationRequest, facts: PipelineFacts, limits: Limits, model_id: str,
+                     adapters: Collection[str] = ()) -> Generation:
     if facts.image_input:
         raise _bad(f"model {model_id!r} ({facts.pipeline_class}) is image-to-video: use /v1/videos with "
                    "input_reference", "model")
@@ -206,7 +239,7 @@ def image_generation(req: ImageGenerationRequest, facts: PipelineFacts, limits: 
                    'use "b64_json"', "response_format")
     if not 1 <= req.n <= limits.max_n:
         raise _bad(f"n must be between 1 and {limits.max_n}, got {req.n}", "n")
-    common = _common(req, facts, limits, model_id)
+    common = _common(req, facts, limits, model_id, adapters)
     w, h = parse_size(req.size if req.size is not None else limits.default_size, facts, limits)
     return Generation(kind="image", width=w, height=h, n=req.n, **common)
 
@@ -253,7 +286,8 @@ def reference_image(value: Any, max_pixels: int) -> bytes:
     return bytes(value)
 
 
-def video_generation(req: VideoCreateRequest, facts: PipelineFacts, limits: Limits, model_id: str) -> Generation:
+def video_generation(req: VideoCreateRequest, facts: PipelineFacts, limits: Limits, model_id: str,
+                     adapters: Collection[str] = ()) -> Generation:
     if not facts.supports_video:
         raise _bad(f"model {model_id!r} ({facts.pipeline_class}) makes images only; use /v1/images/generations",
                    "model")
@@ -263,7 +297,7 @@ def video_generation(req: VideoCreateRequest, facts: PipelineFacts, limits: Limi
     if req.input_reference is None and facts.image_input:
         raise _bad(f"model {model_id!r} ({facts.pipeline_class}) is image-to-video: input_reference (the first "
                    "frame) is required", "input_reference")
-    common = _common(req, facts, limits, model_id)
+    common = _common(req, facts, limits, model_id, adapters)
     w, h = parse_size(req.size if req.size is not None else limits.default_video_size, facts, limits)
     if facts.image_input:
         common["image"] = reference_image(req.input_reference, limits.max_reference_pixels)

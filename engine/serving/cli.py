@@ -6,8 +6,7 @@ encoders and the VAE load normally on every rank. See docs/serving.md for the AP
 
 Owns: the `dlo serve` start in named steps (`main`): everything a flag, the folder, the key or the
 port can get wrong is refused in one line with exit 2 before any rank starts (`StartError`);
-resolving `--mode auto` (the pure `dlo.agent.policy` over a profile built from the engine's own
-device facts); and wiring the service, the rank group and the HTTP server together.
+the mode (`mode_choice`); and wiring the service, the rank group and the HTTP server together.
 Must never: import anything of `dlo.agent` but the pure `policy` and `profile` (CONTRACTS.md
 section 1), take a secret from the command line, or start a rank before the listening port is ours.
 """
@@ -15,19 +14,19 @@ section 1), take a secret from the command line, or start a rank before the list
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 log = logging.getLogger(__name__)
 
-from dlo.engine.facts import DeviceKind, Mode, ModeOrAuto
+from dlo.engine.facts import DeviceKind, Mode
+from dlo.engine.serving.mode_choice import resolve_mode
 from dlo.engine.serving.options import add_arguments, engine_settings
 from dlo.engine.settings import ConfigError, from_environment
 
@@ -65,78 +64,6 @@ def read_api_key(path: Path | None, environ: dict[str, str] | os._Environ = os.e
     return key
 
 
-def local_profile(device: str) -> Any:
-    """This host's `NodeProfile` from the engine's own device facts (torch, NVML for NVLink) and the
-    nominal bandwidths of `dlo.agent.profile`; with no accelerator (cpu) the policy budgets
-    "device" weights in host RAM."""
-    from dlo.agent.profile import Accelerator, Interconnect, NodeProfile, nominal_collective_bps, nominal_h2d_bps
-    from dlo.engine.devices import device_facts
-
-    f = device_facts(device)
-    acc = Accelerator(vendor=f.vendor, model=f.model, count=f.count, memory_bytes=f.memory_bytes)
-    h2d = nominal_h2d_bps(f.model) if f.vendor != "none" else 0
-    coll = nominal_collective_bps(f.model, f.interconnect, None) if f.vendor != "none" else 0
-    return NodeProfile(
-        node=socket.gethostname(), accelerator=acc,
-        interconnect=Interconnect(kind=f.interconnect, collective_bandwidth_bps=coll),
-        h2d_bandwidth_bps=h2d, host_memory_bytes=f.host_memory_bytes,
-        can_register_page_cache=f.vendor == "nvidia",  # the engine DMAs from the page cache on cuda
-    )
-
-
-def _profile_from_file(profile: Any, profile_path: Path) -> Any:
-    """A file a person gave: a whole NodeProfile (the agent's /profile) or a `dlo calibrate`
-    fragment applied to `profile`; any problem in it is an error (ProfileError)."""
-    from dlo.agent.profile import CalibrationFragment, NodeProfile, apply_calibration, parse_file
-
-    text = profile_path.read_text()
-    try:
-        whole = isinstance(data := json.loads(text), dict) and "version" in data
-    except ValueError:
-        whole = False  # parse_file says what is wrong with it
-    if whole:
-        return parse_file(NodeProfile, text, str(profile_path))
-    return apply_calibration(profile, parse_file(CalibrationFragment, text, str(profile_path)))
-
-
-def resolve_mode(mode: ModeOrAuto, model_dir: Path, dp: int, device: str, profile_path: Path | None = None,
-                 sp: int = 1, *, max_device_memory: int = 0, memory: Any = None,
-                 resident_blocks: int | str = 0) -> tuple[Mode, str]:
-    """The engine mode and why: `--mode` as given, else the node policy, else a fixed rule. With the
-    deployment's `memory` (`dlo.engine.serving.budget`) the device budget is checked: a mode that does
-    not fit raises `DeviceBudgetError` (exit 2 before anything loads)."""
-    if mode != "auto":
-        if memory is not None and device != "cpu":
-            from dlo.engine.serving.budget import check_mode, local_budget
-
-            budget = local_budget(local_profile(device).accelerator.memory_bytes, max_device_memory, memory)
-            log.info("%s", check_mode(mode, memory, budget, dp * sp, resident_blocks))
-        return mode, "--mode given"
-    try:
-        from dlo.agent.policy import NoModeFits, PolicyError, choose_mode
-    except ImportError:
-        log.warning("dlo.agent.policy is not installed; using the fixed rule")
-    else:
-        from dlo.engine.blocks import describe
-
-        profile = local_profile(device)
-        if profile_path is not None:
-            profile = _profile_from_file(profile, profile_path)
-        try:
-            decision = choose_mode(profile, describe(model_dir / "transformer"), dp, sp=sp,
-                                   device_budget_bytes=max_device_memory or None, pipeline=memory)
-            return decision.engine_mode, f"policy: {decision.reason}"
-        except NoModeFits as e:
-            from dlo.engine.serving.budget import DeviceBudgetError
-
-            raise DeviceBudgetError(f"--mode auto: {e}") from None
-        except (PolicyError, ValueError) as e:
-            log.warning("mode policy gave no answer (%s); using the fixed rule", e)
-    if dp * sp > 1:
-        return "allgather", "fixed rule: dp x sp > 1"
-    return "rank-local", "fixed rule: dp = 1"
-
-
 def _warmup_size(flag: str | None, facts: Any, limits: Any) -> tuple[int, int] | None:
     """The warm-up's size: `--warmup-size WxH` (an invalid one is an error: `ApiError`), `smallest`
     (None), or by default the limits' `default_size` - unless these limits refuse it (a `--max-size`
@@ -152,6 +79,34 @@ def _warmup_size(flag: str | None, facts: Any, limits: Any) -> tuple[int, int] |
     except ApiError as e:
         log.warning("warm-up at the smallest size: the limits' default_size does not fit them (%s)", e.message)
         return None
+
+
+def _check_adapters(lora_dir: Path | None, model_dir: Path, facts: Any, sp: int) -> dict[str, str]:
+    """`--lora-dir`'s adapters checked against the transformer before any rank starts (an
+    `AdapterError` names the file): name -> its file or folder in the directory."""
+    if lora_dir is None:
+        return {}
+    from dlo.engine.lora import AdapterError, check_adapters
+
+    lora_dir = lora_dir.resolve()
+    plans = check_adapters(lora_dir, model_dir, facts.pipeline_class)
+    if sp > 1 and plans:  # diffusers' context parallelism gathers these outputs inside their forward
+        import diffusers
+
+        cp_plan = getattr(getattr(diffusers, facts.transformer_class, None), "_cp_plan", None) or {}
+        gathered = {k for k, v in cp_plan.items() if type(v).__name__ == "ContextParallelOutput"}
+        for plan in plans:
+            for m in plan.modules:
+                if m.module in gathered:
+                    raise AdapterError(plan.path, f"targets {m.module}, whose output sequence parallelism gathers "
+                                                  "across the sp ranks before a hook could add the branch; serve "
+                                                  "it with --sp 1")
+    if not plans:
+        log.warning("--lora-dir %s holds no adapters (NAME.safetensors files or NAME/ folders)", lora_dir)
+    for plan in plans:
+        log.info("lora adapter %s: %s modules, %d device bytes per rank", plan.name, len(plan.modules),
+                 plan.device_bytes)
+    return {plan.name: plan.path.relative_to(lora_dir).parts[0] for plan in plans}
 
 
 def _attention_heads(model_dir: Path) -> int | None:
@@ -181,6 +136,7 @@ class _Start:
     videos: Any = None
     peers: Any = None
     deployment: Any = None  # the pipeline at its limits on this device (dlo.engine.serving.budget)
+    adapters: dict[str, str] = field(default_factory=dict)  # --lora-dir: name -> file or folder
 
 
 def _model_and_limits(args: argparse.Namespace, start: _Start) -> None:
@@ -189,6 +145,7 @@ def _model_and_limits(args: argparse.Namespace, start: _Start) -> None:
     0), the limits, the warm-up size."""
     from dlo.engine.checkpoint import CheckpointError, cached_checkpoint
     from dlo.engine.families import pipeline_facts
+    from dlo.engine.lora import AdapterError
     from dlo.engine.serving.api_models import ApiError
     from dlo.engine.serving.limits import SMALL, Limits
 
@@ -198,6 +155,9 @@ def _model_and_limits(args: argparse.Namespace, start: _Start) -> None:
         start.limits = Limits.load(args.limits, SMALL if args.small_limits else None, max_steps=args.max_steps,
                                    max_width=args.max_size, max_height=args.max_size)
         start.warmup_size = _warmup_size(args.warmup_size, start.facts, start.limits)
+        start.adapters = _check_adapters(args.lora_dir, start.model_dir, start.facts, args.sp)
+    except AdapterError as e:
+        raise StartError(f"--lora-dir: refusing an adapter that does not fit the model: {e}") from None
     except ApiError as e:
         raise StartError(f"--warmup-size: {e.message}") from None
     except CheckpointError as e:
@@ -304,7 +264,8 @@ def _engine(args: argparse.Namespace, start: _Start) -> Any:
     )
     options = EngineOptions(progress_timeout_s=args.progress_timeout, max_queue=args.max_queue,
                             wave_window_ms=args.wave_window_ms, warmup=args.warmup, warmup_size=start.warmup_size,
-                            shutdown_grace_s=args.shutdown_grace, startup_timeout_s=args.startup_timeout)
+                            shutdown_grace_s=args.shutdown_grace, startup_timeout_s=args.startup_timeout,
+                            adapters=start.adapters)
     return Engine(cfg, limits=start.limits, facts=start.facts, model_id=args.served_model_name or start.model_dir.name,
                   videos=start.videos, options=options)
 

@@ -2,7 +2,8 @@
 
 Owns: building the family's diffusers pipeline (looked up from its adapter in
 `dlo.engine.families`) with the transformer from `dlo.engine.load` in place of diffusers' own,
-the progress ticks of a rank (a pre-hook on every block, through `dlo.engine.hooks`), and running
+the progress ticks of a rank (a pre-hook on every block, through `dlo.engine.hooks`), the rank's LoRA
+adapters (`dlo.engine.lora.LoraBank`: applied to the request's transformer forwards only), and running
 one request through the pipeline's single-request path into encoded PNG or MP4 bytes (`encode.py`).
 Everything family-specific (pipeline class, call count, call arguments, output decoding) is the
 adapter's.
@@ -27,7 +28,7 @@ from dlo.engine.serving.encode import encode
 from dlo.engine.serving.prewarm import join_logged, start_beside_imports
 from dlo.engine.memory_model import Shape, decoded_pixels
 from dlo.engine.settings import VAE_TILE_ABOVE_PIXELS, EngineSettings
-from dlo.engine.timing import Laps
+from dlo.engine.timing import Laps, PhaseClock
 from dlo.engine.request import Generation
 
 log = logging.getLogger(__name__)
@@ -68,14 +69,12 @@ class ServingPipeline:
         """`settings` as every rank got them (`RankConfig`); `device`: this rank's device (default:
         `settings.device`); `group`: the shard group; `parallel`: the dp x sp groups (`make_groups`).
 
-        The steps, in order (each a method below, torchtitan's `parallelize_*` style): configure
-        (facts, device, cap), start what runs beside the imports (a cold checkpoint's readahead, the
-        device libraries' warm-up: `prewarm.py`), load the engine's models (their resident copies
-        left in flight), parallelize (dp x sp), build the diffusers pipeline around them, place its
-        other components on the device, attach the progress hooks, settle the copies, join the
-        readahead (the library warm-up is joined before the first load: no device work of another
-        thread beside the loads' graph captures). `phases=` of the "pipeline loaded" log line
-        (`load_phases`) times them. A step that fails closes the models already loaded."""
+        The steps, in order (each a method, torchtitan's `parallelize_*` style): configure (facts,
+        device, cap), start the readahead and the library warm-up beside the imports (`prewarm.py`),
+        load the engine's models (resident copies left in flight), parallelize (dp x sp), build the
+        diffusers pipeline around them, place its other components, attach the progress hooks, load
+        the LoRA adapters, settle the copies, join the readahead. `phases=` of the "pipeline loaded"
+        log line (`load_phases`) times them. A step that fails closes the models already loaded."""
         t0 = time.perf_counter()
         laps = Laps(t0)
         self._configure(Path(model_dir), settings, device, max_sequence_length)
@@ -90,6 +89,8 @@ class ServingPipeline:
             self.component_bytes = self._place_components()
             laps.lap("components_to_device")
             self._attach_progress_hooks()
+            self.lora = self._load_lora()
+            laps.lap("lora")
             for m in self.models.values():  # the resident copies the loads left in flight land here
                 m.settle()
             laps.lap("settle")
@@ -112,18 +113,15 @@ class ServingPipeline:
         self.model_dir, self.settings, self.mode = model_dir, settings, settings.offload.mode
         self.facts = pipeline_facts(model_dir)
         self.adapter = self.facts.adapter
-        # With `stream_encoders` (off in process by default; `dlo serve` turns it on unless told not
-        # to), the family's large text encoders load through the engine as the transformers do (their
-        # own block lists), after them: streamed in the offloaded modes, resident in `resident` mode,
-        # where their copies then read the registered page cache too (diffusers' own load copies
-        # them through pageable memory: 1.5 s for Wan's 11.4 GB UMT5 on an H200 against ~0.2 s).
+        # `stream_encoders` (`dlo serve`'s default): the large text encoders load through the engine
+        # after the transformers: streamed when offloaded, whole in `resident` mode, their copies from
+        # the registered page cache (diffusers' pageable copies: 1.5 s for Wan's UMT5 on an H200).
         self.encoders = self.adapter.streamable_encoders if settings.stream_encoders else ()
         self.device = torch.device(settings.device if device is None else device)
         self.max_sequence_length = max_sequence_length
         self.tick: Callable[[], None] = lambda: None
         self.steps_done = 0  # denoising steps of the running request (read by the progress reporter)
-        self._phase, self._phase_since = "idle", time.perf_counter()
-        self.phase_seconds: dict[str, float] = {}  # the running (or last) request's seconds per phase
+        self.clock = PhaseClock()  # the running request's phase; the seconds of each (the last request's)
         # the deployment's tiling rule (`dlo serve` resolves it from the device budget: memory_plan)
         self.vae_tile_above_pixels = settings.vae_tile_above_pixels
         if settings.max_device_memory:
@@ -241,17 +239,21 @@ class ServingPipeline:
     def phase(self) -> str:
         """The phase the running request is in: idle, prepare (text encoding, scheduler set-up,
         latents), denoise, decode, encode_output (`RequestError.phase`); each change adds the time
-        spent in the one left to `phase_seconds`."""
-        return self._phase
+        spent in the one left to `clock.seconds`."""
+        return self.clock.phase
 
     @phase.setter
     def phase(self, name: str) -> None:
-        if name == self._phase:
-            return
-        now = time.perf_counter()
-        if self._phase != "idle":
-            self.phase_seconds[self._phase] = self.phase_seconds.get(self._phase, 0.0) + now - self._phase_since
-        self._phase, self._phase_since = name, now
+        self.clock.enter(name)
+
+    def _load_lora(self) -> Any:
+        """The `--lora-dir` adapters on the first transformer, where diffusers' load_lora_weights puts
+        them (Wan2.2's second expert gets none), on this rank's device (`dlo.engine.lora.LoraBank`)."""
+        from dlo.engine.lora.bank import LoraBank
+
+        first = self.facts.transformers[0]
+        return LoraBank.load(self.settings.lora.directory, self.facts.pipeline_class, self.model_dir / first,
+                             self.models[first], self.device)
 
     def _resident_blocks(self, streamed: tuple[str, ...], group: Any) -> dict[str, int]:
         """Blocks each streamed model keeps on the device: as given, or `--resident-blocks auto`'s plan
@@ -290,6 +292,8 @@ class ServingPipeline:
                          "device_bytes": r.slot_bytes + r.resident_bytes}
         for name, nbytes in self.component_bytes.items():
             out[name] = {"weights_source": "resident", "host_bytes": 0, "device_bytes": nbytes}
+        if self.lora.adapters:  # every adapter, loaded at start
+            out["lora"] = {"weights_source": "resident", "host_bytes": 0, "device_bytes": self.lora.device_bytes}
         return out
 
     def stats(self) -> RankStats:
@@ -352,11 +356,11 @@ class ServingPipeline:
             return kwargs
 
         self.steps_done = 0
-        self.phase_seconds = {}
+        self.clock.reset()
         self.phase = "prepare"  # text encoding, scheduler set-up, latents
         self.tick()
         self._vae_tiling(gen)
-        with torch.inference_mode():
+        with torch.inference_mode(), self.lora.applied(gen.lora_id, gen.lora_scale):
             out = self.pipe(**self._call_kwargs(gen), callback_on_step_end=on_step)
         self.tick()
         self.phase = "encode_output"
@@ -365,7 +369,7 @@ class ServingPipeline:
         self.tick()
         result.step_seconds = steps
         result.seconds = time.perf_counter() - t0
-        result.phase_seconds = dict(self.phase_seconds)
+        result.phase_seconds = dict(self.clock.seconds)
         return result
 
     def encode_output(self, decoded: Decoded, fps: int) -> tuple[list[bytes], str]:
@@ -385,8 +389,11 @@ class ServingPipeline:
         return tiled
 
     def close(self) -> None:
-        """Remove the progress hooks and release the engine's models (also after a failed start)."""
-        if hasattr(self, "hooks"):  # attached by the last step of __init__
+        """Remove the progress hooks and release the engine's models and the adapters (also after a
+        failed start)."""
+        if hasattr(self, "hooks"):  # attached by a late step of __init__
             self.hooks.remove()
+        if hasattr(self, "lora"):
+            self.lora.close()
         for m in self.models.values():
             m.close()

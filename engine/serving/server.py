@@ -2,7 +2,8 @@
 
 Routes: `POST /v1/images/generations`, `POST /v1/videos` (JSON or multipart/form-data, as the
 official SDK sends it), `GET /v1/videos` (list), `GET` and `DELETE /v1/videos/{id}`,
-`GET /v1/videos/{id}/content`, `GET /v1/models`, `/health` and `/ready` (GET and HEAD), `/metrics`.
+`GET /v1/videos/{id}/content`, `GET /v1/models` (the model, and its LoRA adapters as `MODEL:NAME`),
+`/health` and `/ready` (GET and HEAD), `/metrics`.
 Errors use OpenAI's body `{"error": {message, type, param, code}}`: 400 invalid fields (FastAPI's 422
 included) or a request its own input failed on its rank, 401 wrong key, 404 unknown model, video or
 route, 405 wrong method, 409 deleting an unfinished video, 413 body over `Limits.max_body_bytes`
@@ -36,7 +37,6 @@ from typing import Any, AsyncIterator, Iterator, Literal
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dlo.engine.serving.accounting import CLIENT_CLOSED, Accounting
@@ -44,17 +44,18 @@ from dlo.engine.serving.api_models import (
     ApiError,
     ImageGenerationRequest,
     ImagesResponse,
+    ModelCard,
     ModelList,
     VideoCreateRequest,
     VideoDeleted,
     VideoError,
     VideoList,
     VideoObject,
-    form_field,
     image_generation,
     video_generation,
 )
 from dlo.engine.serving.body_limit import BodyLimit
+from dlo.engine.serving.request_bodies import validation_message, video_body
 from dlo.engine.serving.errors import (
     EngineUnavailable,
     InvalidInput,
@@ -82,13 +83,6 @@ _DECODE = ThreadPoolExecutor(2, thread_name_prefix="dlo-decode")
 
 class ClientGone(Exception):
     """The client closed its connection while its request waited for or ran in a wave."""
-
-
-def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
-    first = errors[0] if errors else {}
-    loc = [str(x) for x in first.get("loc", ()) if x not in ("body",)]
-    param = ".".join(loc) or None
-    return f"{param or 'body'}: {first.get('msg', 'invalid request')}", param
 
 
 def _error(e: ApiError) -> JSONResponse:
@@ -177,7 +171,7 @@ def _add_error_handlers(app: FastAPI, peers: Peers | None) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, e: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(list(e.errors()))
+        message, param = validation_message(list(e.errors()))
         return _error(ApiError(400, message, param, "invalid_request"))
 
     @app.exception_handler(Exception)
@@ -249,7 +243,7 @@ def _add_generation_routes(app: FastAPI, engine: Engine) -> None:
                       "negative_prompt)")
     async def images(body: ImageGenerationRequest, request: Request) -> ImagesResponse:
         engine.check_available()
-        gen = image_generation(body, engine.facts, engine.limits, engine.model_id)
+        gen = image_generation(body, engine.facts, engine.limits, engine.model_id, engine.adapters)
         res = await _result_unless_gone(request, engine, engine.submit(gen))
         return ImagesResponse(
             created=int(time.time()),
@@ -265,9 +259,9 @@ def _add_generation_routes(app: FastAPI, engine: Engine) -> None:
     )
     async def create_video(request: Request) -> VideoObject:
         engine.check_available()
-        body = await _video_body(request)
+        body = await video_body(request)
         gen = await asyncio.get_running_loop().run_in_executor(
-            _DECODE, video_generation, body, engine.facts, engine.limits, engine.model_id)
+            _DECODE, video_generation, body, engine.facts, engine.limits, engine.model_id, engine.adapters)
         seconds = f"{gen.frames / gen.fps:g}"
         client = request.client.host if request.client else None
         return _video_object(engine, engine.jobs.create(gen, seconds, client=client))
@@ -312,9 +306,13 @@ def _add_video_routes(app: FastAPI, engine: Engine) -> None:
 
 
 def _add_operation_routes(app: FastAPI, engine: Engine) -> None:
-    @app.get("/v1/models", response_model=ModelList, summary="The served model")
+    @app.get("/v1/models", response_model=ModelList,
+             summary="The served model, then each LoRA adapter as MODEL:NAME with its parent (as vLLM lists adapters)")
     async def models() -> ModelList:
-        return ModelList(data=[{"id": engine.model_id, "created": engine.created}])  # type: ignore[list-item]
+        cards = [ModelCard(id=engine.model_id, created=engine.created)]
+        cards += [ModelCard(id=f"{engine.model_id}:{name}", created=engine.created, parent=engine.model_id, root=root)
+                  for name, root in engine.adapters.items()]
+        return ModelList(data=cards)
 
     @app.api_route("/health", methods=["GET", "HEAD"],
                    summary="200 unless a rank failed or the start is stuck; the state and the requests running and "
@@ -351,45 +349,6 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
         defs["VideoCreateRequest"] = body
         app.openapi_schema = schema
     return app.openapi_schema
-
-
-def _closed_multipart(body: bytes, ctype: str) -> bool:
-    """Whether a multipart body ends with its closing delimiter (`--BOUNDARY--`): without it the
-    last part may be cut, and parsers keep what they got without saying so."""
-    from python_multipart.multipart import parse_options_header
-
-    _, params = parse_options_header(ctype)
-    boundary = params.get(b"boundary")
-    return bool(boundary) and b"--" + boundary + b"--" in body[-(len(boundary) + 256):]
-
-
-async def _video_body(request: Request) -> VideoCreateRequest:
-    ctype = request.headers.get("content-type", "")
-    try:
-        if ctype.startswith("multipart/form-data") or ctype.startswith("application/x-www-form-urlencoded"):
-            if ctype.startswith("multipart/") and not _closed_multipart(await request.body(), ctype):
-                raise ApiError(400, "the multipart body has no closing boundary (--BOUNDARY--): it is incomplete",
-                               None, "invalid_json")
-            form = await request.form()
-            data: Any = {}
-            for k, v in form.multi_items():
-                data[k] = form_field(k, v)
-        else:
-            data = await request.json()
-    except ApiError:
-        raise
-    except ValueError as e:  # malformed JSON (the client's fault), or a value Python refuses (5,000 digits)
-        code = "invalid_json" if isinstance(e, json.JSONDecodeError) else "invalid_value"
-        raise ApiError(400, f"could not parse the request body: {e}", None, code) from None
-    except Exception as e:  # a malformed form: the client's fault
-        raise ApiError(400, f"could not parse the request body as JSON or form data: {e}", None, "invalid_json") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
-    try:
-        return VideoCreateRequest.model_validate(data)
-    except ValidationError as e:
-        message, param = _validation_message(list(e.errors()))
-        raise ApiError(400, message, param, "invalid_request") from None
 
 
 def _video_object(engine: Engine, job: VideoJob) -> VideoObject:

@@ -24,22 +24,15 @@ import os
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
-from typing import Any, Callable, Literal
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Literal, Mapping
 
 from dlo.engine.families import PipelineFacts
 from dlo.engine.parallel import Layout, LayoutError, check_tokens, leader_results, wave_assignments
 from dlo.engine.request import Generation
 from dlo.engine.serving.control import RankConfig, Result, WaveError, summary
-from dlo.engine.serving.errors import (
-    EngineFailed,
-    EngineUnavailable,
-    InvalidRequest,
-    QueueFull,
-    ServiceError,
-    ShuttingDown,
-    request_failed,
-)
+from dlo.engine.serving.errors import (EngineFailed, EngineUnavailable, InvalidRequest, QueueFull, ServiceError,
+                                       ShuttingDown, request_failed)
 from dlo.engine.serving.limits import Limits
 from dlo.engine.serving.metrics import EngineMetrics
 from dlo.engine.serving.ranks import RankGroup
@@ -72,12 +65,14 @@ class EngineOptions:
     warmup_size: tuple[int, int] | None = None
     shutdown_grace_s: float = 25.0
     startup_timeout_s: float = 900.0
+    adapters: Mapping[str, str] = field(default_factory=dict)  # --lora-dir: name -> its file or folder
 
 
 class Engine:
     def __init__(self, cfg: RankConfig, *, limits: Limits, facts: PipelineFacts, model_id: str,
                  videos: VideoStore | None = None, options: EngineOptions = EngineOptions()):
         self.cfg, self.limits, self.facts, self.model_id, self.options = cfg, limits, facts, model_id, options
+        self.adapters: dict[str, str] = dict(options.adapters)  # every rank loads them; checked at start
         self.max_queue, self.window_s = options.max_queue, options.wave_window_ms / 1000.0
         self.state: State = "loading"
         self.failure: str | None = None

@@ -54,7 +54,8 @@ class VideoJobs:
     def create(self, gen: "Generation", seconds: str, client: str | None = None) -> VideoJob:
         """Record a video job, then queue it: a job that could not be recorded never runs, and one the
         queue refuses (`QueueFull`) leaves no record."""
-        job = VideoJob(id=self.store.new_id(), created_at=int(time.time()), model=self.host.model_id,
+        model = f"{self.host.model_id}:{gen.lora_id}" if gen.lora_id else self.host.model_id  # as the client chose
+        job = VideoJob(id=self.store.new_id(), created_at=int(time.time()), model=model,
                        prompt=gen.prompt, seconds=seconds, size=f"{gen.width}x{gen.height}", steps=gen.steps,
                        client=client)
         self.host.check_available()

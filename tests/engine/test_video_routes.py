@@ -44,6 +44,7 @@ class StubEngine:
     videos: VideoStore
     limits: Limits = field(default_factory=Limits)
     model_id: str = "tiny"
+    adapters: dict = field(default_factory=dict)  # no --lora-dir
     state: str = "ready"
     failure: str | None = None
     metrics: EngineMetrics = field(default_factory=lambda: EngineMetrics(1, dict))
