@@ -17,7 +17,7 @@ from typing import Mapping
 
 from dlo.engine.checkpoint import Checkpoint, cached_checkpoint
 from dlo.engine.facts import ModelFacts
-from dlo.engine.families import BlockFamily, family_of, read_config
+from dlo.engine.families import BlockFamily, family_of, pipeline_index, read_config
 from dlo.engine.layout import BlockLayout, build_layout
 
 
@@ -66,7 +66,7 @@ def block_layout(ckpt: Checkpoint, block: BlockKeys, dtype_of: Mapping[str, str]
 def describe(component_dir: Path | str) -> ModelFacts:
     """Model facts of a transformer folder (or of a pipeline folder's `transformer/`)."""
     root = Path(component_dir)
-    if (root / "model_index.json").is_file() and (root / "transformer").is_dir():
+    if pipeline_index(root).is_file() and (root / "transformer").is_dir():
         root = root / "transformer"
     family = family_of(read_config(root)["_class_name"])
     ckpt = cached_checkpoint(root)

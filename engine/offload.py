@@ -134,7 +134,7 @@ def load(
     try:
         ckpt, meta = _parse_and_build(component_dir, early, laps)
         keep = spread_resident(len(meta.blocks), _resident_count(settings, ckpt, meta, platform, device, group))
-        resident_bytes = _place_resident_weights(ckpt, meta, keep, device, early, laps)
+        resident_bytes, host_only_bytes = _place_resident_weights(ckpt, meta, keep, device, early, laps)
         offloaded = [b for i, b in enumerate(meta.blocks) if i not in keep]
         layouts = [block_layout(ckpt, b, meta.target_dtype) for b in offloaded]
         g, r = _shard_group(settings.mode, group)
@@ -153,6 +153,7 @@ def load(
             early.release()  # what no host weights adopted (all of it when every block is resident)
     assert_nothing_on_meta(meta.module, {k for b in offloaded for k in b.keys})
     prefetcher, hooks = stream if stream is not None else (None, HookSet())
+    _attach_host_lookups(meta, device, hooks)
     report = LoadReport(
         mode=settings.mode,
         weights_source=host.source if host else "resident",
@@ -168,6 +169,7 @@ def load(
         pinned=bool(host and host.pinned),
         transfer=prefetcher.transfer.name if prefetcher else "none",
         model_bytes=ckpt.nbytes,
+        host_only_bytes=host_only_bytes,
     )
     log.info("dlo loaded %s phases=%s", " ".join(f"{k}={v}" for k, v in report.to_dict().items()), laps.rounded())
     return OffloadedModel(meta.module, report, prefetcher, host, ckpt, platform, device, hooks,
@@ -185,16 +187,18 @@ def _parse_and_build(component_dir: Path | str, early: EarlyRegistration | None,
 
 
 def _place_resident_weights(ckpt: Checkpoint, meta: MetaModel, keep: set[int], device: torch.device,
-                            early: EarlyRegistration | None, laps: Laps) -> int:
+                            early: EarlyRegistration | None, laps: Laps) -> tuple[int, int]:
     """Step 2: the non-block weights and the kept blocks onto the device (from the registered page
-    cache when an early registration went through); returns their bytes."""
+    cache when an early registration went through), the family's host-only weights as page-cache
+    views; returns the bytes of each."""
     if early is not None:
         early.wait()
     laps.lap("registration_wait")
     placed = _place_resident(ckpt, meta, keep, device)
+    host_only = _keep_on_host(ckpt, meta)
     _bind_aliases(meta)
     laps.lap("resident_copies")
-    return placed
+    return placed, host_only
 
 
 def _start_streaming(meta: MetaModel, offloaded: list[Any], layouts: list[Any], host: HostWeights,
@@ -262,9 +266,32 @@ def early_registration(component_dir: Path | str, device: torch.device | str,
     return EarlyRegistration(cached_checkpoint(component_dir), platform, device)
 
 
+def _keep_on_host(ckpt: Checkpoint, meta: MetaModel) -> int:
+    """The family's `unused` and `host_lookups` weights as views of the host page cache (a copy
+    only where the compute dtype differs from the stored one); returns their bytes."""
+    kept = 0
+    for name in meta.nonblock:
+        if meta.family.on_host(name):
+            value = ckpt.view(name).to(dtype=torch_dtype(meta.target_dtype[name]))
+            set_tensor(meta.module, name, value)
+            kept += value.numel() * value.element_size()
+    return kept
+
+
+def _attach_host_lookups(meta: MetaModel, device: torch.device, hooks: HookSet) -> None:
+    """Each `host_lookups` embedding runs on the host: its indices come to the host, its rows go to
+    `device` (the lookup is a copy of rows: the same bytes as on the device)."""
+    for path in meta.family.host_lookups:
+        table = meta.module.get_submodule(path)
+        hooks.add_pre(table, lambda _m, args: (args[0].to("cpu"), *args[1:]))
+        hooks.add_post(table, lambda _m, _args, out: out.to(device))
+
+
 def _place_resident(ckpt: Checkpoint, meta: MetaModel, keep: set[int], device: torch.device) -> int:
-    """Copy the non-block weights and the kept blocks to the device; returns their bytes."""
-    names = list(meta.nonblock) + [k for i in sorted(keep) for k in meta.blocks[i].keys]
+    """Copy the non-block weights (but those kept on the host) and the kept blocks to the device;
+    returns their bytes."""
+    names = [n for n in meta.nonblock if not meta.family.on_host(n)]
+    names += [k for i in sorted(keep) for k in meta.blocks[i].keys]
     placed = 0
     for name in names:
         value = ckpt.view(name).to(device=device, dtype=torch_dtype(meta.target_dtype[name]), copy=True)
@@ -314,7 +341,8 @@ def _auto_resident_blocks(ckpt: Checkpoint, meta: MetaModel, platform: Platform,
     if free <= 0:
         return 0
     sizes = [sum(ckpt.tensors[k].nbytes for k in b.keys) for b in meta.blocks]
-    budget = free - AUTO_RESIDENT_RESERVE_BYTES - sum(ckpt.tensors[k].nbytes for k in meta.nonblock)
+    budget = free - AUTO_RESIDENT_RESERVE_BYTES - sum(ckpt.tensors[k].nbytes for k in meta.nonblock
+                                                      if not meta.family.on_host(k))
     budget -= 2 * max(sizes, default=0)
     n = 0
     for size in sizes:

@@ -213,6 +213,8 @@ def main(args: argparse.Namespace) -> int:
     dp = args.dp or max(1, (devices or 1) // max(1, sp))
     try:
         check_layout(dp, sp, devices, _attention_heads(model_dir), args.sp_kind)
+        if sp > 1 and facts.no_sp:
+            raise LayoutError(f"--sp {sp}: the {facts.family} family runs without sequence parallelism: {facts.no_sp}")
         if sp > 1 and args.sp_kind == "ring" and device != "cuda":
             raise LayoutError("--sp-kind ring needs cuda (diffusers' ring attention needs an attention backend "
                               "that returns the log-sum-exp); use --sp-kind ulysses")

@@ -100,7 +100,7 @@ class ServingPipeline:
         try:
             for name in streamed:
                 early[name] = early_registration(Path(model_dir) / name, self.device, settings.offload)
-            import diffusers
+            import diffusers  # noqa: F401  (the imports lap: the family builds its pipeline with it)
 
             import dlo.engine
             from dlo.engine.hooks import HookSet
@@ -131,13 +131,10 @@ class ServingPipeline:
         if parallel is not None:
             for name in self.facts.transformers:
                 enable_sequence_parallel(self.models[name].module, parallel, self.device)
-        compute_dtype = self.model.compute_dtype
-        cls = getattr(diffusers, self.facts.pipeline_class)
-        # The VAE's output becomes the image bytes: it stays float32 whatever the transformer runs in.
-        self.pipe = cls.from_pretrained(
-            model_dir, **{name: m.module for name, m in self.models.items()},
-            torch_dtype={"default": compute_dtype, "vae": torch.float32},
-        )
+        # The family's pipeline with the streamed modules in place (the VAE stays float32: its output
+        # becomes the bytes).
+        self.pipe = self.adapter.build_pipeline(Path(model_dir), {name: m.module for name, m in self.models.items()},
+                                                self.model.compute_dtype, self.device)
         self.pipe.set_progress_bar_config(disable=True)
         if isinstance(getattr(self.pipe, "vae", None), torch.nn.Module):
             decode_in_own_dtype(self.pipe.vae)
@@ -225,7 +222,9 @@ class ServingPipeline:
         pipe = self.pipe
 
         def wrap(obj: Any, name: str, phase: str) -> None:
-            real = getattr(obj, name)
+            real = getattr(obj, name, None)
+            if real is None:  # a pipeline without this phase's method (Cosmos3 tokenizes in its call)
+                return
 
             def wrapper(*args: Any, **kwargs: Any) -> Any:
                 self._fault(phase)
@@ -236,7 +235,7 @@ class ServingPipeline:
         wrap(pipe, "encode_prompt", "encode")
         wrap(pipe.scheduler, "set_timesteps", "setup")
         wrap(pipe.vae, "decode", "decode")
-        blocks = [b for name in self.adapter.blocks.block_lists for b in getattr(self.model.module, name)]
+        blocks = [b for name in self.adapter.blocks.block_lists for b in self.model.module.get_submodule(name)]
         self.hooks.add_pre(blocks[len(blocks) // 2], lambda *_: self._fault("forward"))
 
     def _fault(self, phase: str) -> None:
@@ -255,6 +254,8 @@ class ServingPipeline:
         )
         kw.update(self.adapter.call_kwargs(gen))
         kw.update(self.adapter.call_inputs(gen))
+        for name in self.adapter.unused_call_args:
+            kw.pop(name, None)
         return kw
 
     def run(self, gen: Generation) -> RunResult:
@@ -281,7 +282,7 @@ class ServingPipeline:
         self.tick()
         self._vae_tiling(gen)
         with torch.inference_mode():
-            out = self.pipe(**self._call_kwargs(gen), callback_on_step_end=on_step)
+            out = self.adapter.run(self.pipe, self._call_kwargs(gen), on_step)
         self.tick()
         self.phase = "encode_output"
         decoded = self.adapter.decode(out, gen)

@@ -169,8 +169,7 @@ class Engine(VideoRunner):
         first-call costs are paid before the first client, not by it."""
         m = self.facts.size_multiple
         w, h = self.warmup_size or (m * self.cfg.sp, m)  # sp > 1: tokens per frame split over the sp ranks
-        return Generation(kind="image", prompt="warm-up", seed=0, width=w, height=h, steps=2,
-                          guidance_scale=self.facts.default_guidance)
+        return self.facts.warmup(w, h)  # an image, or the shortest video of a video-only family
 
     @property
     def warmup_size_text(self) -> str | None:
