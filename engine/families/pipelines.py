@@ -67,16 +67,17 @@ class PipelineFacts:
         return self.frame_step or self.temporal_factor
 
     def valid_frames(self, seconds: float, fps: int) -> int:
-        """The family's valid frame count nearest to seconds x fps (Wan: 4k+1), never below the
-        model's shortest (`frames_error` judges the longest)."""
+        """The family's frame count (Wan: 4k+1) nearest to seconds x fps, at least 1; whether the
+        model makes that many is `frames_error`'s to say."""
         if not self.supports_video:
             raise ValueError(f"{self.pipeline_class} makes images only")
         t, off = self._step(), self.frame_offset
-        want = max(float(self.min_frames), seconds * fps)
-        k = max(0, math.floor((want - off) / t + 0.5))  # ties round up: never shorter than asked
-        while t * k + off < self.min_frames:
-            k += 1
+        k = max(0, math.floor((max(1.0, seconds * fps) - off) / t + 0.5))  # ties round up: never shorter
         return t * k + off
+
+    def shortest_seconds(self, fps: int) -> float:
+        """The shortest clip the model makes, in seconds at `fps`."""
+        return self.min_frames / fps
 
     def frames_error(self, frames: int) -> str | None:
         """Why `frames` is no valid frame count of this model, or None when it is one."""
@@ -86,7 +87,9 @@ class PipelineFacts:
             return f"num_frames must be {form}, got {frames}"
         if frames < self.min_frames or (self.max_frames and frames > self.max_frames):
             top = f" and {self.max_frames}" if self.max_frames else ""
-            return f"{self.pipeline_class} generates between {self.min_frames}{top} frames ({form}), got {frames}"
+            rate = (f"; {self.min_frames / self.fps:.2f} to {self.max_frames / self.fps:.2f} s at {self.fps} fps"
+                    if self.fps and self.max_frames else "")
+            return f"{self.pipeline_class} generates between {self.min_frames}{top} frames ({form}{rate}), got {frames}"
         return None
 
     def uses_cfg(self, gen: Generation) -> bool:
@@ -105,7 +108,8 @@ class PipelineFacts:
                               guidance_scale=self.default_guidance)
         fps = self.fps or 24
         return Generation(kind="video", prompt="warm-up", seed=0, width=width, height=height, steps=2,
-                          guidance_scale=self.default_guidance, frames=self.valid_frames(0.0, fps), fps=fps)
+                          guidance_scale=self.default_guidance, frames=self.valid_frames(self.shortest_seconds(fps), fps),
+                          fps=fps)
 
 
 def reference_image(gen: Generation) -> dict[str, Any]:

@@ -276,8 +276,9 @@ def video_generation(req: VideoCreateRequest, facts: PipelineFacts, limits: Limi
     if req.input_reference is not None:
         common["image"] = reference_image(req.input_reference, w, h)
     fps = facts.fps or limits.video_fps  # a model with a rate of its own (MiniMax-H3, Cosmos3) runs at it
-    frames = req.num_frames if req.num_frames is not None else facts.valid_frames(
-        float(req.seconds if req.seconds is not None else 4), fps)
+    # without `seconds`: 4, or the model's shortest clip when it makes none that short (MiniMax-H3: 5.2 s)
+    seconds = float(req.seconds) if req.seconds is not None else max(4.0, facts.shortest_seconds(fps))
+    frames = req.num_frames if req.num_frames is not None else facts.valid_frames(seconds, fps)
     problem = facts.frames_error(frames)  # the family's rule (Wan 4k+1, MiniMax-H3 17k+5 in 5..15 s)
     if problem:
         raise _bad(problem, "num_frames" if req.num_frames is not None else "seconds")
