@@ -163,6 +163,9 @@ class ServingPipeline:
             if name in self.facts.transformers:
                 self.hooks.add_pre(blocks[0], lambda *_: setattr(self, "phase", "denoise"))
             self.hooks.add_post(blocks[-1], lambda *_, n=name: self.calls_done.__setitem__(n, self.calls_done[n] + 1))
+        from dlo.engine.energy import rank_meter
+
+        self.energy = rank_meter(self.device)  # `dlo_device_energy_joules_total`; None without NVML's counter
         self._faults: Any = None  # test-only FaultPlan (`install_faults`)
         self._rank = 0
         self._prompt = ""
@@ -190,7 +193,8 @@ class ServingPipeline:
     def stats(self) -> RankStats:
         """This rank's counters: every streamed model's gathers together, and the allocator's peak."""
         total = GatherStats.total(m.stats() for m in self.models.values())
-        return RankStats.of(total, self.model.platform.memory_peak(self.device))
+        joules = self.energy.joules() if self.energy is not None else None
+        return RankStats.of(total, self.model.platform.memory_peak(self.device), joules)
 
     def call_plan(self, gen: Generation) -> list[tuple[str, int]]:
         """Forwards `gen` implies per streamed model, in the order they run: the streamed text

@@ -10,6 +10,7 @@ import base64
 import dataclasses
 import io
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,8 @@ import pytest
 from dlo.engine.request import Generation
 from dlo.engine.settings import EngineSettings, OffloadSettings
 from tests.engine.serving_helpers import sha
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 SEED = 11
 PROMPT = "a robot arm wiping a plate"
@@ -41,6 +44,18 @@ def _write(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
     if not any(root.glob("*model_index.json")):
         write_pipeline(root, preset(name), seed=2)
     return root
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """CPU kernels reduce in an order that depends on the intra-op thread count: the in-process
+    pipelines run with the one thread a `dlo serve` rank uses (`--cpu-threads 1`)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -118,63 +133,16 @@ def test_minimax_calls_match_what_the_pipeline_runs(minimax):
     assert report.host_only_bytes >= head.numel() * head.element_size() > 0
 
 
-def _plain_cosmos(model: Path, gen: Generation) -> bytes:
-    """Cosmos3OmniPipeline as a diffusers user without accelerate loads it (the transformer built from
-    its config, its safetensors loaded), called with the same arguments; the server's encoder."""
-    import diffusers
-    import torch
-    from safetensors.torch import load_file
+def _plain(model: Path, gen: Generation) -> bytes:
+    """Plain diffusers (`bench/seed_baseline.py`: Cosmos3OmniPipeline, MiniMax-H3's modular
+    pipeline, as a user without accelerate loads them) with the same arguments; the server's encoder."""
+    import seed_baseline
 
-    from dlo.engine.serving.encode import encode_mp4, encode_png
-
-    cfg = json.loads((model / "transformer" / "config.json").read_text())
-    transformer = diffusers.Cosmos3OmniTransformer.from_config(cfg)
-    transformer.load_state_dict(load_file(model / "transformer" / "diffusion_pytorch_model.safetensors"))
-    pipe = diffusers.Cosmos3OmniPipeline.from_pretrained(model, transformer=transformer, enable_safety_checker=False)
-    video = gen.kind == "video"
-    with torch.inference_mode():
-        out = pipe(prompt=gen.prompt, height=gen.height, width=gen.width, num_frames=gen.frames if video else 1,
-                   fps=24.0, num_inference_steps=gen.steps, guidance_scale=gen.guidance_scale, enable_sound=video,
-                   generator=torch.Generator("cpu").manual_seed(gen.seed), output_type="np", enable_safety_check=False)
-    if not video:
-        return encode_png(out.video[0])
-    return encode_mp4(out.video, 24, out.sound.float().numpy(), pipe.sound_tokenizer.config.sampling_rate)
-
-
-def _plain_minimax(model: Path, gen: Generation) -> bytes:
-    """MiniMax-H3's modular pipeline from the folder (its own loader for the text encoder, tokenizer
-    and schedulers); the fp32-keeping models built from their configs (no accelerate), the processor
-    without its torchvision video half."""
-    import diffusers
-    import torch
-    from safetensors.torch import load_file
-    from transformers import Qwen2VLImageProcessorPil, Qwen3VLProcessor
-
-    from dlo.engine.serving.encode import encode_mp4
-
-    class ImageOnlyProcessor(Qwen3VLProcessor):
-        def check_argument_for_proper_class(self, name, arg):
-            return None if arg is None else super().check_argument_for_proper_class(name, arg)
-
-    def model_of(cls, sub: str):
-        m = cls.from_config(json.loads((model / sub / "config.json").read_text()))
-        m.load_state_dict(load_file(model / sub / "diffusion_pytorch_model.safetensors"))
-        return m.eval()
-
-    pipe = diffusers.ModularPipeline.from_pretrained(str(model))
-    pipe.update_components(transformer=model_of(diffusers.MiniMaxH3Transformer3DModel, "transformer"),
-                           vae=model_of(diffusers.AutoencoderKLMiniMaxH3, "vae"),
-                           audio_vae=model_of(diffusers.AutoencoderKLMiniMaxH3Audio, "audio_vae"))
-    pipe.load_components(names=["tokenizer"])
-    pipe.update_components(processor=ImageOnlyProcessor(
-        image_processor=Qwen2VLImageProcessorPil.from_pretrained(model / "processor"), tokenizer=pipe.tokenizer,
-        video_processor=None))
-    pipe.load_components(names=["text_encoder", "scheduler", "audio_scheduler"])
-    with torch.inference_mode():
-        out = pipe(prompt=gen.prompt, num_inference_steps=gen.steps, height=gen.height, width=gen.width,
-                   num_frames=gen.frames, generator=torch.Generator("cpu").manual_seed(gen.seed), output_type="np",
-                   output=["videos", "audio", "sampling_rate"])
-    return encode_mp4(out["videos"][0], 24, out["audio"][0].float().numpy(), out["sampling_rate"])
+    pipe = seed_baseline.load(model, "cpu")
+    result = seed_baseline.call(pipe, model, {"prompt": gen.prompt, "seed": gen.seed, "width": gen.width,
+                                              "height": gen.height, "steps": gen.steps, "guidance": gen.guidance_scale,
+                                              "frames": gen.frames if gen.kind == "video" else 1})
+    return seed_baseline.encoded(result)
 
 
 def test_resident_bytes_equal_plain_diffusers_with_the_sound_track(cosmos, minimax, cosmos_pipe, minimax_pipe):
@@ -182,10 +150,9 @@ def test_resident_bytes_equal_plain_diffusers_with_the_sound_track(cosmos, minim
     import subprocess
     import tempfile
 
-    for model, pipe, plain, gen in ((cosmos, cosmos_pipe, _plain_cosmos, COSMOS_T2V),
-                                    (minimax, minimax_pipe, _plain_minimax, MINIMAX_T2VA)):
+    for model, pipe, gen in ((cosmos, cosmos_pipe, COSMOS_T2V), (minimax, minimax_pipe, MINIMAX_T2VA)):
         served = pipe.run(gen).outputs[0]
-        assert sha(served) == sha(plain(model, gen)), f"{model.name}: the engine's MP4 differs from plain diffusers"
+        assert sha(served) == sha(_plain(model, gen)), f"{model.name}: the engine's MP4 differs from plain diffusers"
         with tempfile.NamedTemporaryFile(suffix=".mp4") as f:
             f.write(served)
             f.flush()
@@ -193,7 +160,7 @@ def test_resident_bytes_equal_plain_diffusers_with_the_sound_track(cosmos, minim
                                    capture_output=True, text=True).stderr
         assert "Audio: aac" in probe and "Video: h264" in probe, probe
     image = dataclasses.replace(COSMOS_T2V, kind="image", frames=1, fps=0)
-    assert sha(cosmos_pipe.run(image).outputs[0]) == sha(_plain_cosmos(cosmos, image))
+    assert sha(cosmos_pipe.run(image).outputs[0]) == sha(_plain(cosmos, image))
 
 
 def _moved(srv) -> tuple[dict[str, float], dict[str, float]]:
