@@ -17,6 +17,7 @@ COPY cli ./cli
 COPY engine ./engine
 COPY agent ./agent
 COPY operator ./operator
+COPY delivery ./delivery
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 
 # ---- slim: operator + agent (no torch) ---------------------------------------------------------

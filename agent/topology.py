@@ -291,7 +291,8 @@ def model_folders(models_root: Path | None) -> list[ModelFolder]:
     if models_root is None:
         return []
     try:
-        folders = sorted(p for p in Path(models_root).iterdir() if p.is_dir())
+        # hidden folders are no models: a fetch's staging folder (`.<name>.partial`), an eviction
+        folders = sorted(p for p in Path(models_root).iterdir() if p.is_dir() and not p.name.startswith("."))
     except OSError as e:
         log.warning("models root unreadable path=%s error=%s", models_root, e)
         return []

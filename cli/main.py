@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("agent", "memory and time estimates per mode, and the choice"),
     "operator": ("operator", "run the operator, or render the objects for a resource"),
     "crd": ("operator", "print (or --write) the DLODeployment CRD YAML"),
+    "fetch": ("delivery", "download a diffusers pipeline from S3 or Hugging Face: resumable, verified, atomic"),
 }
 
 

@@ -19,7 +19,8 @@ from typing import Any
 
 import yaml
 
-from dlo.cli.args import Parser, existing_dir, existing_file, fail, http_url, positive_seconds
+from dlo.cli.args import (Parser, byte_size, existing_dir, existing_file, fail, http_url, positive_int,
+                          positive_seconds)
 
 CRD_FILE = "dlo.dev_dlodeployments.yaml"
 CRD_PATHS = (Path("crds") / CRD_FILE, Path("charts") / "dlo" / "crds" / CRD_FILE)
@@ -167,7 +168,9 @@ def _port(text: str) -> int:
     return port
 
 
-def _run(argv: list[str]) -> int:
+def _run_parser() -> Parser:
+    from dlo.operator.config import DEFAULT_CACHE_ROOT, DEFAULT_PROMETHEUS_URL
+
     parser = Parser(
         prog="dlo operator run",
         description="Run the DLODeployment operator (kopf) against the current cluster: in-cluster "
@@ -182,7 +185,8 @@ def _run(argv: list[str]) -> int:
         help="liveness endpoint URL ('' to disable)"
     )
     parser.add_argument(
-        "--status-interval", type=positive_seconds, default=15.0, help="seconds between status and mode refreshes"
+        "--status-interval", type=positive_seconds, default=15.0,
+        help="seconds between two reconciles of a resource when nothing changes (changes are reconciled at once)"
     )
     parser.add_argument(
         "--metrics-port",
@@ -191,22 +195,47 @@ def _run(argv: list[str]) -> int:
         help=f"serve the operator's own Prometheus metrics at :PORT/metrics (default {METRICS_PORT}, or "
         f"${METRICS_PORT_ENV}); 0 disables",
     )
+    parser.add_argument("--cache-root", default=DEFAULT_CACHE_ROOT,
+                        help="node folder models of spec.model.uri are fetched into (default %(default)s)")
+    parser.add_argument("--max-fetches", type=positive_int, default=4, help="fetch Jobs running at once (default 4)")
+    parser.add_argument("--fetch-retry", type=positive_seconds, default=300.0,
+                        help="seconds a failed fetch is kept in the status before it is tried again (default 300)")
+    parser.add_argument("--cache-disk-budget", type=byte_size, default=None,
+                        help="bytes the fetched models of a node may take (least recently served ones not in use "
+                             "are evicted to fit); default: the free space")
+    parser.add_argument("--prometheus-url", type=http_url, default=DEFAULT_PROMETHEUS_URL,
+                        help="the Prometheus KEDA ScaledObjects query (default %(default)s)")
+    parser.add_argument("--monitoring-release", default="",
+                        help="label the monitors the operator creates release=VALUE (kube-prometheus-stack's "
+                             "release name selects them)")
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _run(argv: list[str]) -> int:
+    from dlo.operator.config import OperatorConfig
+    from dlo.operator.models import default_engine_image
+
+    args = _run_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
-    os.environ["DLO_OPERATOR_STATUS_INTERVAL"] = str(args.status_interval)
+    config = OperatorConfig(
+        status_interval=args.status_interval, default_image=default_engine_image(os.environ),
+        cache_root=args.cache_root, max_fetches=args.max_fetches, fetch_retry_seconds=args.fetch_retry,
+        cache_disk_budget=args.cache_disk_budget, prometheus_url=args.prometheus_url,
+        monitoring_release=args.monitoring_release,
+    )
     import kopf
 
-    import dlo.operator.handlers  # noqa: F401  (registers the handlers)
-    from dlo.operator import metrics
+    from dlo.operator import handlers, metrics
 
     if args.metrics_port:
         metrics.serve(args.metrics_port)
 
     kopf.run(
+        registry=handlers.registry(config),
         standalone=True,
         clusterwide=not args.namespace,
         namespaces=args.namespace,

@@ -49,6 +49,8 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
     for key, value in node.items():
         if key in ("title", "additionalProperties", "$defs") or (key == "default" and value is None):
             continue
+        if key in ("exclusiveMinimum", "exclusiveMaximum"):
+            raise TypeError("exclusive bounds differ between JSON Schema and OpenAPI v3: use ge/le")
         if key == "properties":
             out[key] = {k: _structural(v, defs) for k, v in value.items()}
         elif key == "items":
@@ -73,86 +75,69 @@ def openapi_schema(model: type[BaseModel]) -> dict[str, Any]:
     return _structural(raw, raw.get("$defs", {}))
 
 
-def build_crd() -> dict[str, Any]:
-    """The CustomResourceDefinition of DLODeployment, generated from the models above."""
-    spec_schema = openapi_schema(DLODeploymentSpec)
-    status_schema = openapi_schema(DLODeploymentStatus)
-    # Nested objects with all-default fields (engine, warmer, ...) default to {} so that the API
-    # server fills their own defaults in.
-    for name, prop in spec_schema["properties"].items():
-        if prop.get("type") == "object" and name not in spec_schema.get("required", []):
+# Printer columns of `kubectl get dlod` (-o wide adds priority 1).
+COLUMNS: tuple[dict[str, Any], ...] = (
+    {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas", "description": "engine pods Ready"},
+    {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas", "description": "engine pods wanted"},
+    {"name": "Up-to-date", "type": "integer", "jsonPath": ".status.updatedReplicas",
+     "description": "engine pods on the current template"},
+    {"name": "Mode", "type": "string", "jsonPath": ".status.mode", "description": "offload mode"},
+    {"name": "Cached", "type": "number", "jsonPath": ".status.cachedRatio", "description": "page-cache residency"},
+    {"name": "Status", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason',
+     "description": "reason of the Ready condition"},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    {"name": "URL", "type": "string", "jsonPath": ".status.url", "priority": 1,
+     "description": "client Service URL inside the cluster"},
+)
+SUBRESOURCES = {
+    "status": {},
+    "scale": {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+              "labelSelectorPath": ".status.selector"},
+}
+
+
+def spec_schema() -> dict[str, Any]:
+    """The spec's structural schema; nested objects whose fields all have defaults (engine, warmer,
+    ...) default to {} so that the API server fills their own defaults in."""
+    schema = openapi_schema(DLODeploymentSpec)
+    for name, prop in schema["properties"].items():
+        if prop.get("type") == "object" and name not in schema.get("required", []):
             prop["default"] = {}
-    columns = [
-        {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas", "description": "engine pods Ready"},
-        {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas", "description": "engine pods wanted"},
-        {
-            "name": "Up-to-date",
-            "type": "integer",
-            "jsonPath": ".status.updatedReplicas",
-            "description": "engine pods on the current template",
+    return schema
+
+
+def resource_schema() -> dict[str, Any]:
+    """The openAPIV3Schema of the whole resource."""
+    return {
+        "type": "object",
+        "description": "A Diffusion Transformer served with Distributed Layerwise Offload: one engine pod per node.",
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string", "description": "dlo.dev/v1alpha1"},
+            "kind": {"type": "string", "description": "DLODeployment"},
+            "metadata": {"type": "object", "description": "standard object metadata"},
+            "spec": spec_schema(),
+            "status": openapi_schema(DLODeploymentStatus),
         },
-        {"name": "Mode", "type": "string", "jsonPath": ".status.mode", "description": "offload mode"},
-        {"name": "Cached", "type": "number", "jsonPath": ".status.cachedRatio", "description": "page-cache residency"},
-        {
-            "name": "Status",
-            "type": "string",
-            "jsonPath": '.status.conditions[?(@.type=="Ready")].reason',
-            "description": "reason of the Ready condition",
-        },
-        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-        {
-            "name": "URL",
-            "type": "string",
-            "jsonPath": ".status.url",
-            "priority": 1,  # -o wide
-            "description": "client Service URL inside the cluster",
-        },
-    ]
+    }
+
+
+def names() -> dict[str, Any]:
+    return {"kind": KIND, "listKind": f"{KIND}List", "plural": PLURAL, "singular": SINGULAR,
+            "shortNames": SHORT_NAMES, "categories": ["dlo"]}
+
+
+def build_crd() -> dict[str, Any]:
+    """The CustomResourceDefinition of DLODeployment, generated from the models."""
+    version = {
+        "name": VERSION, "served": True, "storage": True,
+        "schema": {"openAPIV3Schema": resource_schema()},
+        "subresources": copy.deepcopy(SUBRESOURCES),
+        "additionalPrinterColumns": [dict(c) for c in COLUMNS],
+    }
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
         "metadata": {"name": CRD_NAME, "labels": {"app.kubernetes.io/part-of": "dlo"}},
-        "spec": {
-            "group": GROUP,
-            "scope": "Namespaced",
-            "names": {
-                "kind": KIND,
-                "listKind": f"{KIND}List",
-                "plural": PLURAL,
-                "singular": SINGULAR,
-                "shortNames": SHORT_NAMES,
-                "categories": ["dlo"],
-            },
-            "versions": [
-                {
-                    "name": VERSION,
-                    "served": True,
-                    "storage": True,
-                    "schema": {
-                        "openAPIV3Schema": {
-                            "type": "object",
-                            "description": "A Diffusion Transformer served with Distributed Layerwise "
-                            "Offload: one engine pod per node.",
-                            "required": ["spec"],
-                            "properties": {
-                                "apiVersion": {"type": "string", "description": "dlo.dev/v1alpha1"},
-                                "kind": {"type": "string", "description": "DLODeployment"},
-                                "metadata": {"type": "object", "description": "standard object metadata"},
-                                "spec": spec_schema,
-                                "status": status_schema,
-                            },
-                        }
-                    },
-                    "subresources": {
-                        "status": {},
-                        "scale": {
-                            "specReplicasPath": ".spec.replicas",
-                            "statusReplicasPath": ".status.replicas",
-                            "labelSelectorPath": ".status.selector",
-                        },
-                    },
-                    "additionalPrinterColumns": columns,
-                }
-            ],
-        },
+        "spec": {"group": GROUP, "scope": "Namespaced", "names": names(), "versions": [version]},
     }

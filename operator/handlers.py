@@ -1,204 +1,161 @@
-"""kopf handlers for DLODeployment: thin, idempotent, one reconcile path for every trigger.
+"""kopf wiring for DLODeployment: watches, indexes and one reconcile loop per resource.
 
-Owns: the kopf wiring (startup settings, create/resume/update handlers and a status timer) and
-`reconcile`, which validates the spec (an invalid spec sets `Degraded` instead of crash-looping),
-resolves the mode (`auto`: once, again only when the eligible nodes' profiles change), applies the
-builders' objects with create-or-patch and owner references, deletes pods still on an old template
-when the rollout is Recreate, and writes status (replica counts, nodes, URL, conditions,
-observedGeneration; `Degraded` also while an engine pod crash-loops). Every decision is an Event
-on the resource; every reconcile is counted and timed in `metrics`.
-Must never: build manifests itself (`builders`), decide a mode itself (`modes`), or import torch.
+Owns: `registry(config)`, the kopf registry `dlo operator run` and the tests start: startup
+settings, indexes of the nodes, of the dlo pods (engine and fetch) and of the fetch Jobs (kept by
+kopf from watch streams: no reconcile lists them), event handlers that wake the reconcile of the
+DLODeployment a change concerns (its spec, its pods, its Jobs; every one for a node change), and a
+daemon per DLODeployment that runs `reconcile.run` when woken, or after `status_interval` when
+nothing changed (a resync), and after `retry_seconds` when a round failed.
+Must never: build manifests or decide anything itself (`reconcile`, `builders`, `modes`,
+`delivery`), block the event loop (the reconcile runs in a thread, on a copy of what the indexes
+hold), or import torch.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import os
-import time
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
-import urllib3
 
-from dlo.operator import builders, metrics, modes, status
-from dlo.operator.kube import Kube, KubeError
-from dlo.operator.models import GROUP, PLURAL, VERSION, DLODeploymentSpec, SpecError, parse_spec
-from dlo.operator.models import default_engine_image, with_default_image
+from dlo.operator import metrics
+from dlo.operator.builders import COMPONENT, INSTANCE, PART_OF
+from dlo.operator.config import OperatorConfig
+from dlo.operator.kube import Kube
+from dlo.operator.models import GROUP, PLURAL, VERSION
+from dlo.operator.reconcile import View, run
 
-STATUS_INTERVAL_ENV = "DLO_OPERATOR_STATUS_INTERVAL"
-STATUS_INTERVAL = float(os.environ.get(STATUS_INTERVAL_ENV, "15"))
-# A failed reconcile (an API error, a timeout) is retried after one status interval, not after
-# kopf's default minute: a transient 500 must not hold a rollout or a status refresh that long.
-RETRY_BACKOFF = STATUS_INTERVAL
+log = logging.getLogger(__name__)
 RESOURCE = (GROUP, VERSION, PLURAL)
-# Fields a spec change can make absent, which a merge-patch would otherwise leave behind.
-PRUNE = {"StatefulSet": (("spec", "updateStrategy", "rollingUpdate"),)}
-MONITOR_PLURALS = {"PodMonitor": "podmonitors", "ServiceMonitor": "servicemonitors"}
-
-Verdict = tuple[str, str, str]  # (status, reason, message) of one condition
+NODE_FIELDS = ("labels", "annotations")
+WAIT_POLL_S = 0.5  # how often a waiting reconcile loop looks at its stop flag
 
 
-@kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    # Keep kopf's bookkeeping in annotations: our status schema has no room for it.
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
-    settings.posting.level = logging.INFO
-    settings.watching.server_timeout = 300
-    if getattr(memo, "kube", None) is None:
-        memo.kube = Kube.from_environment()
-    if getattr(memo, "default_image", None) is None:
-        memo.default_image = default_engine_image(os.environ)
+def plain(value: Any) -> Any:
+    """A deep copy of kopf's mapping views as plain dicts and lists (safe to hand to a thread)."""
+    if isinstance(value, Mapping):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
 
 
-@kopf.on.resume(*RESOURCE, backoff=RETRY_BACKOFF)
-@kopf.on.create(*RESOURCE, backoff=RETRY_BACKOFF)
-@kopf.on.update(*RESOURCE, field="spec", backoff=RETRY_BACKOFF)
-def on_change(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
-    _reconcile_or_report(memo.kube, body, patch, getattr(memo, "default_image", None))
+class Wakeups:
+    """One asyncio.Event per DLODeployment, set by the watch handlers, awaited by its loop."""
+
+    def __init__(self) -> None:
+        self._events: dict[tuple[str, str], asyncio.Event] = {}
+        self.generations: dict[tuple[str, str], Any] = {}
+
+    def event(self, namespace: str, name: str) -> asyncio.Event:
+        return self._events.setdefault((namespace, name), asyncio.Event())
+
+    def wake(self, namespace: str | None, name: str | None) -> None:
+        if namespace and name:
+            self.event(namespace, name).set()
+
+    def wake_all(self) -> None:
+        for event in self._events.values():
+            event.set()
+
+    def forget(self, namespace: str, name: str) -> None:
+        self._events.pop((namespace, name), None)
+        self.generations.pop((namespace, name), None)
 
 
-@kopf.timer(*RESOURCE, interval=STATUS_INTERVAL, initial_delay=STATUS_INTERVAL / 2, backoff=RETRY_BACKOFF)
-def refresh(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
-    _reconcile_or_report(memo.kube, body, patch, getattr(memo, "default_image", None))
+def _node_summary(body: Mapping[str, Any]) -> dict[str, Any]:
+    meta = body.get("metadata", {})
+    return {"metadata": {"name": meta.get("name"), **{k: plain(meta.get(k) or {}) for k in NODE_FIELDS}},
+            "spec": {"unschedulable": (body.get("spec") or {}).get("unschedulable", False)},
+            "status": {"allocatable": plain((body.get("status") or {}).get("allocatable") or {})}}
 
 
-@kopf.on.event(*RESOURCE)
-def observe(event: kopf.RawEvent, **_: Any) -> None:
-    """Keep `dlo_operator_dlodeployments` to the resources that exist (no finalizer needed)."""
-    if event.get("type") == "DELETED":
+def _owner_of(labels: Mapping[str, str]) -> str | None:
+    return labels.get(INSTANCE)
+
+
+def registry(config: OperatorConfig, login: bool = True) -> kopf.OperatorRegistry:
+    """A kopf registry with every handler of the operator, configured by `config`; `login`: log in
+    as the kubernetes client does (service account, else kubeconfig), or leave it to the caller."""
+    reg = kopf.OperatorRegistry()
+    if login:
+        kopf.on.login(id="login", registry=reg)(kopf.login_via_client)
+    wakeups = Wakeups()
+    dlo_labels = {PART_OF: "dlo"}
+
+    @kopf.on.startup(id="configure", registry=reg)
+    def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+        # Keep kopf's bookkeeping in annotations: our status schema has no room for it.
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
+        settings.posting.level = logging.INFO
+        settings.watching.server_timeout = 300
+        if getattr(memo, "kube", None) is None:
+            memo.kube = Kube.from_environment()
+
+    @kopf.index("v1", "nodes", id="nodes", registry=reg)
+    def nodes(name: str, body: kopf.Body, **_: Any) -> dict[str, Any]:
+        return {name: _node_summary(body)}
+
+    @kopf.index("v1", "pods", labels=dlo_labels, id="dlo_pods", registry=reg)
+    def dlo_pods(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+        return {(namespace, _owner_of(labels)): plain(body)}
+
+    @kopf.index("batch", "v1", "jobs", labels={**dlo_labels, COMPONENT: "fetch"}, id="fetch_jobs", registry=reg)
+    def fetch_jobs(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+        return {(namespace, _owner_of(labels)): plain(body)}
+
+    @kopf.on.event("v1", "pods", labels=dlo_labels, id="pod_changed", registry=reg)
+    @kopf.on.event("batch", "v1", "jobs", labels={**dlo_labels, COMPONENT: "fetch"}, id="job_changed", registry=reg)
+    def child_changed(namespace: str, labels: kopf.Labels, **_: Any) -> None:
+        wakeups.wake(namespace, _owner_of(labels))
+
+    @kopf.on.event("v1", "nodes", id="node_changed", registry=reg)
+    def node_changed(event: kopf.RawEvent, **_: Any) -> None:
+        wakeups.wake_all()  # a node's labels, profile or capacity change what any resource may do
+
+    @kopf.on.event(*RESOURCE, id="observe", registry=reg)
+    def observe(event: kopf.RawEvent, **_: Any) -> None:
+        """Wake a resource's loop when its spec changes (its generation), and forget a deleted one."""
         meta = event["object"]["metadata"]
-        metrics.CONDITIONS.forget(meta.get("namespace", ""), meta["name"])
+        key = (meta.get("namespace", ""), meta["name"])
+        if event.get("type") == "DELETED":
+            metrics.CONDITIONS.forget(*key)
+            metrics.FETCHES.forget(*key)
+            wakeups.forget(*key)
+        elif wakeups.generations.get(key) != meta.get("generation"):
+            wakeups.generations[key] = meta.get("generation")
+            wakeups.wake(*key)
+
+    @kopf.daemon(*RESOURCE, id="reconcile", registry=reg, cancellation_polling=WAIT_POLL_S)
+    async def reconcile_loop(name: str, namespace: str, body: kopf.Body, stopped: kopf.DaemonStopped,
+                             memo: kopf.Memo, nodes: kopf.Index, dlo_pods: kopf.Index, fetch_jobs: kopf.Index,
+                             **_: Any) -> None:
+        wake = wakeups.event(namespace, name)
+        while not stopped:
+            wake.clear()
+            view = View(nodes=[plain(n) for store in nodes.values() for n in store],
+                        pods=[p for p in dlo_pods.get((namespace, name), [])],
+                        all_pods=[p for store in dlo_pods.values() for p in store],
+                        jobs=[j for j in fetch_jobs.get((namespace, name), [])],
+                        all_jobs=[j for store in fetch_jobs.values() for j in store])
+            ok = await asyncio.to_thread(run, memo.kube, plain(body), view, config)
+            delay = config.status_interval if ok else config.retry_seconds
+            await _sleep_until_woken(wake, stopped, delay)
+
+    return reg
 
 
-def _reconcile_or_report(kube: Kube, body: kopf.Body, patch: kopf.Patch, default_image: str | None = None) -> None:
-    """`reconcile`; an API failure sets `Degraded=True` (reason ApiError) with what failed, so
-    `kubectl describe` shows why nothing moves, and the handler is retried after the backoff.
-    Each reconcile is counted and timed (`metrics`), and the conditions written are recorded."""
-    started = time.monotonic()
-    result = "error"
-    try:
-        result = reconcile(kube, body, patch, default_image)
-    except (KubeError, urllib3.exceptions.HTTPError) as e:
-        result = "api_error"
-        conditions = list((body.get("status") or {}).get("conditions") or [])
-        verdict = {"Degraded": ("True", "ApiError", f"{type(e).__name__}: {e}"[:1000])}
-        patch.status["conditions"] = _conditions(conditions, verdict, body["metadata"].get("generation"))
-        raise kopf.TemporaryError(str(e), delay=RETRY_BACKOFF) from e
-    finally:
-        metrics.RECONCILES.labels(result).inc()
-        metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
-        written = (patch.get("status") or {}).get("conditions")
-        if written is not None:
-            meta = body["metadata"]
-            metrics.CONDITIONS.observe(meta["namespace"], meta["name"], list(written))
-
-
-def reconcile(kube: Kube, body: kopf.Body, patch: kopf.Patch, default_image: str | None = None) -> str:
-    """Bring the children of one DLODeployment to its spec and write its status into `patch`.
-
-    `default_image`: the engine image for a spec that names none (default: the built-in one).
-    Returns the result for `dlo_operator_reconciles_total`: `success` or `invalid_spec`.
-    """
-    meta = body["metadata"]
-    owner = builders.Owner(meta["name"], meta["namespace"])
-    generation = meta.get("generation")
-    current = dict(body.get("status") or {})
-    conditions = list(current.get("conditions") or [])
-    try:
-        spec = parse_spec(dict(body.get("spec") or {}))
-    except SpecError as e:
-        if (status.condition(conditions, "Degraded") or {}).get("message") != str(e):
-            kopf.warn(body, reason="InvalidSpec", message=str(e))
-        verdicts = {"Degraded": ("True", "InvalidSpec", str(e)), "Ready": ("False", "InvalidSpec", "spec is invalid")}
-        patch.status["conditions"] = _conditions(conditions, verdicts, generation)
-        patch.status["observedGeneration"] = generation
-        return "invalid_spec"
-    if default_image:
-        spec = with_default_image(spec, default_image)
-
-    nodes = kube.list("v1", "Node")
-    resolution = _resolve(body, spec, nodes, current)
-
-    monitor_crd = kube.has_resource("monitoring.coreos.com/v1", MONITOR_PLURALS[spec.monitoring.kind])
-    objects = builders.build_all(owner, spec, resolution.mode, monitor_crd)
-    for obj in objects:
-        kopf.append_owner_reference(obj, owner=body)
-        outcome = kube.apply(obj, PRUNE.get(obj["kind"], ()))
-        if outcome != "unchanged":
-            kind, name = obj["kind"], obj["metadata"]["name"]
-            kopf.info(body, reason=f"{kind}{outcome.capitalize()}", message=f"{kind} {name} {outcome}")
-    (sts,) = [o for o in objects if o["kind"] == "StatefulSet"]
-    template_hash = sts["spec"]["template"]["metadata"]["annotations"][builders.TEMPLATE_HASH]
-
-    pods = kube.list("v1", "Pod", owner.namespace, builders.selector_labels(owner.name))
-    if spec.rollout.type == "Recreate":
-        pods = _delete_old_pods(kube, body, pods, template_hash)
-
-    summary = status.summarize(
-        spec.replicas,
-        template_hash,
-        pods,
-        modes.model_residency(nodes, spec),
-        spec.warmer.threshold,
-        spec.warmer.enabled,
-        builders.TEMPLATE_HASH,
-    )
-    verdicts = {**summary.pop("verdicts"), "Degraded": _health(body, conditions, pods)}
-    patch.status.update(summary)
-    patch.status.update(
-        {
-            "observedGeneration": generation,
-            "selector": builders.selector_string(owner.name),
-            "url": builders.service_url(owner, spec),
-            "mode": resolution.mode,
-            "modeReason": resolution.reason,
-            "modeInputs": resolution.inputs,
-            "conditions": _conditions(conditions, verdicts, generation),
-        }
-    )
-    return "success"
-
-
-def _health(body: kopf.Body, conditions: list[dict[str, Any]], pods: list[dict[str, Any]]) -> Verdict:
-    """Degraded for a valid spec: True while an engine pod crash-loops (a Warning Event per new
-    finding), False again once every container runs."""
-    crashing = status.crash_looping(pods)
-    if not crashing:
-        return ("False", "SpecValid", "")
-    message = "; ".join(crashing)[:1000]
-    if (status.condition(conditions, "Degraded") or {}).get("reason") != "EngineCrashLooping":
-        kopf.warn(body, reason="EngineCrashLooping", message=message)  # once per episode, not per restart
-    return ("True", "EngineCrashLooping", message)
-
-
-def _conditions(conditions: list[dict[str, Any]], verdicts: dict[str, Verdict], generation: int | None) -> list[dict[str, Any]]:
-    for type_, (st, reason, message) in verdicts.items():
-        conditions = status.set_condition(conditions, type_, st, reason, message, generation)  # type: ignore[arg-type]
-    return conditions
-
-
-def _resolve(body: kopf.Body, spec: DLODeploymentSpec, nodes: list[dict[str, Any]], current: dict[str, Any]) -> modes.Resolution:
-    """The mode, keeping an earlier `auto` decision while its inputs stand; an Event on a change."""
-    previous = None
-    if current.get("mode"):
-        previous = modes.Resolution(current["mode"], current.get("modeReason", ""), current.get("modeInputs", ""))
-    resolution = modes.resolve_mode(spec, nodes, previous)
-    if previous is None:
-        kopf.info(body, reason="ModeResolved", message=f"{resolution.mode}: {resolution.reason}")
-    elif previous.mode != resolution.mode:
-        message = f"{previous.mode} -> {resolution.mode}: {resolution.reason}; the pods roll"
-        kopf.info(body, reason="ModeChanged", message=message)
-    return resolution
-
-
-def _delete_old_pods(kube: Kube, body: kopf.Body, pods: list[dict[str, Any]], template_hash: str) -> list[dict[str, Any]]:
-    """Recreate rollout (StatefulSet OnDelete): delete every pod on an old template; return the rest."""
-    kept = []
-    for pod in pods:
-        meta = pod["metadata"]
-        if meta.get("deletionTimestamp") or meta.get("annotations", {}).get(builders.TEMPLATE_HASH) == template_hash:
-            kept.append(pod)
-        elif kube.delete("v1", "Pod", meta["namespace"], meta["name"]):
-            kopf.info(body, reason="PodRecreated", message=f"deleted pod {meta['name']} (old template)")
-    return kept
+async def _sleep_until_woken(wake: asyncio.Event, stopped: kopf.DaemonStopped, delay: float) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + delay
+    while not stopped and not wake.is_set():
+        left = deadline - loop.time()
+        if left <= 0:
+            return
+        try:
+            await asyncio.wait_for(wake.wait(), timeout=min(left, WAIT_POLL_S))
+        except TimeoutError:
+            continue

@@ -1,16 +1,23 @@
 """A small synchronous Kubernetes client for the objects the operator owns.
 
-Owns: REST paths of the kinds the operator touches, get/list/create/merge-patch/delete, and
-`apply` (create-or-patch, idempotent, AlreadyExists tolerated; no server-side apply). Label
-selectors are also applied client-side, so a server that ignores them cannot widen a listing.
-Failed requests are counted in `metrics.API_ERRORS`.
-Must never: decide what to create (that is `builders`) or hold state beyond the connection.
+Owns: REST paths of the kinds the operator touches, get/list/create/merge-patch/delete, `apply`
+(server-side apply with the field manager `dlo-operator`, forced: the operator is the one owner of
+what it applies, and the API server removes a field the operator stops applying: no diff or prune
+here), pod logs, and the discovery check. Label and field selectors are also applied client-side,
+so a server that ignores them cannot widen a listing. Failed requests are counted in
+`metrics.API_ERRORS`.
+Must never: decide what to create (that is `builders`) or hold state beyond the connection, the
+resourceVersions it last applied (to tell a changed object from an unchanged one) and discovery
+answers (a minute).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
+import urllib.parse
 from typing import Any
 
 import kubernetes
@@ -27,19 +34,25 @@ PLURALS = {
     "Secret": "secrets",
     "Node": "nodes",
     "Event": "events",
+    "Job": "jobs",
     "StatefulSet": "statefulsets",
     "PodDisruptionBudget": "poddisruptionbudgets",
     "PodMonitor": "podmonitors",
     "ServiceMonitor": "servicemonitors",
+    "HorizontalPodAutoscaler": "horizontalpodautoscalers",
+    "ScaledObject": "scaledobjects",
     "DLODeployment": "dlodeployments",
     "CustomResourceDefinition": "customresourcedefinitions",
 }
 CLUSTER_SCOPED = {"Node", "CustomResourceDefinition"}
 USER_AGENT = "dlo-operator"
+FIELD_MANAGER = "dlo-operator"
+APPLY_CONTENT_TYPE = "application/apply-patch+yaml"  # JSON is YAML: the body is sent as JSON
 # Seconds one API call may take (connect + read). Without a bound, an API server that stops
 # answering mid-request would hold a handler thread forever and the resource would never reconcile
-# again; with it the call fails, the handler fails, and kopf (or the next timer round) retries.
+# again; with it the call fails, the reconcile fails, and the next round retries.
 REQUEST_TIMEOUT_S = 30.0
+DISCOVERY_TTL_S = 60.0
 
 
 class KubeError(RuntimeError):
@@ -56,24 +69,31 @@ def _path(api_version: str, kind: str, namespace: str | None, name: str | None =
     return f"{base}/{name}" if name else base
 
 
-def contains(actual: Any, desired: Any) -> bool:
-    """True when every field of `desired` is already present in `actual` with that value."""
-    if isinstance(desired, dict):
-        return isinstance(actual, dict) and all(contains(actual.get(k), v) for k, v in desired.items())
-    if isinstance(desired, list):
-        return (
-            isinstance(actual, list)
-            and len(actual) == len(desired)
-            and all(contains(a, d) for a, d in zip(actual, desired))
-        )
-    return actual == desired
+def matches(obj: dict[str, Any], labels: dict[str, str] | None = None, fields: dict[str, str] | None = None) -> bool:
+    """Whether `obj` has every label in `labels` and every dotted field in `fields` (selector semantics)."""
+    have = obj.get("metadata", {}).get("labels") or {}
+    if any(have.get(k) != v for k, v in (labels or {}).items()):
+        return False
+    for dotted, want in (fields or {}).items():
+        value: Any = obj
+        for part in dotted.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if str(value) != want:
+            return False
+    return True
 
 
 class Kube:
     def __init__(self, api_client: kubernetes.client.ApiClient, timeout: float = REQUEST_TIMEOUT_S) -> None:
-        self._api = api_client
-        self._api.user_agent = USER_AGENT  # the operator's own calls, recognisable in audit logs
+        # The client's configuration (host, TLS, token with its refresh hook) and its connection
+        # pool; requests are sent through urllib3 directly, the same way on every client version.
+        self._config = api_client.configuration
+        self._pool = api_client.rest_client.pool_manager
+        self.user_agent = USER_AGENT  # the operator's own calls, recognisable in audit logs
         self.timeout = timeout
+        self._applied: dict[str, str] = {}  # object path -> resourceVersion of its last apply
+        self._discovered: dict[tuple[str, str], tuple[float, bool]] = {}
+        self._lock = threading.Lock()
 
     @classmethod
     def from_environment(cls) -> Kube:
@@ -90,28 +110,39 @@ class Kube:
         config = kubernetes.client.Configuration(host=url.rstrip("/"))
         return cls(kubernetes.client.ApiClient(config), timeout)
 
-    def request(
-        self, method: str, path: str, body: Any = None, content_type: str = "application/json", query: list | None = None
-    ) -> Any:
-        headers = {"Accept": "application/json"}
+    def call(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
+             query: list | None = None, accept: str = "application/json") -> tuple[int, bytes]:
+        """One request; (status, raw body). Raises KubeError for an error answer."""
+        headers = {"Accept": accept, "User-Agent": self.user_agent}
         if body is not None:
             headers["Content-Type"] = content_type
-        m, url, hdrs, data, post = self._api.param_serialize(
-            method, path, query_params=query or [], header_params=headers, body=body, auth_settings=["BearerToken"]
-        )
+        for auth in self._config.auth_settings().values():
+            if auth.get("in") == "header" and auth.get("value"):
+                headers[auth["key"]] = auth["value"]
+        url = self._config.host + path + (f"?{urllib.parse.urlencode(query)}" if query else "")
+        data = json.dumps(body).encode() if body is not None else None
         try:
-            response = self._api.call_api(m, url, hdrs, data, post, _request_timeout=self.timeout)
+            response = self._pool.request(method, url, body=data, headers=headers, retries=False,
+                                          timeout=urllib3.Timeout(total=self.timeout))
         except urllib3.exceptions.HTTPError:
             metrics.API_ERRORS.labels("none").inc()
             raise
-        raw = response.read()
-        payload = json.loads(raw) if raw else None
+        raw = response.data
         if response.status >= 400:
             if response.status != 404:  # "not there" is an answer (a child not created yet)
                 metrics.API_ERRORS.labels(str(response.status)).inc()
+            try:
+                payload = json.loads(raw)
+            except ValueError:
+                payload = None
             message = payload.get("message", "") if isinstance(payload, dict) else str(raw[:200])
             raise KubeError(response.status, method, path, message)
-        return payload
+        return response.status, raw
+
+    def request(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
+                query: list | None = None) -> Any:
+        _, raw = self.call(method, path, body, content_type, query)
+        return json.loads(raw) if raw else None
 
     def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
         try:
@@ -121,64 +152,84 @@ class Kube:
                 return None
             raise
 
-    def list(
-        self, api_version: str, kind: str, namespace: str | None = None, labels: dict[str, str] | None = None
-    ) -> list[dict[str, Any]]:
+    def list(self, api_version: str, kind: str, namespace: str | None = None, labels: dict[str, str] | None = None,
+             fields: dict[str, str] | None = None) -> list[dict[str, Any]]:
         query = [("labelSelector", ",".join(f"{k}={v}" for k, v in labels.items()))] if labels else []
+        if fields:
+            query.append(("fieldSelector", ",".join(f"{k}={v}" for k, v in fields.items())))
         items = self.request("GET", _path(api_version, kind, namespace), query=query).get("items", [])
-        if labels:
-            items = [i for i in items if contains(i.get("metadata", {}).get("labels", {}), labels)]
-        return items
+        return [i for i in items if matches(i, labels, fields)]
 
     def create(self, obj: dict[str, Any]) -> dict[str, Any]:
         meta = obj["metadata"]
         return self.request("POST", _path(obj["apiVersion"], obj["kind"], meta.get("namespace")), body=obj)
 
-    def patch(
-        self, api_version: str, kind: str, namespace: str | None, name: str, patch: dict[str, Any], subresource: str = ""
-    ) -> dict[str, Any]:
+    def create_once(self, obj: dict[str, Any]) -> bool:
+        """Create `obj` unless it exists (AlreadyExists is an answer): True when this call made it.
+        For objects the API keeps immutable once made (a Job's template)."""
+        try:
+            self.create(obj)
+        except KubeError as e:
+            if e.status == 409:
+                return False
+            raise
+        return True
+
+    def patch(self, api_version: str, kind: str, namespace: str | None, name: str, patch: dict[str, Any],
+              subresource: str = "") -> dict[str, Any]:
         path = _path(api_version, kind, namespace, name) + (f"/{subresource}" if subresource else "")
         return self.request("PATCH", path, body=patch, content_type="application/merge-patch+json")
 
-    def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> bool:
+    def delete(self, api_version: str, kind: str, namespace: str | None, name: str,
+               propagation: str | None = None) -> bool:
+        body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": propagation} if propagation else None
         try:
-            self.request("DELETE", _path(api_version, kind, namespace, name))
+            self.request("DELETE", _path(api_version, kind, namespace, name), body=body)
         except KubeError as e:
             if e.status == 404:
                 return False
             raise
         return True
 
-    def apply(self, obj: dict[str, Any], prune: tuple[tuple[str, ...], ...] = ()) -> str:
-        """Create `obj`, or merge-patch it where it differs. Returns created|patched|unchanged.
-
-        A merge-patch never removes a field `obj` lacks; `prune` names the paths to remove when
-        `obj` has nothing there (e.g. a StatefulSet's `rollingUpdate` after a switch to OnDelete).
-        """
+    def apply(self, obj: dict[str, Any]) -> str:
+        """Server-side apply `obj` (field manager dlo-operator, forced). Returns `created` (201),
+        `patched` (the object changed since this client last applied it), or `unchanged` (the same
+        resourceVersion came back, or this client had not applied it since it started)."""
         meta = obj["metadata"]
-        key = (obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
-        existing = self.get(*key)
-        if existing is None:
-            try:
-                self.create(obj)
-                return "created"
-            except KubeError as e:
-                if e.status != 409:
-                    raise
-                existing = self.get(*key) or {}
-        desired = json.loads(json.dumps({k: v for k, v in obj.items() if k not in ("apiVersion", "kind")}))
-        for path in prune:
-            parent = desired
-            for part in path[:-1]:
-                parent = parent.setdefault(part, {})
-            parent.setdefault(path[-1], None)
-        if contains(existing, desired):
-            return "unchanged"
-        self.patch(*key, desired)
-        return "patched"
+        path = _path(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
+        status, raw = self.call("PATCH", path, body=obj, content_type=APPLY_CONTENT_TYPE,
+                                query=[("fieldManager", FIELD_MANAGER), ("force", "true")])
+        version = (json.loads(raw).get("metadata") or {}).get("resourceVersion", "") if raw else ""
+        with self._lock:
+            before = self._applied.get(path)
+            self._applied[path] = version
+        if status == 201:
+            return "created"
+        return "patched" if before is not None and before != version else "unchanged"
+
+    def pod_log(self, namespace: str, name: str, container: str, tail_lines: int = 20) -> str:
+        """The last lines a pod's container printed ('' when there is no log yet)."""
+        path = _path("v1", "Pod", namespace, name) + "/log"
+        try:
+            _, raw = self.call("GET", path, query=[("container", container), ("tailLines", str(tail_lines))],
+                               accept="text/plain")
+        except KubeError as e:
+            if e.status in (400, 404):  # not started yet, or gone
+                return ""
+            raise
+        return raw.decode(errors="replace")
 
     def has_resource(self, api_version: str, plural: str) -> bool:
-        """Whether the server serves `plural` in `api_version` (e.g. a monitoring CRD is installed)."""
+        """Whether the server serves `plural` in `api_version` (e.g. a monitoring CRD is installed),
+        asked at most once a minute (a CRD installed later is seen within that)."""
+        now = time.monotonic()
+        hit = self._discovered.get((api_version, plural))
+        if hit is None or now - hit[0] > DISCOVERY_TTL_S:
+            hit = (now, self._discover(api_version, plural))
+            self._discovered[(api_version, plural)] = hit
+        return hit[1]
+
+    def _discover(self, api_version: str, plural: str) -> bool:
         try:
             listing = self.request("GET", f"/apis/{api_version}")
         except KubeError as e:

@@ -7,7 +7,11 @@ Owns: one registry (not the process default, so nothing else in the process leak
 - `dlo_operator_dlodeployments{condition, status}`: DLODeployments by condition type and status,
   from the conditions the operator last wrote for each (forgotten when the resource is deleted);
 - `dlo_operator_api_errors_total{code}`: API requests answered with an error (HTTP code; a 404 is
-  an answer, not an error) or not answered at all (`code="none"`).
+  an answer, not an error) or not answered at all (`code="none"`);
+- `dlo_model_fetch_state{model, state}`: nodes per fetched model (its cache key) and fetch state
+  (complete, fetching, pending, failed), over every DLODeployment with that `model.uri`;
+- `dlo_model_fetch_bytes_total{model}`: bytes the fetch Jobs moved onto nodes (progress as the
+  operator reads it, completed by each finished fetch's own count).
 Must never: talk to the API server or decide anything; handlers and the client report into it.
 """
 
@@ -78,6 +82,64 @@ class _ConditionCollector(Collector):
 
 CONDITIONS = _ConditionCollector()
 REGISTRY.register(CONDITIONS)
+
+FETCH_STATES = ("complete", "fetching", "pending", "failed")
+FETCH_BYTES = Counter("dlo_model_fetch_bytes_total", "Bytes fetch Jobs moved onto nodes, by model (cache key)",
+                      ["model"], registry=REGISTRY)
+
+
+class _FetchCollector(Collector):
+    """`dlo_model_fetch_state{model, state}` from each resource's last delivery status, and the
+    bytes counted per fetch Job (so a Job's progress is counted once)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_resource: dict[tuple[str, str], tuple[str, dict[str, int]]] = {}
+        self._seen: dict[str, tuple[int, int]] = {}  # running Job uid -> (first, last) bytes seen
+        self._done: set[str] = set()  # finished Jobs already counted
+
+    def observe(self, namespace: str, name: str, model: str, states: list[str]) -> None:
+        with self._lock:
+            self._by_resource[(namespace, name)] = (model, dict(Tally(states)))
+
+    def forget(self, namespace: str, name: str) -> None:
+        with self._lock:
+            self._by_resource.pop((namespace, name), None)
+
+    def progressed(self, job_uid: str, model: str, done_bytes: int) -> None:
+        """A running fetch Job's bytes on the node so far. The first sighting sets the baseline (a
+        resumed fetch starts with bytes it did not move); each increase after it is counted."""
+        with self._lock:
+            baseline, last = self._seen.get(job_uid, (done_bytes, done_bytes))
+            self._seen[job_uid] = (baseline, max(last, done_bytes))
+        if done_bytes > last:
+            FETCH_BYTES.labels(model).inc(done_bytes - last)
+
+    def finished(self, job_uid: str, model: str, downloaded_bytes: int) -> None:
+        """A finished fetch's own count of the bytes it moved: what its progress did not count yet."""
+        with self._lock:
+            baseline, last = self._seen.pop(job_uid, (0, 0))
+            if job_uid in self._done:
+                return
+            self._done.add(job_uid)
+        if downloaded_bytes > last - baseline:
+            FETCH_BYTES.labels(model).inc(downloaded_bytes - (last - baseline))
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        with self._lock:
+            tally: Tally[tuple[str, str]] = Tally()
+            for model, states in self._by_resource.values():
+                for state in FETCH_STATES:
+                    tally[(model, state)] += states.get(state, 0)
+        family = GaugeMetricFamily("dlo_model_fetch_state", "Nodes per fetched model and fetch state",
+                                   labels=["model", "state"])
+        for (model, state), count in sorted(tally.items()):
+            family.add_metric([model, state], count)
+        yield family
+
+
+FETCHES = _FetchCollector()
+REGISTRY.register(FETCHES)
 
 
 def serve(port: int, address: str = "0.0.0.0") -> Any:

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 
-from dlo.engine.facts import ModelFacts, ModeOrAuto
+from dlo.engine.facts import ModeOrAuto
 from dlo.operator.engine_spec import (
     API_KEY_ENV,
     ENGINE_SWITCH_ENV,
@@ -24,13 +24,16 @@ from dlo.operator.engine_spec import (
     SecretKeyRef,
 )
 from dlo.operator.k8s_schemas import cel_rules, kubernetes_field
+from dlo.operator.model_spec import ModelFactsOverride, ModelSecretRef, ModelSource
+from dlo.operator.scaling_spec import AutoscalingSpec, VideosSpec
 from dlo.operator.spec_base import SpecModel as _Model
 from dlo.operator.status_models import Condition, DLODeploymentStatus, NodeStatus
 
 __all__ = [
     "API_KEY_ENV", "API_VERSION", "CRD_NAME", "DEFAULT_IMAGE", "DEFAULT_IMAGE_ENV", "ENGINE_SWITCH_ENV", "GROUP",
     "KIND", "PLURAL", "SHORT_NAMES", "SINGULAR", "VERSION", "VLLM_API_KEY_ENV", "VLLM_OMNI_REFUSED_FLAGS",
-    "Condition", "DLODeploymentSpec", "DLODeploymentStatus", "EngineSpec", "ModelFactsOverride", "ModelSource",
+    "Condition", "DLODeploymentSpec", "DLODeploymentStatus", "EngineSpec", "ModelFactsOverride", "ModelSecretRef",
+    "ModelSource",
     "NodeStatus", "SecretKeyRef", "SpecError", "default_engine_image", "parse_spec", "with_default_image",
 ]
 
@@ -58,60 +61,17 @@ def default_engine_image(environ: Mapping[str, str]) -> str:
     return environ.get(DEFAULT_IMAGE_ENV) or DEFAULT_IMAGE
 
 
-class ModelFactsOverride(_Model):
-    """`spec.model.facts`: model facts that override what node profiles report (bytes in base units).
-
-    The user-facing form of `dlo.engine.facts.ModelFacts` (camelCase, `blocks` optional);
-    `facts()` is the one conversion.
-    """
-
-    bytes: int = Field(ge=1, description="safetensors bytes of the transformer")
-    largest_block_bytes: int = Field(ge=1, description="bytes of the largest block in the slot layout")
-    blocks: int | None = Field(None, ge=1, description="number of blocks (optional)")
-
-    def facts(self) -> ModelFacts:
-        """The model facts the policy takes (`blocks` defaults to 1: it only informs)."""
-        return ModelFacts(bytes=self.bytes, largest_block_bytes=self.largest_block_bytes, blocks=self.blocks or 1)
-
-
-_MODEL_SOURCE_RULE = (
-    "has(self.path) != has(self.claimName)",
-    "set exactly one of model.path (hostPath) and model.claimName (PersistentVolumeClaim)",
-)
-
-
-class ModelSource(_Model):
-    """The model to serve: a diffusers-format folder on every node (hostPath) or on a
-    PersistentVolumeClaim, mounted read-only at /model."""
-
-    model_config = ConfigDict(json_schema_extra=cel_rules(_MODEL_SOURCE_RULE))
-
-    path: str | None = Field(
-        None, min_length=1, description="hostPath of a diffusers-format folder, mounted read-only"
-    )
-    claim_name: str | None = Field(None, min_length=1, description="PersistentVolumeClaim holding the model")
-    sub_path: str = Field("", description="folder of the model inside the claim (with claimName)")
-    facts: ModelFactsOverride | None = Field(None, description="override the model facts node profiles report")
-
-    @model_validator(mode="after")
-    def _one_source(self) -> ModelSource:
-        if (self.path is None) == (self.claim_name is None):
-            raise ValueError(_MODEL_SOURCE_RULE[1])
-        return self
-
-    @property
-    def folder_name(self) -> str:
-        """The model's folder name: the key of its facts in a node profile's `models`."""
-        where = self.path if self.path is not None else (self.sub_path or self.claim_name or "")
-        return where.rstrip("/").rsplit("/", 1)[-1]
-
-
 class WarmerSpec(_Model):
     """An init container that runs `dlo warm /model` so the page cache is hot before the engine starts."""
 
     enabled: bool = Field(True, description="run the warmer init container")
     threshold: float = Field(0.99, ge=0, le=1, description="page-cache residency to reach, 0..1")
     image: str | None = Field(None, description="warmer image; default: the engine image")
+    resources: kubernetes_field(  # type: ignore[valid-type]
+        "ResourceRequirements",
+        description="compute resources of the warmer (core/v1 ResourceRequirements), over its defaults "
+        "(requests cpu 250m, memory 256Mi; no memory limit: the page cache it faults in is the pod's)",
+    ) = Field(default_factory=dict)
 
 
 class PlacementSpec(_Model):
@@ -127,6 +87,11 @@ class PlacementSpec(_Model):
         "Toleration", many=True, description="taints the pods tolerate (core/v1 Toleration)"
     ) = Field(default_factory=list)
     priority_class_name: str | None = Field(None, description="PriorityClass of the pods")
+    model_affinity: Literal["required", "preferred"] = Field(
+        "required",
+        description="model.uri: pods go only to nodes that hold the model (required), or prefer them and fetch "
+        "it in an init container elsewhere (preferred)",
+    )
 
 
 _ROLLOUT_RULE = (
@@ -199,6 +164,11 @@ _GATHER_MODE_RULE = (
     "engine.gather peer and engine.gatherMaxCtas act on allgather's weight gathers: only with mode auto or "
     "allgather and devicesPerNode > 1",
 )
+_VIDEOS_RULE = (
+    "!has(self.videos) || !has(self.videos.claimName) || !has(self.engine) || !has(self.engine.kind)"
+    " || self.engine.kind == 'dlo'",
+    "videos.claimName is where dlo serve keeps video jobs: only with engine.kind dlo",
+)
 _ULYSSES_RULE = (
     "!has(self.engine) || !has(self.engine.ulyssesExchange) || self.sp > 1",
     "engine.ulyssesExchange is how sequence-parallel ranks exchange: only with sp > 1",
@@ -208,7 +178,8 @@ _ULYSSES_RULE = (
 class DLODeploymentSpec(_Model):
     """What to serve, on how many nodes, with which engine and offload mode."""
 
-    model_config = ConfigDict(json_schema_extra=cel_rules(_SP_RULE, _SP_ENGINE_RULE, _GATHER_MODE_RULE, _ULYSSES_RULE))
+    model_config = ConfigDict(json_schema_extra=cel_rules(_SP_RULE, _SP_ENGINE_RULE, _GATHER_MODE_RULE, _ULYSSES_RULE,
+                                                         _VIDEOS_RULE))
 
     model: ModelSource
     replicas: int = Field(1, ge=0, description="nodes: one engine pod per node")
@@ -228,6 +199,8 @@ class DLODeploymentSpec(_Model):
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     service: ServiceSpec = Field(default_factory=ServiceSpec)
     monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+    videos: VideosSpec = Field(default_factory=VideosSpec)
 
     @property
     def dp(self) -> int:
@@ -246,6 +219,8 @@ class DLODeploymentSpec(_Model):
             broken.append(_GATHER_MODE_RULE[1])
         if self.engine.ulysses_exchange is not None and self.sp == 1:
             broken.append(_ULYSSES_RULE[1])
+        if self.videos.claim_name is not None and self.engine.kind != "dlo":
+            broken.append(_VIDEOS_RULE[1])
         if broken:
             raise ValueError("; ".join(broken))
         return self

@@ -149,3 +149,37 @@ def model_facts(spec: DLODeploymentSpec, profile: Any) -> ModelFacts | None:
         return spec.model.facts.facts()
     entry = profile.models.get(spec.model.folder_name)
     return None if entry is None else entry.facts()
+
+
+def pod_memory_bytes(spec: DLODeploymentSpec, nodes: list[dict[str, Any]], mode: Mode) -> int | None:
+    """What the engine pod's cgroup is charged at its cold-start peak in `mode` (the policy's
+    `cold_start_peak_bytes`; CPU ranks add their "device" weights, which live in host memory), the
+    largest over the eligible nodes with a usable profile and model facts; None without any."""
+    from dlo.agent.profile import NodeProfile
+
+    policy = _policy()
+    key = mode.replace("-", "_")
+    out: list[int] = []
+    profiles = []
+    for node in eligible_nodes(nodes, spec):
+        raw = node_profile_json(node)
+        if raw is None:
+            continue
+        try:
+            profiles.append(NodeProfile.from_annotation(raw))
+        except ValueError:
+            continue
+    if not profiles and spec.model.facts is not None:
+        profiles = [NodeProfile()]  # no node reports: the spec's facts on a node that registers nothing
+    for profile in profiles:
+        facts = model_facts(spec, profile)
+        if facts is None:
+            continue
+        try:
+            est = policy.estimate_modes(profile, facts, spec.dp, sp=spec.sp, require_bandwidth=False,
+                                        device_budget_bytes=spec.engine.device_budget_bytes())[key]
+        except policy.PolicyError:
+            continue
+        host_devices = spec.devices_per_node * est.device_weight_bytes if spec.engine.device == "cpu" else 0
+        out.append(est.cold_start_peak_bytes + host_devices)
+    return max(out) if out else None

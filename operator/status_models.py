@@ -1,6 +1,6 @@
 """`status` of a DLODeployment: what the operator observed (written by the operator only).
 
-Owns: `DLODeploymentStatus`, `NodeStatus`, `Condition` (metav1.Condition).
+Owns: `DLODeploymentStatus`, `NodeStatus`, `NodeModelStatus`, `Condition` (metav1.Condition).
 Must never: talk to the API server or import torch.
 """
 
@@ -17,7 +17,7 @@ from dlo.operator.spec_base import SpecModel as _Model
 class Condition(_Model):
     """metav1.Condition."""
 
-    type: str = Field(description="Ready, Progressing, CacheWarmed or Degraded")
+    type: str = Field(description="Ready, Progressing, CacheWarmed, ModelReady or Degraded")
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown")
     observed_generation: int | None = Field(None, description="metadata.generation the condition was set for")
     last_transition_time: str = Field(description="when the status last changed (RFC 3339)")
@@ -27,14 +27,29 @@ class Condition(_Model):
     message: str = Field("", description="why, for humans")
 
 
+class NodeModelStatus(_Model):
+    """model.uri: the model's fetch on one node."""
+
+    state: Literal["complete", "fetching", "pending", "failed"] = Field(
+        description="complete: the node holds the whole model; fetching: a fetch Job runs; pending: waiting for a "
+        "fetch slot; failed: the last fetch failed (reason and message), tried again later"
+    )
+    bytes: int | None = Field(None, ge=0, description="bytes on the node so far")
+    total_bytes: int | None = Field(None, ge=0, description="bytes of the whole model")
+    percent: float | None = Field(None, ge=0, le=100, description="bytes / totalBytes, in percent")
+    reason: str | None = Field(None, description="why a fetch failed (dlo fetch's reason: disk_full, auth, refused, ...)")
+    message: str | None = Field(None, description="what the fetch said")
+
+
 class NodeStatus(_Model):
-    """One engine pod's node."""
+    """A node that runs an engine pod, or fetches the model for one."""
 
     name: str = Field(description="node name")
-    phase: str = Field("Unknown", description="phase of the engine pod on that node")
+    phase: str | None = Field(None, description="phase of the engine pod on that node (absent: none there yet)")
     cached_ratio: float | None = Field(
         None, ge=0, le=1, description="page-cache residency of the model on that node, from its profile"
     )
+    model: NodeModelStatus | None = Field(None, description="model.uri: the fetch of the model on that node")
 
 
 class DLODeploymentStatus(_Model):
@@ -52,9 +67,16 @@ class DLODeploymentStatus(_Model):
     mode_reason: str = Field("", description="why that mode (for auto: the deciding node and its estimates)")
     mode_inputs: str = Field("", description="digest of what the mode was decided from")
     cached_ratio: float | None = Field(None, ge=0, le=1, description="lowest page-cache residency over nodes")
-    nodes: list[NodeStatus] = Field(default_factory=list, description="the nodes the engine pods run on")
+    nodes: list[NodeStatus] = Field(
+        default_factory=list, description="the nodes the engine pods run on, and those fetching the model for them"
+    )
+    autoscaler: str = Field("", description="the autoscaling object made for spec.autoscaling: ScaledObject, "
+                            "HorizontalPodAutoscaler, or empty")
+    warnings: list[str] = Field(
+        default_factory=list, description="what works but may hurt (e.g. video jobs the drain cannot finish)"
+    )
     conditions: list[Condition] = Field(
         default_factory=list,
-        description="Ready, Progressing, CacheWarmed and Degraded (metav1.Condition, one per type)",
+        description="Ready, Progressing, CacheWarmed, ModelReady and Degraded (metav1.Condition, one per type)",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )

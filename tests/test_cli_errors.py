@@ -112,6 +112,10 @@ OPERATOR_ROWS: list[tuple[list[str], str]] = [
     (["operator", "run", "--status-interval", "-1"], "--status-interval: must be more than 0 seconds"),
     (["operator", "run", "--namespace", "Bad_NS"], "'Bad_NS' is not a namespace name"),
     (["operator", "run", "--liveness", "ftp://example"], "'ftp://example' is not an http:// or https:// URL"),
+    (["operator", "run", "--max-fetches", "0"], "--max-fetches: must be at least 1 (got 0)"),
+    (["operator", "run", "--fetch-retry", "0"], "--fetch-retry: must be more than 0 seconds"),
+    (["operator", "run", "--cache-disk-budget", "lots"], "--cache-disk-budget: 'lots' is not a number"),
+    (["operator", "run", "--prometheus-url", "prometheus:9090"], "'prometheus:9090' is not an http:// or https:// URL"),
 ]
 
 ENGINE_ROWS: list[tuple[list[str], str]] = [
@@ -138,7 +142,22 @@ ENGINE_ROWS: list[tuple[list[str], str]] = [
     (["demo", "--dp", "0"], "--dp: must be at least 1 (got 0)"),
 ]
 
-ALL_ROWS = AGENT_ROWS + OPERATOR_ROWS + ENGINE_ROWS
+DELIVERY_ROWS: list[tuple[list[str], str]] = [
+    (["fetch", "ftp://models/wan", "{tmp}/dest"], "'ftp://models/wan' is not a model URI"),
+    (["fetch", "s3://Bad_Bucket/wan", "{tmp}/dest"], "'Bad_Bucket' is not an S3 bucket name"),
+    (["fetch", "s3://models/wan", "{tmp}/dest", "--revision", "v2"], "S3 models have no revision"),
+    (["fetch", "hf://org/name@v1", "{tmp}/dest", "--revision", "v2"], "the URI names revision 'v1' but --revision is 'v2'"),
+    (["fetch", "hf://just-a-name", "{tmp}/dest"], "is not a Hugging Face repo id (org/name)"),
+    (["fetch", "s3://models/wan", "{tmp}/model"], "exists and is not a folder `dlo fetch` published"),
+    (["fetch", "s3://models/wan", "{tmp}/dest", "--concurrency", "0"], "--concurrency: must be at least 1 (got 0)"),
+    (["fetch", "s3://models/wan", "{tmp}/dest", "--part-size", "big"], "--part-size: 'big' is not a byte count"),
+    (["fetch", "s3://models/wan", "{tmp}/dest", "--disk-budget", "0"], "--disk-budget: must be at least 1 byte"),
+    (["fetch", "s3://models/wan", "{tmp}/dest", "--endpoint", "minio:9000"], "'minio:9000' is not an http://"),
+    (["fetch", "s3://models/wan", "{tmp}/dest", "--progress", "fancy"], "--progress: invalid choice: 'fancy'"),
+    (["serve", "s3://Bad_Bucket/wan"], "'Bad_Bucket' is not an S3 bucket name"),
+]
+
+ALL_ROWS = AGENT_ROWS + OPERATOR_ROWS + ENGINE_ROWS + DELIVERY_ROWS
 
 
 @pytest.fixture(scope="module")
@@ -184,5 +203,5 @@ def test_every_subcommand_has_rows() -> None:
     from dlo.cli.main import COMMANDS
 
     covered = {argv[0] for argv, _ in ALL_ROWS}
-    assert {c for c, (part, _) in COMMANDS.items() if part in ("agent", "operator", "engine")} <= covered
+    assert {c for c, (part, _) in COMMANDS.items() if part in ("agent", "operator", "engine", "delivery")} <= covered
     assert {"run", "render"} <= {argv[1] for argv, _ in OPERATOR_ROWS if argv[0] == "operator" and len(argv) > 1}

@@ -185,6 +185,16 @@ def main(args: argparse.Namespace) -> int:
     from dlo.engine.serving.service import Engine
     from dlo.engine.serving.videos import VideoStore, default_video_dir
 
+    if isinstance(args.model_dir, str):  # a model URI: fetched first (dlo.delivery), served by its name
+        from dlo.delivery.errors import FetchError
+        from dlo.delivery.fetch import serving_folder
+
+        try:
+            args.model_dir, name = serving_folder(args.model_dir, os.environ)
+        except FetchError as e:
+            print(f"dlo serve: {e.reason}: {e}", file=sys.stderr)
+            return e.exit_code
+        args.served_model_name = args.served_model_name or name
     model_dir: Path = args.model_dir.resolve()
     try:
         facts = pipeline_facts(model_dir)

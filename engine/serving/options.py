@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Mapping
 
 from dlo.cli.args import byte_size, non_negative_seconds, port, positive_int, positive_seconds
+from dlo.delivery.uri import model_argument
 from dlo.engine.facts import MODES_OR_AUTO, DeviceKind, Mode
 from dlo.engine.settings import (
     MAX_GATHER_CTAS,
@@ -55,7 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
     """The model, the ranks and the mode."""
-    parser.add_argument("model_dir", type=Path, help="diffusers pipeline folder (model_index.json, transformer/, vae/, ...)")
+    parser.add_argument("model_dir", type=model_argument,
+                        help="diffusers pipeline folder (model_index.json, transformer/, vae/, ...), or a model URI "
+                             "(s3://bucket/prefix, hf://org/name[@revision]) fetched first as `dlo fetch` does, into "
+                             "$XDG_CACHE_HOME/dlo/models (a revision in the Hugging Face cache is served from it)")
     parser.add_argument("--dp", type=positive_int, default=None,
                         help="ranks (one request each per wave); default: the device count (1 on cpu)")
     parser.add_argument("--sp", type=int, default=1,

@@ -5,7 +5,9 @@ A running `dlo serve` (tiny Wan model, 2 CPU ranks, allgather, one image request
 root, evicted first so its --warm runs) are scraped by Debian's Prometheus every second, with the
 target labels the chart's PodMonitor and ServiceMonitor give them (job, namespace, pod, deployment,
 node; honor_labels for the agent). A third target serves a fixture in dcgm-exporter's exposition
-shape (no GPU here), so the GPU panels' label matchers are checked too. Then every dashboard query
+shape (no GPU here), so the GPU panels' label matchers are checked too, and a fourth, as a second
+dlo-engine target, the engine series agreed with the serving side that this engine does not serve
+yet (`fixtures/engine-metrics`: the method label, requests running, video-job metrics). Then every dashboard query
 must parse and return at least one series (with every variable on "All", and with the variables
 resolved from Prometheus one after the other, as Grafana chains them), every series an alert
 references must exist, and Prometheus must evaluate every rule without error. `promtool check rules`
@@ -49,6 +51,7 @@ RUNBOOK_BASE = "https://github.com/dlo-dev/dlo/blob/main/docs/runbooks.md#"
 ONLY_ON_ERRORS = {
     'code="429"': "no request is turned away (queue full) in a healthy run",
     'code="503"': "no generation request is refused (not ready, rank fault) in a healthy run",
+    'code=~"5.."': "no request fails on the server side in a healthy run",
 }
 
 
@@ -254,6 +257,19 @@ def test_alerts_cover_down_absent_queue_and_error_ratios() -> None:
     assert "CrashLoopBackOff" in exprs["DLOEngineCrashLooping"]
     assert "dlo_queue_depth" in exprs["DLOQueueDepthHigh"]
     assert 'code="429"' in exprs["DLORequestsRateLimited"] and 'code="503"' in exprs["DLORequestsUnavailable"]
+    # ratios of generations: GET polls of video jobs are left out by the method label
+    for name in ("DLORequestsRateLimited", "DLORequestsUnavailable", "DLORequestErrorsHigh"):
+        assert exprs[name].count('method="POST"') == 2, name
+    assert 'code=~"5.."' in exprs["DLORequestErrorsHigh"]
+    assert "histogram_quantile(0.95" in exprs["DLORequestLatencyHigh"]
+
+
+def test_engine_dashboard_has_the_request_and_video_job_panels() -> None:
+    exprs = " ".join(t["expr"] for p in json.loads((ROOT / "charts/dlo/dashboards/dlo-engine.json").read_text())["panels"]
+                     for t in p["targets"])
+    for series in ("dlo_requests_running", "dlo_video_jobs", "dlo_video_job_duration_seconds_bucket",
+                   "dlo_video_job_failures_total", "method, code"):
+        assert series in exprs, series
 
 
 @pytest.fixture(scope="module")
@@ -283,6 +299,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             os.close(fd)
         engine_port, agent_port, prom_port, dcgm_port = free_port(), free_port(), free_port(), free_port()
+        next_port = free_port()
         engine = start(sys.executable, "-m", "dlo.cli.main", "serve", str(models / "tiny-wan"), "--dp", "2",
                        "--mode", "allgather", "--device", "cpu", "--port", str(engine_port),
                        "--host", "127.0.0.1", "--small-limits", log="engine.log")
@@ -293,6 +310,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                       log="agent.log")
         dcgm = start(sys.executable, "-m", "http.server", "--bind", "127.0.0.1", "--directory",
                      str(FIXTURES / "dcgm-exporter"), str(dcgm_port), log="dcgm.log")
+        upcoming = start(sys.executable, "-m", "http.server", "--bind", "127.0.0.1", "--directory",
+                         str(FIXTURES / "engine-metrics"), str(next_port), log="engine-metrics.log")
+        wait_for(f"http://127.0.0.1:{next_port}/metrics", 30, upcoming)
         wait_for(f"http://127.0.0.1:{agent_port}/health", 30, agent)
         wait_for(f"http://127.0.0.1:{dcgm_port}/metrics", 30, dcgm)
         wait_for(f"http://127.0.0.1:{engine_port}/ready", 120, engine)
@@ -308,7 +328,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             "rule_files": [str(f) for f in RULE_FILES],
             "scrape_configs": [
                 {"job_name": "dlo-engine", "static_configs": [
-                    {"targets": [f"127.0.0.1:{engine_port}"], "labels": ENGINE_TARGET_LABELS}]},
+                    {"targets": [f"127.0.0.1:{engine_port}", f"127.0.0.1:{next_port}"],
+                     "labels": ENGINE_TARGET_LABELS}]},
                 {"job_name": "dlo-agent", "honor_labels": True, "static_configs": [
                     {"targets": [f"127.0.0.1:{agent_port}"], "labels": AGENT_TARGET_LABELS}]},
                 {"job_name": "dcgm-exporter", "honor_labels": True, "static_configs": [
@@ -325,12 +346,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         end = time.monotonic() + 30
         while time.monotonic() < end:
             up = query(base, "sum(up)")
-            if up and float(up[0]["value"][1]) == 3 and query(base, "count(count_over_time(up[30s]) >= 4) == 3"):
+            if up and float(up[0]["value"][1]) == 4 and query(base, "count(count_over_time(up[30s]) >= 4) == 4"):
                 break
             time.sleep(0.5)
         else:
             log = (tmp / "prometheus.log").read_text()[-2000:]
-            raise AssertionError(f"Prometheus did not scrape the three targets: {log}")
+            raise AssertionError(f"Prometheus did not scrape the four targets: {log}")
         yield base
     finally:
         for p in reversed(procs):

@@ -119,6 +119,9 @@ async def test_custom_resource_to_served_image_and_back(tiny_model, tmp_path):
         kubelet = LocalKubelet(cluster, tmp_path)
         kubelet_task = asyncio.create_task(kubelet.run())
         try:
+            for i in range(REPLICAS):
+                await cluster.add_node(f"node-{i}", labels=res["spec"]["placement"]["nodeSelector"],
+                                       allocatable={"cpu": "2", "memory": "8Gi"})
             await cluster.create(secret)
             await cluster.create(res)
 
@@ -166,6 +169,8 @@ async def test_custom_resource_to_served_image_and_back(tiny_model, tmp_path):
                 print(f"---- pod {pod} logs ----\n{kubelet.logs(pod)[-8000:]}")
             print(f"---- kubelet failures: {kubelet.failures}; pods: {[p['metadata']['uid'] for p in cluster.objects('Pod', NS)]}")
             print(f"---- events: {[(e['reason'], e['message']) for e in cluster.events_all()]}")
+            print(f"---- status: {(cluster.get(KIND, NS, 'wan') or {}).get('status')}")
+            print(f"---- pods: {[(p['metadata']['name'], p['spec'].get('nodeName'), p['status']) for p in cluster.objects('Pod', NS)]}")
             raise
         finally:
             await kubelet.stop()

@@ -228,9 +228,10 @@ def test_api_key_from_secret_probes_and_shm():
     assert engine["resources"]["limits"]["nvidia.com/gpu"] == 8
 
 
-def test_cpu_engine_requests_no_accelerator():
+def test_cpu_engine_requests_no_accelerator_but_memory_and_cpu():
     engine = build("cpu-no-warmer-podmonitor")[3]["spec"]["template"]["spec"]["containers"][0]
-    assert engine["resources"] == {}
+    assert "limits" not in engine["resources"]
+    assert engine["resources"]["requests"] == {"cpu": "1", "memory": "2048Mi"}  # no facts: 2 GiB per rank
 
 
 def test_template_hash_changes_with_the_mode_and_only_then():

@@ -81,7 +81,12 @@ def test_all_on_renders_monitors_namespaces_and_agent_options():
     agent = by_kind(objs, "DaemonSet")[0]["spec"]["template"]["spec"]
     agent_args = agent["containers"][0]["args"]
     assert "--warm" in agent_args and "--calibration=/calibration/calibration.json" in agent_args
-    assert {"name": "models", "hostPath": {"path": "/mnt/models", "type": "DirectoryOrCreate"}} in agent["volumes"]
+    assert {"name": "models", "hostPath": {"path": "/mnt/models", "type": "Directory"}} in agent["volumes"]
+    # the agent creates nothing on the node; only a fetch (the operator's Jobs) creates the cache folder
+    assert not [v for o in objs for v in o.get("spec", {}).get("template", {}).get("spec", {}).get("volumes", [])
+                if v.get("hostPath", {}).get("type") == "DirectoryOrCreate"]
+    op_args = by_kind(objs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--cache-root=/mnt/models" in op_args  # fetched models land where the agent looks
 
 
 def test_agent_daemonset_reads_the_host_read_only():
@@ -325,8 +330,14 @@ def test_notes_say_what_was_installed_and_what_to_do_next(case):
     text = notes(VALUES[case])
     values = VALUES[case] or {}
     assert 'release "dlo" in namespace "dlo-system"' in text
-    assert "kubectl apply -n <namespace> -f examples/dlodeployment.yaml" in text
-    assert (ROOT / "examples" / "dlodeployment.yaml").is_file()
+    assert "kubectl apply -n <namespace> -f -" in text and "kind: DLODeployment" in text
+    assert "examples/" not in text  # the chart ships no examples folder
+    manifest = yaml.safe_load(text.split("cat <<EOF | kubectl apply -n <namespace> -f -", 1)[1].split("EOF", 1)[0])
+    from dlo.operator.models import parse_spec
+
+    parse_spec(manifest["spec"])  # the manifest NOTES show is a valid DLODeployment
+    agent_enabled = values.get("agent", {}).get("enabled", True)
+    assert ("pod-security.kubernetes.io/enforce=privileged" in text) == agent_enabled
     assert "kubectl get dlod -A" in text and "kubectl describe dlod" in text
     agent_on = values.get("agent", {}).get("enabled", True)
     assert ("DaemonSet dlo-agent" in text) == agent_on

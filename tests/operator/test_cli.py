@@ -117,6 +117,7 @@ async def test_operator_run_reconciles_from_a_kubeconfig_and_serves_liveness_and
         )
         log.close()
         try:
+            await cluster.add_node("node-0", allocatable={"nvidia.com/gpu": "1"})
             await cluster.create(dlodeployment("tiny", "serving", {"model": {"path": "/models/tiny"}}))
             await cluster.wait(lambda: cluster.get("StatefulSet", "serving", "tiny"), timeout=30, what="the StatefulSet")
             await cluster.wait(lambda: ((cluster.get("DLODeployment", "serving", "tiny") or {}).get("status") or {})

@@ -85,12 +85,45 @@ def placed(path: tuple[str, ...], value: Any) -> dict:
 
 # (rule place, object there, the rule holds): at least one valid and one invalid object per rule.
 CASES: dict[str, list[tuple[dict, bool]]] = {
-    "has(self.path) != has(self.claimName)": [
+    "(has(self.path) ? 1 : 0) + (has(self.claimName) ? 1 : 0) + (has(self.uri) ? 1 : 0) == 1": [
         ({"path": "/models/wan"}, True),
         ({"claimName": "models", "subPath": "wan"}, True),
+        ({"uri": "s3://models/wan"}, True),
+        ({"uri": "hf://Wan-AI/Wan2.1-T2V-14B-Diffusers@main"}, True),
         ({"path": "/models/wan", "claimName": "models"}, False),
+        ({"path": "/models/wan", "uri": "s3://models/wan"}, False),
+        ({"claimName": "models", "uri": "hf://org/name"}, False),
         ({"subPath": "wan"}, False),
         ({}, False),
+    ],
+    "has(self.uri) || (!has(self.secretRef) && !has(self.endpoint))": [
+        ({"path": "/models/wan"}, True),
+        ({"uri": "s3://models/wan", "secretRef": {"name": "s3"}, "endpoint": "http://minio:9000"}, True),
+        ({"path": "/models/wan", "secretRef": {"name": "s3"}}, False),
+        ({"claimName": "models", "endpoint": "http://minio:9000"}, False),
+    ],
+    # spec.autoscaling (issue 31)
+    "self.minReplicas <= self.maxReplicas": [
+        ({}, True),
+        ({"minReplicas": 0, "maxReplicas": 1}, True),
+        ({"minReplicas": 3, "maxReplicas": 3}, True),
+        ({"minReplicas": 5}, False),  # maxReplicas defaults to 4 first
+        ({"minReplicas": 2, "maxReplicas": 1}, False),
+    ],
+    "self.minReplicas >= 1 || self.engine != 'hpa'": [
+        ({}, True),
+        ({"minReplicas": 0}, True),  # engine auto: KEDA, when installed (else the operator warns)
+        ({"minReplicas": 0, "engine": "keda"}, True),
+        ({"minReplicas": 1, "engine": "hpa"}, True),
+        ({"minReplicas": 0, "engine": "hpa"}, False),
+    ],
+    "!has(self.videos) || !has(self.videos.claimName) || !has(self.engine) || !has(self.engine.kind)"
+    " || self.engine.kind == 'dlo'": [
+        ({}, True),
+        ({"videos": {"claimName": "videos"}}, True),
+        ({"videos": {"claimName": "videos"}, "engine": {"kind": "dlo"}}, True),
+        ({"engine": {"kind": "vllm-omni"}}, True),
+        ({"videos": {"claimName": "videos"}, "engine": {"kind": "vllm-omni"}}, False),
     ],
     "!has(self.maxUnavailable) || self.type == 'RollingUpdate'": [
         ({}, True),

@@ -2,11 +2,10 @@
 
 import asyncio
 import json
-import os
 from pathlib import Path
 
 
-from cluster import dlodeployment, running_cluster
+from cluster import TEST_CONFIG, dlodeployment, running_cluster
 from dlo.operator import builders
 from dlo.operator.models import API_VERSION
 
@@ -125,7 +124,7 @@ async def test_invalid_spec_sets_degraded_instead_of_crashing_then_recovers():
         assert degraded["reason"] == "InvalidSpec" and "exactly one of model.path" in degraded["message"]
         assert condition(cluster, "Ready")["status"] == "False"
         assert cluster.get("StatefulSet", NS, "wan") is None
-        assert cluster.events("InvalidSpec")
+        await cluster.wait(lambda: cluster.events("InvalidSpec"), what="an InvalidSpec Event")
         await cluster.patch_dlod(NS, "wan", {"spec": {"model": {"claimName": None}}})
         await cluster.wait(lambda: (condition(cluster, "Degraded") or {}).get("status") == "False", what="recovered")
         assert cluster.get("StatefulSet", NS, "wan") is not None
@@ -150,7 +149,7 @@ async def test_reconcile_is_idempotent_children_are_not_rewritten():
         await cluster.create(dlodeployment("wan", NS, SPEC))
         await cluster.wait(lambda: (condition(cluster, "Ready") or {}).get("status") == "True", what="Ready")
         versions = {k: cluster.get(k, NS, n)["metadata"]["resourceVersion"] for k, n in CHILDREN}
-        await asyncio.sleep(3 * float(os.environ["DLO_OPERATOR_STATUS_INTERVAL"]))  # several timer rounds
+        await asyncio.sleep(3 * TEST_CONFIG.status_interval)  # several resync rounds
         assert {k: cluster.get(k, NS, n)["metadata"]["resourceVersion"] for k, n in CHILDREN} == versions
 
 
@@ -204,3 +203,24 @@ async def test_status_url_names_the_client_service():
         await cluster.wait(lambda: status_of(cluster).get("url"), what="url")
         assert status_of(cluster)["url"] == f"http://wan.{NS}.svc:8080"
         assert cluster.get("Service", NS, "wan")["spec"]["ports"][0]["port"] == 8080
+
+
+async def test_changes_reach_the_status_through_watches_not_the_resync():
+    """With a resync of a minute, a spec change, a pod turning unready and a node's new profile
+    still reach the status within seconds: each wakes the resource's reconcile."""
+    async with running_cluster(status_interval=60.0) as cluster:
+        await add_gpu_nodes(cluster)
+        await cluster.create(dlodeployment("wan", NS, SPEC))
+        await cluster.wait(lambda: (condition(cluster, "Ready") or {}).get("status") == "True", what="Ready")
+        await cluster.call(cluster.kube.patch, "v1", "Pod", NS, "wan-1",
+                           {"status": {"conditions": [{"type": "Ready", "status": "False"}]}})
+        await cluster.wait(lambda: status_of(cluster).get("readyReplicas") == 1, timeout=10, what="the pod's change")
+        await cluster.call(cluster.kube.patch, "v1", "Node", None, "node-1",
+                           {"metadata": {"annotations": gpu_node_profile("node-1", "l4-node.json")}})
+        await cluster.wait(lambda: status_of(cluster).get("mode") == "allgather", timeout=10, what="the node's change")
+        await cluster.patch_dlod(NS, "wan", {"spec": {"service": {"port": 8080}}})
+        await cluster.wait(lambda: status_of(cluster).get("url", "").endswith(":8080"), timeout=10, what="the spec change")
+        nodes_listed = [r for r in cluster.emulator if r.method.value == "GET" and r.resource is not None
+                        and r.resource.plural in ("nodes", "pods") and r.params.get("watch") != "true"
+                        and r.headers.get("User-Agent", "").startswith("dlo-operator")]
+        assert nodes_listed == []  # the operator's own client lists neither: kopf's watches feed the indexes

@@ -1,19 +1,20 @@
-"""operator/kube.py: the small client, against the kmock emulator (real HTTP)."""
+"""operator/kube.py: the small client, against the API emulator (real HTTP; server-side apply as
+tests/operator/emulator.py gives it the real server's semantics)."""
 
 import asyncio
 
 import kmock
 import pytest
 
-from cluster import Emulator
-from dlo.operator.kube import Kube, KubeError, contains
+from emulator import Emulator
+from dlo.operator.kube import FIELD_MANAGER, Kube, KubeError, matches
 
 
-def test_contains_is_a_deep_subset_check():
-    assert contains({"a": 1, "b": {"c": [1, {"d": 2, "e": 3}]}}, {"b": {"c": [1, {"d": 2}]}})
-    assert not contains({"a": 1}, {"a": 2})
-    assert not contains({"l": [1, 2]}, {"l": [1]})  # lists must match in length: merge-patch replaces them
-    assert contains({}, {"a": None})  # merge-patch null: absent is already right
+def test_matches_labels_and_dotted_fields():
+    obj = {"metadata": {"labels": {"a": "1"}}, "involvedObject": {"name": "p"}, "reason": "FailedMount"}
+    assert matches(obj, {"a": "1"}, {"involvedObject.name": "p", "reason": "FailedMount"})
+    assert not matches(obj, {"a": "2"})
+    assert not matches(obj, fields={"involvedObject.name": "q"})
 
 
 def service(port: int = 80) -> dict:
@@ -32,24 +33,39 @@ async def emulator():
 async def test_apply_creates_then_is_unchanged_then_patches(emulator):
     kube = Kube.for_url(str(emulator.url))
     assert await asyncio.to_thread(kube.apply, service()) == "created"
+    version = (await asyncio.to_thread(kube.get, "v1", "Service", "ns", "s"))["metadata"]["resourceVersion"]
     assert await asyncio.to_thread(kube.apply, service()) == "unchanged"
+    got = await asyncio.to_thread(kube.get, "v1", "Service", "ns", "s")
+    assert got["metadata"]["resourceVersion"] == version  # the server wrote nothing
     assert await asyncio.to_thread(kube.apply, service(81)) == "patched"
     got = await asyncio.to_thread(kube.get, "v1", "Service", "ns", "s")
     assert got["spec"]["ports"] == [{"port": 81}]
+    applies = [r for r in emulator if r.method.value == "PATCH" and r.resource is not None]
+    assert {(r.headers["Content-Type"], r.params.get("fieldManager"), r.params.get("force")) for r in applies} == {
+        ("application/apply-patch+yaml", FIELD_MANAGER, "true")}
 
 
-async def test_apply_prunes_fields_the_desired_object_no_longer_has(emulator):
+async def test_apply_removes_a_field_it_no_longer_applies_and_keeps_other_writers_fields(emulator):
     kube = Kube.for_url(str(emulator.url))
     rolling = service()
     rolling["spec"]["strategy"] = {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}
-    prune = (("spec", "strategy", "rollingUpdate"),)
-    assert await asyncio.to_thread(kube.apply, rolling, prune) == "created"
+    assert await asyncio.to_thread(kube.apply, rolling) == "created"
+    # another writer (a person, a controller) adds a label: not the operator's field
+    await asyncio.to_thread(kube.patch, "v1", "Service", "ns", "s", {"metadata": {"labels": {"team": "a"}}})
     on_delete = service()
     on_delete["spec"]["strategy"] = {"type": "OnDelete"}
-    assert await asyncio.to_thread(kube.apply, on_delete, prune) == "patched"
+    assert await asyncio.to_thread(kube.apply, on_delete) == "patched"
     got = await asyncio.to_thread(kube.get, "v1", "Service", "ns", "s")
     assert got["spec"]["strategy"] == {"type": "OnDelete"}
-    assert await asyncio.to_thread(kube.apply, on_delete, prune) == "unchanged"
+    assert got["metadata"]["labels"] == {"team": "a"}
+    assert await asyncio.to_thread(kube.apply, on_delete) == "unchanged"
+
+
+async def test_pod_log_tail_and_a_pod_without_one(emulator):
+    kube = Kube.for_url(str(emulator.url))
+    emulator.logs[("ns", "p")] = lambda: "one\ntwo\nthree\n"
+    assert await asyncio.to_thread(kube.pod_log, "ns", "p", "c", 2) == "two\nthree\n"
+    assert await asyncio.to_thread(kube.pod_log, "ns", "other", "c") == ""
 
 
 async def test_get_and_delete_missing_object(emulator):

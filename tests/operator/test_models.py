@@ -129,7 +129,8 @@ def test_crd_carries_the_cel_rules_the_models_check():
     props = crd_schema()["properties"]["spec"]["properties"]
     model_rules = [r["rule"] for r in props["model"]["x-kubernetes-validations"]]
     rollout_rules = [r["rule"] for r in props["rollout"]["x-kubernetes-validations"]]
-    assert model_rules == ["has(self.path) != has(self.claimName)"]
+    assert model_rules == ["(has(self.path) ? 1 : 0) + (has(self.claimName) ? 1 : 0) + (has(self.uri) ? 1 : 0) == 1",
+                           "has(self.uri) || (!has(self.secretRef) && !has(self.endpoint))"]
     assert rollout_rules == ["!has(self.maxUnavailable) || self.type == 'RollingUpdate'"]
 
 
@@ -153,6 +154,16 @@ def test_example_is_valid_against_the_crd_schema_and_the_models():
     jsonschema.validate(res, crd_schema())
     spec = parse_spec(res["spec"])
     assert spec.devices_per_node == 8 and spec.model.folder_name == "wan2.1-14b"
+
+
+def test_fetched_model_example_is_valid_and_renders_fetch_placement_and_autoscaling():
+    docs = [d for d in yaml.safe_load_all((ROOT / "examples" / "dlodeployment-fetched.yaml").read_text()) if d]
+    (res,) = [d for d in docs if d["kind"] == "DLODeployment"]
+    jsonschema.validate(res, crd_schema())
+    spec = parse_spec(res["spec"])
+    assert spec.model.served_name == "wan2.1-t2v-14b-diffusers" and spec.model.cache_key
+    secret = next(d for d in docs if d["kind"] == "Secret")
+    assert set(secret["stringData"]) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
 
 
 def test_crd_schema_rejects_wrong_types_and_ranges():

@@ -30,8 +30,8 @@ def test_conditions_keep_a_stable_order():
     assert [c["type"] for c in conds] == ["Ready", "Degraded"]
 
 
-def summarize(pods, desired=2, cached=None, threshold=0.9, warm=True):
-    return status.summarize(desired, "new", pods, cached or {}, threshold, warm, H)
+def summarize(pods, desired=2, cached=None, threshold=0.9, warm=True, **more):
+    return status.summarize(status.Observed(desired, "new", pods, cached or {}, threshold, warm, H, **more))
 
 
 def test_all_ready_on_current_template():

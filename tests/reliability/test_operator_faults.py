@@ -23,13 +23,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
-from cluster import Cluster, Emulator, dlodeployment, running_cluster  # noqa: E402
+from cluster import TEST_CONFIG, Cluster, Emulator, dlodeployment, running_cluster  # noqa: E402
 from dlo.operator import builders  # noqa: E402
 from dlo.operator.kube import USER_AGENT  # noqa: E402
 from test_handlers import CHILDREN, NS, SPEC, add_gpu_nodes, condition, status_of  # noqa: E402
 
 pytestmark = pytest.mark.slow  # about 55 s of emulator time on 2 cores
-INTERVAL = float(os.environ["DLO_OPERATOR_STATUS_INTERVAL"])  # 1 s under test (tests/operator/conftest.py)
+INTERVAL = TEST_CONFIG.status_interval  # 1 s under test
 
 
 @dataclass
@@ -111,7 +111,7 @@ def assert_converged(cluster: Cluster, replicas: int = 2) -> None:
         refs = cluster.get(kind, NS, name)["metadata"]["ownerReferences"]
         assert [r["uid"] for r in refs] == [owner["metadata"]["uid"]], (kind, refs)
     types = [c["type"] for c in status_of(cluster)["conditions"]]
-    assert sorted(types) == sorted(set(types)) == ["CacheWarmed", "Degraded", "Progressing", "Ready"]
+    assert sorted(types) == sorted(set(types)) == ["CacheWarmed", "Degraded", "ModelReady", "Progressing", "Ready"]
     assert condition(cluster, "Degraded")["status"] == "False"
     sts = cluster.get("StatefulSet", NS, "wan")
     want = sts["spec"]["template"]["metadata"]["annotations"][builders.TEMPLATE_HASH]
@@ -150,13 +150,12 @@ async def test_baseline_without_faults():
 
 async def test_api_errors_on_every_call_kind_then_converges():
     faults = [
-        Fault("GET", "nodes", 500),  # the operator lists nodes first
-        Fault("POST", "services", 500, times=2),
-        Fault("POST", "poddisruptionbudgets", 503),
-        Fault("POST", "statefulsets", 500, times=2),
-        Fault("GET", "pods", 500),  # the pod listing for status
+        Fault("PATCH", "services", 500, times=2),  # server-side apply: creates and patches are PATCHes
+        Fault("PATCH", "poddisruptionbudgets", 503),
+        Fault("PATCH", "statefulsets", 500, times=2),
+        Fault("PATCH", "dlodeployments", 500, subresource="status"),  # the status write
         Fault("DELETE", "pods", 500),  # Recreate rollout below
-        Fault("PATCH", "statefulsets", 409, times=2),  # "the object has been modified"
+        Fault("PATCH", "statefulsets", 409, times=2),  # a conflict
     ]
     async with running_cluster(emulator=make_emulator(*faults)) as cluster:
         seconds = await create_and_wait_ready(cluster)
@@ -173,7 +172,7 @@ async def test_api_errors_on_every_call_kind_then_converges():
 
 async def test_a_persistent_api_error_shows_as_degraded_and_clears_when_it_stops():
     # e.g. a role without create on statefulsets: the resource says why nothing moves
-    forbidden = Fault("POST", "statefulsets", 403, times=1_000_000)
+    forbidden = Fault("PATCH", "statefulsets", 403, times=1_000_000)
     async with running_cluster(emulator=make_emulator(forbidden)) as cluster:
         await add_gpu_nodes(cluster)
         await cluster.create(dlodeployment("wan", NS, SPEC))
@@ -196,12 +195,12 @@ async def test_a_persistent_api_error_shows_as_degraded_and_clears_when_it_stops
 
 
 async def test_lost_answers_after_applied_writes_do_not_duplicate_or_recreate():
-    # The write happens, the answer is an error: the operator retries into AlreadyExists (409)
-    # and must adopt what is there instead of failing for ever or replacing it.
+    # The write happens, the answer is an error: the operator applies again, which adopts what is
+    # there (the same object, its field manager's) instead of failing for ever or replacing it.
     faults = [
-        Fault("POST", "services", 500, after_commit=True),
-        Fault("POST", "statefulsets", 409, after_commit=True),
-        Fault("POST", "poddisruptionbudgets", 504, after_commit=True),
+        Fault("PATCH", "services", 500, after_commit=True),
+        Fault("PATCH", "statefulsets", 409, after_commit=True),
+        Fault("PATCH", "poddisruptionbudgets", 504, after_commit=True),
     ]
     async with running_cluster(emulator=make_emulator(*faults)) as cluster:
         await add_gpu_nodes(cluster)
@@ -213,19 +212,19 @@ async def test_lost_answers_after_applied_writes_do_not_duplicate_or_recreate():
         seconds = time.monotonic() - started
         assert_converged(cluster)
         assert cluster.get("StatefulSet", NS, "wan")["metadata"]["uid"] == first_uid
-        statefulset_posts = [r for r in cluster.emulator if r.method.value == "POST" and r.resource is not None
-                             and r.resource.plural == "statefulsets"]
-        assert len(statefulset_posts) == 1  # the 409 path adopted the object; it never posted again
+        creates = [r for r in cluster.emulator if r.method.value == "POST" and r.resource is not None
+                   and r.resource.plural in ("statefulsets", "services", "poddisruptionbudgets")]
+        assert creates == []  # every write was an apply: the retry adopted the object, nothing was made twice
         assert all(f.fired == 1 for f in faults)
     figure("lost_answers", injected=len(faults), seconds_to_ready=seconds)
 
 
 async def test_a_hung_api_call_times_out_and_status_keeps_refreshing():
-    # A pod listing that never answers: without a client timeout the timer's thread waits for
+    # An apply that never answers: without a client timeout the reconcile's thread waits for
     # ever and status stops moving.
     async with running_cluster(emulator=make_emulator(), kube_timeout=1.0) as cluster:
         emulator: FaultyEmulator = cluster.emulator  # type: ignore[assignment]
-        await ready_then_hang(cluster, "GET", "pods")
+        await ready_then_hang(cluster, "PATCH", "services")
         started = time.monotonic()
         # A pod turns unready (the emulated StatefulSet controller leaves Running pods alone).
         await cluster.call(cluster.kube.patch, "v1", "Pod", NS, "wan-1",
@@ -278,7 +277,7 @@ async def test_operator_restart_mid_reconcile_converges_to_the_same_objects():
     # The first operator is stopped while its StatefulSet create hangs in the API server; the
     # Services and PDB it already made must be kept, not made again, and the late create of the
     # dead operator must not produce a second StatefulSet.
-    hung_create = Fault("POST", "statefulsets", status=None, hang=600.0)
+    hung_create = Fault("PATCH", "statefulsets", status=None, hang=600.0)
     async with running_cluster(emulator=make_emulator(hung_create), kube_timeout=2.0) as cluster:
         emulator: FaultyEmulator = cluster.emulator  # type: ignore[assignment]
         await add_gpu_nodes(cluster)

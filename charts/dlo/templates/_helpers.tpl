@@ -45,3 +45,86 @@ from DLO_DEFAULT_ENGINE_IMAGE). */}}
 {{- default "default" $sa.name -}}
 {{- end -}}
 {{- end -}}
+
+{{- /* The operator's cluster-wide rules: what is not in a namespace. */}}
+{{- define "dlo.operatorClusterRules" -}}
+# Nodes: profiles (mode auto, residency, fetched models) through a watch, and the labels
+# model.dlo.dev/<key> it sets when a node holds a fetched model completely.
+- apiGroups: [""]
+  resources: [nodes]
+  verbs: [list, watch, patch]
+# kopf observes the resources it serves, and namespaces when watchNamespaces holds a pattern.
+- apiGroups: [apiextensions.k8s.io]
+  resources: [customresourcedefinitions]
+  verbs: [list, watch]
+- apiGroups: [""]
+  resources: [namespaces]
+  verbs: [list, watch]
+{{- end -}}
+
+{{- /* The operator's rules in the namespaces it watches (a ClusterRole when it watches all). */}}
+{{- define "dlo.operatorNamespacedRules" -}}
+# The resource it reconciles: kopf lists and watches it, and patches its annotations (kopf's
+# progress) and status. It never gets one by name.
+- apiGroups: [dlo.dev]
+  resources: [dlodeployments]
+  verbs: [list, watch, patch]
+- apiGroups: [dlo.dev]
+  resources: [dlodeployments/status]
+  verbs: [patch]
+# Children carry ownerReferences with blockOwnerDeletion, which needs this where the
+# OwnerReferencesPermissionEnforcement admission plugin is on (an authorisation check, no call).
+- apiGroups: [dlo.dev]
+  resources: [dlodeployments/finalizers]
+  verbs: [update]
+# The children it owns, server-side applied (patch; create when they do not exist yet). Deletion is
+# the garbage collector's (owner references); the StatefulSet is read for the model its pods run.
+- apiGroups: [apps]
+  resources: [statefulsets]
+  verbs: [get, create, patch]
+- apiGroups: [""]
+  resources: [services]
+  verbs: [create, patch]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [create, patch]
+- apiGroups: [monitoring.coreos.com]
+  resources: [podmonitors, servicemonitors]
+  verbs: [create, patch]
+# spec.autoscaling: the KEDA ScaledObject or the HPA; the other one is deleted when it switches.
+- apiGroups: [keda.sh]
+  resources: [scaledobjects]
+  verbs: [create, patch, delete]
+- apiGroups: [autoscaling]
+  resources: [horizontalpodautoscalers]
+  verbs: [create, patch, delete]
+# Engine and fetch pods through a watch; Recreate rollouts delete pods on an old template; a fetch
+# Job's progress is the last line of its pod's log.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list, watch, delete]
+- apiGroups: [""]
+  resources: [pods/log]
+  verbs: [get]
+# spec.model.uri: a fetch Job per node (watched; deleted once its node is labelled, or to retry).
+- apiGroups: [batch]
+  resources: [jobs]
+  verbs: [list, watch, create, delete]
+# An Event for each decision (core/v1, as kopf posts them); a pod's FailedMount events for status.
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create, list]
+{{- end -}}
+
+{{- /* Labels of a ServiceMonitor, PodMonitor or PrometheusRule: the chart's, `release` (the label
+kube-prometheus-stack selects them by), then the object's additionalLabels:
+dict "root" $ "extra" .Values.X.additionalLabels */}}
+{{- define "dlo.monitorLabels" -}}
+{{ include "dlo.labels" .root }}
+{{- with .root.Values.monitoring.release }}
+release: {{ . | quote }}
+{{- end }}
+{{- with .extra }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}

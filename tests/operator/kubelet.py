@@ -28,6 +28,7 @@ import socket
 import signal
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +43,12 @@ class PodFailed(RuntimeError):
 
 
 class LocalKubelet:
-    def __init__(self, cluster: Cluster, workdir: Path) -> None:
+    def __init__(self, cluster: Cluster, workdir: Path, select: Any = None) -> None:
+        """`select(pod) -> bool`: the pods this kubelet runs (default: every scheduled pod)."""
         self.cluster = cluster
         self.workdir = workdir
+        self.select = select or (lambda pod: True)
+        self.unpullable: set[str] = set()  # images no registry serves: their pods wait in ImagePullBackOff
         self.tasks: dict[str, asyncio.Task] = {}
         self.processes: dict[str, list[asyncio.subprocess.Process]] = {}
         self.failures: list[str] = []
@@ -70,7 +74,8 @@ class LocalKubelet:
 
     async def run(self) -> None:
         while True:
-            pods = {p["metadata"]["uid"]: p for p in live_objects(self.cluster.emulator) if p.get("kind") == "Pod"}
+            pods = {p["metadata"]["uid"]: p for p in live_objects(self.cluster.emulator)
+                    if p.get("kind") == "Pod" and p["spec"].get("nodeName") and self.select(p)}  # scheduled
             for uid, pod in pods.items():
                 if uid not in self.tasks:
                     self.tasks[uid] = asyncio.create_task(self._run_pod(pod))
@@ -133,10 +138,17 @@ class LocalKubelet:
         name = pod["metadata"]["name"]
         uid = pod["metadata"]["uid"]
         self.names[uid] = name
-        volumes = self._volumes(pod)
+        if not await self._pulled(pod):
+            return
+        volumes = await self._mounted(pod)
+        if pod["spec"].get("restartPolicy") in ("Never", "OnFailure"):
+            await self._run_to_completion(pod, volumes)
+            return
         try:
             for c in pod["spec"].get("initContainers", []):
                 proc = await self._start(pod, c, volumes)
+                await self._patch(pod, {"phase": "Pending", "initContainerStatuses": [
+                    {"name": c["name"], "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}}]})
                 if await proc.wait() != 0:
                     raise PodFailed(f"init container {c['name']} exited {proc.returncode}")
             (main,) = pod["spec"]["containers"]
@@ -153,17 +165,76 @@ class LocalKubelet:
             self.failures.append(f"{name}: {e}")
             await self._patch_status(pod, "Failed", ready=False)
 
+    async def _run_to_completion(self, pod: dict[str, Any], volumes: dict[str, str | None]) -> None:
+        """A Job's pod: its container runs once; the pod ends Succeeded or Failed with the exit code
+        and the termination message the container wrote (as the kubelet reports them)."""
+        (main,) = pod["spec"]["containers"]
+        message_file = self.workdir / f"{pod['metadata']['name']}.{main['name']}.termination"
+        proc = await self._start(pod, main, volumes, {main.get("terminationMessagePath", "/dev/termination-log"):
+                                                      str(message_file)})
+        meta = pod["metadata"]
+        self.cluster.emulator.logs[(meta["namespace"], meta["name"])] = (
+            lambda: (self.workdir / f"{meta['name']}.{main['name']}.log").read_text(errors="replace"))
+        await self._patch(pod, {"phase": "Running", "containerStatuses": [
+            {"name": main["name"], "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}}]})
+        code = await proc.wait()
+        message = message_file.read_text()[:4096] if message_file.exists() else ""
+        terminated = {"exitCode": code, "reason": "Completed" if code == 0 else "Error", "message": message}
+        await self._patch(pod, {"phase": "Succeeded" if code == 0 else "Failed", "containerStatuses": [
+            {"name": main["name"], "state": {"terminated": terminated}}]})
+
+    async def _pulled(self, pod: dict[str, Any]) -> bool:
+        """False (the pod waits, as the kubelet's back-off does) when an image cannot be pulled."""
+        for c in pod["spec"].get("initContainers", []) + pod["spec"]["containers"]:
+            if c["image"] in self.unpullable:
+                waiting = {"reason": "ImagePullBackOff", "message": f'Back-off pulling image "{c["image"]}"'}
+                key = "initContainerStatuses" if c in pod["spec"].get("initContainers", []) else "containerStatuses"
+                await self._patch(pod, {"phase": "Pending", key: [{"name": c["name"], "image": c["image"],
+                                                                  "state": {"waiting": waiting}}]})
+                return False
+        return True
+
+    async def _mounted(self, pod: dict[str, Any]) -> dict[str, str | None]:
+        """The pod's volumes once they can be set up; meanwhile a FailedMount Event (once), as the
+        kubelet posts while it retries."""
+        warned = False
+        while True:
+            try:
+                return self._volumes(pod)
+            except PodFailed as e:
+                if not warned:
+                    warned = True
+                    meta = pod["metadata"]
+                    event = {"apiVersion": "v1", "kind": "Event",
+                             "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:10]}",
+                                          "namespace": meta["namespace"]},
+                             "involvedObject": {"kind": "Pod", "name": meta["name"], "namespace": meta["namespace"]},
+                             "reason": "FailedMount", "type": "Warning", "message": f"MountVolume.SetUp failed: {e}"}
+                    async with self.cluster.emulator.request("POST", _path("v1", "Event", meta["namespace"]),
+                                                             json=event) as resp:
+                        assert resp.status < 300, await resp.text()
+                await asyncio.sleep(0.5)
+
     def _volumes(self, pod: dict[str, Any]) -> dict[str, str | None]:
         out: dict[str, str | None] = {}
         for v in pod["spec"].get("volumes", []):
             if "hostPath" in v:
-                out[v["name"]] = v["hostPath"]["path"]
+                path = Path(v["hostPath"]["path"])
+                if v["hostPath"].get("type") == "DirectoryOrCreate":
+                    path.mkdir(parents=True, exist_ok=True)
+                elif v["hostPath"].get("type") == "Directory" and not path.is_dir():
+                    raise PodFailed(f"volume {v['name']}: hostPath {path} is not a directory")
+                out[v["name"]] = str(path)
             elif v.get("emptyDir", {}).get("medium") == "Memory":
                 out[v["name"]] = None  # the host's /dev/shm
             elif "emptyDir" in v:
                 out[v["name"]] = tempfile.mkdtemp(prefix=f"{v['name']}-", dir=self.workdir)
+            elif "persistentVolumeClaim" in v:  # one folder per claim, shared by every pod (ReadWriteMany)
+                shared = self.workdir / f"pvc-{v['persistentVolumeClaim']['claimName']}"
+                shared.mkdir(exist_ok=True)
+                out[v["name"]] = str(shared)
             else:
-                raise PodFailed(f"volume {v['name']}: only hostPath and emptyDir run locally")
+                raise PodFailed(f"volume {v['name']}: only hostPath, emptyDir and claims run locally")
         return out
 
     @staticmethod
@@ -200,14 +271,16 @@ class LocalKubelet:
             elif "fieldRef" in e.get("valueFrom", {}):
                 env[e["name"]] = fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
             elif "secretKeyRef" in e.get("valueFrom", {}):
-                env[e["name"]] = self._secret(pod["metadata"]["namespace"], e["valueFrom"]["secretKeyRef"])
+                value = self._secret(pod["metadata"]["namespace"], e["valueFrom"]["secretKeyRef"])
+                if value is not None:  # an optional key the Secret lacks: no variable, as the kubelet does
+                    env[e["name"]] = value
             else:
                 raise PodFailed(f"env {e['name']}: unsupported source {e.get('valueFrom')}")
         if "DLO_PEER_URL_TEMPLATE" in env:
             env["DLO_PEER_URLS"] = json.dumps(self._peer_urls(pod))
         return env
 
-    def _secret(self, namespace: str, ref: dict[str, str]) -> str:
+    def _secret(self, namespace: str, ref: dict[str, Any]) -> str | None:
         secret = self.cluster.get("Secret", namespace, ref["name"])
         if secret is None:
             raise PodFailed(f"secret {ref['name']} not found")
@@ -215,11 +288,14 @@ class LocalKubelet:
             return base64.b64decode(secret["data"][ref["key"]]).decode()
         if ref["key"] in (secret.get("stringData") or {}):  # the emulator keeps stringData as sent
             return secret["stringData"][ref["key"]]
+        if ref.get("optional"):
+            return None
         raise PodFailed(f"secret {ref['name']} has no key {ref['key']}")
 
-    async def _start(self, pod: dict[str, Any], container: dict[str, Any], volumes) -> asyncio.subprocess.Process:
+    async def _start(self, pod: dict[str, Any], container: dict[str, Any], volumes,
+                     files: dict[str, str] | None = None) -> asyncio.subprocess.Process:
         translate = self._mapper(container, volumes)
-        argv = [translate(a) for a in container["command"] + container.get("args", [])]
+        argv = [(files or {}).get(a) or translate(a) for a in container["command"] + container.get("args", [])]
         container_ports = {str(p["containerPort"]) for p in container.get("ports", [])}
         for i, arg in enumerate(argv[:-1]):
             if arg == "--port" and argv[i + 1] in container_ports:  # this pod's own port on this host
@@ -247,8 +323,10 @@ class LocalKubelet:
         raise PodFailed(f"container {container['name']} exited {proc.returncode} before it was ready")
 
     async def _patch_status(self, pod: dict[str, Any], phase: str, ready: bool) -> None:
+        await self._patch(pod, {"phase": phase, "conditions": [{"type": "Ready", "status": str(ready)}]})
+
+    async def _patch(self, pod: dict[str, Any], status: dict[str, Any]) -> None:
         meta = pod["metadata"]
-        status = {"phase": phase, "conditions": [{"type": "Ready", "status": str(ready)}]}
         path = _path("v1", "Pod", meta["namespace"], meta["name"])
         async with self.cluster.emulator.request(
             "PATCH", path, json={"status": status}, headers={"Content-Type": "application/merge-patch+json"}

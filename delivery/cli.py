@@ -1,0 +1,104 @@
+"""`dlo fetch URI DEST`: a resumable, verified download of a diffusers pipeline folder.
+
+Owns: the flags, the progress renderer choice, the result file (the fetch Job's termination message)
+and the exit codes: 0 complete, 2 bad input or a source that is not a diffusers pipeline (nothing at
+DEST), 1 any other failure (one line naming the reason; a rerun resumes).
+Must never: import torch, or take a credential from the command line (boto3 reads AWS_*,
+huggingface_hub reads HF_TOKEN).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from dlo.cli.args import Parser, byte_size, http_url, one_line, positive_int
+
+DESCRIPTION = """Download a diffusers pipeline folder from S3 or the Hugging Face Hub into DEST:
+ranged, parallel and resumable (a rerun after an interruption continues where it stopped), every
+file checked against its size and checksum (S3 ETags, multipart ones too; Hugging Face SHA-256 and
+git hashes), published atomically (DEST appears only when the whole pipeline is there). A second
+fetch of a complete DEST downloads nothing. Credentials come from the environment only:
+AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN, AWS_REGION) for S3, HF_TOKEN for
+the Hub; HF_ENDPOINT, HF_HOME and HF_HUB_OFFLINE are honoured, and a revision already in the local
+Hugging Face cache is copied from it with no network."""
+
+EPILOG = """examples:
+  dlo fetch s3://models/wan2.1-t2v-14b /data/models/wan2.1-t2v-14b --endpoint http://minio:9000
+  dlo fetch hf://Wan-AI/Wan2.1-T2V-14B-Diffusers /data/models/wan --revision main
+exit codes: 0 complete; 2 bad input, or not a diffusers pipeline (nothing left at DEST); 1 a failure
+(credentials, network, disk: the message names it; run again to resume)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("uri", help="s3://bucket/prefix or hf://org/name[@revision]")
+    parser.add_argument("dest", type=Path, help="the folder to create (it must not exist, or be this fetch's)")
+    parser.add_argument("--revision", default=None, help="Hugging Face branch, tag or commit (default main)")
+    parser.add_argument("--endpoint", type=http_url, default=None,
+                        help="an S3-compatible store's URL, or a Hugging Face mirror (default: AWS, or HF_ENDPOINT)")
+    parser.add_argument("--concurrency", type=positive_int, default=8, help="parallel transfers (default 8)")
+    parser.add_argument("--part-size", type=byte_size, default=16 * 2**20,
+                        help="bytes per ranged S3 request (default 16MiB)")
+    parser.add_argument("--keep", action="append", default=[], metavar="KEY",
+                        help="a cached model (folder name beside DEST) in use on this node: never evicted "
+                             "(repeatable)")
+    parser.add_argument("--disk-budget", type=byte_size, default=None,
+                        help="bytes the fetched models beside DEST may take; least recently served ones not "
+                             "in use are evicted to fit (default: only the free space limits)")
+    parser.add_argument("--no-evict", action="store_true",
+                        help="never evict a cached model (a fetch that does not know which ones are in use)")
+    parser.add_argument("--progress", choices=("auto", "bar", "plain", "none"), default="auto",
+                        help="auto: a bar on a terminal, plain progress lines when piped")
+    parser.add_argument("--result-file", type=Path, default=None,
+                        help="write the result as JSON here (a Job's /dev/termination-log)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+
+
+def main(args: argparse.Namespace) -> int:
+    from dlo.delivery.errors import FetchError
+    from dlo.delivery.fetch import FetchOptions, FetchResult, fetch
+    from dlo.delivery.progress import Progress
+    from dlo.delivery.uri import parse_uri
+
+    logging.basicConfig(level=os.environ.get("DLO_LOG_LEVEL", "INFO").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    for noisy in ("botocore", "boto3", "urllib3", "s3transfer", "huggingface_hub", "filelock", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    options = FetchOptions(endpoint=args.endpoint, concurrency=args.concurrency, part_size=args.part_size,
+                           keep=frozenset(args.keep), disk_budget=args.disk_budget,
+                           evict=not args.no_evict)
+    progress = Progress(args.progress)
+    try:
+        uri = parse_uri(args.uri, args.revision)
+        result = fetch(uri, args.dest.absolute(), options, progress)
+        code = 0
+    except FetchError as e:
+        result = FetchResult("failed", args.uri, str(args.dest), reason=e.reason, message=one_line(str(e)))
+        print(f"dlo fetch: {e.reason}: {one_line(str(e))}", file=sys.stderr)
+        code = e.exit_code
+    finally:
+        progress.close()
+    _report(args, result)
+    return code
+
+
+def _report(args: argparse.Namespace, result: object) -> None:
+    text = json.dumps(result.to_json())  # type: ignore[attr-defined]
+    if args.result_file is not None:
+        try:
+            args.result_file.write_text(text[:4096])  # the kubelet keeps at most 4096 bytes
+        except OSError as e:
+            print(f"dlo fetch: cannot write {args.result_file}: {e.strerror}", file=sys.stderr)
+    if args.json:
+        print(text)
+
+
+def run(command: str, argv: list[str]) -> int:
+    parser = Parser(prog="dlo fetch", description=DESCRIPTION, epilog=EPILOG,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return main(parser.parse_args(argv))

@@ -1,0 +1,204 @@
+"""S3 (and S3-compatible stores) through boto3: list a prefix, download its objects with ranged,
+parallel GETs into the staging folder, verify each file's size and ETag.
+
+Owns: `S3Source`. Parts are `part_size` byte ranges fetched by `concurrency` threads, each GET
+conditional on the listed ETag (an object replaced mid-fetch fails as `source_changed` instead of
+mixing versions) and written in place (`os.pwrite`); the staging state records each finished part,
+so a killed fetch resumes. Verification re-reads the file: a single-part object's ETag is the MD5
+of its bytes; a multipart object's (`<hex>-N`) is the MD5 of its N parts' MD5s, so the file is
+hashed in the part sizes of the upload (read from HeadObject with PartNumber).
+Must never: read credentials itself (boto3's chain reads AWS_* from the environment), or call a
+file complete before its checksum matched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import threading
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Any
+
+from dlo.delivery.errors import FetchError
+from dlo.delivery.pipeline import SourceFile
+from dlo.delivery.progress import Progress
+from dlo.delivery.staging import Staging
+from dlo.delivery.uri import ModelURI
+
+DEFAULT_PART_SIZE = 16 * 2**20
+DEFAULT_CONCURRENCY = 8
+_CHUNK = 1 << 20
+_AUTH_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken", "InvalidToken",
+               "403", "401"}
+_MISSING_CODES = {"NoSuchBucket", "NoSuchKey", "404"}
+
+
+def _client(endpoint: str | None, concurrency: int) -> Any:
+    import boto3
+    from botocore.config import Config
+
+    session = boto3.session.Session()
+    config = Config(retries={"max_attempts": 5, "mode": "standard"}, max_pool_connections=concurrency + 2,
+                    signature_version="s3v4", s3={"addressing_style": "path" if endpoint else "auto"})
+    return session.client("s3", endpoint_url=endpoint, region_name=session.region_name or "us-east-1",
+                          config=config)
+
+
+def translate(e: Exception, where: str) -> FetchError:
+    """A boto3/botocore error as a FetchError whose reason and message say what to do."""
+    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+    if isinstance(e, NoCredentialsError):
+        return FetchError("auth", f"{where}: no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                          "(in Kubernetes: a Secret named in spec.model.secretRef)")
+    if isinstance(e, ClientError):
+        code = str(e.response.get("Error", {}).get("Code", ""))
+        message = e.response.get("Error", {}).get("Message", "") or str(e)
+        if code in _AUTH_CODES:
+            return FetchError("auth", f"{where}: the store refused the credentials ({code}: {message}); check "
+                              "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and the bucket policy")
+        if code in _MISSING_CODES:
+            return FetchError("not_found", f"{where}: {code}: {message}")
+        if code in ("PreconditionFailed", "412"):
+            return FetchError("source_changed", f"{where}: an object changed during the fetch (ETag no longer "
+                              "matches); fetch again, or put the new model under a new prefix")
+        return FetchError("transfer", f"{where}: {code}: {message}")
+    if isinstance(e, BotoCoreError):
+        return FetchError("transfer", f"{where}: {e}")
+    raise e
+
+
+class S3Source:
+    """One `s3://bucket/prefix` model."""
+
+    def __init__(self, uri: ModelURI, endpoint: str | None = None, concurrency: int = DEFAULT_CONCURRENCY,
+                 part_size: int = DEFAULT_PART_SIZE) -> None:
+        self.uri, self.endpoint = uri, endpoint
+        self.concurrency, self.part_size = concurrency, part_size
+        self.client = _client(endpoint, concurrency)
+
+    def describe(self) -> dict[str, Any]:
+        return {"uri": str(self.uri), "endpoint": self.endpoint, "revision": None}
+
+    def listing(self) -> list[SourceFile]:
+        """Every object under the prefix (directory markers left out), with size and ETag."""
+        prefix = f"{self.uri.path}/" if self.uri.path else ""
+        out = []
+        try:
+            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.uri.bucket, Prefix=prefix)
+            for page in pages:
+                for obj in page.get("Contents", []):
+                    rel = obj["Key"][len(prefix):]
+                    if rel and not rel.endswith("/"):
+                        out.append(SourceFile(rel, int(obj["Size"]), obj["ETag"].strip('"'), "s3-etag"))
+        except Exception as e:  # noqa: BLE001 (translate re-raises what is not boto's)
+            raise translate(e, str(self.uri)) from None
+        if not out:
+            raise FetchError("not_found", f"{self.uri}: no objects under this prefix")
+        return sorted(out, key=lambda f: f.path)
+
+    def download(self, staging: Staging, files: list[SourceFile], progress: Progress) -> None:
+        """Every part of `files` not written yet, `concurrency` at a time; then each file verified
+        (a file that fails its check is written again once, then the fetch fails)."""
+        todo = [(f, i) for f in files if not staging.verified(f)
+                for i in sorted(set(range(self._parts(f))) - staging.begin(f, self.part_size))]
+        self._run(staging, todo, progress)
+        for f in files:
+            if staging.verified(f):
+                continue
+            if not self.verify(staging.path(f.path), f):
+                staging.restart(f)
+                progress.rewind(f.size)
+                staging.begin(f, self.part_size)
+                self._run(staging, [(f, i) for i in range(self._parts(f))], progress)
+                if not self.verify(staging.path(f.path), f):
+                    raise FetchError("verify", f"{self.uri}/{f.path}: the downloaded bytes do not match the object's "
+                                     f"ETag {f.checksum} twice; the store or the disk corrupts data")
+            staging.mark_verified(f)
+            progress.file_done()
+
+    def _parts(self, f: SourceFile) -> int:
+        return max(1, math.ceil(f.size / self.part_size))
+
+    def _run(self, staging: Staging, todo: list[tuple[SourceFile, int]], progress: Progress) -> None:
+        stop = threading.Event()
+        with ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="fetch") as pool:
+            futures = [pool.submit(self._part, staging, f, i, progress, stop) for f, i in todo]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            failed = next((fut for fut in done if fut.exception() is not None), None)
+            if failed is not None:
+                stop.set()  # the parts not started yet return at once; the state keeps what finished
+                for fut in futures:
+                    fut.cancel()
+                raise failed.exception()  # type: ignore[misc]
+        staging.flush(force=True)
+
+    def _part(self, staging: Staging, f: SourceFile, index: int, progress: Progress, stop: threading.Event) -> None:
+        if stop.is_set():
+            return
+        start = index * self.part_size
+        end = min(f.size, start + self.part_size) - 1
+        path = staging.path(f.path)
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            if f.size:
+                key = f"{self.uri.path}/{f.path}" if self.uri.path else f.path
+                try:
+                    body = self.client.get_object(Bucket=self.uri.bucket, Key=key, Range=f"bytes={start}-{end}",
+                                                  IfMatch=f'"{f.checksum}"')["Body"]
+                    offset = start
+                    for chunk in body.iter_chunks(_CHUNK):
+                        os.pwrite(fd, chunk, offset)
+                        offset += len(chunk)
+                        progress.advance(len(chunk))
+                except Exception as e:  # noqa: BLE001
+                    raise translate(e, f"{self.uri}/{f.path}") from None
+                if offset != end + 1:
+                    raise FetchError("transfer", f"{self.uri}/{f.path}: bytes {start}-{end}: the store sent "
+                                     f"{offset - start} bytes")
+        finally:
+            os.close(fd)
+        staging.part_done(f, index)
+
+    def verify(self, path: Path, f: SourceFile) -> bool:
+        """True when `path` has the object's size and its ETag (single-part or multipart)."""
+        if path.stat().st_size != f.size:
+            return False
+        digest, _, parts = f.checksum.partition("-")
+        if not parts:
+            return _md5(path, [f.size]) == [digest]
+        sizes = self._upload_part_sizes(f, int(parts))
+        joined = b"".join(bytes.fromhex(h) for h in _md5(path, sizes))
+        return hashlib.md5(joined, usedforsecurity=False).hexdigest() == digest
+
+    def _upload_part_sizes(self, f: SourceFile, count: int) -> list[int]:
+        """The part sizes the object was uploaded in: the first part's size (HeadObject PartNumber=1)
+        for all but the last, unless that does not add up to `count` parts (then each is asked)."""
+        key = f"{self.uri.path}/{f.path}" if self.uri.path else f.path
+        try:
+            first = int(self.client.head_object(Bucket=self.uri.bucket, Key=key, PartNumber=1)["ContentLength"])
+            if first > 0 and math.ceil(f.size / first) == count:
+                return [first] * (count - 1) + [f.size - first * (count - 1)]
+            return [int(self.client.head_object(Bucket=self.uri.bucket, Key=key, PartNumber=n)["ContentLength"])
+                    for n in range(1, count + 1)]
+        except Exception as e:  # noqa: BLE001
+            raise translate(e, f"{self.uri}/{f.path}") from None
+
+
+def _md5(path: Path, sizes: list[int]) -> list[str]:
+    """The MD5 of each consecutive range of `path` of the given sizes."""
+    out = []
+    with open(path, "rb") as fh:
+        for size in sizes:
+            h = hashlib.md5(usedforsecurity=False)
+            left = size
+            while left > 0:
+                chunk = fh.read(min(_CHUNK * 8, left))
+                if not chunk:
+                    break
+                h.update(chunk)
+                left -= len(chunk)
+            out.append(h.hexdigest())
+    return out

@@ -1,0 +1,239 @@
+"""One reconcile of one DLODeployment, as named steps, over what the watch indexes hold.
+
+Owns: `View` (the nodes, the resource's pods and fetch Jobs, copied from kopf's indexes) and `run`:
+validate the spec (an invalid one sets `Degraded` instead of crash-looping), resolve the mode
+(`auto`: once, again only when the eligible nodes' profiles change), deliver the model (`uri`:
+fetch Jobs, node labels, which model the pods run), apply the builders' objects with server-side
+apply and owner references, delete pods on an old template when the rollout is Recreate, and write
+status (replica counts, nodes, URL, conditions, observedGeneration). Every decision is an Event on
+the resource; every round is counted and timed in `metrics`.
+Must never: build manifests itself (`builders`), decide a mode itself (`modes`) or where a model is
+fetched (`delivery`), list what the indexes already hold, or import torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+import urllib3
+
+from dlo.operator import advice, builders, metrics, modes, status
+from dlo.operator.delivery_run import deliver
+from dlo.operator.pod_reasons import pod_problems
+from dlo.operator.config import OperatorConfig
+from dlo.operator.kube import Kube, KubeError
+from dlo.operator.models import API_VERSION, KIND, DLODeploymentSpec, SpecError, parse_spec, with_default_image
+
+log = logging.getLogger(__name__)
+MONITOR_PLURALS = {"PodMonitor": "podmonitors", "ServiceMonitor": "servicemonitors"}
+
+Verdict = tuple[str, str, str]  # (status, reason, message) of one condition
+
+
+@dataclass
+class View:
+    """What the indexes hold that one reconcile reads (plain copies)."""
+
+    nodes: list[dict[str, Any]] = field(default_factory=list)
+    pods: list[dict[str, Any]] = field(default_factory=list)  # this resource's dlo pods (engine, fetch)
+    all_pods: list[dict[str, Any]] = field(default_factory=list)  # every dlo pod (what each node serves)
+    jobs: list[dict[str, Any]] = field(default_factory=list)  # this resource's fetch Jobs
+    all_jobs: list[dict[str, Any]] = field(default_factory=list)  # every fetch Job (the fetch slots)
+
+    def engine_pods(self) -> list[dict[str, Any]]:
+        return [p for p in self.pods if (p["metadata"].get("labels") or {}).get(builders.COMPONENT) == "engine"]
+
+
+def run(kube: Kube, body: dict[str, Any], view: View, config: OperatorConfig) -> bool:
+    """One reconcile, counted, timed and its status written; False when it must be retried soon."""
+    started = time.monotonic()
+    result = "error"
+    patch: dict[str, Any] = {}
+    try:
+        result = reconcile(kube, body, view, config, patch)
+    except (KubeError, urllib3.exceptions.HTTPError) as e:
+        result = "api_error"
+        conditions = list((body.get("status") or {}).get("conditions") or [])
+        verdict = {"Degraded": ("True", "ApiError", f"{type(e).__name__}: {e}"[:1000])}
+        patch = {"conditions": _conditions(conditions, verdict, body["metadata"].get("generation"))}
+        log.warning("reconcile failed on an API error resource=%s/%s error=%s", body["metadata"].get("namespace"),
+                    body["metadata"]["name"], e)
+    except Exception:  # a bug must not stop the loop: logged, counted, retried
+        log.exception("reconcile failed resource=%s/%s", body["metadata"].get("namespace"), body["metadata"]["name"])
+    finally:
+        metrics.RECONCILES.labels(result).inc()
+        metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
+    if patch:
+        _write_status(kube, body, patch)
+    return result in ("success", "invalid_spec")
+
+
+def _write_status(kube: Kube, body: dict[str, Any], patch: dict[str, Any]) -> None:
+    meta = body["metadata"]
+    current = body.get("status") or {}
+    if all(current.get(k) == v for k, v in patch.items()):
+        return  # nothing new: no write, no event
+    try:
+        kube.patch(API_VERSION, KIND, meta["namespace"], meta["name"], {"status": patch}, subresource="status")
+    except (KubeError, urllib3.exceptions.HTTPError) as e:
+        log.warning("status write failed resource=%s/%s error=%s", meta["namespace"], meta["name"], e)
+        return
+    if patch.get("conditions") is not None:
+        metrics.CONDITIONS.observe(meta["namespace"], meta["name"], list(patch["conditions"]))
+
+
+def reconcile(kube: Kube, body: dict[str, Any], view: View, config: OperatorConfig, patch: dict[str, Any]) -> str:
+    """Bring the children of one DLODeployment to its spec; the status goes into `patch`.
+    Returns the result for `dlo_operator_reconciles_total`: `success` or `invalid_spec`."""
+    meta = body["metadata"]
+    owner = builders.Owner(meta["name"], meta["namespace"])
+    generation = meta.get("generation")
+    current = body.get("status") or {}
+    conditions = list(current.get("conditions") or [])
+    spec = _valid_spec(body, conditions, generation, patch, config)
+    if spec is None:
+        return "invalid_spec"
+    resolution = _resolve(body, spec, view.nodes)
+    plan = deliver(kube, body, owner, spec, view, config)
+    pods_spec = spec if plan is None else spec.model_copy(update={"model": plan.pods_model})
+    ctx = _context(kube, spec, pods_spec, view, config, resolution.mode)
+    monitor_crd = kube.has_resource("monitoring.coreos.com/v1", MONITOR_PLURALS[spec.monitoring.kind])
+    objects = builders.build_all(owner, spec, resolution.mode, monitor_crd, ctx, pods_spec)
+    _apply(kube, body, objects)
+    autoscaler = _retire_autoscaler(kube, owner, current, objects)
+    (sts,) = [o for o in objects if o["kind"] == "StatefulSet"]
+    template_hash = sts["spec"]["template"]["metadata"]["annotations"][builders.TEMPLATE_HASH]
+    pods = view.engine_pods()
+    if spec.rollout.type == "Recreate":
+        pods = _delete_old_pods(kube, body, pods, template_hash)
+    observed = status.Observed(
+        spec.replicas, template_hash, pods, modes.model_residency(view.nodes, pods_spec), spec.warmer.threshold,
+        spec.warmer.enabled, builders.TEMPLATE_HASH,
+        problems=pod_problems([p for p in pods if not status.pod_ready(p)], _events_of(kube)),
+        model=plan.verdict if plan else None, fetches=plan.fetches if plan else {},
+        rolling_for_model=plan.rolling_for_model if plan else "")
+    summary = status.summarize(observed)
+    verdicts = {**summary.pop("verdicts"), "Degraded": _health(body, conditions, pods)}
+    patch.update(summary)
+    patch.update({
+        "observedGeneration": generation,
+        "selector": builders.selector_string(owner.name),
+        "url": builders.service_url(owner, spec),
+        "mode": resolution.mode,
+        "modeReason": resolution.reason,
+        "modeInputs": resolution.inputs,
+        "warnings": advice.warnings(spec, ctx.autoscaler),
+        "autoscaler": autoscaler,
+        "conditions": _conditions(conditions, verdicts, generation),
+    })
+    return "success"
+
+
+def _context(kube: Kube, spec: DLODeploymentSpec, pods_spec: DLODeploymentSpec, view: View, config: OperatorConfig,
+             mode: Any) -> builders.BuildContext:
+    """What the builders need beyond the spec: the memory estimate, the autoscaler kind, the config."""
+    keda = None
+    if spec.autoscaling.enabled:
+        installed = kube.has_resource("keda.sh/v1alpha1", "scaledobjects")
+        if spec.autoscaling.engine == "keda":
+            keda = "keda" if installed else None
+        else:
+            keda = "keda" if installed and spec.autoscaling.engine == "auto" else "hpa"
+    return builders.BuildContext(
+        cache_root=config.cache_root, memory_bytes=modes.pod_memory_bytes(pods_spec, view.nodes, mode),
+        autoscaler=keda, prometheus_url=config.prometheus_url, monitoring_release=config.monitoring_release)  # type: ignore[arg-type]
+
+
+AUTOSCALER_KINDS = {"ScaledObject": "keda.sh/v1alpha1", "HorizontalPodAutoscaler": "autoscaling/v2"}
+
+
+def _retire_autoscaler(kube: Kube, owner: builders.Owner, current: dict[str, Any], objects: list[dict[str, Any]]) -> str:
+    """The autoscaler kind applied now; the one the status recorded before is deleted when it is
+    another (autoscaling turned off, or KEDA installed or removed)."""
+    now = next((o["kind"] for o in objects if o["kind"] in AUTOSCALER_KINDS), "")
+    before = current.get("autoscaler") or ""
+    if before and before != now:
+        kube.delete(AUTOSCALER_KINDS[before], before, owner.namespace, owner.name)
+    return now
+
+
+def _events_of(kube: Kube) -> Any:
+    """The Events of a pod (asked only for a pod that is scheduled and has not started)."""
+    def events(pod: dict[str, Any]) -> list[dict[str, Any]]:
+        meta = pod["metadata"]
+        return kube.list("v1", "Event", meta["namespace"], fields={"involvedObject.name": meta["name"],
+                                                                  "involvedObject.kind": "Pod"})
+    return events
+
+
+def _valid_spec(body: dict[str, Any], conditions: list[dict[str, Any]], generation: int | None,
+                patch: dict[str, Any], config: OperatorConfig) -> DLODeploymentSpec | None:
+    """The parsed spec with the default image, or None after writing why it is invalid."""
+    try:
+        spec = parse_spec(dict(body.get("spec") or {}))
+    except SpecError as e:
+        if (status.condition(conditions, "Degraded") or {}).get("message") != str(e):
+            kopf.warn(body, reason="InvalidSpec", message=str(e))
+        verdicts = {"Degraded": ("True", "InvalidSpec", str(e)), "Ready": ("False", "InvalidSpec", "spec is invalid")}
+        patch["conditions"] = _conditions(conditions, verdicts, generation)
+        patch["observedGeneration"] = generation
+        return None
+    return with_default_image(spec, config.default_image)
+
+
+def _apply(kube: Kube, body: dict[str, Any], objects: list[dict[str, Any]]) -> None:
+    for obj in objects:
+        kopf.append_owner_reference(obj, owner=body)
+        outcome = kube.apply(obj)
+        if outcome != "unchanged":
+            kind, name = obj["kind"], obj["metadata"]["name"]
+            kopf.info(body, reason=f"{kind}{outcome.capitalize()}", message=f"{kind} {name} {outcome}")
+
+
+def _health(body: dict[str, Any], conditions: list[dict[str, Any]], pods: list[dict[str, Any]]) -> Verdict:
+    """Degraded for a valid spec: True while an engine pod crash-loops (a Warning Event per new
+    finding), False again once every container runs."""
+    crashing = status.crash_looping(pods)
+    if not crashing:
+        return ("False", "SpecValid", "")
+    message = "; ".join(crashing)[:1000]
+    if (status.condition(conditions, "Degraded") or {}).get("reason") != "EngineCrashLooping":
+        kopf.warn(body, reason="EngineCrashLooping", message=message)  # once per episode, not per restart
+    return ("True", "EngineCrashLooping", message)
+
+
+def _conditions(conditions: list[dict[str, Any]], verdicts: dict[str, Verdict], generation: int | None) -> list[dict[str, Any]]:
+    for type_, (st, reason, message) in verdicts.items():
+        conditions = status.set_condition(conditions, type_, st, reason, message, generation)  # type: ignore[arg-type]
+    return conditions
+
+
+def _resolve(body: dict[str, Any], spec: DLODeploymentSpec, nodes: list[dict[str, Any]]) -> modes.Resolution:
+    """The mode, keeping an earlier `auto` decision while its inputs stand; an Event on a change."""
+    current = body.get("status") or {}
+    previous = None
+    if current.get("mode"):
+        previous = modes.Resolution(current["mode"], current.get("modeReason", ""), current.get("modeInputs", ""))
+    resolution = modes.resolve_mode(spec, nodes, previous)
+    if previous is None:
+        kopf.info(body, reason="ModeResolved", message=f"{resolution.mode}: {resolution.reason}")
+    elif previous.mode != resolution.mode:
+        message = f"{previous.mode} -> {resolution.mode}: {resolution.reason}; the pods roll"
+        kopf.info(body, reason="ModeChanged", message=message)
+    return resolution
+
+
+def _delete_old_pods(kube: Kube, body: dict[str, Any], pods: list[dict[str, Any]], template_hash: str) -> list[dict[str, Any]]:
+    """Recreate rollout (StatefulSet OnDelete): delete every pod on an old template; return the rest."""
+    kept = []
+    for pod in pods:
+        meta = pod["metadata"]
+        if meta.get("deletionTimestamp") or meta.get("annotations", {}).get(builders.TEMPLATE_HASH) == template_hash:
+            kept.append(pod)
+        elif kube.delete("v1", "Pod", meta["namespace"], meta["name"]):
+            kopf.info(body, reason="PodRecreated", message=f"deleted pod {meta['name']} (old template)")
+    return kept

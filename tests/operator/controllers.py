@@ -1,0 +1,220 @@
+"""The controllers a real cluster runs that the emulator lacks, as small loops over its objects:
+the garbage collector, the StatefulSet and Job controllers and the scheduler.
+
+- garbage collection: objects whose owner (by uid) is gone are deleted;
+- StatefulSet: pods from the template, one per ordinal, OnDelete / RollingUpdate by the operator's
+  template hash; they become Running/Ready through `ready_when(pod)` once scheduled (default: at
+  once; the e2e's local kubelet reports readiness itself);
+- Job: one pod at a time from the template, `backoffLimit` retries, `podFailurePolicy` FailJob on
+  exit codes, and the Complete/Failed conditions;
+- scheduler: a pending pod goes to the first node (by name) that matches its nodeSelector and
+  required node affinity (labels and `metadata.name` fields), holds no pod its required
+  anti-affinity excludes, and has the extended resources it requests; else the pod gets
+  `PodScheduled=False` reason Unschedulable with a message in the scheduler's words.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from dlo.operator import builders
+from dlo.operator.kube import _path
+from emulator import Emulator, live_objects
+
+
+async def request(emulator: Emulator, method: str, path: str, body: Any = None) -> None:
+    headers = {"Content-Type": "application/merge-patch+json"} if method == "PATCH" else {}
+    async with emulator.request(method, path, json=body, headers=headers) as resp:
+        assert resp.status < 300 or resp.status == 404, await resp.text()
+
+
+def _of_kind(emulator: Emulator, kind: str) -> list[dict[str, Any]]:
+    return [o for o in live_objects(emulator) if o.get("kind") == kind]
+
+
+def owned_by(emulator: Emulator, owner: dict[str, Any], kind: str = "Pod") -> list[dict[str, Any]]:
+    uid = owner["metadata"]["uid"]
+    return [o for o in _of_kind(emulator, kind)
+            if any(r.get("uid") == uid for r in o["metadata"].get("ownerReferences", []))]
+
+
+def pod_path(pod: dict[str, Any]) -> str:
+    return _path("v1", "Pod", pod["metadata"]["namespace"], pod["metadata"]["name"])
+
+
+async def collect_garbage(emulator: Emulator) -> None:
+    """Delete every object whose controller owner no longer exists (the garbage collector)."""
+    while True:
+        uids = {o["metadata"].get("uid") for o in live_objects(emulator)}
+        for obj in live_objects(emulator):
+            refs = obj["metadata"].get("ownerReferences") or []
+            if refs and not any(r.get("uid") in uids for r in refs):
+                meta = obj["metadata"]
+                await request(emulator, "DELETE", _path(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"]))
+        await asyncio.sleep(0.1)
+
+
+def _owner_ref(owner: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": owner["apiVersion"], "kind": owner["kind"], "name": owner["metadata"]["name"],
+            "uid": owner["metadata"]["uid"], "controller": True}
+
+
+def new_pod(owner: dict[str, Any], template: dict[str, Any], name: str, labels: dict[str, str] | None = None) -> dict:
+    template = json.loads(json.dumps(template))
+    meta = template.setdefault("metadata", {})
+    meta.update(name=name, namespace=owner["metadata"]["namespace"], ownerReferences=[_owner_ref(owner)])
+    meta["labels"] = {**meta.get("labels", {}), **(labels or {})}
+    meta.setdefault("annotations", {})
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": template["spec"],
+            "status": {"phase": "Pending", "conditions": [{"type": "Ready", "status": "False"}]}}
+
+
+class StatefulSetController:
+    def __init__(self, emulator: Emulator, ready_when: Callable[[dict], bool] | None = None) -> None:
+        self.emulator = emulator
+        self.ready_when = ready_when or (lambda pod: True)
+
+    async def step(self) -> None:
+        for sts in _of_kind(self.emulator, "StatefulSet"):
+            meta, spec = sts["metadata"], sts["spec"]
+            want = spec["template"]["metadata"]["annotations"][builders.TEMPLATE_HASH]
+            pods = {p["metadata"]["name"]: p for p in owned_by(self.emulator, sts)}
+            for name, pod in list(pods.items()):
+                ordinal = int(name.rsplit("-", 1)[1])
+                stale = pod["metadata"]["annotations"][builders.TEMPLATE_HASH] != want
+                if ordinal >= spec["replicas"] or (stale and spec["updateStrategy"]["type"] == "RollingUpdate"):
+                    await request(self.emulator, "DELETE", pod_path(pod))
+                    pods.pop(name)
+            for i in range(spec["replicas"]):
+                name = f"{meta['name']}-{i}"
+                pod = pods.get(name)
+                if pod is None:
+                    body = new_pod(sts, spec["template"], name)
+                    body["spec"]["hostname"] = name
+                    await request(self.emulator, "POST", _path("v1", "Pod", meta["namespace"]), body)
+                elif pod["spec"].get("nodeName") and self.ready_when(pod) and pod["status"].get("phase") != "Running":
+                    status = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}
+                    await request(self.emulator, "PATCH", pod_path(pod), {"status": status})
+
+    async def run(self) -> None:
+        while True:
+            await self.step()
+            await asyncio.sleep(0.1)
+
+
+class JobController:
+    async def step(self, emulator: Emulator) -> None:
+        for job in _of_kind(emulator, "Job"):
+            if any(c.get("status") == "True" for c in (job.get("status") or {}).get("conditions", [])):
+                continue
+            pods = owned_by(emulator, job)
+            active = [p for p in pods if p["status"].get("phase") not in ("Succeeded", "Failed")]
+            failed = [p for p in pods if p["status"].get("phase") == "Failed"]
+            done = [p for p in pods if p["status"].get("phase") == "Succeeded"]
+            path = _path("batch/v1", "Job", job["metadata"]["namespace"], job["metadata"]["name"])
+            verdict = self._verdict(job, done, failed)
+            if verdict is not None:
+                status = {"succeeded": len(done), "failed": len(failed), "active": 0,
+                          "conditions": [{"type": verdict[0], "status": "True", "reason": verdict[1]}]}
+                await request(emulator, "PATCH", path + "/status", {"status": status})
+            elif not active:
+                name = f"{job['metadata']['name']}-{uuid.uuid4().hex[:5]}"
+                body = new_pod(job, job["spec"]["template"], name, {"job-name": job["metadata"]["name"]})
+                await request(emulator, "POST", _path("v1", "Pod", job["metadata"]["namespace"]), body)
+                await request(emulator, "PATCH", path + "/status", {"status": {"active": 1, "failed": len(failed)}})
+
+    @staticmethod
+    def _verdict(job: dict[str, Any], done: list[dict], failed: list[dict]) -> tuple[str, str] | None:
+        if done:
+            return ("Complete", "Completed")
+        rules = (job["spec"].get("podFailurePolicy") or {}).get("rules", [])
+        codes = {c for r in rules if r.get("action") == "FailJob" for c in r["onExitCodes"]["values"]}
+        for pod in failed:
+            for cs in pod["status"].get("containerStatuses", []):
+                if (cs.get("state", {}).get("terminated") or {}).get("exitCode") in codes:
+                    return ("Failed", "PodFailurePolicy")
+        if len(failed) > job["spec"].get("backoffLimit", 6):
+            return ("Failed", "BackoffLimitExceeded")
+        return None
+
+    async def run(self, emulator: Emulator) -> None:
+        while True:
+            await self.step(emulator)
+            await asyncio.sleep(0.1)
+
+
+def _term_matches(term: dict[str, Any], node: dict[str, Any]) -> bool:
+    labels = node["metadata"].get("labels") or {}
+    for expr in term.get("matchExpressions", []):
+        op, key, values = expr["operator"], expr["key"], expr.get("values", [])
+        ok = {"In": labels.get(key) in values, "NotIn": labels.get(key) not in values,
+              "Exists": key in labels, "DoesNotExist": key not in labels}[op]
+        if not ok:
+            return False
+    for expr in term.get("matchFields", []):
+        if expr["key"] == "metadata.name" and (node["metadata"]["name"] in expr["values"]) != (expr["operator"] == "In"):
+            return False
+    return True
+
+
+def _requests(pod: dict[str, Any]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in pod["spec"].get("containers", []):
+        for k, v in ((c.get("resources") or {}).get("limits") or {}).items():
+            if "/" in k:  # extended resources (accelerators): whole numbers
+                out[k] = out.get(k, 0) + int(v)
+    return out
+
+
+class Scheduler:
+    def reasons(self, pod: dict[str, Any], node: dict[str, Any], placed: list[dict[str, Any]]) -> str | None:
+        """Why `pod` cannot go to `node` (the scheduler's words), or None when it can."""
+        spec = pod["spec"]
+        labels = node["metadata"].get("labels") or {}
+        affinity = spec.get("affinity") or {}
+        required = ((affinity.get("nodeAffinity") or {}).get("requiredDuringSchedulingIgnoredDuringExecution")
+                    or {}).get("nodeSelectorTerms")
+        if any(labels.get(k) != v for k, v in (spec.get("nodeSelector") or {}).items()) or (
+                required and not any(_term_matches(t, node) for t in required)):
+            return "node(s) didn't match Pod's node affinity/selector"
+        here = [p for p in placed if p["spec"].get("nodeName") == node["metadata"]["name"]]
+        for term in (affinity.get("podAntiAffinity") or {}).get("requiredDuringSchedulingIgnoredDuringExecution", []):
+            want = term["labelSelector"]["matchLabels"]
+            if any(all((p["metadata"].get("labels") or {}).get(k) == v for k, v in want.items()) for p in here):
+                return "node(s) didn't match pod anti-affinity rules"
+        allocatable = (node.get("status") or {}).get("allocatable") or {}
+        for res, n in _requests(pod).items():
+            if int(allocatable.get(res, 0)) < n + sum(_requests(p).get(res, 0) for p in here):
+                return f"Insufficient {res}"
+        return None
+
+    async def step(self, emulator: Emulator) -> None:
+        nodes = sorted(_of_kind(emulator, "Node"), key=lambda n: n["metadata"]["name"])
+        pods = [json.loads(json.dumps(p)) for p in _of_kind(emulator, "Pod") if not p["metadata"].get("deletionTimestamp")]
+        placed = [p for p in pods if p["spec"].get("nodeName")]
+        for pod in sorted((p for p in pods if not p["spec"].get("nodeName")), key=lambda p: p["metadata"]["name"]):
+            why = {n["metadata"]["name"]: self.reasons(pod, n, placed) for n in nodes}
+            fits = [name for name, reason in why.items() if reason is None]
+            if fits:
+                pod["spec"]["nodeName"] = fits[0]
+                placed.append(pod)
+                await request(emulator, "PATCH", pod_path(pod), {"spec": {"nodeName": fits[0]}, "status": {
+                    "conditions": [{"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": "False"}]}})
+                continue
+            counts: dict[str, int] = {}
+            for reason in why.values():
+                counts[reason] = counts.get(reason, 0) + 1  # type: ignore[index]
+            message = f"0/{len(nodes)} nodes are available: " + ", ".join(f"{n} {r}" for r, n in sorted(counts.items())) + "."
+            cond = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message}
+            if cond not in pod["status"].get("conditions", []):
+                await request(emulator, "PATCH", pod_path(pod), {"status": {"conditions": [
+                    cond, {"type": "Ready", "status": "False"}]}})
+
+    async def run(self, emulator: Emulator) -> None:
+        while True:
+            await self.step(emulator)
+            await asyncio.sleep(0.1)

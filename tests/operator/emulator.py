@@ -1,0 +1,148 @@
+"""The kmock API emulator with what the operator needs of a real API server that kmock lacks.
+
+- metadata: uid, resourceVersion, creationTimestamp and generation (bumped on spec changes);
+- server-side apply (`application/apply-patch+yaml`): per field manager, the last applied
+  configuration is kept; a field the manager applied before and applies no more is removed, fields
+  of other writers are kept (lists are atomic: the operator is the only writer of the lists it
+  applies), an apply to a missing object creates it (201), and an apply that changes nothing is
+  answered without a write (same resourceVersion, no watch event), as the real server does;
+- merge patches that change nothing are no writes either;
+- pod logs (`pods/NAME/log`): served from what `logs` holds for the pod (the local kubelet
+  registers its containers' log files);
+- a stale JSON-patch test answers 422 (kmock: 500).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import itertools
+import json
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp.web
+import jsonpatch
+import kmock
+
+_counter = itertools.count(1)
+APPLY = "application/apply-patch+yaml"
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def merge(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge(out.get(key), value)
+    return out
+
+
+def removed(previous: Any, current: Any) -> dict[str, Any]:
+    """A merge patch of nulls for the fields `previous` set that `current` no longer sets."""
+    out: dict[str, Any] = {}
+    if not isinstance(previous, dict):
+        return out
+    for key, value in previous.items():
+        if not isinstance(current, dict) or key not in current:
+            out[key] = None
+        elif isinstance(value, dict) and isinstance(current[key], dict):
+            below = removed(value, current[key])
+            if below:
+                out[key] = below
+    return out
+
+
+class Emulator(kmock.KubernetesEmulator):
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self.applied: dict[tuple[Any, str | None, str, str], dict[str, Any]] = {}
+        self.logs: dict[tuple[str, str], Callable[[], str]] = {}
+
+    def current(self, request: Any) -> dict[str, Any] | None:
+        key = (request.resource, request.namespace, request.name)
+        return self.objects[key].raw if key in self.objects and not self.objects[key].deleted else None
+
+    async def _handle(self, request):  # type: ignore[override]
+        if request.resource is not None and request.subresource == "log" and request.method.value == "GET":
+            source = self.logs.get((request.namespace, request.name))
+            if source is None:
+                raise kmock.KubernetesError(status=400, reason="BadRequest", message="container is not running")
+            tail = int(request.params.get("tailLines") or 0)
+            lines = source().splitlines(keepends=True)
+            return aiohttp.web.Response(text="".join(lines[-tail:] if tail else lines))
+        if request.action == kmock.action.UPDATE and request.headers.get("Content-Type", "").startswith(APPLY):
+            answer = await self._apply(request)
+            if answer is not None:
+                return answer
+        elif request.action == kmock.action.UPDATE and isinstance(request.data, dict) and request.name:
+            current = self.current(request)
+            if current is not None and merge(current, request.data) == current:
+                return aiohttp.web.json_response(current)  # a no-op patch: no write, no event
+        self._assign_metadata(request)
+        try:
+            return await super()._handle(request)
+        except jsonpatch.JsonPatchTestFailed as e:
+            # A stale resourceVersion: a real API server answers 422 and the client re-reads.
+            raise kmock.KubernetesError(status=422, reason="Invalid", message=str(e)) from None
+
+    async def _apply(self, request: Any) -> Any:
+        """Server-side apply: None when it became an ordinary merge patch (handled on)."""
+        manager = request.params.get("fieldManager", "")
+        config = json.loads(json.dumps(request.data))
+        key = (request.resource, request.namespace, request.name, manager)
+        current = self.current(request)
+        previous = self.applied.get(key)
+        self.applied[key] = config
+        if current is None:
+            obj = copy.deepcopy(config)
+            meta = obj.setdefault("metadata", {})
+            meta.update(uid=str(uuid.uuid4()), resourceVersion=str(next(_counter)), creationTimestamp=now(),
+                        generation=1)
+            obj_key = (request.resource, request.namespace, request.name)
+            async with self._lock:
+                self.objects[obj_key] = obj
+                await self._buses[request.resource].put({"type": "ADDED", "object": obj})
+            return aiohttp.web.json_response(obj, status=201)
+        patch = merge(removed(previous, config), config)
+        if merge(current, patch) == current:
+            return aiohttp.web.json_response(current)
+        request.data.clear()
+        request.data.update(patch)
+        return None
+
+    def _assign_metadata(self, request: Any) -> None:
+        data = request.data
+        if request.resource is not None and request.action == kmock.action.CREATE and isinstance(data, dict):
+            meta = data.setdefault("metadata", {})
+            if not meta.get("name") and meta.get("generateName"):
+                meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+            meta.setdefault("uid", str(uuid.uuid4()))
+            meta["resourceVersion"] = str(next(_counter))
+            meta.setdefault("creationTimestamp", now())
+            meta.setdefault("generation", 1)
+        elif request.resource is not None and request.action == kmock.action.UPDATE and request.name:
+            current = self.current(request)
+            generation = ((current or {}).get("metadata", {}).get("generation") or 1)
+            rv = str(next(_counter))
+            if isinstance(data, dict):
+                meta = data.setdefault("metadata", {})
+                meta["resourceVersion"] = rv
+                spec_changed = "spec" in data and merge((current or {}).get("spec"), data["spec"]) != (current or {}).get("spec")
+                if spec_changed and request.subresource != "status":
+                    meta["generation"] = generation + 1
+            elif isinstance(data, list):
+                data.append({"op": "replace", "path": "/metadata/resourceVersion", "value": rv})
+
+
+def live_objects(emulator: Emulator) -> list[dict[str, Any]]:
+    return [obj.raw for (_, _, _), obj in emulator.objects.items() if not obj.deleted]

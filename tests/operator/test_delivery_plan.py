@@ -1,0 +1,107 @@
+"""operator/model_delivery.py, pure: which nodes hold a fetched model, which fetch it next, which
+model the pods run while a new one is fetched, and the ModelReady verdict."""
+
+from __future__ import annotations
+
+from dlo.operator.model_delivery import DeliveryInputs, keys_in_use, plan_delivery
+from dlo.operator.model_spec import ModelSource
+from dlo.operator.models import parse_spec
+from dlo.operator.names import FETCH_NODE_ANNOTATION, MODEL_KEY_ANNOTATION, model_label
+
+URI = "s3://models/wan"
+SPEC = parse_spec({"model": {"uri": URI}, "replicas": 2, "devicesPerNode": 8, "mode": "allgather"})
+KEY = SPEC.model.cache_key
+
+
+def node(name: str, *keys: str) -> dict:
+    return {"metadata": {"name": name, "labels": {model_label(k): "true" for k in keys}, "annotations": {}},
+            "spec": {}, "status": {"allocatable": {"nvidia.com/gpu": "8"}}}
+
+
+def job(node_name: str, key: str = KEY, state: str | None = None, message: str = "") -> dict:
+    conditions = [{"type": "Complete" if state == "succeeded" else "Failed", "status": "True"}] if state else []
+    return {"metadata": {"name": f"wan-fetch-{node_name}", "uid": node_name,
+                         "annotations": {FETCH_NODE_ANNOTATION: node_name, MODEL_KEY_ANNOTATION: key}},
+            "status": {"conditions": conditions}}
+
+
+def fetch_pod(job_name: str, message: str) -> dict:
+    return {"metadata": {"name": f"{job_name}-x", "labels": {"job-name": job_name}},
+            "status": {"phase": "Failed", "containerStatuses": [{"state": {"terminated": {"message": message}}}]}}
+
+
+def plan(nodes, jobs=(), pods=(), served=None, engine_nodes=(), active=None, max_fetches=4, spec=SPEC, now=1000.0,
+         finished_at=999.0):
+    return plan_delivery(DeliveryInputs(
+        spec=spec, served=served, nodes=list(nodes), engine_nodes=list(engine_nodes), jobs=list(jobs),
+        fetch_pods=list(pods), active_elsewhere=active or {"": 0}, in_use={}, progress_of=lambda j: (50, 200, 1, 4),
+        now=now, max_fetches=max_fetches, retry_seconds=300, finished_at=lambda j: finished_at))
+
+
+def test_the_pods_nodes_fetch_first_then_the_others_by_name():
+    p = plan([node("a"), node("b"), node("c")], engine_nodes=["c"])
+    assert p.start == ["c", "a"]
+    assert p.verdict[:2] == ("False", "Fetching") and "0/2 nodes hold" in p.verdict[2]
+
+
+def test_holders_need_no_fetch_and_make_the_model_ready():
+    p = plan([node("a", KEY), node("b", KEY), node("c")])
+    assert p.start == [] and p.verdict == ("True", "Fetched", f"2 of 2 nodes hold {URI}")
+    assert p.fetches == {"a": {"state": "complete"}, "b": {"state": "complete"}}
+
+
+def test_fetch_slots_are_shared_and_one_fetch_runs_per_node():
+    p = plan([node("a"), node("b")], active={"": 4, "x": 4})
+    assert p.start == [] and {n: s["state"] for n, s in p.fetches.items()} == {"a": "pending", "b": "pending"}
+    assert "a waiting for a fetch slot" in p.verdict[2]
+    p = plan([node("a"), node("b")], active={"": 1, "a": 1})  # a fetches for another resource
+    assert p.start == ["b"] and p.fetches["a"]["state"] == "pending"
+
+
+def test_a_running_fetch_reports_progress_and_is_not_started_twice():
+    p = plan([node("a", KEY), node("b")], jobs=[job("b")])
+    assert p.start == [] and p.fetches["b"] == {"state": "fetching", "bytes": 50, "totalBytes": 200, "percent": 25.0}
+    assert "b fetching 25.0% (50 of 200 bytes)" in p.verdict[2]
+
+
+def test_a_finished_fetch_labels_its_node_and_hands_back_evicted_keys():
+    done = job("b", state="succeeded")
+    pod = fetch_pod(done["metadata"]["name"], '{"state": "complete", "bytes": 200, "evicted": ["old-0123"]}')
+    p = plan([node("a", KEY), node("b")], jobs=[done], pods=[pod])
+    assert p.label == ["b"] and p.unlabel == [("b", "old-0123")] and p.delete == [done]
+    assert p.verdict[0] == "True"
+
+
+def test_a_failed_fetch_is_reported_then_retried_and_another_node_tries_meanwhile():
+    failed = job("a", state="failed")
+    pod = fetch_pod(failed["metadata"]["name"], '{"state": "failed", "reason": "disk_full", "message": "no room"}')
+    p = plan([node("a"), node("b"), node("c")], jobs=[failed], pods=[pod])
+    assert p.fetches["a"] == {"state": "failed", "reason": "disk_full", "message": "no room"}
+    assert p.start == ["b", "c"] and p.delete == []
+    later = plan([node("a"), node("b"), node("c")], jobs=[failed], pods=[pod], now=2000.0)
+    assert later.delete == [failed]  # the retry delay is over: the next round starts it again
+    only = plan([node("a")], jobs=[failed], pods=[pod], spec=SPEC.model_copy(update={"replicas": 1}))
+    assert only.verdict[:2] == ("False", "FetchFailed") and "a: disk_full: no room" in only.verdict[2]
+
+
+def test_a_new_uri_keeps_the_pods_on_their_model_until_enough_nodes_hold_the_new_one():
+    served = ModelSource(uri="s3://models/wan-old")
+    p = plan([node("a", served.cache_key), node("b", served.cache_key)], served=served)
+    assert p.pods_model == served and "before the pods move to it: 0/2" in p.rolling_for_model
+    assert sorted(p.start) == ["a", "b"]
+    p = plan([node("a", served.cache_key, KEY), node("b", KEY)], served=served)
+    assert p.pods_model == SPEC.model and p.rolling_for_model == ""
+
+
+def test_jobs_of_a_model_no_longer_wanted_are_deleted():
+    stale = job("a", key="other-0123456789ab")
+    p = plan([node("a", KEY), node("b", KEY)], jobs=[stale])
+    assert p.delete == [stale]
+
+
+def test_keys_in_use_come_from_the_engine_pods_of_every_resource():
+    pods = [{"metadata": {"labels": {"app.kubernetes.io/component": "engine"}, "annotations": {MODEL_KEY_ANNOTATION: "k1"}},
+             "spec": {"nodeName": "a"}},
+            {"metadata": {"labels": {"app.kubernetes.io/component": "fetch"}, "annotations": {MODEL_KEY_ANNOTATION: "k2"}},
+             "spec": {"nodeName": "a"}}]
+    assert keys_in_use(pods) == {"a": ["k1"]}
