@@ -96,8 +96,13 @@ def summarize(recs: list[dict]) -> dict:
 
 
 def merge(files: list[Path]) -> dict:
-    recs = [json.loads(Path(f).read_text()) for f in files]
-    by_model = {rec["model"]: rec for rec in recs}  # a later file's record of a model replaces an earlier one
+    by_model: dict[str, dict] = {}
+    for f in files:  # several calls of one model: their runs together (a later call's run of a name wins)
+        rec = json.loads(Path(f).read_text())
+        if rec["model"] in by_model:
+            by_model[rec["model"]]["runs"].update(rec["runs"])
+        else:
+            by_model[rec["model"]] = rec
     return {"date": datetime.date.today().isoformat(), "files": [str(f) for f in files],
             "models": by_model, "summary": summarize(list(by_model.values()))}
 

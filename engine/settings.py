@@ -129,6 +129,9 @@ class EngineSettings:
     # the family's large text encoders stream like the transformers (offloaded modes only)
     stream_encoders: bool = False
     cpu_threads: int = 1  # intra-op threads per cpu rank (fixed: results do not depend on dp)
+    # the pipeline's own safety checker where it has one (Cosmos3's cosmos_guardrail, which needs its
+    # package and models in the image); off by default
+    safety_checker: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.offload, OffloadSettings) or not isinstance(self.parallel, ParallelSettings):
@@ -139,6 +142,7 @@ class EngineSettings:
             raise ConfigError("max_device_memory needs a cuda or npu device; the device is cpu")
         _flag("stream_encoders", self.stream_encoders)
         _whole("cpu_threads", self.cpu_threads, 1)
+        _flag("safety_checker", self.safety_checker)
 
     @property
     def mode(self) -> Mode:

@@ -21,9 +21,10 @@ pipeline makes one sample per call). Classifier-free guidance whenever guidance 
 unconditional forward per step, also without a negative prompt: the pipeline then uses ""). Videos
 run at the transformer's `base_fps` (24), the rate the pipeline defaults to. Sound is generated and
 muxed into the MP4 when the folder has a `sound_tokenizer` and the transformer `sound_gen`.
-The safety checker (`cosmos_guardrail`, whose models cannot be downloaded here) is off: the
-pipeline is built with `enable_safety_checker=False` and called with `enable_safety_check=False`;
-docs/serving.md names the switch a deployment uses to turn it on.
+The safety checker (NVIDIA's `cosmos_guardrail`, whose package and models cannot be downloaded
+here) is off by default: the pipeline is built with `enable_safety_checker=False` and called with
+`enable_safety_check=False`; `dlo serve --safety-checker` (`EngineSettings.safety_checker`) builds it
+with the checker and calls it with the check on (docs/serving.md).
 Must never: import torch or diffusers at import time.
 """
 
@@ -59,7 +60,8 @@ class Cosmos3Family(PipelineFamily):
                              accepts_image=True, fps=int(transformer.get("base_fps") or 24), max_n=1, audio=sound,
                              no_sp=NO_SP)
 
-    def build_pipeline(self, model_dir: Path, modules: dict[str, Any], compute_dtype: Any, device: Any) -> Any:
+    def build_pipeline(self, model_dir: Path, modules: dict[str, Any], compute_dtype: Any, device: Any, *,
+                       safety_checker: bool = False) -> Any:
         import diffusers
         import torch
 
@@ -71,7 +73,7 @@ class Cosmos3Family(PipelineFamily):
         whole = {name: load_whole(model_dir / name) for name in ("vae", "sound_tokenizer")
                  if (model_dir / name / "config.json").is_file()}
         pipe = diffusers.Cosmos3OmniPipeline.from_pretrained(
-            model_dir, **modules, **whole, enable_safety_checker=False, torch_dtype=compute_dtype)
+            model_dir, **modules, **whole, enable_safety_checker=safety_checker, torch_dtype=compute_dtype)
         # The pipeline takes its device from the transformer's first parameter, `embed_tokens`, which
         # stays on the host (a host lookup): the rank's device is where it runs.
         pipe._get_execution_device = lambda: torch.device(device)
@@ -82,14 +84,16 @@ class Cosmos3Family(PipelineFamily):
 
     def call_kwargs(self, gen: Generation) -> dict[str, Any]:
         return {"num_frames": gen.frames if gen.kind == "video" else 1, "fps": float(gen.fps or 24),
-                "enable_sound": gen.kind == "video", "enable_safety_check": False}
+                "enable_sound": gen.kind == "video"}
 
     def call_inputs(self, gen: Generation) -> dict[str, Any]:
         return reference_image(gen)
 
     def run(self, pipe: Any, kwargs: dict[str, Any], on_step: Any) -> Any:
         sound = pipe.sound_tokenizer is not None and bool(getattr(pipe.transformer.config, "sound_gen", False))
-        kwargs = {**kwargs, "enable_sound": bool(kwargs.get("enable_sound")) and sound}
+        # the guardrail runs when the pipeline was built with it (`dlo serve --safety-checker`)
+        kwargs = {**kwargs, "enable_sound": bool(kwargs.get("enable_sound")) and sound,
+                  "enable_safety_check": pipe.safety_checker is not None}
         out = pipe(**kwargs, callback_on_step_end=on_step)
         rate = int(pipe.sound_tokenizer.config.sampling_rate) if kwargs["enable_sound"] else 0
         return out, rate

@@ -67,7 +67,8 @@ class MiniMaxH3Family(PipelineFamily):
                              transformer["_class_name"], accepts_image=True, frame_step=chunk, frame_offset=kept,
                              min_frames=lo, max_frames=hi, fps=FPS, images=False, audio=True, no_sp=NO_SP)
 
-    def build_pipeline(self, model_dir: Path, modules: dict[str, Any], compute_dtype: Any, device: Any) -> Any:
+    def build_pipeline(self, model_dir: Path, modules: dict[str, Any], compute_dtype: Any, device: Any, *,
+                       safety_checker: bool = False) -> Any:  # MiniMax-H3 has no safety checker
         import diffusers
         import transformers
 

@@ -157,9 +157,11 @@ class PipelineFamily:
     def pipeline_facts(self, root: Path, index: dict, transformer: dict, vae: dict) -> PipelineFacts:
         raise NotImplementedError
 
-    def build_pipeline(self, model_dir: Path, modules: dict[str, Any], compute_dtype: Any, device: Any) -> Any:
+    def build_pipeline(self, model_dir: Path, modules: dict[str, Any], compute_dtype: Any, device: Any, *,
+                       safety_checker: bool = False) -> Any:
         """The diffusers pipeline of `model_dir` with the streamed `modules` in place of its own
-        (the VAE stays float32: its output becomes the bytes). Default: `from_pretrained`."""
+        (the VAE stays float32: its output becomes the bytes); `safety_checker`: the pipeline's own,
+        where it has one. Default: `from_pretrained`."""
         import diffusers
         import torch
 

@@ -134,7 +134,8 @@ class ServingPipeline:
         # The family's pipeline with the streamed modules in place (the VAE stays float32: its output
         # becomes the bytes).
         self.pipe = self.adapter.build_pipeline(Path(model_dir), {name: m.module for name, m in self.models.items()},
-                                                self.model.compute_dtype, self.device)
+                                                self.model.compute_dtype, self.device,
+                                                safety_checker=settings.safety_checker)
         self.pipe.set_progress_bar_config(disable=True)
         if isinstance(getattr(self.pipe, "vae", None), torch.nn.Module):
             decode_in_own_dtype(self.pipe.vae)

@@ -249,3 +249,19 @@ def test_api_takes_each_familys_frame_rules(cosmos, minimax):
     gen = video_generation(VideoCreateRequest(prompt="x", size="32x32", num_frames=9, input_reference=ref), c3,
                            limits, "m")
     assert gen.image == png() and (gen.frames, gen.fps) == (9, 24)  # text- or image-to-video, one family
+
+
+def test_safety_checker_is_off_unless_asked_and_sp_is_refused(cosmos, minimax):
+    """`--safety-checker` builds Cosmos3's guardrail (absent here: the load names the missing
+    package); `--sp 2` exits 2 before any rank starts, naming why each family runs without sp."""
+    import subprocess
+    import sys
+
+    from dlo.engine.serving.pipeline import ServingPipeline
+
+    with pytest.raises(ImportError, match="cosmos_guardrail"):
+        ServingPipeline(cosmos, EngineSettings(OffloadSettings("resident"), safety_checker=True))
+    for model, why in ((cosmos, "no _cp_plan"), (minimax, "must divide by sp")):
+        r = subprocess.run([sys.executable, "-m", "dlo.cli.main", "serve", str(model), "--dp", "1", "--sp", "2",
+                            "--device", "cpu"], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and why in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
