@@ -54,6 +54,7 @@ class MiniMaxH3Family(PipelineFamily):
     pipeline_class = "MiniMaxH3ModularPipeline"
     streamable_encoders = ("text_encoder",)  # Qwen3-VL-32B's language model layers
     unused_call_args = ("negative_prompt", "guidance_scale", "max_sequence_length")
+    vae_always_tiled = True  # `AutoencoderKLMiniMaxH3` tiles by default; disabling it changes the output
 
     def pipeline_facts(self, root: Path, index: dict, transformer: dict, vae: dict) -> PipelineFacts:
         spatial = math.prod(vae.get("spatial_downsample_factors") or [2, 2, 2, 2, 1, 1])

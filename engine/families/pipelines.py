@@ -146,6 +146,9 @@ class PipelineFamily:
     streamable_encoders: tuple[str, ...] = ()
     # Keyword arguments of the common pipeline call (`ServingPipeline`) this pipeline does not take.
     unused_call_args: tuple[str, ...] = ()
+    # The VAE decodes in tiles at every size (MiniMax-H3's was released so: untiled, its output
+    # differs); else tiles only above `ServingPipeline.vae_tile_above_pixels`.
+    vae_always_tiled: bool = False
 
     def __repr__(self) -> str:
         return f"PipelineFamily({self.name!r})"

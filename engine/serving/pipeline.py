@@ -303,7 +303,8 @@ class ServingPipeline:
         """Tiled VAE decoding for requests above `vae_tile_above_pixels` decoded pixels (the same rule
         on every rank and in every mode, so bytes stay identical across them); returns whether on."""
         vae = getattr(self.pipe, "vae", None)
-        tiled = gen.width * gen.height * max(1, gen.frames) * gen.n > self.vae_tile_above_pixels
+        tiled = (self.adapter.vae_always_tiled
+                 or gen.width * gen.height * max(1, gen.frames) * gen.n > self.vae_tile_above_pixels)
         if vae is not None and hasattr(vae, "enable_tiling"):
             if tiled:
                 vae.enable_tiling()

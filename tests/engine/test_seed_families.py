@@ -145,6 +145,13 @@ def _plain(model: Path, gen: Generation) -> bytes:
     return seed_baseline.encoded(result)
 
 
+def test_minimax_vae_decodes_in_tiles_as_released_at_every_size(minimax_pipe, cosmos_pipe):
+    """MiniMax-H3's VAE tiles by default (untiled, its output differs): the engine's size rule for
+    tiling must not turn it off; Cosmos3's Wan VAE keeps the rule (untiled below it)."""
+    assert minimax_pipe._vae_tiling(MINIMAX_T2VA) and minimax_pipe.pipe.vae.use_tiling
+    assert not cosmos_pipe._vae_tiling(COSMOS_T2V) and not cosmos_pipe.pipe.vae.use_tiling
+
+
 def test_resident_bytes_equal_plain_diffusers_with_the_sound_track(cosmos, minimax, cosmos_pipe, minimax_pipe):
     import imageio_ffmpeg
     import subprocess
