@@ -2,7 +2,8 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | md5sum | cut -c1-8)
+LORA_REFERENCE := tests/engine/lora-reference.txt
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(LORA_REFERENCE) | md5sum | cut -c1-8)
 
 .PHONY: demo test install prometheus lint crd clean
 
@@ -10,10 +11,13 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# torch first, pinned to the CPU wheel: a bare `torch` would pull a multi-GB CUDA build.
-$(STAMP): $(BIN)/python pyproject.toml
+# torch first, pinned to the CPU wheel: a bare `torch` would pull a multi-GB CUDA build. peft for
+# the LoRA tests' diffusers reference goes to its own folder, which only that reference's process
+# puts on its path (see $(LORA_REFERENCE)).
+$(STAMP): $(BIN)/python pyproject.toml $(LORA_REFERENCE)
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev,engine]'
+	$(BIN)/pip install -q --no-deps --upgrade --target $(VENV)/lora-reference -r $(LORA_REFERENCE)
 	touch $(STAMP)
 
 install: $(STAMP)

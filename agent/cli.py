@@ -13,6 +13,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -45,12 +46,23 @@ def run(command: str, argv: list[str]) -> int:
     if command not in handlers:
         print(f"dlo: {command!r} is not an agent command", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=os.environ.get("DLO_LOG_LEVEL", "INFO").upper(),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-        stream=sys.stderr,
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(OneLineFormatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    logging.basicConfig(level=os.environ.get("DLO_LOG_LEVEL", "INFO").upper(), handlers=[handler])
     return handlers[command](argv)
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f\x85\u2028\u2029]")
+
+
+class OneLineFormatter(logging.Formatter):
+    """One record, one line: control characters of the message (a newline in a folder name, say)
+    are written escaped (`\\n`), so nothing a file name holds can forge or split a log line.
+    Tracebacks (`exc_info`) still follow on their own lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+        record.message = _CONTROL.sub(lambda m: repr(m.group())[1:-1], record.message)
+        return super().formatMessage(record)
 
 
 def _stop_on_signals() -> threading.Event:
@@ -123,6 +135,8 @@ def run_warm(argv: list[str]) -> int:
         total = sum(f.stat().st_size for f in files)
     except (OSError, ResidencyError) as e:
         return fail("dlo warm", e)
+    except RecursionError:
+        return fail("dlo warm", f"{', '.join(map(str, args.paths))}: a folder tree too deep to walk")
     if not files:
         return fail("dlo warm", f"no *.safetensors file under {', '.join(map(str, args.paths))}")
     progress = Progress(
@@ -145,6 +159,10 @@ def run_warm(argv: list[str]) -> int:
             )
     except (OSError, ResidencyError, ValueError) as e:
         return fail("dlo warm", e)
+    broken = _broken_file(files)  # after the warm: reading the headers first would change `ratio_before`
+    if broken is not None:
+        session.close()
+        return fail("dlo warm", broken)
     report = session.report()
     if args.json:
         print(json.dumps(report, indent=1))
@@ -164,6 +182,18 @@ def run_warm(argv: list[str]) -> int:
     return 0 if session.ok else 1
 
 
+def _broken_file(files: list[Path]) -> str | None:
+    """Why one of `files` is no safetensors file an engine can load (a 0-byte or cut file, a bad
+    header: warming it would report success for a model that cannot serve), or None."""
+    from dlo.agent.modelcheck import file_error
+
+    for f in files:
+        err = file_error(f)
+        if err is not None:
+            return f"{err.message} ({err.reason})"
+    return None
+
+
 # --- dlo agent -------------------------------------------------------------------------------
 
 
@@ -181,7 +211,12 @@ def agent_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--port", type=port, default=DEFAULT_PORT,
                    help=f"HTTP port (default {DEFAULT_PORT}; not 9400, dcgm-exporter's; 0 picks a free one)")
-    p.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
+    p.add_argument("--host", default=None,
+                   help="listen address (default: 0.0.0.0 in a cluster, the pod's own addresses; 127.0.0.1 "
+                        "outside one, so that node memory facts are not offered to the whole network)")
+    p.add_argument("--max-connections", type=positive_int, default=256,
+                   help="open HTTP connections at most (default 256; 32 from one client address); beyond, a "
+                        "connection gets 503 at once. A connection must send its request head within 5 s")
     p.add_argument("--node-name", default=os.environ.get("NODE_NAME") or socket.gethostname(),
                    help="this node's name (default: $NODE_NAME, else the host name)")
     p.add_argument("--models-root", type=existing_dir, help="folder whose sub-folders are models (facts, residency)")
@@ -207,7 +242,7 @@ def run_agent(argv: list[str]) -> int:
         parser.error("--node-name must not be empty (set it, or $NODE_NAME)")
     from dlo.agent.node import Agent, AgentConfig, publish_loop, warm_loop
     from dlo.agent.pods import KubernetesPods
-    from dlo.agent.server import serve
+    from dlo.agent.server import Limits, serve
 
     use_k8s = args.kubernetes == "on" or (args.kubernetes == "auto" and "KUBERNETES_SERVICE_HOST" in os.environ)
     cfg = AgentConfig(
@@ -218,7 +253,9 @@ def run_agent(argv: list[str]) -> int:
     try:
         pods = KubernetesPods(args.node_name) if use_k8s else None
         agent = Agent(cfg, pods=pods)
-        server = serve(agent, args.host, args.port)
+        host = args.host or ("0.0.0.0" if use_k8s else "127.0.0.1")
+        server = serve(agent, host, args.port, Limits(max_connections=args.max_connections,
+                                                     per_address=min(32, args.max_connections)))
     except (OSError, ValueError) as e:
         return fail("dlo agent", e)
     stop = _stop_on_signals()
@@ -231,7 +268,7 @@ def run_agent(argv: list[str]) -> int:
         threads.append(threading.Thread(target=warm_loop, args=(agent, stop, args.warm_interval), daemon=True))
     for t in threads:
         t.start()
-    print(f"dlo agent: serving on http://{args.host}:{server.server_address[1]} node={args.node_name}",
+    print(f"dlo agent: serving on http://{host}:{server.server_address[1]} node={args.node_name}",
           file=sys.stderr, flush=True)
     stop.wait()
     server.shutdown()

@@ -66,13 +66,14 @@ from pydantic import BaseModel, ConfigDict
 from dlo.agent.profile import NodeProfile, compute_rate
 from dlo.engine.facts import MODE_KEYS, ModeKey, ModelFacts
 from dlo.engine.memory_model import placed_weight_bytes
+from dlo.engine.memory_plan import UNMEASURED_RESERVE_RATIO
 
 if TYPE_CHECKING:
     from dlo.engine.memory_model import PipelineMemory
 
 FRAMEWORK_BASE_BYTES = 91_000_000
 FRAMEWORK_MODEL_RATIO = 0.1033
-DEVICE_RESERVE_RATIO = 0.15
+DEVICE_RESERVE_RATIO = UNMEASURED_RESERVE_RATIO  # the budget kept for an unmeasured request (one constant with auto resident blocks)
 NEAR_TIE = 0.05
 BYTES_PER_PARAM = 2
 

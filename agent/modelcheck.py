@@ -14,6 +14,10 @@ Reasons, in the order they are looked for:
 - `truncated`: a file is shorter than its own header says (an interrupted copy or download).
 - `bad_header`: a safetensors header is not valid (not JSON, bad dtype/shape/offsets, overlaps).
 - `no_config`: the transformer's `config.json` is missing or not JSON.
+- `bad_config`: the transformer's `config.json` is JSON but not a model config's shape (not an
+  object, or `_class_name` / `architectures` of the wrong type).
+- `scan_error`: the scan of the folder itself failed (a tree too deep to walk, a file that changed
+  type under it, a bug): the folder is flagged so that every other folder keeps its series.
 A folder whose config names a model class DLO has no family for is not broken (another engine may
 serve it): it has no facts, and no error.
 """
@@ -30,8 +34,10 @@ from typing import Literal
 from dlo.engine.checkpoint import INDEX_SUFFIX, MAX_HEADER_BYTES, CheckpointError, read_header
 from dlo.engine.families import pipeline_index
 
-Reason = Literal["unreadable", "missing_shard", "bad_index", "truncated", "bad_header", "no_config"]
-REASONS: tuple[Reason, ...] = ("unreadable", "missing_shard", "bad_index", "truncated", "bad_header", "no_config")
+Reason = Literal["unreadable", "missing_shard", "bad_index", "truncated", "bad_header", "no_config", "bad_config",
+                 "scan_error"]
+REASONS: tuple[Reason, ...] = ("unreadable", "missing_shard", "bad_index", "truncated", "bad_header", "no_config",
+                               "bad_config", "scan_error")
 # A message travels in the node annotation: keep it short.
 MAX_MESSAGE_CHARS = 300
 
@@ -63,7 +69,7 @@ def is_model_folder(folder: Path) -> bool:
     return any(folder.rglob("*.safetensors")) or any(folder.rglob(f"*{INDEX_SUFFIX}"))
 
 
-def _file_error(path: Path) -> ModelError | None:
+def file_error(path: Path) -> ModelError | None:
     """The first problem of one safetensors file, reading its header only."""
     try:
         read_header(path)
@@ -124,12 +130,28 @@ def _config_error(root: Path) -> ModelError | None:
     if not config.is_file():
         return ModelError.of("no_config", f"{config}: missing (the transformer's diffusers config)")
     try:
-        json.loads(config.read_text())
+        doc = json.loads(config.read_text())
     except OSError as e:
         return ModelError.of("unreadable", f"{config}: cannot read: {e.strerror or e}")
     except ValueError as e:
         return ModelError.of("no_config", f"{config}: not JSON: {e}")
-    return None
+    return _config_shape_error(config, doc)
+
+
+def _config_shape_error(config: Path, doc: object) -> ModelError | None:
+    """The fields the model's class is read from must have their types (the engine's own rule)."""
+    from dlo.engine.families.base import class_fields_error
+
+    if not isinstance(doc, dict):
+        return ModelError.of("bad_config", f"{config}: a JSON object is expected, got {type(doc).__name__}")
+    wrong = class_fields_error(doc)
+    return None if wrong is None else ModelError.of("bad_config", f"{config}: {wrong}")
+
+
+def scan_error(folder: Path, error: BaseException) -> ModelError:
+    """The reason for a folder whose scan raised: it is flagged, the scan of the others goes on."""
+    hint = " (a folder tree deeper than can be walked)" if isinstance(error, RecursionError) else ""
+    return ModelError.of("scan_error", f"{folder}: scanning the folder failed{hint}: {type(error).__name__}: {error}")
 
 
 def check_folder(folder: Path | str) -> ModelError | None:
@@ -148,7 +170,7 @@ def check_folder(folder: Path | str) -> ModelError | None:
         if (err := _index_error(index)) is not None:
             return err
     for path in files:
-        if (err := _file_error(path)) is not None:
+        if (err := file_error(path)) is not None:
             return err
     root = component_root(folder)
     if not any(root.glob("*.safetensors")) and not any(root.glob(f"*{INDEX_SUFFIX}")):

@@ -71,7 +71,7 @@ class Agent:
         self._lock = threading.Lock()  # guards the last scan (a swap, never held during a scan)
         self._scan_lock = threading.Lock()  # one scan at a time (node loop, warming)
         self._model_loop = False
-        self.models_scanned = threading.Event()  # set once the first scan finished
+        self.models_scanned = threading.Event()  # set once the first scan round ended (well or not)
         self.model_errors: dict[str, ModelError] = {}  # broken folders of the last scan
 
     @staticmethod
@@ -100,11 +100,13 @@ class Agent:
     def scan_models(self) -> list[ModelFolder]:
         """Scan the models root (facts, residency, broken files), keep the result, log changes."""
         with self._scan_lock:
-            folders = model_folders(self.cfg.models_root)
-            self._note_errors(folders)
-            with self._lock:
-                self._models = (time.monotonic(), folders)
-            self.models_scanned.set()
+            try:
+                folders = model_folders(self.cfg.models_root)
+                self._note_errors(folders)
+                with self._lock:
+                    self._models = (time.monotonic(), folders)
+            finally:  # a round that failed is a round too: what waits for the first one goes on
+                self.models_scanned.set()
         return folders
 
     def _note_errors(self, folders: list[ModelFolder]) -> None:
@@ -194,7 +196,8 @@ def model_loop(agent: Agent, stop: threading.Event, interval_s: float) -> None:
 def publish_loop(agent: Agent, annotate: Callable[[str], None], stop: threading.Event, interval_s: float) -> None:
     """Patch the node annotation whenever the profile changes (checked every `interval_s`)."""
     last = None
-    # With the node loop on, publish once its first scan is in (the models), not before.
+    # With the node loop on, publish once its first scan round ended (its models, or none if it
+    # failed: a node without a scan still publishes its devices), not before.
     while agent.model_loop_running and not agent.models_scanned.wait(1.0) and not stop.is_set():
         pass
     while not stop.is_set():

@@ -13,6 +13,7 @@ Must never: import torch, or compute an estimate itself (dlo.agent.policy does, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import TYPE_CHECKING
@@ -143,6 +144,10 @@ def run_plan(argv: list[str]) -> int:
                     "--profile FILE of one)")
     budget = None if not profile.accelerator.memory_bytes else device_budget(
         profile, args.max_device_memory, pipeline.context_bytes if pipeline else 0)
+    if pipeline is not None and budget is not None:  # the VAE tiling the budget implies, as dlo serve decides it
+        from dlo.engine.memory_plan import tiling_for_budget
+
+        pipeline = dataclasses.replace(pipeline, tile_above_pixels=tiling_for_budget(pipeline, budget)[0])
     try:
         decision = choose_mode(
             profile, model, dp=dp, sp=args.sp, tokens_per_rank=args.tokens,
@@ -194,7 +199,7 @@ def _plan_pipeline(args: argparse.Namespace) -> PipelineMemory | None:
         return None
     from dlo.engine.memory_model import RequestBounds, pipeline_memory
     from dlo.engine.serving.limits import Limits
-    from dlo.engine.serving.pipeline import VAE_TILE_ABOVE_PIXELS
+    from dlo.engine.settings import VAE_TILE_ABOVE_PIXELS
 
     try:
         limits = Limits.load(args.limits, max_width=args.max_size, max_height=args.max_size)

@@ -195,6 +195,8 @@ def model_files(path: Path | str) -> list[Path]:
     if p.is_file():
         return [p]
     if not p.is_dir():
+        if p.exists():  # a FIFO, a device, a socket: there, but nothing to map
+            raise ResidencyError(f"{p}: not a regular file or a folder (a FIFO, device or socket)")
         raise FileNotFoundError(f"{p}: no such file or folder")
     return sorted(f for f in p.rglob("*.safetensors") if f.is_file())
 

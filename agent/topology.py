@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dlo.agent.memory import ProcFS
-from dlo.agent.modelcheck import ModelError, check_folder, describe_error, is_model_folder
+from dlo.agent.modelcheck import ModelError, check_folder, describe_error, is_model_folder, scan_error
 from dlo.agent.profile import (
     Accelerator,
     Interconnect,
@@ -299,37 +299,39 @@ def model_folders(models_root: Path | None) -> list[ModelFolder]:
     out: list[ModelFolder] = []
     for folder in folders:
         try:
-            if not is_model_folder(folder):
-                continue
-        except OSError as e:
-            out.append(ModelFolder(folder.name, folder, 0, None, None,
-                                   ModelError.of("unreadable", f"{folder}: cannot list: {e.strerror or e}")))
-            continue
-        error, facts = _check_and_describe(folder)
-        res: Residency | None = None
-        if error is None:  # a broken folder's residency is unknown whatever its pages: not measured
-            try:
-                res = folder_residency(folder)
-            except (ResidencyError, FileNotFoundError) as e:
-                error = ModelError.of("unreadable", e)
-        if res is None:
-            try:
-                files_bytes = sum(f.stat().st_size for f in model_files(folder))
-            except OSError:
-                files_bytes = 0
-        else:
-            files_bytes = res.bytes
-        out.append(
-            ModelFolder(
-                name=folder.name,
-                path=folder,
-                files_bytes=files_bytes,
-                resident_bytes=res.resident_bytes if res else None,
-                facts=None if error is not None else facts,
-                error=error,
-            )
-        )
+            found = _scan_folder(folder)
+        except Exception as e:  # one folder's scan failing flags that folder, never the whole scan
+            found = ModelFolder(folder.name, folder, 0, None, None, scan_error(folder, e))
+        if found is not None:
+            out.append(found)
     return out
+
+
+def _scan_folder(folder: Path) -> ModelFolder | None:
+    """One folder of the models root (None: not a model folder)."""
+    try:
+        if not is_model_folder(folder):
+            return None
+    except OSError as e:
+        return ModelFolder(folder.name, folder, 0, None, None,
+                           ModelError.of("unreadable", f"{folder}: cannot list: {e.strerror or e}"))
+    error, facts = _check_and_describe(folder)
+    res: Residency | None = None
+    if error is None:  # a broken folder's residency is unknown whatever its pages: not measured
+        try:
+            res = folder_residency(folder)
+        except (ResidencyError, FileNotFoundError) as e:
+            error = ModelError.of("unreadable", e)
+    if res is None:
+        try:
+            files_bytes = sum(f.stat().st_size for f in model_files(folder))
+        except OSError:
+            files_bytes = 0
+    else:
+        files_bytes = res.bytes
+    return ModelFolder(name=folder.name, path=folder, files_bytes=files_bytes,
+                       resident_bytes=res.resident_bytes if res else None,
+                       facts=None if error is not None else facts, error=error)
 
 
 # --- the profile -----------------------------------------------------------------------------

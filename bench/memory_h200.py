@@ -106,7 +106,7 @@ def _make(folder: Path, plan: Plan, device: str, dry_run: bool) -> dict:
     """The pipeline folder: `dlo make-random-model` in a child process on the device (this process
     holds no device memory while the families are measured); in this process for the dry run."""
     if not dry_run:
-        from pipeline_h200 import make  # the same make (skipped when present) as the pipeline bench
+        from model_folders import make  # the same make (skipped when present) as the pipeline bench
 
         return make(folder, plan.preset, plan.layers, device)
     from dlo.engine.presets import preset
@@ -188,47 +188,36 @@ def _geometry(model: Path) -> Geometry:
 
 # ---- merge (here) ----------------------------------------------------------------------------------
 def merge(raws: list[Path], table_path: Path, stem: Path) -> dict:
-    """Fit every family's parts and the allocator from the raw records; write the table and a record."""
+    """Fit every family's parts (reserved growth: what the table predicts with) and the weights'
+    overhead from the raw records; the allocated growth is fitted beside them in the record only."""
     records = [json.loads(p.read_text()) for p in raws]
     dry = [str(p) for p, r in zip(raws, records) if r.get("device_name", r.get("device")) == "cpu"]
     if dry:
         raise TableError(f"{', '.join(dry)}: a CPU dry run measures no device memory; merge GPU records only")
     families: dict[str, FamilyTable] = {}
-    allocator: list[tuple[dict, float]] = []
-    overhead: list[float] = []
+    overhead: list[tuple[dict, float]] = []
     contexts: list[int] = []
     report: dict[str, Any] = {}
     for rec in records:
         geometry = Geometry(**rec["geometry"])
-        points: dict[str, list[tuple[dict, float]]] = {}
-        for ph in rec["phases"]:
-            if ph.get("error") or ph.get("peak_allocated") is None or ph["part"] == "pipeline":
-                continue
-            activation = ph["peak_allocated"] - ph["base_allocated"]
-            x = _features(ph, geometry)
-            points.setdefault(ph["part"], []).append((x, float(activation)))
-            allocator.append(({"activation": float(activation)},
-                              float(max(0, ph["peak_reserved"] - ph["base_reserved"] - activation))))
         video = geometry.temporal_factor > 0
-        fits, unfitted = {}, {}
-        for part, pts in points.items():  # a part the call measured too little of stays unmeasured, named
-            try:
-                fits[part] = fit_linear(pts, part_features(part, video=video), f"{rec['family']} {part}")
-            except TableError as e:
-                unfitted[part] = str(e)
+        reserved, allocated = _points(rec, geometry)
+        fits, unfitted = _fit_parts(rec["family"], reserved, video)
+        activations, _ = _fit_parts(rec["family"], allocated, video)
         families[rec["family"]] = FamilyTable(rec["family"], rec["preset"], fits, rec.get("layers"))
-        overhead += [(ld["reserved"] - ld["expected_bytes"]) / ld["expected_bytes"]
+        overhead += [({"bytes": float(ld["expected_bytes"])}, float(ld["reserved"] - ld["expected_bytes"]))
                      for ld in rec.get("loads", {}).values() if "reserved" in ld and ld["expected_bytes"] > 0]
         ctx = rec.get("context_bytes") or {}
         if ctx:
             contexts.append(ctx.get("process_minus_reserved", ctx["device_used_minus_reserved"]))
-        report[rec["family"]] = {"validation": _validation(rec, fits, geometry), "skipped": rec.get("skipped", []),
-                                 "unfitted": unfitted,
+        report[rec["family"]] = {"validation": _validation(rec, fits, activations, geometry),
+                                 "activation_fits": {p: f.to_dict() for p, f in activations.items()},
+                                 "skipped": rec.get("skipped", []), "unfitted": unfitted,
                                  "errors": [ph for ph in rec["phases"] if ph.get("error")]}
     table = MemoryTable(families, device=records[0].get("device_name"), source=str(stem.with_suffix(".json")),
                         context_bytes=max(contexts) if contexts else None,
-                        allocator=fit_linear(allocator, ("activation",), "allocator") if allocator else None,
-                        weights_overhead_ratio=round(max([0.0, *overhead]), 6))
+                        weights_overhead=fit_linear(overhead, ("bytes",), "weights_overhead")
+                        if len(overhead) >= 2 else None)
     table.write(table_path)
     out = {"sources": [str(p) for p in raws], "table": table.to_dict(), "report": report,
            "command": " ".join([Path(sys.executable).name, *sys.argv])}
@@ -237,46 +226,82 @@ def merge(raws: list[Path], table_path: Path, stem: Path) -> dict:
     return out
 
 
+Points = dict[str, list[tuple[dict, float]]]
+
+
+def _points(rec: dict, geometry: Geometry) -> tuple[Points, Points]:
+    """Per part: (features, reserved growth) and (features, allocated growth) of every phase that ran."""
+    reserved: Points = {}
+    allocated: Points = {}
+    for ph in rec["phases"]:
+        if ph.get("error") or ph.get("peak_allocated") is None or ph["part"] == "pipeline":
+            continue
+        x = _features(ph, geometry)
+        reserved.setdefault(ph["part"], []).append((x, float(ph["peak_reserved"] - ph["base_reserved"])))
+        allocated.setdefault(ph["part"], []).append((x, float(ph["peak_allocated"] - ph["base_allocated"])))
+    return reserved, allocated
+
+
+def _fit_parts(family: str, points: Points, video: bool) -> tuple[dict, dict]:
+    """The fits, and the parts the call measured too little of (named, left unmeasured)."""
+    fits, unfitted = {}, {}
+    for part, pts in points.items():
+        try:
+            fits[part] = fit_linear(pts, part_features(part, video=video), f"{family} {part}")
+        except TableError as e:
+            unfitted[part] = str(e)
+    return fits, unfitted
+
+
 def _features(ph: dict, geometry: Geometry) -> dict[str, float]:
     shape = Shape(**ph["shape"]) if "shape" in ph else Shape(geometry.size_multiple, geometry.size_multiple)
     return features(ph["part"], shape, geometry, ph.get("sequence", 0))
 
 
-def _validation(rec: dict, fits: dict, geometry: Geometry) -> dict | None:
-    """The whole pipeline call's activations against the largest part the fits predict there."""
+def _validation(rec: dict, fits: dict, activations: dict, geometry: Geometry) -> dict | None:
+    """The whole pipeline call (uncapped: the cache keeps what earlier phases freed) against the
+    largest part the fits predict there: reserved growth (what the table predicts with) and allocated."""
     ph = next((p for p in rec["phases"] if p["part"] == "pipeline" and not p.get("error")
                and p.get("peak_allocated") is not None), None)
     if ph is None:
         return None
     shape = Shape(**ph["shape"])
     seq = rec.get("plan", {}).get("sequences", [512])[-1]
-    parts = {part: fit.predict(features(part, shape, geometry, seq)) for part, fit in fits.items()
-             if not part.endswith("_tiled")}
-    measured = ph["peak_allocated"] - ph["base_allocated"]
-    worst = max(parts.values()) if parts else None
-    return {"shape": ph["shape"], "measured_activation_bytes": measured, "predicted_parts": parts,
-            "predicted_max_bytes": worst, "measured_over_predicted": round(measured / worst, 4) if worst else None}
+    out: dict[str, Any] = {"shape": ph["shape"]}
+    for kind, of, measured in (("reserved", fits, ph["peak_reserved"] - ph["base_reserved"]),
+                               ("activation", activations, ph["peak_allocated"] - ph["base_allocated"])):
+        parts = {part: fit.predict(features(part, shape, geometry, seq)) for part, fit in of.items()
+                 if not part.endswith("_tiled")}
+        worst = max(parts.values()) if parts else None
+        out[kind] = {"measured_bytes": measured, "predicted_parts": parts, "predicted_max_bytes": worst,
+                     "measured_over_predicted": round(measured / worst, 4) if worst else None}
+    return out
 
 
 def markdown(out: dict) -> str:
     t = out["table"]
     lines = ["# Device-memory calibration", "", "Generated from the JSON beside it (`bench/memory_h200.py merge`).", "",
-             f"Device: {t['device']}; memory outside the allocator: {t['context_bytes']} bytes; weights overhead "
-             f"ratio: {t['weights_overhead_ratio']}.", "", "| family | part | features | coef (intercept first) | "
-             "margin | points |", "|---|---|---|---|---|---|"]
+             f"Device: {t['device']}; memory outside the allocator: {t['context_bytes']} bytes.", "",
+             "Each part: the allocator's reserved growth from an emptied cache (what the table predicts with; "
+             "engine/memory_table.py says why), then the allocated growth (the activations) as a check.", "",
+             "| family | part | features | reserved: coef (intercept first) | margin | allocated: coef | margin "
+             "| points |", "|---|---|---|---|---|---|---|---|"]
     for fam, f in t["families"].items():
         for part, fit in f["parts"].items():
-            coef = ", ".join(f"{c:.4g}" for c in fit["coef"])
-            lines.append(f"| {fam} | {part} | {', '.join(fit['features']) or '-'} | {coef} | {fit['margin']:.4g} | "
-                         f"{len(fit['points'])} |")
-    if t["allocator"]:
-        a = t["allocator"]
-        lines.append(f"| all | allocator | activation | {', '.join(f'{c:.4g}' for c in a['coef'])} | {a['margin']:.4g} "
-                     f"| {len(a['points'])} |")
+            act = out["report"].get(fam, {}).get("activation_fits", {}).get(part, {"coef": [], "margin": 0.0})
+            lines.append(f"| {fam} | {part} | {', '.join(fit['features']) or '-'} | {_coef(fit)} | {fit['margin']:.4g} | "
+                         f"{_coef(act)} | {act['margin']:.4g} | {len(fit['points'])} |")
+    if t["weights_overhead"]:
+        w = t["weights_overhead"]
+        lines.append(f"| all | weights_overhead | bytes | {_coef(w)} | {w['margin']:.4g} | - | - | {len(w['points'])} |")
     lines += ["", "## Whole-pipeline check", "", "```json", json.dumps({k: v["validation"] for k, v in
                                                                          out["report"].items()}, indent=1), "```",
               "", "Commands: `" + out["command"] + "`", ""]
     return "\n".join(lines)
+
+
+def _coef(fit: dict) -> str:
+    return ", ".join(f"{c:.4g}" for c in fit["coef"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -58,10 +58,23 @@ wb.ensure_dlo_importable()
 multicast_off()  # before torch: the servers and children inherit it
 
 from host_memory import tree_memory  # noqa: E402
+from model_folders import checkpoint_bytes, make, quantize, warm_page_cache  # noqa: E402
 from pipeline_record import PER_RUN, markdown, merge, summarize  # noqa: E402
 from pipeline_requests import generate, grey_png, largest_request, server_limits  # noqa: E402
+from small_gpu import (  # noqa: E402
+    QUANTIZED,
+    SMALL_GPU_RUNS,
+    beyond_limits,
+    fp8_drift,
+    plan_lines,
+    quantized_folder,
+    refused,
+    serve_flags,
+    served_folder,
+)
 
 CAP_24 = 24 * 2**30
+START = time.monotonic()  # the call's clock (--budget-s)
 
 # name -> (preset, request); full size first, the tiny dry run second
 MODELS = {
@@ -81,31 +94,6 @@ TINY = {
     "qwen": ("tiny-qwen-image", {"kind": "image", "size": "32x32", "steps": 2, "guidance": 4.0, "negative_prompt": True}),
     "wan22": ("tiny-wan2.2-t2v-a14b", {"kind": "video", "size": "32x32", "frames": 5, "steps": 4, "guidance": 4.0}),
 }
-
-
-def checkpoint_bytes(model: Path) -> int:
-    return sum(p.stat().st_size for p in model.rglob("*.safetensors"))
-
-
-def warm_page_cache(model: Path) -> float:
-    t0 = time.perf_counter()
-    for p in sorted(model.rglob("*.safetensors")):
-        with open(p, "rb") as f:
-            while f.read(1 << 26):
-                pass
-    return time.perf_counter() - t0
-
-
-def make(model: Path, preset: str, layers: int | None, device: str) -> dict:
-    if (model / "model_index.json").exists():
-        return {"skipped": "present", "bytes": checkpoint_bytes(model)}
-    cmd = [sys.executable, "-m", "dlo.cli.main", "make-random-model", str(model), "--preset", preset, "--device", device,
-           "--no-progress"] + (["--layers", str(layers)] if layers else [])
-    t0 = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"make-random-model failed: {r.stderr[-2000:]}")
-    return {"command": " ".join(cmd[1:]), "seconds": round(time.perf_counter() - t0, 2), **json.loads(r.stdout)}
 
 
 # ---- plain diffusers (a child process: its device and host memory are its own) ---------------------
@@ -133,6 +121,7 @@ def diffusers_run(model: Path, request: dict, device: str, **extra: Any) -> dict
 def serve(model: Path, request: dict, args: argparse.Namespace, name: str, *flags: str) -> dict:
     from dlo.engine.serving.launch import ServerProcess
 
+    flags, model = served_folder(flags, model)
     limits = server_limits(request, args.tiny, args.limits_json)
     limit_flags = ["--small-limits"]
     if not limits.get("small"):
@@ -143,7 +132,9 @@ def serve(model: Path, request: dict, args: argparse.Namespace, name: str, *flag
     settings = [f for f in flags if f.startswith(ENV_PREFIXES) and "=" in f]  # e.g. DLO_REGISTER_EARLY=0
     env = dict(f.split("=", 1) for f in settings)
     flags = tuple(f for f in flags if f not in settings)
-    extra = [] if "--no-warmup" in flags else ["--warmup-size", request["size"]]
+    # the small-GPU record keeps the server's default warm-up: the table, not the warm-up, must
+    # guarantee the largest request (issue 27)
+    extra = [] if "--no-warmup" in flags or args.small_gpu else ["--warmup-size", request["size"]]
     log = (args.logs or args.out) / f"serve-{name}.log"
     srv = ServerProcess(model, "--device", args.device, *limit_flags, *extra, *flags, log_path=log, env=env)
     out: dict[str, Any] = {"flags": list(flags) + extra, "limits": limits}
@@ -160,6 +151,7 @@ def serve(model: Path, request: dict, args: argparse.Namespace, name: str, *flag
         _serve_requests(srv, model, request, limits, args, out, flags)
     finally:
         out["exit_code"] = srv.stop()
+        out["plan_log"] = plan_lines(log)
     return out
 
 
@@ -178,14 +170,16 @@ def _serve_requests(srv: Any, model: Path, request: dict, limits: dict, args: ar
     if request.get("image_input"):  # image-to-video: the same mid-grey first frame as the diffusers child
         request = {**request, "image": grey_png(request["size"])}
     shas, secs = [], []
+    first = b""
     for _ in range(args.requests):  # the first after ready, then warm ones (the same seed: same bytes)
         t1 = time.perf_counter()
         data = generate(client, request)
         secs.append(time.perf_counter() - t1)  # video: includes at most one 50 ms poll and the download
         shas.append(hashlib.sha256(data).hexdigest())
+        first = first or data
     out.update({"seconds": round(min(secs), 3), "request_seconds": [round(x, 3) for x in secs],
                 "first_request_seconds": round(secs[0], 3), "output_sha256": shas[0],
-                "same_bytes_every_request": len(set(shas)) == 1})
+                "same_bytes_every_request": len(set(shas)) == 1, "_output": first})
     largest = largest_request(limits, request)
     if largest.get("image"):
         largest["image"] = grey_png(largest["size"])
@@ -196,6 +190,12 @@ def _serve_requests(srv: Any, model: Path, request: dict, limits: dict, args: ar
     except Exception as e:  # a request that fails is recorded, and the server must still answer
         out["largest_request"] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
     out["largest_request"].update({k: largest.get(k) for k in ("size", "frames", "n") if largest.get(k)})
+    past, limit = beyond_limits(request, limits)  # one step past the limits: a 400 naming the limit
+    try:
+        generate(client, past)
+        out["beyond_limits"] = {"status": 200, "names_limit": False, "limit": limit}
+    except Exception as e:
+        out["beyond_limits"] = {**refused(e, limit), "limit": limit}
     m = srv.metrics()
     out.update({"peak_device_bytes": {lab["rank"]: v for lab, v in m.get("dlo_device_memory_peak_bytes", [])},
                 "host_memory": tree_memory(srv.proc.pid), "checkpoint_bytes": checkpoint_bytes(model)})
@@ -260,29 +260,54 @@ def runs_for(key: str, args: argparse.Namespace, n_blocks: int) -> dict[str, tup
     return runs
 
 
+def call_plan(key: str, args: argparse.Namespace, n_blocks: int) -> list[tuple[str, Any]]:
+    """(run name, diffusers extra or serve flags) in the order this call runs them: the small-GPU
+    record's order of value, or the chosen diffusers runs then every serve run."""
+    if args.small_gpu:
+        keep = args.runs.split(",") if args.runs else None
+        return [(n, DIFFUSERS_RUNS[n] if n.startswith("diffusers_") else serve_flags(n, args.device))
+                for n in SMALL_GPU_RUNS[key] if keep is None or n in keep]
+    chosen = args.runs.split(",") if args.runs else ["diffusers_resident"]
+    return ([(n, extra) for n, extra in DIFFUSERS_RUNS.items() if n in chosen]
+            + list(runs_for(key, args, n_blocks).items()))
+
+
 def run_model(key: str, args: argparse.Namespace, layers: int | None, save: Any) -> dict:
     preset, request = (TINY if args.tiny else MODELS)[key]
     model = args.models / (preset + (f"-L{layers}" if layers else ""))
     rec: dict[str, Any] = {"preset": preset, "layers": layers, "request": request,
                            "make": make(model, preset, layers, args.device)}
     rec["transformer_blocks"] = transformer_blocks(model)
-    rec["page_cache_warm_seconds"] = round(warm_page_cache(model), 2)
+    if not args.small_gpu or rec["make"].get("skipped"):  # a folder just written is in the page cache
+        rec["page_cache_warm_seconds"] = round(warm_page_cache(model), 2)
     save(rec)
-    chosen = args.runs.split(",") if args.runs else ["diffusers_resident"]
-    for name, extra in DIFFUSERS_RUNS.items():
-        if name in chosen:
-            rec[name] = diffusers_run(model, {**request, "repeats": args.requests}, args.device, **extra)
-            print(f"{key} {name}: {json.dumps(rec[name])[:300]}", file=sys.stderr, flush=True)
+    outputs: dict[str, bytes] = {}
+    longest = 0.0
+    for name, spec in call_plan(key, args, rec["transformer_blocks"]):
+        if args.budget_s and time.monotonic() - START + longest > args.budget_s:
+            rec[name] = {"skipped": f"the call's budget of {args.budget_s:.0f} s (the longest run so far took "
+                                    f"{longest:.0f} s)"}
             save(rec)
-    for name, flags in runs_for(key, args, rec["transformer_blocks"]).items():
+            continue
+        t0 = time.monotonic()
         try:
-            rec[name] = serve(model, request, args, f"{key}-{name}", *flags)
+            if name.startswith("diffusers_"):
+                rec[name] = diffusers_run(model, {**request, "repeats": args.requests}, args.device, **spec)
+            else:
+                if QUANTIZED in spec and "quantize" not in rec:
+                    rec["quantize"] = quantize(model)
+                rec[name] = serve(model, request, args, f"{key}-{name}", *spec)
+                outputs[name] = rec[name].pop("_output", b"")
         except Exception as e:  # a run that fails is recorded as failed, never skipped silently
-            rec[name] = {"flags": list(flags), "error": f"{type(e).__name__}: {e}"}
+            rec[name] = {"spec": list(spec) if isinstance(spec, tuple) else spec, "error": f"{type(e).__name__}: {e}"}
+        longest = max(longest, time.monotonic() - t0)
         print(f"{key} {name}: {json.dumps(rec[name])[:300]}", file=sys.stderr, flush=True)
+        if args.small_gpu:
+            rec["fp8_drift"] = fp8_drift(outputs)
         save(rec)
     if args.delete_after:
         shutil.rmtree(model, ignore_errors=True)
+        shutil.rmtree(quantized_folder(model), ignore_errors=True)
     return rec
 
 
@@ -307,6 +332,12 @@ def main() -> None:
     ap.add_argument("--delete-after", action=argparse.BooleanOptionalAction, default=True,
                     help="delete each pipeline folder after its runs (disk)")
     ap.add_argument("--tiny", action="store_true", help="CPU dry run with the tiny-* presets (no results)")
+    ap.add_argument("--small-gpu", action="store_true",
+                    help="the small-GPU record (issue 27): each model's runs of bench/small_gpu.py in order of value, "
+                         "record small-gpu-h200-<date>")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="seconds this call may take: a run that would end past it (judged by the longest run "
+                         "so far) is recorded as skipped")
     ap.add_argument("--_baseline-child", dest="baseline_child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_request", dest="request", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--merge", nargs="+", type=Path, default=None, metavar="RECORD",
@@ -336,7 +367,8 @@ def main() -> None:
     # or compile from source in every process: seconds of every start-up (bench/NOTES.md section 12)
     rec["bytecode"] = bytecode_facts()
     rec["optional_packages"] = optional_packages_installed()  # imported when present; not in the image
-    stem = args.out / (args.stem or (f"pipeline-h200-{date}" if not args.tiny else f"pipeline-dry-run-{date}"))
+    kind = "small-gpu" if args.small_gpu else "pipeline"
+    stem = args.out / (args.stem or (f"{kind}-h200-{date}" if not args.tiny else f"{kind}-dry-run-{date}"))
 
     def write() -> None:  # after every run: a call cut short keeps what it measured
         rec["summary"] = summarize(rec)

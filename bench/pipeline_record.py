@@ -109,11 +109,27 @@ def _small_gpu(rec: dict, run: Any) -> dict:
     under the same cap, the largest accepted request, host memory per run."""
     models = rec["models"]
     current = {m: {n: r for n, r in v.items() if isinstance(r, dict) and "@" not in n} for m, v in models.items()}
+    def over(model: str, a: str, b: str) -> float | None:
+        return _ratio(run(model, a).get("seconds"), run(model, b).get("seconds"))
+
     return {
         "wan21_capped24_default_mode_serves": _served(run("wan21", "serve_default_capped_24gib")),
-        "wan21_capped24_default_over_uncapped": _ratio(run("wan21", "serve_default_capped_24gib").get("seconds"),
-                                                       run("wan21", "serve_rank_local_partial").get("seconds")),
+        "wan21_capped24_default_over_uncapped": over("wan21", "serve_default_capped_24gib", "serve_rank_local_partial"),
+        # ... and against the uncapped server in its default mode (on an H200: resident)
+        "wan21_capped24_default_over_uncapped_default": over("wan21", "serve_default_capped_24gib", "serve_default"),
         "wan21_capped12_default_mode_serves": _served(run("wan21", "serve_default_capped_12gib")),
+        "wan21_capped12_largest_request_served": (run("wan21", "serve_default_capped_12gib").get("largest_request")
+                                                  or {}).get("ok"),
+        # the default (auto resident blocks) against none, both under the 24 GiB cap
+        "qwen_capped24_auto_blocks_over_zero": over("qwen", "serve_default_capped_24gib",
+                                                    "serve_capped_24gib_zero_resident"),
+        # FP8 streaming against bfloat16, both with no resident block under the 24 GiB cap, and its drift
+        "fp8_over_bf16_streamed_image_capped24": over("flux", "serve_capped_24gib_zero_resident_fp8",
+                                                      "serve_capped_24gib_zero_resident"),
+        "fp8_drift": {m: v["fp8_drift"] for m, v in models.items() if v.get("fp8_drift")},
+        "beyond_limits_refused_naming_the_limit": {
+            f"{m}/{n}": r["beyond_limits"].get("status") == 400 and r["beyond_limits"].get("names_limit")
+            for m, v in current.items() for n, r in v.items() if isinstance(r.get("beyond_limits"), dict)},
         "capped24_over_diffusers_group_offload": {
             m: _ratio(v.get("serve_default_capped_24gib", {}).get("seconds"),
                       v.get("diffusers_group_offload_capped_24gib", {}).get("seconds")) for m, v in current.items()},

@@ -37,6 +37,8 @@ def largest_request(limits: dict, request: dict) -> dict:
 def generate(client: Any, request: dict) -> bytes:
     """One request through the official SDK: the returned PNG or MP4 bytes."""
     body: dict[str, Any] = {"seed": SEED, "num_inference_steps": request["steps"], "guidance_scale": request["guidance"]}
+    if request.get("lora"):  # a LoRA adapter of the server's --lora-dir (bench/lora_h200.py)
+        body["lora"] = request["lora"]
     if request.get("negative_prompt"):
         body["negative_prompt"] = NEGATIVE
     if request["kind"] == "video":

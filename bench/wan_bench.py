@@ -19,6 +19,14 @@ from typing import Any, Callable
 REPO = Path(__file__).resolve().parent.parent
 
 
+def top_level_packages() -> dict[str, str]:
+    """`dlo.X` -> its folder, as pyproject.toml's package-dir maps them (every part the shim links)."""
+    import tomllib
+
+    dirs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    return {name.split(".")[1]: folder for name, folder in dirs.items() if name.count(".") == 1}
+
+
 def ensure_dlo_importable() -> None:
     """Make `dlo.engine` importable from a plain checkout (the device machine installs nothing)."""
     try:
@@ -29,10 +37,10 @@ def ensure_dlo_importable() -> None:
         pass
     shim = Path(tempfile.gettempdir()) / "dlo_shim"
     (shim / "dlo").mkdir(parents=True, exist_ok=True)
-    for part in ("engine", "agent", "cli"):
+    for part, folder in top_level_packages().items():
         link = shim / "dlo" / part
         if not link.exists():
-            link.symlink_to(REPO / part)
+            link.symlink_to(REPO / folder)
     sys.path.insert(0, str(shim))
     os.environ["PYTHONPATH"] = f"{shim}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
 

@@ -67,6 +67,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+MAX_RANKS = 1024  # ranks of one node (dp x sp): more than any host holds devices or cores for
+
+
+def rank_count(text: str) -> int:
+    """A number of ranks, 1..MAX_RANKS (`--dp`, `--sp`): a 23-digit one describes no node."""
+    value = positive_int(text)
+    if value > MAX_RANKS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_RANKS} ranks on one node (got {value})")
+    return value
+
+
 def non_negative_int(text: str) -> int:
     """An integer >= 0."""
     value = _int(text)

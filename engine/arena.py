@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -46,8 +47,10 @@ def build_arena(
     g: int,
     r: int,
     platform: Platform,
+    derived: Callable[[str], torch.Tensor | None] | None = None,
 ) -> Arena:
-    """Allocate, pin and fill rank r's arena for shard group size g."""
+    """Allocate, pin and fill rank r's arena for shard group size g (`derived`: the bytes of tensors
+    the slots hold other than as stored, FP8 weights converted at load, `dlo.engine.quantize`)."""
     sizes = [lay.shard_bytes(g) for lay in layouts]
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     total = sum(sizes)
@@ -57,7 +60,7 @@ def build_arena(
         buffer = buffer.pin_memory()  # one call for the whole arena (see NpuPlatform)
         pinned = True
     for i, lay in enumerate(layouts):
-        _fill_shard(ckpt, lay, target_dtype, g, r, buffer[offsets[i] : offsets[i] + sizes[i]])
+        _fill_shard(ckpt, lay, target_dtype, g, r, buffer[offsets[i] : offsets[i] + sizes[i]], derived)
     if platform.name != "npu":
         # Pin after filling: registration then covers pages already faulted in.
         pinned = platform.pin(buffer)
@@ -65,22 +68,26 @@ def build_arena(
 
 
 def _fill_shard(
-    ckpt: Checkpoint, lay: BlockLayout, target_dtype: dict[str, str], g: int, r: int, shard: torch.Tensor
+    ckpt: Checkpoint, lay: BlockLayout, target_dtype: dict[str, str], g: int, r: int, shard: torch.Tensor,
+    derived: Callable[[str], torch.Tensor | None] | None = None,
 ) -> None:
     cursor = 0
     for piece in shard_pieces(lay, g, r):
         if piece.dst > cursor:
             shard[cursor : piece.dst].zero_()
-        shard[piece.dst : piece.dst + piece.n].copy_(_source_bytes(ckpt, lay, target_dtype, piece.name)[piece.src : piece.src + piece.n])
+        made = derived(piece.name) if derived is not None else None
+        src = made if made is not None else _source_bytes(ckpt, lay, target_dtype, piece.name)
+        shard[piece.dst : piece.dst + piece.n].copy_(src[piece.src : piece.src + piece.n])
         cursor = piece.dst + piece.n
     if cursor < shard.numel():
         shard[cursor:].zero_()
 
 
 def _source_bytes(ckpt: Checkpoint, lay: BlockLayout, target_dtype: dict[str, str], name: str) -> torch.Tensor:
-    """The tensor's bytes in the dtype the model computes in: a page-cache view when no cast is needed."""
+    """The tensor's bytes in the dtype the slot holds it in (the layout's: what the model computes in,
+    or an FP8 weight's and its scale's as stored): a page-cache view when no cast is needed."""
     info = ckpt.tensors[name]
-    target = target_dtype[name]
+    target = next(t.dtype for t in lay.tensors if t.name == name)
     if info.dtype == target:
         return ckpt.file_bytes(info.path)[info.start : info.end]
     return ckpt.view(name).to(torch_dtype(target)).contiguous().view(torch.uint8).flatten()

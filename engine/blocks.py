@@ -10,6 +10,7 @@ the agent's scans and `dlo plan`).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,19 +64,29 @@ def block_layout(ckpt: Checkpoint, block: BlockKeys, dtype_of: Mapping[str, str]
     return build_layout([(i.name, dtype_of.get(i.name, i.dtype), i.shape) for i in infos])
 
 
-def describe(component_dir: Path | str) -> ModelFacts:
-    """Model facts of a transformer folder (or of a pipeline folder's `transformer/`)."""
+def describe(component_dir: Path | str, stream_dtype: str = "bfloat16") -> ModelFacts:
+    """Model facts of a transformer folder (or of a pipeline folder's `transformer/`), its blocks
+    streamed as `stream_dtype` (`dlo.engine.fp8`: a folder of FP8 weights streams them whatever it is)."""
+    from dlo.engine.fp8 import compute_bytes, dequant_bytes, fp8_plan, wire_layout
+
     root = Path(component_dir)
     if pipeline_index(root).is_file() and (root / "transformer").is_dir():
         root = root / "transformer"
     family = family_of(read_config(root)["_class_name"])
     ckpt = cached_checkpoint(root)
-    blocks, nonblock = group_keys(set(ckpt.tensors), family)
-    sizes = [block_layout(ckpt, b).nbytes for b in blocks]
-    return ModelFacts(
-        family=family.name,
-        bytes=ckpt.nbytes,
-        blocks=len(blocks),
-        largest_block_bytes=max(sizes, default=0),
-        nonblock_bytes=sum(ckpt.tensors[k].nbytes for k in nonblock),
-    )
+    names = set(ckpt.tensors)
+    blocks, nonblock = group_keys(names, family)
+    fp8 = fp8_plan(ckpt, (k for b in blocks for k in b.keys), stream_dtype)
+    facts = ModelFacts(family=family.name, bytes=ckpt.nbytes, blocks=len(blocks),
+                       largest_block_bytes=max((block_layout(ckpt, b).nbytes for b in blocks), default=0),
+                       nonblock_bytes=sum(ckpt.tensors[k].nbytes for k in nonblock))
+    if fp8 is None:
+        return facts
+    # the scales of a stored FP8 folder are block tensors of their own in the checkpoint: not the model's
+    blocks, _ = group_keys(names - fp8.scales, family)
+    wires = [wire_layout(ckpt, b.keys, {}, fp8) for b in blocks]
+    return dataclasses.replace(
+        facts, largest_block_bytes=max((lay.nbytes for lay, _ in wires), default=0),
+        dequant_bytes=max((dequant_bytes(pieces) for _, pieces in wires), default=0),
+        compute_block_bytes=max((compute_bytes(ckpt, b.keys, fp8) for b in blocks), default=0),
+        compute_bytes=compute_bytes(ckpt, names, fp8))

@@ -1,4 +1,5 @@
-"""Subcommands owned by the engine: `serve`, `make-tiny-model`, `demo`, `calibrate`.
+"""Subcommands owned by the engine: `serve`, `make-tiny-model`, `make-random-model`, `make-random-lora`,
+`quantize`, `demo`, `calibrate`.
 
 Each subcommand's implementation module is imported only when that subcommand runs.
 
@@ -16,6 +17,8 @@ import sys
 _MODULES = {
     "make-tiny-model": "dlo.engine.families.tiny",
     "make-random-model": "dlo.engine.random_model",
+    "make-random-lora": "dlo.engine.random_lora",
+    "quantize": "dlo.engine.quantize",
     "serve": "dlo.engine.serving.cli",
     "demo": "dlo.engine.serving.demo",
     "calibrate": "dlo.engine.calibrate",

@@ -50,6 +50,10 @@ class ModelFacts:
 
     `bytes` are the safetensors bytes of the transformer; `largest_block_bytes` the largest block
     in the slot layout (CONTRACTS.md section 4); `nonblock_bytes` what stays resident on the device.
+    With FP8 streaming (`dlo.engine.fp8`) the slot layout is the FP8 one, and three more facts say
+    what the device holds in the compute dtype: `dequant_bytes` (the buffer one block's weights are
+    dequantized into), `compute_block_bytes` (a resident block) and `compute_bytes` (all of it
+    resident); 0 means as streamed (no FP8).
     """
 
     bytes: int
@@ -57,3 +61,6 @@ class ModelFacts:
     blocks: int = 1
     nonblock_bytes: int = 0
     family: str = ""
+    dequant_bytes: int = 0
+    compute_block_bytes: int = 0
+    compute_bytes: int = 0

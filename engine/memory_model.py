@@ -10,11 +10,12 @@ Must never: import torch, or put a number where the table has none: an unmeasure
 `request_bytes = None` and says why (the policy then falls back to its reserve ratio).
 
 A rank's peak (bytes):
-    weights  = sum over components of what each places (below) x (1 + weights_overhead_ratio)
-    request  = A + R(A),  A = max over the largest accepted requests and the parts a request runs
-               (text encoders, image encoder and VAE encode for image-to-video, each transformer
-               call, the VAE decode: plain, or tiled above `tile_above_pixels`) of the part's fit,
-               R = the allocator fit (reserved beyond the activations)
+    weights  = sum over components of what each places (below) + the table's weights overhead of it
+    request  = max over the largest accepted requests and the parts a request runs (text encoders,
+               image encoder and VAE encode for image-to-video, each transformer call, the VAE
+               decode: plain, or tiled above `tile_above_pixels`; with a threshold below the
+               largest request, also the plain decode of the largest request at the threshold) of
+               the part's fit: the allocator's reserved growth, fragmentation included
     peak     = weights + request
 The phases run one after another and free their activations; the weights and slots stay. Placed
 weights per model with `S` its largest block, `N` its non-block bytes, `k` resident blocks and
@@ -30,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from dlo.engine.facts import ModelFacts
 from dlo.engine.memory_table import FamilyTable, MemoryTable, part_features
@@ -102,16 +103,17 @@ def padded_shard_bytes(block_bytes: int, g: int) -> int:
 
 def placed_weight_bytes(model: ModelFacts, mode: str, g: int = 1, resident_blocks: int = 0) -> int:
     """Device bytes one model's weights take on a rank: all of it resident; else its non-block
-    tensors, the two slots and `resident_blocks` blocks (counted at the largest block's size)."""
+    tensors, the two slots (FP8 streaming: and the buffer a block is dequantized into) and
+    `resident_blocks` blocks (counted at the largest block's size, in the compute dtype)."""
     mode = mode.replace("_", "-")
     s = model.largest_block_bytes
     if mode == "resident":
-        return model.bytes
-    kept = min(resident_blocks, model.blocks) * s
+        return model.compute_bytes or model.bytes
+    kept = min(resident_blocks, model.blocks) * (model.compute_block_bytes or s)
     if mode == "rank-local":
-        return model.nonblock_bytes + 2 * s + kept
+        return model.nonblock_bytes + 2 * s + model.dequant_bytes + kept
     if mode == "allgather":
-        return model.nonblock_bytes + 2 * g * padded_shard_bytes(s, g) + kept
+        return model.nonblock_bytes + 2 * g * padded_shard_bytes(s, g) + model.dequant_bytes + kept
     raise ValueError(f"unknown mode {mode!r}")
 
 
@@ -120,7 +122,7 @@ class RankMemory:
     """One rank's predicted device memory in one mode."""
 
     weights: dict[str, int]  # component -> bytes placed (overhead included)
-    request_bytes: int | None  # activations + allocator reserve of the worst phase; None: unmeasured
+    request_bytes: int | None  # the worst phase's reserved growth (activations, fragmentation); None: unmeasured
     worst: str = ""  # that phase and shape, e.g. "vae_decode_tiled at 1920x1920x129"
     unmeasured: str = ""  # why request_bytes is None
     extrapolated: bool = False  # the worst phase's shape lies beyond the measured shapes
@@ -168,16 +170,18 @@ class PipelineMemory:
     def with_bounds(self, bounds: RequestBounds) -> "PipelineMemory":
         return dataclasses.replace(self, bounds=bounds)
 
-    def rank(self, mode: str, g: int = 1, resident_blocks: int = 0) -> RankMemory:
-        """The rank's weights and the largest accepted request's needs in `mode` (`g` sharing ranks)."""
+    def rank(self, mode: str, g: int = 1, resident_blocks: int | Mapping[str, int] = 0) -> RankMemory:
+        """The rank's weights and the largest accepted request's needs in `mode` (`g` sharing ranks);
+        `resident_blocks`: per transformer, or per streamed model by name."""
         mode = mode.replace("_", "-")
         streamed = mode != "resident" and self.stream_encoders
-        weights = {name: placed_weight_bytes(m, mode, g, resident_blocks) for name, m in self.transformers.items()}
-        weights.update({name: placed_weight_bytes(m, mode, g) if streamed else m.bytes
+        kept = (resident_blocks if isinstance(resident_blocks, Mapping)
+                else {name: resident_blocks for name in self.transformers})
+        weights = {name: placed_weight_bytes(m, mode, g, kept.get(name, 0)) for name, m in self.transformers.items()}
+        weights.update({name: placed_weight_bytes(m, mode, g, kept.get(name, 0)) if streamed else m.bytes
                         for name, m in self.encoders.items()})
         weights.update(self.whole)
-        ratio = self.table.weights_overhead_ratio or 0.0
-        weights = {name: int(b * (1 + ratio)) for name, b in weights.items()}
+        weights = {name: b + self.table.overhead(b) for name, b in weights.items()}
         return self._with_request(weights)
 
     def _with_request(self, weights: dict[str, int]) -> RankMemory:
@@ -185,8 +189,6 @@ class PipelineMemory:
         if fam is None:
             return RankMemory(weights, None, unmeasured=f"family {self.family!r} is not in the memory table "
                               "(bench/memory_h200.py calibrates it)")
-        if self.table.allocator is None:
-            return RankMemory(weights, None, unmeasured="the memory table has no allocator fit")
         worst: tuple[int, str, bool] | None = None
         for part, shape in self._phases():
             fit = fam.parts.get(part)
@@ -198,24 +200,45 @@ class PipelineMemory:
                 label = part if part.startswith(("text", "image")) else f"{part} at {shape}"
                 worst = (need, label, fit.extrapolated(x))
         assert worst is not None  # every pipeline runs a transformer and a decode
-        activation, label, extrapolated = worst
-        reserve = self.table.allocator.predict({"activation": float(activation)})
-        return RankMemory(weights, activation + reserve, label, extrapolated=extrapolated)
+        need, label, extrapolated = worst
+        return RankMemory(weights, need, label, extrapolated=extrapolated)
 
     def _phases(self) -> Iterable[tuple[str, Shape]]:
-        """(part, shape) of every phase the largest accepted requests run."""
+        """(part, shape) of every phase the largest accepted requests run; where the tiling threshold
+        lies below one, the largest request it leaves plain decodes plain too."""
         for shape in largest_requests(self.bounds, self.geometry):
             for name in self.encoders:
                 yield name, shape
             for name in self.whole:
                 if name.startswith("text_encoder"):
                     yield name, shape
-            tiled = shape.width * shape.height * shape.frames * shape.batch > self.tile_above_pixels
+            tiled = decoded_pixels(shape) > self.tile_above_pixels
+            plain = self._largest_plain(shape) if tiled else shape
             if self.geometry.image_input:
                 yield "image_encoder", shape
                 yield "vae_encode_tiled" if tiled else "vae_encode", shape
+                if plain is not None and plain is not shape:
+                    yield "vae_encode", plain
             yield "transformer", shape
             yield "vae_decode_tiled" if tiled else "vae_decode", shape
+            if plain is not None and plain is not shape:
+                yield "vae_decode", plain
+
+    def _largest_plain(self, shape: Shape) -> Shape | None:
+        """The largest request below `shape` that the threshold leaves plain (fewer frames, or
+        fewer images, at the largest size; None when not one frame or image of it is plain)."""
+        area = shape.width * shape.height
+        if self.geometry.temporal_factor and shape.frames > 1:
+            t = self.geometry.temporal_factor
+            frames = (self.tile_above_pixels // (area * shape.batch) - 1) // t * t + 1
+            return Shape(shape.width, shape.height, frames, shape.batch) if frames >= 1 else None
+        n = self.tile_above_pixels // area
+        return Shape(shape.width, shape.height, 1, min(n, shape.batch)) if n >= 1 else None
+
+
+def decoded_pixels(shape: Shape) -> int:
+    """What the tiling threshold compares: width x height x frames x images."""
+    return shape.width * shape.height * max(1, shape.frames) * shape.batch
 
 
 def largest_fitting_size(memory: PipelineMemory, mode: str, g: int, budget: int) -> int | None:
@@ -235,9 +258,11 @@ def largest_fitting_size(memory: PipelineMemory, mode: str, g: int, budget: int)
 
 
 def pipeline_memory(model_dir: Path | str, bounds: RequestBounds, *, tile_above_pixels: int,
-                    stream_encoders: bool = True, table: MemoryTable | None = None) -> PipelineMemory:
-    """The `PipelineMemory` of a pipeline folder (its configs and safetensors headers; torch-free);
-    `table` defaults to the committed one. A folder that is no pipeline raises ValueError."""
+                    stream_encoders: bool = True, table: MemoryTable | None = None,
+                    stream_dtype: str = "bfloat16") -> PipelineMemory:
+    """The `PipelineMemory` of a pipeline folder (its configs and safetensors headers; torch-free),
+    its transformers streamed as `stream_dtype`; `table` defaults to the committed one. A folder
+    that is no pipeline raises ValueError."""
     from dlo.engine.checkpoint import cached_checkpoint, read_json_config
     from dlo.engine.blocks import describe
     from dlo.engine.families import pipeline_facts, pipeline_index
@@ -246,7 +271,7 @@ def pipeline_memory(model_dir: Path | str, bounds: RequestBounds, *, tile_above_
     facts = pipeline_facts(root)
     index = read_json_config(pipeline_index(root))
     streamable = facts.adapter.streamable_encoders
-    transformers = {name: describe(root / name) for name in facts.transformers}
+    transformers = {name: describe(root / name, stream_dtype) for name in facts.transformers}
     encoders = {name: describe(root / name) for name in streamable if (root / name).is_dir()}
     whole: dict[str, int] = {}
     for name, spec in index.items():

@@ -7,7 +7,9 @@ peak is fitted in (`part_features`). Read by `dlo.engine.memory_model`.
 Must never: import torch, or hold a number that was not measured: until a family is calibrated
 its entry is absent and the model calls it unmeasured (no default, no guess).
 
-Parts and their fits (bytes beyond the weights: `peak allocated - allocated before`, per phase):
+Parts and their fits (bytes beyond the weights, per phase: the allocator's reserved growth from an
+emptied cache, `peak reserved - reserved before`; the allocated growth is fitted too, in the merged
+record, as a check):
 - `transformer`: one forward (a CFG branch is its own call), linear in `tokens` = batch x latent
   frames x (W / s) x (H / s) with `s` the size multiple (VAE scale x patch): with flash attention
   every activation is proportional to the tokens; the text tokens sit in the intercept (measured
@@ -19,8 +21,14 @@ Parts and their fits (bytes beyond the weights: `peak allocated - allocated befo
 - text encoders by component name (`text_encoder`, `text_encoder_2`): linear in `sequence` (the
   limits' max_sequence_length; a family's prompt template is added when measured).
 - `image_encoder`: a constant (a fixed 224x224 input).
-- `allocator` (table-wide): what the caching allocator reserves beyond a phase's activations
-  (reserved growth - allocated growth from an emptied cache), linear in the phase's activations.
+Why reserved growth: it is what the phase needed the allocator to hold, fragmentation included, and
+it bounds what the phase needs under a cap (`--max-device-memory`, or a smaller device): before an
+allocation fails, the caching allocator frees its cached segments and retries, so a capped run never
+holds more than the uncapped one did. A table-wide "reserve over the activations" line (version 1)
+mixed parts whose reserve ratio runs from 0.2 (Qwen-Image's VAE) to 1.3 (Flux's transformer); its
+largest residual (8.0 GB, Flux's VAE decode at 2048x2048) was added to every prediction.
+`weights_overhead`: what a component's load reserves beyond its weight bytes (allocator rounding,
+small tensors in 2 MB segments), linear in `bytes`.
 Each fit is the least-squares line shifted up by its largest under-prediction (`margin`), so it
 bounds every measured point; a prediction outside the measured range says so (`extrapolated`).
 """
@@ -33,7 +41,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 TABLE_PATH = Path(__file__).with_name("memory_table.json")
-TABLE_VERSION = 1
+TABLE_VERSION = 2
 VAE_PARTS = ("vae_decode", "vae_decode_tiled", "vae_encode", "vae_encode_tiled")
 
 
@@ -49,8 +57,8 @@ def part_features(part: str, *, video: bool) -> tuple[str, ...]:
         return ("area", "pixels") if video else ("pixels",)
     if part == "image_encoder":
         return ()
-    if part == "allocator":
-        return ("activation",)
+    if part == "weights_overhead":
+        return ("bytes",)
     if part.startswith("text_encoder"):
         return ("sequence",)
     raise TableError(f"unknown memory part {part!r}")
@@ -160,25 +168,29 @@ class MemoryTable:
     # device memory outside the caching allocator (CUDA context, loaded kernels): a real device of
     # M bytes leaves M - context_bytes to the allocator (a --max-device-memory cap is the allocator's own)
     context_bytes: int | None = None
-    allocator: Fit | None = None
-    # reserved after a load over the weight bytes placed (allocator rounding, graph pools), a ratio
-    weights_overhead_ratio: float | None = None
+    # what a component's load reserves beyond its weight bytes, per component (`bytes`: its weights)
+    weights_overhead: Fit | None = None
 
     def family(self, name: str) -> FamilyTable | None:
         return self.families.get(name)
 
+    def overhead(self, weight_bytes: int) -> int:
+        """The reserved bytes a component of `weight_bytes` takes beyond them (0 when unmeasured)."""
+        if self.weights_overhead is None or weight_bytes <= 0:
+            return 0
+        return self.weights_overhead.predict({"bytes": float(weight_bytes)})
+
     def to_dict(self) -> dict[str, Any]:
         return {"version": TABLE_VERSION, "device": self.device, "source": self.source,
                 "context_bytes": self.context_bytes,
-                "allocator": self.allocator.to_dict() if self.allocator else None,
-                "weights_overhead_ratio": self.weights_overhead_ratio,
+                "weights_overhead": self.weights_overhead.to_dict() if self.weights_overhead else None,
                 "families": {name: fam.to_dict() for name, fam in sorted(self.families.items())}}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "memory table") -> "MemoryTable":
         if data.get("version") != TABLE_VERSION:
             raise TableError(f"{where}: version {data.get('version')!r}; this build reads version {TABLE_VERSION}")
-        known = {"version", "device", "source", "context_bytes", "allocator", "weights_overhead_ratio", "families"}
+        known = {"version", "device", "source", "context_bytes", "weights_overhead", "families"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise TableError(f"{where}: unknown keys {', '.join(unknown)}")
@@ -188,9 +200,9 @@ class MemoryTable:
                         for name, f in (data.get("families") or {}).items()}
         except (KeyError, TypeError, AttributeError) as e:
             raise TableError(f"{where}: a family entry does not parse: {e!r}") from None
-        allocator = data.get("allocator")
+        overhead = data.get("weights_overhead")
         return cls(families, data.get("device"), data.get("source"), data.get("context_bytes"),
-                   Fit.from_dict(allocator) if allocator else None, data.get("weights_overhead_ratio"))
+                   Fit.from_dict(overhead) if overhead else None)
 
     @classmethod
     def load(cls, path: Path | str = TABLE_PATH) -> "MemoryTable":

@@ -116,17 +116,31 @@ def build_meta_model(component_dir: Path | str, ckpt: Checkpoint) -> MetaModel:
         else:
             allowed[name] = (tuple(t.shape), (compute,))
             target[name] = compute
+    _allow_stored_fp8(ckpt, allowed)
     ckpt.validate(allowed)
     blocks, nonblock = group_keys(set(expected), family)
     _check_blocks_match_lists(module, family, blocks)
     return MetaModel(module, config, family, blocks, nonblock, target, compute, aliases)
 
 
+def _allow_stored_fp8(ckpt: Checkpoint, allowed: dict[str, tuple[tuple[int, ...], tuple[str, ...]]]) -> None:
+    """A folder `dlo quantize` wrote: its FP8 weights (computed in their usual dtype once dequantized,
+    `dlo.engine.fp8`) and, beside each, its float32 scale of one value per output row."""
+    from dlo.engine.fp8 import FP8, SCALE_DTYPE, stored_weights
+
+    for weight, scale in stored_weights(ckpt).items():
+        if weight in allowed:
+            shape = allowed[weight][0]
+            allowed[weight] = (shape, (FP8,))
+            allowed[scale] = ((shape[0],), (SCALE_DTYPE,))
+
+
 def _compute_dtype(ckpt: Checkpoint, expected: dict[str, torch.Tensor]) -> str:
     """The floating dtype holding most of the checkpoint's bytes."""
     by_bytes: Counter[str] = Counter()
     for name, info in ckpt.tensors.items():
-        if info.dtype in FLOAT_DTYPES and name in expected:
+        # an FP8 weight (`dlo quantize`) computes in the dtype of the rest: its own dtype never decides
+        if info.dtype in FLOAT_DTYPES and name in expected and info.dtype != "F8_E4M3":
             by_bytes[info.dtype] += info.nbytes
     if not by_bytes:
         raise CheckpointError(ckpt.root, "no floating-point tensor of the model in the checkpoint")

@@ -3,7 +3,9 @@
 Owns: `load` (the orchestrator: parse the checkpoint, build the model on meta, place resident
 weights, prepare the host weights, start the `SlotPrefetcher`, attach its hooks, report) and
 `OffloadedModel` (what callers hold: the module, the report, `gather_only`, `stats`, `close`),
-and which blocks stay resident (`spread_resident`, `resident_blocks="auto"`).
+which blocks stay resident (`spread_resident`), and the shard group's agreement on how many
+(`agree_on_resident_blocks`; `--resident-blocks auto` itself is sized from the device budget and
+the memory table before any load: `dlo.engine.memory_plan`).
 Must never: run the hot path itself (`dlo.engine.prefetch` does, under its `[Note: stream
 lifetimes]` and `[Note: collective order]`), or modify a module other than through `dlo.engine.hooks`.
 
@@ -30,14 +32,16 @@ from dlo.engine.checkpoint import Checkpoint, cached_checkpoint
 from dlo.engine.dtypes import torch_dtype
 from dlo.engine.facts import MODES, Mode
 from dlo.engine.blocks import block_layout
+from dlo.engine.fp8 import Fp8Plan, fp8_plan, wire_layout
 from dlo.engine.hooks import HookSet, attach_prefetcher
 from dlo.engine.checkpoint import CheckpointError
 from dlo.engine.model import MetaModel, assert_nothing_on_meta, build_meta_model, move_free_buffers, owner_of, set_tensor
 from dlo.engine.peergather import agree_on_path
 from dlo.engine.platform import Platform, get_platform
 from dlo.engine.prefetch import OffloadedBlock, SlotPrefetcher
+from dlo.engine.quantize import InMemoryFp8, resident_fp8
 from dlo.engine.report import GatherStats, LoadReport
-from dlo.engine.settings import OffloadSettings
+from dlo.engine.settings import ConfigError, OffloadSettings
 from dlo.engine.timing import Laps
 from dlo.engine.transfers import choose_transfer
 from dlo.engine.weights import EarlyRegistration, HostWeights, prepare_host_weights
@@ -45,10 +49,6 @@ from dlo.engine.weights import EarlyRegistration, HostWeights, prepare_host_weig
 log = logging.getLogger(__name__)
 
 __all__ = ["load", "OffloadedModel", "OffloadSettings", "LoadReport", "GatherStats", "MODES", "Mode", "spread_resident"]
-
-# Device memory kept free for activations when `resident_blocks="auto"` sizes resident blocks.
-AUTO_RESIDENT_RESERVE_BYTES = 24 * 1024**3
-
 
 class OffloadedModel:
     """What `load` returns: the module to call, the load report, and `gather_only`."""
@@ -79,6 +79,16 @@ class OffloadedModel:
         flight and the shard group's ranks no longer agree on the next one. Always True without
         offload (resident)."""
         return self.prefetcher is None or self.prefetcher.between_forwards
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        """The dtype tensor `name` (a checkpoint key) computes in: a streamed block's tensors are
+        placeholders between forwards (their slot views carry the real dtype), the others are real."""
+        if self.prefetcher is not None:
+            for b in self.prefetcher.blocks:
+                for t in b.layout.tensors:
+                    if t.name == name:
+                        return torch_dtype(t.dtype)
+        return self.module.get_parameter(name).dtype
 
     def stats(self) -> GatherStats:
         """The cumulative counters now (gathers, H2D bytes, collective bytes, gather wait seconds)."""
@@ -118,8 +128,8 @@ def load(
     DMA-registered: no arena), `arena` (one pinned copy of this rank's shards), or `auto`
     (registered where the platform allows it, else the arena; the report says which and the log
     says why). Resident blocks are spread evenly through the execution order (`spread_resident`);
-    "auto" keeps as many as free device memory allows after `AUTO_RESIDENT_RESERVE_BYTES` for
-    activations (0 on cpu). `early`: the registration of this folder's files already started by the
+    `settings.resident_blocks` is a number here ("auto" is sized by the caller, who knows the
+    requests: `dlo.engine.memory_plan`). `early`: the registration of this folder's files already started by the
     caller (`early_registration`, to overlap it with the caller's own imports); else one starts here
     where it can help, so that the driver pins the page cache while the model is built and the
     resident copies run at DMA speed.
@@ -133,16 +143,20 @@ def load(
     host: HostWeights | None = None
     try:
         ckpt, meta = _parse_and_build(component_dir, early, laps)
-        keep = spread_resident(len(meta.blocks), _resident_count(settings, ckpt, meta, platform, device, group))
-        resident_bytes, host_only_bytes = _place_resident_weights(ckpt, meta, keep, device, early, laps)
+        fp8 = fp8_plan(ckpt, (k for b in meta.blocks for k in b.keys), settings.stream_dtype)
+        keep = spread_resident(len(meta.blocks), _resident_count(settings, len(meta.blocks)))
+        resident_bytes, host_only_bytes = _place_resident_weights(ckpt, meta, keep, device, early, laps, fp8)
         offloaded = [b for i, b in enumerate(meta.blocks) if i not in keep]
-        layouts = [block_layout(ckpt, b, meta.target_dtype) for b in offloaded]
+        wires = [_wire(ckpt, b, meta, fp8) for b in offloaded]
+        layouts = [lay for lay, _ in wires]
         g, r = _shard_group(settings.mode, group)
         stream = None
         if offloaded:  # the host weights adopt the registrations they use and release the rest
-            host = prepare_host_weights(ckpt, layouts, meta.target_dtype, g, r, platform, settings.weights, early)
+            derived = InMemoryFp8(ckpt, dict(fp8.quantized)).bytes_of if fp8 is not None and not fp8.stored else None
+            host = prepare_host_weights(ckpt, layouts, meta.target_dtype, g, r, platform, settings.weights, early,
+                                        derived=derived)
             laps.lap("host_weights")
-            stream = _start_streaming(meta, offloaded, layouts, host, settings, platform, device, group, g, r)
+            stream = _start_streaming(meta, offloaded, wires, host, settings, platform, device, group, g, r)
             laps.lap("slots")
     except BaseException:
         if host is not None:  # e.g. the slots did not fit: nothing stays registered or pinned
@@ -160,7 +174,7 @@ def load(
         blocks=len(offloaded),
         largest_block_bytes=max((lay.nbytes for lay in layouts), default=0),
         host_pinned_bytes=host.pinned_bytes if host else 0,
-        slot_bytes=2 * prefetcher.slot_bytes if prefetcher else 0,
+        slot_bytes=prefetcher.device_bytes if prefetcher else 0,
         resident_bytes=resident_bytes,
         load_seconds=time.perf_counter() - t0,
         shard_group_size=g,
@@ -187,26 +201,36 @@ def _parse_and_build(component_dir: Path | str, early: EarlyRegistration | None,
 
 
 def _place_resident_weights(ckpt: Checkpoint, meta: MetaModel, keep: set[int], device: torch.device,
-                            early: EarlyRegistration | None, laps: Laps) -> tuple[int, int]:
+                            early: EarlyRegistration | None, laps: Laps,
+                            fp8: Fp8Plan | None = None) -> tuple[int, int]:
     """Step 2: the non-block weights and the kept blocks onto the device (from the registered page
-    cache when an early registration went through), the family's host-only weights as page-cache
-    views; returns the bytes of each."""
+    cache when an early registration went through; FP8 weights dequantized as streamed ones are, so
+    every mode computes with the same values), the family's host-only weights as page-cache views;
+    returns the bytes of each."""
     if early is not None:
         early.wait()
     laps.lap("registration_wait")
-    placed = _place_resident(ckpt, meta, keep, device)
+    placed = _place_resident(ckpt, meta, keep, device, fp8)
     host_only = _keep_on_host(ckpt, meta)
     _bind_aliases(meta)
     laps.lap("resident_copies")
     return placed, host_only
 
 
-def _start_streaming(meta: MetaModel, offloaded: list[Any], layouts: list[Any], host: HostWeights,
-                     settings: OffloadSettings, platform: Platform, device: torch.device, group: Any,
-                     g: int, r: int) -> tuple[SlotPrefetcher, HookSet]:
+def _wire(ckpt: Checkpoint, block: Any, meta: MetaModel, fp8: Fp8Plan | None) -> tuple[Any, tuple[Any, ...]]:
+    """A streamed block's slot layout, and where its FP8 weights are dequantized to (none without FP8)."""
+    if fp8 is None:
+        return block_layout(ckpt, block, meta.target_dtype), ()
+    return wire_layout(ckpt, block.keys, meta.target_dtype, fp8)
+
+
+def _start_streaming(meta: MetaModel, offloaded: list[Any], wires: list[tuple[Any, tuple[Any, ...]]],
+                     host: HostWeights, settings: OffloadSettings, platform: Platform, device: torch.device,
+                     group: Any, g: int, r: int) -> tuple[SlotPrefetcher, HookSet]:
     """Step 3: how blocks move (`choose_transfer`, once, for every streamed block), the slot
     prefetcher over the streamed blocks, and its hooks on the module."""
-    blocks = [OffloadedBlock(meta.block_module(b), lay, lay.shard_bytes(g)) for b, lay in zip(offloaded, layouts)]
+    blocks = [OffloadedBlock(meta.block_module(b), lay, lay.shard_bytes(g), dequant=pieces)
+              for b, (lay, pieces) in zip(offloaded, wires)]
     if settings.mode == "allgather" and g > 1:  # the same transfer on every rank of the shard group
         agree_on_path(group, device, settings.transfer)
     else:  # nothing to gather from peers: one rank, or no collective
@@ -230,21 +254,25 @@ def _compute_dtype(meta: MetaModel, ckpt: Checkpoint) -> torch.dtype:
     return torch_dtype(max(totals, key=lambda d: totals[d])) if totals else torch.float32
 
 
-def _resident_count(settings: OffloadSettings, ckpt: Checkpoint, meta: MetaModel,
-                    platform: Platform, device: torch.device, group: Any) -> int:
+def _resident_count(settings: OffloadSettings, n_blocks: int) -> int:
     """How many blocks stay on the device (all of them in `resident` mode)."""
     if settings.mode == "resident":
-        return len(meta.blocks)
-    if settings.resident_blocks != "auto":
-        return min(settings.resident_blocks, len(meta.blocks))
-    n = _auto_resident_blocks(ckpt, meta, platform, device)
-    if settings.mode == "allgather" and dist.is_initialized() and dist.get_world_size(group) > 1:
-        # Every rank of a shard group must stream the same blocks (same collectives): the rank with
-        # the least free memory decides.
-        agreed = torch.tensor([n], dtype=torch.int64, device=device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
-        n = int(agreed.item())
-    return n
+        return n_blocks
+    if settings.resident_blocks == "auto":
+        raise ConfigError("resident_blocks 'auto' is sized from the device budget and the largest accepted request "
+                          "(dlo serve does it: dlo.engine.memory_plan); dlo.engine.load takes a number of blocks")
+    return min(settings.resident_blocks, n_blocks)
+
+
+def agree_on_resident_blocks(counts: dict[str, int], mode: str, group: Any, device: torch.device) -> dict[str, int]:
+    """Per model, the smallest count of the shard group's ranks in allgather mode (every rank must
+    stream the same blocks: the same collectives); the counts as they are otherwise."""
+    if mode != "allgather" or not dist.is_initialized() or dist.get_world_size(group) <= 1 or not counts:
+        return counts
+    names = sorted(counts)
+    agreed = torch.tensor([counts[n] for n in names], dtype=torch.int64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+    return dict(zip(names, (int(v) for v in agreed.tolist())))
 
 
 def early_registration(component_dir: Path | str, device: torch.device | str,
@@ -287,14 +315,18 @@ def _attach_host_lookups(meta: MetaModel, device: torch.device, hooks: HookSet) 
         hooks.add_post(table, lambda _m, _args, out: out.to(device))
 
 
-def _place_resident(ckpt: Checkpoint, meta: MetaModel, keep: set[int], device: torch.device) -> int:
+def _place_resident(ckpt: Checkpoint, meta: MetaModel, keep: set[int], device: torch.device,
+                    fp8: Fp8Plan | None = None) -> int:
     """Copy the non-block weights (but those kept on the host) and the kept blocks to the device;
     returns their bytes."""
     names = [n for n in meta.nonblock if not meta.family.on_host(n)]
     names += [k for i in sorted(keep) for k in meta.blocks[i].keys]
     placed = 0
     for name in names:
-        value = ckpt.view(name).to(device=device, dtype=torch_dtype(meta.target_dtype[name]), copy=True)
+        if fp8 is not None and name in fp8.quantized:
+            value = resident_fp8(ckpt, fp8, name, device, torch_dtype(meta.target_dtype[name]))
+        else:
+            value = ckpt.view(name).to(device=device, dtype=torch_dtype(meta.target_dtype[name]), copy=True)
         set_tensor(meta.module, name, value)
         placed += value.numel() * value.element_size()
     return placed + move_free_buffers(meta.module, device, set(meta.target_dtype))
@@ -332,23 +364,3 @@ def spread_resident(n_blocks: int, k: int) -> set[int]:
     if k >= n_blocks:
         return set(range(n_blocks))
     return {n_blocks - 1 - (j * n_blocks) // k for j in range(k)}
-
-
-def _auto_resident_blocks(ckpt: Checkpoint, meta: MetaModel, platform: Platform, device: torch.device) -> int:
-    """Leading blocks that fit in free device memory beside the non-block weights, two slots and
-    `AUTO_RESIDENT_RESERVE_BYTES` for activations."""
-    free = platform.free_memory(device)
-    if free <= 0:
-        return 0
-    sizes = [sum(ckpt.tensors[k].nbytes for k in b.keys) for b in meta.blocks]
-    budget = free - AUTO_RESIDENT_RESERVE_BYTES - sum(ckpt.tensors[k].nbytes for k in meta.nonblock
-                                                      if not meta.family.on_host(k))
-    budget -= 2 * max(sizes, default=0)
-    n = 0
-    for size in sizes:
-        if budget < size:
-            break
-        budget -= size
-        n += 1
-    log.info("resident_blocks=auto free=%d reserve=%d -> %d of %d blocks", free, AUTO_RESIDENT_RESERVE_BYTES, n, len(sizes))
-    return n

@@ -4,7 +4,8 @@ Owns: `SlotPrefetcher` (the two slots, the three streams and their events, the o
 issued in and its checks, bind = point a block's parameters at its slot views, the per-block
 schedule that runs before and after each block, the gather counters), the wait-timing ring, and
 `PrefetchOrderError`. How a gather moves the bytes (eager H2D and AllGather, CUDA-graph replay,
-peer pulls) is the `BlockTransfer` that `dlo.engine.load` chose (`dlo.engine.transfers`).
+peer pulls) is the `BlockTransfer` that `dlo.engine.load` chose (`dlo.engine.transfers`); what
+runs once they have landed (FP8 streaming: the dequantization) is the step beside it.
 Must never: synchronise the host in the hot path, branch on the transfer strategy, attach itself
 to a module (`dlo.engine.hooks` does that), or let a rank issue gathers in a different order from
 its shard group.
@@ -54,7 +55,8 @@ from dlo.engine.model import owner_of
 from dlo.engine.platform import Platform
 from dlo.engine.report import GatherStats
 from dlo.engine.settings import OffloadSettings
-from dlo.engine.transfers import BlockTransfer, Lanes, SlotPlan
+from dlo.engine.fp8 import DequantPiece, scale_name
+from dlo.engine.transfers import BlockTransfer, Dequantize, Lanes, NoStep, SlotPlan
 
 
 def profiling() -> bool:
@@ -79,6 +81,7 @@ class OffloadedBlock:
     # per slot: [(owner._parameters or _buffers dict, attribute, view)] - the cached binding
     binds: list[list[tuple[dict, str, torch.Tensor]]] = field(default_factory=list)
     bound: int = -1  # slot currently bound
+    dequant: tuple[DequantPiece, ...] = ()  # FP8 streaming: its FP8 weights (dlo.engine.fp8)
 
 
 class SlotPrefetcher:
@@ -110,14 +113,19 @@ class SlotPrefetcher:
         self.compute_stream, self.ready, self.free = self.lanes.compute, self.lanes.ready, self.lanes.free
         plan = SlotPlan(copies, [b.shard for b in blocks], g, r, device, self.slot_bytes)
         self.slots = transfer.attach(self.lanes, plan)
+        # what runs once a block has landed: its FP8 weights dequantized ([Note: where FP8 is dequantized])
+        self.landed = Dequantize([b.dequant for b in blocks], self.slots, device) if any(
+            b.dequant for b in blocks) else NoStep()
+        # device bytes the streaming holds: the two slots and the dequant buffer
+        self.device_bytes = 2 * self.slot_bytes + self.landed.device_bytes
         self._n = 0  # gathers issued since load: gather n fills slot n % 2
         # the gather counters (`stats`), per block what one gather adds
         self._gathers = self._h2d_bytes = self._collective_bytes = 0
         self._wait_seconds = 0.0
         self._received = [b.shard * (g - 1) if transfer.receives else 0 for b in blocks]
         self._init_wait_timing(settings.time_waits)
-        for b in blocks:
-            b.binds = [self._views(b, s) for s in self.slots]
+        for j, b in enumerate(blocks):
+            b.binds = [self._views(b, s, self._dequant_views(j)) for s in self.slots]
         self._expected = 0  # index of the block whose gather is in flight
         self._cur = 0  # slot holding (or receiving) that block
         self._running = 0
@@ -144,10 +152,21 @@ class SlotPrefetcher:
         # without streams every gather is synchronous: its host time is the wait
         self._timed = not platform.has_streams
 
-    def _views(self, b: OffloadedBlock, slot: torch.Tensor) -> list[tuple[dict, str, torch.Tensor]]:
+    def _dequant_views(self, j: int) -> dict[str, torch.Tensor]:
+        return self.landed.views[j] if self.landed.views else {}
+
+    def _views(self, b: OffloadedBlock, slot: torch.Tensor,
+               dequantized: dict[str, torch.Tensor]) -> list[tuple[dict, str, torch.Tensor]]:
+        """What block b's tensors bind to in `slot`: a view of its bytes there, or for an FP8 weight
+        its view of the dequant buffer (its scales bind to nothing)."""
         out = []
+        scales = {scale_name(p.name) for p in b.dequant}
         for t in b.layout.tensors:
-            view = slot[t.offset : t.end].view(torch_dtype(t.dtype)).view(t.shape)
+            if t.name in scales:
+                continue
+            view = dequantized.get(t.name)
+            if view is None:
+                view = slot[t.offset : t.end].view(torch_dtype(t.dtype)).view(t.shape)
             owner, attr, is_param = owner_of(self.root, t.name)
             out.append((owner._parameters if is_param else owner._buffers, attr, view))
         return out
@@ -196,6 +215,7 @@ class SlotPrefetcher:
             self._timed_wait(k)
         else:
             self.platform.wait(self.compute_stream, self.ready[k])  # rule 3
+        self.landed.run(i, k)
         blk = self.blocks[i]
         if blk.bound != k:
             if profiling():

@@ -73,13 +73,15 @@ def write_safetensors(
     max_shard_bytes: int | None = None,
     cut_after: set[int] | None = None,
     progress: Callable[[int], None] = lambda n: None,
+    metadata: dict[str, str] | None = None,
 ) -> dict:
     """Write `(name, torch dtype, shape)` tensors as safetensors files `stem[-0000i-of-0000n].safetensors`
     (plus `stem.safetensors.index.json` when sharded), drawing each tensor's bytes from `fill`.
 
     Files are cut in the given order, at `max_shard_bytes` or after the tensor counts in `cut_after`
     (a block's tensors stay in one file when the caller cuts at blocks); inside a file tensors are
-    laid out as safetensors orders them (dtype size descending, then name). Returns bytes and files."""
+    laid out as safetensors orders them (dtype size descending, then name); `metadata` joins each
+    file's `__metadata__`. Returns bytes and files."""
     import torch
 
     from dlo.engine.dtypes import safetensors_name
@@ -106,7 +108,7 @@ def write_safetensors(
     for i, group in enumerate(groups):
         fname = f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors" if sharded else f"{stem}.safetensors"
         specs = sorted(group, key=lambda s: (-s[1].itemsize, s[0]))
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
         offset = 0
         for name, dtype, shape in specs:
             n = nbytes(dtype, shape)

@@ -1,8 +1,10 @@
 """Every engine switch as one typed, validated object: what `dlo serve` builds and passes down whole.
 
 Owns: `OffloadSettings` (how `dlo.engine.load` places and streams one model's weights),
-`ParallelSettings` (dp x sp and how the ranks exchange), `EngineSettings` (both, plus what a rank's
-device and pipeline are started with), `ConfigError` (the one error a bad setting raises; `dlo serve`
+`ParallelSettings` (dp x sp and how the ranks exchange), `ResidentPlan` (`--resident-blocks auto` as
+`dlo serve` resolved it), `LoraSettings` (the per-request LoRA adapters and when they load),
+`EngineSettings` (all of them, plus what a rank's device and pipeline are
+started with), `ConfigError` (the one error a bad setting raises; `dlo serve`
 prints it in one line and exits 2), and `from_environment`: the one reader of the engine's `DLO_*`
 switches (vLLM's `envs.py` pattern), called only by `dlo serve` and the benchmarks, so that the
 variables keep working beside the flags named after them.
@@ -29,13 +31,17 @@ TRANSFERS: tuple[Transfer, ...] = get_args(Transfer)
 # How Wan's Ulysses self-attention exchanges (dlo.engine.ulysses); the default first.
 UlyssesExchange = Literal["overlap", "lean", "diffusers"]
 ULYSSES_EXCHANGES: tuple[UlyssesExchange, ...] = get_args(UlyssesExchange)
-# The dtype streamed blocks are held in on the host and copied as (issue 27: fp8 follows).
-StreamDtype = Literal["bfloat16"]
+# The dtype streamed blocks' linear weights are held in on the host and copied as: fp8 is float8
+# e4m3 with a scale per output channel, dequantized into bfloat16 on the device (dlo.engine.fp8).
+StreamDtype = Literal["bfloat16", "fp8"]
 STREAM_DTYPES: tuple[StreamDtype, ...] = get_args(StreamDtype)
 SpKind = Literal["ulysses", "ring"]
 SP_KINDS: tuple[SpKind, ...] = get_args(SpKind)
 DEVICES: tuple[DeviceKind, ...] = get_args(DeviceKind)
 MAX_GATHER_CTAS = 64
+# Decoded pixels (width x height x frames x images) above which the VAE decodes in tiles, unless the
+# device budget decides otherwise (dlo.engine.memory_plan.tiling_for_budget): 1280x720 x 81 frames.
+VAE_TILE_ABOVE_PIXELS = 1280 * 720 * 81
 
 
 class ConfigError(ValueError):
@@ -115,6 +121,48 @@ class ParallelSettings:
         return self.dp * self.sp
 
 
+# When adapters reach a rank's device. Only "start": every adapter of the folder on every rank
+# before /ready (device bytes: the sum of the adapters, in the model's dtype). A load on first use
+# would run inside a wave, where in allgather mode the ranks sharing the weights wait for the slowest
+# (the whole wave stalls for one rank's file read and copy), so it is not offered.
+LoraLoad = Literal["start"]
+LORA_LOADS: tuple[LoraLoad, ...] = get_args(LoraLoad)
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """Per-request LoRA adapters (`dlo.engine.lora`): the folder of adapters, and when they load."""
+
+    directory: str | None = None  # `dlo serve --lora-dir`; None: no adapters
+    load: LoraLoad = "start"
+
+    def __post_init__(self) -> None:
+        if self.directory is not None and (not isinstance(self.directory, str) or not self.directory):
+            raise ConfigError(f"lora directory must be a folder path or unset, got {self.directory!r}")
+        _one_of("lora load", self.load, LORA_LOADS)
+
+
+@dataclass(frozen=True)
+class ResidentPlan:
+    """`--resident-blocks auto` as `dlo serve` resolved it for the deployment's budget and limits
+    (`dlo.engine.memory_plan.resident_plan`); each rank applies it at load (`within` its own room)."""
+
+    blocks: Mapping[str, int]  # per streamed model: blocks kept on the device at the budget
+    block_bytes: Mapping[str, int]  # per model: what one more resident block places
+    budget_bytes: int  # the budget the plan was made for
+    spare_bytes: int  # the budget less the predicted peak with these blocks and the margin
+    encoders: tuple[str, ...] = ()  # the streamed text encoders among them (their blocks go first)
+
+    def __post_init__(self) -> None:
+        for name, n in {**self.blocks, **self.block_bytes}.items():
+            _whole(f"resident plan {name}", n, 0)
+        if set(self.blocks) != set(self.block_bytes):
+            raise ConfigError("a resident plan needs block bytes for every model it keeps blocks of")
+        _whole("resident plan budget_bytes", self.budget_bytes, 1)
+        _whole("resident plan spare_bytes", self.spare_bytes, 0)
+        object.__setattr__(self, "encoders", tuple(self.encoders))
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     """What every rank of an engine is started with, carried whole from `dlo serve` to the prefetcher."""
@@ -129,6 +177,11 @@ class EngineSettings:
     # the family's large text encoders stream like the transformers (offloaded modes only)
     stream_encoders: bool = False
     cpu_threads: int = 1  # intra-op threads per cpu rank (fixed: results do not depend on dp)
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    # `--resident-blocks auto` resolved for the deployment (None: no budget known, e.g. cpu: none kept)
+    resident_plan: ResidentPlan | None = None
+    # decoded pixels above which the VAE tiles (0: every decode): one rule for every rank and mode
+    vae_tile_above_pixels: int = VAE_TILE_ABOVE_PIXELS
     # the pipeline's own safety checker where it has one (Cosmos3's cosmos_guardrail, which needs its
     # package and models in the image); off by default
     safety_checker: bool = False
@@ -136,12 +189,17 @@ class EngineSettings:
     def __post_init__(self) -> None:
         if not isinstance(self.offload, OffloadSettings) or not isinstance(self.parallel, ParallelSettings):
             raise ConfigError("offload and parallel must be OffloadSettings and ParallelSettings")
+        if not isinstance(self.lora, LoraSettings):
+            raise ConfigError("lora must be LoraSettings")
         _one_of("device", self.device, DEVICES)
         _whole("max_device_memory", self.max_device_memory, 0)
         if self.max_device_memory and self.device == "cpu":
             raise ConfigError("max_device_memory needs a cuda or npu device; the device is cpu")
         _flag("stream_encoders", self.stream_encoders)
         _whole("cpu_threads", self.cpu_threads, 1)
+        _whole("vae_tile_above_pixels", self.vae_tile_above_pixels, 0)
+        if self.resident_plan is not None and not isinstance(self.resident_plan, ResidentPlan):
+            raise ConfigError("resident_plan must be a ResidentPlan")
         _flag("safety_checker", self.safety_checker)
 
     @property
@@ -159,7 +217,10 @@ class EngineSettings:
         try:
             offload = OffloadSettings(**data.pop("offload"))
             parallel = ParallelSettings(**data.pop("parallel", {}))
-            return cls(offload=offload, parallel=parallel, **data)
+            lora = LoraSettings(**data.pop("lora", {}))
+            plan = data.pop("resident_plan", None)
+            return cls(offload=offload, parallel=parallel, lora=lora,
+                       resident_plan=ResidentPlan(**plan) if plan else None, **data)
         except (KeyError, TypeError) as e:
             raise ConfigError(f"engine settings do not parse: {e}") from None
 

@@ -6,7 +6,9 @@ Owns: `BlockTransfer` (what the slot prefetcher calls: `attach`, `eager`, `start
 them captured as CUDA graphs and replayed) and `PeerTransfer` (the H2D, then copy-engine pulls out
 of the peers' slots under `dlo.engine.peergather`'s handshake), `choose_transfer` (the one choice,
 made by `dlo.engine.load` from the resolved `OffloadSettings`), `Lanes` (the streams and per-slot
-events a prefetcher's transfers run on), `SlotPlan` (what they move) and `make_gather`.
+events a prefetcher's transfers run on), `SlotPlan` (what they move), `make_gather`, and the step
+every strategy shares once a block's bytes have landed: `Dequantize` (FP8 streaming: the block's FP8
+weights into one compute-dtype buffer, `[Note: where FP8 is dequantized]`) or `NoStep`.
 FSDP2's pluggable all-gather (`torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py`) is the
 model: the transfer is chosen once and the prefetcher's hot loop never branches on it.
 Must never: synchronise the host in `issue`, order, bind or time blocks (`dlo.engine.prefetch`
@@ -24,6 +26,7 @@ from typing import Any, Callable, ClassVar
 import torch
 import torch.distributed as dist
 
+from dlo.engine.fp8 import DequantPiece, dequant_bytes
 from dlo.engine.peergather import PeerGather
 from dlo.engine.platform import Platform
 from dlo.engine.settings import OffloadSettings
@@ -303,3 +306,49 @@ def choose_transfer(settings: OffloadSettings, platform: Platform, group: Any, g
         return PeerTransfer(group)
     eager = CollectiveTransfer(make_gather(group)) if collective else EagerTransfer()
     return GraphTransfer(eager) if graphs else eager
+
+
+# [Note: where FP8 is dequantized]
+# A block's FP8 weights become bfloat16 after its bytes have landed in slot k (whatever moved them:
+# H2D, AllGather, peer pulls, graphs) and before the block runs: on the compute stream, right after
+# it waits `ready[k]` (`SlotPrefetcher.before_block`). There it costs its own time (memory-bound:
+# ~3 bytes moved per weight, about 0.3 ms for a 0.68 GB block at H200 bandwidth) and needs ONE
+# buffer for every block: the stream runs block i-1 before block i's dequantization overwrites it.
+# On a side stream it would overlap the previous block but run beside its attention, where an SM
+# kernel measured 1.5-2.6x its own time (bench/NOTES.md section 15), and need a second buffer (one
+# more block of device memory: what a small GPU lacks most).
+
+
+class NoStep:
+    """Nothing to do once a block's bytes have landed (its tensors are read from the slot)."""
+
+    device_bytes = 0
+    views: list[dict[str, torch.Tensor]] = []
+
+    def run(self, i: int, k: int) -> None:
+        pass
+
+
+class Dequantize:
+    """FP8 streaming's step after a block lands: each FP8 weight of block i, read from slot k with
+    its scales, dequantized into the buffer its linear layer reads (`views`), on the current (compute)
+    stream ([Note: where FP8 is dequantized])."""
+
+    def __init__(self, pieces: list[tuple[DequantPiece, ...]], slots: list[torch.Tensor], device: torch.device):
+        from dlo.engine.dtypes import torch_dtype
+
+        self.device_bytes = max(dequant_bytes(p) for p in pieces)
+        self.buffer = torch.empty(self.device_bytes, dtype=torch.uint8, device=device)
+        # per block: the views its linear layers bind (the same buffer for every block)
+        self.views = [{p.name: self.buffer[p.dst : p.dst + p.nbytes].view(torch_dtype(p.dtype)).view(p.shape)
+                       for p in block} for block in pieces]
+        # per block and slot: (FP8 values, scales, out) of each weight
+        self._work = [[[(slot[p.src : p.src + p.shape[0] * p.shape[1]].view(torch.float8_e4m3fn).view(p.shape),
+                         slot[p.scale : p.scale + 4 * p.shape[0]].view(torch.float32), self.views[b][p.name])
+                        for p in block] for slot in slots] for b, block in enumerate(pieces)]
+
+    def run(self, i: int, k: int) -> None:
+        from dlo.engine.quantize import dequantize_into
+
+        for q, scale, out in self._work[i][k]:
+            dequantize_into(out, q, scale)

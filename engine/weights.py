@@ -35,6 +35,9 @@ from dlo.engine.platform import Platform
 log = logging.getLogger(__name__)
 
 WeightsChoice = Literal["auto", "arena", "registered"]
+# the bytes of a tensor the slots hold other than as the folder does (an FP8 weight converted at
+# load, `dlo.engine.quantize.InMemoryFp8`), or None for a tensor read from the folder
+Derived = Callable[[str], "torch.Tensor | None"]
 # Past this many separate runs in one block, per-copy launch cost beats the saved memory: use the arena.
 MAX_RUNS_PER_BLOCK = 64
 
@@ -145,22 +148,30 @@ def prepare_host_weights(
     platform: Platform,
     prefer: WeightsChoice = "auto",
     early: EarlyRegistration | None = None,
+    derived: Derived | None = None,
 ) -> HostWeights:
     """`early`: this checkpoint's files already being registered (`EarlyRegistration` over `ckpt`);
-    the registered source adopts them, every other outcome releases them."""
+    the registered source adopts them, every other outcome releases them. `derived`: the bytes of
+    tensors the folder does not hold as the slots do (FP8 converted at load): they need the arena."""
     if prefer not in ("auto", "arena", "registered"):
         raise ValueError(f"weights must be auto, arena or registered; got {prefer!r}")
     try:
-        return _prepare(ckpt, layouts, target_dtype, g, r, platform, prefer, early)
+        return _prepare(ckpt, layouts, target_dtype, g, r, platform, prefer, early, derived)
     finally:
         if early is not None:
             early.release()  # a no-op after `adopt`: what the weights did not take is unregistered
 
 
 def _prepare(ckpt: Checkpoint, layouts: list[BlockLayout], target_dtype: dict[str, str], g: int, r: int,
-             platform: Platform, prefer: WeightsChoice, early: EarlyRegistration | None) -> HostWeights:
+             platform: Platform, prefer: WeightsChoice, early: EarlyRegistration | None,
+             derived: Derived | None = None) -> HostWeights:
     reason = ""
-    if prefer != "arena":
+    if prefer != "arena" and derived is not None:
+        reason = "FP8 weights converted at load (the arena holds them: half their bfloat16 bytes)"
+        if prefer == "registered":
+            raise RuntimeError(f"weights 'registered' not possible: {reason}; `dlo quantize` writes a folder "
+                               "that streams FP8 from the page cache")
+    elif prefer != "arena":
         runs = [page_cache_runs(ckpt, lay, g, r) for lay in layouts]
         casts = [t.name for lay in layouts for t in lay.tensors if ckpt.tensors[t.name].dtype != t.dtype]
         most = max((len(x) for x in runs), default=0)
@@ -177,7 +188,7 @@ def _prepare(ckpt: Checkpoint, layouts: list[BlockLayout], target_dtype: dict[st
             reason = "the platform refused to register the file mappings"
         if prefer == "registered":
             raise RuntimeError(f"weights 'registered' not possible: {reason}")
-    arena = build_arena(ckpt, layouts, target_dtype, g, r, platform)
+    arena = build_arena(ckpt, layouts, target_dtype, g, r, platform, derived)
     hw = HostWeights(
         source="arena",
         copies=[[(arena.shard(i), 0)] for i in range(len(layouts))],

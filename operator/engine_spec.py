@@ -156,7 +156,10 @@ class EngineSpec(_Model):
         "allocator is capped at it, and spec.mode auto and the engine plan with it; unset: the device's memory",
     )
     stream_dtype: StreamDtype | None = Field(
-        None, description="the dtype streamed blocks are held in and copied as (`--stream-dtype`); unset: bfloat16",
+        None, description="how the transformers' streamed blocks are held and copied (`--stream-dtype`): bfloat16, "
+        "or fp8 (linear weights float8 e4m3 with a scale per output row, dequantized on the device: half the "
+        "bytes; a `dlo quantize` folder streams from the page cache, a bfloat16 one is converted at load); "
+        "unset: bfloat16",
     )
 
     @field_validator("max_device_memory")

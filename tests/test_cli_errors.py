@@ -130,6 +130,21 @@ ENGINE_ROWS: list[tuple[list[str], str]] = [
     (["serve", "{tmp}/model", "--gather-max-ctas", "65"], "--gather-max-ctas: must be at most 64 (got 65)"),
     (["serve", "{tmp}/model", "--gather-max-ctas", "0"], "--gather-max-ctas: must be at least 1 (got 0)"),
     (["serve", "{tmp}/model", "--ulysses-exchange", "fast"], "--ulysses-exchange: invalid choice: 'fast'"),
+    (["serve", "{tmp}/model", "--lora-dir", "{tmp}/missing"], "--lora-dir: {tmp}/missing: no such file or folder"),
+    (["make-random-lora", "{tmp}/model", "{tmp}/new-lora", "--rank", "0"], "--rank: must be at least 1 (got 0)"),
+    (["make-random-lora", "{tmp}/model", "{tmp}/new-lora", "--rank", "4", "--format", "lycoris"],
+     "--format: invalid choice: 'lycoris'"),
+    (["make-random-lora", "{tmp}/missing", "{tmp}/new-lora", "--rank", "4"], "{tmp}/missing: no such file or folder"),
+    (["make-random-lora", "{tmp}/model", "{tmp}/model", "--rank", "4"], "{tmp}/model already exists"),
+    (["serve", "{tmp}/model", "--dp", "99999999999999999999999"], "--dp: must be at most 1024 ranks on one node"),
+    (["serve", "{tmp}/model", "--api-key-file", "{tmp}/missing"], "--api-key-file: {tmp}/missing: no such file"),
+    (["serve", "{tmp}/model", "--api-key-file", "{tmp}"], "--api-key-file: {tmp}: not a file"),
+    (["serve", "{tmp}/model", "--api-key-file", "{tmp}/latin1-key"], "{tmp}/latin1-key: not UTF-8 text"),
+    (["serve", "{tmp}/model", "--api-key-file", "{tmp}/spaced-key"], "a key must be printable ASCII"),
+    (["serve", "{tmp}/model", "--body-timeout", "0"], "--body-timeout: must be more than 0 seconds"),
+    (["serve", "{tmp}/model", "--min-body-rate", "0"], "--min-body-rate: must be at least 1 (got 0)"),
+    (["serve", "{tmp}/model", "--probe-cidr", "10.0.0.0/33"], "'10.0.0.0/33' is not a network"),
+    (["serve", "{tmp}/model", "--startup-timeout", "-1"], "--startup-timeout: must be more than 0 seconds"),
     (["make-tiny-model", "{tmp}/new-tiny", "--dim", "17"], "--dim: must be a multiple of"),
     (["make-tiny-model", "{tmp}/new-tiny", "--layers", "0"], "--layers: must be at least 1 (got 0)"),
     (["make-tiny-model", "{tmp}/model"], "{tmp}/model exists and is not an empty folder"),
@@ -137,6 +152,10 @@ ENGINE_ROWS: list[tuple[list[str], str]] = [
     (["make-random-model", "{tmp}/new-random", "--preset", "tiny-wan2.1-t2v", "--layers", "0"],
      "--layers: must be at least 1 (got 0)"),
     (["make-random-model", "{tmp}/model", "--preset", "tiny-wan2.1-t2v"], "{tmp}/model exists and is not an empty folder"),
+    (["quantize", "{tmp}/model", "{tmp}/new-q", "--dtype", "int4"], "--dtype: invalid choice: 'int4'"),
+    (["quantize", "{tmp}/empty", "{tmp}/new-q", "--dtype", "fp8"], "SRC {tmp}/empty: not a pipeline folder"),
+    (["quantize", "{tmp}/model", "{tmp}/model/q", "--dtype", "fp8"], "lies inside SRC"),
+    (["quantize", "{tmp}/model", "{tmp}/model", "--dtype", "fp8"], "{tmp}/model exists and is not an empty folder"),
     (["calibrate", "--ranks", "0"], "--ranks: must be at least 1 (got 0)"),
     (["calibrate", "--mib", "x"], "--mib: 'x' is not an integer"),
     (["demo", "--dp", "0"], "--dp: must be at least 1 (got 0)"),
@@ -178,6 +197,8 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (tmp / "dlod.yaml").write_text(yaml.safe_dump(DLOD))
     (tmp / "negative-replicas.yaml").write_text(yaml.safe_dump({**DLOD, "spec": {**DLOD["spec"], "replicas": -1}}))
     (tmp / "not-yaml.yaml").write_text("spec: [unclosed\n  - : :\n")
+    (tmp / "latin1-key").write_bytes(b"caf\xe9")
+    (tmp / "spaced-key").write_text("two words\n")
     return tmp
 
 

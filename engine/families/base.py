@@ -16,11 +16,25 @@ from pathlib import Path
 from dlo.engine.checkpoint import CheckpointError, read_json_config
 
 
+def class_fields_error(config: dict) -> str | None:
+    """What is wrong with the fields a model's class is read from (diffusers' `_class_name`, a
+    string; transformers' `architectures`, a non-empty list of strings), or None."""
+    name, arch = config.get("_class_name"), config.get("architectures")
+    if name is not None and not isinstance(name, str):
+        return f"_class_name must be a string, got {type(name).__name__}"
+    if arch is not None and not (isinstance(arch, list) and arch and all(isinstance(a, str) for a in arch)):
+        return f"architectures must be a non-empty list of class names, got {str(arch)[:60]}"
+    return None
+
+
 def read_config(component_dir: Path | str) -> dict:
     """A model component's config.json (must name its diffusers `_class_name`, or transformers'
     `architectures`: then `_class_name` is the first of them and `_library` is "transformers")."""
     path = Path(component_dir) / "config.json"
     config = read_json_config(path)
+    wrong = class_fields_error(config)
+    if wrong is not None:
+        raise CheckpointError(path, wrong)
     if "_class_name" not in config and config.get("architectures"):
         # a transformers model (text encoder): its class is the first of `architectures`
         config = {**config, "_class_name": config["architectures"][0], "_library": "transformers"}

@@ -1,21 +1,28 @@
 """dlo.engine.serving: `dlo serve`, the OpenAI-compatible server on the offload engine.
 
 Map (which file to open for which concept):
-  server.py      HTTP only: routes, auth, body limit, domain errors -> status codes
-  service.py     the domain on rank 0: lifecycle states, queue -> waves, video jobs, faults
+  server.py      HTTP only: routes, request bodies, clients that leave (499), domain errors -> status codes
+  accounting.py  the API key and what every answer is counted as (dlo_requests_total, durations)
+  body_limit.py  413 before a body is parsed
+  service.py     the domain on rank 0: lifecycle states, queue -> waves, withdrawing, the drain, faults
+  startup.py     the warm-up request, startup_seconds, start-cost warnings
   errors.py      the domain errors (QueueFull, EngineUnavailable, EngineFailed, ShuttingDown, RequestFailed,
-                 InvalidInput)
-  connections.py the listener's connection cap, idle/header timeout and once-per-episode logs
-  faults.py      test-only fault injection (DLO_TEST_HOOKS=1 + DLO_TEST_FAULTS), off in production
-  waves.py       Generation (one request), compatibility keys, the wave-forming rule, WaveQueue
-  ranks.py       rank 0's side: RankGroup (spawn, start, run_wave, stop, kill) and the watchdog
+                 InvalidInput, video jobs)
+  connections.py the listener's limits: cap and probe reserve, idle/header and body timeouts, episode logs
+  http_protocol.py the HTTP/1.1 connection applying them (uvicorn's h11), 16 KiB heads, RFC 9112 framing
+  faults.py      test-only fault injection (DLO_TEST_HOOKS=1 + DLO_TEST_FAULTS) and its one seam, off in production
+  waves.py       compatibility keys of a Generation (dlo.engine.request), the wave-forming rule, WaveQueue
+  videos.py      the video job store; video_records.py a job's files; video_jobs.py running jobs
+  peers.py       forwarding a video request to the pod whose job it is
+  ranks.py       rank 0's side: RankGroup (spawn, control socket, start, run_wave, stop, kill), the watchdog
+  rendezvous.py  the weight plane's rendezvous, on loopback only
   rank_main.py   a rank's compute side and the children's main (python -m dlo.engine.serving.rank_main)
   control.py     every message between rank 0 and its children (frozen dataclasses), RankConfig
   pipeline.py    ServingPipeline: the family's diffusers pipeline around dlo.engine.load
   encode.py      PNG / MP4 encoders
   api_models.py  OpenAI request/response models and their validation into a Generation
   limits.py      request limits; metrics.py  Prometheus metrics; launch.py  ServerProcess
-  cli.py         `dlo serve`; demo.py  `dlo demo`
+  options.py     `dlo serve`'s flags; cli.py  `dlo serve`'s start in named steps; demo.py  `dlo demo`
 
 Owns: nothing itself; importing it imports neither torch nor FastAPI.
 Must never: reach into the offload core's internals (only `load`, the report and stats types, the

@@ -1,7 +1,8 @@
 """HTTP bodies of the OpenAI-compatible API, and their translation into `Generation`s.
 
 Owns: the pydantic request and response models (OpenAI Images and Videos shapes plus our
-extensions `seed`, `num_inference_steps`, `guidance_scale`, `negative_prompt`), the OpenAI error
+extensions `seed`, `num_inference_steps`, `guidance_scale`, `negative_prompt`, `lora`, `lora_scale`;
+a LoRA adapter is also chosen by the model id `MODEL:ADAPTER`, as GET /v1/models lists it), the OpenAI error
 body, and every limit check: anything a client can get wrong is an `ApiError` with status 400 and
 the offending field in `param`, never a 5xx.
 Must never: import torch.
@@ -12,18 +13,17 @@ from __future__ import annotations
 import math
 import re
 import secrets
-from typing import Any, Literal
+from typing import Any, Collection, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from dlo.engine.serving.faults import FaultPlan
 from dlo.engine.serving.limits import Limits
 from dlo.engine.families import PipelineFacts
 from dlo.engine.request import Generation
 
 MAX_SEED = 2**63 - 1
-TEST_FAULTS = FaultPlan.from_env()
-_SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+MAX_LORA_SCALE = 10.0  # |lora_scale|: peft takes any float; beyond this an adapter only breaks images
+_SIZE = re.compile(r"([0-9]{1,5})x([0-9]{1,5})")  # ASCII digits, matched whole (no trailing newline)
 
 
 class ApiError(Exception):
@@ -53,6 +53,11 @@ class _Extensions(BaseModel):
     num_inference_steps: int | None = Field(None, description="denoising steps (server default when omitted)")
     guidance_scale: float | None = Field(None, allow_inf_nan=False, description="classifier-free guidance scale")
     negative_prompt: str | None = Field(None, description="what to steer away from")
+    lora: str | None = Field(None, description="a LoRA adapter of this server by name (GET /v1/models lists it as "
+                                               "MODEL:NAME; `model: \"MODEL:NAME\"` chooses it too)")
+    lora_scale: float | None = Field(None, allow_inf_nan=False,
+                                     description=f"the adapter's strength, -{MAX_LORA_SCALE:g} to {MAX_LORA_SCALE:g} "
+                                                 "(peft's scale: 0 the base model, 1 as trained; default 1)")
     user: str | None = Field(None, description="accepted for OpenAI compatibility; unused")
 
     @field_validator("prompt", "negative_prompt")
@@ -115,6 +120,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "dlo"
+    parent: str | None = None  # a LoRA adapter's base model (as vLLM lists adapters)
+    root: str | None = None  # a LoRA adapter's file or folder in --lora-dir
 
 
 class ModelList(BaseModel):
@@ -164,7 +171,7 @@ def _bad(message: str, param: str) -> ApiError:
 
 
 def parse_size(size: str, facts: PipelineFacts, limits: Limits) -> tuple[int, int]:
-    m = _SIZE.match(size)
+    m = _SIZE.fullmatch(size)
     if m is None:
         raise _bad(f'size must look like "WIDTHxHEIGHT" (e.g. "{limits.default_size}"), got {size!r}', "size")
     w, h = int(m.group(1)), int(m.group(2))
@@ -176,12 +183,33 @@ def parse_size(size: str, facts: PipelineFacts, limits: Limits) -> tuple[int, in
     return w, h
 
 
-def _common(req: _Extensions, facts: PipelineFacts, limits: Limits, model_id: str) -> dict[str, Any]:
-    if TEST_FAULTS is not None:  # test-only (dlo.engine.serving.faults); None in production
-        TEST_FAULTS.check("validation", 0, req.prompt)
+def _adapter(req: _Extensions, model_id: str, adapters: Collection[str]) -> dict[str, Any]:
+    """The request's LoRA adapter (`lora_id`, `lora_scale`): by `model: "MODEL:NAME"` or `lora: NAME`."""
+    named, param = None, "model"
     if req.model is not None and req.model != model_id:
-        raise ApiError(404, f"model {req.model!r} is not served here; this server serves {model_id!r}", "model",
-                       "model_not_found")
+        if not req.model.startswith(model_id + ":"):
+            raise ApiError(404, f"model {req.model!r} is not served here; this server serves {model_id!r}", "model",
+                           "model_not_found")
+        named = req.model[len(model_id) + 1:]
+    if req.lora is not None:
+        if named is not None and named != req.lora:
+            raise _bad(f"model {req.model!r} and lora {req.lora!r} name different adapters; give one", "lora")
+        named, param = req.lora, "lora"
+    if named is not None and named not in adapters:
+        known = ", ".join(sorted(adapters)) or "none (dlo serve --lora-dir DIR loads them)"
+        raise _bad(f"no LoRA adapter {named!r} on this server; its adapters: {known}", param)
+    if req.lora_scale is not None:
+        if named is None:
+            raise _bad("lora_scale needs an adapter (lora, or model MODEL:NAME)", "lora_scale")
+        if abs(req.lora_scale) > MAX_LORA_SCALE:
+            raise _bad(f"lora_scale must be between -{MAX_LORA_SCALE:g} and {MAX_LORA_SCALE:g}, got {req.lora_scale:g}",
+                       "lora_scale")
+    return {"lora_id": named, "lora_scale": float(req.lora_scale if req.lora_scale is not None else 1.0)}
+
+
+def _common(req: _Extensions, facts: PipelineFacts, limits: Limits, model_id: str,
+            adapters: Collection[str] = ()) -> dict[str, Any]:
+    lora = _adapter(req, model_id, adapters)
     for name in ("prompt", "negative_prompt"):
         text = getattr(req, name)
         if text is not None and len(text) > limits.max_prompt_chars:
@@ -197,11 +225,12 @@ def _common(req: _Extensions, facts: PipelineFacts, limits: Limits, model_id: st
                    "guidance_scale")
     return {
         "prompt": req.prompt, "negative_prompt": req.negative_prompt, "steps": steps, "guidance_scale": float(guidance),
-        "seed": req.seed if req.seed is not None else secrets.randbelow(2**31),
+        "seed": req.seed if req.seed is not None else secrets.randbelow(2**31), **lora,
     }
 
 
-def image_generation(req: ImageGenerationRequest, facts: PipelineFacts, limits: Limits, model_id: str) -> Generation:
+def image_generation(req: ImageGenerationRequest, facts: PipelineFacts, limits: Limits, model_id: str,
+                     adapters: Collection[str] = ()) -> Generation:
     if facts.image_input:
         raise _bad(f"model {model_id!r} ({facts.pipeline_class}) is image-to-video: use /v1/videos with "
                    "input_reference", "model")
@@ -214,12 +243,9 @@ def image_generation(req: ImageGenerationRequest, facts: PipelineFacts, limits: 
     max_n = min(limits.max_n, facts.max_n or limits.max_n)  # Cosmos3: one sample per pipeline call
     if not 1 <= req.n <= max_n:
         raise _bad(f"n must be between 1 and {max_n}, got {req.n}", "n")
-    common = _common(req, facts, limits, model_id)
-    w, h = parse_size(req.size or limits.default_size, facts, limits)
+    common = _common(req, facts, limits, model_id, adapters)
+    w, h = parse_size(req.size if req.size is not None else limits.default_size, facts, limits)
     return Generation(kind="image", width=w, height=h, n=req.n, **common)
-
-
-MAX_REFERENCE_PIXELS = 4096 * 4096
 
 
 def form_field(name: str, value: Any) -> Any:
@@ -232,9 +258,11 @@ def form_field(name: str, value: Any) -> Any:
     raise ApiError(400, f"file upload {name!r} is not supported", name, "invalid_value")
 
 
-def reference_image(value: Any, width: int, height: int) -> bytes:
-    """The `input_reference` as encoded image bytes, checked: decodable by PIL, at most
-    MAX_REFERENCE_PIXELS pixels (the pipeline resizes it to the video's size)."""
+def reference_image(value: Any, max_pixels: int) -> bytes:
+    """The `input_reference` as encoded image bytes, checked: decodable by PIL, at most `max_pixels`
+    pixels (read from the header before anything is decoded: the decode's cost is bounded by the
+    cap, whatever the file's compression ratio; the pipeline resizes it to the video's size).
+    CPU-bound: the server runs it off the event loop."""
     import base64
     import io
 
@@ -251,8 +279,9 @@ def reference_image(value: Any, width: int, height: int) -> bytes:
     try:
         with Image.open(io.BytesIO(value)) as img:
             w, h = img.size
-            if w * h > MAX_REFERENCE_PIXELS:
-                raise _bad(f"input_reference is {w}x{h}; at most {MAX_REFERENCE_PIXELS} pixels", "input_reference")
+            if w * h > max_pixels:
+                raise _bad(f"input_reference is {w}x{h} ({w * h} pixels); this server takes at most {max_pixels} "
+                           "pixels (limits: max_reference_pixels)", "input_reference")
             img.convert("RGB").load()  # decodes the whole image now: a truncated file is the client's fault
     except ApiError:
         raise
@@ -261,7 +290,8 @@ def reference_image(value: Any, width: int, height: int) -> bytes:
     return bytes(value)
 
 
-def video_generation(req: VideoCreateRequest, facts: PipelineFacts, limits: Limits, model_id: str) -> Generation:
+def video_generation(req: VideoCreateRequest, facts: PipelineFacts, limits: Limits, model_id: str,
+                     adapters: Collection[str] = ()) -> Generation:
     if not facts.supports_video:
         raise _bad(f"model {model_id!r} ({facts.pipeline_class}) makes images only; use /v1/images/generations",
                    "model")
@@ -271,10 +301,10 @@ def video_generation(req: VideoCreateRequest, facts: PipelineFacts, limits: Limi
     if req.input_reference is None and facts.image_input:
         raise _bad(f"model {model_id!r} ({facts.pipeline_class}) is image-to-video: input_reference (the first "
                    "frame) is required", "input_reference")
-    common = _common(req, facts, limits, model_id)
-    w, h = parse_size(req.size or limits.default_video_size, facts, limits)
+    common = _common(req, facts, limits, model_id, adapters)
+    w, h = parse_size(req.size if req.size is not None else limits.default_video_size, facts, limits)
     if req.input_reference is not None:
-        common["image"] = reference_image(req.input_reference, w, h)
+        common["image"] = reference_image(req.input_reference, limits.max_reference_pixels)
     fps = facts.fps or limits.video_fps  # a model with a rate of its own (MiniMax-H3, Cosmos3) runs at it
     # without `seconds`: 4, or the model's shortest clip when it makes none that short (MiniMax-H3: 5.2 s)
     seconds = float(req.seconds) if req.seconds is not None else max(4.0, facts.shortest_seconds(fps))

@@ -1,6 +1,6 @@
 """ASGI middleware: a request body over the limit gets 413 before any of it is parsed.
 
-Owns: `BodyLimit` (the 413 in OpenAI's error shape, counted through the caller's `on_reject`).
+Owns: `BodyLimit` (the 413 in OpenAI's error shape; counted, as every answer, by `accounting.Accounting`).
 Must never: hold more than the limit of any one request body in memory, or read a byte of a body
 whose declared length is already over the limit.
 """
@@ -21,8 +21,8 @@ class BodyLimit:
     the limit, and otherwise handed on unchanged: no request holds more than the limit in memory.
     """
 
-    def __init__(self, app: Any, max_bytes: int, on_reject: Callable[[dict], None]):
-        self.app, self.max_bytes, self.on_reject = app, max_bytes, on_reject
+    def __init__(self, app: Any, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -30,7 +30,7 @@ class BodyLimit:
             return
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_bytes:
-            await self._reject(scope, send)
+            await self._reject(send)
             return
         chunks, size, more = [], 0, True
         while more:
@@ -40,7 +40,7 @@ class BodyLimit:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
-                await self._reject(scope, send)
+                await self._reject(send)
                 return
             more = message.get("more_body", False)
         replayed = False
@@ -54,8 +54,7 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _reject(self, scope: dict, send: Callable) -> None:
-        self.on_reject(scope)
+    async def _reject(self, send: Callable) -> None:
         err = ApiError(413, f"the request body exceeds this server's limit of {self.max_bytes} bytes",
                        code="body_too_large")
         body = json.dumps(err.body()).encode()

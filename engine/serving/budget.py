@@ -1,9 +1,12 @@
 """The device budget of `dlo serve`: what one rank may use of its device, and whether the mode fits it.
 
 Owns: the deployment's memory (`deployment_memory`: the pipeline folder's facts at the limits it
-serves, from `dlo.engine.memory_model`; `budget_inputs`, what `resolve_mode` gets of it), the budget of this host's device (`local_budget`: the
-smallest of its memory and `--max-device-memory`), the check of a `--mode` given on the command
-line against it (`check_mode`), and `DeviceBudgetError`, which `dlo serve` prints in one line and
+serves, from `dlo.engine.memory_model`; `deployment`: that, this host's device budget and the VAE
+tiling rule the budget implies; `budget_inputs`, what `resolve_mode` gets of it), the budget of
+this host's device (`local_budget`: the smallest of its memory and `--max-device-memory`), the check
+of a `--mode` given on the command line against it (`check_mode`), what the budget decides in the
+settings every rank starts with (`plan_settings`: the tiling rule and `--resident-blocks auto`'s
+plan, `dlo.engine.memory_plan`), and `DeviceBudgetError`, which `dlo serve` prints in one line and
 exits 2 on, before anything loads. `--mode auto` gets the same inputs through the policy
 (`dlo.agent.policy.choose_mode(device_budget_bytes=..., pipeline=...)`).
 Must never: allocate on a device, or refuse a mode on a guess: without a measured table a given
@@ -12,10 +15,12 @@ mode is refused only when its weights alone exceed the budget.
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dlo.engine.settings import ConfigError
+from dlo.engine.settings import ConfigError, EngineSettings
 
 if TYPE_CHECKING:
     from dlo.engine.memory_model import PipelineMemory
@@ -27,29 +32,71 @@ class DeviceBudgetError(ConfigError):
     and the smallest budget, or the largest `--max-size`, that would."""
 
 
-def deployment_memory(model_dir: Path, limits: Limits, *, stream_encoders: bool = True) -> PipelineMemory:
+def deployment_memory(model_dir: Path, limits: Limits, *, stream_encoders: bool = True,
+                      stream_dtype: str = "bfloat16") -> PipelineMemory:
     """The pipeline's memory at `limits` (`dlo.engine.memory_model.pipeline_memory`); a memory table
     or a component header that does not parse is a `DeviceBudgetError` naming it."""
     from dlo.engine.memory_model import RequestBounds, pipeline_memory
     from dlo.engine.memory_table import TableError
-    from dlo.engine.serving.pipeline import VAE_TILE_ABOVE_PIXELS
+    from dlo.engine.settings import VAE_TILE_ABOVE_PIXELS
 
     bounds = RequestBounds(limits.max_width, limits.max_height, limits.max_frames, limits.max_n,
                            limits.max_sequence_length)
     try:
         return pipeline_memory(model_dir, bounds, tile_above_pixels=VAE_TILE_ABOVE_PIXELS,
-                               stream_encoders=stream_encoders)
+                               stream_encoders=stream_encoders, stream_dtype=stream_dtype)
     except TableError as e:
+        raise DeviceBudgetError(str(e)) from None
+    except ConfigError as e:  # an FP8 folder (dlo quantize) without --stream-dtype fp8
         raise DeviceBudgetError(str(e)) from None
     except (KeyError, ValueError) as e:  # a component's config or safetensors header (CheckpointError)
         raise DeviceBudgetError(f"{model_dir}: cannot read the pipeline's weights: {e}") from None
 
 
-def budget_inputs(args: Any, model_dir: Path, limits: Limits) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Deployment:
+    """The pipeline's memory at its limits under this host's device budget."""
+
+    memory: PipelineMemory  # with the tiling rule the budget implies
+    budget: int | None  # bytes per rank; None: no accelerator (cpu ranks)
+    tiling: str  # why that tiling rule
+
+
+def deployment(args: Any, model_dir: Path, limits: Limits, device: str) -> Deployment:
+    """`deployment_memory` for `dlo serve`'s options, this host's budget (`local_budget`) and the
+    tiling rule it implies (`dlo.engine.memory_plan.tiling_for_budget`)."""
+    memory = deployment_memory(model_dir, limits, stream_encoders=args.stream_text_encoders,
+                               stream_dtype=args.stream_dtype)
+    if device not in ("cuda", "npu"):
+        return Deployment(memory, None, "no device budget on cpu: the fixed rule")
+    from dlo.engine.devices import device_facts
+    from dlo.engine.memory_plan import tiling_for_budget
+
+    budget = local_budget(device_facts(device).memory_bytes, args.max_device_memory, memory)
+    tile, why = tiling_for_budget(memory, budget)
+    return Deployment(dataclasses.replace(memory, tile_above_pixels=tile), budget, why)
+
+
+def budget_inputs(args: Any, dep: Deployment) -> dict[str, Any]:
     """`resolve_mode`'s budget keywords from `dlo serve`'s options (`--max-device-memory`,
-    `--resident-blocks`, `--stream-text-encoders`) and the limits it serves."""
+    `--resident-blocks`) and the deployment."""
     return {"max_device_memory": args.max_device_memory, "resident_blocks": args.resident_blocks,
-            "memory": deployment_memory(model_dir, limits, stream_encoders=args.stream_text_encoders)}
+            "memory": dep.memory}
+
+
+def plan_settings(settings: EngineSettings, dep: Deployment) -> tuple[EngineSettings, list[str]]:
+    """The settings every rank starts with, with what the budget decides: the VAE tiling rule and,
+    for `--resident-blocks auto` in an offloaded mode, the plan of resident blocks; and the log lines
+    that state the arithmetic."""
+    from dlo.engine.memory_plan import resident_plan
+
+    lines = [f"vae tiling above {dep.memory.tile_above_pixels} decoded pixels: {dep.tiling}"]
+    plan = None
+    if settings.offload.resident_blocks == "auto" and settings.mode != "resident" and dep.budget is not None:
+        g = settings.parallel.world if settings.mode == "allgather" else 1
+        plan, line = resident_plan(dep.memory, settings.mode, g, dep.budget)
+        lines.append(line)
+    return dataclasses.replace(settings, resident_plan=plan, vae_tile_above_pixels=dep.memory.tile_above_pixels), lines
 
 
 def local_budget(device_memory: int, max_device_memory: int, memory: PipelineMemory) -> int:

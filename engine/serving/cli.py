@@ -4,107 +4,64 @@
 spawns ranks 1..dp-1. The transformer runs through the DLO engine in the chosen mode; text
 encoders and the VAE load normally on every rank. See docs/serving.md for the API.
 
-Owns: the `dlo serve` options, refusing a broken folder before any rank starts, resolving
-`--mode auto` (the pure `dlo.agent.policy` over a profile built from the engine's own device facts),
-and wiring the service, the rank group and the HTTP server together.
+Owns: the `dlo serve` start in named steps (`main`): everything a flag, the folder, the key or the
+port can get wrong is refused in one line with exit 2 before any rank starts (`StartError`);
+the mode (`mode_choice`); and wiring the service, the rank group and the HTTP server together.
 Must never: import anything of `dlo.agent` but the pure `policy` and `profile` (CONTRACTS.md
-section 1), or take a secret from the command line.
+section 1), take a secret from the command line, or start a rank before the listening port is ours.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import socket
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 log = logging.getLogger(__name__)
 
-from dlo.engine.facts import Mode, ModeOrAuto
+from dlo.engine.facts import DeviceKind, Mode
+from dlo.engine.serving.mode_choice import resolve_mode
 from dlo.engine.serving.options import add_arguments, engine_settings
 from dlo.engine.settings import ConfigError, from_environment
 
-__all__ = ["add_arguments", "main", "engine_settings", "resolve_mode", "read_api_key"]
+__all__ = ["add_arguments", "main", "engine_settings", "resolve_mode", "read_api_key", "StartError"]
+
+LISTEN_BACKLOG = 2048  # uvicorn's default
 
 
-def read_api_key(path: Path | None) -> str | None:
+class StartError(Exception):
+    """A reason `dlo serve` cannot start: printed as one line, exit 2, before any rank starts."""
+
+
+def read_api_key(path: Path | None, environ: dict[str, str] | os._Environ = os.environ) -> str | None:
+    """The key from `--api-key-file` (UTF-8 text, white space around it ignored) or `DLO_API_KEY`.
+    Clients send it in a header, so it must be printable ASCII: any other key could never match."""
     if path is not None:
-        key = path.read_text().strip()
-        if not key:
-            raise SystemExit(f"dlo serve: {path} is empty")
-        return key
-    return os.environ.get("DLO_API_KEY") or None
-
-
-def local_profile(device: str) -> Any:
-    """This host's `NodeProfile` from the engine's own device facts (torch, NVML for NVLink) and the
-    nominal bandwidths of `dlo.agent.profile`; with no accelerator (cpu) the policy budgets
-    "device" weights in host RAM."""
-    from dlo.agent.profile import Accelerator, Interconnect, NodeProfile, nominal_collective_bps, nominal_h2d_bps
-    from dlo.engine.devices import device_facts
-
-    f = device_facts(device)
-    acc = Accelerator(vendor=f.vendor, model=f.model, count=f.count, memory_bytes=f.memory_bytes)
-    h2d = nominal_h2d_bps(f.model) if f.vendor != "none" else 0
-    coll = nominal_collective_bps(f.model, f.interconnect, None) if f.vendor != "none" else 0
-    return NodeProfile(
-        node=socket.gethostname(), accelerator=acc,
-        interconnect=Interconnect(kind=f.interconnect, collective_bandwidth_bps=coll),
-        h2d_bandwidth_bps=h2d, host_memory_bytes=f.host_memory_bytes,
-        can_register_page_cache=f.vendor == "nvidia",  # the engine DMAs from the page cache on cuda
-    )
-
-
-def resolve_mode(mode: ModeOrAuto, model_dir: Path, dp: int, device: str, profile_path: Path | None = None,
-                 sp: int = 1, *, max_device_memory: int = 0, memory: Any = None,
-                 resident_blocks: int | str = 0) -> tuple[Mode, str]:
-    """The engine mode and why: `--mode` as given, else the node policy, else a fixed rule. With the
-    deployment's `memory` (`dlo.engine.serving.budget`) the device budget is checked: a mode that does
-    not fit raises `DeviceBudgetError` (exit 2 before anything loads)."""
-    if mode != "auto":
-        if memory is not None and device != "cpu":
-            from dlo.engine.serving.budget import check_mode, local_budget
-
-            budget = local_budget(local_profile(device).accelerator.memory_bytes, max_device_memory, memory)
-            log.info("%s", check_mode(mode, memory, budget, dp * sp, resident_blocks))
-        return mode, "--mode given"
-    try:
-        from dlo.agent.policy import NoModeFits, PolicyError, choose_mode
-        from dlo.agent.profile import CalibrationFragment, NodeProfile, apply_calibration, parse_file
-    except ImportError:
-        log.warning("dlo.agent.policy is not installed; using the fixed rule")
-    else:
-        from dlo.engine.blocks import describe
-
-        profile = local_profile(device)
-        if profile_path is not None:  # a file a person gave: any problem in it is an error (ProfileError)
-            text = profile_path.read_text()
-            try:
-                whole = isinstance(data := json.loads(text), dict) and "version" in data
-            except ValueError:
-                whole = False  # parse_file says what is wrong with it
-            if whole:  # a whole NodeProfile (e.g. the agent's /profile)
-                profile = parse_file(NodeProfile, text, str(profile_path))
-            else:  # a `dlo calibrate` fragment
-                profile = apply_calibration(profile, parse_file(CalibrationFragment, text, str(profile_path)))
         try:
-            decision = choose_mode(profile, describe(model_dir / "transformer"), dp, sp=sp,
-                                   device_budget_bytes=max_device_memory or None, pipeline=memory)
-            return decision.engine_mode, f"policy: {decision.reason}"
-        except NoModeFits as e:
-            from dlo.engine.serving.budget import DeviceBudgetError
-
-            raise DeviceBudgetError(f"--mode auto: {e}") from None
-        except (PolicyError, ValueError) as e:
-            log.warning("mode policy gave no answer (%s); using the fixed rule", e)
-    if dp * sp > 1:
-        return "allgather", "fixed rule: dp x sp > 1"
-    return "rank-local", "fixed rule: dp = 1"
+            key = path.read_bytes().decode("utf-8").strip()
+        except UnicodeDecodeError as e:
+            raise StartError(f"--api-key-file {path}: not UTF-8 text (byte {e.start})") from None
+        except OSError as e:
+            raise StartError(f"--api-key-file {path}: {e.strerror or e}") from None
+        if not key:
+            raise StartError(f"--api-key-file {path} is empty")
+        where = f"--api-key-file {path}"
+    else:
+        key = environ.get("DLO_API_KEY") or ""
+        where = "DLO_API_KEY"
+        if not key:
+            return None
+    bad = next((c for c in key if not 0x21 <= ord(c) <= 0x7E), None)
+    if bad is not None:
+        raise StartError(f"{where}: the key holds {bad!r}; a key must be printable ASCII without spaces (clients "
+                         "send it in an HTTP header, where any other character never matches)")
+    return key
 
 
 def _warmup_size(flag: str | None, facts: Any, limits: Any) -> tuple[int, int] | None:
@@ -124,6 +81,34 @@ def _warmup_size(flag: str | None, facts: Any, limits: Any) -> tuple[int, int] |
         return None
 
 
+def _check_adapters(lora_dir: Path | None, model_dir: Path, facts: Any, sp: int) -> dict[str, str]:
+    """`--lora-dir`'s adapters checked against the transformer before any rank starts (an
+    `AdapterError` names the file): name -> its file or folder in the directory."""
+    if lora_dir is None:
+        return {}
+    from dlo.engine.lora import AdapterError, check_adapters
+
+    lora_dir = lora_dir.resolve()
+    plans = check_adapters(lora_dir, model_dir, facts.pipeline_class)
+    if sp > 1 and plans:  # diffusers' context parallelism gathers these outputs inside their forward
+        import diffusers
+
+        cp_plan = getattr(getattr(diffusers, facts.transformer_class, None), "_cp_plan", None) or {}
+        gathered = {k for k, v in cp_plan.items() if type(v).__name__ == "ContextParallelOutput"}
+        for plan in plans:
+            for m in plan.modules:
+                if m.module in gathered:
+                    raise AdapterError(plan.path, f"targets {m.module}, whose output sequence parallelism gathers "
+                                                  "across the sp ranks before a hook could add the branch; serve "
+                                                  "it with --sp 1")
+    if not plans:
+        log.warning("--lora-dir %s holds no adapters (NAME.safetensors files or NAME/ folders)", lora_dir)
+    for plan in plans:
+        log.info("lora adapter %s: %s modules, %d device bytes per rank", plan.name, len(plan.modules),
+                 plan.device_bytes)
+    return {plan.name: plan.path.relative_to(lora_dir).parts[0] for plan in plans}
+
+
 def _attention_heads(model_dir: Path) -> int | None:
     """The transformer's attention heads (Ulysses splits them over the sp ranks), if its config says."""
     from dlo.engine.checkpoint import CheckpointError, read_json_config
@@ -133,6 +118,159 @@ def _attention_heads(model_dir: Path) -> int | None:
     except CheckpointError:
         return None
     return heads if isinstance(heads, int) else None
+
+
+@dataclass
+class _Start:
+    """What the checks before any rank decided, step by step."""
+
+    model_dir: Path
+    facts: Any = None
+    limits: Any = None
+    warmup_size: tuple[int, int] | None = None
+    api_key: str | None = None
+    device: DeviceKind = "cpu"
+    dp: int = 1
+    mode: Mode = "rank-local"
+    listener: socket.socket | None = None
+    videos: Any = None
+    peers: Any = None
+    deployment: Any = None  # the pipeline at its limits on this device (dlo.engine.serving.budget)
+    adapters: dict[str, str] = field(default_factory=dict)  # --lora-dir: name -> file or folder
+
+
+def _model_and_limits(args: argparse.Namespace, start: _Start) -> None:
+    """The folder (headers, index and shards, torch-free: most broken checkpoints are refused here;
+    dtypes and shapes are checked when each rank loads; the parse is cached for the policy and rank
+    0), the limits, the warm-up size."""
+    from dlo.engine.checkpoint import CheckpointError, cached_checkpoint
+    from dlo.engine.families import pipeline_facts
+    from dlo.engine.lora import AdapterError
+    from dlo.engine.serving.api_models import ApiError
+    from dlo.engine.serving.limits import SMALL, Limits
+
+    try:
+        start.facts = pipeline_facts(start.model_dir)
+        cached_checkpoint(start.model_dir / "transformer")
+        start.limits = Limits.load(args.limits, SMALL if args.small_limits else None, max_steps=args.max_steps,
+                                   max_width=args.max_size, max_height=args.max_size)
+        start.warmup_size = _warmup_size(args.warmup_size, start.facts, start.limits)
+        start.adapters = _check_adapters(args.lora_dir, start.model_dir, start.facts, args.sp)
+    except AdapterError as e:
+        raise StartError(f"--lora-dir: refusing an adapter that does not fit the model: {e}") from None
+    except ApiError as e:
+        raise StartError(f"--warmup-size: {e.message}") from None
+    except CheckpointError as e:
+        raise StartError(f"refusing a broken checkpoint: CheckpointError: {e}") from None
+    except (ValueError, OSError) as e:
+        raise StartError(str(e)) from None
+
+
+def _layout(args: argparse.Namespace, start: _Start) -> None:
+    """Device, dp x sp, and the flags that depend on them; the `DLO_*` switches."""
+    from dlo.engine.devices import device_count, resolve_device
+    from dlo.engine.parallel import LayoutError, check_layout, check_tokens
+
+    start.device = device = resolve_device(args.device)
+    sp = args.sp
+    devices = device_count(device) if device != "cpu" else None
+    start.dp = args.dp or max(1, (devices or 1) // max(1, sp))
+    try:
+        check_layout(start.dp, sp, devices, _attention_heads(start.model_dir), args.sp_kind)
+        if sp > 1 and start.facts.no_sp:
+            raise LayoutError(f"--sp {sp}: the {start.facts.family} family runs without sequence parallelism: "
+                              f"{start.facts.no_sp}")
+        if sp > 1 and args.sp_kind == "ring" and device != "cuda":
+            raise LayoutError("--sp-kind ring needs cuda (diffusers' ring attention needs an attention backend "
+                              "that returns the log-sum-exp); use --sp-kind ulysses")
+        if start.warmup_size is not None:
+            check_tokens(*start.warmup_size, start.facts.size_multiple, sp)
+        from_environment(os.environ)  # the DLO_* switches: a bad one is refused before anything loads
+    except ConfigError as e:
+        raise StartError(str(e)) from None
+    if args.shutdown_grace < 0:
+        raise StartError("--shutdown-grace must be >= 0")
+    if (args.max_connections is not None and args.max_connections < 1) or args.idle_timeout <= 0:
+        raise StartError("--max-connections must be >= 1 and --idle-timeout > 0")
+    if args.max_device_memory and device not in ("cuda", "npu"):
+        raise StartError(f"--max-device-memory needs a cuda or npu device; --device resolved to {device}")
+
+
+def _video_store(args: argparse.Namespace, start: _Start) -> None:
+    """Video jobs: the store names this pod in its ids; peers answer for the other pods' jobs."""
+    from dlo.engine.serving.peers import Peers
+    from dlo.engine.serving.videos import VideoStore, default_video_dir
+
+    try:
+        start.videos = VideoStore(args.video_dir or default_video_dir(args.port), ttl_s=args.video_ttl,
+                                  pod=os.environ.get("DLO_POD_NAME") or None)
+        start.videos.load()
+        start.peers = Peers.from_env()
+    except (ValueError, OSError) as e:
+        raise StartError(f"video jobs: {e}") from None
+
+
+def _listen(args: argparse.Namespace, start: _Start) -> None:
+    """Bind the HTTP port now: a port in use is refused before anything loads, not after."""
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as e:
+        sock.close()
+        raise StartError(f"--host {args.host} --port {args.port}: cannot listen there: {e.strerror or e}") from None
+    start.listener = sock
+
+
+def _prepare(args: argparse.Namespace) -> _Start:
+    """Every check that needs no rank, in order; `StartError` names the first problem."""
+    start = _Start(model_dir=args.model_dir.resolve())
+    start.api_key = read_api_key(args.api_key_file)
+    _model_and_limits(args, start)
+    _layout(args, start)
+    from dlo.engine.serving.budget import DeviceBudgetError, budget_inputs, deployment
+
+    try:  # the device budget against the pipeline at its limits (dlo.engine.serving.budget)
+        start.deployment = deployment(args, start.model_dir, start.limits, start.device)
+        start.mode, why = resolve_mode(args.mode, start.model_dir, start.dp, start.device, args.profile, sp=args.sp,
+                                       **budget_inputs(args, start.deployment))
+    except DeviceBudgetError as e:
+        raise StartError(str(e)) from None
+    except (ValueError, OSError) as e:  # an unreadable or invalid --profile file
+        raise StartError(f"--profile: {e}") from None
+    log.info("serving %s family=%s mode=%s (%s) dp=%d sp=%d device=%s", start.model_dir, start.facts.family,
+             start.mode, why, start.dp, args.sp, start.device)
+    _video_store(args, start)
+    _listen(args, start)
+    return start
+
+
+def _engine(args: argparse.Namespace, start: _Start) -> Any:
+    """The service on rank 0, with its rank group's configuration and the video store."""
+    from dlo.engine.ports import free_port
+    from dlo.engine.serving.budget import plan_settings
+    from dlo.engine.serving.control import RankConfig
+    from dlo.engine.serving.service import Engine, EngineOptions
+
+    try:  # resident blocks and VAE tiling from the budget, each decision logged with its arithmetic
+        settings, lines = plan_settings(engine_settings(args, start.mode, start.device, start.dp, os.environ),
+                                        start.deployment)
+    except ConfigError as e:
+        raise StartError(str(e)) from None
+    for line in lines:
+        log.info("%s", line)
+    cfg = RankConfig(
+        model_dir=str(start.model_dir), settings=settings, master_port=free_port(), control_port=free_port(),
+        max_sequence_length=start.limits.max_sequence_length,
+        collective_timeout_s=max(1800.0, 4 * args.progress_timeout),
+    )
+    options = EngineOptions(progress_timeout_s=args.progress_timeout, max_queue=args.max_queue,
+                            wave_window_ms=args.wave_window_ms, warmup=args.warmup, warmup_size=start.warmup_size,
+                            shutdown_grace_s=args.shutdown_grace, startup_timeout_s=args.startup_timeout,
+                            adapters=start.adapters)
+    return Engine(cfg, limits=start.limits, facts=start.facts, model_id=args.served_model_name or start.model_dir.name,
+                  videos=start.videos, options=options)
 
 
 def _server_class(engine: Any, guard: Any) -> type:
@@ -162,137 +300,74 @@ def _server_class(engine: Any, guard: Any) -> type:
     return Server
 
 
-def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="rank0 %(levelname)s %(name)s %(message)s")
+def _http_server(args: argparse.Namespace, engine: Any, app: Any) -> Any:
+    """uvicorn with our connection protocol and limits."""
     import uvicorn
 
-    from dlo.engine.checkpoint import CheckpointError, cached_checkpoint
-    from dlo.engine.families import pipeline_facts
-    from dlo.engine.devices import device_count, resolve_device
-    from dlo.engine.ports import free_port
     from dlo.engine.serving.connections import (
         FD_RESERVE,
+        LOOPBACK,
         ConnectionGuard,
+        ConnectionLimits,
         default_max_connections,
-        guarded_protocol,
         raise_nofile_limit,
     )
-    from dlo.engine.serving.control import RankConfig
-    from dlo.engine.serving.limits import SMALL, Limits
-    from dlo.engine.serving.api_models import ApiError
-    from dlo.engine.serving.server import create_app
-    from dlo.engine.serving.peers import Peers
-    from dlo.engine.serving.service import Engine
-    from dlo.engine.serving.videos import VideoStore, default_video_dir
+    from dlo.engine.serving.http_protocol import guarded_protocol
 
-    if isinstance(args.model_dir, str):  # a model URI: fetched first (dlo.delivery), served by its name
-        from dlo.delivery.errors import FetchError
-        from dlo.delivery.fetch import serving_folder
-
-        try:
-            args.model_dir, name = serving_folder(args.model_dir, os.environ)
-        except FetchError as e:
-            print(f"dlo serve: {e.reason}: {e}", file=sys.stderr)
-            return e.exit_code
-        args.served_model_name = args.served_model_name or name
-    model_dir: Path = args.model_dir.resolve()
-    try:
-        facts = pipeline_facts(model_dir)
-        # Headers, index and shard files, torch-free: most broken checkpoints are refused here, before
-        # any rank starts; dtypes and shapes are checked against the model when each rank loads. The
-        # parse is cached: the mode policy's model facts and rank 0's load reuse it.
-        cached_checkpoint(model_dir / "transformer")
-        limits = Limits.load(args.limits, SMALL if args.small_limits else None, max_steps=args.max_steps,
-                             max_width=args.max_size, max_height=args.max_size)
-        warmup_size = _warmup_size(args.warmup_size, facts, limits)
-    except ApiError as e:
-        print(f"dlo serve: --warmup-size: {e.message}", file=sys.stderr)
-        return 2
-    except CheckpointError as e:
-        print(f"dlo serve: refusing a broken checkpoint: CheckpointError: {e}", file=sys.stderr)
-        return 2
-    except (ValueError, OSError) as e:
-        print(f"dlo serve: {e}", file=sys.stderr)
-        return 2
-    api_key = read_api_key(args.api_key_file)
-    device = resolve_device(args.device)
-    from dlo.engine.parallel import LayoutError, check_layout, check_tokens
-
-    sp = args.sp
-    devices = device_count(device) if device != "cpu" else None
-    dp = args.dp or max(1, (devices or 1) // max(1, sp))
-    try:
-        check_layout(dp, sp, devices, _attention_heads(model_dir), args.sp_kind)
-        if sp > 1 and facts.no_sp:
-            raise LayoutError(f"--sp {sp}: the {facts.family} family runs without sequence parallelism: {facts.no_sp}")
-        if sp > 1 and args.sp_kind == "ring" and device != "cuda":
-            raise LayoutError("--sp-kind ring needs cuda (diffusers' ring attention needs an attention backend "
-                              "that returns the log-sum-exp); use --sp-kind ulysses")
-        if warmup_size is not None:
-            check_tokens(*warmup_size, facts.size_multiple, sp)
-        from_environment(os.environ)  # the DLO_* switches: a bad one is refused before anything loads
-    except ConfigError as e:
-        print(f"dlo serve: {e}", file=sys.stderr)
-        return 2
-    if args.shutdown_grace < 0:
-        print("dlo serve: --shutdown-grace must be >= 0", file=sys.stderr)
-        return 2
-    if (args.max_connections is not None and args.max_connections < 1) or args.idle_timeout <= 0:
-        print("dlo serve: --max-connections must be >= 1 and --idle-timeout > 0", file=sys.stderr)
-        return 2
-    if args.max_device_memory and device not in ("cuda", "npu"):
-        print(f"dlo serve: --max-device-memory needs a cuda or npu device; --device resolved to {device}",
-              file=sys.stderr)
-        return 2
-    from dlo.engine.serving.budget import DeviceBudgetError, budget_inputs
-
-    try:  # the device budget against the pipeline at its limits (dlo.engine.serving.budget)
-        mode, why = resolve_mode(args.mode, model_dir, dp, device, args.profile, sp=sp,
-                                 **budget_inputs(args, model_dir, limits))
-    except DeviceBudgetError as e:
-        print(f"dlo serve: {e}", file=sys.stderr)
-        return 2
-    except (ValueError, OSError) as e:  # an unreadable or invalid --profile file
-        print(f"dlo serve: --profile: {e}", file=sys.stderr)
-        return 2
-    log.info("serving %s family=%s mode=%s (%s) dp=%d sp=%d device=%s", model_dir, facts.family, mode, why, dp, sp,
-             device)
-    try:
-        settings = engine_settings(args, mode, device, dp, os.environ)
-    except ConfigError as e:
-        print(f"dlo serve: {e}", file=sys.stderr)
-        return 2
-    cfg = RankConfig(
-        model_dir=str(model_dir), settings=settings, master_port=free_port(), control_port=free_port(),
-        max_sequence_length=limits.max_sequence_length, collective_timeout_s=max(1800.0, 4 * args.progress_timeout),
-    )
-    try:  # video jobs: the store names this pod in its ids; peers answer for the other pods' jobs
-        videos = VideoStore(args.video_dir or default_video_dir(args.port), ttl_s=args.video_ttl,
-                            pod=os.environ.get("DLO_POD_NAME") or None)
-        videos.load()
-        peers = Peers.from_env()
-    except (ValueError, OSError) as e:
-        print(f"dlo serve: video jobs: {e}", file=sys.stderr)
-        return 2
-    engine = Engine(cfg, limits=limits, facts=facts, model_id=args.served_model_name or model_dir.name,
-                    progress_timeout_s=args.progress_timeout, max_queue=args.max_queue,
-                    wave_window_ms=args.wave_window_ms, warmup=args.warmup, warmup_size=warmup_size,
-                    videos=videos, shutdown_grace_s=args.shutdown_grace)
-    engine.group.spawn()
-    app = create_app(engine, api_key, peers)
     nofile = raise_nofile_limit()
     max_connections = args.max_connections or default_max_connections(nofile)
     if max_connections > nofile - FD_RESERVE:
         log.warning("--max-connections %d leaves fewer than %d of RLIMIT_NOFILE %d for the engine: accepts may "
                     "fail for lack of descriptors", max_connections, FD_RESERVE, nofile)
-    guard = ConnectionGuard(max_connections, args.idle_timeout)
+    guard = ConnectionGuard(ConnectionLimits(
+        max_connections, idle_timeout_s=args.idle_timeout, body_timeout_s=args.body_timeout,
+        min_body_rate=args.min_body_rate, probe_networks=(*LOOPBACK, *args.probe_cidr)))
     # uvicorn's graceful timeout only guards a stop that did not come through the drain: above the
     # grace, so it never cancels a handler the drain still lets finish.
     server = _server_class(engine, guard)(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, http=guarded_protocol(guard),
-        timeout_keep_alive=max(1, int(args.idle_timeout)), timeout_graceful_shutdown=int(args.shutdown_grace) + 5))
+        app, log_level=args.log_level, http=guarded_protocol(guard), backlog=LISTEN_BACKLOG,
+        timeout_keep_alive=max(1, int(args.idle_timeout)),
+        timeout_graceful_shutdown=int(args.shutdown_grace) + 5))
     engine.request_exit = lambda: setattr(server, "should_exit", True)
-    server.run()
+    return server
+
+
+def _fetch_model(args: argparse.Namespace) -> int:
+    """A model URI is fetched first (`dlo.delivery`, as `dlo fetch` does) and served by its name;
+    returns the exit code of a fetch that failed, else 0."""
+    if not isinstance(args.model_dir, str):
+        return 0
+    from dlo.delivery.errors import FetchError
+    from dlo.delivery.fetch import serving_folder
+
+    try:
+        args.model_dir, name = serving_folder(args.model_dir, os.environ)
+    except FetchError as e:
+        print(f"dlo serve: {e.reason}: {e}", file=sys.stderr)
+        return e.exit_code
+    args.served_model_name = args.served_model_name or name
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="rank0 %(levelname)s %(name)s %(message)s")
+    if code := _fetch_model(args):
+        return code
+    try:
+        start = _prepare(args)
+        engine = _engine(args, start)
+    except StartError as e:
+        print(f"dlo serve: {e}", file=sys.stderr)
+        return 2
+    from dlo.engine.serving.faults import install_http_faults
+    from dlo.engine.serving.server import create_app
+
+    engine.group.spawn()
+    app = create_app(engine, start.api_key, start.peers)
+    install_http_faults(app)  # test-only: a no-op unless DLO_TEST_HOOKS=1 and DLO_TEST_FAULTS say so
+    server = _http_server(args, engine, app)
+    assert start.listener is not None
+    server.run(sockets=[start.listener])
     code = engine.exit_code or (0 if server.started else 1)
     log.info("dlo serve exiting with code %d%s", code, f": {engine.failure}" if engine.failure else "")
     logging.shutdown()

@@ -8,6 +8,8 @@ Must never: import FastAPI or name HTTP status codes.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 
 class ServiceError(Exception):
     """A request the service cannot take or could not finish; `code` names the reason."""
@@ -81,19 +83,37 @@ class VideoNotFinished(ServiceError):
 
 
 class VideoElsewhere(ServiceError):
-    """The job id names another pod: ask that pod (the server forwards the request)."""
+    """The job id names another pod: ask that pod (the server forwards the request). `recorded`:
+    the shared folder holds its (unfinished) record, so the job existed."""
 
     code = "video_elsewhere"
 
-    def __init__(self, pod: str, video_id: str) -> None:
+    def __init__(self, pod: str, video_id: str, *, recorded: bool = False) -> None:
         super().__init__(f"video {video_id} belongs to pod {pod}")
-        self.pod, self.video_id = pod, video_id
+        self.pod, self.video_id, self.recorded = pod, video_id, recorded
 
 
 class VideoStorageError(ServiceError):
-    """The video folder could not be written (full, read-only): the job was not recorded."""
+    """The video folder could not be written (full, read-only): the job was not recorded, or a
+    delete did not happen."""
 
     code = "storage_error"
+
+
+class VideoStoreReadOnly(EngineUnavailable):
+    """The video folder cannot be written: this server takes no video jobs (another replica may)."""
+
+    code = "storage_read_only"
+
+
+class VideoJobsFull(QueueFull):
+    """The store holds its maximum of video jobs (in all, or of this client): none is evicted
+    before it expires, so a new one waits."""
+
+    code = "too_many_video_jobs"
+
+    def __init__(self, message: str, retry_after_s: int = 60) -> None:
+        super().__init__(message, retry_after_s)
 
 
 class RequestFailed(ServiceError):
@@ -106,3 +126,17 @@ class InvalidInput(RequestFailed):
     """One request failed on its rank because of its own input."""
 
     code = "invalid_input"
+
+
+def request_failed(err: "RequestErrorLike") -> RequestFailed:
+    """The domain error of a request that failed alone on its rank (`control.RequestError`)."""
+    if err.client_fault:
+        return InvalidInput(f"the request could not be processed ({err.phase}): {err.message}")
+    return RequestFailed(f"generating this request failed ({err.phase}): {err.message}; other requests are "
+                         "unaffected, retrying may succeed")
+
+
+class RequestErrorLike(Protocol):
+    phase: str
+    message: str
+    client_fault: bool

@@ -11,15 +11,25 @@ request whose prompt contains `prompt-match` (every request when it is omitted).
 tests use it to prove that a failure in one phase of one request fails that request alone
 (`tests/reliability/test_request_faults.py`).
 
-Owns: `FaultPlan` (the parsed variable), `InjectedFault` (what a fired fault raises) and `PHASES`.
-Must never: be enabled by `DLO_TEST_FAULTS` alone, import torch, or cost anything when disabled
-(`FaultPlan.from_env` returns None and callers skip every check).
+The seam: nothing of this lives in the request path. A process that runs the plan installs it
+from outside the modules it fails: `dlo serve` adds `HttpFaults` (the `validation` phase: a request
+fails while it is read, before it is queued) to its app only when `install_http_faults` finds a
+plan; the ranks wrap their pipeline's phases from `rank_main`. Production never installs either.
+
+Owns: `FaultPlan` (the parsed variable), `InjectedFault` (what a fired fault raises), `PHASES`, and
+the HTTP seam (`HttpFaults`, `install_http_faults`).
+Must never: be enabled by `DLO_TEST_FAULTS` alone, import torch or a web framework, or cost anything
+when disabled (`FaultPlan.from_env` returns None and nothing is installed).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
 
 HOOKS_ENV = "DLO_TEST_HOOKS"
 FAULTS_ENV = "DLO_TEST_FAULTS"
@@ -70,3 +80,37 @@ class FaultPlan:
         for f in self.faults:
             if f.phase == phase and (f.rank is None or f.rank == rank) and f.match in prompt:
                 raise InjectedFault(f"injected fault: phase={phase} rank={rank}")
+
+
+class HttpFaults:
+    """ASGI middleware (test-only): a POST whose body contains a `validation` fault's match raises
+    `InjectedFault` before the app reads it, as a bug in reading a request would (the server's own
+    error handling answers it). Other requests pass through untouched."""
+
+    def __init__(self, app: Any, plan: FaultPlan):
+        self.app, self.plan = app, plan
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        messages, more = [], True
+        while more:
+            message = await receive()
+            messages.append(message)
+            more = message.get("type") == "http.request" and message.get("more_body", False)
+        self.plan.check("validation", 0, b"".join(m.get("body", b"") for m in messages).decode("utf-8", "replace"))
+
+        async def replay() -> dict:
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
+
+
+def install_http_faults(app: Any, environ: "os._Environ[str] | dict[str, str] | None" = None) -> FaultPlan | None:
+    """Add `HttpFaults` to a Starlette app when the environment holds a plan (tests); else nothing."""
+    plan = FaultPlan.from_env(environ)
+    if plan is not None:
+        log.warning("TEST-ONLY fault injection is on: %s", plan)
+        app.add_middleware(HttpFaults, plan=plan)
+    return plan

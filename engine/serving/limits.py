@@ -35,6 +35,10 @@ class Limits(BaseModel):
     max_body_bytes: int = Field(
         1024 * 1024, ge=1024, description="largest request body; larger ones get 413 before any of it is parsed"
     )
+    max_reference_pixels: int = Field(
+        4096 * 4096, ge=1, description="largest input_reference image (width x height, read from its header before "
+                                       "it is decoded: what bounds the decode's cost)"
+    )
 
     @classmethod
     def load(cls, path: Path | str | None = None, base: "Limits | None" = None, **overrides: object) -> "Limits":
@@ -55,6 +59,6 @@ class Limits(BaseModel):
 SMALL = Limits(
     max_width=128, max_height=128, max_steps=4, default_steps=2, max_n=2, max_frames=9,
     max_prompt_chars=200, max_sequence_length=32, video_fps=2, default_size="64x64", default_video_size="64x64",
-    max_body_bytes=64 * 1024,
+    max_body_bytes=64 * 1024, max_reference_pixels=512 * 512,
 )
 """The small profile tests and the demo use."""

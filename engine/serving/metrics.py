@@ -1,7 +1,8 @@
 """Prometheus metrics of `dlo serve` (CONTRACTS.md section 5, engine table; names are a contract).
 
-Owns: one registry per server; request/wave/step metrics updated by rank 0, and per-rank weight
-metrics collected at scrape time from the latest stats every rank reported (rank 0 serves them all).
+Owns: one registry per server; request/wave/step and video-job metrics updated by rank 0 (the jobs
+by state are read from the store at scrape time), and per-rank weight metrics collected at scrape
+time from the latest stats every rank reported (rank 0 serves them all).
 Must never: invent metric names outside the contract table, or label by request (cardinality).
 """
 
@@ -63,6 +64,24 @@ class _RankCollector(Collector):
         yield from (wait, h2d, coll, pinned, slot, resident, peak, energy)
 
 
+VIDEO_JOB_BUCKETS = (1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
+VIDEO_STATES = ("queued", "in_progress", "completed", "failed")
+
+
+class _VideoJobsCollector(Collector):
+    """`dlo_video_jobs{state}`: this pod's jobs per state, read from the store at scrape time."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], dict[str, int]] = lambda: {}
+
+    def collect(self) -> Iterable[Metric]:
+        fam = GaugeMetricFamily("dlo_video_jobs", "this pod's video jobs by state", labels=["state"])
+        counts = self.source()
+        for state in VIDEO_STATES:
+            fam.add_metric([state], float(counts.get(state, 0)))
+        yield fam
+
+
 class EngineMetrics:
     def __init__(self, dp: int, rank_facts: Callable[[], dict[int, dict]]):
         self.registry = CollectorRegistry()
@@ -70,16 +89,42 @@ class EngineMetrics:
         self.info = Gauge("dlo_engine_info", "what runs", ["mode", "dp", "family", "device", "weights_source"],
                           registry=reg)
         self.ready = Gauge("dlo_ready", "1 when /ready would answer 200", registry=reg)
-        self.requests = Counter("dlo_requests", "requests answered", ["endpoint", "code"], registry=reg)
-        self.request_duration = Histogram("dlo_request_duration_seconds", "end-to-end latency", ["endpoint"],
-                                          buckets=LATENCY_BUCKETS, registry=reg)
+        self.requests = Counter("dlo_requests", "requests answered (code 499: the client left before the answer)",
+                                ["endpoint", "method", "code"], registry=reg)
+        self.request_duration = Histogram(
+            "dlo_request_duration_seconds", "end-to-end latency of requests answered with their result (POST "
+            "/v1/images/generations; a video job is timed by dlo_video_job_duration_seconds)", ["endpoint"],
+            buckets=LATENCY_BUCKETS, registry=reg)
         self.queue_depth = Gauge("dlo_queue_depth", "requests waiting for a wave", registry=reg)
+        self.requests_running = Gauge("dlo_requests_running", "requests in the wave running on the ranks", registry=reg)
+        self.video_job_duration = Histogram("dlo_video_job_duration_seconds",
+                                            "a video job from its creation to its completion",
+                                            buckets=VIDEO_JOB_BUCKETS, registry=reg)
+        self.video_job_failures = Counter("dlo_video_job_failures", "video jobs that failed, by error code",
+                                          ["code"], registry=reg)
+        self._video_jobs = _VideoJobsCollector()
+        reg.register(self._video_jobs)
         self.wave_size = Histogram("dlo_wave_size", "requests per wave", buckets=tuple(range(1, dp + 1)), registry=reg)
         self.wave_duration = Histogram("dlo_wave_duration_seconds", "wave wall time", buckets=LATENCY_BUCKETS,
                                        registry=reg)
         self.step_duration = Histogram("dlo_step_duration_seconds", "one denoising step", buckets=STEP_BUCKETS,
                                        registry=reg)
         reg.register(_RankCollector(rank_facts))
+
+    def mean_wave_seconds(self) -> float:
+        """The mean wave time so far (1 s before the first wave)."""
+        count = total = 0.0
+        for metric in self.wave_duration.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_count"):
+                    count = sample.value
+                elif sample.name.endswith("_sum"):
+                    total = sample.value
+        return total / count if count else 1.0
+
+    def video_jobs_source(self, source: Callable[[], dict[str, int]]) -> None:
+        """Where `dlo_video_jobs{state}` reads this pod's jobs per state."""
+        self._video_jobs.source = source
 
     def set_info(self, mode: Mode, dp: int, family: str, device: str, weights_source: str) -> None:
         self.info.clear()

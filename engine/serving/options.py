@@ -12,7 +12,16 @@ import argparse
 from pathlib import Path
 from typing import Mapping
 
-from dlo.cli.args import byte_size, non_negative_seconds, port, positive_int, positive_seconds
+from dlo.cli.args import (
+    byte_size,
+    existing_dir,
+    existing_file,
+    non_negative_seconds,
+    port,
+    positive_int,
+    positive_seconds,
+    rank_count,
+)
 from dlo.delivery.uri import model_argument
 from dlo.engine.facts import MODES_OR_AUTO, DeviceKind, Mode
 from dlo.engine.settings import (
@@ -21,6 +30,7 @@ from dlo.engine.settings import (
     TRANSFERS,
     ULYSSES_EXCHANGES,
     EngineSettings,
+    LoraSettings,
     OffloadSettings,
     ParallelSettings,
     from_environment,
@@ -38,6 +48,15 @@ def _resident_blocks(value: str) -> int | str:
     if n < 0:
         raise argparse.ArgumentTypeError(f"expected 'auto' or a whole number >= 0, got {value!r}")
     return n
+
+
+def _network(text: str) -> object:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a network such as 10.0.0.0/8 or an address") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,7 +79,7 @@ def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
                         help="diffusers pipeline folder (model_index.json, transformer/, vae/, ...), or a model URI "
                              "(s3://bucket/prefix, hf://org/name[@revision]) fetched first as `dlo fetch` does, into "
                              "$XDG_CACHE_HOME/dlo/models (a revision in the Hugging Face cache is served from it)")
-    parser.add_argument("--dp", type=positive_int, default=None,
+    parser.add_argument("--dp", type=rank_count, default=None,
                         help="ranks (one request each per wave); default: the device count (1 on cpu)")
     parser.add_argument("--sp", type=int, default=1,
                         help="sequence-parallel ranks per request (default 1): the node runs dp x sp ranks, each "
@@ -85,9 +104,11 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
     parser.add_argument("--port", type=port, default=8000, help="TCP port (0: any free port)")
     parser.add_argument("--served-model-name", default=None, help="model id in the API; default: the folder name")
-    parser.add_argument("--api-key-file", type=Path, default=None,
+    parser.add_argument("--api-key-file", type=existing_file, default=None,
                         help="file holding the API key clients must send as 'Authorization: Bearer KEY' "
-                             "(or set DLO_API_KEY; keys are never taken from the command line)")
+                             "(UTF-8 text of printable ASCII characters, surrounding white space ignored; or set "
+                             "DLO_API_KEY; keys are never taken from the command line). With a key, /v1/*, /docs, "
+                             "/redoc and /openapi.json need it; /health, /ready and /metrics never do")
     parser.add_argument("--max-queue", type=positive_int, default=64, help="requests waiting for a wave before 429")
     parser.add_argument("--wave-window-ms", type=non_negative_seconds, default=5.0,
                         help="how long the oldest request waits for compatible company before a partial wave starts")
@@ -108,6 +129,18 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a connection may stay open without sending a complete request head (after "
                              "it opens, or after its previous response); then it is closed. A request being "
                              "served is never cut by it")
+    parser.add_argument("--body-timeout", type=positive_seconds, default=10.0,
+                        help="seconds a request body may take, plus 1 s per --min-body-rate bytes received; a body "
+                             "slower than that gets 408 request_timeout and the connection is closed")
+    parser.add_argument("--min-body-rate", type=positive_int, default=4096, metavar="BYTES_PER_S",
+                        help="the body rate (bytes per second) that keeps extending --body-timeout")
+    parser.add_argument("--probe-cidr", type=_network, action="append", default=[], metavar="CIDR",
+                        help="a network whose clients (the kubelet's node address, Prometheus) keep "
+                             f"a reserve of connections beyond --max-connections for GET/HEAD /health, /ready and "
+                             "/metrics (repeatable; loopback always does)")
+    parser.add_argument("--startup-timeout", type=positive_seconds, default=900.0,
+                        help="seconds the engine may spend loading: after that /health answers 503 unhealthy "
+                             "(so a liveness probe restarts a start that hangs); /ready stays 503 until ready")
 
 
 def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
@@ -134,15 +167,26 @@ def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
                              "pod); default: dlo-videos-PORT under the system temp dir")
     parser.add_argument("--video-ttl", type=float, default=3600.0,
                         help="seconds a finished video job and its MP4 are kept (expires_at = finish + TTL)")
+    parser.add_argument("--lora-dir", type=existing_dir, default=None, metavar="DIR",
+                        help="LoRA adapters, chosen per request: each NAME.safetensors file or NAME/ folder of DIR "
+                             "in the format diffusers' load_lora_weights reads for the family (`dlo make-random-lora` "
+                             "writes one); listed in GET /v1/models as MODEL:NAME, chosen by that model id or "
+                             '"lora": NAME (+ "lora_scale") in a request; every adapter is checked against the model '
+                             "at start (a mismatch exits 2 naming the file) and loaded once onto every rank's device "
+                             "(its bytes in the model's dtype: ~0.6 GB for a rank-64 adapter of every Wan2.1-14B "
+                             "block linear); requests for different adapters share a wave")
 
 
 def _add_weights_arguments(parser: argparse.ArgumentParser) -> None:
     """Where the weights live and how much device memory a rank may use."""
     parser.add_argument("--cpu-threads", type=positive_int, default=1,
                         help="intra-op threads per rank on cpu (fixed so results do not depend on dp)")
-    parser.add_argument("--resident-blocks", type=_resident_blocks, default=0,
-                        help="blocks kept on the device instead of streamed, spread evenly through the order; "
-                             "'auto': as many as free device memory allows after an activation reserve")
+    parser.add_argument("--resident-blocks", type=_resident_blocks, default=None,
+                        help="blocks of each streamed model kept on the device instead of streamed, spread evenly "
+                             "through the order; 'auto' (the default on cuda and npu; 0 on cpu): as many as the "
+                             "device budget leaves after the weights and the largest request the limits accept "
+                             "(from the measured memory table) plus a 10%% margin, the transformers first; "
+                             "decided at start and logged with its arithmetic (allgather ranks agree on the smallest)")
     parser.add_argument("--weights", choices=("auto", "arena", "registered"), default="auto",
                         help="host source of block bytes: registered (the page cache itself, read in place; DMA-"
                              "registered on cuda), arena (one pinned copy of this rank's shards), auto (registered "
@@ -155,7 +199,14 @@ def _add_weights_arguments(parser: argparse.ArgumentParser) -> None:
                              "naming the smallest budget or the largest --max-size that would; an error on cpu or "
                              "above the device's memory; default: the device's memory")
     parser.add_argument("--stream-dtype", choices=STREAM_DTYPES, default="bfloat16",
-                        help="the dtype streamed blocks are held in on the host and copied as")
+                        help="how the transformers' streamed blocks are held on the host and copied: bfloat16 (as the "
+                             "folder stores them) or fp8 (each linear weight float8 e4m3 with a float32 scale per "
+                             "output row, dequantized into bfloat16 on the device after the copy: half the bytes over "
+                             "H2D and AllGather, compute stays bfloat16; norms, biases and small tensors stay "
+                             "bfloat16). fp8 reads a `dlo quantize` folder from the page cache (no extra host "
+                             "memory), or converts a bfloat16 folder at load into each rank's pinned arena (half "
+                             "the streamed blocks' bytes, 1/dp each in allgather). Outputs differ from bfloat16; "
+                             "they are identical across modes and dp")
     parser.add_argument("--safety-checker", action=argparse.BooleanOptionalAction, default=False,
                         help="run the pipeline's own safety checker where it has one (Cosmos3: NVIDIA's "
                              "cosmos_guardrail on the prompt and the video; its package and models must be in the "
@@ -203,10 +254,12 @@ def engine_settings(args: argparse.Namespace, mode: Mode, device: DeviceKind, dp
              "ulysses_exchange": args.ulysses_exchange, "register_early": args.register_early}
     chosen = {**from_environment(environ), **{k: v for k, v in flags.items() if v is not None}}
     offload, parallel = split_overrides(chosen)
+    resident = args.resident_blocks if args.resident_blocks is not None else ("auto" if device != "cpu" else 0)
     return EngineSettings(
-        offload=OffloadSettings(mode=mode, resident_blocks=args.resident_blocks, weights=args.weights,
+        offload=OffloadSettings(mode=mode, resident_blocks=resident, weights=args.weights,
                                 stream_dtype=args.stream_dtype, **offload),
         parallel=ParallelSettings(dp=dp, sp=args.sp, sp_kind=args.sp_kind, **parallel),
         device=device, max_device_memory=args.max_device_memory,
         stream_encoders=args.stream_text_encoders, cpu_threads=args.cpu_threads, safety_checker=args.safety_checker,
+        lora=LoraSettings(directory=str(args.lora_dir.resolve()) if args.lora_dir else None),
     )

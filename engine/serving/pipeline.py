@@ -2,7 +2,8 @@
 
 Owns: building the family's diffusers pipeline (looked up from its adapter in
 `dlo.engine.families`) with the transformer from `dlo.engine.load` in place of diffusers' own,
-the progress ticks of a rank (a pre-hook on every block, through `dlo.engine.hooks`), and running
+the progress ticks of a rank (a pre-hook on every block, through `dlo.engine.hooks`), the rank's LoRA
+adapters (`dlo.engine.lora.LoraBank`: applied to the request's transformer forwards only), and running
 one request through the pipeline's single-request path into encoded PNG or MP4 bytes (`encode.py`).
 Everything family-specific (pipeline class, call count, call arguments, output decoding) is the
 adapter's.
@@ -23,7 +24,8 @@ from dlo.engine.families import pipeline_facts
 from dlo.engine.report import GatherStats
 from dlo.engine.serving.control import RankStats
 from dlo.engine.serving.encode import encode
-from dlo.engine.settings import EngineSettings
+from dlo.engine.memory_model import Shape, decoded_pixels
+from dlo.engine.settings import VAE_TILE_ABOVE_PIXELS, EngineSettings
 from dlo.engine.timing import Laps
 from dlo.engine.request import Generation
 
@@ -38,10 +40,7 @@ class RunResult:
     seconds: float = 0.0
 
 
-# Decoded pixels (width x height x frames x images) above which the VAE decodes in tiles: its
-# activations, not its weights, then bound the peak. 1280x720 x 81 frames; a first rule, to be set
-# from the GPU measurements (bench/pipeline_h200.py reports peak device bytes per run).
-VAE_TILE_ABOVE_PIXELS = 1280 * 720 * 81
+__all__ = ["ServingPipeline", "RunResult", "VAE_TILE_ABOVE_PIXELS", "decode_in_own_dtype"]
 
 
 def decode_in_own_dtype(vae: Any) -> None:
@@ -87,7 +86,8 @@ class ServingPipeline:
         self.max_sequence_length = max_sequence_length
         self.tick: Callable[[], None] = lambda: None
         self.steps_done = 0  # denoising steps of the running request (read by the progress reporter)
-        self.vae_tile_above_pixels = VAE_TILE_ABOVE_PIXELS
+        # the deployment's tiling rule (`dlo serve` resolves it from the device budget: memory_plan)
+        self.vae_tile_above_pixels = settings.vae_tile_above_pixels
         if settings.max_device_memory:
             from dlo.engine.platform import cap_device_memory
 
@@ -106,12 +106,17 @@ class ServingPipeline:
             from dlo.engine.hooks import HookSet
 
             laps.lap("imports")
+            kept = self._resident_blocks(settings, streamed, group)
             # Every transformer of the pipeline (Wan2.2: two experts) streams through its own load, in
             # the same mode and shard group, loaded in the same order on every rank (each load gathers
             # its first block: the collective order starts here); then the streamed encoders.
             for name in streamed:
-                self.models[name] = dlo.engine.load(Path(model_dir) / name, settings=settings.offload,
-                                                    device=self.device, group=group, early=early.pop(name))
+                # FP8 streaming is the transformers' (`dlo quantize` converts only them): in resident mode the
+                # text encoders load whole in their own dtype, so they stream in it too (same bytes in every mode)
+                dtype = settings.offload.stream_dtype if name in self.facts.transformers else "bfloat16"
+                self.models[name] = dlo.engine.load(
+                    Path(model_dir) / name, settings=settings.offload.but(resident_blocks=kept[name], stream_dtype=dtype),
+                    device=self.device, group=group, early=early.pop(name))
         except BaseException:
             for m in self.models.values():  # a later load failed: nothing stays pinned
                 m.close()
@@ -164,6 +169,8 @@ class ServingPipeline:
             if name in self.facts.transformers:
                 self.hooks.add_pre(blocks[0], lambda *_: setattr(self, "phase", "denoise"))
             self.hooks.add_post(blocks[-1], lambda *_, n=name: self.calls_done.__setitem__(n, self.calls_done[n] + 1))
+        self.lora = self._load_lora(settings, Path(model_dir))
+        laps.lap("lora")
         from dlo.engine.energy import rank_meter
 
         self.energy = rank_meter(self.device)  # `dlo_device_energy_joules_total`; None without NVML's counter
@@ -173,6 +180,36 @@ class ServingPipeline:
         self.load_seconds = time.perf_counter() - t0
         log.info("pipeline loaded family=%s mode=%s device=%s components=%s seconds=%.2f phases=%s",
                  self.facts.family, mode, self.device, self.component_bytes, self.load_seconds, laps.rounded())
+
+    def _load_lora(self, settings: EngineSettings, model_dir: Path) -> Any:
+        """The `--lora-dir` adapters on the first transformer, where diffusers' load_lora_weights puts
+        them (Wan2.2's second expert gets none), on this rank's device (`dlo.engine.lora.LoraBank`)."""
+        from dlo.engine.lora.bank import LoraBank
+
+        first = self.facts.transformers[0]
+        return LoraBank.load(settings.lora.directory, self.facts.pipeline_class, model_dir / first,
+                             self.models[first], self.device)
+
+    def _resident_blocks(self, settings: EngineSettings, streamed: tuple[str, ...], group: Any) -> dict[str, int]:
+        """Blocks each streamed model keeps on the device: as given, or `--resident-blocks auto`'s plan
+        (`dlo.engine.memory_plan`) within this rank's device room, the shard group agreeing on the
+        smallest; with no plan (no device budget known: cpu) none."""
+        from dlo.engine.memory_plan import within
+        from dlo.engine.offload import agree_on_resident_blocks
+        from dlo.engine.platform import get_platform
+
+        asked = settings.offload.resident_blocks
+        if asked != "auto" or settings.mode == "resident":
+            return {name: 0 if asked == "auto" else asked for name in streamed}
+        plan = settings.resident_plan
+        if plan is None:
+            log.info("resident_blocks=auto: no device budget known (%s): every block streams", self.device.type)
+            return {name: 0 for name in streamed}
+        room = get_platform(self.device).free_memory(self.device) if self.device.type != "cpu" else None
+        counts = within(plan, room)
+        agreed = agree_on_resident_blocks({n: counts.get(n, 0) for n in streamed}, settings.mode, group, self.device)
+        log.info("resident_blocks=auto on this rank: room=%s planned=%s kept=%s", room, dict(plan.blocks), agreed)
+        return agreed
 
     @property
     def report(self) -> Any:
@@ -189,6 +226,8 @@ class ServingPipeline:
                          "device_bytes": r.slot_bytes + r.resident_bytes}
         for name, nbytes in self.component_bytes.items():
             out[name] = {"weights_source": "resident", "host_bytes": 0, "device_bytes": nbytes}
+        if self.lora.adapters:  # every adapter, loaded at start
+            out["lora"] = {"weights_source": "resident", "host_bytes": 0, "device_bytes": self.lora.device_bytes}
         return out
 
     def stats(self) -> RankStats:
@@ -286,7 +325,7 @@ class ServingPipeline:
         self.phase = "prepare"  # text encoding, scheduler set-up, latents
         self.tick()
         self._vae_tiling(gen)
-        with torch.inference_mode():
+        with torch.inference_mode(), self.lora.applied(gen.lora_id, gen.lora_scale):
             out = self.adapter.run(self.pipe, self._call_kwargs(gen), on_step)
         self.tick()
         self.phase = "encode_output"
@@ -304,7 +343,7 @@ class ServingPipeline:
         on every rank and in every mode, so bytes stay identical across them); returns whether on."""
         vae = getattr(self.pipe, "vae", None)
         tiled = (self.adapter.vae_always_tiled
-                 or gen.width * gen.height * max(1, gen.frames) * gen.n > self.vae_tile_above_pixels)
+                 or decoded_pixels(Shape(gen.width, gen.height, max(1, gen.frames), gen.n)) > self.vae_tile_above_pixels)
         if vae is not None and hasattr(vae, "enable_tiling"):
             if tiled:
                 vae.enable_tiling()
@@ -313,7 +352,8 @@ class ServingPipeline:
         return tiled
 
     def close(self) -> None:
-        """Remove the progress hooks and release the transformers' weights."""
+        """Remove the progress hooks and release the transformers' weights and the adapters."""
         self.hooks.remove()
+        self.lora.close()
         for m in self.models.values():
             m.close()

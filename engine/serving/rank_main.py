@@ -60,11 +60,11 @@ def gathers(pipe: Any) -> Callable[[], int]:
 def init_rank(cfg: RankConfig, rank: int) -> Any:
     """Join the weight plane and load the pipeline; returns the `ServingPipeline`."""
     import torch
-    import torch.distributed as dist
 
     from dlo.engine.parallel import make_groups
     from dlo.engine.platform import get_platform
     from dlo.engine.serving.pipeline import ServingPipeline
+    from dlo.engine.serving.rendezvous import join_weight_plane
 
     settings = cfg.settings
     if cfg.device == "cpu":
@@ -75,10 +75,7 @@ def init_rank(cfg: RankConfig, rank: int) -> Any:
     device = platform.device(rank)
     torch.empty(1, device=device)  # the device context is created here, not inside a later phase
     laps.lap("device_init")
-    dist.init_process_group(
-        platform.backend, init_method=f"tcp://127.0.0.1:{cfg.master_port}", rank=rank, world_size=cfg.world,
-        timeout=timedelta(seconds=cfg.collective_timeout_s),
-    )
+    join_weight_plane(platform.backend, cfg.master_port, rank, cfg.world, timedelta(seconds=cfg.collective_timeout_s))
     laps.lap("process_group")
     # dp x sp: the shard group is every rank (the default group, or its own communicator when the
     # gathers' CTAs are capped); sp groups are consecutive ranks

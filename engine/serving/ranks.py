@@ -21,8 +21,16 @@ transformer block, after each step, on each weight gather) at least once per
 wave (`on_fault`), after which the process group is never reused: the server answers 503 and
 exits non-zero so the pod restarts.
 
-Owns: `RankGroup` (spawn, start, run_wave, stop, abandon, kill) and the watchdog.
-Must never: let a child outlive rank 0, or reuse a communicator after a fault.
+Control socket: rank 0 listens on loopback with a backlog of `CONTROL_BACKLOG` and keeps accepting
+until every child has connected, each connection on its own handshake thread with a deadline
+(`HANDSHAKE_S`: authentication with the per-start key, then a `Hello` naming a spawned child's rank
+and pid): a local peer that connects and stays silent, or speaks without the key, is dropped once
+its deadline passes and never takes a child's place; children that have not all connected within
+`CONNECT_DEADLINE_S` fail the start.
+
+Owns: `RankGroup` (spawn, start, run_wave, stop, abandon, kill), the control socket's accept, and the watchdog.
+Must never: let a child outlive rank 0, reuse a communicator after a fault, or wait without a
+deadline for a connection at start.
 """
 
 from __future__ import annotations
@@ -31,12 +39,13 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any, Callable
 
 from dlo.engine.ports import free_port
@@ -70,6 +79,10 @@ log = logging.getLogger(__name__)
 # Rank 0 alone answers HTTP: the children never see the API key, not even in their environment.
 API_KEY_ENV = "DLO_API_KEY"
 READER_DRAIN_S = 2.0  # how long the monitor lets an exited rank's last messages arrive before blaming the exit
+CONTROL_BACKLOG = 64  # pending connections: a few strangers cannot fill the queue before the children
+HANDSHAKE_S = 10.0  # one connection: the key's challenge both ways, then Hello
+CONNECT_DEADLINE_S = 120.0  # every child connects right after its interpreter starts (few imports)
+ACCEPT_POLL_S = 0.5
 
 __all__ = ["RankGroup", "RankState", "RankConfig", "WaveError", "free_port"]
 
@@ -104,13 +117,13 @@ class RankGroup:
         self._wave_no = 0
         self._cond = threading.Condition()
         self._authkey = secrets.token_bytes(32)
-        self._listener: Listener | None = None
+        self._listener: socket.socket | None = None
 
     # -- start ------------------------------------------------------------------------------------
     def spawn(self) -> None:
         """Spawn ranks 1..dp x sp - 1. Call from the main thread: Linux sends the parent-death signal when
         the *thread* that forked a child exits, so a short-lived thread would kill the children."""
-        self._listener = Listener(("127.0.0.1", self.cfg.control_port), authkey=self._authkey)
+        self.listen()
         env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
         env.update({CONFIG_ENV: self.cfg.to_json(), AUTHKEY_ENV: self._authkey.hex()})
         for st in self.ranks[1:]:
@@ -119,19 +132,14 @@ class RankGroup:
             st.pid = st.proc.pid
         threading.Thread(target=self._monitor, name="rank-monitor", daemon=True).start()
 
+    def listen(self) -> None:
+        """Open the control socket (loopback) the children connect to."""
+        self._listener = socket.create_server(("127.0.0.1", self.cfg.control_port), backlog=CONTROL_BACKLOG)
+        self._listener.settimeout(ACCEPT_POLL_S)
+
     def start(self) -> None:
         """Load rank 0's pipeline and wait until every rank is ready (blocking; after `spawn`)."""
-        assert self._listener is not None
-        for _ in self.ranks[1:]:
-            # blocks; a child that dies before connecting is caught by the monitor (fault -> exit)
-            conn = self._listener.accept()
-            hello = conn.recv()
-            if not isinstance(hello, Hello):
-                raise WaveError(f"a rank opened the control connection with {type(hello).__name__}, not Hello")
-            st = self.ranks[hello.rank]
-            st.conn = conn
-            st.reader = threading.Thread(target=self._reader, args=(st,), name=f"rank{st.rank}-reader", daemon=True)
-            st.reader.start()
+        self._accept_children()
         self.pipe = init_rank(self.cfg, 0)
         self.progress = Progress(gathers(self.pipe))
         self.pipe.tick = self.progress.tick
@@ -142,6 +150,66 @@ class RankGroup:
         if self.failed:
             raise WaveError(self.failed)
         log.info("all %d ranks ready", self.cfg.world)
+
+    def _accept_children(self) -> None:
+        """Accept on the control socket until every child has shaken hands (a child that dies before
+        is caught by the monitor); each connection is judged on its own thread, within HANDSHAKE_S."""
+        assert self._listener is not None
+        deadline = time.monotonic() + CONNECT_DEADLINE_S
+        while not self._children_connected():
+            if self.failed:
+                raise WaveError(self.failed)
+            if time.monotonic() > deadline:
+                missing = [st.rank for st in self.ranks[1:] if st.conn is None]
+                raise WaveError(f"rank(s) {missing} did not connect to the control socket within "
+                                f"{CONNECT_DEADLINE_S:g} s of their start")
+            try:
+                sock, peer = self._listener.accept()
+            except socket.timeout:
+                continue
+            threading.Thread(target=self._handshake, args=(sock, peer), name="control-handshake", daemon=True).start()
+        self._listener.close()  # every child is in: nobody else is ever accepted
+        self._listener = None
+
+    def _children_connected(self) -> bool:
+        with self._cond:
+            return all(st.conn is not None for st in self.ranks[1:])
+
+    def _handshake(self, sock: socket.socket, peer: Any) -> None:
+        """Authenticate one connection and read its Hello; anything else within HANDSHAKE_S is dropped."""
+        sock.setblocking(True)
+        conn = Connection(os.dup(sock.fileno()))
+        timer = threading.Timer(HANDSHAKE_S, lambda: _shut(sock))  # wakes the blocked read below
+        timer.start()
+        try:
+            deliver_challenge(conn, self._authkey)
+            answer_challenge(conn, self._authkey)
+            hello = conn.recv()
+            st = self._claim(hello, conn)
+        except Exception as e:  # a wrong key, a timeout, garbage, an impostor: this connection only
+            log.warning("control socket: dropped a connection from %s:%s that did not authenticate and say Hello "
+                        "within %g s: %s", peer[0], peer[1], HANDSHAKE_S, type(e).__name__)
+            conn.close()
+            return
+        finally:
+            timer.cancel()
+            sock.close()
+        st.reader = threading.Thread(target=self._reader, args=(st,), name=f"rank{st.rank}-reader", daemon=True)
+        st.reader.start()
+
+    def _claim(self, hello: object, conn: Connection) -> RankState:
+        """The child a Hello names: a spawned child's rank and pid, not yet connected."""
+        if not isinstance(hello, Hello):
+            raise ValueError(f"opened with {type(hello).__name__}, not Hello")
+        if not 1 <= hello.rank < len(self.ranks) or self.ranks[hello.rank].pid != hello.pid:
+            raise ValueError(f"Hello names rank {hello.rank} pid {hello.pid}, which is no child of this server")
+        with self._cond:
+            st = self.ranks[hello.rank]
+            if st.conn is not None:
+                raise ValueError(f"rank {hello.rank} is connected already")
+            st.conn = conn
+            self._cond.notify_all()
+        return st
 
     # -- fault handling ---------------------------------------------------------------------------
     def fault(self, reason: str) -> None:
@@ -304,6 +372,14 @@ class RankGroup:
                 st.proc.wait()
         if self._listener is not None:
             self._listener.close()
+
+
+def _shut(sock: socket.socket) -> None:
+    """End a handshake that took too long: shutdown wakes a thread blocked reading the socket."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _exit_words(rc: int | None) -> str:

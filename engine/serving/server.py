@@ -2,52 +2,60 @@
 
 Routes: `POST /v1/images/generations`, `POST /v1/videos` (JSON or multipart/form-data, as the
 official SDK sends it), `GET /v1/videos` (list), `GET` and `DELETE /v1/videos/{id}`,
-`GET /v1/videos/{id}/content`, `GET /v1/models`, `/health`, `/ready`, `/metrics`. Errors use
-OpenAI's body `{"error": {message, type, param, code}}`: 400 invalid fields (FastAPI's 422
+`GET /v1/videos/{id}/content`, `GET /v1/models` (the model, and its LoRA adapters as `MODEL:NAME`),
+`/health` and `/ready` (GET and HEAD), `/metrics`.
+Errors use OpenAI's body `{"error": {message, type, param, code}}`: 400 invalid fields (FastAPI's 422
 included) or a request its own input failed on its rank, 401 wrong key, 404 unknown model, video or
 route, 405 wrong method, 409 deleting an unfinished video, 413 body over `Limits.max_body_bytes`
-(refused before any of it is parsed), 429 queue full (with Retry-After), 500 one request failed
-alone (on its rank, or an unexpected error here: always JSON), 502/504 the pod of a video job could
-not answer a forwarded request, 503 not ready, draining (with Retry-After) or after a rank failure.
-A video request for a job of another pod is forwarded to it (`peers.py`).
-Owns: HTTP only: routes, authentication, body limits, OpenAI error bodies, and the one mapping of
+(refused before any of it is parsed), 429 queue full (with Retry-After), 499 (counted only: the
+client left before its answer), 500 one request failed alone (on its rank, or an unexpected error
+here: always JSON), 502/504 the pod of a video job could not answer a forwarded request, 503 not
+ready, draining (with Retry-After) or after a rank failure. A video request for a job of another
+pod is answered from the shared video folder when that job is finished there, else forwarded to its
+pod (`peers.py`); a job whose pod cannot be reached and that the folder does not hold is a 404.
+`create_app` builds the app in named steps: middleware, error handlers, each group of routes.
+Owns: HTTP only: routes, request bodies, waiting for a result while the client is there (a client
+that leaves withdraws its request: `Engine.withdraw`), OpenAI error bodies, and the one mapping of
 the service's domain errors (`dlo.engine.serving.errors`) to status codes (`status_of`).
-Must never: hold serving logic (queueing, waves, jobs: `service.py`), answer a client's malformed input with a 5xx, hold more than the body limit of any one
-request in memory, or compare API keys in variable time.
+Must never: hold serving logic (queueing, waves, jobs: `service.py`), answer a client's malformed
+input with a 5xx, decode an image on the event loop, or hold more than the body limit of any one
+request in memory.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
-import hashlib
-import hmac
+import json
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Iterator, Literal
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Match
 
+from dlo.engine.serving.accounting import CLIENT_CLOSED, Accounting
 from dlo.engine.serving.api_models import (
     ApiError,
     ImageGenerationRequest,
     ImagesResponse,
+    ModelCard,
     ModelList,
     VideoCreateRequest,
     VideoDeleted,
-    VideoList,
     VideoError,
+    VideoList,
     VideoObject,
-    form_field,
     image_generation,
     video_generation,
 )
+from dlo.engine.serving.body_limit import BodyLimit
+from dlo.engine.serving.request_bodies import validation_message, video_body
 from dlo.engine.serving.errors import (
     EngineUnavailable,
     InvalidInput,
@@ -61,7 +69,6 @@ from dlo.engine.serving.errors import (
     VideoNotReady,
 )
 from dlo.engine.serving.faults import InjectedFault
-from dlo.engine.serving.body_limit import BodyLimit
 from dlo.engine.serving.peers import FORWARDED_HEADER, PeerError, Peers
 from dlo.engine.serving.service import Engine
 from dlo.engine.serving.videos import VideoJob
@@ -70,13 +77,12 @@ log = logging.getLogger(__name__)
 
 SHUTDOWN_RETRY_AFTER_S = 1  # a draining replica's 503: the Service already sends the retry elsewhere
 _VIDEO_SCHEMA_REF = {"$ref": "#/components/schemas/VideoCreateRequest"}
+# Reading a video request (its input_reference decoded) is CPU work: off the loop, two at a time.
+_DECODE = ThreadPoolExecutor(2, thread_name_prefix="dlo-decode")
 
 
-def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
-    first = errors[0] if errors else {}
-    loc = [str(x) for x in first.get("loc", ()) if x not in ("body",)]
-    param = ".".join(loc) or None
-    return f"{param or 'body'}: {first.get('msg', 'invalid request')}", param
+class ClientGone(Exception):
+    """The client closed its connection while its request waited for or ran in a wave."""
 
 
 def _error(e: ApiError) -> JSONResponse:
@@ -119,11 +125,6 @@ def _service_response(e: ServiceError) -> JSONResponse:
     return response
 
 
-def _digest(key: bytes) -> bytes:
-    """Keys are compared as digests: equal length, so the comparison time says nothing about the key."""
-    return hashlib.sha256(key).digest()
-
-
 def create_app(engine: Engine, api_key: str | None = None, peers: Peers | None = None) -> FastAPI:
     """The app; `peers` (None: a single pod) says where the pods named by other video ids answer."""
 
@@ -135,48 +136,22 @@ def create_app(engine: Engine, api_key: str | None = None, peers: Peers | None =
         if peers is not None:
             await peers.close()
 
-    app = FastAPI(
-        title="dlo serve",
-        description="OpenAI-compatible image and video generation on the Distributed Layerwise Offload engine.",
-        version="1",
-        lifespan=lifespan,
-    )
-    expected = _digest(api_key.encode()) if api_key else None
+    app = FastAPI(title="dlo serve", version="1", lifespan=lifespan,
+                  description="OpenAI-compatible image and video generation on the Distributed Layerwise Offload "
+                              "engine.")
+    app.add_middleware(BodyLimit, max_bytes=engine.limits.max_body_bytes)
+    # outermost of ours: every answer is counted (413s included), no body is read before the key
+    app.add_middleware(Accounting, metrics=engine.metrics, api_key=api_key, routes=app.router.routes)
+    _add_error_handlers(app, peers)
+    _add_generation_routes(app, engine)
+    _add_video_routes(app, engine)
+    _add_operation_routes(app, engine)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    return app
 
-    @app.middleware("http")
-    async def auth_and_metrics(request: Request, call_next: Any) -> Response:
-        t0 = time.perf_counter()
-        path = request.url.path
-        if expected is not None and path.startswith("/v1/"):
-            header = request.headers.get("authorization", "")
-            given = header[7:].encode() if header[:7].lower() == "bearer " else b""
-            if not hmac.compare_digest(_digest(given), expected):
-                response: Response = _error(ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)",
-                                                     code="invalid_api_key"))
-                _count(request, response, t0)
-                return response
-        response = await call_next(request)
-        _count(request, response, t0)
-        return response
 
-    def _endpoint(request: Request) -> str:
-        """The route template (low cardinality), also for requests answered before routing (401)."""
-        route = request.scope.get("route")
-        if route is None:
-            route = next((r for r in app.routes if r.matches(request.scope)[0] == Match.FULL), None)
-        return getattr(route, "path", None) or "unmatched"
-
-    def _count(request: Request, response: Response, t0: float) -> None:
-        endpoint = _endpoint(request)
-        engine.metrics.requests.labels(endpoint, str(response.status_code)).inc()
-        if request.method == "POST":
-            engine.metrics.request_duration.labels(endpoint).observe(time.perf_counter() - t0)
-
-    def _count_rejected(scope: dict) -> None:
-        engine.metrics.requests.labels(_endpoint(Request(scope)), "413").inc()
-
-    # outermost of our middleware: an oversized body never reaches authentication or parsing
-    app.add_middleware(BodyLimit, max_bytes=engine.limits.max_body_bytes, on_reject=_count_rejected)
+def _add_error_handlers(app: FastAPI, peers: Peers | None) -> None:
+    """Every refusal in OpenAI's shape: our errors, the service's domain errors, FastAPI's own."""
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, e: ApiError) -> JSONResponse:
@@ -188,19 +163,15 @@ def create_app(engine: Engine, api_key: str | None = None, peers: Peers | None =
 
     @app.exception_handler(VideoElsewhere)
     async def _elsewhere(request: Request, e: VideoElsewhere) -> Response:
-        """A job of another pod: ask that pod, unless this request was forwarded already."""
-        if peers is None or peers.url(e.pod) is None or FORWARDED_HEADER in request.headers:
-            return _error(ApiError(404, f"no video job {e.video_id!r} here (it names pod {e.pod!r}, which this "
-                                        "server cannot reach)", "video_id", "not_found"))
-        try:
-            return await peers.forward(request, e.pod)
-        except PeerError as pe:
-            log.warning("forwarding %s %s to pod %s failed: %s", request.method, request.url.path, e.pod, pe)
-            return _error(ApiError(pe.status, pe.message, None, pe.code))
+        return await _forward(request, e, peers)
+
+    @app.exception_handler(ClientGone)
+    async def _gone(_request: Request, _e: ClientGone) -> Response:  # nobody reads it: counted as 499
+        return _error(ApiError(CLIENT_CLOSED, "the client closed the connection", code="client_closed_request"))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, e: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(list(e.errors()))
+        message, param = validation_message(list(e.errors()))
         return _error(ApiError(400, message, param, "invalid_request"))
 
     @app.exception_handler(Exception)
@@ -221,17 +192,59 @@ def create_app(engine: Engine, api_key: str | None = None, peers: Peers | None =
         elif status == 405:
             message = f"method {request.method} is not allowed on {request.url.path}"
             code = "method_not_allowed"
+        elif status == 400:  # FastAPI could not read the body: a value JSON allows that Python refuses
+            cause = e.__cause__
+            message = f"the request body could not be read: {cause or e.detail}"
+            code = "invalid_json" if isinstance(cause, json.JSONDecodeError) else "invalid_value"
         err = ApiError(status, message, code=code)
         return JSONResponse(err.body(), status_code=status, headers=getattr(e, "headers", None))
 
-    # -- generation ---------------------------------------------------------------------------------
+
+async def _forward(request: Request, e: VideoElsewhere, peers: Peers | None) -> Response:
+    """A job of another pod that the shared folder does not hold finished: ask that pod, unless this
+    request was forwarded already. A pod that cannot be reached and left no record is gone: 404."""
+    gone = ApiError(404, f"no video job {e.video_id!r} here (it names pod {e.pod!r}, which this server cannot "
+                         "reach, and the video folder holds no finished record of it)", "video_id", "not_found")
+    if peers is None or peers.url(e.pod) is None or FORWARDED_HEADER in request.headers:
+        return _error(gone)
+    try:
+        return await peers.forward(request, e.pod)
+    except PeerError as pe:
+        log.warning("forwarding %s %s to pod %s failed: %s", request.method, request.url.path, e.pod, pe)
+        if pe.code == "upstream_unreachable" and not e.recorded:
+            return _error(gone)
+        return _error(ApiError(pe.status, pe.message, None, pe.code))
+
+
+async def _result_unless_gone(request: Request, engine: Engine, fut: asyncio.Future) -> Any:
+    """The request's result; `ClientGone` when its client closes the connection first, after the
+    request is withdrawn (a queued one never reaches the ranks; a running one finishes its wave)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    gone = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({fut, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if fut.done():
+        return fut.result()
+    dropped = engine.withdraw(fut)
+    log.info("client left path=%s %s", request.url.path,
+             "dropped before its wave" if dropped else "in its wave: the wave finishes, its result is dropped")
+    raise ClientGone()
+
+
+def _add_generation_routes(app: FastAPI, engine: Engine) -> None:
     @app.post("/v1/images/generations", response_model=ImagesResponse,
               summary="Create images (OpenAI Images API; extensions: seed, num_inference_steps, guidance_scale, "
                       "negative_prompt)")
-    async def images(body: ImageGenerationRequest) -> ImagesResponse:
+    async def images(body: ImageGenerationRequest, request: Request) -> ImagesResponse:
         engine.check_available()
-        gen = image_generation(body, engine.facts, engine.limits, engine.model_id)
-        res = await engine.submit(gen)
+        gen = image_generation(body, engine.facts, engine.limits, engine.model_id, engine.adapters)
+        res = await _result_unless_gone(request, engine, engine.submit(gen))
         return ImagesResponse(
             created=int(time.time()),
             data=[{"b64_json": base64.b64encode(png).decode()} for png in res.outputs or ()],  # type: ignore[misc]
@@ -246,11 +259,15 @@ def create_app(engine: Engine, api_key: str | None = None, peers: Peers | None =
     )
     async def create_video(request: Request) -> VideoObject:
         engine.check_available()
-        body = await _video_body(request)
-        gen = video_generation(body, engine.facts, engine.limits, engine.model_id)
+        body = await video_body(request)
+        gen = await asyncio.get_running_loop().run_in_executor(
+            _DECODE, video_generation, body, engine.facts, engine.limits, engine.model_id, engine.adapters)
         seconds = f"{gen.frames / gen.fps:g}"
-        return _video_object(engine, engine.create_video(gen, seconds))
+        client = request.client.host if request.client else None
+        return _video_object(engine, engine.jobs.create(gen, seconds, client=client))
 
+
+def _add_video_routes(app: FastAPI, engine: Engine) -> None:
     @app.get("/v1/videos", response_model=VideoList,
              summary="This pod's video jobs, newest first by default (OpenAI cursor: limit, after, order)")
     async def list_videos(limit: int = Query(20, ge=1, le=100), after: str | None = Query(None, max_length=200),
@@ -287,18 +304,26 @@ def create_app(engine: Engine, api_key: str | None = None, peers: Peers | None =
 
         return StreamingResponse(chunks(), media_type="video/mp4", headers={"Content-Length": str(size)})
 
-    @app.get("/v1/models", response_model=ModelList, summary="The served model")
-    async def models() -> ModelList:
-        return ModelList(data=[{"id": engine.model_id, "created": engine.created}])  # type: ignore[list-item]
 
-    # -- operations ---------------------------------------------------------------------------------
-    @app.get("/health", summary="200 unless a rank failed; the state and the requests running and queued")
+def _add_operation_routes(app: FastAPI, engine: Engine) -> None:
+    @app.get("/v1/models", response_model=ModelList,
+             summary="The served model, then each LoRA adapter as MODEL:NAME with its parent (as vLLM lists adapters)")
+    async def models() -> ModelList:
+        cards = [ModelCard(id=engine.model_id, created=engine.created)]
+        cards += [ModelCard(id=f"{engine.model_id}:{name}", created=engine.created, parent=engine.model_id, root=root)
+                  for name, root in engine.adapters.items()]
+        return ModelList(data=cards)
+
+    @app.api_route("/health", methods=["GET", "HEAD"],
+                   summary="200 unless a rank failed or the start is stuck; the state and the requests running and "
+                           "queued")
     async def health() -> JSONResponse:
-        if engine.state == "failed":
-            return JSONResponse({"status": "unhealthy", "reason": engine.failure}, status_code=503)
+        reason = engine.unhealthy_reason()
+        if reason is not None:
+            return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
         return JSONResponse({"status": "ok", "state": engine.state, **engine.occupancy()})
 
-    @app.get("/ready", summary="200 once every rank has loaded and none failed")
+    @app.api_route("/ready", methods=["GET", "HEAD"], summary="200 once every rank has loaded and none failed")
     async def ready() -> JSONResponse:
         if not engine.ready:
             return JSONResponse({"ready": False, "state": engine.state, "reason": engine.failure}, status_code=503)
@@ -311,49 +336,24 @@ def create_app(engine: Engine, api_key: str | None = None, peers: Peers | None =
     async def metrics() -> Response:
         return Response(engine.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def openapi() -> dict[str, Any]:
-        # /v1/videos parses its body itself (JSON or multipart): publish the body's schema too.
-        if app.openapi_schema is None:
-            from fastapi.openapi.utils import get_openapi
 
-            schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-            defs = schema.setdefault("components", {}).setdefault("schemas", {})
-            body = VideoCreateRequest.model_json_schema(ref_template="#/components/schemas/{model}")
-            defs.update(body.pop("$defs", {}))
-            defs["VideoCreateRequest"] = body
-            app.openapi_schema = schema
-        return app.openapi_schema
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """The schema; /v1/videos parses its body itself (JSON or multipart): its body's schema too."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
 
-    app.openapi = openapi  # type: ignore[method-assign]
-    return app
-
-
-async def _video_body(request: Request) -> VideoCreateRequest:
-    ctype = request.headers.get("content-type", "")
-    try:
-        if ctype.startswith("multipart/form-data") or ctype.startswith("application/x-www-form-urlencoded"):
-            form = await request.form()
-            data: Any = {}
-            for k, v in form.multi_items():
-                data[k] = form_field(k, v)
-        else:
-            data = await request.json()
-    except ApiError:
-        raise
-    except Exception as e:  # malformed JSON or form: the client's fault
-        raise ApiError(400, f"could not parse the request body as JSON or form data: {e}", None, "invalid_json") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
-    try:
-        return VideoCreateRequest.model_validate(data)
-    except ValidationError as e:
-        message, param = _validation_message(list(e.errors()))
-        raise ApiError(400, message, param, "invalid_request") from None
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        defs = schema.setdefault("components", {}).setdefault("schemas", {})
+        body = VideoCreateRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+        defs.update(body.pop("$defs", {}))
+        defs["VideoCreateRequest"] = body
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def _video_object(engine: Engine, job: VideoJob) -> VideoObject:
     return VideoObject(
         id=job.id, created_at=job.created_at, completed_at=job.completed_at, expires_at=job.expires_at,
-        model=job.model, progress=engine.video_progress(job), prompt=job.prompt, seconds=job.seconds, size=job.size,
+        model=job.model, progress=engine.jobs.progress(job), prompt=job.prompt, seconds=job.seconds, size=job.size,
         status=job.status, error=VideoError(**job.error) if job.error is not None else None,
     )

@@ -1,14 +1,16 @@
-"""The serving engine on rank 0: readiness, the wave scheduler, video jobs, fault handling.
+"""The serving engine on rank 0: readiness, the wave scheduler, fault handling.
 
 Owns: the lifecycle `loading -> ready -> draining -> stopping`, any state -> `failed` (`State`,
-changed only through `_enter`), the graceful drain on SIGTERM (`begin_drain`: `/ready` turns 503 at
-once, new requests are refused with `ShuttingDown`, the waves and queue already accepted run up to
-`shutdown_grace_s`, what is left then fails with `ShuttingDown`, and the server is asked to exit 0;
-a wave still running then is abandoned: its ranks are killed, never waited for), the asyncio scheduler that drains `WaveQueue` into `RankGroup.run_wave` one wave at a
-time, running video jobs (their records live in `videos.VideoStore`), and what happens on a fault: every request of the wave and of the queue
-fails with `EngineFailed` naming the cause, `/health` turns unhealthy, and the server is asked to
-exit non-zero (`RankGroup.kill` and a hard exit follow if anything is stuck in a collective).
-Refusals are domain errors (`dlo.engine.serving.errors`); the server maps them to HTTP.
+changed only through `_enter`); the drain on SIGTERM (`begin_drain`: `/ready` 503 at once, new
+requests refused with `ShuttingDown`, the waves, queue and video jobs already accepted run up to
+`shutdown_grace_s` - a finished job's MP4 is on disk before the pod goes - what is left then fails
+with `ShuttingDown`, a wave still running is abandoned: its ranks are killed, never waited for);
+the asyncio scheduler that drains `WaveQueue` into `RankGroup.run_wave` one wave at a time;
+withdrawing a request whose client left (`withdraw`: dropped while queued, a running one finishes
+its wave); the startup deadline (`unhealthy_reason`); and faults: every request of the wave and
+queue fails with `EngineFailed` naming the cause, `/health` turns unhealthy, the server exits
+non-zero (`RankGroup.kill` and a hard exit follow if anything is stuck in a collective). Video jobs
+are `video_jobs.VideoJobs`, composed in. Refusals are domain errors; the server maps them to HTTP.
 Must never: speak HTTP (no status codes here), block the event loop on the ranks (waves run in a
 daemon thread), signal the ranks' processes itself (ask `RankGroup`), or run a wave after a fault.
 """
@@ -22,29 +24,22 @@ import os
 import tempfile
 import threading
 import time
-from dataclasses import asdict
-from typing import Callable, Literal
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Literal, Mapping
 
 from dlo.engine.families import PipelineFacts
 from dlo.engine.parallel import Layout, LayoutError, check_tokens, leader_results, wave_assignments
 from dlo.engine.request import Generation
-from dlo.engine.serving.control import RankConfig, RequestError, Result, WaveError, summary
-from dlo.engine.serving.errors import (
-    EngineFailed,
-    EngineUnavailable,
-    InvalidInput,
-    InvalidRequest,
-    QueueFull,
-    RequestFailed,
-    ServiceError,
-    ShuttingDown,
-)
+from dlo.engine.serving.control import RankConfig, Result, WaveError, summary
+from dlo.engine.serving.errors import (EngineFailed, EngineUnavailable, InvalidRequest, QueueFull, ServiceError,
+                                       ShuttingDown, request_failed)
 from dlo.engine.serving.limits import Limits
 from dlo.engine.serving.metrics import EngineMetrics
 from dlo.engine.serving.ranks import RankGroup
+from dlo.engine.serving.startup import startup_phases, warmup_generation, warn_about_start_costs
 from dlo.engine.serving.threads import in_daemon_thread
-from dlo.engine.timing import process_age_seconds, uncached_bytecode, unneeded_imports
-from dlo.engine.serving.video_jobs import VideoRunner
+from dlo.engine.timing import process_age_seconds
+from dlo.engine.serving.video_jobs import VideoJobs
 from dlo.engine.serving.videos import VideoStore
 from dlo.engine.serving.waves import Pending, WaveQueue
 
@@ -59,42 +54,48 @@ State = Literal["loading", "ready", "draining", "stopping", "failed"]
 STOP_AFTER_DRAIN_S = 1.5
 
 
-def request_failed(err: RequestError) -> RequestFailed:
-    """The domain error of a request that failed alone on its rank."""
-    if err.client_fault:
-        return InvalidInput(f"the request could not be processed ({err.phase}): {err.message}")
-    return RequestFailed(f"generating this request failed ({err.phase}): {err.message}; other requests are "
-                         "unaffected, retrying may succeed")
+@dataclass(frozen=True)
+class EngineOptions:
+    """How rank 0's service runs (the `dlo serve` flags of the same names)."""
+
+    progress_timeout_s: float = 300.0
+    max_queue: int = 64
+    wave_window_ms: float = 5.0
+    warmup: bool = True
+    warmup_size: tuple[int, int] | None = None
+    shutdown_grace_s: float = 25.0
+    startup_timeout_s: float = 900.0
+    adapters: Mapping[str, str] = field(default_factory=dict)  # --lora-dir: name -> its file or folder
 
 
-class Engine(VideoRunner):
+class Engine:
     def __init__(self, cfg: RankConfig, *, limits: Limits, facts: PipelineFacts, model_id: str,
-                 progress_timeout_s: float, max_queue: int, wave_window_ms: float, warmup: bool = True,
-                 warmup_size: tuple[int, int] | None = None, videos: VideoStore | None = None,
-                 shutdown_grace_s: float = 25.0):
-        self.cfg, self.limits, self.facts, self.model_id = cfg, limits, facts, model_id
-        self.max_queue, self.window_s = max_queue, wave_window_ms / 1000.0
+                 videos: VideoStore | None = None, options: EngineOptions = EngineOptions()):
+        self.cfg, self.limits, self.facts, self.model_id, self.options = cfg, limits, facts, model_id, options
+        self.adapters: dict[str, str] = dict(options.adapters)  # every rank loads them; checked at start
+        self.max_queue, self.window_s = options.max_queue, options.wave_window_ms / 1000.0
         self.state: State = "loading"
         self.failure: str | None = None
         self.exit_code = 0
         self.request_exit: Callable[[], None] = lambda: None
-        self.group = RankGroup(cfg, progress_timeout_s, self._on_fault)
+        self.group = RankGroup(cfg, options.progress_timeout_s, self._on_fault)
         self.layout = Layout(cfg.dp, cfg.sp)  # a wave: up to dp requests, each on its sp ranks
         self.metrics = EngineMetrics(cfg.dp, self._rank_facts)
         self.created = int(time.time())
+        self.started = time.monotonic()
         if videos is None:  # callers other than `dlo serve`: a store of its own, gone with the temp dir
             videos = VideoStore(tempfile.mkdtemp(prefix="dlo-videos-"))
             videos.load()
         self.videos = videos  # loaded by the caller (`dlo serve` refuses an unusable --video-dir up front)
-        self._video_tasks: set[asyncio.Task] = set()
+        self.jobs = VideoJobs(videos, self, self.metrics)
         self.waves_run = 0
-        self.warmup = warmup
-        self.warmup_size = warmup_size
+        self.warmup = options.warmup
+        self.warmup_size = options.warmup_size
         self.warmup_seconds: float | None = None
         self.startup_seconds: dict[str, float] = {}  # set at ready (`_load`)
         self._queue: WaveQueue | None = None
         self._inflight: list[Pending] = []
-        self.shutdown_grace_s = shutdown_grace_s
+        self.shutdown_grace_s = options.shutdown_grace_s
         self.drain_deadline: float | None = None  # monotonic; set by begin_drain
         self.wave_running = False
         self._drained = asyncio.Event()
@@ -106,70 +107,60 @@ class Engine(VideoRunner):
     async def startup(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._queue = WaveQueue(self.cfg.dp, self.window_s, self.max_queue)
-        self._tasks.append(asyncio.create_task(self._sweep_videos()))
+        self._tasks.append(asyncio.create_task(self.jobs.sweep_forever()))
         self._tasks.append(asyncio.create_task(self._load()))
 
     async def _load(self) -> None:
+        """Start the ranks, warm every one up, then turn ready and start the scheduler."""
         t0 = time.perf_counter()
         before_load = process_age_seconds()  # interpreter start, imports, arguments, the HTTP server
+        if not await self._start_ranks():
+            return
+        t1 = time.perf_counter()
+        if self.warmup and not await self._warm_up():
+            return
+        if self.state != "loading":
+            return
+        ready0 = self.group.ranks[0].ready
+        assert ready0 is not None  # start() returned: every rank is ready
+        self.metrics.set_info(self.cfg.mode, self.cfg.dp, self.facts.family, self.cfg.device,
+                              ready0.facts.report.weights_source)
+        self._enter("ready")
+        self.startup_seconds = startup_phases(before_load, t1 - t0, self.warmup_seconds)
+        log.info("engine ready mode=%s dp=%d family=%s device=%s seconds=%.1f warmup_seconds=%s startup=%s",
+                 self.cfg.mode, self.cfg.dp, self.facts.family, self.cfg.device, time.perf_counter() - t0,
+                 "off" if self.warmup_seconds is None else f"{self.warmup_seconds:.2f}", self.startup_seconds)
+        self._tasks.append(asyncio.create_task(self._schedule()))
+        warn_about_start_costs()
+
+    async def _start_ranks(self) -> bool:
         try:
             await in_daemon_thread(self.group.start)
         except Exception as e:
             if self.failure is None:  # a rank's own fault report already said why
                 log.exception("engine failed to start")
                 self._on_fault(f"engine failed to start: {e}")
-            return
-        if self.state != "loading":
-            return
-        ready0 = self.group.ranks[0].ready
-        assert ready0 is not None  # start() returned: every rank is ready
-        t1 = time.perf_counter()
-        if self.warmup:
-            try:
-                results = await in_daemon_thread(lambda: self.group.run_wave([self.warmup_generation()] * self.cfg.world))
-                failed = [(r, res.error) for r, res in enumerate(results) if res.error is not None]
-                if failed:
-                    rank, err = failed[0]
-                    raise WaveError(f"rank {rank} phase={err.phase}: {err.message}")
-            except Exception as e:  # a pipeline that cannot run its smallest request never serves
-                if self.failure is None:
-                    log.exception("warm-up failed")
-                    self._on_fault(f"warm-up failed: {type(e).__name__}: {e}")
-                return
-            self.warmup_seconds = time.perf_counter() - t1
-        if self.state != "loading":
-            return
-        self.metrics.set_info(self.cfg.mode, self.cfg.dp, self.facts.family, self.cfg.device,
-                              ready0.facts.report.weights_source)
-        self._enter("ready")
-        # where the time from process start to ready went (the rank's own load phases are in its log)
-        self.startup_seconds = {"before_load": round(before_load, 2), "load": round(t1 - t0, 2),
-                                "warmup": round(self.warmup_seconds or 0.0, 2), "total": round(process_age_seconds(), 2)}
-        log.info("engine ready mode=%s dp=%d family=%s device=%s seconds=%.1f warmup_seconds=%s startup=%s",
-                 self.cfg.mode, self.cfg.dp, self.facts.family, self.cfg.device, time.perf_counter() - t0,
-                 "off" if self.warmup_seconds is None else f"{self.warmup_seconds:.2f}", self.startup_seconds)
-        self._tasks.append(asyncio.create_task(self._schedule()))
-        uncached = uncached_bytecode()
-        if uncached:
-            log.warning("%s imported from source: no cached bytecode and none written (PYTHONDONTWRITEBYTECODE=1 or "
-                        "an install without .pyc files), so every start compiles them again (measured: 15-16 s of "
-                        "imports instead of ~8 s for Wan2.1 on an H200 host); compile them at install "
-                        "(pip's default, or python -m compileall on site-packages)", ", ".join(uncached))
-        unneeded = unneeded_imports()
-        if unneeded:
-            log.warning("%s imported only because installed (diffusers and transformers import them when present; "
-                        "the served families do not need them): ~2 s of every start measured for Wan2.1 on an H200 "
-                        "host; the engine image leaves them out", ", ".join(unneeded))
+            return False
+        return self.state == "loading"
+
+    async def _warm_up(self) -> bool:
+        t0 = time.perf_counter()
+        try:
+            results = await in_daemon_thread(lambda: self.group.run_wave([self.warmup_generation()] * self.cfg.world))
+            failed = [(r, res.error) for r, res in enumerate(results) if res.error is not None]
+            if failed:
+                rank, err = failed[0]
+                raise WaveError(f"rank {rank} phase={err.phase}: {err.message}")
+        except Exception as e:  # a pipeline that cannot run its smallest request never serves
+            if self.failure is None:
+                log.exception("warm-up failed")
+                self._on_fault(f"warm-up failed: {type(e).__name__}: {e}")
+            return False
+        self.warmup_seconds = time.perf_counter() - t0
+        return True
 
     def warmup_generation(self) -> Generation:
-        """One small request (2 steps at `--warmup-size`, else the smallest valid size), run once by every rank
-        before `/ready` turns 200: it goes
-        through every path a request uses (text encoder, transformer with its gathers and transfer
-        graphs, every CFG branch, scheduler, VAE decode, encoding), so library initialisation and
-        first-call costs are paid before the first client, not by it."""
-        m = self.facts.size_multiple
-        w, h = self.warmup_size or (m * self.cfg.sp, m)  # sp > 1: tokens per frame split over the sp ranks
-        return self.facts.warmup(w, h)  # an image, or the shortest video of a video-only family
+        return warmup_generation(self.facts, self.cfg.sp, self.warmup_size)
 
     @property
     def warmup_size_text(self) -> str | None:
@@ -208,7 +199,7 @@ class Engine(VideoRunner):
     async def _drain(self) -> None:
         assert self.drain_deadline is not None and self._queue is not None
         t0 = time.monotonic()
-        while not self._drained.is_set() and (self.wave_running or len(self._queue)):
+        while not self._drained.is_set() and (self.wave_running or len(self._queue) or self.jobs.finishing()):
             left = self.drain_deadline - time.monotonic()
             if left <= 0:
                 break
@@ -218,8 +209,8 @@ class Engine(VideoRunner):
             except asyncio.TimeoutError:
                 pass
         left_over = len(self._inflight) + len(self._queue)
-        log.info("drain done seconds=%.2f unfinished=%d wave_running=%s", time.monotonic() - t0, left_over,
-                 self.wave_running)
+        log.info("drain done seconds=%.2f unfinished=%d wave_running=%s video_jobs_finishing=%d",
+                 time.monotonic() - t0, left_over, self.wave_running, self.jobs.finishing())
         self._enter("stopping")
         self._fail_waiting(ShuttingDown(
             f"the server is shutting down and this request did not finish within the {self.shutdown_grace_s:g} s "
@@ -257,6 +248,18 @@ class Engine(VideoRunner):
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
         return self._loop
+
+    def unhealthy_reason(self) -> str | None:
+        """Why `/health` is 503 now: a fault, or loading for longer than the startup deadline (a start
+        that hangs, say on a peer that never answers, must not look healthy for ever)."""
+        if self.state == "failed":
+            return self.failure
+        waited, limit = time.monotonic() - self.started, self.options.startup_timeout_s
+        stuck = self.state == "loading" and waited > limit
+        return f"still loading after {waited:.0f} s (--startup-timeout {limit:g}): the start is stuck" if stuck else None
+
+    def steps_done(self, rank: int) -> int:
+        return self.group.steps_done(rank)
 
     def occupancy(self) -> dict[str, int]:
         """Requests in the running wave and waiting in the queue (`/health`)."""
@@ -296,6 +299,7 @@ class Engine(VideoRunner):
             if p.future is not None and not p.future.done():
                 p.future.set_exception(err)
         self.metrics.queue_depth.set(0)
+        self.metrics.requests_running.set(0)
 
     def _hard_exit(self) -> None:
         time.sleep(HARD_EXIT_AFTER_S)
@@ -331,6 +335,15 @@ class Engine(VideoRunner):
         self.metrics.queue_depth.set(len(self._queue))
         return fut
 
+    def withdraw(self, fut: asyncio.Future) -> bool:
+        """The client of `fut` left: drop its request while it is queued (True: it never reaches the
+        ranks); a request in the running wave finishes it (its result is dropped; False)."""
+        assert self._queue is not None
+        fut.cancel()
+        dropped = self._queue.remove_future(fut)
+        self.metrics.queue_depth.set(len(self._queue))
+        return dropped
+
     async def _schedule(self) -> None:
         assert self._queue is not None
         while self.state in ("ready", "draining"):
@@ -339,8 +352,9 @@ class Engine(VideoRunner):
             if self.state not in ("ready", "draining"):
                 return
             self._inflight = wave
+            self.metrics.requests_running.set(len(wave))
             for p, rank in zip(wave, self.layout.leaders()):
-                self._mark_video(p, rank)
+                self.jobs.start(p.request_id, rank)
             assignments = wave_assignments([p.gen for p in wave], self.layout)
             t0 = time.perf_counter()
             self.wave_running = True
@@ -372,18 +386,10 @@ class Engine(VideoRunner):
                     p.future.set_result(res)
             self._inflight = []
             self.wave_running = False
+            self.metrics.requests_running.set(0)
             self._wave_done.set()
 
     def _retry_after_s(self) -> int:
         """A hint for a refused client: the waves queued ahead of it times the mean wave time so far."""
-        count = total = 0.0
-        for metric in self.metrics.wave_duration.collect():
-            for sample in metric.samples:
-                if sample.name.endswith("_count"):
-                    count = sample.value
-                elif sample.name.endswith("_sum"):
-                    total = sample.value
         waves_ahead = math.ceil(len(self._queue or ()) / self.cfg.dp)
-        mean = total / count if count else 1.0
-        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(mean * max(1, waves_ahead))))
-
+        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(self.metrics.mean_wave_seconds() * max(1, waves_ahead))))

@@ -31,14 +31,15 @@ def compatibility_key(gen: Generation) -> str:
 
     Seeds, prompts and negative-prompt text may differ inside a wave; whether a negative prompt is
     present may not (it can add a CFG branch). The input image is not part of it (resized to the
-    wave's size).
+    wave's size), nor is the LoRA adapter or its scale: each rank adds its own adapter's branch to
+    the layers' outputs over the same gathered weights (`dlo.engine.lora`), so requests for
+    different adapters (or none) share a wave.
     """
     return json.dumps(
         {
             "height": gen.height, "width": gen.width, "frames": gen.frames, "fps": gen.fps,
             "steps": gen.steps, "guidance_scale": gen.guidance_scale, "cfg": gen.guidance_scale > 1.0,
             "negative_prompt": gen.negative_prompt is not None, "n": gen.n,
-            "lora": [gen.lora_id, gen.lora_scale if gen.lora_id else None],
             "extras": gen.extras,
         },
         sort_keys=True, separators=(",", ":"),
@@ -94,6 +95,12 @@ class WaveQueue:
             raise QueueFull(f"{len(self._items)} requests are waiting (--max-queue {self.max_queue}); retry later")
         self._items.append(pending)
         self._changed.set()
+
+    def remove_future(self, future: asyncio.Future) -> bool:
+        """Drop the waiting request whose future this is (its client left); False if none waits."""
+        kept = [p for p in self._items if p.future is not future]
+        removed, self._items = len(kept) != len(self._items), kept
+        return removed
 
     def drain(self) -> list[Pending]:
         items, self._items = self._items, []

@@ -157,3 +157,30 @@ def samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     return out
 
 
+
+
+@pytest.fixture
+def deep_tree() -> Iterator:
+    """`make(folder, depth)`: `depth` nested folders under `folder`, deeper than a recursive walk (or
+    shutil.rmtree) goes; removed with `rm -rf` afterwards, so pytest's own clean-up never meets them."""
+    import subprocess
+
+    made: list[Path] = []
+
+    def make(folder: Path, depth: int = 1100) -> Path:
+        folder.mkdir(parents=True, exist_ok=True)
+        made.append(folder)
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            for _ in range(depth):  # relative to a descriptor: no path is ever resolved whole
+                os.mkdir("d", dir_fd=fd)
+                nxt = os.open("d", os.O_RDONLY, dir_fd=fd)
+                os.close(fd)
+                fd = nxt
+        finally:
+            os.close(fd)
+        return folder
+
+    yield make
+    for folder in made:
+        subprocess.run(["rm", "-rf", str(folder)], check=False)

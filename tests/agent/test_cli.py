@@ -346,6 +346,49 @@ def test_plan_table_keeps_mode_names_whole_in_an_80_column_terminal(profile_file
     assert "…" not in text and all(len(row) <= 80 for row in rows)
 
 
+def test_warm_refuses_a_zero_byte_file_a_fifo_and_a_tree_too_deep_in_one_line(tmp_path: Path, deep_tree) -> None:
+    empty = tmp_path / "empty.safetensors"
+    empty.write_bytes(b"")
+    fifo = tmp_path / "fifo.safetensors"
+    os.mkfifo(fifo)
+    deep = deep_tree(tmp_path / "deep")
+    for path, words in ((empty, "truncated"), (fifo, "not a regular file"), (deep, "too deep")):
+        r = dlo("warm", str(path))
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        errors = [line for line in r.stderr.splitlines() if line.startswith("dlo warm:")]
+        assert len(errors) == 1 and words in errors[0] and str(path) in errors[0], r.stderr
+
+
+def test_plan_of_a_folder_whose_config_has_wrong_types_is_one_line(models_root: Path) -> None:
+    (models_root / "tiny-wan" / "transformer" / "config.json").write_text(json.dumps({"architectures": 5}))
+    r = dlo("plan", "--model", str(models_root / "tiny-wan"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "architectures" in r.stderr, r.stderr
+
+
+def test_agent_log_lines_escape_a_newline_in_a_folder_name(tmp_path: Path) -> None:
+    from .conftest import write_wan_folder
+
+    root = tmp_path / "models"
+    bad = write_wan_folder(root / "bad\nforged line")
+    with open(bad / "transformer" / "diffusion_pytorch_model.safetensors", "r+b") as f:
+        f.truncate(100)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dlo.cli.main", "agent", "--port", "0", "--models-root", str(root),
+         "--kubernetes", "off"], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    try:
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if "model broken" in line:
+                break
+        assert "serving on http://127.0.0.1:" in "".join(lines)  # outside a cluster: loopback only
+        assert "model=bad\\nforged line" in lines[-1], lines[-1]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=10)
+
+
 def test_plan_takes_the_device_budget_as_dlo_serve_does(profile_file: Path) -> None:
     one = ["--model-bytes", str(28 * GB), "--max-block-bytes", str(700_000_000), "--dp", "1",
            "--profile", str(profile_file)]

@@ -95,6 +95,17 @@ def test_missing_config_is_no_config(tmp_path: Path) -> None:
     assert check_folder(folder).reason == "no_config"  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("config", [{"architectures": 5}, {"architectures": []}, {"_class_name": ["Wan"]},
+                                    {"architectures": [{"x": 1}]}])
+def test_config_whose_class_fields_have_the_wrong_type_is_a_bad_config(tmp_path: Path, config: object) -> None:
+    folder = write_wan_folder(tmp_path / "models" / "m")
+    (folder / "transformer" / "config.json").write_text(json.dumps(config))
+    err = check_folder(folder)
+    assert err is not None and err.reason == "bad_config" and "config.json" in err.message
+    (m,) = model_folders(tmp_path / "models")  # the scan flags it instead of raising
+    assert m.error == err and m.facts is None
+
+
 def test_config_of_another_kind_of_model_is_not_broken(tmp_path: Path) -> None:
     """A class DLO has no family for (another engine's model) has no facts, and no error."""
     root = tmp_path / "models"
@@ -151,7 +162,7 @@ def test_pipeline_without_transformer_weights_is_missing_shard(tmp_path: Path) -
 
 
 def test_every_reason_is_reachable_and_messages_stay_short(tmp_path: Path) -> None:
-    assert len(set(REASONS)) == len(REASONS) == 6
+    assert len(set(REASONS)) == len(REASONS) == 8
     long = ModelError.of("truncated", "x" * 10_000)
     assert len(long.message) == MAX_MESSAGE_CHARS and long.message.endswith("...")
 

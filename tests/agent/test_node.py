@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -148,3 +149,46 @@ def test_with_the_node_loop_running_reads_never_scan(models_root: Path, monkeypa
     finally:
         stop.set()
         loop.join(timeout=10)
+
+
+def _hostile_folders(root: Path, deep_tree: Callable[..., Path]) -> None:
+    """Beside a sound folder: one whose config's `architectures` is an integer, one whose tree is
+    deeper than a recursive walk goes (each used to make the whole scan raise)."""
+    import json
+
+    write_wan_folder(root / "badcfg")
+    (root / "badcfg" / "transformer" / "config.json").write_text(json.dumps({"architectures": 5}))
+    deep_tree(write_wan_folder(root / "deep") / "transformer" / "deep")
+
+
+def test_one_bad_folder_is_flagged_and_every_other_keeps_its_series(models_root: Path, deep_tree) -> None:
+    from dlo.agent.collector import make_registry
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _hostile_folders(models_root, deep_tree)
+    agent = make_agent(models_root)
+    stop = threading.Event()
+    try:
+        agent.start_model_loop(stop)
+        patches: list[str] = []
+
+        def annotate(value: str) -> None:
+            patches.append(value)
+            stop.set()
+
+        t = threading.Thread(target=publish_loop, args=(agent, annotate, stop, 0.01), daemon=True)
+        t.start()
+        t.join(timeout=30)
+    finally:
+        stop.set()
+    assert patches, "the node annotation was never published"
+    published = NodeProfile.from_annotation(patches[0])
+    assert set(published.models) == {"tiny-wan"}
+    assert {n: e.reason for n, e in (published.model_errors or {}).items()} == {"badcfg": "bad_config",
+                                                                               "deep": "scan_error"}
+    text = generate_latest(make_registry(agent)).decode()
+    samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+    assert {s.labels["model"] for s in samples if s.name == "dlo_model_page_cache_resident_bytes"} == {"tiny-wan"}
+    assert {(s.labels["model"], s.labels["reason"]) for s in samples if s.name == "dlo_model_error" and s.value == 1} \
+        == {("badcfg", "bad_config"), ("deep", "scan_error")}

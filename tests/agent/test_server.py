@@ -202,3 +202,49 @@ def test_metrics_answer_within_a_second_whatever_the_models_root_holds(
     ratios = {lab["model"] for lab, _ in got["dlo_model_page_cache_resident_ratio"]}
     assert "huge" in ratios and len(ratios) == 121 and not ratios & set(broken)
     assert code == 200 and set(json.loads(body)["model_errors"]) == set(broken)
+
+
+def _connect(port: int, source: str, data: bytes) -> "socket.socket":
+    import socket
+
+    s = socket.socket()
+    s.settimeout(5)
+    s.bind((source, 0))
+    s.connect(("127.0.0.1", port))
+    s.sendall(data)
+    return s
+
+
+def test_half_sent_heads_neither_hold_threads_nor_delay_health(models_root: Path) -> None:
+    """A flood of connections that never finish their request head, from one address: beyond the
+    per-address cap they get 503 at once, the rest are closed after the head timeout, no thread is
+    spent on any of them, and /health from another address answers meanwhile."""
+    import select
+    import socket
+
+    from dlo.agent.server import Limits
+
+    server = serve(make_agent(models_root), "127.0.0.1", 0, Limits(max_connections=64, per_address=16,
+                                                                   head_timeout_s=1.0))
+    port = server.server_address[1]
+    threads = threading.active_count()
+    socks: list[socket.socket] = []
+    try:
+        socks = [_connect(port, "127.0.0.1", b"GET /metrics HTTP/1.1\r\nHost: x\r\n") for _ in range(100)]
+        probe = _connect(port, "127.0.0.2", b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert probe.recv(4096).startswith(b"HTTP/1.1 200"), "a second address is not served during the flood"
+        probe.close()
+        assert threading.active_count() <= threads + 2, "connections hold threads"
+        answers: dict[socket.socket, bytes] = {}
+        deadline = time.monotonic() + 30
+        while len(answers) < len(socks):  # every connection ends: refused at once, or closed by the timeout
+            assert time.monotonic() < deadline, f"{len(socks) - len(answers)} connections still held"
+            ready, _, _ = select.select([s for s in socks if s not in answers], [], [], 0.2)
+            for s in ready:
+                answers[s] = s.recv(4096)
+        refused = [a for a in answers.values() if a.startswith(b"HTTP/1.1 503")]
+        assert len(refused) == 100 - 16 and sum(1 for a in answers.values() if a == b"") == 16
+    finally:
+        for s in socks:
+            s.close()
+        server.shutdown()

@@ -56,3 +56,29 @@ def test_merge_marks_anonymous_bytes_before_smaps_rollup_unmeasured(tmp_path: Pa
     assert s["largest_request_served"] == {"wan21/serve_default_capped_24gib": True}
     assert s["component_peak_device_bytes"] == {"wan21/diffusers_group_offload_capped_24gib": {"transformer": 5}}
     assert "| unmeasured |" in (tmp_path / "merged.md").read_text()
+
+
+def test_the_small_gpu_summary_holds_each_figure_of_issue_27(tmp_path: Path) -> None:
+    def run(seconds: float, **extra: object) -> dict:
+        return {"seconds": seconds, "output_sha256": "a", **extra}
+
+    refused = {"beyond_limits": {"status": 400, "names_limit": True, "limit": "limit of 17"}}
+    models = {
+        "wan21": {"serve_default": run(12.0), "serve_default_capped_24gib": run(12.3, **refused),
+                  "serve_default_capped_12gib": run(13.0, largest_request={"ok": True}),
+                  "diffusers_group_offload_capped_24gib": {"seconds": 17.6, "frames_sha256": "b"}},
+        "qwen": {"serve_default_capped_24gib": run(11.0), "serve_capped_24gib_zero_resident": run(15.8)},
+        "flux": {"serve_capped_24gib_zero_resident": run(9.0), "serve_capped_24gib_zero_resident_fp8": run(5.0),
+                 "fp8_drift": {"max_abs_levels": 12.0, "psnr_db": 38.0}},
+    }
+    (tmp_path / "raw.json").write_text(json.dumps({"date": "2026-12-01", "device": "1 x NVIDIA H200",
+                                                   "command": "python3 bench/pipeline_h200.py --small-gpu",
+                                                   "models": models}))
+    s = merge([tmp_path / "raw.json"], tmp_path / "small-gpu")["summary"]
+    assert s["wan21_capped24_default_over_uncapped_default"] == 1.025
+    assert s["wan21_capped12_default_mode_serves"] is True and s["wan21_capped12_largest_request_served"] is True
+    assert s["qwen_capped24_auto_blocks_over_zero"] == round(11.0 / 15.8, 4)
+    assert s["fp8_over_bf16_streamed_image_capped24"] == round(5.0 / 9.0, 4)
+    assert s["fp8_drift"] == {"flux": {"max_abs_levels": 12.0, "psnr_db": 38.0}}
+    assert s["beyond_limits_refused_naming_the_limit"] == {"wan21/serve_default_capped_24gib": True}
+    assert s["capped24_over_diffusers_group_offload"]["wan21"] == round(12.3 / 17.6, 4)

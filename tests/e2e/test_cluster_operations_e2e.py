@@ -173,8 +173,6 @@ async def test_scale_in_through_the_scale_subresource_keeps_finished_videos_on_t
     ops["state"]["job"] = job["id"]
 
 
-@pytest.mark.xfail(strict=True, reason="needs the serving side's change: dlo serve answers a poll for a finished job "
-                   "of another pod from the shared video folder (today it forwards to the pod in the id, gone: 502)")
 async def test_the_remaining_pod_answers_a_poll_for_the_removed_pods_finished_video(ops):
     kubelet, job = ops["kubelet"], ops["state"]["job"]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:

@@ -21,3 +21,7 @@ def models(tmp_path_factory):
             make_tiny_transformer(root / "wan_sharded", "wan", layers=4, max_shard_size="40KB")
         ),
     }
+
+
+# the LoRA tests' pipelines, adapters and diffusers + peft reference, made once per session
+from tests.engine.lora_helpers import lora_setups  # noqa: E402,F401

@@ -25,7 +25,8 @@ CONTRACT_METRICS = [
     "dlo_engine_info", "dlo_ready", "dlo_requests_total", "dlo_request_duration_seconds", "dlo_queue_depth",
     "dlo_wave_size", "dlo_wave_duration_seconds", "dlo_step_duration_seconds", "dlo_gather_wait_seconds_total",
     "dlo_h2d_bytes_total", "dlo_collective_bytes_total", "dlo_host_pinned_bytes", "dlo_device_slot_bytes",
-    "dlo_device_resident_bytes", "dlo_device_memory_peak_bytes",
+    "dlo_device_resident_bytes", "dlo_device_memory_peak_bytes", "dlo_requests_running", "dlo_video_jobs",
+    "dlo_video_job_duration_seconds",
 ]
 
 
@@ -128,15 +129,19 @@ def test_health_ready_and_metrics_need_no_key_and_metrics_follow_the_contract(se
     info = m["dlo_engine_info"][0][0]
     assert info == {"mode": "rank-local", "dp": "1", "family": "wan", "device": "cpu", "weights_source": info["weights_source"]}
     assert m["dlo_ready"][0][1] == 1
-    codes = {(lab["endpoint"], lab["code"]) for lab, _ in m["dlo_requests_total"]}
-    assert ("/v1/images/generations", "200") in codes
-    assert ("/v1/images/generations", "401") in codes  # counted under the route even before routing
+    codes = {(lab["endpoint"], lab["method"], lab["code"]) for lab, _ in m["dlo_requests_total"]}
+    assert ("/v1/images/generations", "POST", "200") in codes
+    assert ("/v1/images/generations", "POST", "401") in codes  # counted under the route even before routing
+    assert ("/health", "GET", "200") in codes
+    assert {lab["state"] for lab, _ in m["dlo_video_jobs"]} == {"queued", "in_progress", "completed", "failed"}
+    timed = {lab["endpoint"] for lab, _ in m["dlo_request_duration_seconds_count"]}
+    assert "/v1/images/generations" in timed and "/v1/videos" not in timed  # a job is timed to its end
     assert m["dlo_step_duration_seconds_count"][0][1] >= 1
     assert {lab["rank"] for lab, _ in m["dlo_h2d_bytes_total"]} == {"0"}
     assert m["dlo_h2d_bytes_total"][0][1] > 0
 
 
-def test_videos_with_the_sdk_multipart_create_poll_and_download_mp4(client):
+def test_videos_with_the_sdk_multipart_create_poll_and_download_mp4(client, server):
     video = client.videos.create(prompt="waves", seconds="4", size="64x64",  # type: ignore[arg-type]
                                  extra_body={"seed": 3, "num_inference_steps": 2})
     assert video.status in ("queued", "in_progress", "completed") and video.object == "video"
@@ -152,6 +157,9 @@ def test_videos_with_the_sdk_multipart_create_poll_and_download_mp4(client):
     mp4 = client.videos.download_content(video.id).read()
     assert mp4[4:8] == b"ftyp" and len(mp4) > 500
     assert video.completed_at is not None and video.expires_at == video.completed_at + VIDEO_TTL_S
+    m = server.metrics()  # the job is timed from its creation to its completion, and counted by state
+    assert m["dlo_video_job_duration_seconds_count"][0][1] >= 1
+    assert dict((lab["state"], v) for lab, v in m["dlo_video_jobs"])["completed"] >= 1
 
 
 def test_videos_list_and_delete_with_the_sdk(client, server):

@@ -11,7 +11,7 @@ import pytest
 from dlo.engine.serving.control import RankConfig, RankStats, Result
 from dlo.engine.serving.errors import EngineFailed, QueueFull
 from dlo.engine.serving.limits import Limits
-from dlo.engine.serving.service import Engine
+from dlo.engine.serving.service import Engine, EngineOptions
 from dlo.engine.serving.videos import VideoStore
 from dlo.engine.request import Generation
 from dlo.engine.serving.waves import WaveQueue
@@ -26,8 +26,8 @@ def _engine(tmp_path, max_queue: int) -> Engine:
                      control_port=1)
     store = VideoStore(tmp_path / "videos", ttl_s=60, pod="wan-0")
     store.load()
-    engine = Engine(cfg, limits=Limits(), facts=None, model_id="tiny", progress_timeout_s=10,  # type: ignore[arg-type]
-                    max_queue=max_queue, wave_window_ms=1, videos=store)
+    engine = Engine(cfg, limits=Limits(), facts=None, model_id="tiny", videos=store,  # type: ignore[arg-type]
+                    options=EngineOptions(progress_timeout_s=10, max_queue=max_queue, wave_window_ms=1))
     engine._loop = asyncio.get_running_loop()
     engine._queue = WaveQueue(1, 0.001, max_queue)
     engine.state = "ready"  # no ranks: the test plays the scheduler
@@ -46,14 +46,14 @@ async def _settled(engine: Engine, video_id: str) -> str:
 async def test_a_refused_job_leaves_no_record_and_its_refusal_carries_a_retry_hint(tmp_path):
     engine = _engine(tmp_path, max_queue=0)
     with pytest.raises(QueueFull) as e:
-        engine.create_video(GEN, "2.5")
+        engine.jobs.create(GEN, "2.5")
     assert e.value.retry_after_s >= 1
     assert len(engine.videos) == 0 and not list(engine.videos.folder.iterdir())
 
 
 async def test_every_way_a_wave_ends_finishes_the_job(tmp_path):
     engine = _engine(tmp_path, max_queue=8)
-    jobs = [engine.create_video(GEN, "2.5") for _ in range(3)]
+    jobs = [engine.jobs.create(GEN, "2.5") for _ in range(3)]
     assert all((engine.videos.folder / f"{j.id}.json").exists() and j.status == "queued" for j in jobs)
     waiting = engine._queue.drain()  # type: ignore[union-attr]
     ok = Result(wave=1, stats=RankStats(), outputs=(b"\x00\x00\x00\x18ftypmp42",), media_type="video/mp4")
@@ -64,4 +64,9 @@ async def test_every_way_a_wave_ends_finishes_the_job(tmp_path):
     assert engine.videos.content_path(jobs[0].id).read_bytes() == ok.outputs[0]
     assert engine.videos.get(jobs[1].id).error == {"code": "engine_failed", "message": "engine failed: rank 1 died"}
     assert engine.videos.get(jobs[2].id).error["code"] == "internal_error"
-    assert all(engine.video_progress(j) == 100 for j in jobs)
+    assert all(engine.jobs.progress(j) == 100 for j in jobs)
+    failures = {s.labels["code"]: s.value for fam in engine.metrics.video_job_failures.collect() for s in fam.samples
+                if s.name.endswith("_total")}
+    assert failures == {"engine_failed": 1.0, "internal_error": 1.0}
+    assert engine.metrics.video_job_duration.collect()[0].samples[-2].value == 1  # _count: the completed one
+    assert engine.videos.by_status() == {"queued": 0, "in_progress": 0, "completed": 1, "failed": 2}

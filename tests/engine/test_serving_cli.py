@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from dlo.engine.serving.cli import read_api_key, resolve_mode
+from dlo.engine.serving.cli import read_api_key
+from dlo.engine.serving.mode_choice import resolve_mode
 from tests.engine.serving_helpers import tiny_pipeline
 
 

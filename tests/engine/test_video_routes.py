@@ -6,6 +6,7 @@ does not answer in time, no second hop."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -16,6 +17,7 @@ import pytest
 import requests
 import uvicorn
 
+from dlo.engine.families import PipelineFacts
 from dlo.engine.ports import free_port
 from dlo.engine.serving.errors import (
     QueueFull,
@@ -42,10 +44,22 @@ class StubEngine:
     videos: VideoStore
     limits: Limits = field(default_factory=Limits)
     model_id: str = "tiny"
+    adapters: dict = field(default_factory=dict)  # no --lora-dir
     state: str = "ready"
     failure: str | None = None
     metrics: EngineMetrics = field(default_factory=lambda: EngineMetrics(1, dict))
     queue_full: bool = False
+    facts: PipelineFacts = field(default_factory=lambda: PipelineFacts(
+        "wan-i2v", "WanImageToVideoPipeline", 16, 4, 5.0, "WanTransformer3DModel", image_input=True))
+
+    def create(self, gen: object, seconds: str, client: str | None = None) -> VideoJob:
+        raise QueueFull("the stub queues nothing", retry_after_s=1)  # what follows the request's reading
+
+    def unhealthy_reason(self) -> str | None:
+        return None
+
+    def occupancy(self) -> dict[str, int]:
+        return {"running": 0, "queued": 0}
 
     async def startup(self) -> None:
         self.videos.load()
@@ -57,7 +71,11 @@ class StubEngine:
         if self.queue_full:
             raise QueueFull("2 requests are waiting (--max-queue 2); retry later", retry_after_s=7)
 
-    def video_progress(self, job: VideoJob) -> int:
+    @property
+    def jobs(self) -> "StubEngine":
+        return self  # the stub is its own video-job runner
+
+    def progress(self, job: VideoJob) -> int:
         return 100 if job.status in ("completed", "failed") else 0
 
 
@@ -191,7 +209,9 @@ def test_requests_for_another_pods_job_are_answered_by_that_pod(tmp_path):
             assert loop.status_code == 404
 
 
-def test_an_unreachable_pod_is_502_and_a_silent_one_504(tmp_path):
+def test_a_gone_pod_is_404_an_unreachable_one_502_a_silent_one_504(tmp_path):
+    """Another pod's job: gone (unreachable, and the shared folder holds no record of it) is 404
+    not_found; unreachable with its unfinished record in the folder is 502; silent is 504."""
     refused_port = free_port()  # nobody listens there
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
@@ -204,6 +224,11 @@ def test_an_unreachable_pod_is_502_and_a_silent_one_504(tmp_path):
         with served as srv:
             job_id = engine.videos.new_id()
             r = requests.get(f"{srv.url}/v1/videos/{job_id.replace('wan-0', 'wan-1')}", headers=AUTH, timeout=30)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+            other = VideoStore(engine.videos.folder, ttl_s=600, pod="wan-1")  # the same (shared) folder
+            other.load()
+            running = _add(other, 5, "in_progress")
+            r = requests.get(f"{srv.url}/v1/videos/{running.id}", headers=AUTH, timeout=30)
             assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_unreachable"
             assert r.json()["error"]["type"] == "server_error"
             r = requests.get(f"{srv.url}/v1/videos/{job_id.replace('wan-0', 'wan-2')}/content", headers=AUTH,
@@ -211,6 +236,33 @@ def test_an_unreachable_pod_is_502_and_a_silent_one_504(tmp_path):
             assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
     finally:
         silent.close()
+
+
+def test_a_finished_job_of_another_pod_is_answered_from_the_shared_folder(tmp_path):
+    """Its pod is unreachable (scaled in): status and MP4 come from the shared folder, 200; the
+    pod's own list does not show it, and a restart of this pod leaves the other pod's records be."""
+    peers = Peers(urls={"wan-1": f"http://127.0.0.1:{free_port()}"}, connect_timeout_s=1, read_timeout_s=1)
+    served, engine = _serve(tmp_path, "wan-0", peers)
+    with served as srv:
+        other = VideoStore(engine.videos.folder, ttl_s=600, pod="wan-1")
+        other.load()
+        done = _add(other, 7)
+        running = _add(other, 8, "in_progress")
+        r = requests.get(f"{srv.url}/v1/videos/{done.id}", headers=AUTH, timeout=30)
+        assert r.status_code == 200 and r.json()["status"] == "completed" and r.json()["id"] == done.id
+        content = requests.get(f"{srv.url}/v1/videos/{done.id}/content", headers=AUTH, timeout=30)
+        assert content.status_code == 200 and content.content.endswith(done.id.encode())
+        assert requests.get(f"{srv.url}/v1/videos", headers=AUTH).json()["data"] == []
+        gone = requests.delete(f"{srv.url}/v1/videos/{done.id}", headers=AUTH, timeout=30)  # from the shared folder
+        assert gone.status_code == 200 and not other.folder.joinpath(f"{done.id}.json").exists()
+        assert requests.get(f"{srv.url}/v1/videos/{done.id}", headers=AUTH, timeout=30).status_code == 404
+        with pytest.raises(VideoNotFound):  # and its own pod no longer lists it
+            other.get(done.id)
+    again = VideoStore(engine.videos.folder, ttl_s=600, pod="wan-0")
+    again.load()  # this pod's restart: the other pod's running job is not "restarted" by it
+    assert len(again) == 0
+    record = VideoJob.from_sidecar(json.loads((engine.videos.folder / f"{running.id}.json").read_text()))
+    assert record.status == "queued" and record.error is None  # unfinished, as its own pod left it
 
 
 def test_peer_addresses_come_from_the_template_or_the_map():
@@ -245,3 +297,61 @@ def test_the_video_store_speaks_no_http():
 
     text = Path(videos.__file__).read_text()
     assert "ApiError" not in text and "fastapi" not in text.lower() and "aiohttp" not in text
+
+
+def _multipart(fields: dict[str, str], name: str, data: bytes) -> tuple[bytes, str]:
+    b = "testboundary"
+    parts = [f"--{b}\r\nContent-Disposition: form-data; name=\"{k}\"\r\n\r\n{v}\r\n".encode() for k, v in fields.items()]
+    parts.append(f"--{b}\r\nContent-Disposition: form-data; name=\"{name}\"; filename=\"a.png\"\r\n"
+                 "Content-Type: image/png\r\n\r\n".encode() + data + f"\r\n--{b}--\r\n".encode())
+    return b"".join(parts), f"multipart/form-data; boundary={b}"
+
+
+def _black_png(side: int) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (side, side)).save(buf, format="PNG", optimize=True)
+    return buf.getvalue()
+
+
+def test_reference_images_are_decoded_off_the_event_loop_and_capped(tmp_path):
+    """Four 4096x4096 black PNGs (48 KB each: a decode of 16.7 M pixels) keep the decoders busy;
+    /health, sent after them, is answered before the last of them (on the event loop it would wait
+    for every decode). Beyond max_reference_pixels an image is refused from its header."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    served, engine = _serve(tmp_path, "wan-0")
+    engine.limits = Limits(max_body_bytes=128 * 1024)  # 4096 x 4096 is the default pixel cap
+    png = _black_png(4096)
+    files = {"input_reference": ("a.png", png, "image/png")}
+    body, ctype = _multipart({"prompt": "x", "size": "64x64"}, "input_reference", png)
+    request = (f"POST /v1/videos HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: {ctype}\r\n"
+               f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+    with served as srv, ThreadPoolExecutor(4) as pool:
+        socks = []
+        for _ in range(4):  # every byte of the four requests is sent before /health is
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=120)
+            s.sendall(request)
+            socks.append(s)
+
+        def answer(s: socket.socket) -> tuple[float, bytes]:
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+            s.close()
+            return time.monotonic(), data
+
+        posts = [pool.submit(answer, s) for s in socks]
+        health = requests.get(srv.url + "/health", timeout=120)
+        health_done = time.monotonic()
+        answers = [f.result() for f in posts]
+        assert health.status_code == 200 and all(a.startswith(b"HTTP/1.1 429") for _, a in answers)  # decoded
+        assert health_done < max(t for t, _ in answers), "/health waited for every decode"
+        engine.limits = Limits(max_body_bytes=128 * 1024, max_reference_pixels=1024 * 1024)
+        r = requests.post(srv.url + "/v1/videos", data={"prompt": "x", "size": "64x64"}, files=files,
+                          headers=AUTH, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input_reference"
+        assert "at most 1048576 pixels" in r.json()["error"]["message"]

@@ -6,7 +6,15 @@ import json
 
 import pytest
 
-from dlo.engine.serving.errors import VideoElsewhere, VideoNotFinished, VideoNotFound, VideoNotReady
+from dlo.engine.serving.errors import (
+    VideoElsewhere,
+    VideoJobsFull,
+    VideoNotFinished,
+    VideoNotFound,
+    VideoNotReady,
+    VideoStorageError,
+    VideoStoreReadOnly,
+)
 from dlo.engine.serving.videos import VideoJob, VideoStore, pod_of
 
 
@@ -169,9 +177,64 @@ def test_a_completed_job_whose_file_is_gone_comes_back_failed(tmp_path):
     assert again.get(job.id).status == "failed" and again.get(job.id).error["code"] == "content_lost"
 
 
-def test_beyond_the_cap_the_oldest_finished_jobs_go_first(tmp_path):
-    store = _store(tmp_path, Clock(), max_jobs=3)
-    jobs = [_job(store, t) for t in range(3)]
-    store.fail(jobs[1].id, "x", "y")
-    newest = _job(store, 3)
-    assert jobs[1].id not in store and all(j.id in store for j in (jobs[0], jobs[2], newest))
+def _client_job(store: VideoStore, client: str) -> VideoJob:
+    return store.add(VideoJob(id=store.new_id(), created_at=1, model="tiny", prompt="p", seconds="1", size="64x64",
+                              steps=1, client=client))
+
+
+def test_at_the_cap_new_jobs_are_refused_and_no_unexpired_job_is_evicted(tmp_path):
+    clock = Clock()
+    store = _store(tmp_path, clock, max_jobs=4, max_jobs_per_client=2, ttl_s=100)
+    victim = _client_job(store, "10.0.0.1")
+    store.fail(victim.id, "x", "y")  # finished, within its TTL
+    _client_job(store, "10.0.0.2")
+    _client_job(store, "10.0.0.2")
+    with pytest.raises(VideoJobsFull, match="this client holds 2"):  # one client: its quota
+        _client_job(store, "10.0.0.2")
+    _client_job(store, "10.0.0.3")
+    with pytest.raises(VideoJobsFull, match="maximum of 4"):  # everyone: the cap, and nobody is evicted
+        _client_job(store, "10.0.0.4")
+    assert victim.id in store and len(store) == 4
+    clock.now += 101  # the finished job expires: its place is free again
+    assert _client_job(store, "10.0.0.4").id in store and victim.id not in store
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A tmpfs mounted at a fresh folder; `remount_read_only()` turns it read-only (as a volume
+    mounted readOnly, or a file system remounted read-only after an error, would be)."""
+    import subprocess
+
+    folder = tmp_path / "mnt"
+    folder.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(folder)], check=True)
+
+    def remount_read_only() -> None:
+        subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
+
+    try:
+        yield folder, remount_read_only
+    finally:
+        subprocess.run(["umount", str(folder)], check=False)
+
+
+def test_a_delete_on_a_read_only_folder_is_an_error_and_the_job_stays(tmpfs, caplog):
+    folder, remount_read_only = tmpfs
+    clock = Clock()
+    store = VideoStore(folder / "videos", ttl_s=600, pod="wan-0", clock=clock)
+    store.load()
+    job = _job(store, 1)
+    store.write_content(job.id, b"mp4")
+    store.complete(job.id)
+    remount_read_only()
+    with pytest.raises(VideoStorageError, match="could not delete"):
+        store.delete(job.id)
+    assert store.get(job.id).status == "completed"
+    assert {p.name for p in store.folder.iterdir()} == {f"{job.id}.json", f"{job.id}.mp4"}
+    again = VideoStore(folder / "videos", ttl_s=600, pod="wan-0", clock=clock)
+    with caplog.at_level("WARNING"):
+        again.load()  # a restart on the read-only folder: said at start, finished jobs still served
+    assert any("read-only" in r.message for r in caplog.records if r.levelname == "WARNING")
+    assert again.content_path(job.id).read_bytes() == b"mp4"
+    with pytest.raises(VideoStoreReadOnly, match="takes no video jobs"):
+        _job(again, 2)

@@ -23,11 +23,18 @@ def test_seed_prompt_and_negative_text_do_not_change_the_key():
     assert compatibility_key(a) == compatibility_key(b)
 
 
+def test_the_lora_adapter_and_its_scale_do_not_change_the_key():
+    """Each rank adds its own adapter's branch over the same gathered weights: requests for
+    different adapters, or none, run in one wave."""
+    for change in ({"lora_id": "style-a"}, {"lora_id": "style-b", "lora_scale": 0.5}):
+        assert compatibility_key(dataclasses.replace(BASE, **change)) == compatibility_key(BASE)
+
+
 @pytest.mark.parametrize(
     "change",
     [
         {"width": 128}, {"height": 32}, {"frames": 5}, {"fps": 2}, {"steps": 3}, {"guidance_scale": 1.0},
-        {"n": 2}, {"negative_prompt": ""}, {"lora_id": "style-a"}, {"extras": {"shift": 3}},
+        {"n": 2}, {"negative_prompt": ""}, {"extras": {"shift": 3}},
     ],
 )
 def test_every_schedule_field_changes_the_key(change):

@@ -1,12 +1,10 @@
 """operator/handlers.py against the kmock API emulator: real HTTP, real kopf, in its own thread."""
 
-import asyncio
 import json
 from pathlib import Path
 
-
-from cluster import TEST_CONFIG, dlodeployment, running_cluster
-from dlo.operator import builders
+from cluster import dlodeployment, running_cluster
+from dlo.operator import builders, metrics
 from dlo.operator.models import API_VERSION
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -127,7 +125,8 @@ async def test_invalid_spec_sets_degraded_instead_of_crashing_then_recovers():
         await cluster.wait(lambda: cluster.events("InvalidSpec"), what="an InvalidSpec Event")
         await cluster.patch_dlod(NS, "wan", {"spec": {"model": {"claimName": None}}})
         await cluster.wait(lambda: (condition(cluster, "Degraded") or {}).get("status") == "False", what="recovered")
-        assert cluster.get("StatefulSet", NS, "wan") is not None
+        # the status patch and the StatefulSet are separate writes: wait for the state, not the order
+        await cluster.wait(lambda: cluster.get("StatefulSet", NS, "wan"), what="the StatefulSet after recovery")
 
 
 async def test_delete_removes_children_through_owner_references():
@@ -149,7 +148,11 @@ async def test_reconcile_is_idempotent_children_are_not_rewritten():
         await cluster.create(dlodeployment("wan", NS, SPEC))
         await cluster.wait(lambda: (condition(cluster, "Ready") or {}).get("status") == "True", what="Ready")
         versions = {k: cluster.get(k, NS, n)["metadata"]["resourceVersion"] for k, n in CHILDREN}
-        await asyncio.sleep(3 * TEST_CONFIG.status_interval)  # several resync rounds
+        def reconciles() -> float:
+            return metrics.REGISTRY.get_sample_value("dlo_operator_reconciles_total", {"result": "success"}) or 0.0
+
+        before = reconciles()  # several timer rounds, counted (a sleep may see none on a busy machine)
+        await cluster.wait(lambda: reconciles() >= before + 3, timeout=120, what="three more reconciles")
         assert {k: cluster.get(k, NS, n)["metadata"]["resourceVersion"] for k, n in CHILDREN} == versions
 
 

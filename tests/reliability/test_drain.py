@@ -115,3 +115,26 @@ def test_sigterm_drains_the_wave_in_flight_within_the_grace(tmp_path_factory, tm
            answered_200=sum(o["status"] == 200 for o in outs),
            answered_503=sum(o["status"] == 503 for o in outs + [o for _, o in queued]),
            ready_503_after_s=round(t_ready, 2), exit_seconds=round(exited, 2), exit_code=rc)
+
+
+def test_sigterm_lets_a_running_video_job_finish_and_its_mp4_stay(tmp_path_factory, tmp_path, limits):
+    """Scale-in: the pod told to stop finishes its running video job within the grace, writes its
+    MP4 and records it completed before it exits, so the job survives the pod (a shared folder)."""
+    model = tiny_pipeline(tmp_path_factory, "wan")
+    videos = tmp_path / "videos"
+    srv = ServerProcess(model, "--dp", "1", "--mode", "resident", "--device", "cpu", "--limits", str(limits),
+                        "--shutdown-grace", "60", "--video-dir", str(videos), log_path=tmp_path / "serve.log")
+    srv.start(ready_timeout_s=240)
+    assert srv.proc is not None
+    try:
+        job = requests.post(srv.url + "/v1/videos", json={"prompt": "a slow clip", "size": "64x64", "seconds": "1",
+                                                          "num_inference_steps": 600}, timeout=30).json()
+        wait_until(lambda: _health(srv)["running"] == 1, 60, "the video job's wave runs")
+        srv.proc.send_signal(signal.SIGTERM)
+        rc = srv.wait_exit(timeout=90)
+    finally:
+        srv.stop(timeout=5)
+    assert rc == 0, (tmp_path / "serve.log").read_text()[-3000:]
+    saved = json.loads((videos / f"{job['id']}.json").read_text())
+    assert saved["status"] == "completed", saved
+    assert (videos / f"{job['id']}.mp4").stat().st_size > 0

@@ -1,0 +1,333 @@
+"""LoRA adapters on one H200 (issue 29): what a rank-64 adapter costs per block and end to end on
+Wan2.1-T2V-14B and Flux.1-dev at full size, resident and streamed, and its host and device bytes.
+
+    # Here first, as for bench/pipeline_h200.py: `.whl/` (diffusers 0.42.1 & co, no imageio_ffmpeg)
+    # and `.ffm/` (ffmpeg for Wan's MP4). Then two device calls (kind nvidia-h200, carry [".whl",
+    # ".ffm"], timeout_s 540; one full pipeline on the 64 GiB disk at a time, deleted after its runs):
+    set -o pipefail; [ -d /tmp/site/diffusers ] || python3 -m pip install -q --no-index --no-deps --no-compile \
+      --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    [ -x .ffm/imageio_ffmpeg/binaries/ffmpeg-linux-x86_64-v9.0.2 ] || { xz -dc .ffm/ffmpeg.xz > \
+      .ffm/imageio_ffmpeg/binaries/ffmpeg-linux-x86_64-v9.0.2 && chmod +x .ffm/imageio_ffmpeg/binaries/*; }
+    export PYTHONPATH=/tmp/site:$PWD/.ffm PYTHONUNBUFFERED=1
+    [ -f /tmp/compiled ] || { python3 -m compileall -q -j 16 /tmp/site /opt/torch/.venv/lib/python3.12/site-packages \
+      >/dev/null 2>&1; touch /tmp/compiled; }
+    df -h /tmp | tail -1; nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+    timeout 470 python3 bench/lora_h200.py run --only wan21 --models /tmp/models --out $OUT \
+      --stem raw-lora-h200-$(date +%F)-wan21 --budget-s 440 2>&1 | tee $OUT/lora-wan21.txt | tail -40
+    # the second call: the same with `--only flux` and the stem raw-lora-h200-DATE-flux
+    # comes back: raw-lora-h200-DATE-{wan21,flux}.json (+ .txt, logs-*.tgz if tarred); then here:
+    python bench/lora_h200.py merge bench/results/raw-lora-h200-DATE-*.json --out bench/results --stem lora-h200-DATE
+    # CPU dry run of every step with the tiny presets (tests/bench/test_lora_h200.py); no figure is a result
+    python bench/lora_h200.py run --dry-run --models /tmp/lm --out /tmp/lm-out
+
+Per model, in this order, the raw record rewritten after each step (a call cut short keeps what it
+measured; a step the `--budget-s` left no time for is recorded as skipped):
+1. `dlo make-random-model` (skipped when present) and `dlo make-random-lora MODEL r64 --rank 64`
+   (every block linear) and `--targets attention` (the attention projections), seconds and bytes;
+2. `per_block` (`bench/lora_blocks.py`, its own process): the transformer resident through
+   `dlo.engine.load`, each adapter through the engine's `LoraBank` (device bytes, host bytes after and
+   at the peak of its load), then one forward per token count and variant (base, lora, lora at scale
+   0.8, attention only, and two bench-only controls) with events around every block;
+3. `serve_resident`, `serve_rank_local_partial` (the headline streamed run: a quarter of Wan's blocks,
+   three quarters of Flux's resident), `serve_rank_local` (every block streamed): `dlo serve
+   --lora-dir` over HTTP with the official SDK, the same request without and with `"lora": "r64"`
+   alternately, `--requests` times each; the fastest of each, their ratio, the bytes (the same across
+   modes?), the adapter's device bytes per rank from /ready, peak device and host memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import math
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import wan_bench as wb  # noqa: E402
+
+wb.ensure_dlo_importable()
+
+from host_memory import tree_memory  # noqa: E402
+from pipeline_h200 import checkpoint_bytes, make, transformer_blocks, warm_page_cache  # noqa: E402
+from pipeline_requests import generate, server_limits  # noqa: E402
+
+GOAL = 1.03  # the issue's: the request with the adapter over the same request without it
+RANK = 64
+MODELS = {
+    "wan21": {"preset": "wan2.1-t2v-14b", "tokens": [4096, 7800, 32760], "resident_share": 0.25,
+              "request": {"kind": "video", "size": "832x480", "frames": 17, "steps": 10, "guidance": 5.0}},
+    "flux": {"preset": "flux.1-dev", "tokens": [4096], "resident_share": 0.75,
+             "request": {"kind": "image", "size": "1024x1024", "steps": 20, "guidance": 3.5}},
+}
+TINY = {
+    "wan21": {"preset": "tiny-wan2.1-t2v", "tokens": [64], "resident_share": 0.5,
+              "request": {"kind": "video", "size": "32x32", "frames": 5, "steps": 2, "guidance": 5.0}},
+    "flux": {"preset": "tiny-flux.1-dev", "tokens": [64], "resident_share": 0.5,
+             "request": {"kind": "image", "size": "32x32", "steps": 2, "guidance": 3.5}},
+}
+# seconds a step needs at full size (the budget skips what would not fit; the dry run ignores them)
+NEEDS = {"per_block": {"wan21": 130, "flux": 40}, "serve": {"wan21": 90, "flux": 60}}
+
+
+class Budget:
+    def __init__(self, seconds: float, dry_run: bool):
+        self.end, self.dry_run = time.monotonic() + seconds, dry_run
+
+    def allows(self, seconds: float) -> bool:
+        return self.dry_run or time.monotonic() + seconds <= self.end
+
+
+def make_adapters(model: Path, loras: Path) -> dict:
+    """`dlo make-random-lora` (the `dlo` dispatcher, in this process) for every block linear (r64)
+    and for the attention projections only."""
+    import contextlib
+    import io
+
+    from dlo.cli.main import main as dlo
+
+    out = {}
+    for name, extra in (("r64", []), ("r64-attention", ["--targets", "attention"])):
+        if (loras / name).exists():
+            out[name] = {"skipped": "present"}
+            continue
+        argv = ["make-random-lora", str(model), str(loras / name), "--rank", str(RANK), "--no-progress", *extra]
+        t0, printed = time.perf_counter(), io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            code = dlo(argv)
+        if code != 0:
+            raise RuntimeError(f"dlo {' '.join(argv)} exited {code}")
+        out[name] = {"command": "dlo " + " ".join(argv), "wall_seconds": round(time.perf_counter() - t0, 2),
+                     **json.loads(printed.getvalue())}
+    return out
+
+
+def per_block(model: Path, loras: Path, spec: dict, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, str(HERE / "lora_blocks.py"), str(model), str(loras), "--device", args.device,
+           "--tokens", ",".join(map(str, spec["tokens"]))] + (["--text-tokens", "8"] if args.dry_run else [])
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        return {"error": "failed", "stderr_tail": r.stderr[-3000:]}
+    return {"command": " ".join(cmd[1:]), **json.loads(r.stdout.strip().splitlines()[-1])}
+
+
+def serve(model: Path, loras: Path, spec: dict, args: argparse.Namespace, name: str, flags: tuple) -> dict:
+    """One `dlo serve --lora-dir` run: the request without and with the adapter, alternately."""
+    from openai import OpenAI
+
+    from dlo.engine.serving.launch import ServerProcess
+
+    request = spec["request"]
+    limits = server_limits(request, args.dry_run)
+    logs = args.logs or args.out
+    logs.mkdir(parents=True, exist_ok=True)
+    limit_flags = ["--small-limits"]
+    if not limits.get("small"):
+        (logs / f"limits-{name}.json").write_text(json.dumps(limits))
+        limit_flags = ["--limits", str(logs / f"limits-{name}.json")]
+    served = loras / ".served"  # the rank-64 adapter alone
+    served.mkdir(exist_ok=True)
+    if not (served / "r64").exists():
+        (served / "r64").symlink_to(loras / "r64")
+    srv = ServerProcess(model, "--device", args.device, *limit_flags, "--warmup-size", request["size"],
+                        "--lora-dir", str(served), *flags, log_path=logs / f"serve-{name}.log")
+    out: dict[str, Any] = {"flags": list(flags)}
+    t0 = time.perf_counter()
+    try:
+        srv.start(ready_timeout_s=1800)
+    except RuntimeError as e:
+        return {**out, "error": str(e)[-1500:], "exit_code": srv.stop()}
+    out["ready_seconds"] = round(time.perf_counter() - t0, 2)
+    try:
+        info = srv.ready_info()
+        out["mode"] = info.get("mode")
+        out["lora_device_bytes"] = {str(r["rank"]): (r.get("component_reports") or {}).get("lora", {}).get("device_bytes")
+                                    for r in info["ranks"]}
+        client = OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=3600, max_retries=0)
+        secs: dict[str, list[float]] = {"base": [], "lora": []}
+        shas: dict[str, list[str]] = {"base": [], "lora": []}
+        for _ in range(args.requests):
+            for variant in ("base", "lora"):
+                t1 = time.perf_counter()
+                data = generate(client, {**request, "lora": "r64" if variant == "lora" else None})
+                secs[variant].append(round(time.perf_counter() - t1, 3))
+                shas[variant].append(hashlib.sha256(data).hexdigest())
+        out.update(request_seconds=secs, seconds={v: min(s) for v, s in secs.items()},
+                   ratio=round(min(secs["lora"]) / min(secs["base"]), 4),
+                   output_sha256={v: s[0] for v, s in shas.items()},
+                   same_bytes_every_request=all(len(set(s)) == 1 for s in shas.values()))
+        m = srv.metrics()
+        out["peak_device_bytes"] = {lab["rank"]: v for lab, v in m.get("dlo_device_memory_peak_bytes", [])}
+        out["host_memory"] = tree_memory(srv.proc.pid)
+    finally:
+        out["exit_code"] = srv.stop()
+    return out
+
+
+def run_model(key: str, args: argparse.Namespace, budget: Budget, save: Any) -> dict:
+    spec = (TINY if args.dry_run else MODELS)[key]
+    model = args.models / spec["preset"]
+    loras = args.models / f"loras-{spec['preset']}"
+    rec: dict[str, Any] = {"preset": spec["preset"], "request": spec["request"], "rank": RANK,
+                           "make": make(model, spec["preset"], None, args.device)}
+    rec["adapters"] = make_adapters(model, loras)
+    rec["transformer_blocks"] = transformer_blocks(model)
+    rec["checkpoint_bytes"] = checkpoint_bytes(model)
+    rec["page_cache_warm_seconds"] = round(warm_page_cache(model), 2)
+    save(rec)
+    if budget.allows(NEEDS["per_block"][key]):
+        rec["per_block"] = per_block(model, loras, spec, args)
+    else:
+        rec["per_block"] = {"skipped": "budget"}
+    print(f"{key} per_block: {json.dumps(rec['per_block'])[:400]}", file=sys.stderr, flush=True)
+    save(rec)
+    k = str(max(1, math.ceil(spec["resident_share"] * rec["transformer_blocks"])))
+    runs = {"serve_resident": ("--mode", "resident", "--dp", "1"),
+            "serve_rank_local_partial": ("--mode", "rank-local", "--dp", "1", "--resident-blocks", k),
+            "serve_rank_local": ("--mode", "rank-local", "--dp", "1")}
+    for name, flags in runs.items():
+        if args.runs and name not in args.runs.split(","):
+            continue
+        if not budget.allows(NEEDS["serve"][key]):
+            rec[name] = {"flags": list(flags), "skipped": "budget"}
+        else:
+            try:
+                rec[name] = serve(model, loras, spec, args, f"{key}-{name}", flags)
+            except Exception as e:  # recorded as failed, never skipped silently
+                rec[name] = {"flags": list(flags), "error": f"{type(e).__name__}: {e}"}
+        print(f"{key} {name}: {json.dumps(rec[name])[:400]}", file=sys.stderr, flush=True)
+        save(rec)
+    if args.delete_after:
+        shutil.rmtree(model, ignore_errors=True)
+        shutil.rmtree(loras, ignore_errors=True)
+    return rec
+
+
+# ---- the record ---------------------------------------------------------------------------------
+def _ratio(a: Any, b: Any) -> float | None:
+    return round(a / b, 4) if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
+
+
+def summarize(rec: dict) -> dict:
+    """The issue's figures, from the runs only: per model the per-block and end-to-end ratios against
+    the goal, whether the controls kept the bits, the bytes per adapter."""
+    out: dict[str, Any] = {"goal": GOAL}
+    for key, m in rec["models"].items():
+        s: dict[str, Any] = {}
+        rows = (m.get("per_block") or {}).get("workloads") or {}
+        s["per_block_ratio"] = {t: {v: _ratio(r[v]["block_ms"], r["base"]["block_ms"]) for v in r if v != "base"}
+                                for t, r in rows.items()}
+        s["fold_bit_identical"] = all(r["lora_unfolded"]["bit_identical_to_lora"] for r in rows.values()) if rows else None
+        s["addmm_bit_identical"] = all(r["lora_addmm"]["bit_identical_to_lora"] for r in rows.values()) if rows else None
+        serves = {n: r for n, r in m.items() if n.startswith("serve_") and isinstance(r, dict) and "ratio" in r}
+        s["end_to_end_ratio"] = {n: r["ratio"] for n, r in serves.items()}
+        s["end_to_end_meets_goal"] = {n: r["ratio"] <= GOAL for n, r in serves.items()}
+        lora_shas = {r["output_sha256"]["lora"] for r in serves.values()}
+        s["lora_bytes_identical_across_modes"] = len(lora_shas) == 1 if len(serves) > 1 else None
+        s["lora_changes_output"] = (all(r["output_sha256"]["lora"] != r["output_sha256"]["base"] for r in serves.values())
+                                    if serves else None)
+        s["adapter_bytes"] = {n: {k: a.get(k) for k in ("device_bytes", "allocated_bytes", "host_anon_bytes_after",
+                                                       "host_anon_bytes_peak", "file_bytes", "layers")}
+                              for n, a in ((m.get("per_block") or {}).get("adapters") or {}).items()}
+        s["served_lora_device_bytes"] = {n: r.get("lora_device_bytes") for n, r in serves.items()}
+        out[key] = s
+    return out
+
+
+def markdown(rec: dict) -> str:
+    s = rec["summary"]
+    lines = [f"# LoRA adapters on {rec['device']} ({rec['date']})", ""]
+    if rec.get("dry_run"):
+        lines += ["**CPU dry run: no figure here is a result.**", ""]
+    lines += [f"Goal: <= {GOAL}x the same request without the adapter. Rank {RANK}, from `dlo make-random-lora`. "
+              f"Commands: {'; '.join(rec.get('commands', []))}", ""]
+    for key, m in rec["models"].items():
+        ms = s[key]
+        lines += [f"## {key} ({m.get('preset')}, {m.get('transformer_blocks')} blocks)", "",
+                  "| tokens | " + " | ".join(next(iter(ms["per_block_ratio"].values()), {}).keys()) + " |",
+                  "|---|" + "---|" * len(next(iter(ms["per_block_ratio"].values()), {}))]
+        for t, row in ms["per_block_ratio"].items():
+            base = m["per_block"]["workloads"][t]["base"]["block_ms"]
+            lines.append(f"| {t} (base {base} ms/block) | " + " | ".join(f"{v}x" for v in row.values()) + " |")
+        lines += ["", f"Power-of-two fold bit-identical on the device: {ms['fold_bit_identical']}; addmm control "
+                      f"bit-identical: {ms['addmm_bit_identical']}.", "",
+                  "| end to end | base s | lora s | ratio | meets goal |", "|---|---|---|---|---|"]
+        for n, ratio in ms["end_to_end_ratio"].items():
+            r = m[n]
+            lines.append(f"| {n} | {r['seconds']['base']} | {r['seconds']['lora']} | {ratio}x | "
+                         f"{ms['end_to_end_meets_goal'][n]} |")
+        lines += ["", f"LoRA bytes identical across modes: {ms['lora_bytes_identical_across_modes']}; the adapter "
+                      f"changes the output: {ms['lora_changes_output']}.", "",
+                  "| adapter | device bytes | allocator delta | host anon after | host anon peak | file bytes | layers |",
+                  "|---|---|---|---|---|---|---|"]
+        for n, a in ms["adapter_bytes"].items():
+            lines.append(f"| {n} | " + " | ".join(str(a.get(k)) for k in ("device_bytes", "allocated_bytes",
+                         "host_anon_bytes_after", "host_anon_bytes_peak", "file_bytes", "layers")) + " |")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def merge(paths: list[Path], out: Path, stem: str) -> dict:
+    raws = [json.loads(p.read_text()) for p in paths]
+    rec = {"date": raws[0]["date"], "device": raws[0]["device"], "dry_run": any(r.get("dry_run") for r in raws),
+           "commands": [r["command"] for r in raws], "sources": [p.name for p in paths],
+           "models": {k: v for r in raws for k, v in r["models"].items()}}
+    rec["summary"] = summarize(rec)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(rec, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(markdown(rec))
+    return rec
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("command", choices=("run", "merge"))
+    ap.add_argument("raws", nargs="*", type=Path, help="merge: the raw records")
+    ap.add_argument("--models", type=Path, default=Path("/tmp/models"))
+    ap.add_argument("--out", type=Path, default=HERE / "results")
+    ap.add_argument("--logs", type=Path, default=None)
+    ap.add_argument("--stem", default=None)
+    ap.add_argument("--only", default="wan21,flux")
+    ap.add_argument("--runs", default="", help="serve runs to keep (default: all three)")
+    ap.add_argument("--requests", type=int, default=2, help="requests per variant and server (the fastest counts)")
+    ap.add_argument("--budget-s", type=float, default=440.0, help="skip steps that would end past this")
+    ap.add_argument("--delete-after", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny presets: every step, no result")
+    args = ap.parse_args()
+    date = datetime.date.today().isoformat()
+    if args.command == "merge":
+        rec = merge(args.raws, args.out, args.stem or f"lora-h200-{date}")
+        print(json.dumps(rec["summary"], indent=2))
+        return 0
+    args.device = "cpu" if args.dry_run else "cuda"
+    for d in (args.out, args.models):
+        d.mkdir(parents=True, exist_ok=True)
+    rec: dict[str, Any] = {"date": date, "dry_run": args.dry_run, "device": args.device,
+                           "command": " ".join(["python3", *sys.argv]), "models": {}}
+    if args.device == "cuda":
+        import torch
+
+        rec["device"] = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    stem = args.out / (args.stem or f"raw-lora-{'dry-run' if args.dry_run else 'h200'}-{date}")
+    budget = Budget(args.budget_s, args.dry_run)
+
+    def save(key: str, model_rec: dict) -> None:
+        rec["models"][key] = model_rec
+        rec["summary"] = summarize(rec)
+        stem.with_suffix(".json").write_text(json.dumps(rec, indent=2) + "\n")
+
+    for key in args.only.split(","):
+        run_model(key, args, budget, lambda r, key=key: save(key, r))
+    print(json.dumps(rec["summary"], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

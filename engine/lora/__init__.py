@@ -1,0 +1,22 @@
+"""Per-request LoRA adapters on the offloaded (and resident) transformer, as unmerged low-rank branches.
+
+An adapter is a `NAME.safetensors` file or a `NAME/` folder of `dlo serve --lora-dir DIR`, in the
+format diffusers' `load_lora_weights` reads for the family (diffusers/peft keys, or a community
+format diffusers converts). Every adapter is checked at start against the transformer's checkpoint
+(`adapters.check_adapters`, torch-free for diffusers-format files), then loaded once per rank onto
+its device (`bank.LoraBank`): for a request that names it, a forward hook on each targeted
+`nn.Linear` adds `round(round(round(x A^T) B^T + b) * scaling)` to the layer's output, in peft's own
+op order, so a request equals diffusers + peft for the same seed while the gathered base weights (the
+shared slot) are never touched. Requests with different adapters (or none) therefore share one wave.
+
+Modules: `adapters` (torch-free: the folder's entries, the peft scaling rule, the checks),
+`weights` (reading a file through the family's diffusers loader; the branch tensors), `bank` (the
+adapters of one rank and their hooks). `dlo make-random-lora` is `dlo.engine.random_lora`.
+Must never: import peft (diffusers imports it whenever it is installed: the engine image has none),
+write into a model weight or a slot, keep a hook after the request that installed it, or import
+torch at package import (`dlo serve` checks adapters before any rank starts).
+"""
+
+from dlo.engine.lora.adapters import AdapterError, AdapterPlan, check_adapters, find_adapters
+
+__all__ = ["AdapterError", "AdapterPlan", "check_adapters", "find_adapters"]

@@ -1,0 +1,109 @@
+"""The adapters of one rank, on its device, and the branch a request runs with.
+
+Owns: `LoraBank` (every adapter of `--lora-dir`, loaded once at start onto this rank's device, and
+`applied(name, scale)`: the forward hooks of one request, removed when it ends), and `add_branch`,
+the op order every targeted layer's output gets (peft 0.21's `lora.Linear.forward`, unmerged).
+Must never: write into a layer's weight (in allgather mode that is the shared slot every rank of
+the wave computes from), keep a hook past the request that installed it, or import peft.
+
+[Note: LoRA op order] peft computes `result + lora_B(lora_A(x)) * scaling` with the input cast to
+the adapter's dtype: h = round(x A^T), t = round(h B^T + b), u = round(t * scaling), y = round(out + u).
+`add_branch` does exactly these roundings (in place: the same values, one tensor less), so a request
+equals diffusers + peft bit for bit where the kernels are the same (measured on CPU in f32 and bf16).
+`t * 1.0` is exact, so the multiply is skipped when the scaling is 1 (alpha = r, or a power of two
+folded into B at load, `weights._fold`); a scale of 0 runs no branch at all (the base model exactly).
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dlo.engine.hooks import HookSet
+from dlo.engine.lora.adapters import AdapterError, find_adapters
+from dlo.engine.lora.weights import Branch, branches, read_adapter
+
+log = logging.getLogger(__name__)
+
+
+def add_branch(out: torch.Tensor, x: torch.Tensor, b: Branch, factor: Any) -> torch.Tensor:
+    """`out` plus the branch of input `x` times `factor` (None: 1), in peft's order ([Note: LoRA op order])."""
+    if x.dtype != b.A.dtype:
+        x = x.to(b.A.dtype)
+    t = F.linear(F.linear(x, b.A), b.B, b.bias)
+    if factor is not None:
+        t.mul_(factor)
+    if t.dtype == out.dtype:
+        return out.add_(t)
+    return (out + t).to(out.dtype)
+
+
+class LoraBank:
+    """Every adapter of one rank by name (`{layer: Branch}` each) on the rank's device."""
+
+    def __init__(self, adapters: dict[str, dict[nn.Module, Branch]]):
+        self.adapters = adapters
+        self._active: dict[nn.Module, tuple[Branch, Any]] = {}
+        self._hooks = HookSet()
+
+    @classmethod
+    def load(cls, lora_dir: Path | str | None, pipeline_class: str, transformer_dir: Path, model: Any,
+             device: torch.device) -> "LoraBank":
+        """Read, check and place every adapter of `lora_dir` (None: none) for the transformer `model`
+        (an `OffloadedModel`, any mode) loaded from `transformer_dir`."""
+        if lora_dir is None:
+            return cls({})
+        from dlo.engine.checkpoint import cached_checkpoint
+
+        weights = cached_checkpoint(transformer_dir).tensors
+        adapters = {}
+        for entry in find_adapters(lora_dir):
+            adapters[entry.name] = branches(read_adapter(entry, pipeline_class, weights), model.module, device,
+                                            model.dtype_of)
+        bank = cls(adapters)
+        log.info("lora adapters loaded count=%d device=%s device_bytes=%d per_adapter=%s", len(adapters), device,
+                 bank.device_bytes, {n: sum(b.nbytes for b in br.values()) for n, br in adapters.items()})
+        return bank
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.adapters)
+
+    @property
+    def device_bytes(self) -> int:
+        """Device bytes of every adapter's tensors (on cpu: host memory of this rank)."""
+        return sum(b.nbytes for br in self.adapters.values() for b in br.values())
+
+    @contextmanager
+    def applied(self, name: str | None, scale: float = 1.0) -> Iterator[None]:
+        """The forwards inside run adapter `name` at `scale` (peft's `scaling * scale`); nothing for
+        no adapter or scale 0. The hooks are removed on the way out, whatever happens inside."""
+        if name is None or scale == 0:
+            yield
+            return
+        if name not in self.adapters:  # the API refuses unknown names: a caller's bug
+            raise AdapterError(name, f"no adapter {name!r} on this rank; loaded: {', '.join(self.adapters) or 'none'}")
+        for layer, b in self.adapters[name].items():
+            factor = b.scaling if scale == 1.0 else b.scaling * scale
+            self._active[layer] = (b, None if isinstance(factor, float) and factor == 1.0 else factor)
+            self._hooks.add_post(layer, self._hook)
+        try:
+            yield
+        finally:
+            self._hooks.remove()
+            self._active.clear()
+
+    def _hook(self, layer: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        b, factor = self._active[layer]
+        return add_branch(out, args[0], b, factor)
+
+    def close(self) -> None:
+        self._hooks.remove()
+        self._active.clear()
+        self.adapters = {}

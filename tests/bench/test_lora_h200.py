@@ -1,0 +1,47 @@
+"""bench/lora_h200.py: the CPU dry run of every step (the adapters from `dlo make-random-lora`, the
+per-block variants in their own process, a `dlo serve --lora-dir` run), and `merge` into the record."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "bench" / "lora_h200.py"
+
+
+@pytest.mark.slow
+def test_the_dry_run_measures_every_step_and_merges_into_the_record(tmp_path: Path) -> None:
+    from dlo.engine.presets import preset
+    from dlo.engine.random_model import write_pipeline
+
+    write_pipeline(tmp_path / "models" / "tiny-flux.1-dev", preset("tiny-flux.1-dev"))  # the bench's make skips it
+    r = subprocess.run([sys.executable, str(BENCH), "run", "--dry-run", "--only", "flux", "--runs", "serve_rank_local",
+                        "--requests", "1", "--models", str(tmp_path / "models"), "--out", str(tmp_path / "out"),
+                        "--stem", "raw-dry"], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rec = json.loads((tmp_path / "out" / "raw-dry.json").read_text())
+    flux = rec["models"]["flux"]
+    assert flux["make"] == {"skipped": "present", "bytes": flux["checkpoint_bytes"]}
+    assert {a: flux["adapters"][a]["rank"] for a in ("r64", "r64-attention")} == {"r64": 64, "r64-attention": 64}
+    row = flux["per_block"]["workloads"]["64"]
+    assert set(row) == {"base", "lora", "lora_scale_0.8", "lora_addmm", "lora_unfolded", "lora_attention"}
+    assert row["lora_unfolded"]["bit_identical_to_lora"] and not row["base"]["bit_identical_to_lora"]
+    adapters = flux["per_block"]["adapters"]
+    assert adapters["r64"]["device_bytes"] > adapters["r64-attention"]["device_bytes"] > 0
+    run = flux["serve_rank_local"]
+    assert run["exit_code"] == 0 and set(run["seconds"]) == {"base", "lora"} and run["same_bytes_every_request"]
+    assert run["lora_device_bytes"] == {"0": adapters["r64"]["device_bytes"]}
+    s = rec["summary"]["flux"]
+    assert s["lora_changes_output"] and s["fold_bit_identical"] and set(s["end_to_end_ratio"]) == {"serve_rank_local"}
+    assert not (tmp_path / "models" / "tiny-flux.1-dev").exists()  # deleted after its runs (disk)
+    m = subprocess.run([sys.executable, str(BENCH), "merge", str(tmp_path / "out" / "raw-dry.json"), "--out",
+                        str(tmp_path), "--stem", "lora-dry"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert m.returncode == 0, m.stderr[-2000:]
+    md = (tmp_path / "lora-dry.md").read_text()
+    assert "CPU dry run: no figure here is a result" in md and "| serve_rank_local |" in md
+    assert json.loads((tmp_path / "lora-dry.json").read_text())["summary"]["goal"] == 1.03

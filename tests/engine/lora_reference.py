@@ -1,0 +1,70 @@
+"""The reference of the LoRA tests: plain diffusers with `load_lora_weights` (peft), in its own process.
+
+peft is a test-only dependency kept off the serving path: `make install` puts it in
+`.venv/lora-reference` (pins: `tests/engine/lora-reference.txt`), and only this script's process
+sees it (diffusers imports peft by itself wherever it is installed). Run as
+`python -m tests.engine.lora_reference SPEC.json OUT_DIR [SPEC.json OUT_DIR ...]` (one process, one
+import of diffusers, for every pipeline of a test session); SPEC: {"model_dir", "dtype", "adapters":
+{name: path}, "cases": [{"adapter": name|null, "scale": float, "gen": {Generation fields}}]}; writes
+OUT_DIR/case-<i>.npy (the pipeline's float output, `output_type="np"`) and case-<i>.out (the bytes a
+served request answers: its PNG or MP4), which the tests compare with DLO's for the same request.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+REFERENCE_DIR = Path(sys.prefix) / "lora-reference"  # `make install`
+SCALE_KWARG = {"wan": "attention_kwargs", "flux": "joint_attention_kwargs", "qwen-image": "attention_kwargs"}
+
+
+def main(*args: str) -> int:
+    import peft  # noqa: F401  (load_lora_weights needs it; an ImportError here names the missing install)
+
+    for spec_path, out_dir in zip(args[::2], args[1::2]):
+        run(spec_path, out_dir)
+    return 0
+
+
+def run(spec_path: str, out_dir: str) -> None:
+    import diffusers
+    import numpy as np
+    import torch
+
+    from dlo.engine.families import pipeline_facts
+    from dlo.engine.request import Generation
+    from dlo.engine.serving.encode import encode
+    from dlo.engine.serving.pipeline import ServingPipeline, decode_in_own_dtype
+
+    torch.set_num_threads(1)
+    spec = json.loads(Path(spec_path).read_text())
+    facts = pipeline_facts(spec["model_dir"])
+    pipe = getattr(diffusers, facts.pipeline_class).from_pretrained(
+        spec["model_dir"], torch_dtype={"default": getattr(torch, spec["dtype"]), "vae": torch.float32})
+    pipe.set_progress_bar_config(disable=True)
+    decode_in_own_dtype(pipe.vae)  # as ServingPipeline runs it
+    for name, path in spec["adapters"].items():
+        pipe.load_lora_weights(path, adapter_name=name)
+    # the same pipeline call as a served request (`ServingPipeline._call_kwargs`, on plain diffusers)
+    serving = types.SimpleNamespace(adapter=facts.adapter, max_sequence_length=spec.get("max_sequence_length", 16))
+    for i, case in enumerate(spec["cases"]):
+        if case["adapter"] is None:
+            pipe.disable_lora()
+        else:
+            pipe.enable_lora()
+            pipe.set_adapters([case["adapter"]])
+        gen = Generation(**case["gen"])
+        kwargs = ServingPipeline._call_kwargs(serving, gen)  # type: ignore[arg-type]
+        kwargs[SCALE_KWARG[facts.family]] = {"scale": case["scale"]}
+        with torch.inference_mode():
+            out = pipe(**kwargs)
+        frames = out.frames if hasattr(out, "frames") else out.images
+        np.save(Path(out_dir) / f"case-{i}.npy", np.asarray(frames))
+        (Path(out_dir) / f"case-{i}.out").write_bytes(encode(facts.adapter.decode(out, gen), gen.fps)[0][0])
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:]))

@@ -1,0 +1,156 @@
+"""`--resident-blocks auto` against an emulated device budget, and the VAE tiling rule of a budget.
+
+The emulation (CPU has no device budget): `dlo serve`'s own planning (`dlo.engine.serving.budget.
+plan_settings` over the committed memory table) is given a budget B, and the real load and request
+path run with the plan it makes. Proved: what the engine itself accounts as placed on the device
+(each streamed model's slots and resident bytes, every whole component's parameters), with the
+table's overhead, plus the table's peak of the largest request the limits accept and the stated
+margin, stays within B; one more block would not; the largest accepted request is served, its bytes
+those of the resident pipeline; allgather ranks agree on the smallest plan. Not proved here: that the
+table's peaks are right on a device (the GPU record's capped runs send the largest request)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+import torch
+
+from dlo.engine.facts import ModelFacts
+from dlo.engine.memory_model import Geometry, PipelineMemory, RequestBounds, placed_weight_bytes
+from dlo.engine.memory_plan import margin_bytes, resident_plan, tiling_for_budget, within
+from dlo.engine.memory_table import Fit, MemoryTable
+from dlo.engine.request import Generation
+from dlo.engine.serving.budget import Deployment, deployment_memory, plan_settings
+from dlo.engine.serving.limits import SMALL
+from dlo.engine.serving.options import add_arguments, engine_settings
+from dlo.engine.settings import VAE_TILE_ABOVE_PIXELS, EngineSettings, OffloadSettings, ResidentPlan
+from tests.engine.dist_utils import run_ranks
+from tests.engine.test_family_pipelines import preset_pipeline
+from tests.engine.test_memory_model import SMALL_TABLE
+
+GB = 10**9
+
+
+def _largest_video(limits) -> Generation:
+    frames = (limits.max_frames - 1) // 4 * 4 + 1
+    return Generation(kind="video", prompt="a lighthouse", seed=3, width=limits.max_width // 16 * 16,
+                      height=limits.max_height // 16 * 16, steps=2, guidance_scale=5.0, frames=frames, fps=2)
+
+
+def test_auto_resident_blocks_fill_an_emulated_budget_and_the_largest_request_is_served(tmp_path_factory):
+    from dlo.engine.serving.pipeline import ServingPipeline
+
+    model = preset_pipeline(tmp_path_factory, "tiny-wan2.1-t2v")
+    memory = deployment_memory(model, SMALL)  # the committed table's Wan rows
+    lean = memory.rank("rank-local")
+    assert lean.request_bytes is not None
+    block = memory.transformers["transformer"].largest_block_bytes
+    fixed = lean.request_bytes + margin_bytes(lean.request_bytes)
+    budget = lean.weights_bytes + fixed + int(2.5 * block)  # room for two of the transformer's blocks
+    tile, why = tiling_for_budget(memory, budget)
+    dep = Deployment(dataclasses.replace(memory, tile_above_pixels=tile), budget, why)
+    base = EngineSettings(OffloadSettings("rank-local", resident_blocks="auto"), stream_encoders=True)
+    settings, lines = plan_settings(base, dep)
+    assert settings.resident_plan is not None and "resident_blocks=auto budget=" in lines[-1]
+
+    pipe = ServingPipeline(model, settings, max_sequence_length=SMALL.max_sequence_length)
+    try:
+        reports = {name: m.report for name, m in pipe.models.items()}
+        kept = {name: r.resident_blocks for name, r in reports.items()}
+        assert kept == dict(settings.resident_plan.blocks) and kept["transformer"] >= 2
+        predicted = dep.memory.rank("rank-local", 1, kept)
+        # the engine's own accounting of what it placed: within the memory model's weights (which count
+        # each kept block at the largest block's size), less the buffers a model computes at build (not
+        # in its checkpoint: the table's overhead, measured on loads, bounds them) ...
+        for name, m in pipe.models.items():
+            r = m.report
+            built = sum(b.numel() * b.element_size() for n, b in m.module.named_buffers() if n not in m._ckpt.tensors)
+            assert r.slot_bytes + r.resident_bytes - built <= placed_weight_bytes(
+                dep.memory.transformers.get(name) or dep.memory.encoders[name], "rank-local", 1, kept[name]), name
+            assert r.slot_bytes + r.resident_bytes <= predicted.weights[name]
+        assert all(pipe.component_bytes[n] <= predicted.weights[n] for n in pipe.component_bytes)
+        # ... and with the largest accepted request's peak and the margin they stay within the budget
+        assert predicted.weights_bytes + fixed <= budget
+        assert predicted.weights_bytes + fixed + block > budget  # not one more transformer block
+        gen = _largest_video(SMALL)
+        served = pipe.run(gen).outputs
+    finally:
+        pipe.close()
+    reference = ServingPipeline(model, EngineSettings(OffloadSettings("resident")),
+                                max_sequence_length=SMALL.max_sequence_length)
+    try:
+        assert served == reference.run(gen).outputs
+    finally:
+        reference.close()
+
+
+def _agree(rank: int, world: int, plan: ResidentPlan) -> dict[str, int]:
+    from dlo.engine.offload import agree_on_resident_blocks
+
+    room = plan.budget_bytes - rank * 3 * plan.block_bytes["transformer"]  # rank 1's device has less room
+    return agree_on_resident_blocks(within(plan, room), "allgather", None, torch.device("cpu"))
+
+
+@pytest.mark.slow
+def test_allgather_ranks_keep_the_smallest_plan_of_the_group():
+    plan = ResidentPlan(blocks={"transformer": 6, "text_encoder": 2}, block_bytes={"transformer": 10, "text_encoder": 4},
+                        budget_bytes=1000, spare_bytes=5, encoders=("text_encoder",))
+    # rank 1 is 30 bytes short, 25 beyond the spare: both encoder blocks, then two transformer blocks go
+    assert within(plan, 970) == {"transformer": 4, "text_encoder": 0}
+    assert run_ranks(2, _agree, plan, timeout=240) == [{"transformer": 4, "text_encoder": 0}] * 2
+
+
+WAN_T = ModelFacts(bytes=28_640_000_000, largest_block_bytes=703_000_000, blocks=40, nonblock_bytes=500_000_000)
+UMT5 = ModelFacts(bytes=11_360_000_000, largest_block_bytes=400_000_000, blocks=24, nonblock_bytes=2_100_000_000)
+
+
+def _memory(geometry: Geometry, bounds: RequestBounds) -> PipelineMemory:
+    table = MemoryTable.load(SMALL_TABLE)
+    if geometry.temporal_factor == 0:  # an image family's rows: the decode in pixels alone
+        wan = table.families["wan"]
+        span = {"pixels": (262144.0, 4194304.0)}
+        parts = {**wan.parts, "vae_decode": Fit(("pixels",), (3e8, 8000.0), 0.0, span),
+                 "vae_decode_tiled": Fit(("pixels",), (6e8, 30.0), 0.0, span)}
+        table = dataclasses.replace(table, families={"wan": dataclasses.replace(wan, parts=parts)})
+    return PipelineMemory("wan", geometry, {"transformer": WAN_T}, {"text_encoder": UMT5}, {"vae": 508_000_000},
+                          bounds, VAE_TILE_ABOVE_PIXELS, table)
+
+
+def test_the_budget_decides_the_vae_tiling_the_same_for_every_mode():
+    video = _memory(Geometry(16, 4), RequestBounds(832, 480, 17, 4, 512))  # four images decode the worst
+    lean = video.rank("rank-local")
+    fits = lean.weights_bytes + lean.request_bytes + margin_bytes(lean.request_bytes)
+    assert tiling_for_budget(video, fits)[0] == VAE_TILE_ABOVE_PIXELS  # a video family: plain while it fits
+    tile, why = tiling_for_budget(video, fits - 1)
+    assert tile == 0 and "does not fit" in why
+    images = _memory(Geometry(16, 0), RequestBounds(1024, 1024, 1, 2, 512))
+    lean = images.rank("rank-local")
+    fits = lean.weights_bytes + lean.request_bytes + margin_bytes(lean.request_bytes)
+    tile, why = tiling_for_budget(images, fits + GB)  # fits, but would displace resident blocks
+    assert tile == 0 and "copy-bound" in why
+    assert tiling_for_budget(images, 10**12)[0] == VAE_TILE_ABOVE_PIXELS  # every block resident beside it
+
+
+def test_resident_plan_fills_the_transformer_first_and_states_its_arithmetic():
+    m = _memory(Geometry(16, 4), RequestBounds(832, 480, 17, 1, 512))
+    lean = m.rank("rank-local")
+    fixed = lean.request_bytes + margin_bytes(lean.request_bytes)
+    per_block = 703_000_000 + 7_030_000  # the block and the table's 1% overhead
+    plan, line = resident_plan(m, "rank-local", 1, lean.weights_bytes + fixed + 3 * per_block + 450_000_000)
+    assert plan.blocks == {"transformer": 3, "text_encoder": 1}  # the encoder's smaller block fits the rest
+    assert plan.block_bytes["transformer"] == per_block
+    assert "kept transformer 3 of 40" in line and "margin" in line and "spare" in line
+    assert m.rank("rank-local", 1, dict(plan.blocks)).weights_bytes + fixed <= plan.budget_bytes
+    assert resident_plan(m, "resident", 1, 10**12)[0].blocks == {"transformer": 0, "text_encoder": 0}
+
+
+def test_dlo_serve_defaults_to_auto_resident_blocks_where_a_budget_is_known():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["/m"])
+    assert engine_settings(args, "rank-local", "cuda", 1, {}).offload.resident_blocks == "auto"
+    assert engine_settings(args, "rank-local", "cpu", 1, {}).offload.resident_blocks == 0
+    given = parser.parse_args(["/m", "--resident-blocks", "3"])
+    assert engine_settings(given, "rank-local", "cuda", 1, {}).offload.resident_blocks == 3

@@ -1,0 +1,54 @@
+"""A client that closes its connection withdraws its request (engine/serving/server.py,
+service.withdraw): while it waits in the queue it is dropped and never reaches the ranks; while
+its wave runs, the wave finishes (the collective schedule is never broken) and the result is
+dropped. Both are counted as dlo_requests_total{code="499"}; the server serves on."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+import requests
+
+from dlo.engine.serving.launch import ServerProcess
+from tests.engine.serving_helpers import tiny_pipeline, wait_until
+
+pytestmark = pytest.mark.slow
+ENDPOINT = "/v1/images/generations"
+
+
+def _send(port: int, prompt: str) -> socket.socket:
+    body = json.dumps({"prompt": prompt, "size": "128x128", "num_inference_steps": 4}).encode()
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(f"POST {ENDPOINT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    return s
+
+
+def _health(srv: ServerProcess) -> dict:
+    return requests.get(srv.url + "/health", timeout=5).json()
+
+
+@pytest.mark.parametrize("mode,dp", [("resident", 1), ("allgather", 2)])
+def test_clients_that_leave_are_499_and_queued_ones_never_reach_the_ranks(tmp_path_factory, tmp_path, mode, dp):
+    model = tiny_pipeline(tmp_path_factory, "wan")
+    with ServerProcess(model, "--dp", str(dp), "--mode", mode, "--device", "cpu", "--small-limits",
+                       "--no-warmup", "--wave-window-ms", "0", log_path=tmp_path / "serve.log") as srv:
+        running = [_send(srv.port, f"running {i}") for i in range(dp)]
+        wait_until(lambda: _health(srv)["running"] == dp, 60, "the first wave runs")
+        queued = [_send(srv.port, f"queued {i}") for i in range(4)]
+        wait_until(lambda: _health(srv)["queued"] == 4, 60, "the others wait in the queue")
+        for s in queued + running:  # every client leaves, the running ones mid-wave
+            s.close()
+        wait_until(lambda: _health(srv)["queued"] == 0, 60, "the queued requests are withdrawn")
+        wait_until(lambda: _health(srv)["running"] == 0, 120, "the running wave finishes")
+        wait_until(lambda: {lab["code"]: v for lab, v in srv.metrics()["dlo_requests_total"]
+                            if lab["endpoint"] == ENDPOINT}.get("499") == dp + 4, 30, "all six are counted 499")
+        m = srv.metrics()
+        codes = {lab["code"]: v for lab, v in m["dlo_requests_total"] if lab["endpoint"] == ENDPOINT}
+        assert codes == {"499": dp + 4}, codes
+        assert m["dlo_wave_size_sum"][0][1] == dp, "only the wave that was running reached the ranks"
+        assert m["dlo_requests_running"][0][1] == 0 and m["dlo_queue_depth"][0][1] == 0
+        r = requests.post(srv.url + ENDPOINT, json={"prompt": "after", "size": "64x64"}, timeout=120)
+        assert r.status_code == 200 and _health(srv)["status"] == "ok"
