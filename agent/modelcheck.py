@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Literal
 
 from dlo.engine.checkpoint import INDEX_SUFFIX, MAX_HEADER_BYTES, CheckpointError, read_header
+from dlo.engine.families import pipeline_index
 
 Reason = Literal["unreadable", "missing_shard", "bad_index", "truncated", "bad_header", "no_config", "bad_config",
                  "scan_error"]
@@ -58,7 +59,7 @@ class ModelError:
 
 def component_root(folder: Path) -> Path:
     """The folder holding the transformer's config and weights (a pipeline's `transformer/`)."""
-    if (folder / "model_index.json").is_file() and (folder / "transformer").is_dir():
+    if pipeline_index(folder).is_file() and (folder / "transformer").is_dir():
         return folder / "transformer"
     return folder
 

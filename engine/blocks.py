@@ -18,7 +18,7 @@ from typing import Mapping
 
 from dlo.engine.checkpoint import Checkpoint, cached_checkpoint
 from dlo.engine.facts import ModelFacts
-from dlo.engine.families import BlockFamily, family_of, read_config
+from dlo.engine.families import BlockFamily, family_of, pipeline_index, read_config
 from dlo.engine.layout import BlockLayout, build_layout
 
 
@@ -70,7 +70,7 @@ def describe(component_dir: Path | str, stream_dtype: str = "bfloat16") -> Model
     from dlo.engine.fp8 import compute_bytes, dequant_bytes, fp8_plan, wire_layout
 
     root = Path(component_dir)
-    if (root / "model_index.json").is_file() and (root / "transformer").is_dir():
+    if pipeline_index(root).is_file() and (root / "transformer").is_dir():
         root = root / "transformer"
     family = family_of(read_config(root)["_class_name"])
     ckpt = cached_checkpoint(root)

@@ -265,11 +265,11 @@ def pipeline_memory(model_dir: Path | str, bounds: RequestBounds, *, tile_above_
     that is no pipeline raises ValueError."""
     from dlo.engine.checkpoint import cached_checkpoint, read_json_config
     from dlo.engine.blocks import describe
-    from dlo.engine.families import pipeline_facts
+    from dlo.engine.families import pipeline_facts, pipeline_index
 
     root = Path(model_dir)
     facts = pipeline_facts(root)
-    index = read_json_config(root / "model_index.json")
+    index = read_json_config(pipeline_index(root))
     streamable = facts.adapter.streamable_encoders
     transformers = {name: describe(root / name, stream_dtype) for name in facts.transformers}
     encoders = {name: describe(root / name) for name in streamable if (root / name).is_dir()}

@@ -34,7 +34,7 @@ from dlo.engine.facts import MODES, Mode
 from dlo.engine.blocks import block_layout
 from dlo.engine.fp8 import Fp8Plan, fp8_plan, wire_layout
 from dlo.engine.hooks import HookSet, attach_prefetcher
-from dlo.engine.model import MetaModel, assert_nothing_on_meta, build_meta_model
+from dlo.engine.model import MetaModel, assert_nothing_on_meta, build_meta_model, set_tensor
 from dlo.engine.peergather import agree_on_path
 from dlo.engine.placement import Placement, place_resident
 from dlo.engine.platform import Platform, get_platform
@@ -167,7 +167,7 @@ def load(
         ckpt, meta = _parse_and_build(component_dir, early, laps)
         fp8 = fp8_plan(ckpt, (k for b in meta.blocks for k in b.keys), settings.stream_dtype)
         keep = spread_resident(len(meta.blocks), _resident_count(settings, len(meta.blocks)))
-        placed = _place_resident_weights(ckpt, meta, keep, device, platform, early, laps, fp8)
+        placed, host_only_bytes = _place_resident_weights(ckpt, meta, keep, device, platform, early, laps, fp8)
         offloaded = [b for i, b in enumerate(meta.blocks) if i not in keep]
         wires = [_wire(ckpt, b, meta, fp8) for b in offloaded]
         layouts = [lay for lay, _ in wires]
@@ -190,6 +190,7 @@ def load(
         raise
     assert_nothing_on_meta(meta.module, {k for b in offloaded for k in b.keys})
     prefetcher, hooks = stream if stream is not None else (None, HookSet())
+    _attach_host_lookups(meta, device, hooks)
     report = LoadReport(
         mode=settings.mode, weights_source=host.source if host else "resident", blocks=len(offloaded),
         largest_block_bytes=max((lay.nbytes for lay in layouts), default=0),
@@ -197,6 +198,7 @@ def load(
         resident_bytes=placed.nbytes, load_seconds=time.perf_counter() - t0, shard_group_size=g, rank=r,
         resident_blocks=len(keep), pinned=bool(host and host.pinned),
         transfer=prefetcher.transfer.name if prefetcher else "none", model_bytes=ckpt.nbytes,
+        host_only_bytes=host_only_bytes,
     )
     log.info("dlo loaded %s phases=%s", " ".join(f"{k}={v}" for k, v in report.to_dict().items()), laps.rounded())
     # what no host weights adopted stays registered until the copies that read it have landed
@@ -219,15 +221,17 @@ def _parse_and_build(component_dir: Path | str, early: EarlyRegistration | None,
 
 def _place_resident_weights(ckpt: Checkpoint, meta: MetaModel, keep: set[int], device: torch.device,
                             platform: Platform, early: EarlyRegistration | None, laps: Laps,
-                            fp8: Fp8Plan | None = None) -> Placement:
-    """Step 2: the non-block weights and the kept blocks onto the device (from the registered page
-    cache, asynchronously, where the early registration reached their files; FP8 weights
-    dequantized as streamed ones are, so every mode computes with the same values:
-    `dlo.engine.placement`)."""
+                            fp8: Fp8Plan | None = None) -> tuple[Placement, int]:
+    """Step 2: the family's host-only weights as page-cache views, then the non-block weights and
+    the kept blocks onto the device (from the registered page cache, asynchronously, where the early
+    registration reached their files; FP8 weights dequantized as streamed ones are, so every mode
+    computes with the same values: `dlo.engine.placement`); returns the placement and the host-only
+    bytes."""
+    host_only = _keep_on_host(ckpt, meta)  # first: a tied tensor may point at one of them
     placed = place_resident(ckpt, meta, keep, device, platform, early, fp8)
     laps.lap("resident_copies")
     laps.phases["registration_wait"] = placed.registration_wait  # inside resident_copies
-    return placed
+    return placed, host_only
 
 
 def _wire(ckpt: Checkpoint, block: Any, meta: MetaModel, fp8: Fp8Plan | None) -> tuple[Any, tuple[Any, ...]]:
@@ -309,6 +313,27 @@ def early_registration(component_dir: Path | str, device: torch.device | str,
     if device.index is None and device.type == "cuda":  # the thread registers under the caller's device
         device = torch.device("cuda", torch.cuda.current_device())
     return EarlyRegistration(cached_checkpoint(component_dir), platform, device)
+
+
+def _keep_on_host(ckpt: Checkpoint, meta: MetaModel) -> int:
+    """The family's `unused` and `host_lookups` weights as views of the host page cache (a copy
+    only where the compute dtype differs from the stored one); returns their bytes."""
+    kept = 0
+    for name in meta.nonblock:
+        if meta.family.on_host(name):
+            value = ckpt.view(name).to(dtype=torch_dtype(meta.target_dtype[name]))
+            set_tensor(meta.module, name, value)
+            kept += value.numel() * value.element_size()
+    return kept
+
+
+def _attach_host_lookups(meta: MetaModel, device: torch.device, hooks: HookSet) -> None:
+    """Each `host_lookups` embedding runs on the host: its indices come to the host, its rows go to
+    `device` (the lookup is a copy of rows: the same bytes as on the device)."""
+    for path in meta.family.host_lookups:
+        table = meta.module.get_submodule(path)
+        hooks.add_pre(table, lambda _m, args: (args[0].to("cpu"), *args[1:]))
+        hooks.add_post(table, lambda _m, _args, out: out.to(device))
 
 
 def _shard_group(mode: Mode, group: Any) -> tuple[int, int]:

@@ -51,10 +51,11 @@ class Placement:
 
 def place_resident(ckpt: Checkpoint, meta: MetaModel, keep: set[int], device: torch.device, platform: Platform,
                    early: EarlyRegistration | None, fp8: Any = None) -> Placement:
-    """Copy the non-block weights and the kept blocks `keep` to the device and bind them (tied
-    tensors included); `fp8`: the model's `Fp8Plan` (its weights are dequantized, synchronously,
+    """Copy the non-block weights (but the family's host-only ones) and the kept blocks `keep` to the
+    device and bind them (tied tensors included); `fp8`: the model's `Fp8Plan` (its weights are dequantized, synchronously,
     by `resident_fp8`); see [Note: resident copies]."""
-    names = list(meta.nonblock) + [k for i in sorted(keep) for k in meta.blocks[i].keys]
+    names = [n for n in meta.nonblock if not meta.family.on_host(n)]  # the family's host-only weights stay
+    names += [k for i in sorted(keep) for k in meta.blocks[i].keys]
     quantized = set(fp8.quantized) if fp8 is not None else set()
     dst = {name: torch.empty(ckpt.tensors[name].shape, dtype=torch_dtype(meta.target_dtype[name]), device=device)
            for name in names if name not in quantized}  # rule 1: allocated first, in the model's order

@@ -18,7 +18,8 @@ Stored dtypes: transformers and text encoders bfloat16 (the dtype they are serve
 sharding: the shard size per component gives the published file count for the bf16 weights
 (approximately; exact sizes per file are not reproduced).
 
-Owns: `Preset`, `Component`, `TokenizerSpec`, `PRESETS`, `preset(name, layers=None)`.
+Owns: `Preset`, `Component`, `TokenizerSpec`, `PRESETS`, `preset(name, layers=None)`; the Cosmos3
+and MiniMax-H3 presets are `dlo.engine.presets_omni`'s.
 Must never: import torch, diffusers or transformers (plain data; `random_model.py` builds from it).
 """
 
@@ -41,8 +42,10 @@ class Component:
     config: dict[str, Any]
     dtype: str = "bfloat16"  # stored dtype of floating tensors
     max_shard_bytes: int | None = None  # None: one file
-    # config keys holding the block count that `--layers` shrinks (empty: never shrunk)
+    # config keys of the block count `--layers` shrinks (empty: never; dotted in nested configs), never
+    # below `min_layers` (MiniMax-H3 reads hidden state 50 of its Qwen3-VL: 51 of 64 layers needed)
     layer_keys: tuple[str, ...] = ()
+    min_layers: int = 1
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class TokenizerSpec:
     unk: str | None = None
     append_eos: bool = True  # T5 style "$A </s>"
     prepend_bos: bool = False  # CLIP style "<s> $A </s>"
+    chat_template: str | None = None  # pipelines that tokenize through `apply_chat_template` (Cosmos3)
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,12 @@ class Preset:
     scheduler: tuple[str, dict[str, Any]]
     index_extras: dict[str, Any] = field(default_factory=dict)  # boundary_ratio, None components, ...
     image_processor: dict[str, Any] | None = None  # CLIPImageProcessor config (I2V)
+    # MiniMax-H3: (folder, class, config) of schedulers beyond `scheduler` (audio_scheduler); the Qwen2-VL
+    # image-processor config of processor/ (its torchvision video half is not written); the blocks class
+    # of a modular pipeline (then the index is modular_model_index.json, naming `source` as published)
+    extra_schedulers: tuple[tuple[str, str, dict[str, Any]], ...] = ()
+    processor: dict[str, Any] | None = None
+    modular_blocks: str | None = None
 
     def component(self, name: str) -> Component:
         return next(c for c in self.components if c.name == name)
@@ -351,7 +361,9 @@ def _tiny() -> dict[str, Preset]:
     return {p.name: p for p in presets}
 
 
-PRESETS: dict[str, Preset] = {**_full(), **_tiny()}
+from dlo.engine.presets_omni import omni_presets  # noqa: E402 (Cosmos3, MiniMax-H3: their own module, its size)
+
+PRESETS: dict[str, Preset] = {**_full(), **_tiny(), **omni_presets()}
 
 
 def _with_layers(c: Component, layers: int) -> Component:
@@ -363,7 +375,11 @@ def _with_layers(c: Component, layers: int) -> Component:
         cfg["num_single_layers"] = min(cfg["num_single_layers"], 2 * layers)
     else:
         for key in c.layer_keys:
-            cfg[key] = min(cfg[key], layers)
+            outer, _, inner = key.rpartition(".")
+            if outer:
+                cfg[outer] = dict(cfg[outer])
+            sub = cfg[outer] if outer else cfg
+            sub[inner] = min(sub[inner], max(layers, c.min_layers))
     if c.class_name in ("UMT5EncoderModel", "T5EncoderModel"):
         cfg["num_decoder_layers"] = cfg.get("num_layers")
     return dataclasses.replace(c, config=cfg)
@@ -371,7 +387,8 @@ def _with_layers(c: Component, layers: int) -> Component:
 
 def preset(name: str, layers: int | None = None) -> Preset:
     """The named preset; `layers` caps the transformer block count(s) and the large text encoder's
-    layer count (UMT5/T5 blocks, Qwen2.5-VL decoder layers; CLIP and vision towers stay whole)."""
+    layer count (UMT5/T5 blocks, Qwen2.5-VL / Qwen3-VL decoder layers, never below a component's
+    `min_layers`; CLIP and vision towers stay whole)."""
     if name not in PRESETS:
         raise KeyError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
     p = PRESETS[name]

@@ -212,6 +212,8 @@ def make_tokenizer(spec: TokenizerSpec) -> Any:
         tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=pieces)
     kwargs = {k: v for k, v in (("pad_token", spec.pad), ("eos_token", spec.eos), ("bos_token", spec.bos),
                                 ("unk_token", spec.unk)) if v is not None}
+    if spec.chat_template is not None:
+        kwargs["chat_template"] = spec.chat_template
     return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=spec.model_max_length, **kwargs)
 
 
@@ -236,7 +238,6 @@ def write_pipeline(out: Path, p: Preset, *, device: str = "cpu", seed: int = 0, 
                    free_bytes: int | None = None) -> dict:
     """Write the whole pipeline folder; returns a summary (bytes per component, seconds).
     Raises `OSError` when the disk lacks room for it (nothing written then)."""
-    import diffusers
     import torch
 
     t0 = time.perf_counter()
@@ -272,28 +273,49 @@ def write_pipeline(out: Path, p: Preset, *, device: str = "cpu", seed: int = 0, 
         info = write_safetensors(comp_dir, [(n, d, s) for n, d, s, _ in specs[c.name]], stem=stem, fill=fill,
                                  max_shard_bytes=c.max_shard_bytes, progress=bar)
         files[c.name] = info["files"]
-    for t in p.tokenizers:
-        make_tokenizer(t).save_pretrained(out / t.name)
-    cls_name, sched_config = p.scheduler
-    getattr(diffusers, cls_name).from_config(sched_config).save_pretrained(out / "scheduler")
-    index: dict[str, Any] = {"_class_name": p.pipeline_class, "_diffusers_version": diffusers.__version__}
-    for c in p.components:
-        index[c.name] = [c.library, c.class_name]
-    for t in p.tokenizers:
-        index[t.name] = ["transformers", "PreTrainedTokenizerFast"]
-    index["scheduler"] = ["diffusers", cls_name]
-    if p.image_processor is not None:
-        from transformers import CLIPImageProcessor
-
-        CLIPImageProcessor(**p.image_processor).save_pretrained(out / "image_processor")
-        index["image_processor"] = ["transformers", "CLIPImageProcessor"]
-    index.update(p.index_extras)
-    (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+    _write_small_parts(out, p)
     bar(0, close=True)
     if device.startswith("cuda"):
         os.sync()
     return {"path": str(out), "preset": p.name, "bytes": total, "components": sizes, "files": files,
             "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def _write_small_parts(out: Path, p: Preset) -> None:
+    """Tokenizers, schedulers, processors and the pipeline's index (model_index.json, or a modular
+    pipeline's modular_model_index.json)."""
+    import diffusers
+
+    entries: dict[str, list] = {c.name: [c.library, c.class_name] for c in p.components}
+    for t in p.tokenizers:
+        make_tokenizer(t).save_pretrained(out / t.name)
+        # a modular index names the class the blocks expect (the files load as a fast tokenizer either way)
+        entries[t.name] = ["transformers", "Qwen2TokenizerFast" if p.modular_blocks else "PreTrainedTokenizerFast"]
+    for folder, (cls_name, config) in [("scheduler", p.scheduler), *((f, (c, cfg)) for f, c, cfg in p.extra_schedulers)]:
+        getattr(diffusers, cls_name).from_config(config).save_pretrained(out / folder)
+        entries[folder] = ["diffusers", cls_name]
+    if p.image_processor is not None:
+        from transformers import CLIPImageProcessor
+
+        CLIPImageProcessor(**p.image_processor).save_pretrained(out / "image_processor")
+        entries["image_processor"] = ["transformers", "CLIPImageProcessor"]
+    if p.processor is not None:
+        from transformers import Qwen2VLImageProcessorPil  # the PIL one: no torchvision
+
+        Qwen2VLImageProcessorPil(**p.processor).save_pretrained(out / "processor")
+        entries["processor"] = ["transformers", "Qwen3VLProcessor"]
+    index: dict[str, Any] = {"_class_name": p.pipeline_class, "_diffusers_version": diffusers.__version__}
+    if p.modular_blocks is None:
+        index.update(entries)
+        index.update(p.index_extras)
+        (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+        return
+    index["_blocks_class_name"] = p.modular_blocks
+    for name, (lib, cls_name) in entries.items():
+        index[name] = [lib, cls_name, {"pretrained_model_name_or_path": p.source, "revision": None, "subfolder": name,
+                                       "type_hint": [lib, cls_name], "variant": None}]
+    index.update(p.index_extras)
+    (out / "modular_model_index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _progress(total: int, show: bool) -> Callable[..., None]:
@@ -319,7 +341,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "have the same classes and layout with small dimensions (tests)")
     parser.add_argument("--layers", type=positive_int, default=None,
                         help="cap the transformer block count (flux: N double-stream and 2N single-stream blocks) "
-                             "AND the layer count of the large text encoder (UMT5/T5 blocks, Qwen2.5-VL layers); "
+                             "AND the layer count of the large text encoder (UMT5/T5 blocks, Qwen2.5-VL and "
+                             "Qwen3-VL layers; MiniMax-H3's Qwen3-VL keeps at least the 51 its pipeline reads); "
                              "every other dimension stays real. Default: the published counts")
     parser.add_argument("--device", default="cpu",
                         help="where random values are drawn (cuda: on the GPU; the host only copies and writes)")

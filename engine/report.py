@@ -34,6 +34,8 @@ class LoadReport:
     pinned: bool = False  # the host weights are really page-locked (DMA-able)
     transfer: str = "none"  # "graph" | "eager" | "peer" (DLO_GATHER=peer) | "none" (resident)
     model_bytes: int = 0
+    # non-block weights left in the host page cache (the family's `unused` and `host_lookups`)
+    host_only_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

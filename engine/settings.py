@@ -182,6 +182,9 @@ class EngineSettings:
     resident_plan: ResidentPlan | None = None
     # decoded pixels above which the VAE tiles (0: every decode): one rule for every rank and mode
     vae_tile_above_pixels: int = VAE_TILE_ABOVE_PIXELS
+    # the pipeline's own safety checker where it has one (Cosmos3's cosmos_guardrail, which needs its
+    # package and models in the image); off by default
+    safety_checker: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.offload, OffloadSettings) or not isinstance(self.parallel, ParallelSettings):
@@ -197,6 +200,7 @@ class EngineSettings:
         _whole("vae_tile_above_pixels", self.vae_tile_above_pixels, 0)
         if self.resident_plan is not None and not isinstance(self.resident_plan, ResidentPlan):
             raise ConfigError("resident_plan must be a ResidentPlan")
+        _flag("safety_checker", self.safety_checker)
 
     @property
     def mode(self) -> Mode:

@@ -50,11 +50,23 @@ class BlockFamily:
     `name` is the family of `ModelFacts.family` (`describe`); `class_names` the model classes
     (config.json `_class_name`, or a transformers class of `architectures`) that have these lists;
     `block_lists` the attribute paths of the nn.ModuleLists holding the blocks (dotted paths allowed).
+    Two placements of non-block modules beside "resident on the device" (dotted module paths; their
+    weights are views of the host page cache, never copied to the device, in every mode):
+    `unused`, modules the forward never calls (Cosmos3's `lm_head`: a 1.24 GB vocabulary head of a
+    transformer that only denoises); `host_lookups`, embedding tables looked up on the host, only
+    the rows a forward reads copied to the device (Cosmos3's `embed_tokens`, 1.24 GB, read for a few
+    hundred prompt tokens per forward).
     """
 
     name: str
     class_names: tuple[str, ...]
     block_lists: tuple[str, ...]
+    unused: tuple[str, ...] = ()
+    host_lookups: tuple[str, ...] = ()
+
+    def on_host(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` stays on the host (`unused` or `host_lookups`)."""
+        return any(name.startswith(m + ".") for m in (*self.unused, *self.host_lookups))
 
     def __repr__(self) -> str:
         return f"BlockFamily({self.name!r})"

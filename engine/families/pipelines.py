@@ -24,15 +24,27 @@ from dlo.engine.request import Generation
 class PipelineFacts:
     """What a request may ask of this pipeline folder (torch-free)."""
 
-    family: str  # a `FAMILIES` name: "wan", "wan2.2", "wan-i2v", "flux", "qwen-image"
+    family: str  # a `FAMILIES` name: "wan", "wan2.2", "wan-i2v", "flux", "qwen-image", "cosmos3", "minimax-h3"
     pipeline_class: str
     size_multiple: int  # width and height must be multiples of this (VAE scale x patch)
-    temporal_factor: int  # video frames must be temporal_factor * k + 1; 0: images only
+    temporal_factor: int  # the VAE's temporal compression (Wan: frames 4k+1); 0: images only
     default_guidance: float
     transformer_class: str
     # the pipeline's transformer components, each streamed by its own `dlo.engine.load` (Wan2.2: two experts)
     transformers: tuple[str, ...] = ("transformer",)
     image_input: bool = False  # image-to-video: a request must bring an input image
+    accepts_image: bool = False  # a video request may bring an input image (Cosmos3 i2v, MiniMax-H3 fl2va)
+    # valid frame counts: frame_step * k + frame_offset, k >= 0 (frame_step 0: temporal_factor; Wan 4k+1,
+    # MiniMax-H3 17k+5), within [min_frames, max_frames] (0: no bound of the model's own)
+    frame_step: int = 0
+    frame_offset: int = 1
+    min_frames: int = 1
+    max_frames: int = 0
+    fps: int = 0  # the model's own frame rate (MiniMax-H3: 24, fixed); 0: the server's `video_fps`
+    images: bool = True  # image requests (a 1-frame generation) are served
+    max_n: int = 0  # largest n of an image request (Cosmos3: one sample per call); 0: the server's limit
+    audio: bool = False  # its videos carry a generated sound track (muxed into the MP4)
+    no_sp: str = ""  # why sequence parallelism (--sp > 1) is not served for it; "": it is
 
     @classmethod
     def from_dir(cls, model_dir: Path | str) -> "PipelineFacts":
@@ -51,14 +63,34 @@ class PipelineFacts:
 
         return FAMILIES[self.family]
 
+    def _step(self) -> int:
+        return self.frame_step or self.temporal_factor
+
     def valid_frames(self, seconds: float, fps: int) -> int:
-        """The family's valid frame count nearest to seconds x fps (Wan: 4k+1), at least 1."""
+        """The family's frame count (Wan: 4k+1) nearest to seconds x fps, at least 1; whether the
+        model makes that many is `frames_error`'s to say."""
         if not self.supports_video:
             raise ValueError(f"{self.pipeline_class} makes images only")
-        t = self.temporal_factor
-        want = max(1.0, seconds * fps)
-        k = max(0, math.floor((want - 1) / t + 0.5))  # ties round up: never shorter than asked
-        return t * k + 1
+        t, off = self._step(), self.frame_offset
+        k = max(0, math.floor((max(1.0, seconds * fps) - off) / t + 0.5))  # ties round up: never shorter
+        return t * k + off
+
+    def shortest_seconds(self, fps: int) -> float:
+        """The shortest clip the model makes, in seconds at `fps`."""
+        return self.min_frames / fps
+
+    def frames_error(self, frames: int) -> str | None:
+        """Why `frames` is no valid frame count of this model, or None when it is one."""
+        t, off = self._step(), self.frame_offset
+        form = f"{t}k+{off} ({', '.join(str(t * k + off) for k in range(3))}, ...)"
+        if frames < off or (frames - off) % t:
+            return f"num_frames must be {form}, got {frames}"
+        if frames < self.min_frames or (self.max_frames and frames > self.max_frames):
+            top = f" and {self.max_frames}" if self.max_frames else ""
+            rate = (f"; {self.min_frames / self.fps:.2f} to {self.max_frames / self.fps:.2f} s at {self.fps} fps"
+                    if self.fps and self.max_frames else "")
+            return f"{self.pipeline_class} generates between {self.min_frames}{top} frames ({form}{rate}), got {frames}"
+        return None
 
     def uses_cfg(self, gen: Generation) -> bool:
         """Whether the pipeline runs a separate unconditional transformer call per step."""
@@ -68,6 +100,29 @@ class PipelineFacts:
         """Transformer forwards one request makes: steps x CFG branches (separate calls)."""
         return self.adapter.transformer_calls(gen)
 
+    def warmup(self, width: int, height: int) -> Generation:
+        """The warm-up request at this size: a 2-step image, or the shortest video of a family that
+        makes videos only."""
+        if self.images:
+            return Generation(kind="image", prompt="warm-up", seed=0, width=width, height=height, steps=2,
+                              guidance_scale=self.default_guidance)
+        fps = self.fps or 24
+        return Generation(kind="video", prompt="warm-up", seed=0, width=width, height=height, steps=2,
+                          guidance_scale=self.default_guidance, frames=self.valid_frames(self.shortest_seconds(fps), fps),
+                          fps=fps)
+
+
+def reference_image(gen: Generation) -> dict[str, Any]:
+    """The request's input image (`input_reference`) as the pipeline call's `image` (PIL, RGB); {} without one."""
+    if gen.image is None:
+        return {}
+    import io
+
+    from PIL import Image
+
+    with Image.open(io.BytesIO(gen.image)) as img:
+        return {"image": img.convert("RGB")}
+
 
 @dataclass(frozen=True)
 class Decoded:
@@ -75,6 +130,8 @@ class Decoded:
 
     images: tuple[Any, ...] = ()
     video: Any = None
+    audio: Any = None  # the video's sound track: float samples in [-1, 1], (channels, samples)
+    sample_rate: int = 0  # of `audio`
 
 
 class PipelineFamily:
@@ -87,6 +144,11 @@ class PipelineFamily:
     # Text encoders that may stream through the engine (`dlo serve --stream-text-encoders`), in the
     # order the pipeline calls them; each runs once for the prompt and once more for CFG's negative.
     streamable_encoders: tuple[str, ...] = ()
+    # Keyword arguments of the common pipeline call (`ServingPipeline`) this pipeline does not take.
+    unused_call_args: tuple[str, ...] = ()
+    # The VAE decodes in tiles at every size (MiniMax-H3's was released so: untiled, its output
+    # differs); else tiles only above `ServingPipeline.vae_tile_above_pixels`.
+    vae_always_tiled: bool = False
 
     def __repr__(self) -> str:
         return f"PipelineFamily({self.name!r})"
@@ -97,6 +159,21 @@ class PipelineFamily:
 
     def pipeline_facts(self, root: Path, index: dict, transformer: dict, vae: dict) -> PipelineFacts:
         raise NotImplementedError
+
+    def build_pipeline(self, model_dir: Path, modules: dict[str, Any], compute_dtype: Any, device: Any, *,
+                       safety_checker: bool = False) -> Any:
+        """The diffusers pipeline of `model_dir` with the streamed `modules` in place of its own
+        (the VAE stays float32: its output becomes the bytes); `safety_checker`: the pipeline's own,
+        where it has one. Default: `from_pretrained`."""
+        import diffusers
+        import torch
+
+        return getattr(diffusers, self.pipeline_class).from_pretrained(
+            model_dir, **modules, torch_dtype={"default": compute_dtype, "vae": torch.float32})
+
+    def run(self, pipe: Any, kwargs: dict[str, Any], on_step: Any) -> Any:
+        """Call the pipeline; `on_step(pipe, i, t, callback_kwargs)` after every denoising step."""
+        return pipe(**kwargs, callback_on_step_end=on_step)
 
     def call_plan(self, gen: Generation, pipe: Any) -> list[tuple[str, int]]:
         """Transformer forwards one request makes, per transformer component, in the order they run

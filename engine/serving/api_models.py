@@ -234,11 +234,15 @@ def image_generation(req: ImageGenerationRequest, facts: PipelineFacts, limits: 
     if facts.image_input:
         raise _bad(f"model {model_id!r} ({facts.pipeline_class}) is image-to-video: use /v1/videos with "
                    "input_reference", "model")
+    if not facts.images:
+        raise _bad(f"model {model_id!r} ({facts.pipeline_class}) makes videos only (at least {facts.min_frames} "
+                   "frames): use /v1/videos", "model")
     if req.response_format == "url":
         raise _bad('response_format "url" is not supported: this server keeps no image store; '
                    'use "b64_json"', "response_format")
-    if not 1 <= req.n <= limits.max_n:
-        raise _bad(f"n must be between 1 and {limits.max_n}, got {req.n}", "n")
+    max_n = min(limits.max_n, facts.max_n or limits.max_n)  # Cosmos3: one sample per pipeline call
+    if not 1 <= req.n <= max_n:
+        raise _bad(f"n must be between 1 and {max_n}, got {req.n}", "n")
     common = _common(req, facts, limits, model_id, adapters)
     w, h = parse_size(req.size if req.size is not None else limits.default_size, facts, limits)
     return Generation(kind="image", width=w, height=h, n=req.n, **common)
@@ -291,7 +295,7 @@ def video_generation(req: VideoCreateRequest, facts: PipelineFacts, limits: Limi
     if not facts.supports_video:
         raise _bad(f"model {model_id!r} ({facts.pipeline_class}) makes images only; use /v1/images/generations",
                    "model")
-    if req.input_reference is not None and not facts.image_input:
+    if req.input_reference is not None and not (facts.image_input or facts.accepts_image):
         raise _bad(f"input_reference (image-to-video) is not supported by model {model_id!r} ({facts.pipeline_class}, "
                    "text-to-video)", "input_reference")
     if req.input_reference is None and facts.image_input:
@@ -299,16 +303,15 @@ def video_generation(req: VideoCreateRequest, facts: PipelineFacts, limits: Limi
                    "frame) is required", "input_reference")
     common = _common(req, facts, limits, model_id, adapters)
     w, h = parse_size(req.size if req.size is not None else limits.default_video_size, facts, limits)
-    if facts.image_input:
+    if req.input_reference is not None:
         common["image"] = reference_image(req.input_reference, limits.max_reference_pixels)
-    fps = limits.video_fps
-    if req.num_frames is not None:
-        frames = req.num_frames
-        t = facts.temporal_factor
-        if frames < 1 or (frames - 1) % t:
-            raise _bad(f"num_frames must be {t}k+1 (1, {t + 1}, {2 * t + 1}, ...), got {frames}", "num_frames")
-    else:
-        frames = facts.valid_frames(float(req.seconds if req.seconds is not None else 4), fps)
+    fps = facts.fps or limits.video_fps  # a model with a rate of its own (MiniMax-H3, Cosmos3) runs at it
+    # without `seconds`: 4, or the model's shortest clip when it makes none that short (MiniMax-H3: 5.2 s)
+    seconds = float(req.seconds) if req.seconds is not None else max(4.0, facts.shortest_seconds(fps))
+    frames = req.num_frames if req.num_frames is not None else facts.valid_frames(seconds, fps)
+    problem = facts.frames_error(frames)  # the family's rule (Wan 4k+1, MiniMax-H3 17k+5 in 5..15 s)
+    if problem:
+        raise _bad(problem, "num_frames" if req.num_frames is not None else "seconds")
     if frames > limits.max_frames:
         raise _bad(f"{frames} frames exceed this server's limit of {limits.max_frames} "
                    f"(at {fps} fps: at most {limits.max_frames / fps:g} s)", "num_frames" if req.num_frames else "seconds")

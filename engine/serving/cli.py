@@ -177,6 +177,9 @@ def _layout(args: argparse.Namespace, start: _Start) -> None:
     start.dp = args.dp or max(1, (devices or 1) // max(1, sp))
     try:
         check_layout(start.dp, sp, devices, _attention_heads(start.model_dir), args.sp_kind)
+        if sp > 1 and start.facts.no_sp:
+            raise LayoutError(f"--sp {sp}: the {start.facts.family} family runs without sequence parallelism: "
+                              f"{start.facts.no_sp}")
         if sp > 1 and args.sp_kind == "ring" and device != "cuda":
             raise LayoutError("--sp-kind ring needs cuda (diffusers' ring attention needs an attention backend "
                               "that returns the log-sum-exp); use --sp-kind ulysses")

@@ -74,11 +74,13 @@ class RankStats(GatherStats):
     (`GatherStats`, the one definition of them) plus the device allocator's peak."""
 
     device_memory_peak_bytes: int = 0
+    device_energy_joules: float | None = None  # the device's energy since the rank started; None: no counter
 
     @classmethod
-    def of(cls, stats: GatherStats, device_memory_peak_bytes: int) -> "RankStats":
+    def of(cls, stats: GatherStats, device_memory_peak_bytes: int,
+           device_energy_joules: float | None = None) -> "RankStats":
         return cls(**{f.name: getattr(stats, f.name) for f in fields(GatherStats)},
-                   device_memory_peak_bytes=device_memory_peak_bytes)
+                   device_memory_peak_bytes=device_memory_peak_bytes, device_energy_joules=device_energy_joules)
 
 
 @dataclass(frozen=True)

@@ -153,8 +153,11 @@ class RankFaults:
 
 
 def _wrap(obj: Any, name: str, before: Callable[..., None]) -> None:
-    """`obj.name(...)` calls `before(...)` with the same arguments first (an instance attribute)."""
-    real = getattr(obj, name)
+    """`obj.name(...)` calls `before(...)` with the same arguments first (an instance attribute);
+    nothing where `obj` has no such method (Cosmos3's pipeline tokenizes inside its call)."""
+    real = getattr(obj, name, None)
+    if real is None:
+        return
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         before(*args, **kwargs)

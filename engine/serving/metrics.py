@@ -44,6 +44,8 @@ class _RankCollector(Collector):
         resident = GaugeMetricFamily("dlo_device_resident_bytes", "non-block and resident-block weights on the device",
                                      labels=["rank"])
         peak = GaugeMetricFamily("dlo_device_memory_peak_bytes", "device allocator peak", labels=["rank"])
+        energy = CounterMetricFamily("dlo_device_energy_joules", "energy the rank's device used since the rank "
+                                     "started (NVML); no series where the device has no counter", labels=["rank"])
         for rank, f in sorted(facts.items()):
             r = str(rank)
             report, stats = f.get("report") or {}, f.get("stats") or {}
@@ -57,7 +59,9 @@ class _RankCollector(Collector):
             slot.add_metric([r], float(report.get("slot_bytes", 0)))
             resident.add_metric([r], float(report.get("resident_bytes", 0)))
             peak.add_metric([r], float(stats.get("device_memory_peak_bytes", 0)))
-        yield from (wait, h2d, coll, pinned, slot, resident, peak)
+            if stats.get("device_energy_joules") is not None:
+                energy.add_metric([r], float(stats["device_energy_joules"]))
+        yield from (wait, h2d, coll, pinned, slot, resident, peak, energy)
 
 
 VIDEO_JOB_BUCKETS = (1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)

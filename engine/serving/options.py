@@ -207,6 +207,10 @@ def _add_weights_arguments(parser: argparse.ArgumentParser) -> None:
                              "memory), or converts a bfloat16 folder at load into each rank's pinned arena (half "
                              "the streamed blocks' bytes, 1/dp each in allgather). Outputs differ from bfloat16; "
                              "they are identical across modes and dp")
+    parser.add_argument("--safety-checker", action=argparse.BooleanOptionalAction, default=False,
+                        help="run the pipeline's own safety checker where it has one (Cosmos3: NVIDIA's "
+                             "cosmos_guardrail on the prompt and the video; its package and models must be in the "
+                             "image); default: off (docs/serving.md)")
     parser.add_argument("--stream-text-encoders", action=argparse.BooleanOptionalAction, default=True,
                         help="in the offloaded modes, the large text encoder (Wan's UMT5-XXL, Flux's T5-XXL, "
                              "Qwen-Image's Qwen2.5-VL) streams through the engine block by block in the same mode as "
@@ -258,6 +262,6 @@ def engine_settings(args: argparse.Namespace, mode: Mode, device: DeviceKind, dp
                                 stream_dtype=args.stream_dtype, **offload),
         parallel=ParallelSettings(dp=dp, sp=args.sp, sp_kind=args.sp_kind, **parallel),
         device=device, max_device_memory=args.max_device_memory,
-        stream_encoders=args.stream_text_encoders, cpu_threads=args.cpu_threads,
+        stream_encoders=args.stream_text_encoders, cpu_threads=args.cpu_threads, safety_checker=args.safety_checker,
         lora=LoraSettings(directory=str(args.lora_dir.resolve()) if args.lora_dir else None),
     )

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from dlo.engine.energy import rank_meter
 from dlo.engine.families import Decoded, pipeline_facts
 from dlo.engine.report import GatherStats
 from dlo.engine.serving.control import RankStats
@@ -32,6 +33,7 @@ from dlo.engine.timing import Laps, PhaseClock
 from dlo.engine.request import Generation
 
 log = logging.getLogger(__name__)
+__all__ = ["ServingPipeline", "RunResult", "VAE_TILE_ABOVE_PIXELS", "decode_in_own_dtype"]
 
 
 @dataclass
@@ -41,9 +43,6 @@ class RunResult:
     step_seconds: list[float] = field(default_factory=list)
     seconds: float = 0.0
     phase_seconds: dict[str, float] = field(default_factory=dict)  # prepare, denoise, decode, encode_output
-
-
-__all__ = ["ServingPipeline", "RunResult", "VAE_TILE_ABOVE_PIXELS", "decode_in_own_dtype"]
 
 
 def decode_in_own_dtype(vae: Any) -> None:
@@ -118,6 +117,7 @@ class ServingPipeline:
         # the registered page cache (diffusers' pageable copies: 1.5 s for Wan's UMT5 on an H200).
         self.encoders = self.adapter.streamable_encoders if settings.stream_encoders else ()
         self.device = torch.device(settings.device if device is None else device)
+        self.energy = rank_meter(self.device)  # `dlo_device_energy_joules_total`; None without NVML's counter
         self.max_sequence_length = max_sequence_length
         self.tick: Callable[[], None] = lambda: None
         self.steps_done = 0  # denoising steps of the running request (read by the progress reporter)
@@ -183,16 +183,12 @@ class ServingPipeline:
             enable_sequence_parallel(self.models[name].module, parallel, self.device)
 
     def _build_pipeline(self) -> Any:
-        """The family's diffusers pipeline from the folder, with the engine's models in place of its own."""
-        import diffusers
+        """The family's pipeline, with the engine's models in place (the VAE float32: it makes the bytes)."""
         import torch
 
-        cls = getattr(diffusers, self.facts.pipeline_class)
-        # The VAE's output becomes the image bytes: it stays float32 whatever the transformer runs in.
-        pipe = cls.from_pretrained(
-            self.model_dir, **{name: m.module for name, m in self.models.items()},
-            torch_dtype={"default": self.model.compute_dtype, "vae": torch.float32},
-        )
+        pipe = self.adapter.build_pipeline(self.model_dir, {name: m.module for name, m in self.models.items()},
+                                           self.model.compute_dtype, self.device,
+                                           safety_checker=self.settings.safety_checker)
         pipe.set_progress_bar_config(disable=True)
         if isinstance(getattr(pipe, "vae", None), torch.nn.Module):
             decode_in_own_dtype(pipe.vae)
@@ -299,7 +295,8 @@ class ServingPipeline:
     def stats(self) -> RankStats:
         """This rank's counters: every streamed model's gathers together, and the allocator's peak."""
         total = GatherStats.total(m.stats() for m in self.models.values())
-        return RankStats.of(total, self.model.platform.memory_peak(self.device))
+        joules = self.energy.joules() if self.energy is not None else None
+        return RankStats.of(total, self.model.platform.memory_peak(self.device), joules)
 
     def call_plan(self, gen: Generation) -> list[tuple[str, int]]:
         """Forwards `gen` implies per streamed model, in the order they run: the streamed text
@@ -336,6 +333,8 @@ class ServingPipeline:
         )
         kw.update(self.adapter.call_kwargs(gen))
         kw.update(self.adapter.call_inputs(gen))
+        for name in self.adapter.unused_call_args:
+            kw.pop(name, None)
         return kw
 
     def run(self, gen: Generation) -> RunResult:
@@ -361,7 +360,7 @@ class ServingPipeline:
         self.tick()
         self._vae_tiling(gen)
         with torch.inference_mode(), self.lora.applied(gen.lora_id, gen.lora_scale):
-            out = self.pipe(**self._call_kwargs(gen), callback_on_step_end=on_step)
+            out = self.adapter.run(self.pipe, self._call_kwargs(gen), on_step)
         self.tick()
         self.phase = "encode_output"
         result = RunResult(*self.encode_output(self.adapter.decode(out, gen), gen.fps))
@@ -380,7 +379,8 @@ class ServingPipeline:
         """Tiled VAE decoding for requests above `vae_tile_above_pixels` decoded pixels (the same rule
         on every rank and in every mode, so bytes stay identical across them); returns whether on."""
         vae = getattr(self.pipe, "vae", None)
-        tiled = decoded_pixels(Shape(gen.width, gen.height, max(1, gen.frames), gen.n)) > self.vae_tile_above_pixels
+        tiled = (self.adapter.vae_always_tiled
+                 or decoded_pixels(Shape(gen.width, gen.height, max(1, gen.frames), gen.n)) > self.vae_tile_above_pixels)
         if vae is not None and hasattr(vae, "enable_tiling"):
             if tiled:
                 vae.enable_tiling()

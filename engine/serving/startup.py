@@ -25,8 +25,7 @@ def warmup_generation(facts: PipelineFacts, sp: int, size: tuple[int, int] | Non
     encoding), so library initialisation and first-call costs are paid before the first client."""
     m = facts.size_multiple
     w, h = size or (m * sp, m)  # sp > 1: tokens per frame split over the sp ranks
-    return Generation(kind="image", prompt="warm-up", seed=0, width=w, height=h, steps=2,
-                      guidance_scale=facts.default_guidance)
+    return facts.warmup(w, h)  # an image, or the shortest video of a video-only family
 
 
 def startup_phases(before_load: float, load_s: float, warmup_s: float | None,

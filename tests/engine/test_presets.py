@@ -22,6 +22,10 @@ PARAMS_B = {
     ("wan2.1-i2v-14b", "transformer"): 16.4, ("wan2.2-t2v-a14b", "transformer_2"): 14.29,
     ("flux.1-dev", "transformer"): 11.9, ("flux.1-dev", "text_encoder_2"): 4.76,
     ("qwen-image", "transformer"): 20.4, ("qwen-image", "text_encoder"): 8.29,
+    # Cosmos3: the transformers (the published 17 B / 64 B are whole repositories: presets_omni.py);
+    # MiniMax-H3 and its Qwen3-VL-32B text encoder: 33 B each on their model cards
+    ("cosmos3-nano", "transformer"): 15.17, ("cosmos3-super", "transformer"): 64.0,
+    ("minimax-h3", "transformer"): 33.0, ("minimax-h3", "text_encoder"): 33.0,
 }
 
 
@@ -78,6 +82,12 @@ def test_layers_caps_transformers_and_the_large_text_encoder_only():
     assert q.component("text_encoder").config["vision_config"]["depth"] == 32
     with pytest.raises(ValueError):
         preset("qwen-image", layers=0)
+    # MiniMax-H3 reads hidden state 50 of its Qwen3-VL: the encoder keeps 51 layers whatever --layers says
+    h3 = preset("minimax-h3", layers=3)
+    assert h3.component("transformer").config["num_layers"] == 3
+    assert h3.component("text_encoder").config["text_config"]["num_hidden_layers"] == 51
+    assert preset("minimax-h3").component("text_encoder").config["text_config"]["num_hidden_layers"] == 64
+    assert preset("cosmos3-super", layers=5).component("transformer").config["num_hidden_layers"] == 5
 
 
 def test_generated_tokenizers_have_the_real_id_range_specials_and_length():
