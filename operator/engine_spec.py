@@ -147,8 +147,8 @@ class EngineSpec(_Model):
     )
     register_early: bool | None = Field(
         None,
-        description="register the streamed models' page cache for DMA while the pipeline builds "
-        "(`--register-early`; default on)",
+        description="register the engine models' page cache for DMA while the pipeline builds, so resident "
+        "copies and streamed blocks move at DMA speed (`--register-early`; default on)",
     )
     max_device_memory: str | None = Field(
         None, pattern=BYTE_SIZE_PATTERN,
