@@ -181,12 +181,7 @@ def load(
             stream = _start_streaming(meta, offloaded, wires, host, settings, platform, device, group, g, r)
             laps.lap("slots")
     except BaseException:
-        if placed is not None and placed.done is not None:
-            platform.host_wait(placed.done)  # no copy still reads what is released here
-        if host is not None:  # e.g. the slots did not fit: nothing stays registered or pinned
-            host.release()
-        if early is not None:
-            early.release()
+        _release_after_failure(placed, host, early, platform)
         raise
     assert_nothing_on_meta(meta.module, {k for b in offloaded for k in b.keys})
     prefetcher, hooks = stream if stream is not None else (None, HookSet())
@@ -207,6 +202,18 @@ def load(
     if settle:
         model.settle()
     return model
+
+
+def _release_after_failure(placed: Placement | None, host: HostWeights | None, early: EarlyRegistration | None,
+                           platform: Platform) -> None:
+    """A load that failed part-way (the slots did not fit, say): once no copy still reads them, nothing
+    stays registered or pinned."""
+    if placed is not None and placed.done is not None:
+        platform.host_wait(placed.done)
+    if host is not None:
+        host.release()
+    if early is not None:
+        early.release()
 
 
 def _parse_and_build(component_dir: Path | str, early: EarlyRegistration | None, laps: Laps) -> tuple[Checkpoint, MetaModel]:
