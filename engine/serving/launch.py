@@ -114,7 +114,9 @@ class ServerProcess:
             shutil.rmtree(self.video_dir, ignore_errors=True)
 
     def __enter__(self) -> "ServerProcess":
-        return self.start()
+        """Start the server, unless `start()` already did (`with` then only stops it at the end: a
+        second start would orphan the first process)."""
+        return self if self.proc is not None else self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
