@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from dlo.agent.tree import FolderTooDeep, walk_files
 from dlo.engine.checkpoint import INDEX_SUFFIX, MAX_HEADER_BYTES, CheckpointError, read_header
 from dlo.engine.families import pipeline_index
 
@@ -66,7 +67,7 @@ def component_root(folder: Path) -> Path:
 
 def is_model_folder(folder: Path) -> bool:
     """A folder holding safetensors files or an index of them (even with every shard missing)."""
-    return any(folder.rglob("*.safetensors")) or any(folder.rglob(f"*{INDEX_SUFFIX}"))
+    return any(walk_files(folder, (".safetensors", INDEX_SUFFIX)))
 
 
 def file_error(path: Path) -> ModelError | None:
@@ -150,7 +151,7 @@ def _config_shape_error(config: Path, doc: object) -> ModelError | None:
 
 def scan_error(folder: Path, error: BaseException) -> ModelError:
     """The reason for a folder whose scan raised: it is flagged, the scan of the others goes on."""
-    hint = " (a folder tree deeper than can be walked)" if isinstance(error, RecursionError) else ""
+    hint = " (a folder tree deeper than can be walked)" if isinstance(error, (RecursionError, FolderTooDeep)) else ""
     return ModelError.of("scan_error", f"{folder}: scanning the folder failed{hint}: {type(error).__name__}: {error}")
 
 
@@ -160,8 +161,9 @@ def check_folder(folder: Path | str) -> ModelError | None:
     two files, an index and its shards disagreeing) are the caller's: `describe` raises them."""
     folder = Path(folder)
     try:
-        files = sorted(p for p in folder.rglob("*.safetensors") if p.is_file())
-        indexes = sorted(p for p in folder.rglob(f"*{INDEX_SUFFIX}") if p.is_file())
+        listed = [p for p in walk_files(folder, (".safetensors", INDEX_SUFFIX)) if p.is_file()]
+        files = sorted(p for p in listed if p.name.endswith(".safetensors"))
+        indexes = sorted(p for p in listed if p.name.endswith(INDEX_SUFFIX))
         for path in (*files, *indexes):
             os.stat(path)
     except OSError as e:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from dlo.agent.tree import walk_files
+
 log = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
@@ -198,7 +200,7 @@ def model_files(path: Path | str) -> list[Path]:
         if p.exists():  # a FIFO, a device, a socket: there, but nothing to map
             raise ResidencyError(f"{p}: not a regular file or a folder (a FIFO, device or socket)")
         raise FileNotFoundError(f"{p}: no such file or folder")
-    return sorted(f for f in p.rglob("*.safetensors") if f.is_file())
+    return sorted(f for f in walk_files(p, (".safetensors",)) if f.is_file())
 
 
 @dataclass(frozen=True)

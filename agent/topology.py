@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dlo.agent.memory import ProcFS
+from dlo.agent.tree import walk_files
 from dlo.agent.modelcheck import ModelError, check_folder, describe_error, is_model_folder, scan_error
 from dlo.agent.profile import (
     Accelerator,
@@ -249,8 +250,8 @@ _CHECK_CACHE: dict[Path, tuple[tuple, tuple[ModelError | None, ModelFacts | None
 
 def _folder_signature(folder: Path) -> tuple:
     sig = []
-    for p in sorted(folder.rglob("*")):
-        if p.suffix in (".safetensors", ".json"):
+    for p in sorted(walk_files(folder, (".safetensors", ".json"))):
+        if p.is_file():
             st = p.stat()
             sig.append((str(p.relative_to(folder)), st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_mode))
     return tuple(sig)
