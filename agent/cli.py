@@ -127,6 +127,7 @@ def run_warm(argv: list[str]) -> int:
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
     from dlo.agent.residency import ResidencyError, model_files
+    from dlo.agent.tree import FolderTooDeep
     from dlo.agent.warm import warm
 
     err = Console(stderr=True)
@@ -135,7 +136,7 @@ def run_warm(argv: list[str]) -> int:
         total = sum(f.stat().st_size for f in files)
     except (OSError, ResidencyError) as e:
         return fail("dlo warm", e)
-    except RecursionError:
+    except (FolderTooDeep, RecursionError):
         return fail("dlo warm", f"{', '.join(map(str, args.paths))}: a folder tree too deep to walk")
     if not files:
         return fail("dlo warm", f"no *.safetensors file under {', '.join(map(str, args.paths))}")
