@@ -1,6 +1,6 @@
 """HSDP (FSDP2 + Ulysses), the published system's multi-GPU baseline, against DLO on N GPUs (issue 33).
 
-One device call = one `run` on a node of N >= 2 GPUs (nvidia-h200-x2 or larger; carry `.whl`, which
+One device call = one `run` on a node of N >= 2 GPUs (two or more H200s; with the wheels folder `.whl`, which
 holds diffusers 0.42.1 for cp312; timeout 540 s), inside 8 minutes at 40 Wan2.1-14B layers
 (predicted ~4 min on two H200s: checkpoint ~45 s, four phases ~35-50 s each; `--budget-s` 450 skips
 what would not fit). One file comes back through $OUT, the raw JSON:

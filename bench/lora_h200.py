@@ -2,8 +2,8 @@
 Wan2.1-T2V-14B and Flux.1-dev at full size, resident and streamed, and its host and device bytes.
 
     # Here first, as for bench/pipeline_h200.py: `.whl/` (diffusers 0.42.1 & co, no imageio_ffmpeg)
-    # and `.ffm/` (ffmpeg for Wan's MP4). Then two device calls (kind nvidia-h200, carry [".whl",
-    # ".ffm"], timeout_s 540; one full pipeline on the 64 GiB disk at a time, deleted after its runs):
+    # and `.ffm/` (ffmpeg for Wan's MP4). Then two device calls (one H200, with `.whl` and
+    # `.ffm` beside the tree, at most 540 s; one full pipeline on the 64 GiB disk at a time, deleted after its runs):
     set -o pipefail; [ -d /tmp/site/diffusers ] || python3 -m pip install -q --no-index --no-deps --no-compile \
       --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     [ -x .ffm/imageio_ffmpeg/binaries/ffmpeg-linux-x86_64-v9.0.2 ] || { xz -dc .ffm/ffmpeg.xz > \

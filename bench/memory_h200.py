@@ -3,7 +3,7 @@ shape, measured on the GPU; `merge` fits the table the memory model reads (`engi
 
     # on the GPU host (one H200, ONE call of at most 8 minutes: about 5 min measured + start-up).
     # Here first: mkdir -p .whl && cp /tmp/whl/*.whl .whl/ && rm -f .whl/imageio_ffmpeg-*.whl
-    # (12.6 MB; `.whl/` is git-ignored), then the device tool with carry [".whl"], timeout_s 540:
+    # (12.6 MB; `.whl/` is git-ignored), then one device call with `.whl` beside the tree, at most 540 s:
     set -o pipefail; [ -d /tmp/site/diffusers ] || python3 -m pip install -q --no-index --no-deps --no-compile \
       --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
