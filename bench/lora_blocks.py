@@ -7,8 +7,9 @@ times one transformer forward per variant and token count with an event pair aro
 
 - `base` (no adapter), `lora` (the engine's path at scale 1: no multiply), `lora_scale_0.8` (the
   multiply), `lora_attention` (attention projections only);
-- `lora_addmm` (bench only, NOT peft's rounding: B's product added into the output by addmm, one
-  rounding instead of two; what a fused epilogue would save, and how many bits it moves);
+- `lora_separate_add` (the engine's cpu order on this device: B's product rounded, then added to
+  the output; on cuda the engine adds in B's GEMM instead, which must give the same bytes:
+  `bit_identical_to_lora`);
 - `lora_unfolded` (the engine's `lora` run as a scaling of 0.5 over 2B: the multiply the power-of-two
   fold removes, whose output must equal `lora` bit for bit on this device).
 
@@ -98,25 +99,11 @@ class BlockTimer:
         return [(b - a) * 1e3 for a, b in pairs]
 
 
-def addmm_hooks(bank: Any, name: str) -> Callable[[], contextlib.AbstractContextManager]:
-    """Bench only: the branch's second product added into the output by addmm (one rounding)."""
-    import torch.nn.functional as F
+def separate_add(bank: Any) -> Any:
+    """The same adapters with B's product and the add as two steps (the engine's cpu order)."""
+    from dlo.engine.lora.bank import LoraBank
 
-    @contextlib.contextmanager
-    def ctx() -> Iterator[None]:
-        handles = []
-        for layer, b in bank.adapters[name].items():
-            def hook(_m: Any, args: tuple, out: Any, b: Any = b) -> Any:
-                h = F.linear(args[0], b.A)
-                out.view(-1, out.shape[-1]).addmm_(h.view(-1, h.shape[-1]), b.B.t())
-                return out
-            handles.append(layer.register_forward_hook(hook))
-        try:
-            yield
-        finally:
-            for h in handles:
-                h.remove()
-    return ctx
+    return LoraBank(bank.adapters, add_in_gemm=False)
 
 
 def unfolded(bank: Any, name: str) -> Any:
@@ -125,7 +112,7 @@ def unfolded(bank: Any, name: str) -> Any:
     from dlo.engine.lora.weights import Branch
 
     return LoraBank({"x": {layer: Branch(b.A, b.B * 2, b.bias * 2 if b.bias is not None else None, 0.5)
-                           for layer, b in bank.adapters[name].items()}})
+                           for layer, b in bank.adapters[name].items()}}, add_in_gemm=bank.add_in_gemm)
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -151,7 +138,7 @@ def measure(args: argparse.Namespace) -> dict:
     full, attention = banks["r64"], banks.get("r64-attention")
     variants: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
         "base": contextlib.nullcontext, "lora": lambda: full.applied("r64", 1.0),
-        "lora_scale_0.8": lambda: full.applied("r64", 0.8), "lora_addmm": addmm_hooks(full, "r64"),
+        "lora_scale_0.8": lambda: full.applied("r64", 0.8), "lora_separate_add": lambda: separate_add(full).applied("r64", 1.0),
         "lora_unfolded": lambda: unfolded(full, "r64").applied("x", 1.0)}
     if attention is not None:
         variants["lora_attention"] = lambda: attention.applied("r64-attention", 1.0)

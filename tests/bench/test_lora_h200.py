@@ -29,7 +29,7 @@ def test_the_dry_run_measures_every_step_and_merges_into_the_record(tmp_path: Pa
     assert flux["make"] == {"skipped": "present", "bytes": flux["checkpoint_bytes"]}
     assert {a: flux["adapters"][a]["rank"] for a in ("r64", "r64-attention")} == {"r64": 64, "r64-attention": 64}
     row = flux["per_block"]["workloads"]["64"]
-    assert set(row) == {"base", "lora", "lora_scale_0.8", "lora_addmm", "lora_unfolded", "lora_attention"}
+    assert set(row) == {"base", "lora", "lora_scale_0.8", "lora_separate_add", "lora_unfolded", "lora_attention"}
     assert row["lora_unfolded"]["bit_identical_to_lora"] and not row["base"]["bit_identical_to_lora"]
     adapters = flux["per_block"]["adapters"]
     assert adapters["r64"]["device_bytes"] > adapters["r64-attention"]["device_bytes"] > 0

@@ -152,6 +152,26 @@ def test_the_branch_is_peft_s_op_order_and_a_folded_power_of_two_changes_no_bit(
     assert torch.equal(add_branch(out.clone(), x, folded, factor), peft)
 
 
+def test_the_add_in_b_s_gemm_is_taken_only_where_it_keeps_peft_s_order_of_steps():
+    """[Note: the add in B's product]: cuda's path forced on cpu (where its one rounding differs): it
+    adds into `out` itself, within rounding of the two-step order, for a strided 3-d input; a
+    multiply or a bias keeps the two steps bit for bit."""
+    from dlo.engine.lora.bank import add_branch
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 9, 24, generator=g)[:, 1:8].to(torch.bfloat16)  # a sequence's slice: strided, as Flux's to_out
+    out = (torch.randn(2, 7, 40, generator=g) / 100).to(torch.bfloat16)
+    plain = _branch(torch.bfloat16, 1.0, bias=False)
+    two_steps = add_branch(out.clone(), x, plain, None)
+    target = out.clone()
+    fused = add_branch(target, x, plain, None, add_in_gemm=True)
+    assert fused.data_ptr() == target.data_ptr() and fused.shape == (2, 7, 40)
+    torch.testing.assert_close(fused, two_steps, rtol=1.6e-2, atol=1e-4)  # one bf16 rounding apart
+    assert not torch.equal(fused, two_steps)  # the one-rounding path ran (on cpu it differs somewhere)
+    for b, factor in ((plain, 0.8), (_branch(torch.bfloat16, 1.0, bias=True), None)):
+        assert torch.equal(add_branch(out.clone(), x, b, factor, add_in_gemm=True), add_branch(out.clone(), x, b, factor))
+
+
 def test_a_fold_that_would_lose_bits_is_not_made():
     from dlo.engine.lora.weights import _fold
 
