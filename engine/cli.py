@@ -18,7 +18,7 @@ _MODULES = {
     "make-tiny-model": "dlo.engine.families.tiny",
     "make-random-model": "dlo.engine.random_model",
     "make-random-lora": "dlo.engine.random_lora",
-    "quantize": "dlo.engine.quantize",
+    "quantize": "dlo.engine.fp8_folder",
     "serve": "dlo.engine.serving.cli",
     "demo": "dlo.engine.serving.demo",
     "calibrate": "dlo.engine.calibrate",

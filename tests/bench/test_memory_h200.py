@@ -15,7 +15,9 @@ from dlo.engine.memory_table import MemoryTable
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench" / "memory_h200.py"
-FAMILIES = ("wan", "wan-i2v", "flux", "qwen-image")
+# the families whose parts differ (an image encoder and VAE encode; a second text encoder): the
+# table is calibrated, so the dry run guards the bench's wiring, not each family's plan again
+FAMILIES = ("wan-i2v", "flux")
 
 
 def bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
@@ -24,9 +26,9 @@ def bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.slow
-def test_the_dry_run_measures_every_part_of_every_family_and_merge_refuses_it(tmp_path: Path) -> None:
-    r = bench("run", "--dry-run", "--models", str(tmp_path / "models"), "--out", str(tmp_path / "out"),
-              "--stem", "dry")
+def test_the_dry_run_measures_every_part_and_merge_refuses_it(tmp_path: Path) -> None:
+    r = bench("run", "--dry-run", "--families", ",".join(FAMILIES), "--models", str(tmp_path / "models"),
+              "--out", str(tmp_path / "out"), "--stem", "dry")
     assert r.returncode == 0, r.stderr[-3000:]
     for family in FAMILIES:
         rec = json.loads((tmp_path / "out" / f"dry-{family}.json").read_text())

@@ -43,7 +43,7 @@ def test_fp8_round_trip_bounds_each_rows_error_and_keeps_representable_values():
 
 
 def _quantized(tmp_path_factory: pytest.TempPathFactory, name: str) -> tuple[Path, Path]:
-    from dlo.engine.quantize import quantize_folder
+    from dlo.engine.fp8_folder import quantize_folder
 
     src = preset_pipeline(tmp_path_factory, name)
     dst = tmp_path_factory.getbasetemp() / f"{name}-fp8"
@@ -108,7 +108,7 @@ def _modes(rank: int, world: int, folders: dict[str, str]) -> dict[str, bytes]:
 @pytest.mark.slow
 def test_fp8_outputs_are_bit_identical_across_modes_and_dp(tmp_path_factory):
     from dlo.engine import load
-    from dlo.engine.quantize import quantize_folder
+    from dlo.engine.fp8_folder import quantize_folder
     from tests.engine.serving_helpers import tiny_pipeline
 
     pipeline = tiny_pipeline(tmp_path_factory, "wan", dtype="bfloat16")

@@ -105,23 +105,28 @@ def _inputs(seed: int, batch: int = 1) -> dict:
                 encoder_hidden_states=torch.randn(batch, 7, 32, generator=gen), return_dict=False)
 
 
-def _ranks(rank: int, world: int, path: str, dp: int, sp: int, mode: str, exchange: str = "diffusers",
-           batch: int = 1) -> dict:
+def _ranks(rank: int, world: int, path: str, dp: int, sp: int, mode: str, cases: tuple) -> dict:
+    """Every (exchange, batch) case of one layout on one set of ranks: a fresh model per case, the
+    process group and the groups made once (what a launch costs is paid once per layout)."""
+    from dlo.engine.parallel import make_groups
+
+    torch.set_num_threads(1)
+    groups = make_groups(ParallelSettings(dp, sp), "cpu")
+    return {case: _case(rank, path, Layout(dp, sp), groups, mode, *case) for case in cases}
+
+
+def _case(rank: int, path: str, lay: Layout, groups, mode: str, exchange: str, batch: int) -> dict:
     import torch.distributed as dist
 
     import dlo.engine
-    from dlo.engine.parallel import enable_sequence_parallel, make_groups
+    from dlo.engine.parallel import enable_sequence_parallel
     from dlo.engine.ulysses import dlo_ulysses_calls
 
-    torch.set_num_threads(1)
-    lay = Layout(dp, sp)
-    groups = make_groups(ParallelSettings(dp, sp), "cpu")
     model = dlo.engine.load(path, settings=OffloadSettings(mode), device="cpu", group=groups.shard_group)
     enabled = enable_sequence_parallel(model.module, groups, "cpu", exchange=exchange)
     out = None
-    d = lay.group_of(rank)
     calls = 2
-    if d == 0:  # sp group 0 runs the request (2 transformer calls); the other groups only gather
+    if lay.group_of(rank) == 0:  # sp group 0 runs the request (2 transformer calls); the other groups only gather
         with torch.no_grad():
             out = [model.module(**_inputs(s, batch))[0] for s in range(calls)]
     else:
@@ -133,44 +138,62 @@ def _ranks(rank: int, world: int, path: str, dp: int, sp: int, mode: str, exchan
             "dlo_calls": dlo_ulysses_calls(model.module), "blocks": len(model.module.blocks)}
 
 
-def _one_rank(rank: int, world: int, path: str, batch: int = 1) -> list:
+def _one_rank(rank: int, world: int, path: str, batches: tuple[int, ...]) -> dict:
     import dlo.engine
 
     torch.set_num_threads(1)
     model = dlo.engine.load(path, settings=OffloadSettings("resident"), device="cpu")
     with torch.no_grad():
-        return [model.module(**_inputs(s, batch))[0] for s in range(2)]
+        return {batch: [model.module(**_inputs(s, batch))[0] for s in range(2)] for batch in batches}
 
 
-@pytest.mark.parametrize("dp,sp,mode,exchange", [
-    (1, 2, "allgather", "diffusers"), (2, 2, "allgather", "diffusers"), (1, 2, "resident", "diffusers"),
-    (1, 2, "rank-local", "diffusers"), (1, 2, "allgather", "lean"), (2, 2, "allgather", "lean"),
-    (1, 4, "resident", "lean"), (1, 2, "allgather", "overlap"), (2, 2, "allgather", "overlap"),
-    (1, 4, "resident", "overlap")])
-def test_sequence_parallel_on_the_offloaded_model_is_bit_identical_to_one_rank(tiny, dp, sp, mode, exchange):
-    """`diffusers`: diffusers' own Ulysses; `lean` / `overlap` (the default): Wan's self-attention
-    through dlo.engine.ulysses (rotary embedding into the send buffer, attention per destination chunk
-    sent as it finishes; `overlap` also exchanging q/k/v while projecting). All bit-identical to one rank."""
-    ref = run_ranks(1, _one_rank, tiny)[0]
-    res = run_ranks(dp * sp, _ranks, tiny, dp, sp, mode, exchange)
+@pytest.fixture(scope="module")
+def reference(tiny):
+    """One rank's outputs for batch 1 and 2 (one launch for the module)."""
+    return run_ranks(1, _one_rank, tiny, (1, 2))[0]
+
+
+# Per layout, its (exchange, batch) cases. Exchanges: `diffusers` is diffusers' own Ulysses; `lean`
+# and `overlap` (the default) route Wan's self-attention through dlo.engine.ulysses (rotary embedding
+# into the send buffer, attention per destination chunk sent as it finishes; `overlap` also
+# exchanging q/k/v while projecting). Batch 2 takes the layouts' copies that batch 1 skips (send
+# buffers, the received sequence).
+LAYOUT_CASES = [
+    ((1, 2, "allgather"), (("diffusers", 1), ("lean", 1), ("overlap", 1))),
+    ((2, 2, "allgather"), (("diffusers", 1), ("lean", 1), ("overlap", 1))),
+    ((1, 2, "resident"), (("diffusers", 1), ("lean", 2), ("overlap", 2))),
+    ((1, 4, "resident"), (("lean", 1), ("overlap", 1))),
+    ((1, 2, "rank-local"), (("diffusers", 1),)),
+]
+
+
+@pytest.mark.parametrize("layout,cases", LAYOUT_CASES, ids=[f"dp{d}-sp{s}-{m}" for (d, s, m), _ in LAYOUT_CASES])
+def test_sequence_parallel_on_the_offloaded_model_is_bit_identical_to_one_rank(tiny, reference, layout, cases):
+    """Every exchange, in every layout, batch 1 and 2: bit-identical to one rank."""
+    dp, sp, mode = layout
+    res = run_ranks(dp * sp, _ranks, tiny, dp, sp, mode, cases)
     lay = Layout(dp, sp)
-    for r, got in enumerate(res):
-        assert got["enabled"] is True
-        runs = lay.group_of(r) == 0
-        # every block's self-attention of both calls took DLO's path, on the running ranks only
-        assert got["dlo_calls"] == (got["blocks"] * 2 if exchange != "diffusers" and runs else 0), got["dlo_calls"]
-        assert got["sp_ranks"] == lay.sp_ranks(lay.group_of(r))
+    for case in cases:
+        exchange, batch = case
+        by_rank = [r[case] for r in res]
+        for r, got in enumerate(by_rank):
+            assert got["enabled"] is True
+            runs = lay.group_of(r) == 0
+            # every block's self-attention of both calls took DLO's path, on the running ranks only
+            assert got["dlo_calls"] == (got["blocks"] * 2 if exchange != "diffusers" and runs else 0), (case, got["dlo_calls"])
+            assert got["sp_ranks"] == lay.sp_ranks(lay.group_of(r))
+            if mode == "allgather":
+                assert (got["g"], got["r"]) == (dp * sp, r), "the shard group must span every rank of the node"
+            if runs:
+                for a, b in zip(got["out"], reference[batch]):
+                    assert a.shape[0] == batch and torch.equal(a, b), \
+                        f"{case} rank {r}: max abs diff {(a - b).abs().max().item()}"
+            else:
+                assert got["out"] is None
         if mode == "allgather":
-            assert (got["g"], got["r"]) == (dp * sp, r), "the shard group must span every rank of the node"
-        if lay.group_of(r) == 0:
-            for a, b in zip(got["out"], ref):
-                assert torch.equal(a, b), f"rank {r}: max abs diff {(a - b).abs().max().item()}"
-        else:
-            assert got["out"] is None
-    if mode == "allgather":
-        # idle sp groups took part in exactly the gathers of the running group's calls
-        assert len({(g["gathers"], g["collective_bytes"]) for g in res}) == 1, res
-        assert res[0]["gathers"] > 0
+            # idle sp groups took part in exactly the gathers of the running group's calls
+            assert len({(g["gathers"], g["collective_bytes"]) for g in by_rank}) == 1, (case, by_rank)
+            assert by_rank[0]["gathers"] > 0
 
 
 def _capped_groups(rank: int, world: int, dp: int, sp: int) -> dict:
@@ -186,15 +209,3 @@ def test_the_cta_cap_is_ignored_where_the_backend_has_none(dp, sp):
     for res in run_ranks(dp * sp, _capped_groups, dp, sp):
         assert res["shard_group"] is None
         assert res["sp_group"] == (sp > 1)
-
-
-@pytest.mark.parametrize("exchange", ["overlap", "lean"])
-def test_dlo_ulysses_with_two_requests_in_a_batch_is_bit_identical_to_one_rank(tiny, exchange):
-    """Batch 2 takes the layouts' copies that batch 1 skips (send buffers, the received sequence)."""
-    ref = run_ranks(1, _one_rank, tiny, 2)[0]
-    res = run_ranks(2, _ranks, tiny, 1, 2, "resident", exchange, 2)
-    for r, got in enumerate(res):
-        assert got["dlo_calls"] == got["blocks"] * 2
-        for a, b in zip(got["out"], ref):
-            assert a.shape[0] == 2 and torch.equal(a, b), f"rank {r}: max abs diff {(a - b).abs().max().item()}"
-

@@ -59,9 +59,10 @@ def _video(srv: ServerProcess, prompt: str) -> dict:
 def test_a_request_failing_in_any_phase_fails_alone(tmp_path_factory, tmp_path, mode, dp):
     model = tiny_pipeline(tmp_path_factory, "wan")
     # A pair is a full wave at dp 2 and starts at once; the window only has to outlast the pair's
-    # arrival on a loaded machine (a lone request at dp 2 waits it out).
+    # arrival on a loaded machine (the second is sent once the server holds the first: well under a
+    # second); a lone request at dp 2 waits it out, five times per server.
     srv = ServerProcess(model, "--dp", str(dp), "--mode", mode, "--device", "cpu", "--small-limits",
-                        "--wave-window-ms", "3000", log_path=tmp_path / "serve.log",
+                        "--wave-window-ms", "1500", log_path=tmp_path / "serve.log",
                         env={HOOKS_ENV: "1", FAULTS_ENV: FAULTS})
     with srv:
         ref = _png(_post(srv, GOOD))  # the good request alone, before any fault
