@@ -171,12 +171,15 @@ def _serve_requests(srv: Any, model: Path, request: dict, limits: dict, args: ar
         request = {**request, "image": grey_png(request["size"])}
     shas, secs = [], []
     first = b""
+    waited = gather_wait_seconds(srv)
     for _ in range(args.requests):  # the first after ready, then warm ones (the same seed: same bytes)
         t1 = time.perf_counter()
         data = generate(client, request)
         secs.append(time.perf_counter() - t1)  # video: includes at most one 50 ms poll and the download
         shas.append(hashlib.sha256(data).hexdigest())
         first = first or data
+    # the compute stream's waits for weights (rank 0) per timed request: what the copies did not hide
+    out["gather_wait_seconds_per_request"] = round((gather_wait_seconds(srv) - waited) / args.requests, 5)
     out.update({"seconds": round(min(secs), 3), "request_seconds": [round(x, 3) for x in secs],
                 "first_request_seconds": round(secs[0], 3), "output_sha256": shas[0],
                 "same_bytes_every_request": len(set(shas)) == 1, "_output": first})
@@ -218,6 +221,11 @@ def _serve_requests(srv: Any, model: Path, request: dict, limits: dict, args: ar
 # Qwen-Image (60 blocks of 0.68 GB, 4,096 image tokens) half, a first guess not yet measured.
 ENV_PREFIXES = ("DLO_", "PYTHON")  # a run's flags of these prefixes are its server's environment
 RESIDENT_SHARE = {"wan21": 0.25, "wan21i2v": 0.25, "flux": 0.75, "qwen": 0.5, "wan22": 0.25}
+
+
+def gather_wait_seconds(srv: Any) -> float:
+    """Rank 0's `dlo_gather_wait_seconds` so far (0 where it has none: resident runs)."""
+    return sum(v for labels, v in srv.metrics().get("dlo_gather_wait_seconds_total", []) if labels.get("rank") == "0")
 
 
 def transformer_blocks(model: Path) -> int:

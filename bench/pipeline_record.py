@@ -146,17 +146,19 @@ def markdown(rec: dict) -> str:
     lines = [f"# Full-size pipelines ({rec['date']}, {rec['device']})", "", "Generated from the JSON beside it.", "",
              "## Summary", "", "```json", json.dumps({k: v for k, v in rec["summary"].items() if k not in PER_RUN},
                                                       indent=2), "```", "", "## Runs", "",
-             "| model | run | seconds | ready s | host/ckpt | anon GB | file GB | sha256 |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| model | run | seconds | weight wait s | ready s | host/ckpt | anon GB | file GB | sha256 |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for m, v in rec["models"].items():
         for name, r in v.items():
             if isinstance(r, dict) and name.startswith(("serve_", "diffusers_")):
                 sha = (r.get("output_sha256") or r.get("frames_sha256") or r.get("error") or "")[:16]
                 host = r.get("host_memory") or {}
-                lines.append(f"| {m} | {name} | {r.get('seconds', '')} | {r.get('ready_seconds', '')} | "
+                lines.append(f"| {m} | {name} | {r.get('seconds', '')} | {r.get('gather_wait_seconds_per_request', '')} | "
+                             f"{r.get('ready_seconds', '')} | "
                              f"{r.get('host_bytes_over_checkpoint', '')} | {_gb(host.get('pss_anon_bytes'))} | "
                              f"{_gb(host.get('pss_file_bytes'))} | {sha} |")
-    lines += ["", "Commands: `" + rec["command"] + "`", ""]
+    lines += ["", "weight wait s: rank 0's compute waiting for weights per timed request (`dlo_gather_wait_seconds`: "
+                  "what the copies did not hide).", "", "Commands: `" + rec["command"] + "`", ""]
     return "\n".join(lines)
 
 

@@ -28,6 +28,7 @@ def test_the_small_gpu_dry_run_streams_fp8_from_a_quantized_folder_and_records_i
         assert "error" not in run and run["largest_request"]["ok"], run
         assert run["beyond_limits"]["status"] == 400 and run["beyond_limits"]["names_limit"], run["beyond_limits"]
         assert any("serving " in line for line in run["plan_log"])
+        assert run["gather_wait_seconds_per_request"] > 0, run  # every block streamed: the compute waited
     assert "--stream-dtype" in flux["serve_capped_24gib_zero_resident_fp8"]["flags"]
     assert flux["serve_capped_24gib_zero_resident_fp8"]["output_sha256"] != flux["serve_capped_24gib_zero_resident"][
         "output_sha256"]
