@@ -3,8 +3,8 @@ rule), used by `dlo quantize` and by the engine's load.
 
 Owns: `quantize_fp8` (one weight -> FP8 values and scales), `dequantize_into` (FP8 values and scales
 -> the compute dtype, into a given tensor: the one function every mode dequantizes with, so bytes are
-identical across modes), `InMemoryFp8` (a bfloat16 folder's FP8 bytes computed at load, for the arena),
-the arithmetic of the subcommand (`dlo.engine.fp8_folder`, which writes the folder).
+identical across modes), `InMemoryFp8` (a bfloat16 folder's FP8 bytes computed at load, for the arena;
+`dlo quantize`, in `dlo.engine.fp8_folder`, writes a folder's FP8 bytes through it too).
 Must never: quantize what `dlo.engine.fp8.quantizable` leaves out.
 """
 
