@@ -136,7 +136,7 @@ def run_warm(argv: list[str]) -> int:
         total = sum(f.stat().st_size for f in files)
     except (OSError, ResidencyError) as e:
         return fail("dlo warm", e)
-    except (FolderTooDeep, RecursionError):
+    except FolderTooDeep:  # the walk is iterative: no RecursionError to catch
         return fail("dlo warm", f"{', '.join(map(str, args.paths))}: a folder tree too deep to walk")
     if not files:
         return fail("dlo warm", f"no *.safetensors file under {', '.join(map(str, args.paths))}")

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dlo.agent.memory import ProcFS
-from dlo.agent.tree import walk_files
 from dlo.agent.modelcheck import ModelError, check_folder, describe_error, is_model_folder, scan_error
 from dlo.agent.profile import (
     Accelerator,
@@ -38,6 +37,7 @@ from dlo.agent.profile import (
     nominal_h2d_bps,
 )
 from dlo.agent.residency import Residency, ResidencyError, folder_residency, model_files
+from dlo.agent.tree import walk_files
 from dlo.engine.facts import ModelFacts
 
 log = logging.getLogger(__name__)

@@ -227,7 +227,8 @@ def summarize(rec: dict) -> dict:
         s["fold_bit_identical"] = all(r["lora_unfolded"]["bit_identical_to_lora"] for r in rows.values()) if rows else None
         # the two orders of B's product and the add: a run before the engine added in the GEMM on cuda
         # has the addmm as its control, a later one the separate add ([Note: the add in B's product])
-        control = next((c for c in ("lora_separate_add", "lora_addmm") if rows and c in next(iter(rows.values()))), None)
+        first = next(iter(rows.values()), {})
+        control = next((c for c in ("lora_separate_add", "lora_addmm") if c in first), None)
         s["add_in_gemm_control"] = control
         s["add_in_gemm_bit_identical"] = (all(r[control]["bit_identical_to_lora"] for r in rows.values())
                                           if control else None)

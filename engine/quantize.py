@@ -72,5 +72,3 @@ class InMemoryFp8:
             return self._of(self.by_scale[name])[1].view(torch.uint8).flatten()
         return None
 
-
-# ---- dlo quantize ---------------------------------------------------------------------------------

@@ -111,8 +111,8 @@ def _ranks(rank: int, world: int, path: str, dp: int, sp: int, mode: str, cases:
     from dlo.engine.parallel import make_groups
 
     torch.set_num_threads(1)
-    groups = make_groups(ParallelSettings(dp, sp), "cpu")
-    return {case: _case(rank, path, Layout(dp, sp), groups, mode, *case) for case in cases}
+    groups, lay = make_groups(ParallelSettings(dp, sp), "cpu"), Layout(dp, sp)
+    return {case: _case(rank, path, lay, groups, mode, *case) for case in cases}
 
 
 def _case(rank: int, path: str, lay: Layout, groups, mode: str, exchange: str, batch: int) -> dict:
