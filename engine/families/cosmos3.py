@@ -54,11 +54,12 @@ class Cosmos3Family(PipelineFamily):
     def pipeline_facts(self, root: Path, index: dict, transformer: dict, vae: dict) -> PipelineFacts:
         sound = (index.get("sound_tokenizer") or [None])[0] is not None and bool(transformer.get("sound_gen"))
         # The pipeline checks sizes against the VAE's spatial factor; the transformer pads odd latent
-        # sizes to its 2x2 patch itself.
-        return PipelineFacts(self.name, self.pipeline_class, int(vae.get("scale_factor_spatial") or 16),
+        # sizes to its 2x2 patch itself. [Note: one latent pixel]
+        spatial = int(vae.get("scale_factor_spatial") or 16)
+        return PipelineFacts(self.name, self.pipeline_class, spatial,
                              int(vae.get("scale_factor_temporal") or 4), 6.0, transformer["_class_name"],
                              accepts_image=True, fps=int(transformer.get("base_fps") or 24), max_n=1, audio=sound,
-                             no_sp=NO_SP)
+                             no_sp=NO_SP, min_side=2 * spatial)
 
     def build_pipeline(self, model_dir: Path, modules: dict[str, Any], compute_dtype: Any, device: Any, *,
                        safety_checker: bool = False) -> Any:
@@ -109,3 +110,12 @@ class Cosmos3Family(PipelineFamily):
         if result.sound is not None and rate:
             audio = result.sound.float().cpu().numpy()  # (channels, samples)
         return Decoded(video=video, audio=audio, sample_rate=rate if audio is not None else 0)
+
+
+# [Note: one latent pixel]
+# At a side of one VAE factor (16x16 px) the Wan VAE's mid-block attention sees one latent pixel: its
+# `qkv.permute(...).contiguous()` is then a no-op (a size-1 dimension's stride does not count), the
+# query's sequence stride stays 1, and on cuda `scaled_dot_product_attention`'s fused kernels refuse
+# it ("query is not correctly aligned (strideM)"; measured on the H200 in the encode of the
+# pipeline's conditioning video). Two latent pixels per side make the copy real; the API refuses
+# smaller sizes with a 400 naming the size, and the warm-up's smallest size is 32x32.

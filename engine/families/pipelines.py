@@ -45,6 +45,13 @@ class PipelineFacts:
     max_n: int = 0  # largest n of an image request (Cosmos3: one sample per call); 0: the server's limit
     audio: bool = False  # its videos carry a generated sound track (muxed into the MP4)
     no_sp: str = ""  # why sequence parallelism (--sp > 1) is not served for it; "": it is
+    # the smallest width and height it runs (0: size_multiple). Cosmos3: two latent pixels per side,
+    # since at one its VAE's attention gets a query torch's fused kernels refuse ([Note: one latent pixel])
+    min_side: int = 0
+
+    @property
+    def smallest_side(self) -> int:
+        return max(self.min_side, self.size_multiple)
 
     @classmethod
     def from_dir(cls, model_dir: Path | str) -> "PipelineFacts":

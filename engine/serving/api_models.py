@@ -175,9 +175,10 @@ def parse_size(size: str, facts: PipelineFacts, limits: Limits) -> tuple[int, in
     if m is None:
         raise _bad(f'size must look like "WIDTHxHEIGHT" (e.g. "{limits.default_size}"), got {size!r}', "size")
     w, h = int(m.group(1)), int(m.group(2))
-    mult = facts.size_multiple
-    if w < mult or h < mult or w % mult or h % mult:
-        raise _bad(f"size {size}: width and height must be positive multiples of {mult} for this model", "size")
+    mult, least = facts.size_multiple, facts.smallest_side
+    if w % mult or h % mult or w < least or h < least:
+        raise _bad(f"size {size}: width and height must be multiples of {mult} of at least {least} for this model",
+                   "size")
     if w > limits.max_width or h > limits.max_height:
         raise _bad(f"size {size} exceeds this server's limit of {limits.max_width}x{limits.max_height}", "size")
     return w, h

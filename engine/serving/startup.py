@@ -23,8 +23,8 @@ def warmup_generation(facts: PipelineFacts, sp: int, size: tuple[int, int] | Non
     rank before `/ready` turns 200: it goes through every path a request uses (text encoder,
     transformer with its gathers and transfer graphs, every CFG branch, scheduler, VAE decode,
     encoding), so library initialisation and first-call costs are paid before the first client."""
-    m = facts.size_multiple
-    w, h = size or (m * sp, m)  # sp > 1: tokens per frame split over the sp ranks
+    m, least = facts.size_multiple, facts.smallest_side
+    w, h = size or (max(m * sp, least), least)  # sp > 1: tokens per frame split over the sp ranks
     return facts.warmup(w, h)  # an image, or the shortest video of a video-only family
 
 

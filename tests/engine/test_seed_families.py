@@ -256,6 +256,15 @@ def test_api_takes_each_familys_frame_rules(cosmos, minimax):
     gen = video_generation(VideoCreateRequest(prompt="x", size="32x32", num_frames=9, input_reference=ref), c3,
                            limits, "m")
     assert gen.image == png() and (gen.frames, gen.fps) == (9, 24)  # text- or image-to-video, one family
+    # one latent pixel per side is refused (the VAE's attention fails there on cuda), and the warm-up skips it
+    from dlo.engine.serving.startup import warmup_generation
+
+    one = f"{c3.size_multiple}x{c3.size_multiple}"
+    with pytest.raises(ApiError, match=f"at least {2 * c3.size_multiple}") as e:
+        video_generation(VideoCreateRequest(prompt="x", size=one, num_frames=9), c3, limits, "m")
+    assert e.value.param == "size"
+    assert (warmup_generation(c3, 1, None).width, warmup_generation(h3, 1, None).width) == (
+        2 * c3.size_multiple, h3.size_multiple)
 
 
 def test_safety_checker_is_off_unless_asked_and_sp_is_refused(cosmos, minimax):
