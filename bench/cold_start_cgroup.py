@@ -215,12 +215,11 @@ def main() -> int:
     logs.mkdir(exist_ok=True)
     model = ensure_model(args.models, args.layers, args.full_components, args.device)
     from dlo.engine.blocks import describe
-    from dlo.engine.facts import mode_key
 
     date = datetime.date.today().isoformat()
     rec: dict[str, Any] = {"date": date, "command": " ".join(["python", *sys.argv]), "model": model.name,
                            "checkpoint_bytes": checkpoint_bytes(model), "transformer_bytes": describe(model).bytes,
-                           "mode": args.mode, "mode_key": mode_key(args.mode), "device": args.device, "runs": []}
+                           "mode": args.mode, "mode_key": args.mode.replace("-", "_"), "device": args.device, "runs": []}
     try:
         rec["cgroup_version"] = MemoryGroup("probe", 0).version
         for dp in (int(x) for x in args.dp.split(",")):

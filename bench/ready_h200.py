@@ -13,7 +13,9 @@ the full Wan2.1-T2V-14B pipeline, per mode, with a warm and with a cold page cac
 `bench/pipeline_h200.py` does: 49-64 s on an H200 host), reads it once into the page cache, then
 runs `--plan` in order: `MODE[:N]` is N warm starts of `dlo serve` in MODE (`MODES`), `disk-read`
 the seconds the disk takes to read the whole folder once (`dlo warm`'s parallel reader, after
-evicting it), `MODE@cold[:N]` N starts each after evicting the checkpoint (`os.sync`,
+evicting it), `MODE@profile` one warm start under py-spy (attached at spawn, every thread, PROFILE_S seconds;
+its raw stacks beside the logs and a summary in the record, not in the figures), `MODE@cold[:N]` N
+starts each after evicting the checkpoint (`os.sync`,
 `posix_fadvise(POSIX_FADV_DONTNEED)` per file: no privilege needed, and `drop_caches` where
 allowed, with the residency left checked by `dlo.agent.residency`). A warm start finds the folder
 in the page cache (read again first where a cold start left part of it out). Each start: the
@@ -99,13 +101,15 @@ def disk_read(model: Path) -> dict[str, Any]:
 
 
 def start_once(model: Path, flags: list[str], args: argparse.Namespace, label: str,
-               check: dict | None) -> dict[str, Any]:
-    """One `dlo serve` start to `/ready`, its startup figures, an optional request, SIGTERM."""
+               check: dict | None, spy: Path | None = None) -> dict[str, Any]:
+    """One `dlo serve` start to `/ready`, its startup figures, an optional request, SIGTERM; with
+    `spy`, py-spy samples the server from its first milliseconds to PROFILE_S (raw stacks there)."""
     from dlo.engine.serving.launch import ServerProcess
 
     log = args.logs / f"serve-{label}.log"
     srv = ServerProcess(model, "--device", args.device, *flags, log_path=log)
     out: dict[str, Any] = {"flags": flags}
+    profiler = _profile_from_spawn(srv, spy) if spy is not None else None
     t0 = time.perf_counter()
     try:
         srv.start(ready_timeout_s=args.ready_timeout, poll_s=POLL_S)
@@ -128,8 +132,47 @@ def start_once(model: Path, flags: list[str], args: argparse.Namespace, label: s
             except Exception as e:  # recorded: the starts after it still run
                 out["check_error"] = f"{type(e).__name__}: {e}"[-1500:]
     finally:
+        if profiler is not None:
+            out["profile"] = profiler.join()
         out["exit_code"] = srv.stop()
     return out
+
+
+PROFILE_S = 16  # py-spy's duration: past ready (11-12 s on the H200), short of the request after it
+
+
+class _Profiler:
+    def __init__(self, work: Any):
+        import threading
+
+        self.result: dict[str, Any] = {}
+        self._thread = threading.Thread(target=lambda: self.result.update(work()), daemon=True)
+        self._thread.start()
+
+    def join(self) -> dict[str, Any]:
+        self._thread.join(PROFILE_S + 30)
+        return self.result
+
+
+def _profile_from_spawn(srv: Any, out: Path) -> _Profiler:
+    """Attach py-spy to `srv`'s process as soon as it is spawned; the summary once it is written."""
+    from spy_profile import attach, summarize
+
+    def work() -> dict[str, Any]:
+        deadline = time.perf_counter() + 30
+        while srv.proc is None and time.perf_counter() < deadline:
+            time.sleep(0.001)
+        if srv.proc is None:
+            return {"error": "the server was not spawned"}
+        spy = attach(srv.proc.pid, out, PROFILE_S)
+        if spy is None:
+            return {"error": "py-spy not found (PATH, or bin/py-spy beside a sys.path entry)"}
+        _, err = spy.communicate(timeout=PROFILE_S + 30)
+        if spy.returncode != 0 or not out.exists():
+            return {"error": f"py-spy exited {spy.returncode}: {(err or '').strip()[-500:]}"}
+        return {"raw": out.name, **summarize(out)}
+
+    return _Profiler(work)
 
 
 def mode_flags(mode: str, model: Path, args: argparse.Namespace) -> list[str]:
@@ -151,10 +194,11 @@ def parse_plan(text: str) -> list[tuple[str, str, int]]:
             steps.append(("disk-read", "", 1))
             continue
         name, _, count = item.partition(":")
-        mode, _, cold = name.partition("@")
-        if mode not in MODES or cold not in ("", "cold") or not (count or "1").isdigit():
-            raise ValueError(f"{item!r}: expected MODE[:N], MODE@cold[:N] or disk-read (modes: {', '.join(MODES)})")
-        steps.append(("cold" if cold else "warm", mode, int(count or 1)))
+        mode, _, kind = name.partition("@")
+        if mode not in MODES or kind not in ("", "cold", "profile") or not (count or "1").isdigit():
+            raise ValueError(f"{item!r}: expected MODE[:N], MODE@cold[:N], MODE@profile or disk-read "
+                             f"(modes: {', '.join(MODES)})")
+        steps.append((kind or "warm", mode, int(count or 1)))
     return steps
 
 
@@ -220,7 +264,7 @@ def run(args: argparse.Namespace) -> None:
                 print(f"disk read: {rec['disk_read']['seconds']} s ({rec['disk_read']['gb_per_s']} GB/s)", flush=True)
             else:
                 check = args.check_output and kind == "warm" and mode not in checked
-                run_start(rec, model, mode, kind == "cold", i, args, check)
+                run_start(rec, model, mode, kind, i, args, check)
                 if check:
                     checked.add(mode)
             budget.took(kind, time.perf_counter() - t_step)
@@ -229,21 +273,26 @@ def run(args: argparse.Namespace) -> None:
     print(json.dumps(summarize([rec]), indent=1))
 
 
-def run_start(rec: dict, model: Path, mode: str, cold: bool, i: int, args: argparse.Namespace, check: bool) -> None:
-    """One start of the plan, appended to `rec["starts"]` (the page cache made cold or warm first)."""
+def run_start(rec: dict, model: Path, mode: str, kind: str, i: int, args: argparse.Namespace, check: bool) -> None:
+    """One start of the plan, appended to `rec["starts"]` (the page cache made cold or warm first;
+    a `profile` start is a warm one under py-spy, left out of the figures)."""
+    cold = kind == "cold"
     evicted = evict(model) if cold else None
     rewarmed = None if cold else round(ensure_warm(model), 2)
-    label = f"{mode}-{'cold' if cold else 'warm'}-{i}"
+    label = f"{mode}-{kind}-{i}"
     request = (TINY_CHECK_REQUEST if args.dry_run else CHECK_REQUEST) if check else None
-    res = start_once(model, mode_flags(mode, model, args), args, label, request)
-    rec["starts"].append({"mode": mode, "start": i, "cold": cold, "evicted": evicted, "rewarm_seconds": rewarmed, **res})
+    spy = args.logs / f"py-spy-{label}.txt" if kind == "profile" else None
+    res = start_once(model, mode_flags(mode, model, args), args, label, request, spy)
+    rec["starts"].append({"mode": mode, "start": i, "cold": cold, "profiled": spy is not None, "evicted": evicted,
+                          "rewarm_seconds": rewarmed, **res})
     print(f"{label}: ready {res.get('ready_seconds')} s startup {res.get('startup_seconds')}"
           f"{' error ' + res['error'] if 'error' in res else ''}", flush=True)
 
 
 # ---- the record ----------------------------------------------------------------------------------
 def _ready(starts: list[dict], mode: str, cold: bool) -> list[float]:
-    return [s["ready_seconds"] for s in starts if s["mode"] == mode and s["cold"] == cold and "ready_seconds" in s]
+    return [s["ready_seconds"] for s in starts
+            if s["mode"] == mode and s["cold"] == cold and not s.get("profiled") and "ready_seconds" in s]
 
 
 def summarize(raws: list[dict]) -> dict[str, Any]:
@@ -289,10 +338,26 @@ def markdown(rec: dict) -> str:
     for raw in rec["raws"]:
         for st in raw["starts"]:
             phases = (st.get("startup_seconds") or {}).get("phases", {})
-            lines.append(f"- {st['mode']} {'cold' if st['cold'] else 'warm'} {st['start']}: ready "
+            kind = "profiled" if st.get("profiled") else "cold" if st["cold"] else "warm"
+            lines.append(f"- {st['mode']} {kind} {st['start']}: ready "
                          f"{st.get('ready_seconds', st.get('error'))} s; {json.dumps(phases)}")
+    lines += _profile_lines(rec)
     lines += ["", "Commands:", ""] + [f"- `{raw['command']}`" for raw in rec["raws"]]
     return "\n".join(lines) + "\n"
+
+
+def _profile_lines(rec: dict, top: int = 15) -> list[str]:
+    """Each profiled start's heaviest frames (py-spy, seconds of samples; not in the figures above)."""
+    lines: list[str] = []
+    for raw in rec["raws"]:
+        for st in (s for s in raw["starts"] if s.get("profiled")):
+            prof = st.get("profile") or {}
+            lines += ["", f"Profile of {st['mode']} start {st['start']} (py-spy, {prof.get('raw', 'no raw')}): "
+                      f"{prof.get('error') or 'seconds per thread ' + json.dumps(prof.get('threads_seconds'))}"]
+            for key in ("dlo_inclusive", "module_imports", "inclusive", "self"):
+                if prof.get(key):
+                    lines.append(f"- {key}: " + "; ".join(f"{n} {t}" for n, t in prof[key][:top]))
+    return lines
 
 
 def merge(args: argparse.Namespace) -> None:

@@ -20,6 +20,7 @@ Map (which file to open for which concept):
   control.py     every message between rank 0 and its children (frozen dataclasses), RankConfig
   pipeline.py    ServingPipeline: the family's diffusers pipeline around dlo.engine.load
   prewarm.py     what a rank's start runs beside its imports: readahead, the device libraries' warm-up
+  readahead.py   the readahead's child process (python -m dlo.engine.serving.readahead): no shared GIL
   encode.py      PNG / MP4 encoders
   api_models.py  OpenAI request/response models and their validation into a Generation
   limits.py      request limits; metrics.py  Prometheus metrics; launch.py  ServerProcess

@@ -3,8 +3,9 @@ and initialise the device libraries every request uses.
 
 Owns: `start_beside_imports` and `join_logged` (both jobs, as `ServingPipeline` runs them),
 `start_readahead` (the pipeline folder's safetensors files that are not in the page cache,
-read on a thread in the order the load needs them, in parallel chunks at the disk's speed through
-`dlo.agent.warm`; a warm page cache costs one residency check per file) and `start_library_warmup`
+read in the order the load needs them, in parallel chunks at the disk's speed by `dlo.agent.warm`
+in a child process, `readahead.py`, waited for on a thread; a warm page cache costs one residency
+check per file) and `start_library_warmup`
 (on a side stream of the device: bf16 and fp32 GEMMs, fused attention, 2-D and 3-D convolutions,
 norms, so that cuBLAS(Lt), cuDNN and the attention kernels are loaded and initialised here,
 inside C++ that releases the GIL, while the main thread imports; not in the warm-up generation
@@ -25,7 +26,6 @@ from typing import Any, Callable
 
 log = logging.getLogger(__name__)
 
-READAHEAD_THREADS = 8  # requests in flight: enough for an NVMe disk, 8 x 16 MiB of buffers at most
 RESIDENT_ENOUGH = 0.999  # a file this much in the page cache is not read again
 
 
@@ -80,10 +80,9 @@ def start_readahead(model_dir: Path, components: tuple[str, ...]) -> Background 
         return None
 
     def read() -> dict[str, Any]:
-        from dlo.agent.warm import warm
+        from dlo.engine.serving.readahead import read_in_child
 
-        session = warm(cold, threads=READAHEAD_THREADS)
-        return {"files": len(cold), "bytes": session.after.bytes, "seconds": round(session.seconds, 2)}
+        return read_in_child(cold)  # a process of its own: its reads never take this one's GIL
 
     log.info("readahead of %d files not in the page cache (%d bytes) started", len(cold),
              sum(f.stat().st_size for f in cold))

@@ -25,10 +25,30 @@ def test_the_plan_is_read_in_order_and_a_bad_item_is_named() -> None:
 
     assert ready_h200.parse_plan("resident:5,rank-local,disk-read,resident@cold:2") == [
         ("warm", "resident", 5), ("warm", "rank-local", 1), ("disk-read", "", 1), ("cold", "resident", 2)]
+    assert ready_h200.parse_plan("resident@profile") == [("profile", "resident", 1)]
     with pytest.raises(ValueError, match="'resident@hot'"):
         ready_h200.parse_plan("resident@hot")
     r = bench("run", "--raw", "/dev/null", "--plan", "fast:2")
     assert r.returncode == 2 and "--plan: 'fast:2'" in r.stderr
+
+
+def test_a_profiled_start_is_summarized_by_frame_and_left_out_of_the_figures(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    import ready_h200
+    from spy_profile import summarize
+
+    raw = tmp_path / "spy.txt"
+    raw.write_text("thread (1): MainThread;<module> (a.py:1);load (dlo/engine/load.py:10);f (torch/x.py:3) 30\n"
+                   "thread (1): MainThread;<module> (a.py:1);_find_and_load (<frozen importlib._bootstrap>:1) 20\n"
+                   "thread (2): dlo-readahead;run (dlo/engine/serving/prewarm.py:40) 50\n")
+    got = summarize(raw, rate=100)
+    assert got["threads_seconds"] == {"MainThread": 0.5, "dlo-readahead": 0.5}
+    assert got["module_imports"] == [["a.py", 0.5]] and got["self"][0] == ["run (dlo/engine/serving/prewarm.py)", 0.5]
+    assert ["load (dlo/engine/load.py)", 0.3] in got["dlo_inclusive"]
+    assert not any("<frozen" in name for name, _ in got["inclusive"])
+    starts = [{"mode": "resident", "cold": False, "ready_seconds": 11.0},
+              {"mode": "resident", "cold": False, "profiled": True, "ready_seconds": 14.0}]
+    assert ready_h200._ready(starts, "resident", False) == [11.0]
 
 
 @pytest.mark.slow

@@ -3,6 +3,8 @@ read ahead into the page cache, and the device libraries' first calls."""
 
 from __future__ import annotations
 
+import os
+
 from dlo.agent.residency import folder_residency, model_files
 from dlo.engine.serving.prewarm import start_library_warmup, start_readahead, warm_libraries
 from tests.agent.test_warm import drop  # fsync, then POSIX_FADV_DONTNEED
@@ -18,6 +20,7 @@ def test_a_cold_checkpoint_is_read_ahead_and_a_warm_one_costs_nothing(tmp_path_f
     assert job is not None
     done = job.join()
     assert done is not None and done["files"] == len(model_files(model)), done
+    assert done["pid"] != os.getpid()  # read by a child: its threads never take the GIL of the rank's imports
     assert folder_residency(model).ratio == 1.0 > cold
     assert start_readahead(model, ("transformer",)) is None  # every file cached: no thread, no read
 
@@ -25,3 +28,12 @@ def test_a_cold_checkpoint_is_read_ahead_and_a_warm_one_costs_nothing(tmp_path_f
 def test_the_library_warmup_runs_its_calls_and_only_starts_on_cuda():
     assert warm_libraries("cpu") > 0
     assert start_library_warmup(__import__("torch").device("cpu")) is None
+
+
+def test_a_readahead_that_cannot_read_says_why(tmp_path):
+    import pytest
+
+    from dlo.engine.serving.readahead import read_in_child
+
+    with pytest.raises(RuntimeError, match="the readahead process failed: .*no such file"):
+        read_in_child([tmp_path / "gone.safetensors"])
