@@ -186,6 +186,8 @@ def markdown(rec: dict) -> str:
              "| dp | peak GB | peak / checkpoint | dp x checkpoint GB | peak / (dp x ckpt) | predicted GB | "
              "peak / predicted | page cache GB | arena GB | slots + resident on host GB | rest per rank GB | ready s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    if rec.get("error"):  # no group could be made: nothing was measured, and why
+        lines.append(f"| - | not measured: {rec['error']} |")
     for dp, s in rec["summary"].items():
         if "error" in s:
             lines.append(f"| {dp} | error: {s['error']} |")
