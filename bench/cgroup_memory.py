@@ -54,7 +54,8 @@ class MemoryGroup:
         try:
             self.path.mkdir()
             if self.version == 2 and not (self.path / "memory.peak").exists():
-                raise CgroupUnavailable(f"{self.path}: no memory controller delegated (memory.peak missing)")
+                raise CgroupUnavailable(f"a group under this process's own ({self.path.name}): no memory controller "
+                                        "delegated (memory.peak missing)")
             (self.path / self.limit_file).write_text(str(self.limit_bytes))
         except OSError as e:
             raise CgroupUnavailable(f"cannot create memory cgroup {self.path}: {e}") from e
