@@ -22,7 +22,6 @@ import logging
 import os
 from typing import AsyncIterator
 
-import aiohttp
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
@@ -52,6 +51,8 @@ class Peers:
                  connect_timeout_s: float = CONNECT_TIMEOUT_S, read_timeout_s: float = READ_TIMEOUT_S):
         if template is not None and "{pod}" not in template:
             raise ValueError(f"{PEER_URL_TEMPLATE_ENV} must contain {{pod}}, got {template!r}")
+        import aiohttp  # here, not at the module's import: a server without peers never loads it (~0.3 s)
+
         self.template, self.urls = template, dict(urls or {})
         self.timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_connect=connect_timeout_s,
                                              sock_read=read_timeout_s)
@@ -84,6 +85,8 @@ class Peers:
     async def forward(self, request: Request, pod: str) -> Response:
         """Send `request` (method, path, query, Authorization) to `pod` and answer what it answered;
         bodies (an MP4 too) stream through without being held whole."""
+        import aiohttp
+
         base = self.url(pod)
         assert base is not None, "the caller checks url() first"
         target = base + request.url.path + (f"?{request.url.query}" if request.url.query else "")
