@@ -24,7 +24,8 @@ default warm-up at its default size and default limits; the seconds from `Popen`
 Python, taken from the load beside it, so 20 ms polls slowed this host's tiny start by ~15%; a
 kubelet probes every 1-10 s), the server's own `startup_seconds` (its phases: rank 0's load
 steps, then the warm-up's) and the exit code of SIGTERM. `--check-output` sends one image request
-after the first warm start of each mode (the bytes of every mode must agree). The raw file is
+twice after the first warm start of each mode (the bytes of every mode must agree; `check_seconds`
+first and second: what first-call cost the warm-up left to the first client). The raw file is
 rewritten after every step (a call cut short keeps what it measured), with the command, the package
 set (optional packages installed, bytecode) and the host. `merge` joins raw files into
 `<stem>.{json,md}` with its `summary`: `ready_seconds_median` and `ready_seconds_max` as {mode:
@@ -129,8 +130,13 @@ def start_once(model: Path, flags: list[str], args: argparse.Namespace, label: s
             from pipeline_requests import generate
 
             client = OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=300, max_retries=0)
-            try:
-                out["output_sha256"] = hashlib.sha256(generate(client, check)).hexdigest()
+            try:  # twice: a first request slower than the second is a first-call cost the warm-up left
+                seconds, shas = [], []
+                for _ in range(2):
+                    t1 = time.perf_counter()
+                    shas.append(hashlib.sha256(generate(client, check)).hexdigest())
+                    seconds.append(round(time.perf_counter() - t1, 3))
+                out.update(output_sha256=shas[0], check_seconds=seconds, check_same_bytes=len(set(shas)) == 1)
             except Exception as e:  # recorded: the starts after it still run
                 out["check_error"] = f"{type(e).__name__}: {e}"[-1500:]
     finally:
@@ -345,8 +351,9 @@ def markdown(rec: dict) -> str:
         for st in raw["starts"]:
             phases = (st.get("startup_seconds") or {}).get("phases", {})
             kind = "profiled" if st.get("profiled") else "cold" if st["cold"] else "warm"
+            check = f"; check request first/second {st['check_seconds']} s" if st.get("check_seconds") else ""
             lines.append(f"- {st['mode']} {kind} {st['start']}: ready "
-                         f"{st.get('ready_seconds', st.get('error'))} s; {json.dumps(phases)}")
+                         f"{st.get('ready_seconds', st.get('error'))} s; {json.dumps(phases)}{check}")
     lines += _profile_lines(rec)
     lines += ["", "Commands:", ""] + [f"- `{raw['command']}`" for raw in rec["raws"]]
     return "\n".join(lines) + "\n"

@@ -69,6 +69,7 @@ def test_the_dry_run_records_warm_and_cold_starts_with_their_phases_and_merge_su
         phases = st["startup_seconds"]["phases"]
         assert {"imports", "engine_models", "settle", "warmup_denoise"} <= set(phases), phases
     assert len(warm["output_sha256"]) == 64 and "output_sha256" not in cold
+    assert warm["check_same_bytes"] is True and len(warm["check_seconds"]) == 2
     r = bench("merge", str(raw), "--out", str(tmp_path / "out"), "--stem", "ready-dry")
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "ready-dry.json").read_text())["summary"]
