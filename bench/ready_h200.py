@@ -60,6 +60,10 @@ MODES: dict[str, tuple[str, ...]] = {
     "resident": ("--mode", "resident"),  # what the policy picks on an H200 (the model fits)
     "rank-local": ("--mode", "rank-local", "--resident-blocks", "{partial}"),
     "allgather": ("--mode", "allgather", "--dp", "2"),  # two GPUs only
+    # the warm-up at one step (A/B: the check request's first try against its second says whether
+    # one step leaves the first client a first-call cost)
+    "resident-warmup1": ("--mode", "resident", "--warmup-steps", "1"),
+    "rank-local-warmup1": ("--mode", "rank-local", "--resident-blocks", "{partial}", "--warmup-steps", "1"),
     # the resident load as it was: pageable copies, the text encoder through diffusers
     "resident-pageable": ("--mode", "resident", "--no-register-early", "--no-stream-text-encoders"),
 }

@@ -107,14 +107,14 @@ class PipelineFacts:
         """Transformer forwards one request makes: steps x CFG branches (separate calls)."""
         return self.adapter.transformer_calls(gen)
 
-    def warmup(self, width: int, height: int) -> Generation:
-        """The warm-up request at this size: a 2-step image, or the shortest video of a family that
-        makes videos only."""
+    def warmup(self, width: int, height: int, steps: int = 2) -> Generation:
+        """The warm-up request at this size: a `steps`-step image, or the shortest video of a family
+        that makes videos only."""
         if self.images:
-            return Generation(kind="image", prompt="warm-up", seed=0, width=width, height=height, steps=2,
+            return Generation(kind="image", prompt="warm-up", seed=0, width=width, height=height, steps=steps,
                               guidance_scale=self.default_guidance)
         fps = self.fps or 24
-        return Generation(kind="video", prompt="warm-up", seed=0, width=width, height=height, steps=2,
+        return Generation(kind="video", prompt="warm-up", seed=0, width=width, height=height, steps=steps,
                           guidance_scale=self.default_guidance, frames=self.valid_frames(self.shortest_seconds(fps), fps),
                           fps=fps)
 

@@ -155,6 +155,9 @@ def _model_and_limits(args: argparse.Namespace, start: _Start) -> None:
         start.limits = Limits.load(args.limits, SMALL if args.small_limits else None, max_steps=args.max_steps,
                                    max_width=args.max_size, max_height=args.max_size)
         start.warmup_size = _warmup_size(args.warmup_size, start.facts, start.limits)
+        if not 1 <= args.warmup_steps <= start.limits.max_steps:
+            raise StartError(f"--warmup-steps: {args.warmup_steps} is not between 1 and the limits' max_steps "
+                             f"({start.limits.max_steps})")
         start.adapters = _check_adapters(args.lora_dir, start.model_dir, start.facts, args.sp)
     except AdapterError as e:
         raise StartError(f"--lora-dir: refusing an adapter that does not fit the model: {e}") from None
@@ -267,6 +270,7 @@ def _engine(args: argparse.Namespace, start: _Start) -> Any:
     )
     options = EngineOptions(progress_timeout_s=args.progress_timeout, max_queue=args.max_queue,
                             wave_window_ms=args.wave_window_ms, warmup=args.warmup, warmup_size=start.warmup_size,
+                            warmup_steps=args.warmup_steps,
                             shutdown_grace_s=args.shutdown_grace, startup_timeout_s=args.startup_timeout,
                             adapters=start.adapters)
     return Engine(cfg, limits=start.limits, facts=start.facts, model_id=args.served_model_name or start.model_dir.name,

@@ -63,6 +63,7 @@ class EngineOptions:
     wave_window_ms: float = 5.0
     warmup: bool = True
     warmup_size: tuple[int, int] | None = None
+    warmup_steps: int = 2
     shutdown_grace_s: float = 25.0
     startup_timeout_s: float = 900.0
     adapters: Mapping[str, str] = field(default_factory=dict)  # --lora-dir: name -> its file or folder
@@ -160,7 +161,7 @@ class Engine:
         return {f"warmup_{k}": round(v, 2) for k, v in results[0].phase_seconds.items()}
 
     def warmup_generation(self) -> Generation:
-        return warmup_generation(self.facts, self.cfg.sp, self.warmup_size)
+        return warmup_generation(self.facts, self.cfg.sp, self.warmup_size, self.options.warmup_steps)
 
     @property
     def warmup_size_text(self) -> str | None:

@@ -18,14 +18,14 @@ from dlo.engine.timing import process_age_seconds, uncached_bytecode, unneeded_i
 log = logging.getLogger(__name__)
 
 
-def warmup_generation(facts: PipelineFacts, sp: int, size: tuple[int, int] | None) -> Generation:
-    """One small request (2 steps at `--warmup-size`, else the smallest valid size), run once by every
+def warmup_generation(facts: PipelineFacts, sp: int, size: tuple[int, int] | None, steps: int = 2) -> Generation:
+    """One small request (`--warmup-steps` at `--warmup-size`, else the smallest valid size), run once by every
     rank before `/ready` turns 200: it goes through every path a request uses (text encoder,
     transformer with its gathers and transfer graphs, every CFG branch, scheduler, VAE decode,
     encoding), so library initialisation and first-call costs are paid before the first client."""
     m, least = facts.size_multiple, facts.smallest_side
     w, h = size or (max(m * sp, least), least)  # sp > 1: tokens per frame split over the sp ranks
-    return facts.warmup(w, h)  # an image, or the shortest video of a video-only family
+    return facts.warmup(w, h, steps)  # an image, or the shortest video of a video-only family
 
 
 def startup_phases(before_load: float, load_s: float, warmup_s: float | None,
