@@ -88,6 +88,7 @@ def predicted(model: Path, dp: int, device: str) -> dict:
     """The policy's cold-start peaks (every mode) for this host's profile, as `dlo serve` builds it."""
     from dlo.agent.policy import estimate_modes
     from dlo.engine.blocks import describe
+    from dlo.engine.facts import key_of_mode
     from dlo.engine.serving.cli import local_profile
 
     est = estimate_modes(local_profile(device), describe(model), dp, require_bandwidth=False)
@@ -221,7 +222,7 @@ def main() -> int:
     date = datetime.date.today().isoformat()
     rec: dict[str, Any] = {"date": date, "command": " ".join(["python", *sys.argv]), "model": model.name,
                            "checkpoint_bytes": checkpoint_bytes(model), "transformer_bytes": describe(model).bytes,
-                           "mode": args.mode, "mode_key": args.mode.replace("-", "_"), "device": args.device, "runs": []}
+                           "mode": args.mode, "mode_key": key_of_mode(args.mode), "device": args.device, "runs": []}
     try:
         rec["cgroup_version"] = MemoryGroup("probe", 0).version
         for dp in (int(x) for x in args.dp.split(",")):

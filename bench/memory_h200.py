@@ -183,7 +183,7 @@ def _geometry(model: Path) -> Geometry:
     from dlo.engine.families import pipeline_facts
 
     f = pipeline_facts(model)
-    return Geometry(f.size_multiple, f.temporal_factor, f.image_input)
+    return Geometry(f.size_multiple, f.temporal_factor, f.image_input, f.smallest_side)
 
 
 # ---- merge (here) ----------------------------------------------------------------------------------

@@ -13,8 +13,9 @@ the full Wan2.1-T2V-14B pipeline, per mode, with a warm and with a cold page cac
 `bench/pipeline_h200.py` does: 49-64 s on an H200 host), reads it once into the page cache, then
 runs `--plan` in order: `MODE[:N]` is N warm starts of `dlo serve` in MODE (`MODES`), `disk-read`
 the seconds the disk takes to read the whole folder once (`dlo warm`'s parallel reader, after
-evicting it), `MODE@profile` one warm start under py-spy (attached at spawn, every thread, PROFILE_S seconds;
-its raw stacks beside the logs and a summary in the record, not in the figures), `MODE@cold[:N]` N
+evicting it), `MODE@profile` one warm start under py-spy (attached by pid at spawn, every thread, PROFILE_S
+seconds; its raw stacks beside the logs and a summary in the record, not in the figures; py-spy
+needs ptrace rights over a sibling process, and a failed attach is only an `error` in the record), `MODE@cold[:N]` N
 starts each after evicting the checkpoint (`os.sync`,
 `posix_fadvise(POSIX_FADV_DONTNEED)` per file: no privilege needed, and `drop_caches` where
 allowed, with the residency left checked by `dlo.agent.residency`). A warm start finds the folder
@@ -42,6 +43,7 @@ import json
 import os
 import platform as host_platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -122,7 +124,11 @@ def start_once(model: Path, flags: list[str], args: argparse.Namespace, label: s
         srv.start(ready_timeout_s=args.ready_timeout, poll_s=args.poll_s)
     except (RuntimeError, TimeoutError) as e:
         lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
-        return {**out, "error": f"{e}: {lines[-1] if lines else ''}"[-1500:], "exit_code": srv.stop()}
+        out["error"] = f"{e}: {lines[-1] if lines else ''}"[-1500:]
+        if profiler is not None:  # a failed start's profile is the one most wanted
+            out["profile"] = profiler.join()
+        out["exit_code"] = srv.stop()
+        return out
     out["ready_seconds"] = round(time.perf_counter() - t0, 3)
     try:
         info = srv.ready_info()
@@ -153,16 +159,30 @@ def start_once(model: Path, flags: list[str], args: argparse.Namespace, label: s
 PROFILE_S = 16  # py-spy's duration: past ready (11-12 s on the H200), short of the request after it
 
 
+SPAWN_WAIT_S = 30.0  # how long the profiler waits for the server's process to exist
+
+
 class _Profiler:
+    """`work` on a thread; `join` its result, or an error naming why there is none."""
+
     def __init__(self, work: Any):
         import threading
 
         self.result: dict[str, Any] = {}
-        self._thread = threading.Thread(target=lambda: self.result.update(work()), daemon=True)
+
+        def run() -> None:
+            try:
+                self.result.update(work())
+            except Exception as e:  # recorded: the start's figures stand without a profile
+                self.result["error"] = f"{type(e).__name__}: {e}"[-500:]
+
+        self._thread = threading.Thread(target=run, daemon=True)
         self._thread.start()
 
     def join(self) -> dict[str, Any]:
-        self._thread.join(PROFILE_S + 30)
+        self._thread.join(SPAWN_WAIT_S + PROFILE_S + 60)
+        if self._thread.is_alive():
+            return {"error": "the profiler did not finish"}
         return self.result
 
 
@@ -171,18 +191,28 @@ def _profile_from_spawn(srv: Any, out: Path) -> _Profiler:
     from spy_profile import attach, summarize
 
     def work() -> dict[str, Any]:
-        deadline = time.perf_counter() + 30
+        deadline = time.perf_counter() + SPAWN_WAIT_S
         while srv.proc is None and time.perf_counter() < deadline:
             time.sleep(0.001)
         if srv.proc is None:
             return {"error": "the server was not spawned"}
-        spy = attach(srv.proc.pid, out, PROFILE_S)
-        if spy is None:
-            return {"error": "py-spy not found (PATH, or bin/py-spy beside a sys.path entry)"}
-        _, err = spy.communicate(timeout=PROFILE_S + 30)
-        if spy.returncode != 0 or not out.exists():
-            return {"error": f"py-spy exited {spy.returncode}: {(err or '').strip()[-500:]}"}
-        return {"raw": out.name, **summarize(out)}
+        started, attempts = time.perf_counter(), 0
+        while True:  # in its first milliseconds the process may not be a Python interpreter yet
+            attempts += 1
+            spy = attach(srv.proc.pid, out, PROFILE_S)
+            if spy is None:
+                return {"error": "py-spy not found (PATH, or bin/py-spy beside a sys.path entry)"}
+            try:
+                _, err = spy.communicate(timeout=PROFILE_S + 30)
+            except subprocess.TimeoutExpired:
+                spy.kill()
+                spy.wait()
+                return {"error": f"py-spy ran past {PROFILE_S + 30} s and was killed"}
+            if spy.returncode == 0 and out.exists():
+                return {"raw": out.name, "attach_attempts": attempts, **summarize(out)}
+            if time.perf_counter() - started > 3.0:
+                return {"error": f"py-spy exited {spy.returncode}: {(err or '').strip()[-500:]}"}
+            time.sleep(0.05)
 
     return _Profiler(work)
 

@@ -30,6 +30,13 @@ ModeKey = Literal["allgather", "rank_local", "resident"]
 MODE_KEYS: tuple[ModeKey, ...] = get_args(ModeKey)
 
 
+def key_of_mode(mode: Mode) -> ModeKey:
+    """`rank-local` -> `rank_local` (a mode as a JSON key)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+    return mode.replace("-", "_")  # type: ignore[return-value]
+
+
 def mode_of_key(key: ModeKey) -> Mode:
     """`rank_local` -> `rank-local` (the engine's spelling of a JSON key)."""
     if key not in MODE_KEYS:

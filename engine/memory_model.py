@@ -69,6 +69,7 @@ class Geometry:
     size_multiple: int  # VAE scale x patch: one token per size_multiple^2 pixels of a frame
     temporal_factor: int  # video: latent frames = (frames - 1) / temporal_factor + 1; 0: images only
     image_input: bool = False  # image-to-video: requests are videos only, with an input image
+    smallest_side: int = 0  # the smallest width and height served (`PipelineFacts.smallest_side`); 0: size_multiple
 
 
 def features(part: str, shape: Shape, geometry: Geometry, sequence: int) -> dict[str, float]:
@@ -246,7 +247,8 @@ def largest_fitting_size(memory: PipelineMemory, mode: str, g: int, budget: int)
     `budget` with the table's prediction; None when none does or the request is unmeasured."""
     step = memory.geometry.size_multiple
     top = max(memory.bounds.max_width, memory.bounds.max_height) // step * step
-    for side in range(top, step - 1, -step):
+    floor = max(step, memory.geometry.smallest_side)  # below it no request is served: no size to offer
+    for side in range(top, floor - 1, -step):
         bounds = dataclasses.replace(memory.bounds, max_width=min(memory.bounds.max_width, side),
                                      max_height=min(memory.bounds.max_height, side))
         peak = memory.with_bounds(bounds).rank(mode, g).peak_bytes
@@ -280,7 +282,7 @@ def pipeline_memory(model_dir: Path | str, bounds: RequestBounds, *, tile_above_
                 or spec[0] is None or not any(folder.glob("*.safetensors"))):
             continue
         whole[name] = cached_checkpoint(folder).nbytes
-    geometry = Geometry(facts.size_multiple, facts.temporal_factor, facts.image_input)
+    geometry = Geometry(facts.size_multiple, facts.temporal_factor, facts.image_input, facts.smallest_side)
     loaded = table if table is not None else MemoryTable.load()  # TableError names a broken file
     return PipelineMemory(facts.family, geometry, transformers, encoders, whole, bounds, tile_above_pixels,
                           loaded, stream_encoders)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dlo.agent.profile import ANNOTATION as PROFILE_ANNOTATION  # the agent writes it; one key
-from dlo.engine.facts import MODES, Mode, ModelFacts
+from dlo.engine.facts import MODES, Mode, ModelFacts, key_of_mode
 from dlo.operator.models import DLODeploymentSpec
 
 
@@ -158,7 +158,7 @@ def pod_memory_bytes(spec: DLODeploymentSpec, nodes: list[dict[str, Any]], mode:
     from dlo.agent.profile import NodeProfile
 
     policy = _policy()
-    key = mode.replace("-", "_")
+    key = key_of_mode(mode)
     out: list[int] = []
     profiles = []
     for node in eligible_nodes(nodes, spec):

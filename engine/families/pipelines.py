@@ -20,6 +20,9 @@ from dlo.engine.families.base import BlockFamily
 from dlo.engine.request import Generation
 
 
+WARMUP_STEPS = 2  # the warm-up's default steps: the scheduler's first and a later step (`--warmup-steps`)
+
+
 @dataclass(frozen=True)
 class PipelineFacts:
     """What a request may ask of this pipeline folder (torch-free)."""
@@ -51,7 +54,9 @@ class PipelineFacts:
 
     @property
     def smallest_side(self) -> int:
-        return max(self.min_side, self.size_multiple)
+        """The smallest width and height served: `min_side` rounded up to a multiple of `size_multiple`."""
+        m = self.size_multiple
+        return max(m, -(-self.min_side // m) * m)
 
     @classmethod
     def from_dir(cls, model_dir: Path | str) -> "PipelineFacts":
@@ -107,7 +112,7 @@ class PipelineFacts:
         """Transformer forwards one request makes: steps x CFG branches (separate calls)."""
         return self.adapter.transformer_calls(gen)
 
-    def warmup(self, width: int, height: int, steps: int = 2) -> Generation:
+    def warmup(self, width: int, height: int, steps: int = WARMUP_STEPS) -> Generation:
         """The warm-up request at this size: a `steps`-step image, or the shortest video of a family
         that makes videos only."""
         if self.images:

@@ -76,7 +76,8 @@ class _Extensions(BaseModel):
 
 class ImageGenerationRequest(_Extensions):
     n: int = Field(1, description="number of images")
-    size: str | None = Field(None, description='"WIDTHxHEIGHT", multiples of the model\'s patch size')
+    size: str | None = Field(None, description='"WIDTHxHEIGHT", multiples of the model\'s patch size, '
+                                               'at least its smallest side')
     response_format: Literal["b64_json", "url"] = Field("b64_json", description="only b64_json is served")
     output_format: Literal["png"] | None = None
     quality: str | None = Field(None, description="accepted for OpenAI compatibility; unused")

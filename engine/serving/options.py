@@ -24,6 +24,7 @@ from dlo.cli.args import (
 )
 from dlo.delivery.uri import model_argument
 from dlo.engine.facts import MODES_OR_AUTO, DeviceKind, Mode
+from dlo.engine.families.pipelines import WARMUP_STEPS
 from dlo.engine.settings import (
     MAX_GATHER_CTAS,
     STREAM_DTYPES,
@@ -154,7 +155,7 @@ def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
                              "without `size` gets: it also loads the kernels chosen per shape, which a fresh node "
                              "otherwise loads on the first such request; `smallest`: the smallest valid size, "
                              "the quickest warm-up)")
-    parser.add_argument("--warmup-steps", type=int, default=2, metavar="N",
+    parser.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS, metavar="N",
                         help="denoising steps of the warm-up generation (1 to the limits' max_steps; default 2: the "
                              "scheduler's first and a later step)")
     parser.add_argument("--limits", type=Path, default=None,

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Literal, Mapping
 
 from dlo.engine.families import PipelineFacts
+from dlo.engine.families.pipelines import WARMUP_STEPS
 from dlo.engine.parallel import Layout, LayoutError, check_tokens, leader_results, wave_assignments
 from dlo.engine.request import Generation
 from dlo.engine.serving.control import RankConfig, Result, WaveError, summary
@@ -63,7 +64,7 @@ class EngineOptions:
     wave_window_ms: float = 5.0
     warmup: bool = True
     warmup_size: tuple[int, int] | None = None
-    warmup_steps: int = 2
+    warmup_steps: int = WARMUP_STEPS
     shutdown_grace_s: float = 25.0
     startup_timeout_s: float = 900.0
     adapters: Mapping[str, str] = field(default_factory=dict)  # --lora-dir: name -> its file or folder

@@ -12,19 +12,22 @@ import logging
 from typing import Any
 
 from dlo.engine.families import PipelineFacts
+from dlo.engine.families.pipelines import WARMUP_STEPS
 from dlo.engine.request import Generation
 from dlo.engine.timing import process_age_seconds, uncached_bytecode, unneeded_imports
 
 log = logging.getLogger(__name__)
 
 
-def warmup_generation(facts: PipelineFacts, sp: int, size: tuple[int, int] | None, steps: int = 2) -> Generation:
+def warmup_generation(facts: PipelineFacts, sp: int, size: tuple[int, int] | None,
+                      steps: int = WARMUP_STEPS) -> Generation:
     """One small request (`--warmup-steps` at `--warmup-size`, else the smallest valid size), run once by every
     rank before `/ready` turns 200: it goes through every path a request uses (text encoder,
     transformer with its gathers and transfer graphs, every CFG branch, scheduler, VAE decode,
     encoding), so library initialisation and first-call costs are paid before the first client."""
     m, least = facts.size_multiple, facts.smallest_side
-    w, h = size or (max(m * sp, least), least)  # sp > 1: tokens per frame split over the sp ranks
+    row = m * sp  # sp > 1: a width of sp tokens per row splits every frame's tokens over the sp ranks
+    w, h = size or (-(-least // row) * row, least)
     return facts.warmup(w, h, steps)  # an image, or the shortest video of a video-only family
 
 

@@ -157,6 +157,9 @@ def test_the_largest_size_a_budget_allows() -> None:
     over = dataclasses.replace(m.bounds, max_width=side + 16, max_height=side + 16)
     assert m.with_bounds(over).rank("rank-local").peak_bytes > weights + 4 * GB
     assert largest_fitting_size(m, "rank-local", 1, weights // 2) is None
+    # never a size below the family's smallest side (Cosmos3: 32 px), where no request is served
+    floored = dataclasses.replace(m, geometry=dataclasses.replace(m.geometry, smallest_side=side + 16))
+    assert largest_fitting_size(floored, "rank-local", 1, weights + 4 * GB) is None
 
 
 def test_pipeline_memory_reads_a_pipeline_folder(tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -168,4 +171,4 @@ def test_pipeline_memory_reads_a_pipeline_folder(tmp_path_factory: pytest.TempPa
     from dlo.engine.checkpoint import cached_checkpoint
 
     assert set(m.whole) == {"vae"} and m.whole["vae"] == cached_checkpoint(folder / "vae").nbytes
-    assert m.geometry == Geometry(16, 4, False)
+    assert m.geometry == Geometry(16, 4, False, smallest_side=16)

@@ -30,10 +30,19 @@ def test_the_library_warmup_runs_its_calls_and_only_starts_on_cuda():
     assert start_library_warmup(__import__("torch").device("cpu")) is None
 
 
-def test_a_readahead_that_cannot_read_says_why(tmp_path):
+def test_a_readahead_that_cannot_read_says_why_and_an_orphan_reads_nothing(tmp_path):
+    import subprocess
+    import sys
+
     import pytest
 
-    from dlo.engine.serving.readahead import read_in_child
+    from dlo.engine.serving.readahead import ReadaheadError, read_in_child
 
-    with pytest.raises(RuntimeError, match="the readahead process failed: .*no such file"):
+    with pytest.raises(ReadaheadError, match="the readahead process failed: .*no such file"):
         read_in_child([tmp_path / "gone.safetensors"])
+    # a child whose parent is not the one named (it went before the death signal was armed) exits
+    # at once, torch never imported
+    code = ("import sys; from dlo.engine.serving.readahead import main; "
+            "rc = main(['--parent-pid', '1', '/nonexistent.safetensors']); print(rc, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["1", "False"], out.stderr[-2000:]
