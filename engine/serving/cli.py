@@ -155,9 +155,6 @@ def _model_and_limits(args: argparse.Namespace, start: _Start) -> None:
         start.limits = Limits.load(args.limits, SMALL if args.small_limits else None, max_steps=args.max_steps,
                                    max_width=args.max_size, max_height=args.max_size)
         start.warmup_size = _warmup_size(args.warmup_size, start.facts, start.limits)
-        if not 1 <= args.warmup_steps <= start.limits.max_steps:
-            raise StartError(f"--warmup-steps: {args.warmup_steps} is not between 1 and the limits' max_steps "
-                             f"({start.limits.max_steps})")
         start.adapters = _check_adapters(args.lora_dir, start.model_dir, start.facts, args.sp)
     except AdapterError as e:
         raise StartError(f"--lora-dir: refusing an adapter that does not fit the model: {e}") from None

@@ -155,9 +155,9 @@ def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
                              "without `size` gets: it also loads the kernels chosen per shape, which a fresh node "
                              "otherwise loads on the first such request; `smallest`: the smallest valid size, "
                              "the quickest warm-up)")
-    parser.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS, metavar="N",
-                        help="denoising steps of the warm-up generation (1 to the limits' max_steps; default 2: the "
-                             "scheduler's first and a later step)")
+    parser.add_argument("--warmup-steps", type=positive_int, default=WARMUP_STEPS, metavar="N",
+                        help="denoising steps of the warm-up generation (default 2: the scheduler's first and a "
+                             "later step; the request limits do not bound it)")
     parser.add_argument("--limits", type=Path, default=None,
                         help="JSON or YAML file of request limits (max_width, max_height, max_steps, max_n, "
                              "max_frames, max_prompt_chars, max_sequence_length, video_fps, ...)")
