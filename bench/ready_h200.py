@@ -157,40 +157,23 @@ def start_once(model: Path, flags: list[str], args: argparse.Namespace, label: s
 
 
 PROFILE_S = 16  # py-spy's duration: past ready (11-12 s on the H200), short of the request after it
-
-
 SPAWN_WAIT_S = 30.0  # how long the profiler waits for the server's process to exist
 
 
-class _Profiler:
-    """`work` on a thread; `join` its result, or an error naming why there is none."""
-
-    def __init__(self, work: Any):
-        import threading
-
-        self.result: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                self.result.update(work())
-            except Exception as e:  # recorded: the start's figures stand without a profile
-                self.result["error"] = f"{type(e).__name__}: {e}"[-500:]
-
-        self._thread = threading.Thread(target=run, daemon=True)
-        self._thread.start()
-
-    def join(self) -> dict[str, Any]:
-        self._thread.join(SPAWN_WAIT_S + PROFILE_S + 60)
-        if self._thread.is_alive():
-            return {"error": "the profiler did not finish"}
-        return self.result
-
-
-def _profile_from_spawn(srv: Any, out: Path) -> _Profiler:
-    """Attach py-spy to `srv`'s process as soon as it is spawned; the summary once it is written."""
+def _profile_from_spawn(srv: Any, out: Path) -> Any:
+    """Attach py-spy to `srv`'s process as soon as it is spawned, on a thread (`Background`): its
+    `join()` is the summary once written, or `{"error": ...}` naming why there is none (every wait
+    in it is bounded: the spawn, each attach, py-spy's run)."""
+    from dlo.engine.serving.prewarm import Background
     from spy_profile import attach, summarize
 
     def work() -> dict[str, Any]:
+        try:
+            return attached()
+        except Exception as e:  # recorded: the start's figures stand without a profile
+            return {"error": f"{type(e).__name__}: {e}"[-500:]}
+
+    def attached() -> dict[str, Any]:
         deadline = time.perf_counter() + SPAWN_WAIT_S
         while srv.proc is None and time.perf_counter() < deadline:
             time.sleep(0.001)
@@ -214,7 +197,7 @@ def _profile_from_spawn(srv: Any, out: Path) -> _Profiler:
                 return {"error": f"py-spy exited {spy.returncode}: {(err or '').strip()[-500:]}"}
             time.sleep(0.05)
 
-    return _Profiler(work)
+    return Background("profile", work)
 
 
 def mode_flags(mode: str, model: Path, args: argparse.Namespace) -> list[str]:
@@ -332,9 +315,14 @@ def run_start(rec: dict, model: Path, mode: str, kind: str, i: int, args: argpar
 
 
 # ---- the record ----------------------------------------------------------------------------------
-def _ready(starts: list[dict], mode: str, cold: bool) -> list[float]:
-    return [s["ready_seconds"] for s in starts
+def _counted(starts: list[dict], mode: str, cold: bool) -> list[dict]:
+    """The starts of `mode` that the figures count: warm or cold as asked, not profiled, ready."""
+    return [s for s in starts
             if s["mode"] == mode and s["cold"] == cold and not s.get("profiled") and "ready_seconds" in s]
+
+
+def _ready(starts: list[dict], mode: str, cold: bool) -> list[float]:
+    return [s["ready_seconds"] for s in _counted(starts, mode, cold)]
 
 
 def summarize(raws: list[dict]) -> dict[str, Any]:
@@ -348,8 +336,8 @@ def summarize(raws: list[dict]) -> dict[str, Any]:
         out[f"{key}_max"] = {m: round(max(v), 2) for m, v in per.items() if v}
         out[f"{key}_n"] = {m: len(v) for m, v in per.items() if v}
     # the server's own clock: its process age when it turned ready (no poll interval in it)
-    own = {m: [st["startup_seconds"]["total"] for st in starts if st["mode"] == m and not st["cold"]
-               and not st.get("profiled") and (st.get("startup_seconds") or {}).get("total")] for m in modes}
+    own = {m: [st["startup_seconds"]["total"] for st in _counted(starts, m, False)
+               if (st.get("startup_seconds") or {}).get("total")] for m in modes}
     out["server_ready_seconds_median"] = {m: round(statistics.median(v), 2) for m, v in own.items() if v}
     reads = [raw["disk_read"]["seconds"] for raw in raws if raw.get("disk_read")]
     if reads and statistics.median(reads) > 0:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dlo.engine.families.base import BlockFamily
+from dlo.engine.layout import align_up
 from dlo.engine.request import Generation
 
 
@@ -55,8 +56,7 @@ class PipelineFacts:
     @property
     def smallest_side(self) -> int:
         """The smallest width and height served: `min_side` rounded up to a multiple of `size_multiple`."""
-        m = self.size_multiple
-        return max(m, -(-self.min_side // m) * m)
+        return max(self.size_multiple, align_up(self.min_side, self.size_multiple))
 
     @classmethod
     def from_dir(cls, model_dir: Path | str) -> "PipelineFacts":

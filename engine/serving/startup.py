@@ -13,6 +13,7 @@ from typing import Any
 
 from dlo.engine.families import PipelineFacts
 from dlo.engine.families.pipelines import WARMUP_STEPS
+from dlo.engine.layout import align_up
 from dlo.engine.request import Generation
 from dlo.engine.timing import process_age_seconds, uncached_bytecode, unneeded_imports
 
@@ -25,9 +26,9 @@ def warmup_generation(facts: PipelineFacts, sp: int, size: tuple[int, int] | Non
     rank before `/ready` turns 200: it goes through every path a request uses (text encoder,
     transformer with its gathers and transfer graphs, every CFG branch, scheduler, VAE decode,
     encoding), so library initialisation and first-call costs are paid before the first client."""
-    m, least = facts.size_multiple, facts.smallest_side
-    row = m * sp  # sp > 1: a width of sp tokens per row splits every frame's tokens over the sp ranks
-    w, h = size or (-(-least // row) * row, least)
+    least = facts.smallest_side
+    row = facts.size_multiple * sp  # sp > 1: a width of sp tokens per row splits every frame's tokens over the sp ranks
+    w, h = size or (align_up(least, row), least)
     return facts.warmup(w, h, steps)  # an image, or the shortest video of a video-only family
 
 
