@@ -1,0 +1,196 @@
+"""Where FP8 streaming's compute-stream time goes (issue 27): the dequantization of one block's weights.
+
+    python bench/fp8_dequant.py --device cuda --out $OUT --stem fp8-dequant-h200-$(date +%F)   # ~1 min
+    python bench/fp8_dequant.py --device cpu --tiny                                           # dry run
+
+One Flux.1-dev double block's linear weights (the widest block the model streams: 340M weights),
+FP8 e4m3 with a float32 scale per row, as a streamed block's slot holds them. Timed with CUDA events,
+the median of `--repeats` after a warm-up:
+- `dequant`: the two-kernel form over the block (`dequantize_in_two_kernels`: FP8 to bfloat16, then
+  one multiply in float32 by each row's scale), and its two halves alone (`copy`, `mul`);
+- `engine`: what the engine runs (`dequantize_into`: the fused kernel where the device has one) and
+  whether its bytes equal the two-kernel form's (added after the first record);
+- `bf16_copy`: a plain bfloat16 device copy of the block (what the memory system does at best);
+- `fused`: the same arithmetic as one compiled kernel a weight (`torch.compile`, where Triton is
+  importable), its compile seconds, and whether its bytes equal `dequantize_into`'s;
+- `overlap`: the block's GEMMs at `--tokens` tokens (a stand-in for its compute) alone, the
+  dequantization alone, and both at once on two streams: how much of the dequantization a stream
+  of its own would hide behind the compute.
+Must never: report a figure it did not measure (a variant that cannot run is recorded as skipped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import wan_bench as wb  # noqa: E402
+
+wb.ensure_dlo_importable()
+
+import torch  # noqa: E402
+
+from dlo.engine.quantize import dequantize_in_two_kernels, dequantize_into, quantize_fp8  # noqa: E402
+
+D = 3072  # Flux.1-dev's width
+# (out, in) of one double block's linear weights: image and text attention (q, k, v, out), the two
+# MLPs (up, down) and the two modulation linears
+FLUX_DOUBLE_BLOCK = [(D, D)] * 8 + [(4 * D, D), (D, 4 * D)] * 2 + [(6 * D, D)] * 2
+
+
+def block_weights(shapes: list[tuple[int, int]], device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    out = []
+    for rows, cols in shapes:
+        w = (torch.randn(rows, cols, generator=gen) * 0.02).to(torch.bfloat16)
+        q, s = quantize_fp8(w)
+        out.append((q.to(device), s.to(device)))
+    return out
+
+
+def timed(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
+    """Median milliseconds of `fn` (CUDA events on cuda, the wall clock elsewhere)."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+    return round(statistics.median(samples), 4)
+
+
+def fused_dequant(block: list[tuple[torch.Tensor, torch.Tensor]], outs: list[torch.Tensor]) -> dict[str, Any]:
+    """One compiled kernel a weight: the same float32 multiply rounded once to bfloat16."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return {"skipped": f"triton not importable: {exc}"}
+
+    def dequant(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return (q.to(torch.float32) * s.unsqueeze(1)).to(torch.bfloat16)
+
+    compiled = torch.compile(dequant, dynamic=False)
+    t0 = time.perf_counter()
+    fused = [compiled(q, s) for q, s in block]
+    torch.cuda.synchronize()
+    identical = all(torch.equal(f, o) for f, o in zip(fused, outs))
+    return {"fn": compiled, "compile_seconds": round(time.perf_counter() - t0, 2), "bit_identical": identical}
+
+
+def overlap(block: list[tuple[torch.Tensor, torch.Tensor]], outs: list[torch.Tensor], tokens: int,
+            device: torch.device, repeats: int, dequant: Callable[[], None]) -> dict[str, float]:
+    """The block's GEMMs alone, the dequantization alone, both at once on two streams (ms)."""
+    xs = {cols: torch.randn(tokens, cols, device=device, dtype=torch.bfloat16) for _, cols in FLUX_DOUBLE_BLOCK}
+    ws = [o.clone() for o in outs]
+
+    def gemms() -> None:
+        for w in ws:
+            torch.matmul(xs[w.shape[1]], w.t())
+
+    side = torch.cuda.Stream(device)
+
+    def both() -> None:
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            dequant()
+        gemms()
+        torch.cuda.current_stream(device).wait_stream(side)
+
+    g, d, b = timed(gemms, device, repeats), timed(dequant, device, repeats), timed(both, device, repeats)
+    return {"gemms_ms": g, "dequant_ms": d, "both_ms": b,
+            "hidden_fraction_of_dequant": round((g + d - b) / d, 3) if d else 0.0}
+
+
+def measure(device: torch.device, tiny: bool, repeats: int, tokens: int) -> dict[str, Any]:
+    shapes = [(r // 64, c // 64) for r, c in FLUX_DOUBLE_BLOCK] if tiny else FLUX_DOUBLE_BLOCK
+    block = block_weights(shapes, device)
+    outs = [torch.empty(q.shape, dtype=torch.bfloat16, device=device) for q, _ in block]
+    ref = [torch.empty_like(o) for o in outs]
+    weights = sum(q.numel() for q, _ in block)
+
+    def dequant() -> None:
+        for (q, s), o in zip(block, outs):
+            dequantize_in_two_kernels(o, q, s)
+
+    engine_outs = [torch.empty_like(o) for o in outs]
+
+    def engine() -> None:  # what the engine runs: the fused kernel where the device has one
+        for (q, s), o in zip(block, engine_outs):
+            dequantize_into(o, q, s)
+
+    def copy_only() -> None:
+        for (q, _), o in zip(block, outs):
+            o.copy_(q)
+
+    def mul_only() -> None:
+        for (_, s), o in zip(block, outs):
+            o.mul_(s.unsqueeze(1))
+
+    def bf16_copy() -> None:
+        for o, r in zip(outs, ref):
+            r.copy_(o)
+
+    rec: dict[str, Any] = {"weights": weights, "fp8_bytes": weights, "bf16_bytes": 2 * weights}
+    rec["dequant_ms"] = timed(dequant, device, repeats)
+    rec["copy_ms"] = timed(copy_only, device, repeats)
+    rec["mul_ms"] = timed(mul_only, device, repeats)
+    dequant()
+    rec["bf16_copy_ms"] = timed(bf16_copy, device, repeats)
+    rec["engine_ms"] = timed(engine, device, repeats)
+    rec["engine_bit_identical"] = all(torch.equal(e, o) for e, o in zip(engine_outs, outs))
+    # HBM traffic: copy reads 1 B and writes 2 B a weight, mul reads and writes 2 B
+    rec["dequant_gb_per_s"] = round(7 * weights / rec["dequant_ms"] / 1e6, 1)
+    rec["bf16_copy_gb_per_s"] = round(4 * weights / rec["bf16_copy_ms"] / 1e6, 1)
+    if device.type != "cuda":
+        rec["fused"] = rec["overlap"] = {"skipped": "needs cuda"}
+        return rec
+    fused = fused_dequant(block, outs)
+    if "fn" in fused:
+        fn = fused.pop("fn")
+        fused["ms"] = timed(lambda: [fn(q, s) for q, s in block], device, repeats)
+        fused["gb_per_s"] = round(3 * weights / fused["ms"] / 1e6, 1)
+    rec["fused"] = fused
+    rec["overlap"] = overlap(block, outs, tokens, device, repeats, dequant)
+    return rec
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="1/64 of each width (a dry run)")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--tokens", type=int, default=4608, help="tokens of the GEMM stand-in (Flux 1024^2: 4096 + 512)")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--stem", default="fp8-dequant")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    rec = {"date": datetime.date.today().isoformat(), "command": "python " + " ".join(sys.argv),
+           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "torch": torch.__version__, "block": "flux.1-dev double block" + (" (1/64 widths)" if args.tiny else ""),
+           **measure(device, args.tiny, args.repeats, args.tokens)}
+    text = json.dumps(rec, indent=1)
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{args.stem}.json").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
