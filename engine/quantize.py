@@ -3,14 +3,17 @@ rule), used by `dlo quantize` and by the engine's load.
 
 Owns: `quantize_fp8` (one weight -> FP8 values and scales), `dequantize_into` (FP8 values and scales
 -> the compute dtype, into a given tensor: the one function every mode dequantizes with, so bytes are
-identical across modes), `InMemoryFp8` (a bfloat16 folder's FP8 bytes computed at load, for the arena;
-`dlo quantize`, in `dlo.engine.fp8_folder`, writes a folder's FP8 bytes through it too).
+identical across modes: one fused kernel on cuda, `fused_dequantize`, else
+`dequantize_in_two_kernels`), `InMemoryFp8` (a bfloat16 folder's FP8 bytes computed at load, for
+the arena; `dlo quantize`, in `dlo.engine.fp8_folder`, writes a folder's FP8 bytes through it too).
 Must never: quantize what `dlo.engine.fp8.quantizable` leaves out.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+import threading
+from typing import Any, Callable
 
 import torch
 
@@ -18,6 +21,8 @@ from dlo.engine.fp8 import E4M3_MAX
 
 # the smallest scale: a row of zeros quantizes to zeros (no division by zero)
 _TINY = torch.finfo(torch.float32).tiny
+
+log = logging.getLogger(__name__)
 
 
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,11 +34,67 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_into(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`out = q * scale[:, None]` in `out`'s dtype: FP8 to `out` exactly, then one multiply in float32
-    rounded once (two kernels, no temporary the size of the weight)."""
+    """`out = q * scale[:, None]` in `out`'s dtype, the product in float32 rounded once: one fused
+    kernel where the device has a compiler for it (`fused_dequantize`), else two kernels; both give
+    the same bytes ([Note: one dequantization, two kernels or one])."""
+    fused = fused_dequantize(out.device.type)
+    if fused is None:
+        return dequantize_in_two_kernels(out, q, scale)
+    fused(out, q, scale)
+    return out
+
+
+def dequantize_in_two_kernels(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """FP8 to `out` exactly, then one multiply in float32 rounded once (no temporary the size of the
+    weight; 7 bytes of memory traffic a weight)."""
     out.copy_(q)
     out.mul_(scale.unsqueeze(1))
     return out
+
+
+def _dequantize_fused(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """What the fused kernel computes (written for `torch.compile`: one read of each FP8 value and one
+    write of its result, 3 bytes a weight)."""
+    out.copy_((q.to(torch.float32) * scale.unsqueeze(1)).to(out.dtype))
+
+
+# [Note: one dequantization, two kernels or one]
+# FP8 streaming dequantizes every streamed block on the compute stream. The two-kernel form (copy,
+# then an in-place multiply) moves 7 bytes a weight through unvectorised float8 kernels: 2.48 ms for
+# a Flux.1-dev double block on the H200 (960 GB/s), ~1.5 ms a block on average, which made a 24 GiB
+# Flux request 0.66x of bfloat16 streaming instead of the ~0.53x its copies allow. `torch.compile`
+# of `_dequantize_fused` (a Triton kernel) did the same block in 0.62 ms with the same bytes
+# (`fp8-dequant-h200-2026-12-01`; bench/NOTES.md section 17). A second stream for the two kernels
+# hid only 29% of them behind the block's GEMMs, so the kernel's cost, not its stream, is the fix.
+# Both forms compute float32(q) * scale rounded once to `out`'s dtype (float8 to bfloat16 is exact),
+# so they give the same bytes; the fallback covers devices without Triton and a compiler that fails
+# (a warning, once). Shapes are dynamic after the first (torch.compile's default): a model's few
+# weight shapes compile at most twice, during the load or the warm-up, never in a request.
+_FUSED: dict[str, Any] = {}
+_FUSED_LOCK = threading.Lock()
+
+
+def fused_dequantize(device_type: str, compile_fn: Callable[..., Any] | None = None) -> Any:
+    """The compiled dequantization for `device_type` (cuda only, where Triton is importable), or None:
+    the two-kernel form then. Compiled once per process; a compile that fails warns once and stays
+    None (`compile_fn` replaces `torch.compile` in tests)."""
+    if device_type != "cuda":
+        return None
+    with _FUSED_LOCK:
+        if device_type not in _FUSED:
+            _FUSED[device_type] = _compile_fused(compile_fn or torch.compile)
+        return _FUSED[device_type]
+
+
+def _compile_fused(compile_fn: Callable[..., Any]) -> Any:
+    try:
+        import triton  # noqa: F401  (torch.compile's GPU kernels are Triton's)
+
+        return compile_fn(_dequantize_fused)
+    except Exception as e:  # the two-kernel form computes the same bytes
+        log.warning("FP8 dequantization runs in two kernels (the fused kernel is unavailable: %s: %s)",
+                    type(e).__name__, e)
+        return None
 
 
 def resident_fp8(ckpt: Any, plan: Any, name: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

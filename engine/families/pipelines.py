@@ -21,7 +21,10 @@ from dlo.engine.layout import align_up
 from dlo.engine.request import Generation
 
 
-WARMUP_STEPS = 2  # the warm-up's default steps: the scheduler's first and a later step (`--warmup-steps`)
+# the warm-up's default steps (`--warmup-steps`): one. On the H200 a warm-up of one step left the
+# first request within 1.6% of the second (two steps: within 10.6%), and starts 0-0.6 s sooner
+# (`ready-h200-2026-12-01-b`; bench/NOTES.md section 20): a later step adds only elementwise kernels
+WARMUP_STEPS = 1
 
 
 @dataclass(frozen=True)

@@ -156,8 +156,8 @@ def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
                              "otherwise loads on the first such request; `smallest`: the smallest valid size, "
                              "the quickest warm-up)")
     parser.add_argument("--warmup-steps", type=positive_int, default=WARMUP_STEPS, metavar="N",
-                        help="denoising steps of the warm-up generation (default 2: the scheduler's first and a "
-                             "later step; the request limits do not bound it)")
+                        help="denoising steps of the warm-up generation (one step runs every kernel a request does; "
+                             "the request limits do not bound it)")
     parser.add_argument("--limits", type=Path, default=None,
                         help="JSON or YAML file of request limits (max_width, max_height, max_steps, max_n, "
                              "max_frames, max_prompt_chars, max_sequence_length, video_fps, ...)")

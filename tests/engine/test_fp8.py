@@ -13,7 +13,8 @@ import torch
 
 from dlo.engine.checkpoint import cached_checkpoint
 from dlo.engine.fp8 import E4M3_MAX, MIN_ELEMENTS, scale_name
-from dlo.engine.quantize import dequantize_into, quantize_fp8
+from dlo.engine import quantize as quantize_mod
+from dlo.engine.quantize import dequantize_in_two_kernels, dequantize_into, fused_dequantize, quantize_fp8
 from dlo.engine.request import Generation
 from dlo.engine.settings import EngineSettings, OffloadSettings
 from tests.engine.dist_utils import run_ranks
@@ -40,6 +41,37 @@ def test_fp8_round_trip_bounds_each_rows_error_and_keeps_representable_values():
     exact = (q.float() * scale.unsqueeze(1)).to(torch.bfloat16)  # already on the FP8 grid: unchanged
     q2, s2 = quantize_fp8(exact)
     assert torch.equal(dequantize_into(torch.empty_like(exact), q2, s2), exact)
+
+
+def test_the_fused_dequantization_computes_the_two_kernel_forms_bytes():
+    """The function `torch.compile` fuses, run eagerly here: the same float32 product rounded once
+    (a fused form that multiplied in bfloat16, or rounded twice, would differ in the last bit)."""
+    gen = torch.Generator().manual_seed(1)
+    w = (torch.randn(64, 96, generator=gen) * torch.logspace(-4, 2, 64).unsqueeze(1)).to(torch.bfloat16)
+    q, scale = quantize_fp8(w)
+    two = dequantize_in_two_kernels(torch.empty_like(w), q, scale)
+    fused_eagerly = torch.empty_like(w)
+    quantize_mod._dequantize_fused(fused_eagerly, q, scale)
+    assert torch.equal(fused_eagerly, two)
+    assert torch.equal(dequantize_into(torch.empty_like(w), q, scale), two)  # cpu: the two kernels
+
+
+def test_fused_dequantize_is_cuda_only_and_a_failed_compile_falls_back_once(monkeypatch, caplog):
+    monkeypatch.setattr(quantize_mod, "_FUSED", {})
+    monkeypatch.setitem(sys.modules, "triton", type(sys)("triton"))  # importable, whatever is installed
+    assert fused_dequantize("cpu", compile_fn=lambda fn: fn) is None
+    calls = []
+
+    def failing(fn):
+        calls.append(fn)
+        raise RuntimeError("no compiler")
+
+    with caplog.at_level("WARNING"):
+        assert fused_dequantize("cuda", compile_fn=failing) is None
+        assert fused_dequantize("cuda", compile_fn=failing) is None
+    assert len(calls) == 1 and "two kernels" in caplog.text  # compiled (and warned) once per process
+    monkeypatch.setattr(quantize_mod, "_FUSED", {})
+    assert fused_dequantize("cuda", compile_fn=lambda fn: ("compiled", fn)) == ("compiled", quantize_mod._dequantize_fused)
 
 
 def _quantized(tmp_path_factory: pytest.TempPathFactory, name: str) -> tuple[Path, Path]:

@@ -82,6 +82,6 @@ def test_no_warmup_flag_reports_none(tmp_path_factory, tmp_path):
 def test_warmup_at_the_smallest_size(tmp_path_factory, tmp_path):
     model = tiny_pipeline(tmp_path_factory, "wan")
     with ServerProcess(model, "--dp", "1", "--mode", "rank-local", "--device", "cpu", "--small-limits",
-                       "--warmup-size", "smallest", "--warmup-steps", "1", log_path=tmp_path / "serve.log") as srv:
+                       "--warmup-size", "smallest", "--warmup-steps", "2", log_path=tmp_path / "serve.log") as srv:
         info = srv.ready_info()
-        assert info["warmup_size"] == "16x16" and info["warmup_steps"] == 1 and info["warmup_seconds"] > 0
+        assert info["warmup_size"] == "16x16" and info["warmup_steps"] == 2 and info["warmup_seconds"] > 0
