@@ -94,15 +94,37 @@ def _touch(path: Path, start: int, length: int, progress: Callable[[int], None] 
         os.close(fd)
 
 
+def _advise_willneed(m: Mapping, f: Path) -> None:
+    m.advise_willneed()
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    finally:
+        os.close(fd)
+
+
+def read_whole(path: Path) -> int:
+    """Read `path` whole into the page cache (its bytes read; 0 for a file that went away)."""
+    try:
+        size = path.stat().st_size
+        _touch(path, 0, size, None)
+    except FileNotFoundError:
+        return 0
+    return size
+
+
 def warm(
     paths: list[Path | str],
     *,
     threads: int | None = None,
     threshold: float = 0.99,
     lock: bool = False,
+    advise: bool = True,
     progress: Callable[[int], None] | None = None,
 ) -> WarmSession:
-    """Warm every safetensors file under `paths`; `progress(n)` is called with bytes read."""
+    """Warm every safetensors file under `paths`; `progress(n)` is called with bytes read. `advise`:
+    advise the kernel to read each file whole ahead (`WILLNEED`) before the threads read it (off
+    where other reads share the disk: the advice queues every file in front of them)."""
     if not 0 <= threshold <= 1:
         raise ValueError(f"threshold is a ratio 0..1 (got {threshold})")
     files: list[Path] = []
@@ -125,12 +147,8 @@ def warm(
     try:
         for f in files:
             m = Mapping(f)
-            m.advise_willneed()
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            finally:
-                os.close(fd)
+            if advise:
+                _advise_willneed(m, f)
             mappings.append(m)
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dlo-warm") as pool:
             jobs = [

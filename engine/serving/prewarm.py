@@ -4,8 +4,8 @@ and initialise the device libraries every request uses.
 Owns: `start_beside_imports` and `join_logged` (both jobs, as `ServingPipeline` runs them),
 `start_readahead` (the pipeline folder's safetensors files that are not in the page cache,
 read in the order the load needs them, in parallel chunks at the disk's speed by `dlo.agent.warm`
-in a child process, `readahead.py`, waited for on a thread; a warm page cache costs one residency
-check per file) and `start_library_warmup`
+in a child process, `readahead.py`, waited for on a thread, after the files of `START_PACKAGES`
+and the folder's small files; a warm page cache costs one residency check per file) and `start_library_warmup`
 (on a side stream of the device: bf16 and fp32 GEMMs, fused attention, 2-D and 3-D convolutions,
 norms, so that cuBLAS(Lt), cuDNN and the attention kernels are loaded and initialised here,
 inside C++ that releases the GIL, while the main thread imports; not in the warm-up generation
@@ -66,9 +66,11 @@ def join_logged(job: Background | None) -> None:
         log.info("%s done seconds=%.2f result=%s (beside the imports)", job.name, job.seconds, result)
 
 
-def start_readahead(model_dir: Path, components: tuple[str, ...]) -> Background | None:
+def start_readahead(model_dir: Path, components: tuple[str, ...],
+                    packages: tuple[str, ...] | None = None) -> Background | None:
     """Read the files of `model_dir` that are not in the page cache, those of `components` first
-    (in that order), the rest of the folder's safetensors after; None when every file is cached."""
+    (in that order), the rest of the folder's safetensors after, the files a start reads besides
+    them before (of `packages`: `START_PACKAGES` by default); None when every weight is cached."""
     from dlo.agent.residency import file_residency, model_files
 
     ordered: list[Path] = []
@@ -79,14 +81,40 @@ def start_readahead(model_dir: Path, components: tuple[str, ...]) -> Background 
     if not cold:
         return None
 
+    folders = package_folders(START_PACKAGES if packages is None else packages)
+
     def read() -> dict[str, Any]:
         from dlo.engine.serving.readahead import read_in_child
 
-        return read_in_child(cold)  # a process of its own: its reads never take this one's GIL
+        # a process of its own: its reads never take this one's GIL; the imports' and the
+        # tokenizers' files first ([Note: the start's other files first] in readahead.py)
+        return read_in_child(cold, packages=folders, folders=(model_dir,))
 
     log.info("readahead of %d files not in the page cache (%d bytes) started", len(cold),
              sum(f.stat().st_size for f in cold))
     return Background("readahead", read)
+
+
+# the packages a rank imports or loads libraries from once the readahead has started: their files
+# are read before the weights (torch's own imports are done by then; its lazily loaded libraries,
+# cuDNN and cuBLAS among them, sit in torch/lib and the nvidia packages)
+START_PACKAGES = ("diffusers", "transformers", "tokenizers", "safetensors", "huggingface_hub", "sympy",
+                  "torch", "nvidia")
+
+
+def package_folders(names: tuple[str, ...]) -> tuple[Path, ...]:
+    """The folders of the installed top-level packages `names` (none imported; a missing one skipped)."""
+    import importlib.util
+
+    out: list[Path] = []
+    for name in names:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        if spec is not None and spec.submodule_search_locations:  # a package, not a lone module
+            out.extend(Path(p) for p in spec.submodule_search_locations)
+    return tuple(dict.fromkeys(out))
 
 
 def start_library_warmup(device: Any) -> Background | None:
