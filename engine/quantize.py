@@ -37,11 +37,15 @@ def dequantize_into(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> 
     """`out = q * scale[:, None]` in `out`'s dtype, the product in float32 rounded once: one fused
     kernel where the device has a compiler for it (`fused_dequantize`), else two kernels; both give
     the same bytes ([Note: one dequantization, two kernels or one])."""
-    fused = fused_dequantize(out.device.type)
-    if fused is None:
-        return dequantize_in_two_kernels(out, q, scale)
-    fused(out, q, scale)
-    return out
+    device_type = out.device.type
+    fused = fused_dequantize(device_type)
+    if fused is not None:
+        try:
+            fused(out, q, scale)  # compiles on a shape's first call: a failure shows here
+            return out
+        except Exception as e:  # nothing was written: the two kernels compute all of `out`
+            _give_up_fused(device_type, e)
+    return dequantize_in_two_kernels(out, q, scale)
 
 
 def dequantize_in_two_kernels(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -76,14 +80,19 @@ _FUSED_LOCK = threading.Lock()
 
 def fused_dequantize(device_type: str, compile_fn: Callable[..., Any] | None = None) -> Any:
     """The compiled dequantization for `device_type` (cuda only, where Triton is importable), or None:
-    the two-kernel form then. Compiled once per process; a compile that fails warns once and stays
-    None (`compile_fn` replaces `torch.compile` in tests)."""
-    if device_type != "cuda":
-        return None
+    the two-kernel form then. Made once per process; a compile that fails, then or at a call, warns
+    once and leaves None (`compile_fn` replaces `torch.compile` in tests)."""
     with _FUSED_LOCK:
         if device_type not in _FUSED:
-            _FUSED[device_type] = _compile_fused(compile_fn or torch.compile)
+            _FUSED[device_type] = _compile_fused(compile_fn or torch.compile) if device_type == "cuda" else None
         return _FUSED[device_type]
+
+
+def _give_up_fused(device_type: str, e: Exception) -> None:
+    with _FUSED_LOCK:
+        _FUSED[device_type] = None
+    log.warning("FP8 dequantization runs in two kernels from here on (the fused kernel failed: %s: %s)",
+                type(e).__name__, e)
 
 
 def _compile_fused(compile_fn: Callable[..., Any]) -> Any:

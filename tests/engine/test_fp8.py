@@ -74,6 +74,24 @@ def test_fused_dequantize_is_cuda_only_and_a_failed_compile_falls_back_once(monk
     assert fused_dequantize("cuda", compile_fn=lambda fn: ("compiled", fn)) == ("compiled", quantize_mod._dequantize_fused)
 
 
+def test_a_fused_kernel_that_fails_at_its_first_call_falls_back_to_the_same_bytes(monkeypatch, caplog):
+    """torch.compile compiles at a shape's first call: a compiler missing on the node fails there,
+    and the weight is dequantized by the two kernels instead (the load goes on)."""
+    calls = []
+
+    def fails(out, q, scale):
+        calls.append(out.shape)
+        raise RuntimeError("no C compiler for Triton's launcher")
+
+    monkeypatch.setattr(quantize_mod, "_FUSED", {"cpu": fails})  # as `fused_dequantize` leaves it on cuda
+    q, scale = quantize_fp8(torch.randn(32, 48).to(torch.bfloat16))
+    with caplog.at_level("WARNING"):
+        first = dequantize_into(torch.empty(32, 48, dtype=torch.bfloat16), q, scale)
+        second = dequantize_into(torch.empty(32, 48, dtype=torch.bfloat16), q, scale)
+    assert torch.equal(first, dequantize_in_two_kernels(torch.empty_like(first), q, scale)) and torch.equal(first, second)
+    assert len(calls) == 1 and quantize_mod._FUSED["cpu"] is None and "two kernels from here on" in caplog.text
+
+
 def _quantized(tmp_path_factory: pytest.TempPathFactory, name: str) -> tuple[Path, Path]:
     from dlo.engine.fp8_folder import quantize_folder
 
