@@ -41,6 +41,7 @@ MINIMAX_H3_BLOCKS = BlockFamily("minimax-h3", ("MiniMaxH3Transformer3DModel",),
                                 ("token_refiner.refiner_blocks", "transformer_blocks"))
 FPS = 24  # MiniMax-H3's own rate (`MiniMaxH3ModularPipeline.fps`)
 SECONDS = (5.0, 15.0)  # its min_duration / max_duration
+MIN_STEPS = 2  # its scheduler's `set_timesteps` refuses fewer without an explicit sigmas schedule
 
 
 NO_SP = ("its Ulysses _cp_plan splits one packed sequence (text, keyframe, audio and video rows) whose length "
@@ -66,7 +67,8 @@ class MiniMaxH3Family(PipelineFamily):
         patch = transformer.get("patch_size", [1, 2, 2])
         return PipelineFacts(self.name, self.pipeline_class, spatial * int(patch[2]), temporal, 1.0,
                              transformer["_class_name"], accepts_image=True, frame_step=chunk, frame_offset=kept,
-                             min_frames=lo, max_frames=hi, fps=FPS, images=False, audio=True, no_sp=NO_SP)
+                             min_frames=lo, max_frames=hi, fps=FPS, images=False, audio=True, no_sp=NO_SP,
+                             min_steps=MIN_STEPS)
 
     def build_pipeline(self, model_dir: Path, modules: dict[str, Any], compute_dtype: Any, device: Any, *,
                        safety_checker: bool = False) -> Any:  # MiniMax-H3 has no safety checker

@@ -55,6 +55,8 @@ class PipelineFacts:
     # the smallest width and height it runs (0: size_multiple). Cosmos3: two latent pixels per side,
     # since at one its VAE's attention gets a query torch's fused kernels refuse ([Note: one latent pixel])
     min_side: int = 0
+    # the fewest denoising steps it runs: MiniMax-H3's scheduler needs two (without explicit sigmas)
+    min_steps: int = 1
 
     @property
     def smallest_side(self) -> int:
@@ -116,8 +118,9 @@ class PipelineFacts:
         return self.adapter.transformer_calls(gen)
 
     def warmup(self, width: int, height: int, steps: int = WARMUP_STEPS) -> Generation:
-        """The warm-up request at this size: a `steps`-step image, or the shortest video of a family
-        that makes videos only."""
+        """The warm-up request at this size: a `steps`-step image (at least `min_steps`), or the
+        shortest video of a family that makes videos only."""
+        steps = max(steps, self.min_steps)
         if self.images:
             return Generation(kind="image", prompt="warm-up", seed=0, width=width, height=height, steps=steps,
                               guidance_scale=self.default_guidance)
@@ -194,6 +197,11 @@ class PipelineFamily:
         """Transformer forwards one request makes, per transformer component, in the order they run
         (what an idle rank walks with `gather_only`; `pipe` is the loaded diffusers pipeline)."""
         return [("transformer", self.transformer_calls(gen))]
+
+    def warmup_steps(self, model_dir: Path, steps: int) -> int:
+        """The warm-up's steps for `--warmup-steps steps`: enough that every transformer of the
+        pipeline runs (its first calls then come before `/ready`). Default: `steps`."""
+        return steps
 
     def encoder_calls(self, gen: Generation) -> int:
         """Forwards of each streamable text encoder per request (prompt, plus the negative with CFG)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from dlo.engine.checkpoint import read_json_config
 from dlo.engine.families.pipelines import PipelineFacts
 from dlo.engine.families.wan import WanFamily
 from dlo.engine.request import Generation
@@ -37,10 +38,32 @@ class Wan22Family(WanFamily):
                              transformers=("transformer", "transformer_2"))
 
     def call_plan(self, gen: Generation, pipe: Any) -> list[tuple[str, int]]:
-        # The timesteps WanPipeline will run: a fresh scheduler of the same config, same call.
-        sched = type(pipe.scheduler).from_config(pipe.scheduler.config)
-        sched.set_timesteps(gen.steps, device="cpu")
-        boundary = pipe.config.boundary_ratio * sched.config.num_train_timesteps
-        high = int((sched.timesteps >= boundary).sum())
+        high = _high_noise_steps(type(pipe.scheduler), pipe.scheduler.config, pipe.config.boundary_ratio, gen.steps)
         branches = 2 if self.uses_cfg(gen) else 1
         return [("transformer", high * branches), ("transformer_2", (gen.steps - high) * branches)]
+
+    def warmup_steps(self, model_dir: Path, steps: int) -> int:
+        """The fewest steps from `steps` on whose schedule reaches the low-noise expert: with
+        Wan2.2-T2V-A14B's flow shift of 12 the first step below the boundary is the third of three
+        (two steps run `transformer` only), so its first call is paid before `/ready`."""
+        import diffusers
+
+        config = read_json_config(model_dir / "scheduler" / "scheduler_config.json")
+        scheduler = getattr(diffusers, config["_class_name"])
+        ratio = read_json_config(model_dir / "model_index.json")["boundary_ratio"]
+        for n in range(steps, steps + MAX_WARMUP_STEPS):
+            if 0 < _high_noise_steps(scheduler, config, ratio, n) < n:
+                return n
+        return steps  # no schedule this short reaches both experts: the first request pays the second's first call
+
+
+# the most steps the warm-up adds to reach Wan2.2's second expert
+MAX_WARMUP_STEPS = 16
+
+
+def _high_noise_steps(scheduler: Any, config: Any, boundary_ratio: float, steps: int) -> int:
+    """Steps of a `steps`-step request that WanPipeline runs on `transformer` (timestep >= the
+    boundary): the timesteps of a fresh scheduler of that class and config, the pipeline's call."""
+    sched = scheduler.from_config(config)
+    sched.set_timesteps(steps, device="cpu")
+    return int((sched.timesteps >= boundary_ratio * sched.config.num_train_timesteps).sum())

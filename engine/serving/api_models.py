@@ -219,8 +219,9 @@ def _common(req: _Extensions, facts: PipelineFacts, limits: Limits, model_id: st
     if not req.prompt.strip():
         raise _bad("prompt must not be empty", "prompt")
     steps = req.num_inference_steps if req.num_inference_steps is not None else limits.default_steps
-    if not 1 <= steps <= limits.max_steps:
-        raise _bad(f"num_inference_steps must be between 1 and {limits.max_steps}, got {steps}", "num_inference_steps")
+    if not facts.min_steps <= steps <= limits.max_steps:
+        raise _bad(f"num_inference_steps must be between {facts.min_steps} and {limits.max_steps} for this model, "
+                   f"got {steps}", "num_inference_steps")
     guidance = req.guidance_scale if req.guidance_scale is not None else facts.default_guidance
     if not 0 <= guidance <= limits.max_guidance_scale:
         raise _bad(f"guidance_scale must be between 0 and {limits.max_guidance_scale:g}, got {guidance:g}",

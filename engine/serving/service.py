@@ -24,6 +24,7 @@ import os
 import tempfile
 import threading
 import time
+from pathlib import Path
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Literal, Mapping
 
@@ -93,6 +94,7 @@ class Engine:
         self.waves_run = 0
         self.warmup = options.warmup
         self.warmup_size = options.warmup_size
+        self._warmup_steps: int | None = None  # `warmup_generation` decides them
         self.warmup_seconds: float | None = None
         self.startup_seconds: dict[str, Any] = {}  # set at ready (`_load`): seconds, and rank 0's phases
         self._queue: WaveQueue | None = None
@@ -162,15 +164,26 @@ class Engine:
         return {f"warmup_{k}": round(v, 2) for k, v in results[0].phase_seconds.items()}
 
     def warmup_generation(self) -> Generation:
-        return warmup_generation(self.facts, self.cfg.sp, self.warmup_size, self.options.warmup_steps)
+        """The warm-up request; its steps are decided once, at the warm-up (after the load: the
+        family may read the scheduler to reach every transformer)."""
+        if self._warmup_steps is None:
+            self._warmup_steps = self.facts.adapter.warmup_steps(Path(self.cfg.model_dir), self.options.warmup_steps)
+        return warmup_generation(self.facts, self.cfg.sp, self.warmup_size, self._warmup_steps)
 
     @property
     def warmup_size_text(self) -> str | None:
         """`WxH` of the warm-up generation, None without warm-up."""
         if not self.warmup:
             return None
-        g = self.warmup_generation()
+        g = warmup_generation(self.facts, self.cfg.sp, self.warmup_size)  # its size does not depend on the steps
         return f"{g.width}x{g.height}"
+
+    @property
+    def warmup_steps(self) -> int | None:
+        """The warm-up's steps as run (`/ready`), None without warm-up."""
+        if not self.warmup:
+            return None
+        return self.warmup_generation().steps
 
     def _enter(self, state: State) -> None:
         """The one place the lifecycle changes (and `dlo_ready` with it); `failed` is final."""

@@ -69,6 +69,26 @@ def test_calls_per_transformer_match_what_the_pipeline_runs(tmp_path_factory, na
         assert len(plan) == 2, "both experts must run: the boundary falls inside the schedule"
 
 
+def test_the_warm_up_runs_both_of_wan22s_experts(tmp_path_factory, tmp_path):
+    """One warm-up step runs only Wan2.2's high-noise expert: its steps grow to the fewest whose
+    schedule reaches the low-noise one (3 with the full model's flow shift of 12, 2 for the tiny preset)."""
+    import json
+
+    from dlo.engine.families import PipelineFacts
+    from dlo.engine.presets import PRESETS
+
+    tiny = PipelineFacts.from_dir(preset_pipeline(tmp_path_factory, "tiny-wan2.2-t2v-a14b"))
+    assert tiny.adapter.warmup_steps(preset_pipeline(tmp_path_factory, "tiny-wan2.2-t2v-a14b"), 1) == 2
+    full = PRESETS["wan2.2-t2v-a14b"]
+    (tmp_path / "scheduler").mkdir()
+    (tmp_path / "scheduler" / "scheduler_config.json").write_text(
+        json.dumps({"_class_name": full.scheduler[0], **full.scheduler[1]}))
+    (tmp_path / "model_index.json").write_text(json.dumps(full.index_extras))
+    assert [tiny.adapter.warmup_steps(tmp_path, n) for n in (1, 2, 3, 5)] == [3, 3, 3, 5]
+    wan = PipelineFacts.from_dir(preset_pipeline(tmp_path_factory, "tiny-wan2.1-t2v"))
+    assert wan.adapter.warmup_steps(tmp_path, 1) == 1  # one transformer: the steps asked for
+
+
 def test_families_are_recognised_from_the_folders(tmp_path_factory):
     from dlo.engine.families import PipelineFacts
 

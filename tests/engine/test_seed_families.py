@@ -266,6 +266,11 @@ def test_api_takes_each_familys_frame_rules(cosmos, minimax):
     smallest = warmup_generation(c3, 1, None)
     assert (smallest.width, smallest.height) == (2 * c3.size_multiple, 2 * c3.size_multiple)
     assert warmup_generation(h3, 1, None).width == h3.size_multiple
+    # MiniMax-H3's scheduler needs two steps: one is a 400 on the field, and the warm-up runs two
+    with pytest.raises(ApiError, match="between 2 and") as e:
+        video_generation(VideoCreateRequest(prompt="x", size="32x32", num_inference_steps=1), h3, limits, "m")
+    assert (e.value.status, e.value.param) == (400, "num_inference_steps")
+    assert h3.warmup(32, 32, steps=1).steps == 2 and c3.warmup(32, 32, steps=1).steps == 1
 
 
 def test_safety_checker_is_off_unless_asked_and_sp_is_refused(cosmos, minimax):
