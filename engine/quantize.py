@@ -43,7 +43,7 @@ def dequantize_into(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> 
         try:
             fused(out, q, scale)  # compiles on a shape's first call: a failure shows here
             return out
-        except Exception as e:  # nothing was written: the two kernels compute all of `out`
+        except Exception as e:  # whatever it wrote, the two kernels compute all of `out` again
             _give_up_fused(device_type, e)
     return dequantize_in_two_kernels(out, q, scale)
 
