@@ -118,7 +118,9 @@ def test_page_cache_is_charged_to_the_warmer_not_to_a_later_reader(tmp_path: Pat
             f"import mmap; fh = open({str(f)!r}, 'rb'); m = mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ);"
             "assert sum(m[i] for i in range(0, len(m), 4096)) >= 0",
         )
-        assert _cache_bytes(warmer) >= 64 * MiB - left_cached
+        # a few pages may be reclaimed between the read and this count on a loaded machine (seen:
+        # 27 of 16,384); what matters is who was charged, the warmer nearly all, the engine nothing
+        assert _cache_bytes(warmer) >= 64 * MiB - left_cached - 1 * MiB
         assert left_cached < 1 * MiB, f"{left_cached} bytes of the file stayed cached after DONTNEED"
         assert _cache_bytes(engine) < 1 * MiB
     finally:
