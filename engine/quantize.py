@@ -82,6 +82,8 @@ def fused_dequantize(device_type: str, compile_fn: Callable[..., Any] | None = N
     """The compiled dequantization for `device_type` (cuda only, where Triton is importable), or None:
     the two-kernel form then. Made once per process; a compile that fails, then or at a call, warns
     once and leaves None (`compile_fn` replaces `torch.compile` in tests)."""
+    if device_type in _FUSED:  # every weight of every streamed block asks: no lock once decided
+        return _FUSED[device_type]
     with _FUSED_LOCK:
         if device_type not in _FUSED:
             _FUSED[device_type] = _compile_fused(compile_fn or torch.compile) if device_type == "cuda" else None

@@ -24,8 +24,8 @@ import os
 import tempfile
 import threading
 import time
-from pathlib import Path
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Literal, Mapping
 
 from dlo.engine.families import PipelineFacts
