@@ -29,7 +29,8 @@ from dlo.agent.residency import Mapping, Residency, file_residency, model_files
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 16 << 20
+CHUNK_BYTES = 16 << 20  # one pread
+READ_BYTES = CHUNK_BYTES * 4  # one thread's job: a file's range read in chunks
 
 
 @dataclass
@@ -103,14 +104,14 @@ def _advise_willneed(m: Mapping, f: Path) -> None:
         os.close(fd)
 
 
-def read_whole(path: Path) -> int:
-    """Read `path` whole into the page cache (its bytes read; 0 for a file that went away)."""
+def read_range(path: Path, start: int, length: int) -> int:
+    """Read `length` bytes of `path` from `start` into the page cache (`length`; 0 for a file that
+    went away)."""
     try:
-        size = path.stat().st_size
-        _touch(path, 0, size, None)
+        _touch(path, start, length, None)
     except FileNotFoundError:
         return 0
-    return size
+    return length
 
 
 def warm(
@@ -152,9 +153,9 @@ def warm(
             mappings.append(m)
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dlo-warm") as pool:
             jobs = [
-                pool.submit(_touch, m.path, off, min(CHUNK_BYTES * 4, m.size - off), tick)
+                pool.submit(_touch, m.path, off, min(READ_BYTES, m.size - off), tick)
                 for m in mappings
-                for off in range(0, m.size, CHUNK_BYTES * 4)
+                for off in range(0, m.size, READ_BYTES)
             ]
             for j in jobs:
                 j.result()

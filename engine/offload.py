@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -300,12 +301,13 @@ def agree_on_resident_blocks(counts: dict[str, int], mode: str, group: Any, devi
 
 
 def early_registration(component_dir: Path | str, device: torch.device | str,
-                       settings: OffloadSettings) -> EarlyRegistration | None:
+                       settings: OffloadSettings, after: threading.Event | None = None) -> EarlyRegistration | None:
     """Start registering `component_dir`'s files for DMA now (a thread), on a platform that
     registers host memory, unless the weights are forced into the arena or `settings.register_early`
     is off (`--no-register-early`, `DLO_REGISTER_EARLY=0`: the files are then registered in order
     when the host weights are prepared, and the resident copies go through pageable memory). Pass
-    the result to `load(early=...)`.
+    the result to `load(early=...)`. `after`: registering waits for it (a cold start's readahead of
+    the start's other files, `EarlyRegistration`).
 
     Every mode registers, `resident` included: the resident copies read the registered page cache
     (~55 GB/s on an H200 against ~7.5 GB/s pageable: 0.75 s instead of 5.3 s for Wan2.1's 40 GB) and
@@ -319,7 +321,7 @@ def early_registration(component_dir: Path | str, device: torch.device | str,
         return None
     if device.index is None and device.type == "cuda":  # the thread registers under the caller's device
         device = torch.device("cuda", torch.cuda.current_device())
-    return EarlyRegistration(cached_checkpoint(component_dir), platform, device)
+    return EarlyRegistration(cached_checkpoint(component_dir), platform, device, after=after)
 
 
 def _keep_on_host(ckpt: Checkpoint, meta: MetaModel) -> int:

@@ -68,6 +68,17 @@ class Run:
     n: int
 
 
+AFTER_WAIT_S = 120.0  # the longest an early registration waits for the readahead's first files
+
+
+def _wait_for(after: threading.Event | None) -> float:
+    """Wait for `after` (`AFTER_WAIT_S` at most; a warning past it); the seconds waited."""
+    t0 = time.perf_counter()
+    if after is not None and not after.wait(AFTER_WAIT_S):
+        log.warning("the readahead's first files took over %.0f s: registering the weights now", AFTER_WAIT_S)
+    return time.perf_counter() - t0
+
+
 class EarlyRegistration:
     """Every file of `ckpt` registered for DMA (read-only, whole files, in order) on a daemon thread,
     started now. `wait_for(path)` waits for one file (the resident copies read each file as soon as
@@ -77,7 +88,11 @@ class EarlyRegistration:
     copies, `dlo.engine.placement`): nothing is unregistered before it has completed. The copies
     must view the same mappings: use `ckpt` (this object's) for the load."""
 
-    def __init__(self, ckpt: Checkpoint, platform: Platform, device: torch.device):
+    def __init__(self, ckpt: Checkpoint, platform: Platform, device: torch.device,
+                 after: threading.Event | None = None):
+        """`after`: registering (which reads a cold file whole, to pin it) waits for this event,
+        `AFTER_WAIT_S` at most: a cold start's readahead sets it once the start's other files are
+        read (`dlo.engine.serving.prewarm.Readahead`), so those never queue behind the weights."""
         self.ckpt = ckpt
         self.platform = platform
         self.registered: dict[Path, tuple[int, int]] = {}  # path -> (pointer, bytes)
@@ -88,15 +103,17 @@ class EarlyRegistration:
 
         def run() -> None:
             t0 = time.perf_counter()
+            waited = _wait_for(after)
             try:
                 platform.device(device.index or 0)  # the caller's device (`early_registration` resolves it)
                 self.problem = _register_files(ckpt, ckpt.files, platform, self.registered, self._progress)
             except Exception as e:  # reported by wait(); the load falls back as for a refusal
                 self.problem = f"registering the page cache failed: {type(e).__name__}: {e}"
             log.log(logging.WARNING if self.problem else logging.INFO,
-                    "early registration of %s: %d of %d files, %d bytes, %.2f s%s", ckpt.root.name,
+                    "early registration of %s: %d of %d files, %d bytes, %.2f s (%.2f s of it waiting for "
+                    "the start's other files)%s", ckpt.root.name,
                     len(self.registered), len(ckpt.files), sum(n for _, n in self.registered.values()),
-                    time.perf_counter() - t0, f" ({self.problem}; the files this rank uses are registered "
+                    time.perf_counter() - t0, waited, f" ({self.problem}; the files this rank uses are registered "
                                               "again when its host weights are prepared)" if self.problem else "")
             with self._progress:
                 self._ended = True

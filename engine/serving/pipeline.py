@@ -79,7 +79,7 @@ class ServingPipeline:
         self._configure(Path(model_dir), settings, device, max_sequence_length)
         engine_models = (*self.facts.transformers, *self.encoders)
         readahead, libraries = start_beside_imports(self.model_dir, engine_models, self.device)
-        self.models = self._load_models(group, laps, libraries)
+        self.models = self._load_models(group, laps, libraries, readahead)
         try:
             self.model = self.models[self.facts.transformers[0]]
             self._parallelize(parallel)
@@ -130,13 +130,15 @@ class ServingPipeline:
             fraction = cap_device_memory(self.device, settings.max_device_memory)
             log.info("device memory capped at %d bytes (%.4f of the device)", settings.max_device_memory, fraction)
 
-    def _load_models(self, group: Any, laps: Laps, libraries: Any = None) -> dict[str, Any]:
+    def _load_models(self, group: Any, laps: Laps, libraries: Any = None, readahead: Any = None) -> dict[str, Any]:
         """Every transformer of the pipeline (Wan2.2: two experts) through its own `dlo.engine.load`,
         in the same mode and shard group, in the same order on every rank (each load gathers its
         first block: the collective order starts here); then the streamed encoders.
 
         The driver pins the models' page cache on a thread (`dlo.engine.early_registration`) while
-        the imports below and the model builds run: they hold the GIL, the registration does not."""
+        the imports below and the model builds run: they hold the GIL, the registration does not.
+        On a cold start it waits for `readahead`'s first files (the imports' own: pinning reads the
+        weights, which would queue every import's read behind them)."""
         import dlo.engine
 
         streamed = (*self.facts.transformers, *self.encoders)
@@ -144,7 +146,8 @@ class ServingPipeline:
         models: dict[str, Any] = {}
         try:
             for name in streamed:
-                early[name] = dlo.engine.early_registration(self.model_dir / name, self.device, self.settings.offload)
+                early[name] = dlo.engine.early_registration(self.model_dir / name, self.device, self.settings.offload,
+                                                            after=None if readahead is None else readahead.first_read)
             import diffusers  # noqa: F401  (the longest import, beside the registrations)
 
             laps.lap("imports")

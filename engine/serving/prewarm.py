@@ -4,8 +4,9 @@ and initialise the device libraries every request uses.
 Owns: `start_beside_imports` and `join_logged` (both jobs, as `ServingPipeline` runs them),
 `start_readahead` (the pipeline folder's safetensors files that are not in the page cache,
 read in the order the load needs them, in parallel chunks at the disk's speed by `dlo.agent.warm`
-in a child process, `readahead.py`, waited for on a thread, after the files of `START_PACKAGES`
-and the folder's small files; a warm page cache costs one residency check per file) and `start_library_warmup`
+in a child process, `readahead.py`, waited for on a thread, after the files of `START_DISTRIBUTIONS`
+(with their requirements), `START_FOLDERS` and the folder's small files, whose end `Readahead.first_read`
+signals; a warm page cache costs one residency check per file) and `start_library_warmup`
 (on a side stream of the device: bf16 and fp32 GEMMs, fused attention, 2-D and 3-D convolutions,
 norms, so that cuBLAS(Lt), cuDNN and the attention kernels are loaded and initialised here,
 inside C++ that releases the GIL, while the main thread imports; not in the warm-up generation
@@ -66,11 +67,28 @@ def join_logged(job: Background | None) -> None:
         log.info("%s done seconds=%.2f result=%s (beside the imports)", job.name, job.seconds, result)
 
 
+class Readahead(Background):
+    """The readahead's job: `first_read` is set once the start's other files are read (or the read
+    ended without them): what the rank's early registration waits for on a cold start."""
+
+    def __init__(self, read: Callable[[Callable[[Any], None]], Any]):
+        self.first_read = threading.Event()
+
+        def work() -> Any:
+            try:
+                return read(lambda _first: self.first_read.set())
+            finally:  # a failed child never holds the registration back
+                self.first_read.set()
+
+        super().__init__("readahead", work)
+
+
 def start_readahead(model_dir: Path, components: tuple[str, ...],
-                    packages: tuple[str, ...] | None = None) -> Background | None:
+                    distributions: tuple[str, ...] | None = None) -> Readahead | None:
     """Read the files of `model_dir` that are not in the page cache, those of `components` first
     (in that order), the rest of the folder's safetensors after, the files a start reads besides
-    them before (of `packages`: `START_PACKAGES` by default); None when every weight is cached."""
+    them before (of `distributions`: `START_DISTRIBUTIONS` by default, with `START_FOLDERS`);
+    None when every weight is cached."""
     from dlo.agent.residency import file_residency, model_files
 
     ordered: list[Path] = []
@@ -80,26 +98,25 @@ def start_readahead(model_dir: Path, components: tuple[str, ...],
     cold = [f for f in ordered if file_residency(f).ratio < RESIDENT_ENOUGH]
     if not cold:
         return None
+    names, packages = (START_DISTRIBUTIONS, package_folders(START_FOLDERS)) if distributions is None else (distributions, ())
 
-    folders = package_folders(START_PACKAGES if packages is None else packages)
-
-    def read() -> dict[str, Any]:
+    def read(on_first: Callable[[Any], None]) -> dict[str, Any]:
         from dlo.engine.serving.readahead import read_in_child
 
         # a process of its own: its reads never take this one's GIL; the imports' and the
         # tokenizers' files first ([Note: the start's other files first] in readahead.py)
-        return read_in_child(cold, packages=folders, folders=(model_dir,))
+        return read_in_child(cold, packages=packages, folders=(model_dir,), distributions=names, on_first=on_first)
 
     log.info("readahead of %d files not in the page cache (%d bytes) started", len(cold),
              sum(f.stat().st_size for f in cold))
-    return Background("readahead", read)
+    return Readahead(read)
 
 
-# the packages a rank imports or loads libraries from once the readahead has started: their files
-# are read before the weights (torch's own imports are done by then; its lazily loaded libraries,
-# cuDNN and cuBLAS among them, sit in torch/lib and the nvidia packages)
-START_PACKAGES = ("diffusers", "transformers", "tokenizers", "safetensors", "huggingface_hub", "sympy",
-                  "torch", "nvidia")
+# the distributions a rank imports or loads libraries from once the readahead has started, read
+# with their requirements before the weights (torch's own imports are done by then; its lazily
+# loaded libraries, cuDNN and cuBLAS among them, sit in torch/lib and the nvidia packages)
+START_DISTRIBUTIONS = ("diffusers", "transformers", "tokenizers", "safetensors", "torch", "imageio", "ftfy")
+START_FOLDERS = ("nvidia",)  # a namespace of many distributions, whichever torch build requires
 
 
 def package_folders(names: tuple[str, ...]) -> tuple[Path, ...]:

@@ -15,11 +15,21 @@ weights, what the start reads besides them: the Python files and shared librarie
 a rank imports (`--package`) and the pipeline folder's small files, configs and tokenizers
 (`--folder`); and it does not advise the kernel to read whole files ahead (its threads' reads keep
 the disk busy; the advice queued the whole folder in front of every other read).
+That order alone did not help (`ready-h200-2026-12-02-d`: cold imports 29.5-32 s again): the
+rank's early registration pins the weights from its first second, and pinning reads them, so the
+package reads still queued behind 40 GB. Now the child prints a line once the start's other files
+are read (`read_in_child`'s `on_first`), and the rank's registration waits for it
+(`prewarm.Readahead.first_read`); and those files are read as the weights are, in chunks on every
+thread (one thread per large `.so` read 4 GB of packages at 229 MB/s). Which packages: the
+requirement closure of the distributions a rank imports (`--distribution`: each one's installed
+files, from its RECORD, its requirements' with their markers evaluated), and `--package` folders
+for namespaces no distribution owns alone (`nvidia`).
 
-Owns: `read_in_child` (the parent's side: run the child, wait, parse its one JSON line; its
-warnings go to the rank's log), `startup_files` (what is read first) and `main` (the child: arm
-the parent-death signal first, exit if the parent is already gone, read the start's other files,
-then warm the weights in the order given, print what it read).
+Owns: `read_in_child` (the parent's side: run the child, report its first line, wait, parse its
+last; its warnings go to the rank's log), `startup_files` and `distribution_files` (what is read
+first) and `main` (the child: arm the parent-death signal first, exit if the parent is already
+gone, read the start's other files, say so, then warm the weights in the order given, print what
+it read).
 Must never: outlive the process that started it (parent-death signal), write to a model file, or
 import torch.
 """
@@ -30,12 +40,15 @@ import argparse
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Callable, Iterable, Iterator
 
 THREADS = 8  # requests in flight: enough for an NVMe disk, 8 x 16 MiB of buffers at most
+FIRST_THREADS = 16  # for the start's other files: thousands of small ones, each read waits for the disk
 
 log = logging.getLogger(__name__)
 
@@ -48,52 +61,132 @@ WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")  # a folder'
 
 
 def read_in_child(files: list[Path], threads: int = THREADS, packages: tuple[Path, ...] = (),
-                  folders: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """Warm `files` (in this order) in a child process, the `startup_files` of `packages` and
-    `folders` first; what it read: files, bytes, seconds, pid, and `first` (files, bytes, seconds)."""
+                  folders: tuple[Path, ...] = (), distributions: tuple[str, ...] = (),
+                  on_first: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Warm `files` (in this order) in a child process, the `startup_files` of `packages`,
+    `folders` and `distributions` first, calling `on_first` with what those were once they are
+    read; what it read: files, bytes, seconds, pid, and `first` (files, bytes, seconds)."""
     argv = [sys.executable, "-m", __name__, "--threads", str(threads), "--parent-pid", str(os.getpid()),
             *(a for p in packages for a in ("--package", str(p))), *(a for f in folders for a in ("--folder", str(f))),
-            *map(str, files)]
-    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
-    lines = proc.stdout.strip().splitlines()
+            *(a for d in distributions for a in ("--distribution", d)), *map(str, files)]
+    with tempfile.TemporaryFile("w+") as err:  # a file, not a pipe: warnings never block the child
+        with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True) as proc:
+            lines = [line for line in _lines(proc.stdout, on_first)]
+        err.seek(0)
+        stderr = err.read().strip()
     if proc.returncode != 0 or not lines:
-        why = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+        why = (stderr.splitlines() or [f"exit code {proc.returncode}"])[-1]
         raise ReadaheadError(f"the readahead process failed: {why}")
-    if proc.stderr.strip():  # warnings of a read that still finished: the rank's log keeps them
-        log.warning("the readahead process said: %s", proc.stderr.strip()[-2000:])
+    if stderr:  # warnings of a read that still finished: the rank's log keeps them
+        log.warning("the readahead process said: %s", stderr[-2000:])
     return json.loads(lines[-1])
+
+
+def _lines(stdout: IO[str] | None, on_first: Callable[[dict[str, Any]], None] | None) -> Iterator[str]:
+    """The child's lines as they come; its `{"phase": "first", ...}` line goes to `on_first`."""
+    for line in stdout or ():
+        if line.startswith('{"phase": "first"'):
+            if on_first is not None:
+                on_first(json.loads(line)["first"])
+        elif line.strip():
+            yield line
 
 
 def _is_code(name: str) -> bool:
     return name.endswith((".py", ".pyc", ".so")) or ".so." in name
 
 
-def startup_files(packages: tuple[Path, ...], folders: tuple[Path, ...]) -> list[Path]:
-    """What a start reads besides the weights, in this order: each package's Python files and shared
-    libraries (`.py`, `.pyc`, `.so`, `.so.N`), then each folder's files that are not weights."""
+def startup_files(packages: tuple[Path, ...], folders: tuple[Path, ...],
+                  distributions: tuple[str, ...] = ()) -> list[Path]:
+    """What a start reads besides the weights, in this order: the Python files and shared libraries
+    (`.py`, `.pyc`, `.so`, `.so.N`) of `distributions` with their requirements, then of each
+    package folder, then each folder's files that are not weights; each once."""
     from dlo.agent.tree import FolderTooDeep, walk_files
 
-    out: list[Path] = []
+    out = [f for f in distribution_files(distributions) if _is_code(f.name)]
     for roots, keep in ((packages, _is_code), (folders, lambda name: not name.endswith(WEIGHTS))):
         for root in roots:
             try:
                 out.extend(f for f in walk_files(root) if keep(f.name) and f.is_file())
             except (FolderTooDeep, OSError) as e:  # what was found before stays; the start goes on
                 log.warning("the readahead skips the rest of %s: %s", root, e)
+    return list(dict.fromkeys(out))
+
+
+def distribution_files(names: tuple[str, ...], path: list[str] | None = None) -> list[Path]:
+    """The installed files (their RECORD, with each `.py`'s cached bytecode; existing ones, each
+    once) of the distributions `names` and of every distribution they require, transitively
+    (markers evaluated here, extras left out; one not installed is skipped); `path`: where to look
+    (default `sys.path`)."""
+    from importlib.metadata import Distribution
+
+    seen: set[str] = set()
+    out: list[Path] = []
+    todo = list(names)
+    while todo:
+        name = _canonical(todo.pop(0))
+        if name in seen:
+            continue
+        seen.add(name)
+        dist = next(iter(Distribution.discover(name=name, path=path if path is not None else sys.path)), None)
+        if dist is None:
+            continue
+        out.extend(p for p in _with_bytecode(Path(str(dist.locate_file(f))) for f in dist.files or ()) if p.is_file())
+        todo.extend(_required(dist.requires or ()))
+    return list(dict.fromkeys(out))
+
+
+def _with_bytecode(files: Iterable[Path]) -> Iterator[Path]:
+    """`files`, each `.py` followed by its cached bytecode (which a RECORD lists only when the
+    installer compiled it: not after `pip install --no-compile` and a later `compileall`)."""
+    from importlib.util import cache_from_source
+
+    for f in files:
+        yield f
+        if f.suffix == ".py" and "__pycache__" not in f.parts:
+            yield Path(cache_from_source(str(f)))
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _required(requires: Iterable[str]) -> list[str]:
+    """The names of `requires` (Requires-Dist lines) that apply here, no extra asked for."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    out = []
+    for line in requires:
+        try:
+            req = Requirement(line)
+        except InvalidRequirement:
+            continue
+        if req.marker is None or req.marker.evaluate({"extra": ""}):
+            out.append(req.name)
     return out
 
 
 def read_first(files: list[Path], threads: int) -> dict[str, Any]:
-    """Read `files` whole, `threads` at a time (most are small: one read each); files, bytes, seconds."""
+    """Read `files` whole, `threads` reads at a time, a large file in chunks spread over the threads
+    as the weights are (most files are small: one read each); files, bytes, seconds."""
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    from dlo.agent.warm import read_whole
+    from dlo.agent.warm import READ_BYTES, read_range
 
     t0 = time.monotonic()
+    sizes = [(f, _size(f)) for f in files]
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dlo-first") as pool:
-        read = sum(pool.map(read_whole, files))
+        read = sum(pool.map(lambda job: read_range(*job), [(f, off, min(READ_BYTES, n - off))
+                                                           for f, n in sizes for off in range(0, n, READ_BYTES)]))
     return {"files": len(files), "bytes": read, "seconds": round(time.monotonic() - t0, 2)}
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:  # gone since it was listed: nothing to read
+        return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,13 +201,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="a package folder whose Python files and shared libraries are read first")
     ap.add_argument("--folder", type=Path, action="append", default=[],
                     help="a folder whose files other than weights are read first (after the packages')")
+    ap.add_argument("--distribution", action="append", default=[],
+                    help="an installed distribution whose files (and its requirements', transitively) are read first")
+    ap.add_argument("--first-threads", type=int, default=FIRST_THREADS, help="reads in flight for those files")
     ap.add_argument("files", nargs="+", type=Path)
     args = ap.parse_args(argv)
     if args.parent_pid is not None and os.getppid() != args.parent_pid:
         return 1  # the parent went before the death signal was armed: nobody waits for this read
     from dlo.agent.warm import warm
 
-    first = read_first(startup_files(tuple(args.package), tuple(args.folder)), args.threads)
+    first = read_first(startup_files(tuple(args.package), tuple(args.folder), tuple(args.distribution)),
+                       args.first_threads)
+    print(json.dumps({"phase": "first", "first": first}), flush=True)  # the rank's registration may start
     session = warm(args.files, threads=args.threads, advise=False)
     print(json.dumps({"files": len(args.files), "bytes": session.after.bytes, "seconds": round(session.seconds, 2),
                       "pid": os.getpid(), "first": first}))

@@ -240,3 +240,29 @@ def test_a_streaming_load_unregisters_the_files_it_does_not_keep_only_after_the_
     m.close()
     ref.close()
     assert platform.live == {}
+
+
+def test_registering_waits_for_the_readahead_of_the_starts_other_files(sharded, monkeypatch, caplog):
+    """On a cold start pinning reads the weights whole: it waits for the event the readahead sets once
+    the imports' files are read, and a readahead that never says so holds it back `AFTER_WAIT_S` at most."""
+    import threading
+    import time
+
+    import dlo.engine.weights as weights
+
+    platform = RecordingPlatform()
+    first_read = threading.Event()
+    early = EarlyRegistration(cached_checkpoint(sharded), platform, torch.device("cpu"), after=first_read)
+    time.sleep(0.3)  # a registration that did not wait would be done by now (3 tiny files)
+    assert platform.calls == 0 and not early.registered
+    first_read.set()
+    assert early.wait() and len(platform.live) == len(early.ckpt.files)
+    early.release()
+
+    monkeypatch.setattr(weights, "AFTER_WAIT_S", 0.05)
+    platform = RecordingPlatform()
+    with caplog.at_level("WARNING", logger="dlo.engine.weights"):
+        early = EarlyRegistration(cached_checkpoint(sharded), platform, torch.device("cpu"), after=threading.Event())
+        assert early.wait() and len(platform.live) == len(early.ckpt.files)
+    assert "registering the weights now" in caplog.text
+    early.release()

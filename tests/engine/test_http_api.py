@@ -120,6 +120,7 @@ def test_wrong_or_missing_key_is_401(server, key):
 
 def test_health_ready_and_metrics_need_no_key_and_metrics_follow_the_contract(server, client):
     client.images.generate(model=MODEL, prompt="warm", extra_body={"num_inference_steps": 1})
+    assert _post(server, "/v1/images/generations", {"prompt": "x"}, key="wrong").status_code == 401  # its own, run alone too
     assert requests.get(server.url + "/health").json()["status"] == "ok"
     assert requests.get(server.url + "/ready").json()["ready"] is True
     m = server.metrics()

@@ -4,6 +4,7 @@ read ahead into the page cache, and the device libraries' first calls."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from dlo.agent.residency import folder_residency, model_files
 from dlo.engine.serving.prewarm import start_library_warmup, start_readahead, warm_libraries
@@ -16,11 +17,12 @@ def test_a_cold_checkpoint_is_read_ahead_and_a_warm_one_costs_nothing(tmp_path_f
     for f in model_files(model):
         drop(f)
     cold = folder_residency(model).ratio
-    job = start_readahead(model, ("transformer", "text_encoder"), packages=("safetensors",))
+    job = start_readahead(model, ("transformer", "text_encoder"), distributions=("safetensors",))
     assert job is not None
     done = job.join()
     assert done is not None and done["files"] == len(model_files(model)), done
-    assert done["first"]["files"] > 1  # the package's code and the folder's configs, before the weights
+    assert done["first"]["files"] > 1  # the distribution's code and the folder's configs, before the weights
+    assert job.first_read.is_set()  # what the rank's early registration waits for
     assert done["pid"] != os.getpid()  # read by a child: its threads never take the GIL of the rank's imports
     assert folder_residency(model).ratio == 1.0 > cold
     assert start_readahead(model, ("transformer",)) is None  # every file cached: no thread, no read
@@ -28,7 +30,7 @@ def test_a_cold_checkpoint_is_read_ahead_and_a_warm_one_costs_nothing(tmp_path_f
 
 def test_the_readahead_reads_the_starts_code_and_small_files_before_the_weights(tmp_path_factory, tmp_path):
     from dlo.agent.residency import file_residency
-    from dlo.engine.serving.prewarm import START_PACKAGES, package_folders
+    from dlo.engine.serving.prewarm import package_folders
     from dlo.engine.serving.readahead import read_in_child, startup_files
 
     pkg = tmp_path / "pkg"
@@ -43,14 +45,53 @@ def test_the_readahead_reads_the_starts_code_and_small_files_before_the_weights(
     assert set(startup_files((pkg,), (model,))[: len(code)]) == set(code)  # the packages' files first
     for f in code + other + small + model_files(model):
         drop(f)
-    done = read_in_child(model_files(model), packages=(pkg,), folders=(model,))
+    said: list[dict] = []
+    done = read_in_child(model_files(model), packages=(pkg,), folders=(model,), on_first=said.append)
+    assert said == [done["first"]]  # said once, as soon as the child had read them
     assert done["first"]["files"] == len(code + small), done
     assert done["first"]["bytes"] == sum(f.stat().st_size for f in code + small)
     assert all(file_residency(f).ratio == 1.0 for f in code + small + model_files(model))
     assert all(file_residency(f).ratio < 1.0 for f in other)  # headers and text: not what a start reads
-    folders = package_folders(START_PACKAGES + ("no_such_package_here", "json"))  # json: stdlib package
+    folders = package_folders(("diffusers", "no_such_package_here", "json"))  # json: stdlib package
     assert folders[0].name == "diffusers" and all(f.is_dir() for f in folders)
     assert not any(f.name == "no_such_package_here" for f in folders)
+
+
+def test_the_distributions_a_start_imports_are_read_with_what_they_require(tmp_path):
+    """`--distribution`: a distribution's installed files (its RECORD) and those of its requirements,
+    transitively; a requirement of an extra or for another platform, and a file gone, are left out."""
+    from dlo.engine.serving.prewarm import START_DISTRIBUTIONS
+    from dlo.engine.serving.readahead import distribution_files, startup_files
+
+    site = tmp_path / "site"
+
+    def dist(name: str, files: list[str], requires: list[str]) -> list:
+        info = site / f"{name.replace('-', '_')}-1.0.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n"
+                                       + "".join(f"Requires-Dist: {r}\n" for r in requires))
+        (info / "RECORD").write_text("".join(f"{f},,\n" for f in files))
+        for f in files[:-1] if files else ():  # the last one listed is not there
+            (site / f).parent.mkdir(parents=True, exist_ok=True)
+            (site / f).write_bytes(b"x" * 100)
+        return [site / f for f in files[:-1]]
+
+    a = dist("app-a", ["app_a/__init__.py", "app_a/_c.so", "app_a/gone.py"], ["lib-b>=1", "lib-c; extra == 'dev'",
+                                                                               "lib-d; python_version < '3'"])
+    b = dist("lib-b", ["lib_b/core.py", "lib_b/libb.so.2", "lib_b/gone.py"], ["app-a"])  # a cycle ends
+    dist("lib-c", ["lib_c/x.py", "lib_c/gone.py"], [])
+    dist("lib-d", ["lib_d/x.py", "lib_d/gone.py"], [])
+    from importlib.util import cache_from_source
+
+    pyc = Path(cache_from_source(str(a[0])))  # compiled after the install: not in the RECORD
+    pyc.parent.mkdir()
+    pyc.write_bytes(b"x")
+    assert distribution_files(("app_a",), path=[str(site)]) == [a[0], pyc, *a[1:], *b]
+    assert distribution_files(("not-installed",), path=[str(site)]) == []
+    # here: torch requires sympy and filelock, among others
+    found = {p.name for p in startup_files((), (), START_DISTRIBUTIONS)}
+    assert {"__init__.py"} <= found and any(n.endswith(".so") or ".so." in n for n in found)
+    assert any("sympy" in p.parts for p in startup_files((), (), ("torch",)))
 
 
 def test_the_library_warmup_runs_its_calls_and_only_starts_on_cuda():
