@@ -117,10 +117,14 @@ class PipelineFacts:
         """Transformer forwards one request makes: steps x CFG branches (separate calls)."""
         return self.adapter.transformer_calls(gen)
 
+    def warmup_steps(self, model_dir: Path, steps: int) -> int:
+        """The warm-up's steps for `--warmup-steps steps`: at least `min_steps`, and as many more as
+        the family needs for every transformer of the pipeline to run (its adapter's `warmup_steps`)."""
+        return self.adapter.warmup_steps(model_dir, max(steps, self.min_steps))
+
     def warmup(self, width: int, height: int, steps: int = WARMUP_STEPS) -> Generation:
-        """The warm-up request at this size: a `steps`-step image (at least `min_steps`), or the
-        shortest video of a family that makes videos only."""
-        steps = max(steps, self.min_steps)
+        """The warm-up request at this size, `steps` steps (`warmup_steps` decides them): an image,
+        or the shortest video of a family that makes videos only."""
         if self.images:
             return Generation(kind="image", prompt="warm-up", seed=0, width=width, height=height, steps=steps,
                               guidance_scale=self.default_guidance)

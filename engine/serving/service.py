@@ -167,7 +167,7 @@ class Engine:
         """The warm-up request; its steps are decided once, at the warm-up (after the load: the
         family may read the scheduler to reach every transformer)."""
         if self._warmup_steps is None:
-            self._warmup_steps = self.facts.adapter.warmup_steps(Path(self.cfg.model_dir), self.options.warmup_steps)
+            self._warmup_steps = self.facts.warmup_steps(Path(self.cfg.model_dir), self.options.warmup_steps)
         return warmup_generation(self.facts, self.cfg.sp, self.warmup_size, self._warmup_steps)
 
     @property
