@@ -142,16 +142,19 @@ class _Start:
 def _model_and_limits(args: argparse.Namespace, start: _Start) -> None:
     """The folder (headers, index and shards, torch-free: most broken checkpoints are refused here;
     dtypes and shapes are checked when each rank loads; the parse is cached for the policy and rank
-    0), the limits, the warm-up size."""
+    0), the limits, the warm-up size; a cold folder's readahead starts here."""
     from dlo.engine.checkpoint import CheckpointError, cached_checkpoint
     from dlo.engine.families import pipeline_facts
     from dlo.engine.lora import AdapterError
     from dlo.engine.serving.api_models import ApiError
     from dlo.engine.serving.limits import SMALL, Limits
+    from dlo.engine.serving.prewarm import start_early_readahead
 
     try:
         start.facts = pipeline_facts(start.model_dir)
         cached_checkpoint(start.model_dir / "transformer")
+        # a cold folder's reads start here, before torch is imported (rank 0's load adopts them)
+        start_early_readahead(start.model_dir, (*start.facts.transformers, *start.facts.adapter.streamable_encoders))
         start.limits = Limits.load(args.limits, SMALL if args.small_limits else None, max_steps=args.max_steps,
                                    max_width=args.max_size, max_height=args.max_size)
         start.warmup_size = _warmup_size(args.warmup_size, start.facts, start.limits)

@@ -2,6 +2,7 @@
 and initialise the device libraries every request uses.
 
 Owns: `start_beside_imports` and `join_logged` (both jobs, as `ServingPipeline` runs them),
+`start_early_readahead` (the readahead from `dlo serve`'s first steps, adopted by rank 0's load),
 `start_readahead` (the pipeline folder's safetensors files that are not in the page cache,
 read in the order the load needs them, in parallel chunks at the disk's speed by `dlo.agent.warm`
 in a child process, `readahead.py`, waited for on a thread, after the files of `START_DISTRIBUTIONS`
@@ -55,9 +56,23 @@ class Background:
 
 
 def start_beside_imports(model_dir: Path, components: tuple[str, ...], device: Any) -> tuple[Any, Any]:
-    """The readahead of `model_dir` (`components` first) and the library warm-up of `device`, each
-    on a thread while the caller imports and builds; `join_logged` each (None: nothing started)."""
-    return start_readahead(model_dir, components), start_library_warmup(device)
+    """The readahead of `model_dir` (`components` first; the one `start_early_readahead` started in
+    this process, if any) and the library warm-up of `device`, each on a thread while the caller
+    imports and builds; `join_logged` each (None: nothing started)."""
+    key = Path(model_dir).resolve()
+    readahead = _EARLY.pop(key) if key in _EARLY else start_readahead(model_dir, components)
+    return readahead, start_library_warmup(device)
+
+
+# the readahead `dlo serve` started before its own imports, by folder, until the load takes it
+_EARLY: dict[Path, Readahead | None] = {}
+
+
+def start_early_readahead(model_dir: Path, components: tuple[str, ...]) -> None:
+    """`start_readahead` now, at the start of `dlo serve`, before torch is imported: a cold start's
+    reads begin seconds earlier, the server's own imports among them; this process's load adopts it
+    (`start_beside_imports`)."""
+    _EARLY[Path(model_dir).resolve()] = start_readahead(model_dir, components)
 
 
 def join_logged(job: Background | None) -> None:

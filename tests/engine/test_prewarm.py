@@ -115,3 +115,24 @@ def test_a_readahead_that_cannot_read_says_why_and_an_orphan_reads_nothing(tmp_p
             "rc = main(['--parent-pid', '1', '/nonexistent.safetensors']); print(rc, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["1", "False"], out.stderr[-2000:]
+
+
+def test_dlo_serve_reads_a_cold_folder_ahead_from_its_first_checks_and_the_load_adopts_that_read(tmp_path_factory, tmp_path):
+    """The readahead starts with `dlo serve`'s checks, before the device (and torch) is touched: the
+    mode line comes after it, and rank 0's load joins that same read instead of starting another."""
+    from dlo.engine.serving.launch import ServerProcess
+    from tests.engine.serving_helpers import offline_env
+
+    model = tiny_pipeline(tmp_path_factory, "wan")
+    for f in model_files(model):
+        drop(f)
+    log = tmp_path / "serve.log"
+    with ServerProcess(model, "--dp", "1", "--mode", "rank-local", "--device", "cpu", "--small-limits",
+                       log_path=log, env=offline_env()) as srv:
+        assert srv.ready_info()["ready"] is True
+    lines = log.read_text().splitlines()
+    started = [i for i, line in enumerate(lines) if "readahead of" in line and "started" in line]
+    serving = [i for i, line in enumerate(lines) if "dlo.engine.serving.cli serving" in line]
+    assert len(started) == 1 and serving and started[0] < serving[0], lines[:40]
+    assert any("readahead done" in line for line in lines)  # the load joined it
+    assert folder_residency(model).ratio == 1.0
