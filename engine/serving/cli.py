@@ -357,6 +357,9 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="rank0 %(levelname)s %(name)s %(message)s")
     if code := _fetch_model(args):
         return code
+    from dlo.engine.serving.distmap import start_distribution_map
+
+    start_distribution_map()  # beside the imports below; rank 0's load uses it (distmap.py)
     try:
         start = _prepare(args)
         engine = _engine(args, start)

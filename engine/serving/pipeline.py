@@ -24,6 +24,7 @@ from typing import Any, Callable
 from dlo.engine.energy import rank_meter
 from dlo.engine.families import Decoded, pipeline_facts
 from dlo.engine.report import GatherStats
+from dlo.engine.serving import distmap
 from dlo.engine.serving.control import RankStats
 from dlo.engine.serving.encode import encode
 from dlo.engine.serving.prewarm import join_logged, start_beside_imports
@@ -79,7 +80,8 @@ class ServingPipeline:
         self._configure(Path(model_dir), settings, device, max_sequence_length)
         engine_models = (*self.facts.transformers, *self.encoders)
         readahead, libraries = start_beside_imports(self.model_dir, engine_models, self.device)
-        self.models = self._load_models(group, laps, libraries, readahead)
+        with distmap.installed():  # [Note: packages_distributions at import] in distmap.py
+            self.models = self._load_models(group, laps, libraries, readahead)
         try:
             self.model = self.models[self.facts.transformers[0]]
             self._parallelize(parallel)

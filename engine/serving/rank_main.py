@@ -32,6 +32,7 @@ from dlo.engine.serving.control import (
     Stop,
     WaveAssignment,
 )
+from dlo.engine.serving.distmap import start_distribution_map
 from dlo.engine.serving.faults import InjectedFault, install_rank_faults
 from dlo.engine.timing import Laps
 from dlo.engine.request import Generation
@@ -179,6 +180,7 @@ def main() -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"rank{rank} %(levelname)s %(name)s %(message)s")
+    start_distribution_map()  # beside torch's import in init_rank (distmap.py)
     conn = Client(("127.0.0.1", cfg.control_port), authkey=authkey)
     lock = threading.Lock()
 

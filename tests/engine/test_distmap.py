@@ -1,0 +1,63 @@
+"""The distribution map a rank's start computes beside its imports (`dlo.engine.serving.distmap`):
+the same map `importlib.metadata` gives, served only while the rank loads, and a start that goes on
+without it."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import subprocess
+import sys
+
+from dlo.engine.serving import distmap
+
+
+def test_the_childs_map_is_importlibs_own_and_is_served_only_while_the_rank_loads():
+    expected = importlib.metadata.packages_distributions()
+    original = importlib.metadata.packages_distributions
+    distmap.start_distribution_map()
+    assert distmap._started is not None and distmap._started.pid  # a process of its own
+    with distmap.installed():
+        served = importlib.metadata.packages_distributions()
+        assert importlib.metadata.packages_distributions is not original
+        assert served == expected and "torch" in served
+        served["torch"].append("changed by a caller")
+        assert importlib.metadata.packages_distributions() == expected  # each caller gets its own copy
+    assert importlib.metadata.packages_distributions is original
+    assert distmap._started is None  # used once: the next load starts afresh
+
+
+def test_without_the_child_the_map_is_computed_once_in_process(monkeypatch):
+    calls = []
+    original = importlib.metadata.packages_distributions
+
+    def counted():
+        calls.append(1)
+        return original()
+
+    monkeypatch.setattr(importlib.metadata, "packages_distributions", counted)
+    with distmap.installed():  # no child started
+        assert importlib.metadata.packages_distributions() == importlib.metadata.packages_distributions()
+    assert len(calls) == 1 and importlib.metadata.packages_distributions is counted
+
+
+def test_a_child_that_fails_costs_only_what_it_would_have_saved(monkeypatch, caplog):
+    monkeypatch.setattr(distmap, "_CHILD", "import sys; sys.exit(3)")
+    distmap.start_distribution_map()
+    expected = importlib.metadata.packages_distributions()
+    with caplog.at_level("WARNING", logger="dlo.engine.serving.distmap"), distmap.installed():
+        assert importlib.metadata.packages_distributions() == expected  # computed here instead
+    assert "exited with code 3" in caplog.text
+
+
+def test_the_child_sees_the_paths_of_this_process(tmp_path):
+    """A folder on this process's `sys.path` only (as `PYTHONPATH` or `--target` installs put the
+    GPU host's wheels) is where the child looks too."""
+    info = tmp_path / "only_here-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: only-here\nVersion: 1.0\n")
+    (info / "top_level.txt").write_text("only_here\n")
+    code = ("import sys, importlib.metadata; sys.path.insert(0, sys.argv[1]); from dlo.engine.serving import distmap; "
+            "distmap.start_distribution_map()\nwith distmap.installed(): "
+            "print(importlib.metadata.packages_distributions().get('only_here'))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "['only-here']", out.stderr[-2000:]
