@@ -71,11 +71,18 @@ class Run:
 AFTER_WAIT_S = 120.0  # the longest an early registration waits for the readahead's first files
 
 
-def _wait_for(after: threading.Event | None) -> float:
-    """Wait for `after` (`AFTER_WAIT_S` at most; a warning past it); the seconds waited."""
+def _wait_for(after: threading.Event | None, released: threading.Event) -> float:
+    """Wait for `after` (`AFTER_WAIT_S` at most, a warning past it) unless `released` is set first;
+    the seconds waited."""
     t0 = time.perf_counter()
-    if after is not None and not after.wait(AFTER_WAIT_S):
-        log.warning("the readahead's first files took over %.0f s: registering the weights now", AFTER_WAIT_S)
+    if after is None:
+        return 0.0
+    while not after.wait(0.05):
+        if released.is_set():
+            break
+        if time.perf_counter() - t0 > AFTER_WAIT_S:
+            log.warning("the readahead's first files took over %.0f s: registering the weights now", AFTER_WAIT_S)
+            break
     return time.perf_counter() - t0
 
 
@@ -100,13 +107,15 @@ class EarlyRegistration:
         self._progress = threading.Condition()  # notified as each file is registered, and at the end
         self._ended = False  # the thread has registered what it will (under `_progress`)
         self._fence: object = None
+        self._released = threading.Event()  # `release()` was called: stop registering (a failed load's clean-up)
 
         def run() -> None:
             t0 = time.perf_counter()
-            waited = _wait_for(after)
+            waited = _wait_for(after, self._released)
             try:
                 platform.device(device.index or 0)  # the caller's device (`early_registration` resolves it)
-                self.problem = _register_files(ckpt, ckpt.files, platform, self.registered, self._progress)
+                self.problem = _register_files(ckpt, ckpt.files, platform, self.registered, self._progress,
+                                               self._released)
             except Exception as e:  # reported by wait(); the load falls back as for a refusal
                 self.problem = f"registering the page cache failed: {type(e).__name__}: {e}"
             log.log(logging.WARNING if self.problem else logging.INFO,
@@ -143,6 +152,7 @@ class EarlyRegistration:
         return kept
 
     def release(self) -> None:
+        self._released.set()  # a registration still waiting or under way stops at the next file
         self.wait()
         if self.registered and self._fence is not None:
             self.platform.host_wait(self._fence)  # no DMA may still read what is unregistered
@@ -152,10 +162,14 @@ class EarlyRegistration:
 
 
 def _register_files(ckpt: Checkpoint, paths: list[Path], platform: Platform,
-                    into: dict[Path, tuple[int, int]], progress: threading.Condition | None = None) -> str:
+                    into: dict[Path, tuple[int, int]], progress: threading.Condition | None = None,
+                    stop: threading.Event | None = None) -> str:
     """Register whole files for DMA in order, each into `into` (path -> (pointer, bytes)) as it
-    succeeds (notifying `progress`); returns why it stopped ("" when every file is registered)."""
+    succeeds (notifying `progress`), until `stop` is set; returns why it stopped ("" when every file
+    is registered)."""
     for path in paths:
+        if stop is not None and stop.is_set():
+            return "released before every file was registered"
         whole = ckpt.file_bytes(path)
         if not platform.register_read_only(whole.data_ptr(), whole.numel()):
             return f"the platform refused to register {path.name}"

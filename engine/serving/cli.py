@@ -8,7 +8,9 @@ Owns: the `dlo serve` start in named steps (`main`): everything a flag, the fold
 port can get wrong is refused in one line with exit 2 before any rank starts (`StartError`);
 the mode (`mode_choice`); and wiring the service, the rank group and the HTTP server together.
 Must never: import anything of `dlo.agent` but the pure `policy` and `profile` (CONTRACTS.md
-section 1), take a secret from the command line, or start a rank before the listening port is ours.
+section 1) and, through the readahead (`prewarm.start_early_readahead`), its torch-free page-cache
+helpers (`residency`, `tree`, `warm`), take a secret from the command line, or start a rank before
+the listening port is ours.
 """
 
 from __future__ import annotations
@@ -154,7 +156,8 @@ def _model_and_limits(args: argparse.Namespace, start: _Start) -> None:
         start.facts = pipeline_facts(start.model_dir)
         cached_checkpoint(start.model_dir / "transformer")
         # a cold folder's reads start here, before torch is imported (rank 0's load adopts them)
-        start_early_readahead(start.model_dir, (*start.facts.transformers, *start.facts.adapter.streamable_encoders))
+        encoders = start.facts.adapter.streamable_encoders if args.stream_text_encoders else ()
+        start_early_readahead(start.model_dir, (*start.facts.transformers, *encoders))
         start.limits = Limits.load(args.limits, SMALL if args.small_limits else None, max_steps=args.max_steps,
                                    max_width=args.max_size, max_height=args.max_size)
         start.warmup_size = _warmup_size(args.warmup_size, start.facts, start.limits)

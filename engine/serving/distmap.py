@@ -13,8 +13,8 @@ rank loads (`installed`) `importlib.metadata.packages_distributions` returns cop
 the function is restored afterwards. Without the child's answer (it failed, or timed out) the map
 is computed once in-process and reused for the second call.
 
-Owns: `start_distribution_map` (the child, started once per process), `installed` (the load's
-window with the map in place).
+Owns: `start_distribution_map` (the child, started once per process, reaped by a thread of its
+own), `installed` (the load's window with the map in place, asked of the child on first use).
 Must never: change the map's content (the child reads the same `sys.path`), keep the function
 replaced beyond the window, or make a start fail (a failed child costs what it would have saved).
 """
@@ -28,16 +28,53 @@ import json
 import logging
 import subprocess
 import sys
-from typing import Callable, Iterator
+import threading
+from typing import Iterator
 
 log = logging.getLogger(__name__)
 
-WAIT_S = 10.0  # the longest the load waits for the child's map (it takes ~0.7 s on a large host)
+WAIT_S = 10.0  # the longest the first caller waits for the child's map (it takes ~0.7 s on a large host)
 # the child: this process's `sys.path` exactly (argv[1]), then the map as one JSON line
 _CHILD = ("import importlib.metadata, json, sys; sys.path[:] = json.loads(sys.argv[1]); "
           "print(json.dumps(importlib.metadata.packages_distributions()))")
 
-_started: subprocess.Popen | None = None
+
+class _ChildMap:
+    """The child computing the map, and a daemon thread that waits for it (so it is reaped whether
+    or not a load ever asks); `get()` waits for its answer, `WAIT_S` at most (None: no answer)."""
+
+    def __init__(self) -> None:
+        from dlo.engine.serving.ranks import child_env
+
+        self.found: dict[str, list[str]] | None = None
+        self.why = ""
+        self._done = threading.Event()
+        self._proc = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(sys.path)], stdout=subprocess.PIPE,
+                                      stderr=subprocess.DEVNULL, text=True, env=child_env())
+        threading.Thread(target=self._wait, name="dlo-distmap", daemon=True).start()
+
+    def _wait(self) -> None:
+        try:
+            out, _ = self._proc.communicate()
+            found = json.loads(out) if self._proc.returncode == 0 else None
+            if isinstance(found, dict):
+                self.found = found
+            else:
+                self.why = f"exited with code {self._proc.returncode}" if self._proc.returncode else "gave no map"
+        except ValueError:
+            self.why = "gave no map"
+        finally:
+            self._done.set()
+
+    def get(self) -> dict[str, list[str]] | None:
+        if not self._done.wait(WAIT_S):
+            self._proc.kill()  # the reader thread reaps it
+            self.why = f"gave no map within {WAIT_S:.0f} s"
+            return None
+        return self.found
+
+
+_started: _ChildMap | None = None
 
 
 def start_distribution_map() -> None:
@@ -46,46 +83,33 @@ def start_distribution_map() -> None:
     if _started is not None:
         return
     try:
-        _started = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(sys.path)], stdout=subprocess.PIPE,
-                                    stderr=subprocess.DEVNULL, text=True)
+        _started = _ChildMap()
     except OSError as e:  # the load computes it in-process instead
         log.warning("the distribution map's process did not start: %s", e)
-
-
-def _child_map() -> dict[str, list[str]] | None:
-    """The child's map, None when it was not started or did not give one within `WAIT_S`."""
-    global _started
-    proc, _started = _started, None
-    if proc is None:
-        return None
-    try:
-        out, _ = proc.communicate(timeout=WAIT_S)
-        found = json.loads(out) if proc.returncode == 0 else None
-    except (subprocess.TimeoutExpired, ValueError) as e:
-        proc.kill()
-        proc.communicate()
-        log.warning("the distribution map's process gave no map (%s): computing it here", type(e).__name__)
-        return None
-    if not isinstance(found, dict):
-        log.warning("the distribution map's process exited with code %s: computing it here", proc.returncode)
-        return None
-    return found
 
 
 @contextlib.contextmanager
 def installed() -> Iterator[None]:
     """While the rank loads, `importlib.metadata.packages_distributions()` answers from the child's
-    map (copies: a caller may change what it gets), else from one in-process call."""
+    map (copies: a caller may change what it gets; asked for on the first call, not before), else
+    from one in-process call. Restored on the way out unless someone replaced it meanwhile."""
+    global _started
+    child, _started = _started, None
     original = importlib.metadata.packages_distributions
-    found = _child_map()
-    replacement: Callable[[], dict[str, list[str]]]
-    if found is not None:
-        replacement = lambda: {name: list(dists) for name, dists in found.items()}  # noqa: E731
-    else:
-        once = functools.cache(original)
-        replacement = lambda: {name: list(dists) for name, dists in once().items()}  # noqa: E731
+
+    @functools.cache
+    def the_map() -> dict[str, list[str]]:
+        found = child.get() if child is not None else None
+        if child is not None and found is None:
+            log.warning("the distribution map's process %s: computing it here", child.why)
+        return found if found is not None else original()
+
+    def replacement() -> dict[str, list[str]]:
+        return {name: list(dists) for name, dists in the_map().items()}
+
     importlib.metadata.packages_distributions = replacement
     try:
         yield
     finally:
-        importlib.metadata.packages_distributions = original
+        if importlib.metadata.packages_distributions is replacement:
+            importlib.metadata.packages_distributions = original

@@ -60,7 +60,7 @@ def start_beside_imports(model_dir: Path, components: tuple[str, ...], device: A
     this process, if any) and the library warm-up of `device`, each on a thread while the caller
     imports and builds; `join_logged` each (None: nothing started)."""
     key = Path(model_dir).resolve()
-    readahead = _EARLY.pop(key) if key in _EARLY else start_readahead(model_dir, components)
+    readahead = _EARLY.pop(key) if key in _EARLY else _readahead_or_none(model_dir, components)
     return readahead, start_library_warmup(device)
 
 
@@ -72,7 +72,17 @@ def start_early_readahead(model_dir: Path, components: tuple[str, ...]) -> None:
     """`start_readahead` now, at the start of `dlo serve`, before torch is imported: a cold start's
     reads begin seconds earlier, the server's own imports among them; this process's load adopts it
     (`start_beside_imports`)."""
-    _EARLY[Path(model_dir).resolve()] = start_readahead(model_dir, components)
+    _EARLY[Path(model_dir).resolve()] = _readahead_or_none(model_dir, components)
+
+
+def _readahead_or_none(model_dir: Path, components: tuple[str, ...]) -> Readahead | None:
+    """`start_readahead`, or None with a warning when even its residency check fails (a mount
+    whose files cannot be measured or mapped): the start goes on and reads as it loads."""
+    try:
+        return start_readahead(model_dir, components)
+    except Exception as e:
+        log.warning("no readahead (the start goes on without it): %s: %s", type(e).__name__, e)
+        return None
 
 
 def join_logged(job: Background | None) -> None:

@@ -78,6 +78,14 @@ log = logging.getLogger(__name__)
 
 # Rank 0 alone answers HTTP: the children never see the API key, not even in their environment.
 API_KEY_ENV = "DLO_API_KEY"
+
+
+def child_env() -> dict[str, str]:
+    """This process's environment without the API key: what every process it starts gets (the
+    ranks, the start's helpers: none of them serves HTTP)."""
+    return {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+
+
 READER_DRAIN_S = 2.0  # how long the monitor lets an exited rank's last messages arrive before blaming the exit
 CONTROL_BACKLOG = 64  # pending connections: a few strangers cannot fill the queue before the children
 HANDSHAKE_S = 10.0  # one connection: the key's challenge both ways, then Hello
@@ -124,7 +132,7 @@ class RankGroup:
         """Spawn ranks 1..dp x sp - 1. Call from the main thread: Linux sends the parent-death signal when
         the *thread* that forked a child exits, so a short-lived thread would kill the children."""
         self.listen()
-        env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+        env = child_env()
         env.update({CONFIG_ENV: self.cfg.to_json(), AUTHKEY_ENV: self._authkey.hex()})
         for st in self.ranks[1:]:
             st.proc = subprocess.Popen([sys.executable, "-m", "dlo.engine.serving.rank_main"],

@@ -58,6 +58,9 @@ class ReadaheadError(RuntimeError):
 
 
 WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")  # a folder's files read after the rest
+# a model folder's other files read first are its configs and tokenizers (the largest: Qwen-Image's
+# and UMT5's tokenizer.json, 11-16 MB); anything larger is not what a start reads before the weights
+FOLDER_FILE_BYTES = 64 << 20
 
 
 def read_in_child(files: list[Path], threads: int = THREADS, packages: tuple[Path, ...] = (),
@@ -66,11 +69,14 @@ def read_in_child(files: list[Path], threads: int = THREADS, packages: tuple[Pat
     """Warm `files` (in this order) in a child process, the `startup_files` of `packages`,
     `folders` and `distributions` first, calling `on_first` with what those were once they are
     read; what it read: files, bytes, seconds, pid, and `first` (files, bytes, seconds)."""
+    from dlo.engine.serving.ranks import child_env
+
     argv = [sys.executable, "-m", __name__, "--threads", str(threads), "--parent-pid", str(os.getpid()),
+            "--sys-path", json.dumps(sys.path),
             *(a for p in packages for a in ("--package", str(p))), *(a for f in folders for a in ("--folder", str(f))),
             *(a for d in distributions for a in ("--distribution", d)), *map(str, files)]
-    with tempfile.TemporaryFile("w+") as err:  # a file, not a pipe: warnings never block the child
-        with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True) as proc:
+    with tempfile.TemporaryFile("w+", errors="replace") as err:  # a file, not a pipe: warnings never block the child
+        with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=child_env()) as proc:
             lines = [line for line in _lines(proc.stdout, on_first)]
         err.seek(0)
         stderr = err.read().strip()
@@ -97,20 +103,32 @@ def _is_code(name: str) -> bool:
 
 
 def startup_files(packages: tuple[Path, ...], folders: tuple[Path, ...],
-                  distributions: tuple[str, ...] = ()) -> list[Path]:
+                  distributions: tuple[str, ...] = (), path: list[str] | None = None) -> list[Path]:
     """What a start reads besides the weights, in this order: the Python files and shared libraries
-    (`.py`, `.pyc`, `.so`, `.so.N`) of `distributions` with their requirements, then of each
-    package folder, then each folder's files that are not weights; each once."""
+    (`.py`, `.pyc`, `.so`, `.so.N`) of `distributions` with their requirements (found on `path`,
+    default `sys.path`), then of each package folder, then each folder's small files that are not
+    weights (`_small_config`); each once."""
     from dlo.agent.tree import FolderTooDeep, walk_files
 
-    out = [f for f in distribution_files(distributions) if _is_code(f.name)]
-    for roots, keep in ((packages, _is_code), (folders, lambda name: not name.endswith(WEIGHTS))):
+    out = [f for f in distribution_files(distributions, path) if _is_code(f.name)]
+    for roots, keep in ((packages, lambda f, root: _is_code(f.name) and f.is_file()), (folders, _small_config)):
         for root in roots:
             try:
-                out.extend(f for f in walk_files(root) if keep(f.name) and f.is_file())
+                out.extend(f for f in walk_files(root) if keep(f, root))
             except (FolderTooDeep, OSError) as e:  # what was found before stays; the start goes on
                 log.warning("the readahead skips the rest of %s: %s", root, e)
     return list(dict.fromkeys(out))
+
+
+def _small_config(f: Path, root: Path) -> bool:
+    """A model folder's file that a start reads besides the weights: not a weight, not under a
+    hidden folder (`.git`'s LFS objects, `.cache`'s partial downloads), at most `FOLDER_FILE_BYTES`."""
+    if f.name.endswith(WEIGHTS) or any(part.startswith(".") for part in f.relative_to(root).parts[:-1]):
+        return False
+    try:
+        return f.is_file() and f.stat().st_size <= FOLDER_FILE_BYTES
+    except OSError:
+        return False
 
 
 def distribution_files(names: tuple[str, ...], path: list[str] | None = None) -> list[Path]:
@@ -175,17 +193,28 @@ def read_first(files: list[Path], threads: int) -> dict[str, Any]:
     from dlo.agent.warm import READ_BYTES, read_range
 
     t0 = time.monotonic()
-    sizes = [(f, _size(f)) for f in files]
+    unread: list[str] = []
+
+    def read(job: tuple[Path, int, int]) -> int:
+        try:
+            return read_range(*job)
+        except OSError as e:  # best effort: the start reads this file itself, the weights still come next
+            unread.append(f"{job[0]}: {e}")
+            return 0
+
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dlo-first") as pool:
-        read = sum(pool.map(lambda job: read_range(*job), [(f, off, min(READ_BYTES, n - off))
-                                                           for f, n in sizes for off in range(0, n, READ_BYTES)]))
-    return {"files": len(files), "bytes": read, "seconds": round(time.monotonic() - t0, 2)}
+        sizes = list(zip(files, pool.map(_size, files)))  # thousands of stats: in flight together too
+        done = sum(pool.map(read, [(f, off, min(READ_BYTES, n - off)) for f, n in sizes for off in range(0, n, READ_BYTES)]))
+    if unread:
+        print(f"the readahead could not read {len(unread)} of its first files (the start reads them itself), "
+              f"e.g. {unread[0]}", file=sys.stderr)
+    return {"files": len(files), "bytes": done, "seconds": round(time.monotonic() - t0, 2)}
 
 
 def _size(path: Path) -> int:
     try:
         return path.stat().st_size
-    except FileNotFoundError:  # gone since it was listed: nothing to read
+    except OSError:  # gone (or unreadable) since it was listed: nothing to read
         return 0
 
 
@@ -204,13 +233,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--distribution", action="append", default=[],
                     help="an installed distribution whose files (and its requirements', transitively) are read first")
     ap.add_argument("--first-threads", type=int, default=FIRST_THREADS, help="reads in flight for those files")
+    ap.add_argument("--sys-path", type=json.loads, default=None,
+                    help="where to find the distributions: the parent's sys.path, as JSON (default: this one's)")
     ap.add_argument("files", nargs="+", type=Path)
     args = ap.parse_args(argv)
     if args.parent_pid is not None and os.getppid() != args.parent_pid:
         return 1  # the parent went before the death signal was armed: nobody waits for this read
     from dlo.agent.warm import warm
 
-    first = read_first(startup_files(tuple(args.package), tuple(args.folder), tuple(args.distribution)),
+    first = read_first(startup_files(tuple(args.package), tuple(args.folder), tuple(args.distribution), args.sys_path),
                        args.first_threads)
     print(json.dumps({"phase": "first", "first": first}), flush=True)  # the rank's registration may start
     session = warm(args.files, threads=args.threads, advise=False)

@@ -266,3 +266,17 @@ def test_registering_waits_for_the_readahead_of_the_starts_other_files(sharded, 
         assert early.wait() and len(platform.live) == len(early.ckpt.files)
     assert "registering the weights now" in caplog.text
     early.release()
+
+
+def test_releasing_a_registration_that_still_waits_stops_it_at_once(sharded):
+    """A load that fails while the registration waits for the readahead: `release()` neither waits
+    out `AFTER_WAIT_S` nor pins files only to unpin them."""
+    import threading
+    import time
+
+    platform = RecordingPlatform()
+    early = EarlyRegistration(cached_checkpoint(sharded), platform, torch.device("cpu"), after=threading.Event())
+    t0 = time.perf_counter()
+    early.release()
+    assert time.perf_counter() - t0 < 5 and platform.calls == 0 and platform.live == {}
+    assert not early.wait() and "released" in early.problem

@@ -39,8 +39,14 @@ def test_the_readahead_reads_the_starts_code_and_small_files_before_the_weights(
     other = [pkg / "x.h", pkg / "notes.txt"]
     for i, f in enumerate(code + other):
         f.write_bytes(bytes([i]) * (4096 * (i + 1)))
-    model = tiny_pipeline(tmp_path_factory, "wan")
+    import shutil
+
+    model = shutil.copytree(tiny_pipeline(tmp_path_factory, "wan"), tmp_path / "model")
     small = [f for f in sorted(model.rglob("*")) if f.is_file() and f.suffix != ".safetensors"]
+    (model / ".cache" / "huggingface").mkdir(parents=True)  # a download's leftovers: not read first
+    (model / ".cache" / "huggingface" / "x.safetensors.incomplete").write_bytes(b"partial download")
+    with open(model / "flax_model.msgpack", "wb") as big:  # another format's weights, 65 MiB (sparse): nor these
+        big.truncate(65 << 20)
     assert small and set(startup_files((pkg,), (model,))) == set(code + small)
     assert set(startup_files((pkg,), (model,))[: len(code)]) == set(code)  # the packages' files first
     for f in code + other + small + model_files(model):
@@ -57,11 +63,11 @@ def test_the_readahead_reads_the_starts_code_and_small_files_before_the_weights(
     assert not any(f.name == "no_such_package_here" for f in folders)
 
 
-def test_the_distributions_a_start_imports_are_read_with_what_they_require(tmp_path):
+def test_the_distributions_a_start_imports_are_read_with_what_they_require(tmp_path_factory, tmp_path, monkeypatch):
     """`--distribution`: a distribution's installed files (its RECORD) and those of its requirements,
     transitively; a requirement of an extra or for another platform, and a file gone, are left out."""
     from dlo.engine.serving.prewarm import START_DISTRIBUTIONS
-    from dlo.engine.serving.readahead import distribution_files, startup_files
+    from dlo.engine.serving.readahead import distribution_files, read_in_child, startup_files
 
     site = tmp_path / "site"
 
@@ -88,6 +94,10 @@ def test_the_distributions_a_start_imports_are_read_with_what_they_require(tmp_p
     pyc.write_bytes(b"x")
     assert distribution_files(("app_a",), path=[str(site)]) == [a[0], pyc, *a[1:], *b]
     assert distribution_files(("not-installed",), path=[str(site)]) == []
+    # the child looks where this process does (the GPU host's wheels sit on PYTHONPATH-only folders)
+    monkeypatch.syspath_prepend(str(site))
+    done = read_in_child(model_files(tiny_pipeline(tmp_path_factory, "wan")), distributions=("app-a",))
+    assert done["first"]["files"] == len(a + b) + 1  # and the bytecode
     # here: torch requires sympy and filelock, among others
     found = {p.name for p in startup_files((), (), START_DISTRIBUTIONS)}
     assert {"__init__.py"} <= found and any(n.endswith(".so") or ".so." in n for n in found)
@@ -136,3 +146,24 @@ def test_dlo_serve_reads_a_cold_folder_ahead_from_its_first_checks_and_the_load_
     assert len(started) == 1 and serving and started[0] < serving[0], lines[:40]
     assert any("readahead done" in line for line in lines)  # the load joined it
     assert folder_residency(model).ratio == 1.0
+
+
+def test_a_first_file_that_cannot_be_read_leaves_the_rest_to_be_read(tmp_path, monkeypatch, capsys):
+    """The first phase is best effort: one file's read error is reported, the others are read."""
+    import dlo.agent.warm as warm
+    from dlo.engine.serving.readahead import read_first
+
+    good, bad = tmp_path / "good.py", tmp_path / "bad.py"
+    good.write_bytes(b"g" * 5000)
+    bad.write_bytes(b"b" * 7000)
+    real = warm.read_range
+
+    def failing(path, start, length):
+        if path == bad:
+            raise OSError(5, "Input/output error")
+        return real(path, start, length)
+
+    monkeypatch.setattr(warm, "read_range", failing)
+    done = read_first([bad, good, tmp_path / "gone.py"], threads=2)
+    assert done["files"] == 3 and done["bytes"] == 5000
+    assert "could not read 1 of its first files" in capsys.readouterr().err
