@@ -234,6 +234,9 @@ def _prepare(args: argparse.Namespace) -> _Start:
     start = _Start(model_dir=args.model_dir.resolve())
     start.api_key = read_api_key(args.api_key_file)
     _model_and_limits(args, start)
+    from dlo.engine.serving.distmap import start_distribution_map
+
+    start_distribution_map()  # once the folder passed its checks; beside torch's import below (distmap.py)
     _layout(args, start)
     from dlo.engine.serving.budget import DeviceBudgetError, budget_inputs, deployment
 
@@ -360,9 +363,6 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="rank0 %(levelname)s %(name)s %(message)s")
     if code := _fetch_model(args):
         return code
-    from dlo.engine.serving.distmap import start_distribution_map
-
-    start_distribution_map()  # beside the imports below; rank 0's load uses it (distmap.py)
     try:
         start = _prepare(args)
         engine = _engine(args, start)
