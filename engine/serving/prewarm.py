@@ -60,29 +60,39 @@ def start_beside_imports(model_dir: Path, components: tuple[str, ...], device: A
     this process, if any) and the library warm-up of `device`, each on a thread while the caller
     imports and builds; `join_logged` each (None: nothing started)."""
     key = Path(model_dir).resolve()
-    readahead = _EARLY.pop(key) if key in _EARLY else _readahead_or_none(model_dir, components)
+    if key in _EARLY:
+        readahead, problem = _EARLY.pop(key)
+        if readahead is not None:
+            log.info("readahead of %s adopted (started with dlo serve's checks, %.1f s before this load)",
+                     readahead.what, time.monotonic() - readahead.started)
+    else:
+        readahead, problem = _readahead_or_problem(model_dir, components)
+        if readahead is not None:
+            log.info("readahead of %s started", readahead.what)
+    if problem:
+        log.warning("no readahead (the start goes on without it): %s", problem)
     return readahead, start_library_warmup(device)
 
 
-# the readahead `dlo serve` started before its own imports, by folder, until the load takes it
-_EARLY: dict[Path, Readahead | None] = {}
+# the readahead `dlo serve` started before its own imports (or why it could not), by folder, until
+# the load takes it; nothing is logged before then (a start refused later says one line only)
+_EARLY: dict[Path, tuple[Readahead | None, str]] = {}
 
 
 def start_early_readahead(model_dir: Path, components: tuple[str, ...]) -> None:
     """`start_readahead` now, at the start of `dlo serve`, before torch is imported: a cold start's
     reads begin seconds earlier, the server's own imports among them; this process's load adopts it
     (`start_beside_imports`)."""
-    _EARLY[Path(model_dir).resolve()] = _readahead_or_none(model_dir, components)
+    _EARLY[Path(model_dir).resolve()] = _readahead_or_problem(model_dir, components)
 
 
-def _readahead_or_none(model_dir: Path, components: tuple[str, ...]) -> Readahead | None:
-    """`start_readahead`, or None with a warning when even its residency check fails (a mount
-    whose files cannot be measured or mapped): the start goes on and reads as it loads."""
+def _readahead_or_problem(model_dir: Path, components: tuple[str, ...]) -> tuple[Readahead | None, str]:
+    """`start_readahead`, or None and why when even its residency check fails (a mount whose files
+    cannot be measured or mapped): the start goes on and reads as it loads."""
     try:
-        return start_readahead(model_dir, components)
+        return start_readahead(model_dir, components), ""
     except Exception as e:
-        log.warning("no readahead (the start goes on without it): %s: %s", type(e).__name__, e)
-        return None
+        return None, f"{type(e).__name__}: {e}"
 
 
 def join_logged(job: Background | None) -> None:
@@ -96,8 +106,10 @@ class Readahead(Background):
     """The readahead's job: `first_read` is set once the start's other files are read (or the read
     ended without them): what the rank's early registration waits for on a cold start."""
 
-    def __init__(self, read: Callable[[Callable[[Any], None]], Any]):
+    def __init__(self, read: Callable[[Callable[[Any], None]], Any], what: str):
         self.first_read = threading.Event()
+        self.what = what  # "N files not in the page cache (B bytes)"
+        self.started = time.monotonic()
 
         def work() -> Any:
             try:
@@ -132,9 +144,7 @@ def start_readahead(model_dir: Path, components: tuple[str, ...],
         # tokenizers' files first ([Note: the start's other files first] in readahead.py)
         return read_in_child(cold, packages=packages, folders=(model_dir,), distributions=names, on_first=on_first)
 
-    log.info("readahead of %d files not in the page cache (%d bytes) started", len(cold),
-             sum(f.stat().st_size for f in cold))
-    return Readahead(read)
+    return Readahead(read, f"{len(cold)} files not in the page cache ({sum(f.stat().st_size for f in cold)} bytes)")
 
 
 # the distributions a rank imports or loads libraries from once the readahead has started, read

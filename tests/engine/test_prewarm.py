@@ -141,9 +141,9 @@ def test_dlo_serve_reads_a_cold_folder_ahead_from_its_first_checks_and_the_load_
                        log_path=log, env=offline_env()) as srv:
         assert srv.ready_info()["ready"] is True
     lines = log.read_text().splitlines()
-    started = [i for i, line in enumerate(lines) if "readahead of" in line and "started" in line]
-    serving = [i for i, line in enumerate(lines) if "dlo.engine.serving.cli serving" in line]
-    assert len(started) == 1 and serving and started[0] < serving[0], lines[:40]
+    adopted = [line for line in lines if "readahead of" in line and "adopted (started with dlo serve's checks" in line]
+    assert len(adopted) == 1 and not [line for line in lines if "readahead of" in line and "started" in line.split()[-1]]
+    assert float(adopted[0].split(", ")[-1].split()[0]) > 0  # seconds before the load
     assert any("readahead done" in line for line in lines)  # the load joined it
     assert folder_residency(model).ratio == 1.0
 
