@@ -42,6 +42,7 @@ import hashlib
 import json
 import os
 import platform as host_platform
+import re
 import statistics
 import subprocess
 import sys
@@ -153,6 +154,29 @@ def start_once(model: Path, flags: list[str], args: argparse.Namespace, label: s
         if profiler is not None:
             out["profile"] = profiler.join()
         out["exit_code"] = srv.stop()
+    out.update(log_facts(log.read_text(errors="replace")))
+    return out
+
+
+_REGISTERED = re.compile(r"early registration of (\S+): .*?, ([\d.]+) s \(([\d.]+) s of it waiting")
+_READAHEAD_DONE = re.compile(r"readahead done seconds=([\d.]+) result=(\{.*\}) \(beside the imports\)")
+_ADOPTED = re.compile(r"readahead of .* adopted \(started with dlo serve's checks, ([\d.]+) s before this load\)")
+
+
+def log_facts(text: str) -> dict[str, Any]:
+    """What rank 0's log says about a cold start's reads: each early registration's seconds and
+    the part of them it waited for the readahead's first files (`registration`), the readahead's
+    own result with its first phase (`readahead`; `job_seconds`: until the load joined it), and
+    how long before the load it started (`readahead_lead_seconds`); only what the log has."""
+    import ast
+
+    out: dict[str, Any] = {}
+    for name, seconds, waited in _REGISTERED.findall(text):
+        out.setdefault("registration", {})[name] = {"seconds": float(seconds), "waited_seconds": float(waited)}
+    if m := _READAHEAD_DONE.search(text):
+        out["readahead"] = {**ast.literal_eval(m.group(2)), "job_seconds": float(m.group(1))}
+    if m := _ADOPTED.search(text):
+        out["readahead_lead_seconds"] = float(m.group(1))
     return out
 
 
@@ -375,10 +399,22 @@ def markdown(rec: dict) -> str:
             kind = "profiled" if st.get("profiled") else "cold" if st["cold"] else "warm"
             check = f"; check request first/second {st['check_seconds']} s" if st.get("check_seconds") else ""
             lines.append(f"- {st['mode']} {kind} {st['start']}: ready "
-                         f"{st.get('ready_seconds', st.get('error'))} s; {json.dumps(phases)}{check}")
+                         f"{st.get('ready_seconds', st.get('error'))} s; {json.dumps(phases)}{check}{_reads_text(st)}")
     lines += _profile_lines(rec)
     lines += ["", "Commands:", ""] + [f"- `{raw['command']}`" for raw in rec["raws"]]
     return "\n".join(lines) + "\n"
+
+
+def _reads_text(st: dict) -> str:
+    """A cold start's reads from its log (`log_facts`), as a clause of its line ("" for none)."""
+    parts = []
+    if "readahead_lead_seconds" in st:
+        parts.append(f"readahead started {st['readahead_lead_seconds']} s before the load")
+    if first := (st.get("readahead") or {}).get("first"):
+        parts.append(f"first files {first['files']} ({first['bytes'] / 1e9:.2f} GB) in {first['seconds']} s")
+    for name, reg in (st.get("registration") or {}).items():
+        parts.append(f"{name} registered in {reg['seconds']} s, {reg['waited_seconds']} s of it waiting")
+    return "; " + "; ".join(parts) if parts else ""
 
 
 def _profile_lines(rec: dict, top: int = 15) -> list[str]:

@@ -19,6 +19,24 @@ def bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
+def test_rank_zeros_log_gives_the_cold_starts_reads() -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    import ready_h200
+
+    log = ("rank0 INFO dlo.engine.serving.prewarm readahead of 12 files not in the page cache (40 bytes) adopted "
+           "(started with dlo serve's checks, 3.5 s before this load)\n"
+           "rank0 INFO dlo.engine.weights early registration of transformer: 6 of 6 files, 28635462504 bytes, 21.40 s "
+           "(4.10 s of it waiting for the start's other files)\n"
+           "rank0 INFO dlo.engine.serving.prewarm readahead done seconds=30.10 result={'files': 12, 'bytes': 40, "
+           "'seconds': 25.0, 'pid': 7, 'first': {'files': 21803, 'bytes': 5000, 'seconds': 3.9}} (beside the imports)\n")
+    assert ready_h200.log_facts(log) == {
+        "registration": {"transformer": {"seconds": 21.4, "waited_seconds": 4.1}},
+        "readahead": {"files": 12, "bytes": 40, "seconds": 25.0, "pid": 7, "job_seconds": 30.1,
+                      "first": {"files": 21803, "bytes": 5000, "seconds": 3.9}},
+        "readahead_lead_seconds": 3.5}
+    assert ready_h200.log_facts("rank0 INFO nothing here") == {}
+
+
 def test_the_plan_is_read_in_order_and_a_bad_item_is_named() -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     import ready_h200
@@ -69,6 +87,9 @@ def test_the_dry_run_records_warm_and_cold_starts_with_their_phases_and_merge_su
         phases = st["startup_seconds"]["phases"]
         assert {"imports", "engine_models", "settle", "warmup_denoise"} <= set(phases), phases
     assert len(warm["output_sha256"]) == 64 and "output_sha256" not in cold
+    # a cold start's reads, from rank 0's log: the readahead's first phase, started with dlo serve's checks
+    assert cold["readahead"]["first"]["files"] > 0 and cold["readahead_lead_seconds"] > 0, cold
+    assert "readahead" not in warm  # a warm folder reads nothing ahead
     assert warm["check_same_bytes"] is True and len(warm["check_seconds"]) == 2
     r = bench("merge", str(raw), "--out", str(tmp_path / "out"), "--stem", "ready-dry")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -80,4 +101,5 @@ def test_the_dry_run_records_warm_and_cold_starts_with_their_phases_and_merge_su
     extra = (summary["cold_ready_seconds_median"]["resident"] - summary["ready_seconds_median"]["resident"])
     assert summary["cold_extra_over_disk_read"]["resident"] == round(extra / summary["disk_read_seconds"], 3)
     assert summary["failed_starts"] == summary["failed_checks"] == 0 and summary["same_output_every_mode"] is True
-    assert "| resident |" in (tmp_path / "out" / "ready-dry.md").read_text()
+    md = (tmp_path / "out" / "ready-dry.md").read_text()
+    assert "| resident |" in md and "s before the load; first files" in md
