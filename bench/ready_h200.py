@@ -158,15 +158,17 @@ def start_once(model: Path, flags: list[str], args: argparse.Namespace, label: s
     return out
 
 
-_REGISTERED = re.compile(r"early registration of (\S+): .*?, ([\d.]+) s \(([\d.]+) s of it waiting")
-_READAHEAD_DONE = re.compile(r"readahead done seconds=([\d.]+) result=(\{.*\}) \(beside the imports\)")
-_ADOPTED = re.compile(r"readahead of .* adopted \(started with dlo serve's checks, ([\d.]+) s before this load\)")
+# rank 0's lines only: every rank writes to the server's log
+_REGISTERED = re.compile(r"^rank0 .*?early registration of (\S+): .*?, ([\d.]+) s \(([\d.]+) s of it waiting", re.M)
+_READAHEAD_DONE = re.compile(r"^rank0 .*?readahead done seconds=([\d.]+) result=(\{.*\}) \(beside the imports\)", re.M)
+_ADOPTED = re.compile(r"^rank0 .*?readahead of .* adopted \(started with dlo serve's checks, ([\d.]+) s before this load\)",
+                      re.M)
 
 
 def log_facts(text: str) -> dict[str, Any]:
     """What rank 0's log says about a cold start's reads: each early registration's seconds and
     the part of them it waited for the readahead's first files (`registration`), the readahead's
-    own result with its first phase (`readahead`; `job_seconds`: until the load joined it), and
+    own result with its first phase (`readahead`; `job_seconds`: its job's own run time), and
     how long before the load it started (`readahead_lead_seconds`); only what the log has."""
     import ast
 

@@ -118,12 +118,15 @@ class EarlyRegistration:
                                                self._released)
             except Exception as e:  # reported by wait(); the load falls back as for a refusal
                 self.problem = f"registering the page cache failed: {type(e).__name__}: {e}"
-            log.log(logging.WARNING if self.problem else logging.INFO,
+            released = self._released.is_set()  # stopped on purpose (the load needs no more): not a problem
+            suffix = (" (released: the load needs no more of it)" if released else
+                      f" ({self.problem}; the files this rank uses are registered again when its host weights "
+                      "are prepared)" if self.problem else "")
+            log.log(logging.WARNING if self.problem and not released else logging.INFO,
                     "early registration of %s: %d of %d files, %d bytes, %.2f s (%.2f s of it waiting for "
                     "the start's other files)%s", ckpt.root.name,
                     len(self.registered), len(ckpt.files), sum(n for _, n in self.registered.values()),
-                    time.perf_counter() - t0, waited, f" ({self.problem}; the files this rank uses are registered "
-                                              "again when its host weights are prepared)" if self.problem else "")
+                    time.perf_counter() - t0, waited, suffix)
             with self._progress:
                 self._ended = True
                 self._progress.notify_all()

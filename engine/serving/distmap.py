@@ -59,17 +59,17 @@ class _ChildMap:
             found = json.loads(out) if self._proc.returncode == 0 else None
             if isinstance(found, dict):
                 self.found = found
-            else:
+            elif not self.why:  # a timeout's reason stays
                 self.why = f"exited with code {self._proc.returncode}" if self._proc.returncode else "gave no map"
         except ValueError:
-            self.why = "gave no map"
+            self.why = self.why or "gave no map"
         finally:
             self._done.set()
 
     def get(self) -> dict[str, list[str]] | None:
         if not self._done.wait(WAIT_S):
-            self._proc.kill()  # the reader thread reaps it
             self.why = f"gave no map within {WAIT_S:.0f} s"
+            self._proc.kill()  # the reader thread reaps it
             return None
         return self.found
 

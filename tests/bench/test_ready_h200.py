@@ -28,7 +28,9 @@ def test_rank_zeros_log_gives_the_cold_starts_reads() -> None:
            "rank0 INFO dlo.engine.weights early registration of transformer: 6 of 6 files, 28635462504 bytes, 21.40 s "
            "(4.10 s of it waiting for the start's other files)\n"
            "rank0 INFO dlo.engine.serving.prewarm readahead done seconds=30.10 result={'files': 12, 'bytes': 40, "
-           "'seconds': 25.0, 'pid': 7, 'first': {'files': 21803, 'bytes': 5000, 'seconds': 3.9}} (beside the imports)\n")
+           "'seconds': 25.0, 'pid': 7, 'first': {'files': 21803, 'bytes': 5000, 'seconds': 3.9}} (beside the imports)\n"
+           "rank1 INFO dlo.engine.weights early registration of transformer: 6 of 6 files, 1 bytes, 9.00 s "
+           "(9.00 s of it waiting for the start's other files)\n")  # another rank's: not rank 0's figures
     assert ready_h200.log_facts(log) == {
         "registration": {"transformer": {"seconds": 21.4, "waited_seconds": 4.1}},
         "readahead": {"files": 12, "bytes": 40, "seconds": 25.0, "pid": 7, "job_seconds": 30.1,

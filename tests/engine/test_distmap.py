@@ -63,10 +63,12 @@ def test_a_function_replaced_during_the_window_is_left_in_place(monkeypatch):
     def other():
         return {}
 
-    with distmap.installed():
-        monkeypatch.setattr(importlib.metadata, "packages_distributions", other)
-    assert importlib.metadata.packages_distributions is other  # not ours to undo
-    monkeypatch.setattr(importlib.metadata, "packages_distributions", original)
+    try:
+        with distmap.installed():
+            importlib.metadata.packages_distributions = other
+        assert importlib.metadata.packages_distributions is other  # not ours to undo
+    finally:
+        importlib.metadata.packages_distributions = original
 
 
 def test_the_child_sees_the_paths_of_this_process(tmp_path):

@@ -64,11 +64,12 @@ class Fault:
 
 class FaultyEmulator(Emulator):
     """The emulator with a fault `plan`; `release` lets hung requests go on; `landed`: when each
-    released request was applied (monotonic seconds)."""
+    released request was applied (monotonic seconds), `on_landed` called right then."""
 
     plan: list[Fault]
     release: asyncio.Event
     landed: list[float]
+    on_landed: Any = None  # called once a released request is applied
 
     async def _handle(self, request):  # type: ignore[override]
         fault = next((f for f in self.plan if f.matches(request)), None)
@@ -86,10 +87,11 @@ class FaultyEmulator(Emulator):
             except TimeoutError:
                 pass
         if fault.status is None:
-            try:
-                return await super()._handle(request)
-            finally:
-                self.landed.append(time.monotonic())
+            response = await super()._handle(request)
+            self.landed.append(time.monotonic())  # applied (a refused write raises above)
+            if self.on_landed is not None:  # before anyone else runs: the state the write left
+                self.on_landed()
+            return response
         if fault.after_commit:
             await super()._handle(request)
         raise kmock.KubernetesError(status=fault.status, reason="Injected", message=f"injected {fault.status}")
@@ -268,9 +270,12 @@ async def test_late_stale_write_of_a_stopped_operator_is_undone():
             return cluster.get("StatefulSet", NS, "wan")["spec"]["template"]["metadata"]["annotations"][builders.MODE_ANNOTATION]
 
         await cluster.wait(lambda: template_mode() == "allgather" and ready(cluster), timeout=30, what="v3 applied")
+        left: list[str] = []
+        emulator.on_landed = lambda: left.append(template_mode())
         emulator.release.set()  # A's stale v2 patch lands now
         # the stale state may last less than a poll: wait for the write itself, not for seeing it
         await cluster.wait(lambda: bool(emulator.landed), timeout=10, what="the stale write")
+        assert left == ["rank-local"]  # it did write v2 back
         await cluster.wait(lambda: template_mode() == "allgather", timeout=10, what="v3 restored")
         restored = time.monotonic() - emulator.landed[0]
         await cluster.wait(lambda: ready(cluster) and status_of(cluster).get("mode") == "allgather", timeout=30,
