@@ -115,6 +115,7 @@ def test_a_broken_checkpoint_is_refused_at_load_naming_file_and_key(tmp_path_fac
         tree = [psutil.Process(srv.proc.pid)]
         readies: list[int] = []
         seen: dict[int, str] = {}  # child pid -> command line
+        direct: set[int] = set()  # the server's own children (a rank's helper, caught before its exec, looks like the rank)
         reason = ""
         try:
             while srv.proc.poll() is None and time.monotonic() - t0 < 120:
@@ -122,6 +123,8 @@ def test_a_broken_checkpoint_is_refused_at_load_naming_file_and_key(tmp_path_fac
                     for child in tree[0].children(recursive=True):
                         if child not in tree:
                             seen[child.pid] = " ".join(child.cmdline())  # before the append: retried if it raced
+                            if child.ppid() == srv.proc.pid:
+                                direct.add(child.pid)
                             tree.append(child)
                     r = requests.get(srv.url + "/ready", timeout=5)
                     readies.append(r.status_code)
@@ -140,7 +143,7 @@ def test_a_broken_checkpoint_is_refused_at_load_naming_file_and_key(tmp_path_fac
     assert "CheckpointError" in text and where in text, f"expected {where!r} in the log:\n{text[-3000:]}"
     if reason:  # /ready said why while it was still up
         assert where in reason, reason
-    ranks = sum("dlo.engine.serving.rank_main" in cmd for cmd in seen.values())  # not a library's helper
+    ranks = sum("dlo.engine.serving.rank_main" in cmd for pid, cmd in seen.items() if pid in direct)  # not a helper
     if fault in REFUSED_BEFORE_RANKS:
         assert not seen and not readies, f"processes {seen} started or HTTP came up for a checkpoint refusable up front"
     else:
