@@ -44,7 +44,7 @@ class _ChildMap:
     or not a load ever asks); `get()` waits for its answer, `WAIT_S` at most (None: no answer)."""
 
     def __init__(self) -> None:
-        from dlo.engine.serving.ranks import child_env
+        from dlo.engine.serving.child_env import child_env
 
         self.found: dict[str, list[str]] | None = None
         self.why = ""

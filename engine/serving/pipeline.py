@@ -133,23 +133,19 @@ class ServingPipeline:
             log.info("device memory capped at %d bytes (%.4f of the device)", settings.max_device_memory, fraction)
 
     def _load_models(self, group: Any, laps: Laps, libraries: Any = None, readahead: Any = None) -> dict[str, Any]:
-        """Every transformer of the pipeline (Wan2.2: two experts) through its own `dlo.engine.load`,
-        in the same mode and shard group, in the same order on every rank (each load gathers its
-        first block: the collective order starts here); then the streamed encoders.
-
-        The driver pins the models' page cache on a thread (`dlo.engine.early_registration`) while
-        the imports below and the model builds run: they hold the GIL, the registration does not.
-        On a cold start it waits for `readahead`'s first files (the imports' own: pinning reads the
-        weights, which would queue every import's read behind them)."""
+        """Every transformer of the pipeline (Wan2.2: two experts) through its own `dlo.engine.load`, in
+        the same mode, shard group and order on every rank (each load gathers its first block), then the
+        streamed encoders. The page cache is pinned on a thread (`early_registration`) beside the imports
+        (GIL-bound); on a cold start after `readahead`'s first files (pinning reads the weights)."""
         import dlo.engine
 
         streamed = (*self.facts.transformers, *self.encoders)
         early: dict[str, Any] = {}
         models: dict[str, Any] = {}
+        after = None if readahead is None else readahead.first_read
         try:
             for name in streamed:
-                early[name] = dlo.engine.early_registration(self.model_dir / name, self.device, self.settings.offload,
-                                                            after=None if readahead is None else readahead.first_read)
+                early[name] = dlo.engine.early_registration(self.model_dir / name, self.device, self.settings.offload, after)
             import diffusers  # noqa: F401  (the longest import, beside the registrations)
 
             laps.lap("imports")

@@ -136,17 +136,13 @@ def start_readahead(model_dir: Path, components: tuple[str, ...],
     if not cold:
         return None
     names, packages = (START_DISTRIBUTIONS, package_folders(START_FOLDERS)) if distributions is None else (distributions, ())
-    from dlo.engine.serving.ranks import child_env
-
-    env = child_env()  # here, not on the reading thread: no import beside the caller's own
 
     from dlo.engine.serving.readahead import read_in_child
 
     def read(on_first: Callable[[Any], None]) -> dict[str, Any]:
         # a process of its own: its reads never take this one's GIL; the imports' and the
         # tokenizers' files first ([Note: the start's other files first] in readahead.py)
-        return read_in_child(cold, packages=packages, folders=(model_dir,), distributions=names, on_first=on_first,
-                             env=env)
+        return read_in_child(cold, packages=packages, folders=(model_dir,), distributions=names, on_first=on_first)
 
     return Readahead(read, f"{len(cold)} files not in the page cache ({sum(f.stat().st_size for f in cold)} bytes)")
 

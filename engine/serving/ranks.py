@@ -49,6 +49,7 @@ from multiprocessing.connection import Connection, answer_challenge, deliver_cha
 from typing import Any, Callable
 
 from dlo.engine.ports import free_port
+from dlo.engine.serving.child_env import API_KEY_ENV, child_env  # noqa: F401  (API_KEY_ENV: the rank tests')
 from dlo.engine.serving.control import (
     Hello,
     Progress,
@@ -75,16 +76,6 @@ from dlo.engine.serving.rank_main import (
 from dlo.engine.request import Generation
 
 log = logging.getLogger(__name__)
-
-# Rank 0 alone answers HTTP: the children never see the API key, not even in their environment.
-API_KEY_ENV = "DLO_API_KEY"
-
-
-def child_env() -> dict[str, str]:
-    """This process's environment without the API key: what every process it starts gets (the
-    ranks, the start's helpers: none of them serves HTTP)."""
-    return {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
-
 
 READER_DRAIN_S = 2.0  # how long the monitor lets an exited rank's last messages arrive before blaming the exit
 CONTROL_BACKLOG = 64  # pending connections: a few strangers cannot fill the queue before the children

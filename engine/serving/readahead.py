@@ -47,6 +47,8 @@ import tempfile
 from pathlib import Path
 from typing import IO, Any, Callable, Iterable, Iterator
 
+from dlo.engine.serving.child_env import child_env
+
 THREADS = 8  # requests in flight: enough for an NVMe disk, 8 x 16 MiB of buffers at most
 FIRST_THREADS = 16  # for the start's other files: thousands of small ones, each read waits for the disk
 
@@ -65,23 +67,17 @@ FOLDER_FILE_BYTES = 64 << 20
 
 def read_in_child(files: list[Path], threads: int = THREADS, packages: tuple[Path, ...] = (),
                   folders: tuple[Path, ...] = (), distributions: tuple[str, ...] = (),
-                  on_first: Callable[[dict[str, Any]], None] | None = None,
-                  env: dict[str, str] | None = None) -> dict[str, Any]:
+                  on_first: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Warm `files` (in this order) in a child process, the `startup_files` of `packages`,
     `folders` and `distributions` first, calling `on_first` with what those were once they are
-    read; what it read: files, bytes, seconds, pid, and `first` (files, bytes, seconds). `env`: the
-    child's environment (default `ranks.child_env()`: the caller's, without the API key)."""
-    if env is None:
-        from dlo.engine.serving.ranks import child_env
-
-        env = child_env()
+    read; what it read: files, bytes, seconds, pid, and `first` (files, bytes, seconds)."""
     argv = [sys.executable, "-m", __name__, "--threads", str(threads), "--parent-pid", str(os.getpid()),
             "--sys-path", json.dumps(sys.path),
             *(a for p in packages for a in ("--package", str(p))), *(a for f in folders for a in ("--folder", str(f))),
             *(a for d in distributions for a in ("--distribution", d)), *map(str, files)]
     with tempfile.TemporaryFile("w+", errors="replace") as err:  # a file, not a pipe: warnings never block the child
-        with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=env) as proc:
-            lines = [line for line in _lines(proc.stdout, on_first)]
+        with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=child_env()) as proc:
+            lines = list(_lines(proc.stdout, on_first))
         err.seek(0)
         stderr = err.read().strip()
     if proc.returncode != 0 or not lines:
