@@ -49,7 +49,7 @@ from multiprocessing.connection import Connection, answer_challenge, deliver_cha
 from typing import Any, Callable
 
 from dlo.engine.ports import free_port
-from dlo.engine.serving.child_env import API_KEY_ENV, child_env  # noqa: F401  (API_KEY_ENV: the rank tests')
+from dlo.engine.serving.child_env import child_env
 from dlo.engine.serving.control import (
     Hello,
     Progress,
