@@ -16,9 +16,12 @@ the seconds the disk takes to read the whole folder once (`dlo warm`'s parallel 
 evicting it), `MODE@profile` one warm start under py-spy (attached by pid at spawn, every thread, PROFILE_S
 seconds; its raw stacks beside the logs and a summary in the record, not in the figures; py-spy
 needs ptrace rights over a sibling process, and a failed attach is only an `error` in the record), `MODE@cold[:N]` N
-starts each after evicting the checkpoint (`os.sync`,
-`posix_fadvise(POSIX_FADV_DONTNEED)` per file: no privilege needed, and `drop_caches` where
-allowed, with the residency left checked by `dlo.agent.residency`). A warm start finds the folder
+starts each after evicting the checkpoint (`os.sync`, `posix_fadvise(POSIX_FADV_DONTNEED)` per
+file: no privilege needed; the residency left checked by `dlo.agent.residency`): what issue 34's
+goal compares with one read of the folder, and `MODE@cold-node[:N]` N starts after dropping the
+whole page cache as well (`drop_caches`, where allowed: a node whose Python libraries are cold
+too, which a cold start reads besides the folder; a start where the drop was refused counts as a
+checkpoint-cold one). A warm start finds the folder
 in the page cache (read again first where a cold start left part of it out). Each start: the
 default warm-up at its default size and default limits; the seconds from `Popen` to the first
 `/ready` 200 (polled every `--poll-s`, 0.1 s: each poll costs the server ~2.5 ms of GIL-bound
@@ -31,7 +34,8 @@ rewritten after every step (a call cut short keeps what it measured), with the c
 set (optional packages installed, bytecode) and the host. `merge` joins raw files into
 `<stem>.{json,md}` with its `summary`: `ready_seconds_median` and `ready_seconds_max` as {mode:
 seconds}, the cold ones, `disk_read_seconds`, and `cold_extra_over_disk_read` as {mode: (cold
-median - warm median) / seconds to read the folder once} (goal <= 1.0).
+median - warm median) / seconds to read the folder once} (goal <= 1.0); the `node_cold_*` keys the
+same for the starts after a whole page cache's drop.
 """
 
 from __future__ import annotations
@@ -78,8 +82,9 @@ def model_files(model: Path) -> list[Path]:
     return sorted(model.rglob("*.safetensors"))
 
 
-def evict(model: Path) -> dict[str, Any]:
-    """The checkpoint out of the page cache (no server maps it now: DONTNEED skips mapped pages)."""
+def evict(model: Path, whole_cache: bool = False) -> dict[str, Any]:
+    """The checkpoint out of the page cache (no server maps it now: DONTNEED skips mapped pages);
+    `whole_cache`: every other file's pages too, where the host allows it (`drop_caches`)."""
     from dlo.agent.residency import folder_residency
 
     os.sync()
@@ -89,11 +94,13 @@ def evict(model: Path) -> dict[str, Any]:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("1\n")
-        dropped = True
-    except OSError:  # not allowed here: fadvise alone
-        dropped = False
+    dropped = False
+    if whole_cache:
+        try:
+            Path("/proc/sys/vm/drop_caches").write_text("1\n")
+            dropped = True
+        except OSError:  # not allowed here: fadvise alone
+            pass
     return {"drop_caches": dropped, "resident_ratio": round(folder_residency(model).ratio, 4)}
 
 
@@ -233,12 +240,13 @@ def mode_flags(mode: str, model: Path, args: argparse.Namespace) -> list[str]:
 
 
 DEFAULT_PLAN = "resident:5,rank-local:5,disk-read,resident@cold:2,resident-pageable:2"
+COLD_KINDS = ("cold", "cold-node")  # the checkpoint evicted; the whole page cache dropped
 ASSUMED_DISK_BPS = 1e9  # the disk read's estimate before it ran (for --time-budget only)
 
 
 def parse_plan(text: str) -> list[tuple[str, str, int]]:
-    """`--plan` as (kind, mode, count) steps, kind one of warm, cold, disk-read; ValueError naming
-    the item that is not one."""
+    """`--plan` as (kind, mode, count) steps, kind one of warm, cold, cold-node, profile,
+    disk-read; ValueError naming the item that is not one."""
     steps = []
     for item in filter(None, (x.strip() for x in text.split(","))):
         if item == "disk-read":
@@ -246,8 +254,8 @@ def parse_plan(text: str) -> list[tuple[str, str, int]]:
             continue
         name, _, count = item.partition(":")
         mode, _, kind = name.partition("@")
-        if mode not in MODES or kind not in ("", "cold", "profile") or not (count or "1").isdigit():
-            raise ValueError(f"{item!r}: expected MODE[:N], MODE@cold[:N], MODE@profile or disk-read "
+        if mode not in MODES or kind not in ("", *COLD_KINDS, "profile") or not (count or "1").isdigit():
+            raise ValueError(f"{item!r}: expected MODE[:N], MODE@cold[:N], MODE@cold-node[:N], MODE@profile or disk-read "
                              f"(modes: {', '.join(MODES)})")
         steps.append((kind or "warm", mode, int(count or 1)))
     return steps
@@ -281,7 +289,7 @@ def step_estimate(kind: str, rec: dict, budget: Budget) -> float:
     a cold start as a warm one plus one read of the folder)."""
     if kind == "disk-read":
         return rec["checkpoint_bytes"] / ASSUMED_DISK_BPS
-    if kind == "cold":
+    if kind in COLD_KINDS:
         return budget.longest.get("warm", 0.0) + rec.get("disk_read", {}).get("seconds", 0.0)
     return 0.0
 
@@ -327,8 +335,8 @@ def run(args: argparse.Namespace) -> None:
 def run_start(rec: dict, model: Path, mode: str, kind: str, i: int, args: argparse.Namespace, check: bool) -> None:
     """One start of the plan, appended to `rec["starts"]` (the page cache made cold or warm first;
     a `profile` start is a warm one under py-spy, left out of the figures)."""
-    cold = kind == "cold"
-    evicted = evict(model) if cold else None
+    cold = kind in COLD_KINDS
+    evicted = evict(model, whole_cache=kind == "cold-node") if cold else None
     rewarmed = None if cold else round(ensure_warm(model), 2)
     label = f"{mode}-{kind}-{i}"
     request = (TINY_CHECK_REQUEST if args.dry_run else CHECK_REQUEST) if check else None
@@ -341,14 +349,21 @@ def run_start(rec: dict, model: Path, mode: str, kind: str, i: int, args: argpar
 
 
 # ---- the record ----------------------------------------------------------------------------------
-def _counted(starts: list[dict], mode: str, cold: bool) -> list[dict]:
-    """The starts of `mode` that the figures count: warm or cold as asked, not profiled, ready."""
+def start_kind(s: dict) -> str:
+    """warm, cold (the checkpoint evicted) or cold-node (the whole page cache dropped)."""
+    if not s["cold"]:
+        return "warm"
+    return "cold-node" if (s.get("evicted") or {}).get("drop_caches") else "cold"
+
+
+def _counted(starts: list[dict], mode: str, kind: str) -> list[dict]:
+    """The starts of `mode` that the figures count: of `kind` (`start_kind`), not profiled, ready."""
     return [s for s in starts
-            if s["mode"] == mode and s["cold"] == cold and not s.get("profiled") and "ready_seconds" in s]
+            if s["mode"] == mode and start_kind(s) == kind and not s.get("profiled") and "ready_seconds" in s]
 
 
-def _ready(starts: list[dict], mode: str, cold: bool) -> list[float]:
-    return [s["ready_seconds"] for s in _counted(starts, mode, cold)]
+def _ready(starts: list[dict], mode: str, kind: str) -> list[float]:
+    return [s["ready_seconds"] for s in _counted(starts, mode, kind)]
 
 
 def summarize(raws: list[dict]) -> dict[str, Any]:
@@ -356,21 +371,23 @@ def summarize(raws: list[dict]) -> dict[str, Any]:
     starts = [s for raw in raws for s in raw["starts"]]
     modes = sorted({s["mode"] for s in starts})
     out: dict[str, Any] = {}
-    for key, cold in (("ready_seconds", False), ("cold_ready_seconds", True)):
-        per = {m: _ready(starts, m, cold) for m in modes}
+    for key, kind in (("ready_seconds", "warm"), ("cold_ready_seconds", "cold"), ("node_cold_ready_seconds", "cold-node")):
+        per = {m: _ready(starts, m, kind) for m in modes}
         out[f"{key}_median"] = {m: round(statistics.median(v), 2) for m, v in per.items() if v}
         out[f"{key}_max"] = {m: round(max(v), 2) for m, v in per.items() if v}
         out[f"{key}_n"] = {m: len(v) for m, v in per.items() if v}
     # the server's own clock: its process age when it turned ready (no poll interval in it)
-    own = {m: [st["startup_seconds"]["total"] for st in _counted(starts, m, False)
+    own = {m: [st["startup_seconds"]["total"] for st in _counted(starts, m, "warm")
                if (st.get("startup_seconds") or {}).get("total")] for m in modes}
     out["server_ready_seconds_median"] = {m: round(statistics.median(v), 2) for m, v in own.items() if v}
     reads = [raw["disk_read"]["seconds"] for raw in raws if raw.get("disk_read")]
     if reads and statistics.median(reads) > 0:
         out["disk_read_seconds"] = round(statistics.median(reads), 4)
-        warm, cold = out["ready_seconds_median"], out["cold_ready_seconds_median"]
-        out["cold_extra_over_disk_read"] = {m: round((cold[m] - warm[m]) / out["disk_read_seconds"], 3)
-                                            for m in cold if m in warm}
+        warm = out["ready_seconds_median"]
+        for prefix in ("", "node_"):
+            cold = out[f"{prefix}cold_ready_seconds_median"]
+            out[f"{prefix}cold_extra_over_disk_read"] = {m: round((cold[m] - warm[m]) / out["disk_read_seconds"], 3)
+                                                         for m in cold if m in warm}
     shas = {s["mode"]: s["output_sha256"] for s in starts if s.get("output_sha256")}
     if shas:
         out["same_output_every_mode"] = len(set(shas.values())) == 1
@@ -386,19 +403,25 @@ def markdown(rec: dict) -> str:
              f"Sources: {', '.join(rec['sources'])}. Package set: optional packages installed "
              f"{rec['optional_packages']}. Goal: ready <= {GOAL_READY_S:.0f} s in every mode, warm-up included; "
              f"cold extra <= {GOAL_COLD_RATIO} x one read of the folder.", "",
-             "| mode | warm median | warm max | n | cold median | cold max | n | cold extra / disk read |",
-             "|---|---|---|---|---|---|---|---|"]
-    for m in sorted(set(s["ready_seconds_median"]) | set(s["cold_ready_seconds_median"])):
-        row = [s[k].get(m, "") for k in ("ready_seconds_median", "ready_seconds_max", "ready_seconds_n",
-                                         "cold_ready_seconds_median", "cold_ready_seconds_max", "cold_ready_seconds_n")]
-        lines.append(f"| {m} | " + " | ".join(map(str, row)) + f" | {s.get('cold_extra_over_disk_read', {}).get(m, '')} |")
+             "Cold: the checkpoint evicted; node-cold: the whole page cache dropped (Python libraries too).", "",
+             "| mode | warm median | warm max | n | cold median | cold max | n | cold extra / disk read "
+             "| node-cold median | node-cold max | n | node-cold extra / disk read |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for m in sorted(set(s["ready_seconds_median"]) | set(s["cold_ready_seconds_median"])
+                    | set(s.get("node_cold_ready_seconds_median", {}))):
+        row = [s.get(k, {}).get(m, "") for k in (
+            "ready_seconds_median", "ready_seconds_max", "ready_seconds_n", "cold_ready_seconds_median",
+            "cold_ready_seconds_max", "cold_ready_seconds_n", "cold_extra_over_disk_read",
+            "node_cold_ready_seconds_median", "node_cold_ready_seconds_max", "node_cold_ready_seconds_n",
+            "node_cold_extra_over_disk_read")]
+        lines.append(f"| {m} | " + " | ".join(map(str, row)) + " |")
     lines += ["", f"Disk read of the folder once: {s.get('disk_read_seconds', 'not measured')} s. "
               f"Same output in every mode: {s.get('same_output_every_mode', 'not checked')}.", "",
               "Phases of each start (rank 0, seconds; `warmup_*` are the warm-up request's):", ""]
     for raw in rec["raws"]:
         for st in raw["starts"]:
             phases = (st.get("startup_seconds") or {}).get("phases", {})
-            kind = "profiled" if st.get("profiled") else "cold" if st["cold"] else "warm"
+            kind = "profiled" if st.get("profiled") else start_kind(st)
             check = f"; check request first/second {st['check_seconds']} s" if st.get("check_seconds") else ""
             lines.append(f"- {st['mode']} {kind} {st['start']}: ready "
                          f"{st.get('ready_seconds', st.get('error'))} s; {json.dumps(phases)}{check}{_reads_text(st)}")

@@ -135,14 +135,16 @@ def start_readahead(model_dir: Path, components: tuple[str, ...],
     cold = [f for f in ordered if file_residency(f).ratio < RESIDENT_ENOUGH]
     if not cold:
         return None
-    names, packages = (START_DISTRIBUTIONS, package_folders(START_FOLDERS)) if distributions is None else (distributions, ())
+    default = distributions is None  # a start's: its libraries, the interpreter's and the project's own
+    names, packages = (START_DISTRIBUTIONS, package_folders(START_FOLDERS)) if default else (distributions, ())
 
     from dlo.engine.serving.readahead import read_in_child
 
     def read(on_first: Callable[[Any], None]) -> dict[str, Any]:
         # a process of its own: its reads never take this one's GIL; the imports' and the
         # tokenizers' files first ([Note: the start's other files first] in readahead.py)
-        return read_in_child(cold, packages=packages, folders=(model_dir,), distributions=names, on_first=on_first)
+        return read_in_child(cold, packages=packages, folders=(model_dir,), distributions=names, on_first=on_first,
+                             python=default)
 
     return Readahead(read, f"{len(cold)} files not in the page cache ({sum(f.stat().st_size for f in cold)} bytes)")
 
@@ -150,12 +152,16 @@ def start_readahead(model_dir: Path, components: tuple[str, ...],
 # the distributions a rank imports or loads libraries from once the readahead has started, read
 # with their requirements before the weights (torch's own imports are done by then; its lazily
 # loaded libraries, cuDNN and cuBLAS among them, sit in torch/lib and the nvidia packages)
-START_DISTRIBUTIONS = ("diffusers", "transformers", "tokenizers", "safetensors", "torch", "imageio", "ftfy")
-START_FOLDERS = ("nvidia",)  # a namespace of many distributions, whichever torch build requires
+START_DISTRIBUTIONS = ("diffusers", "transformers", "tokenizers", "safetensors", "torch", "imageio", "ftfy",
+                       "psutil", "nvidia-ml-py", "sniffio")
+# `nvidia`: a namespace of many distributions, whichever torch build requires; the project's own
+# packages a rank imports (in a source checkout no installed RECORD lists them)
+START_FOLDERS = ("nvidia", "dlo.engine", "dlo.agent")
 
 
 def package_folders(names: tuple[str, ...]) -> tuple[Path, ...]:
-    """The folders of the installed top-level packages `names` (none imported; a missing one skipped)."""
+    """The folders of the installed packages `names` (none imported: a dotted name's parents are, as
+    `importlib.util.find_spec` does; a missing one skipped)."""
     import importlib.util
 
     out: list[Path] = []

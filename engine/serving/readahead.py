@@ -24,6 +24,13 @@ thread (one thread per large `.so` read 4 GB of packages at 229 MB/s). Which pac
 requirement closure of the distributions a rank imports (`--distribution`: each one's installed
 files, from its RECORD, its requirements' with their markers evaluated), and `--package` folders
 for namespaces no distribution owns alone (`nvidia`).
+What those left out (`ready-h200-2026-12-02-e`: the registration waited for them, yet cold imports
+took 24-29 s, ending with the weights' read): a trace of a start's imports opened ~570 files outside
+them, every one a small read behind the weights', and listed ~1,500 folders. They were the standard
+library's bytecode, every installed distribution's metadata (the version checks of diffusers' and
+transformers' imports, and the distribution map's child, read it), the project's own modules and
+the folders themselves. `--python` reads the first two (`interpreter_files`, `metadata_files`),
+`START_FOLDERS` names the project's packages, and `read_first` lists the folder of every file it reads.
 
 Owns: `read_in_child` (the parent's side: run the child, report its first line, wait, parse its
 last; its warnings go to the rank's log), `startup_files` and `distribution_files` (what is read
@@ -67,12 +74,13 @@ FOLDER_FILE_BYTES = 64 << 20
 
 def read_in_child(files: list[Path], threads: int = THREADS, packages: tuple[Path, ...] = (),
                   folders: tuple[Path, ...] = (), distributions: tuple[str, ...] = (),
-                  on_first: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+                  on_first: Callable[[dict[str, Any]], None] | None = None, python: bool = False) -> dict[str, Any]:
     """Warm `files` (in this order) in a child process, the `startup_files` of `packages`,
-    `folders` and `distributions` first, calling `on_first` with what those were once they are
-    read; what it read: files, bytes, seconds, pid, and `first` (files, bytes, seconds)."""
+    `folders`, `distributions` and (`python`) the interpreter's first, calling `on_first` with what
+    those were once they are read; what it read: files, bytes, seconds, pid, and `first` (files,
+    bytes, seconds)."""
     argv = [sys.executable, "-m", __name__, "--threads", str(threads), "--parent-pid", str(os.getpid()),
-            "--sys-path", json.dumps(sys.path),
+            "--sys-path", json.dumps(sys.path), *(["--python"] if python else []),
             *(a for p in packages for a in ("--package", str(p))), *(a for f in folders for a in ("--folder", str(f))),
             *(a for d in distributions for a in ("--distribution", d)), *map(str, files)]
     with tempfile.TemporaryFile("w+", errors="replace") as err:  # a file, not a pipe: warnings never block the child
@@ -103,14 +111,17 @@ def _is_code(name: str) -> bool:
 
 
 def startup_files(packages: tuple[Path, ...], folders: tuple[Path, ...],
-                  distributions: tuple[str, ...] = (), path: list[str] | None = None) -> list[Path]:
-    """What a start reads besides the weights, in this order: the Python files and shared libraries
-    (`.py`, `.pyc`, `.so`, `.so.N`) of `distributions` with their requirements (found on `path`,
-    default `sys.path`), then of each package folder, then each folder's small files that are not
+                  distributions: tuple[str, ...] = (), path: list[str] | None = None,
+                  python: bool = False) -> list[Path]:
+    """What a start reads besides the weights, in this order: with `python`, the metadata of every
+    distribution on `path` (default `sys.path`) and the standard library's modules; the Python files
+    and shared libraries (`.py`, `.pyc`, `.so`, `.so.N`) of `distributions` with their requirements
+    (found on `path`), then of each package folder, then each folder's small files that are not
     weights (`_small_config`); each once."""
     from dlo.agent.tree import FolderTooDeep, walk_files
 
-    out = [f for f in distribution_files(distributions, path) if _is_code(f.name)]
+    out = [*metadata_files(path), *interpreter_files()] if python else []
+    out.extend(f for f in distribution_files(distributions, path) if _is_code(f.name))
     for roots, keep in ((packages, lambda f, root: _is_code(f.name) and f.is_file()), (folders, _small_config)):
         for root in roots:
             try:
@@ -152,6 +163,52 @@ def distribution_files(names: tuple[str, ...], path: list[str] | None = None) ->
         out.extend(p for p in _with_bytecode(Path(str(dist.locate_file(f))) for f in dist.files or ()) if p.is_file())
         todo.extend(_required(dist.requires or ()))
     return list(dict.fromkeys(out))
+
+
+# the standard library's folders no start imports from (its test suite, GUI, installers) and the
+# distributions' folders some layouts nest in it (`distribution_files` reads what a start needs there)
+STDLIB_SKIPPED = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "tkinter",
+                            "turtledemo", "ensurepip", "lib2to3", "__pycache__"})
+METADATA_FOLDERS = (".dist-info", ".egg-info")
+
+
+def interpreter_files() -> list[Path]:
+    """The standard library's modules as an import reads them: each `.py`'s cached bytecode (the
+    `.py` where none is cached) and each extension module, `STDLIB_SKIPPED` folders left out."""
+    import sysconfig
+    from importlib.util import cache_from_source
+
+    out: list[Path] = []
+    for root in dict.fromkeys(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib")):
+        for folder, subfolders, names in os.walk(root):
+            subfolders[:] = sorted(d for d in subfolders if d not in STDLIB_SKIPPED)
+            for name in sorted(names):
+                f = Path(folder, name)
+                if name.endswith(".py"):
+                    cached = Path(cache_from_source(str(f)))
+                    out.append(cached if cached.is_file() else f)
+                elif _is_code(name):
+                    out.append(f)
+    return out
+
+
+def metadata_files(path: list[str] | None = None) -> list[Path]:
+    """The files of every distribution's metadata folder (`.dist-info`, `.egg-info`) and the `.pth`
+    files in the folders of `path` (default `sys.path`): what `importlib.metadata` reads."""
+    out: list[Path] = []
+    for entry in dict.fromkeys(path if path is not None else sys.path):
+        try:
+            with os.scandir(entry or ".") as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError:  # a zip, a folder gone or unreadable: nothing of it to read ahead
+            continue
+        for e in entries:
+            if e.name.endswith(METADATA_FOLDERS) and e.is_dir():
+                with os.scandir(e.path) as files:
+                    out.extend(sorted(Path(f.path) for f in files if f.is_file()))
+            elif e.name.endswith(".pth") and e.is_file():
+                out.append(Path(e.path))
+    return out
 
 
 def _with_bytecode(files: Iterable[Path]) -> Iterator[Path]:
@@ -203,12 +260,22 @@ def read_first(files: list[Path], threads: int) -> dict[str, Any]:
             return 0
 
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dlo-first") as pool:
+        list(pool.map(_list, dict.fromkeys(f.parent for f in files)))  # an import lists each folder it searches
         sizes = list(zip(files, pool.map(_size, files)))  # thousands of stats: in flight together too
         done = sum(pool.map(read, [(f, off, min(READ_BYTES, n - off)) for f, n in sizes for off in range(0, n, READ_BYTES)]))
     if unread:
         print(f"the readahead could not read {len(unread)} of its first files (the start reads them itself), "
               f"e.g. {unread[0]}", file=sys.stderr)
     return {"files": len(files), "bytes": done, "seconds": round(time.monotonic() - t0, 2)}
+
+
+def _list(folder: Path) -> None:
+    try:
+        with os.scandir(folder) as it:
+            for _ in it:
+                pass
+    except OSError:  # gone or unreadable: the start lists it itself
+        pass
 
 
 def _size(path: Path) -> int:
@@ -232,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="a folder whose files other than weights are read first (after the packages')")
     ap.add_argument("--distribution", action="append", default=[],
                     help="an installed distribution whose files (and its requirements', transitively) are read first")
+    ap.add_argument("--python", action="store_true",
+                    help="read first the standard library's modules and every distribution's metadata on --sys-path")
     ap.add_argument("--first-threads", type=int, default=FIRST_THREADS, help="reads in flight for those files")
     ap.add_argument("--sys-path", type=json.loads, default=None,
                     help="where to find the distributions: the parent's sys.path, as JSON (default: this one's)")
@@ -241,8 +310,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1  # the parent went before the death signal was armed: nobody waits for this read
     from dlo.agent.warm import warm
 
-    first = read_first(startup_files(tuple(args.package), tuple(args.folder), tuple(args.distribution), args.sys_path),
-                       args.first_threads)
+    first = read_first(startup_files(tuple(args.package), tuple(args.folder), tuple(args.distribution), args.sys_path,
+                                     python=args.python), args.first_threads)
     print(json.dumps({"phase": "first", "first": first}), flush=True)  # the rank's registration may start
     session = warm(args.files, threads=args.threads, advise=False)
     print(json.dumps({"files": len(args.files), "bytes": session.after.bytes, "seconds": round(session.seconds, 2),

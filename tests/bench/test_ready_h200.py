@@ -45,7 +45,8 @@ def test_the_plan_is_read_in_order_and_a_bad_item_is_named() -> None:
 
     assert ready_h200.parse_plan("resident:5,rank-local,disk-read,resident@cold:2") == [
         ("warm", "resident", 5), ("warm", "rank-local", 1), ("disk-read", "", 1), ("cold", "resident", 2)]
-    assert ready_h200.parse_plan("resident@profile") == [("profile", "resident", 1)]
+    assert ready_h200.parse_plan("resident@profile,rank-local@cold-node:2") == [("profile", "resident", 1),
+                                                                                  ("cold-node", "rank-local", 2)]
     with pytest.raises(ValueError, match="'resident@hot'"):
         ready_h200.parse_plan("resident@hot")
     r = bench("run", "--raw", "/dev/null", "--plan", "fast:2")
@@ -68,7 +69,24 @@ def test_a_profiled_start_is_summarized_by_frame_and_left_out_of_the_figures(tmp
     assert not any("<frozen" in name for name, _ in got["inclusive"])
     starts = [{"mode": "resident", "cold": False, "ready_seconds": 11.0},
               {"mode": "resident", "cold": False, "profiled": True, "ready_seconds": 14.0}]
-    assert ready_h200._ready(starts, "resident", False) == [11.0]
+    assert ready_h200._ready(starts, "resident", "warm") == [11.0]
+
+
+def test_cold_starts_are_counted_apart_from_those_after_a_whole_page_cache_drop() -> None:
+    """`cold_extra_over_disk_read` (issue 34's goal: the checkpoint evicted) and its `node_` twin
+    (Python libraries cold too) come from their own starts."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import ready_h200
+
+    def start(ready: float, evicted: dict | None) -> dict:
+        return {"mode": "resident", "cold": evicted is not None, "evicted": evicted, "ready_seconds": ready}
+
+    starts = [start(9.0, None), start(9.0, None), start(25.0, {"drop_caches": False}),
+              start(33.0, {"drop_caches": True})]
+    s = ready_h200.summarize([{"starts": starts, "disk_read": {"seconds": 20.0}}])
+    assert (s["ready_seconds_median"], s["cold_ready_seconds_median"], s["node_cold_ready_seconds_median"]) == (
+        {"resident": 9.0}, {"resident": 25.0}, {"resident": 33.0})
+    assert s["cold_extra_over_disk_read"] == {"resident": 0.8} and s["node_cold_extra_over_disk_read"] == {"resident": 1.2}
 
 
 @pytest.mark.slow

@@ -104,6 +104,37 @@ def test_the_distributions_a_start_imports_are_read_with_what_they_require(tmp_p
     assert any("sympy" in p.parts for p in startup_files((), (), ("torch",)))
 
 
+def test_a_starts_readahead_reads_the_interpreters_modules_the_metadata_and_the_projects_own_first(tmp_path_factory, tmp_path):
+    """What a start's imports read besides its libraries' RECORDs (a trace found them queued behind
+    the weights on a cold node): the standard library's bytecode, every distribution's metadata, the
+    project's own modules; the standard library's test suite and nested site-packages are not read."""
+    import importlib.metadata
+    import shutil
+    import sysconfig
+    from importlib.util import cache_from_source
+
+    import dlo.engine.serving.readahead as ra
+    from dlo.agent.residency import file_residency
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    tabnanny = Path(cache_from_source(str(stdlib / "tabnanny.py")))  # a module no start imports
+    tabnanny = tabnanny if tabnanny.is_file() else stdlib / "tabnanny.py"
+    metadata = Path(str(importlib.metadata.distribution("kopf").locate_file(
+        next(f for f in importlib.metadata.distribution("kopf").files if f.name == "METADATA"))))
+    own = Path(ra.__file__).parent.parent / "families" / "__init__.py"  # dlo.engine's, no RECORD lists it
+    files = ra.interpreter_files()
+    assert tabnanny in files and not any({"test", "site-packages"} & set(f.relative_to(stdlib).parts[:-1])
+                                         for f in files if f.is_relative_to(stdlib))
+    assert metadata in ra.metadata_files()
+    model = shutil.copytree(tiny_pipeline(tmp_path_factory, "wan"), tmp_path / "model")
+    for f in (tabnanny, metadata, own, *model_files(model)):
+        drop(f)
+    job = start_readahead(model, ("transformer",))
+    done = job.join()
+    assert done["first"]["files"] > 1000, done  # the standard library alone is thousands of modules
+    assert all(file_residency(f).ratio == 1.0 for f in (tabnanny, metadata, own)), done
+
+
 def test_the_library_warmup_runs_its_calls_and_only_starts_on_cuda():
     assert warm_libraries("cpu") > 0
     assert start_library_warmup(__import__("torch").device("cpu")) is None
