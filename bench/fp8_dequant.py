@@ -15,7 +15,14 @@ the median of `--repeats` after a warm-up:
   importable), its compile seconds, and whether its bytes equal `dequantize_into`'s;
 - `overlap`: the block's GEMMs at `--tokens` tokens (a stand-in for its compute) alone, the
   dequantization alone, and both at once on two streams: how much of the dequantization a stream
-  of its own would hide behind the compute.
+  of its own would hide behind the compute;
+- `device_ms` and `host_ms` of each form (added after the second record): the device's time with
+  every launch queued behind a spin kernel first (the events then time the kernels, not the host's
+  launches), and the host's time to issue them. The events above time whichever is longer: a form
+  the host launches slower than the device runs reads as its launch time;
+- `triton_weight` and `triton_block`: two hand-written Triton kernels, one launch a weight and one
+  launch for the whole block (a table of the block's weights on the device), their bytes against
+  `dequantize_into`'s.
 Must never: report a figure it did not measure (a variant that cannot run is recorded as skipped).
 """
 
@@ -73,6 +80,112 @@ def timed(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
             fn()
             samples.append((time.perf_counter() - t0) * 1e3)
     return round(statistics.median(samples), 4)
+
+
+def device_and_host_ms(fn: Callable[[], None], device: torch.device, repeats: int) -> dict[str, float]:
+    """The device's milliseconds for `fn`'s kernels (launched behind a spin kernel, so none waits
+    for the host) and the host's milliseconds to launch them; medians of `repeats`."""
+    fn()
+    torch.cuda.synchronize(device)
+    dev, host = [], []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(50_000_000)  # ~25 ms of spinning: every launch below is queued by then
+        start.record()
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e3)
+        end.record()
+        end.synchronize()
+        dev.append(start.elapsed_time(end))
+    return {"device_ms": round(statistics.median(dev), 4), "host_ms": round(statistics.median(host), 4)}
+
+
+def triton_kernels() -> Any:
+    """The two Triton forms (None where Triton is not importable)."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def weight_kernel(q_ptr, s_ptr, o_ptr, cols, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = c < cols
+        scale = tl.load(s_ptr + row)
+        q = tl.load(q_ptr + row * cols + c, mask=m)
+        tl.store(o_ptr + row * cols + c, (q.to(tl.float32) * scale).to(o_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def block_kernel(q_ptr, s_ptr, o_ptr, table_ptr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        # table row w: FP8 values' offset, scales' offset, output offset (elements), rows, cols
+        w = tl.program_id(0)
+        q_off = tl.load(table_ptr + w * 5)
+        s_off = tl.load(table_ptr + w * 5 + 1)
+        o_off = tl.load(table_ptr + w * 5 + 2)
+        rows = tl.load(table_ptr + w * 5 + 3)
+        cols = tl.load(table_ptr + w * 5 + 4)
+        r0 = tl.program_id(1).to(tl.int64) * ROWS
+        if r0 < rows:
+            for r in range(ROWS):
+                row = r0 + r
+                if row < rows:
+                    scale = tl.load(s_ptr + s_off + row)
+                    for c0 in range(0, cols, BLOCK):
+                        c = c0 + tl.arange(0, BLOCK)
+                        m = c < cols
+                        q = tl.load(q_ptr + q_off + row * cols + c, mask=m)
+                        tl.store(o_ptr + o_off + row * cols + c,
+                                 (q.to(tl.float32) * scale).to(o_ptr.dtype.element_ty), mask=m)
+
+    return triton, weight_kernel, block_kernel
+
+
+def triton_forms(block: list[tuple[torch.Tensor, torch.Tensor]], outs: list[torch.Tensor], device: torch.device,
+                 repeats: int) -> dict[str, Any]:
+    """`triton_weight` and `triton_block` over the block (the block's weights packed as a slot holds
+    them: one FP8 buffer, one float32 buffer of scales, one output buffer), timed both ways."""
+    kernels = triton_kernels()
+    if kernels is None:
+        return {"skipped": "triton not importable"}
+    triton, weight_kernel, block_kernel = kernels
+    q_all = torch.cat([q.view(torch.uint8).flatten() for q, _ in block]).view(torch.float8_e4m3fn)
+    s_all = torch.cat([s for _, s in block])
+    o_all = torch.empty(q_all.numel(), dtype=torch.bfloat16, device=device)
+    rows_cols = [tuple(q.shape) for q, _ in block]
+    q_offs = [0]
+    s_offs = [0]
+    for r, c in rows_cols:
+        q_offs.append(q_offs[-1] + r * c)
+        s_offs.append(s_offs[-1] + r)
+    table = torch.tensor([[q_offs[i], s_offs[i], q_offs[i], r, c] for i, (r, c) in enumerate(rows_cols)],
+                         dtype=torch.int64, device=device)
+    views = [(q_all[q_offs[i]: q_offs[i + 1]].view(r, c), s_all[s_offs[i]: s_offs[i + 1]],
+              o_all[q_offs[i]: q_offs[i + 1]].view(r, c)) for i, (r, c) in enumerate(rows_cols)]
+    block_rows = 8
+    max_rows = max(r for r, _ in rows_cols)
+    wide = 1024
+
+    def per_weight() -> None:
+        for q, s, o in views:
+            weight_kernel[(q.shape[0], triton.cdiv(q.shape[1], wide))](q, s, o, q.shape[1], BLOCK=wide)
+
+    def whole_block() -> None:
+        block_kernel[(len(rows_cols), triton.cdiv(max_rows, block_rows))](q_all, s_all, o_all, table,
+                                                                          ROWS=block_rows, BLOCK=wide)
+
+    out: dict[str, Any] = {}
+    for name, fn in (("triton_weight", per_weight), ("triton_block", whole_block)):
+        o_all.zero_()
+        fn()
+        torch.cuda.synchronize(device)
+        same = all(torch.equal(v[2], ref) for v, ref in zip(views, outs))
+        out[name] = {"bit_identical": same, **device_and_host_ms(fn, device, repeats),
+                     "events_ms": timed(fn, device, repeats)}
+        out[name]["device_gb_per_s"] = round(3 * q_all.numel() / out[name]["device_ms"] / 1e6, 1)
+    return out
 
 
 def fused_dequant(block: list[tuple[torch.Tensor, torch.Tensor]], outs: list[torch.Tensor]) -> dict[str, Any]:
@@ -165,7 +278,12 @@ def measure(device: torch.device, tiny: bool, repeats: int, tokens: int) -> dict
         fn = fused.pop("fn")
         fused["ms"] = timed(lambda: [fn(q, s) for q, s in block], device, repeats)
         fused["gb_per_s"] = round(3 * weights / fused["ms"] / 1e6, 1)
+        fused.update(device_and_host_ms(lambda: [fn(q, s) for q, s in block], device, repeats))
     rec["fused"] = fused
+    rec["engine"] = device_and_host_ms(engine, device, repeats)
+    rec["two_kernels"] = device_and_host_ms(dequant, device, repeats)
+    rec["bf16_copy"] = device_and_host_ms(bf16_copy, device, repeats)
+    rec.update(triton_forms(block, outs, device, repeats))
     rec["overlap"] = overlap(block, outs, tokens, device, repeats, dequant)
     return rec
 
