@@ -20,9 +20,9 @@ the median of `--repeats` after a warm-up:
   every launch queued behind a spin kernel first (the events then time the kernels, not the host's
   launches), and the host's time to issue them. The events above time whichever is longer: a form
   the host launches slower than the device runs reads as its launch time;
-- `triton_weight` and `triton_block`: two hand-written Triton kernels, one launch a weight and one
-  launch for the whole block (a table of the block's weights on the device), their bytes against
-  `dequantize_into`'s.
+- `triton_weight` and `triton_block`: two Triton kernels, one launch a weight (here) and one launch
+  for the whole block (the engine's, `dlo.engine.fp8_kernel`: a table of the block's weights on the
+  device), their bytes against `dequantize_into`'s.
 Must never: report a figure it did not measure (a variant that cannot run is recorded as skipped).
 """
 
@@ -102,7 +102,8 @@ def device_and_host_ms(fn: Callable[[], None], device: torch.device, repeats: in
 
 
 def triton_kernels() -> Any:
-    """The two Triton forms (None where Triton is not importable)."""
+    """The two Triton forms: a weight a time (here), the whole block (the engine's,
+    `dlo.engine.fp8_kernel`); None where Triton is not importable."""
     try:
         import triton
         import triton.language as tl
@@ -118,29 +119,9 @@ def triton_kernels() -> Any:
         q = tl.load(q_ptr + row * cols + c, mask=m)
         tl.store(o_ptr + row * cols + c, (q.to(tl.float32) * scale).to(o_ptr.dtype.element_ty), mask=m)
 
-    @triton.jit
-    def block_kernel(q_ptr, s_ptr, o_ptr, table_ptr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-        # table row w: FP8 values' offset, scales' offset, output offset (elements), rows, cols
-        w = tl.program_id(0)
-        q_off = tl.load(table_ptr + w * 5)
-        s_off = tl.load(table_ptr + w * 5 + 1)
-        o_off = tl.load(table_ptr + w * 5 + 2)
-        rows = tl.load(table_ptr + w * 5 + 3)
-        cols = tl.load(table_ptr + w * 5 + 4)
-        r0 = tl.program_id(1).to(tl.int64) * ROWS
-        if r0 < rows:
-            for r in range(ROWS):
-                row = r0 + r
-                if row < rows:
-                    scale = tl.load(s_ptr + s_off + row)
-                    for c0 in range(0, cols, BLOCK):
-                        c = c0 + tl.arange(0, BLOCK)
-                        m = c < cols
-                        q = tl.load(q_ptr + q_off + row * cols + c, mask=m)
-                        tl.store(o_ptr + o_off + row * cols + c,
-                                 (q.to(tl.float32) * scale).to(o_ptr.dtype.element_ty), mask=m)
+    from dlo.engine.fp8_kernel import block_kernel
 
-    return triton, weight_kernel, block_kernel
+    return triton, weight_kernel, block_kernel()[1]
 
 
 def triton_forms(block: list[tuple[torch.Tensor, torch.Tensor]], outs: list[torch.Tensor], device: torch.device,
@@ -164,17 +145,17 @@ def triton_forms(block: list[tuple[torch.Tensor, torch.Tensor]], outs: list[torc
                          dtype=torch.int64, device=device)
     views = [(q_all[q_offs[i]: q_offs[i + 1]].view(r, c), s_all[s_offs[i]: s_offs[i + 1]],
               o_all[q_offs[i]: q_offs[i + 1]].view(r, c)) for i, (r, c) in enumerate(rows_cols)]
-    block_rows = 8
+    from dlo.engine.fp8_kernel import COLS, ROWS
+
     max_rows = max(r for r, _ in rows_cols)
-    wide = 1024
+    wide = COLS
 
     def per_weight() -> None:
         for q, s, o in views:
             weight_kernel[(q.shape[0], triton.cdiv(q.shape[1], wide))](q, s, o, q.shape[1], BLOCK=wide)
 
     def whole_block() -> None:
-        block_kernel[(len(rows_cols), triton.cdiv(max_rows, block_rows))](q_all, s_all, o_all, table,
-                                                                          ROWS=block_rows, BLOCK=wide)
+        block_kernel[(len(rows_cols), triton.cdiv(max_rows, ROWS))](q_all, s_all, o_all, table, ROWS=ROWS, BLOCK=COLS)
 
     out: dict[str, Any] = {}
     for name, fn in (("triton_weight", per_weight), ("triton_block", whole_block)):

@@ -312,8 +312,8 @@ def choose_transfer(settings: OffloadSettings, platform: Platform, group: Any, g
 # A block's FP8 weights become bfloat16 after its bytes have landed in slot k (whatever moved them:
 # H2D, AllGather, peer pulls, graphs) and before the block runs: on the compute stream, right after
 # it waits `ready[k]` (`SlotPrefetcher.before_block`). There it costs its own time (memory-bound:
-# ~3 bytes moved per weight, about 0.3 ms for a 0.68 GB block at H200 bandwidth) and needs ONE
-# buffer for every block: the stream runs block i-1 before block i's dequantization overwrites it.
+# ~3 bytes moved per weight, 0.35 ms for a Flux.1-dev double block on the H200 in one launch of
+# `dlo.engine.fp8_kernel`'s kernel, whose host cost is 0.13 ms) and needs ONE buffer for every block: the stream runs block i-1 before block i's dequantization overwrites it.
 # On a side stream it would overlap the previous block but run beside its attention, where an SM
 # kernel measured 1.5-2.6x its own time (bench/NOTES.md section 15), and need a second buffer (one
 # more block of device memory: what a small GPU lacks most).
@@ -334,7 +334,10 @@ class Dequantize:
     its scales, dequantized into the buffer its linear layer reads (`views`), on the current (compute)
     stream ([Note: where FP8 is dequantized])."""
 
-    def __init__(self, pieces: list[tuple[DequantPiece, ...]], slots: list[torch.Tensor], device: torch.device):
+    def __init__(self, pieces: list[tuple[DequantPiece, ...]], slots: list[torch.Tensor], device: torch.device,
+                 kernel: Any = None):
+        """`kernel`: the one-launch kernel's launcher (`dlo.engine.fp8_kernel`; default: Triton's on
+        cuda where it is importable, none elsewhere; tests pass others)."""
         from dlo.engine.dtypes import torch_dtype
 
         self.device_bytes = max(dequant_bytes(p) for p in pieces)
@@ -347,8 +350,44 @@ class Dequantize:
                          slot[p.scale : p.scale + 4 * p.shape[0]].view(torch.float32), self.views[b][p.name])
                         for p in block] for slot in slots] for b, block in enumerate(pieces)]
 
+        self.block = _block_kernel(pieces, slots, self.buffer, device, kernel)
+        self._checked = False  # the kernel's bytes compared once with dequantize_into's
+
     def run(self, i: int, k: int) -> None:
         from dlo.engine.quantize import dequantize_into
 
+        if self.block is not None and self.block.covers(i):
+            try:
+                self.block.run(i, k)
+            except Exception as e:  # a compiler missing on the node fails the first launch
+                self._give_up(f"it failed: {type(e).__name__}: {e}")
+            else:
+                if self._checked or self._same_as_reference(i, k):
+                    self._checked = True
+                    return
+                self._give_up("its bytes differ from dequantize_into's")
         for q, scale, out in self._work[i][k]:
             dequantize_into(out, q, scale)
+
+    def _same_as_reference(self, i: int, k: int) -> bool:
+        """Whether the kernel's output of block i's smallest FP8 weight equals `dequantize_into`'s
+        (once, on the first block it runs: one synchronisation, in the warm-up)."""
+        from dlo.engine.quantize import dequantize_into
+
+        q, scale, out = min(self._work[i][k], key=lambda w: w[0].numel())
+        return torch.equal(dequantize_into(torch.empty_like(out), q, scale), out)
+
+    def _give_up(self, why: str) -> None:
+        self.block = None
+        log.warning("FP8 dequantization runs a weight at a time from here on (the one-launch kernel: %s)", why)
+
+
+def _block_kernel(pieces: list[tuple[DequantPiece, ...]], slots: list[torch.Tensor], buffer: torch.Tensor,
+                  device: torch.device, kernel: Any) -> Any:
+    """The one-launch dequantization of each block (`dlo.engine.fp8_kernel.BlockKernel`): given a
+    `kernel`, or on cuda where Triton is importable; None otherwise."""
+    from dlo.engine.fp8_kernel import BlockKernel, block_kernel
+
+    if kernel is None and (device.type != "cuda" or block_kernel() is None):
+        return None
+    return BlockKernel(pieces, slots, buffer, device, kernel)

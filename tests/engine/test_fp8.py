@@ -197,3 +197,79 @@ def test_a_tiny_pipeline_serves_the_same_fp8_bytes_resident_and_streamed(tmp_pat
         assert pipe.run(gen).outputs != outs[(dst.name, "resident")]
     finally:
         pipe.close()
+
+
+def _two_weight_block():
+    """One block's slot with two FP8 weights and their scales, as `wire_layout` lays them out
+    (256-byte aligned), its `DequantPiece`s and each weight's (q, scale)."""
+    import torch
+
+    from dlo.engine.fp8 import DequantPiece
+    from dlo.engine.quantize import quantize_fp8
+
+    gen = torch.Generator().manual_seed(3)
+    shapes, pieces, weights = [(48, 64), (96, 32)], [], []
+    slot = torch.zeros(1 << 15, dtype=torch.uint8)
+    src, dst = 0, 0
+    for n, (rows, cols) in enumerate(shapes):
+        q, s = quantize_fp8((torch.randn(rows, cols, generator=gen) * 0.02).to(torch.bfloat16))
+        scale = src + rows * cols + 256 - (rows * cols) % 256
+        slot[src : src + q.numel()] = q.view(torch.uint8).flatten()
+        slot[scale : scale + 4 * rows] = s.view(torch.uint8)
+        pieces.append(DequantPiece(f"w{n}", (rows, cols), src, scale, dst, "BF16"))
+        weights.append((q, s))
+        src, dst = scale + 4 * rows + 256 - (4 * rows) % 256, dst + 2 * rows * cols
+    return slot, tuple(pieces), weights
+
+
+class TableKernel:
+    """What the one-launch kernel computes, in torch, from the table it is given (the wiring's
+    check on a CPU: the table's offsets, the slot's and the buffer's views); `wrong` adds one to a
+    weight's first value (a kernel whose bytes differ), `fails` raises at launch."""
+
+    def __init__(self, wrong: bool = False, fails: bool = False):
+        self.wrong, self.fails, self.launches = wrong, fails, 0
+
+    def __getitem__(self, grid):
+        def launch(q, scales, out, table, ROWS, BLOCK):
+            if self.fails:
+                raise RuntimeError("no compiler for this device")
+            self.launches += 1
+            import torch
+
+            for q_off, s_off, o_off, rows, cols in table.view(-1, 5).tolist():
+                v = q[q_off : q_off + rows * cols].view(rows, cols).to(torch.float32) * scales[s_off : s_off + rows, None]
+                out[o_off : o_off + rows * cols] = v.to(out.dtype).flatten()
+                if self.wrong:
+                    out[o_off] += 1
+
+        return launch
+
+
+def test_a_block_dequantized_in_one_launch_gives_dequantize_intos_bytes_and_a_bad_kernel_is_dropped(caplog):
+    """`Dequantize` over the one-launch kernel's table (on a CPU, the kernel's arithmetic in torch):
+    the same bytes as a weight at a time; a kernel that fails or whose bytes differ is dropped
+    (warned once), the block then dequantized a weight at a time with the same bytes."""
+    import torch
+
+    from dlo.engine.fp8_kernel import block_table
+    from dlo.engine.quantize import dequantize_into
+    from dlo.engine.transfers import Dequantize
+
+    slot, pieces, weights = _two_weight_block()
+    expected = [dequantize_into(torch.empty(q.shape, dtype=torch.bfloat16), q, s) for q, s in weights]
+    table, dtype, rows = block_table(pieces)
+    assert (len(table), dtype, rows) == (10, "BF16", 96) and table[:5] == [0, pieces[0].scale // 4, 0, 48, 64]
+    assert block_table(()) is None and block_table([pieces[0], pieces[1].__class__(
+        **{**pieces[1].__dict__, "dtype": "F16"})]) is None  # mixed compute dtypes: a weight at a time
+    for kernel, launches, warned in ((TableKernel(), 2, False), (TableKernel(wrong=True), 1, True),
+                                     (TableKernel(fails=True), 0, True)):
+        caplog.clear()
+        step = Dequantize([pieces], [slot, slot.clone()], torch.device("cpu"), kernel=kernel)
+        with caplog.at_level("WARNING"):
+            for k in (0, 1):
+                step.buffer.zero_()
+                step.run(0, k)
+                assert all(torch.equal(step.views[0][p.name], e) for p, e in zip(pieces, expected))
+        assert kernel.launches == launches and ("one-launch kernel" in caplog.text) == warned, caplog.text
+    assert Dequantize([pieces], [slot], torch.device("cpu")).block is None  # no kernel off cuda
