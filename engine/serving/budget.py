@@ -79,9 +79,9 @@ def deployment(args: Any, model_dir: Path, limits: Limits, device: str) -> Deplo
 
 def budget_inputs(args: Any, dep: Deployment) -> dict[str, Any]:
     """`resolve_mode`'s budget keywords from `dlo serve`'s options (`--max-device-memory`,
-    `--resident-blocks`) and the deployment."""
+    `--resident-blocks`, `--stream-dtype`) and the deployment."""
     return {"max_device_memory": args.max_device_memory, "resident_blocks": args.resident_blocks,
-            "memory": dep.memory}
+            "memory": dep.memory, "stream_dtype": args.stream_dtype}
 
 
 def plan_settings(settings: EngineSettings, dep: Deployment) -> tuple[EngineSettings, list[str]]:

@@ -56,10 +56,11 @@ def _profile_from_file(profile: Any, profile_path: Path) -> Any:
 
 def resolve_mode(mode: ModeOrAuto, model_dir: Path, dp: int, device: str, profile_path: Path | None = None,
                  sp: int = 1, *, max_device_memory: int = 0, memory: Any = None,
-                 resident_blocks: int | str = 0) -> tuple[Mode, str]:
-    """The engine mode and why: `--mode` as given, else the node policy, else a fixed rule. With the
-    deployment's `memory` (`dlo.engine.serving.budget`) the device budget is checked: a mode that does
-    not fit raises `DeviceBudgetError` (exit 2 before anything loads)."""
+                 resident_blocks: int | str = 0, stream_dtype: str = "bfloat16") -> tuple[Mode, str]:
+    """The engine mode and why: `--mode` as given, else the node policy (for the transformer's blocks
+    streamed as `stream_dtype`), else a fixed rule. With the deployment's `memory`
+    (`dlo.engine.serving.budget`) the device budget is checked: a mode that does not fit raises
+    `DeviceBudgetError` (exit 2 before anything loads)."""
     if mode != "auto":
         if memory is not None and device != "cpu":
             from dlo.engine.serving.budget import check_mode, local_budget
@@ -78,7 +79,7 @@ def resolve_mode(mode: ModeOrAuto, model_dir: Path, dp: int, device: str, profil
         if profile_path is not None:
             profile = _profile_from_file(profile, profile_path)
         try:
-            decision = choose_mode(profile, describe(model_dir / "transformer"), dp, sp=sp,
+            decision = choose_mode(profile, describe(model_dir / "transformer", stream_dtype), dp, sp=sp,
                                    device_budget_bytes=max_device_memory or None, pipeline=memory)
             return decision.engine_mode, f"policy: {decision.reason}"
         except NoModeFits as e:

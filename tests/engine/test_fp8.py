@@ -273,3 +273,16 @@ def test_a_block_dequantized_in_one_launch_gives_dequantize_intos_bytes_and_a_ba
                 assert all(torch.equal(step.views[0][p.name], e) for p, e in zip(pieces, expected))
         assert kernel.launches == launches and ("one-launch kernel" in caplog.text) == warned, caplog.text
     assert Dequantize([pieces], [slot], torch.device("cpu")).block is None  # no kernel off cuda
+
+
+def test_mode_auto_asks_the_policy_about_an_fp8_folder_streamed_as_fp8(tmp_path_factory, tmp_path, caplog):
+    """`dlo serve FP8_FOLDER --stream-dtype fp8` with the default `--mode auto`: the policy plans with
+    the FP8 blocks (it once read the folder as bfloat16, failed, and fell back to the fixed rule)."""
+    from dlo.engine.serving.mode_choice import resolve_mode
+
+    _, dst = _quantized(tmp_path_factory, "tiny-wan2.1-t2v")
+    frag = tmp_path / "fragment.json"
+    frag.write_text(json.dumps({"h2d_bandwidth_bps": 10**10, "collective_bandwidth_bps": 10**9}))
+    with caplog.at_level("WARNING"):
+        chosen, why = resolve_mode("auto", dst, 2, "cpu", frag, stream_dtype="fp8")
+    assert why.startswith("policy: ") and "no answer" not in caplog.text, (why, caplog.text)
