@@ -135,6 +135,36 @@ def test_a_starts_readahead_reads_the_interpreters_modules_the_metadata_and_the_
     assert all(file_residency(f).ratio == 1.0 for f in (tabnanny, metadata, own)), done
 
 
+def test_first_files_already_cached_are_said_at_once_and_read_beside_the_weights(tmp_path_factory, tmp_path):
+    """Only the checkpoint evicted (the start's other files cached): the child says so before
+    reading them (the registration starts at once) and still reads them, beside the weights; a
+    cold set is read first, as before."""
+    import shutil
+
+    from dlo.agent.residency import file_residency
+    from dlo.engine.serving.readahead import looks_cached, read_in_child
+
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    code = [pkg / f"m{i}.py" for i in range(40)] + [pkg / "_c.so"]
+    for f in code:
+        f.write_bytes(b"x" * 8192)
+    assert looks_cached(code)  # just written: in the page cache
+    model = shutil.copytree(tiny_pipeline(tmp_path_factory, "wan"), tmp_path / "model")
+    missed = code[7]  # one file evicted: the sample still finds the set cached (CACHED_ENOUGH)
+    for f in (missed, *model_files(model)):
+        drop(f)
+    assert looks_cached(code) and file_residency(missed).ratio < 1.0
+    done = read_in_child(model_files(model), packages=(pkg,))
+    assert done["first"]["cached"] is True and done["first"]["bytes"] == 0 and done["first"]["files"] == len(code)
+    assert file_residency(missed).ratio == 1.0 and folder_residency(model).ratio == 1.0  # read beside the weights
+    for f in code:
+        drop(f)
+    assert not looks_cached(code)
+    done = read_in_child(model_files(model), packages=(pkg,))
+    assert "cached" not in done["first"] and done["first"]["bytes"] == 8192 * len(code)
+
+
 def test_the_library_warmup_runs_its_calls_and_only_starts_on_cuda():
     assert warm_libraries("cpu") > 0
     assert start_library_warmup(__import__("torch").device("cpu")) is None
