@@ -21,8 +21,8 @@ the median of `--repeats` after a warm-up:
   launches), and the host's time to issue them. The events above time whichever is longer: a form
   the host launches slower than the device runs reads as its launch time;
 - `triton_weight` and `triton_block`: two Triton kernels, one launch a weight (here) and one launch
-  for the whole block (the engine's, `dlo.engine.fp8_kernel`: a table of the block's weights on the
-  device), their bytes against `dequantize_into`'s.
+  for the whole block (the engine's own path: `transfers.Dequantize` over the block packed as a
+  slot, `dlo.engine.fp8_kernel`'s table and kernel), their bytes against `dequantize_into`'s.
 Must never: report a figure it did not measure (a variant that cannot run is recorded as skipped).
 """
 
@@ -102,8 +102,8 @@ def device_and_host_ms(fn: Callable[[], None], device: torch.device, repeats: in
 
 
 def triton_kernels() -> Any:
-    """The two Triton forms: a weight a time (here), the whole block (the engine's,
-    `dlo.engine.fp8_kernel`); None where Triton is not importable."""
+    """Triton and the kernel of one launch a weight (None where Triton is not importable; the
+    whole block's is the engine's, `dlo.engine.fp8_kernel`)."""
     try:
         import triton
         import triton.language as tl
@@ -119,53 +119,61 @@ def triton_kernels() -> Any:
         q = tl.load(q_ptr + row * cols + c, mask=m)
         tl.store(o_ptr + row * cols + c, (q.to(tl.float32) * scale).to(o_ptr.dtype.element_ty), mask=m)
 
-    from dlo.engine.fp8_kernel import block_kernel
+    return triton, weight_kernel
 
-    return triton, weight_kernel, block_kernel()[1]
+
+def engine_slot(block: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> tuple[torch.Tensor, tuple]:
+    """The block as a streamed block's slot holds it (each weight's FP8 bytes, then its float32
+    scales, every tensor 256-byte aligned) and its `DequantPiece`s (bfloat16 out, packed)."""
+    from dlo.engine.fp8 import DequantPiece
+    from dlo.engine.layout import align_up
+
+    pieces, at, dst = [], 0, 0
+    for n, (q, _) in enumerate(block):
+        rows, cols = q.shape
+        scale_at = align_up(at + rows * cols)
+        pieces.append(DequantPiece(f"w{n}", (rows, cols), at, scale_at, dst, "BF16"))
+        at, dst = align_up(scale_at + 4 * rows), align_up(dst + 2 * rows * cols)
+    slot = torch.zeros(at, dtype=torch.uint8, device=device)
+    for p, (q, s) in zip(pieces, block):
+        slot[p.src : p.src + q.numel()] = q.view(torch.uint8).flatten()
+        slot[p.scale : p.scale + 4 * s.numel()] = s.view(torch.uint8)
+    return slot, tuple(pieces)
 
 
 def triton_forms(block: list[tuple[torch.Tensor, torch.Tensor]], outs: list[torch.Tensor], device: torch.device,
                  repeats: int) -> dict[str, Any]:
-    """`triton_weight` and `triton_block` over the block (the block's weights packed as a slot holds
-    them: one FP8 buffer, one float32 buffer of scales, one output buffer), timed both ways."""
+    """`triton_weight` (one launch a weight, over the block's weights as they are) and
+    `triton_block` (the engine's `transfers.Dequantize` over the block packed as a slot: its table,
+    its views, its one launch), timed both ways."""
     kernels = triton_kernels()
     if kernels is None:
         return {"skipped": "triton not importable"}
-    triton, weight_kernel, block_kernel = kernels
-    q_all = torch.cat([q.view(torch.uint8).flatten() for q, _ in block]).view(torch.float8_e4m3fn)
-    s_all = torch.cat([s for _, s in block])
-    o_all = torch.empty(q_all.numel(), dtype=torch.bfloat16, device=device)
-    rows_cols = [tuple(q.shape) for q, _ in block]
-    q_offs = [0]
-    s_offs = [0]
-    for r, c in rows_cols:
-        q_offs.append(q_offs[-1] + r * c)
-        s_offs.append(s_offs[-1] + r)
-    table = torch.tensor([[q_offs[i], s_offs[i], q_offs[i], r, c] for i, (r, c) in enumerate(rows_cols)],
-                         dtype=torch.int64, device=device)
-    views = [(q_all[q_offs[i]: q_offs[i + 1]].view(r, c), s_all[s_offs[i]: s_offs[i + 1]],
-              o_all[q_offs[i]: q_offs[i + 1]].view(r, c)) for i, (r, c) in enumerate(rows_cols)]
-    from dlo.engine.fp8_kernel import COLS, ROWS
+    triton, weight_kernel = kernels
+    from dlo.engine.fp8_kernel import COLS
+    from dlo.engine.transfers import Dequantize
 
-    max_rows = max(r for r, _ in rows_cols)
-    wide = COLS
+    weight_outs = [torch.empty_like(o) for o in outs]
 
     def per_weight() -> None:
-        for q, s, o in views:
-            weight_kernel[(q.shape[0], triton.cdiv(q.shape[1], wide))](q, s, o, q.shape[1], BLOCK=wide)
+        for (q, s), o in zip(block, weight_outs):
+            weight_kernel[(q.shape[0], triton.cdiv(q.shape[1], COLS))](q, s, o, q.shape[1], BLOCK=COLS)
 
-    def whole_block() -> None:
-        block_kernel[(len(rows_cols), triton.cdiv(max_rows, ROWS))](q_all, s_all, o_all, table, ROWS=ROWS, BLOCK=COLS)
-
+    slot, pieces = engine_slot(block, device)
+    step = Dequantize([pieces], [slot], device)
+    block_outs = [step.views[0][p.name] for p in pieces]
     out: dict[str, Any] = {}
-    for name, fn in (("triton_weight", per_weight), ("triton_block", whole_block)):
-        o_all.zero_()
+    for name, fn, got in (("triton_weight", per_weight, weight_outs),
+                          ("triton_block", lambda: step.run(0, 0), block_outs)):
+        for o in got:
+            o.zero_()
         fn()
         torch.cuda.synchronize(device)
-        same = all(torch.equal(v[2], ref) for v, ref in zip(views, outs))
+        same = all(torch.equal(g, ref) for g, ref in zip(got, outs))
         out[name] = {"bit_identical": same, **device_and_host_ms(fn, device, repeats),
                      "events_ms": timed(fn, device, repeats)}
-        out[name]["device_gb_per_s"] = round(3 * q_all.numel() / out[name]["device_ms"] / 1e6, 1)
+        out[name]["device_gb_per_s"] = round(3 * sum(q.numel() for q, _ in block) / out[name]["device_ms"] / 1e6, 1)
+    out["triton_block"]["engine_kernel_in_use"] = step.block is not None  # not dropped by its own check
     return out
 
 

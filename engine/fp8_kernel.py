@@ -28,6 +28,7 @@ from dlo.engine.fp8 import DequantPiece
 ROWS = 8  # rows of one weight a program dequantizes
 COLS = 1024  # columns a program reads at once (1 KiB of FP8 values)
 TABLE_WIDTH = 5  # FP8 values' offset, scales' offset (float32 elements), output offset (elements), rows, cols
+MAX_ROWS = 65_535 * ROWS  # a grid's second dimension holds 65,535 programs
 
 
 @functools.cache
@@ -36,17 +37,18 @@ def block_kernel() -> Any:
     try:
         import triton
         import triton.language as tl
-    except ImportError:
+    except Exception:  # not installed, or an install that does not import (a version mismatch)
         return None
 
     @triton.jit
-    def dequantize_block(q_ptr, s_ptr, o_ptr, table_ptr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    def dequantize_block(q_ptr, s_ptr, o_ptr, table_ptr, WIDTH: tl.constexpr, ROWS: tl.constexpr,
+                         BLOCK: tl.constexpr):
         w = tl.program_id(0)
-        q_off = tl.load(table_ptr + w * 5)
-        s_off = tl.load(table_ptr + w * 5 + 1)
-        o_off = tl.load(table_ptr + w * 5 + 2)
-        rows = tl.load(table_ptr + w * 5 + 3)
-        cols = tl.load(table_ptr + w * 5 + 4)
+        q_off = tl.load(table_ptr + w * WIDTH)
+        s_off = tl.load(table_ptr + w * WIDTH + 1)
+        o_off = tl.load(table_ptr + w * WIDTH + 2)
+        rows = tl.load(table_ptr + w * WIDTH + 3)
+        cols = tl.load(table_ptr + w * WIDTH + 4)
         r0 = tl.program_id(1).to(tl.int64) * ROWS
         if r0 < rows:  # the grid is sized for the block's tallest weight
             for r in range(ROWS):
@@ -65,10 +67,11 @@ def block_kernel() -> Any:
 
 def block_table(pieces: Iterable[DequantPiece]) -> tuple[list[int], str, int] | None:
     """`pieces` as the kernel's table (flat, `TABLE_WIDTH` a weight), their compute dtype and the
-    most rows of one; None for no pieces, mixed compute dtypes, or a scale or output offset that is
-    not a whole element (the layouts align every tensor: never seen)."""
+    most rows of one; None for no pieces, mixed compute dtypes, a weight taller than the grid's
+    second dimension holds, or a scale or output offset that is not a whole element (the layouts
+    align every tensor: never seen)."""
     pieces = list(pieces)
-    if not pieces or len({p.dtype for p in pieces}) != 1:
+    if not pieces or len({p.dtype for p in pieces}) != 1 or max(p.shape[0] for p in pieces) > MAX_ROWS:
         return None
     size = DTYPE_SIZES[pieces[0].dtype]
     if any(p.scale % 4 or p.dst % size for p in pieces):
@@ -97,7 +100,7 @@ class BlockKernel:
 
     def run(self, i: int, k: int) -> None:
         q, scales = self.slots[k]
-        self.kernel[self.grids[i]](q, scales, self.outs[i], self.tables[i], ROWS=ROWS, BLOCK=COLS)
+        self.kernel[self.grids[i]](q, scales, self.outs[i], self.tables[i], WIDTH=TABLE_WIDTH, ROWS=ROWS, BLOCK=COLS)
 
 
 def _as(buffer: torch.Tensor, dtype: str) -> torch.Tensor:

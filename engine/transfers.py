@@ -313,7 +313,8 @@ def choose_transfer(settings: OffloadSettings, platform: Platform, group: Any, g
 # H2D, AllGather, peer pulls, graphs) and before the block runs: on the compute stream, right after
 # it waits `ready[k]` (`SlotPrefetcher.before_block`). There it costs its own time (memory-bound:
 # ~3 bytes moved per weight, 0.35 ms for a Flux.1-dev double block on the H200 in one launch of
-# `dlo.engine.fp8_kernel`'s kernel, whose host cost is 0.13 ms) and needs ONE buffer for every block: the stream runs block i-1 before block i's dequantization overwrites it.
+# `dlo.engine.fp8_kernel`'s kernel, whose host cost is 0.13 ms) and needs ONE buffer for every
+# block: the stream runs block i-1 before block i's dequantization overwrites it.
 # On a side stream it would overlap the previous block but run beside its attention, where an SM
 # kernel measured 1.5-2.6x its own time (bench/NOTES.md section 15), and need a second buffer (one
 # more block of device memory: what a small GPU lacks most).

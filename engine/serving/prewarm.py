@@ -124,7 +124,8 @@ def start_readahead(model_dir: Path, components: tuple[str, ...],
                     distributions: tuple[str, ...] | None = None) -> Readahead | None:
     """Read the files of `model_dir` that are not in the page cache, those of `components` first
     (in that order), the rest of the folder's safetensors after, the files a start reads besides
-    them before (of `distributions`: `START_DISTRIBUTIONS` by default, with `START_FOLDERS`);
+    them before (of `distributions`; by default `START_DISTRIBUTIONS` with `START_FOLDERS`, the
+    standard library's modules and every distribution's metadata: `readahead.startup_files`);
     None when every weight is cached."""
     from dlo.agent.residency import file_residency, model_files
 

@@ -34,7 +34,7 @@ the folders themselves. `--python` reads the first two (`interpreter_files`, `me
 
 Owns: `read_in_child` (the parent's side: run the child, report its first line, wait, parse its
 last; its warnings go to the rank's log), `startup_files` and `distribution_files` (what is read
-first), `looks_cached` ([Note: first files already cached]) and `main` (the child: arm the
+first), `looks_cached` and `read_uncached` ([Note: first files already cached]) and `main` (the child: arm the
 parent-death signal first, exit if the parent is already gone, read the start's other files (or
 find them cached), say so, then warm the weights in the order given, print what it read).
 Must never: outlive the process that started it (parent-death signal), write to a model file, or
@@ -205,8 +205,11 @@ def metadata_files(path: list[str] | None = None) -> list[Path]:
             continue
         for e in entries:
             if e.name.endswith(METADATA_FOLDERS) and e.is_dir():
-                with os.scandir(e.path) as files:
-                    out.extend(sorted(Path(f.path) for f in files if f.is_file()))
+                try:
+                    with os.scandir(e.path) as files:
+                        out.extend(sorted(Path(f.path) for f in files if f.is_file()))
+                except OSError:  # unreadable, or gone since the listing: the start reads it itself
+                    continue
             elif e.name.endswith(".pth") and e.is_file():
                 out.append(Path(e.path))
     return out
@@ -315,18 +318,21 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     files = startup_files(tuple(args.package), tuple(args.folder), tuple(args.distribution), args.sys_path,
                           python=args.python)
-    behind = None
+    behind: dict[str, Any] = {}
+    thread = None
     if looks_cached(files):  # [Note: first files already cached]: said at once, read beside the weights
         first = {"files": len(files), "bytes": 0, "seconds": round(time.monotonic() - t0, 2), "cached": True}
-        behind = threading.Thread(target=read_first, args=(files, args.first_threads), name="dlo-first", daemon=True)
+        thread = threading.Thread(target=lambda: behind.update(read_uncached(files, args.first_threads)),
+                                  name="dlo-first", daemon=True)
     else:
         first = read_first(files, args.first_threads)
     print(json.dumps({"phase": "first", "first": first}), flush=True)  # the rank's registration may start
-    if behind is not None:
-        behind.start()
+    if thread is not None:
+        thread.start()
     session = warm(args.files, threads=args.threads, advise=False)
-    if behind is not None:
-        behind.join()
+    if thread is not None:
+        thread.join()
+        first["behind"] = behind  # what the sample missed, read beside the weights
     print(json.dumps({"files": len(args.files), "bytes": session.after.bytes, "seconds": round(session.seconds, 2),
                       "pid": os.getpid(), "first": first}))
     return 0
@@ -339,37 +345,51 @@ def main(argv: list[str] | None = None) -> int:
 # the rank's registration waited that long to start reading the weights
 # (`ready-h200-2026-12-02-f`). A sample says whether they are cached: every shared library (most
 # of the bytes) and an even spread of the rest; if at least `CACHED_ENOUGH` of the sample's bytes
-# are, the child says so at once and reads the files beside the weights (whatever the sample
-# missed is then read behind the weights' reads, the cost the first phase exists to avoid, but
-# only for those few files).
+# are (the libraries and the rest each on its own: the libraries are most of the bytes, the rest
+# most of the files), the child says so at once and reads beside the weights whatever files are
+# not whole in the cache (`read_uncached`: those the sample missed, then read behind the weights'
+# reads, the cost the first phase exists to avoid, but only for those few files).
 CACHED_ENOUGH = 0.9  # libraries a process mapped are partly resident: the pages it used
 SAMPLE_SPREAD = 256  # of the other files
 
 
 def looks_cached(files: list[Path]) -> bool:
-    """Whether `files` are in the page cache by a sample: every shared library and `SAMPLE_SPREAD`
-    of the rest evenly spread, `CACHED_ENOUGH` of the sample's bytes resident (a file that cannot
-    be measured counts as not resident)."""
+    """Whether `files` are in the page cache by a sample: every shared library (most of the bytes)
+    and `SAMPLE_SPREAD` of the rest evenly spread (most of the files), each part on its own with
+    `CACHED_ENOUGH` of its bytes resident (a file that cannot be measured counts as not resident)."""
+    libraries = [f for f in files if ".so" in f.name and _is_code(f.name)]
+    shared = set(libraries)
+    rest = [f for f in files if f not in shared]
+    parts = [part for part in (libraries, rest[:: max(1, len(rest) // SAMPLE_SPREAD)]) if part]
+    return bool(parts) and all(_resident_share(part) >= CACHED_ENOUGH for part in parts)
+
+
+def _residency(files: list[Path]) -> list[tuple[int, int]]:
+    """(resident bytes, bytes) of each file (0, 0 for one that cannot be measured), in parallel."""
     from concurrent.futures import ThreadPoolExecutor
 
     from dlo.agent.residency import file_residency
 
-    libraries = [f for f in files if ".so" in f.name and _is_code(f.name)]
-    shared = set(libraries)
-    rest = [f for f in files if f not in shared]
-    sample = libraries + rest[:: max(1, len(rest) // SAMPLE_SPREAD)]
-
-    def resident(f: Path) -> tuple[int, int]:
+    def one(f: Path) -> tuple[int, int]:
         try:
             r = file_residency(f)
         except OSError:  # gone or unreadable: the read decides what to do with it
             return 0, 0
         return r.resident_bytes, r.bytes
 
-    with ThreadPoolExecutor(max_workers=FIRST_THREADS, thread_name_prefix="dlo-sample") as pool:
-        counts = list(pool.map(resident, sample))
+    with ThreadPoolExecutor(max_workers=FIRST_THREADS, thread_name_prefix="dlo-residency") as pool:
+        return list(pool.map(one, files))
+
+
+def _resident_share(files: list[Path]) -> float:
+    counts = _residency(files)
     total = sum(size for _, size in counts)
-    return bool(sample) and total > 0 and sum(res for res, _ in counts) >= CACHED_ENOUGH * total
+    return sum(res for res, _ in counts) / total if total else 0.0
+
+
+def read_uncached(files: list[Path], threads: int) -> dict[str, Any]:
+    """`read_first` of those of `files` not whole in the page cache (what the sample missed)."""
+    return read_first([f for f, (res, size) in zip(files, _residency(files)) if res < size], threads)
 
 
 if __name__ == "__main__":

@@ -231,13 +231,13 @@ class TableKernel:
         self.wrong, self.fails, self.launches = wrong, fails, 0
 
     def __getitem__(self, grid):
-        def launch(q, scales, out, table, ROWS, BLOCK):
+        def launch(q, scales, out, table, WIDTH, ROWS, BLOCK):
             if self.fails:
                 raise RuntimeError("no compiler for this device")
             self.launches += 1
             import torch
 
-            for q_off, s_off, o_off, rows, cols in table.view(-1, 5).tolist():
+            for q_off, s_off, o_off, rows, cols in table.view(-1, WIDTH).tolist():
                 v = q[q_off : q_off + rows * cols].view(rows, cols).to(torch.float32) * scales[s_off : s_off + rows, None]
                 out[o_off : o_off + rows * cols] = v.to(out.dtype).flatten()
                 if self.wrong:

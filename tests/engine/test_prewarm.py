@@ -122,6 +122,10 @@ def test_a_starts_readahead_reads_the_interpreters_modules_the_metadata_and_the_
     metadata = Path(str(importlib.metadata.distribution("kopf").locate_file(
         next(f for f in importlib.metadata.distribution("kopf").files if f.name == "METADATA"))))
     own = Path(ra.__file__).parent.parent / "families" / "__init__.py"  # dlo.engine's, no RECORD lists it
+    from dlo.engine.serving.prewarm import START_DISTRIBUTIONS, START_FOLDERS, package_folders
+
+    first = set(ra.startup_files(package_folders(START_FOLDERS), (), START_DISTRIBUTIONS, python=True))
+    assert {tabnanny, metadata, own} <= first  # what a start reads first, whatever the page cache holds
     files = ra.interpreter_files()
     assert tabnanny in files and not any({"test", "site-packages"} & set(f.relative_to(stdlib).parts[:-1])
                                          for f in files if f.is_relative_to(stdlib))
@@ -158,6 +162,12 @@ def test_first_files_already_cached_are_said_at_once_and_read_beside_the_weights
     done = read_in_child(model_files(model), packages=(pkg,))
     assert done["first"]["cached"] is True and done["first"]["bytes"] == 0 and done["first"]["files"] == len(code)
     assert file_residency(missed).ratio == 1.0 and folder_residency(model).ratio == 1.0  # read beside the weights
+    assert done["first"]["behind"]["files"] == 1  # only what was not cached
+    big = tmp_path / "_big.so"  # most of the bytes cached, most of the files not: cold
+    big.write_bytes(b"y" * (4 << 20))
+    for f in code[:-1]:
+        drop(f)
+    assert not looks_cached([*code, big])
     for f in code:
         drop(f)
     assert not looks_cached(code)
