@@ -71,13 +71,13 @@ def block_table(pieces: Iterable[DequantPiece]) -> tuple[list[int], str, int] | 
     second dimension holds, or a scale or output offset that is not a whole element (the layouts
     align every tensor: never seen)."""
     pieces = list(pieces)
-    if not pieces or len({p.dtype for p in pieces}) != 1 or max(p.shape[0] for p in pieces) > MAX_ROWS:
+    if not pieces or len({p.dtype for p in pieces}) != 1:
         return None
-    size = DTYPE_SIZES[pieces[0].dtype]
-    if any(p.scale % 4 or p.dst % size for p in pieces):
+    size, tallest = DTYPE_SIZES[pieces[0].dtype], max(p.shape[0] for p in pieces)
+    if tallest > MAX_ROWS or any(p.scale % 4 or p.dst % size for p in pieces):
         return None
     table = [v for p in pieces for v in (p.src, p.scale // 4, p.dst // size, p.shape[0], p.shape[1])]
-    return table, pieces[0].dtype, max(p.shape[0] for p in pieces)
+    return table, pieces[0].dtype, tallest
 
 
 class BlockKernel:
@@ -92,8 +92,9 @@ class BlockKernel:
         self.tables = [None if t is None else torch.tensor(t[0], dtype=torch.int64, device=device) for t in tables]
         self.grids = [None if t is None else (len(t[0]) // TABLE_WIDTH, -(-t[2] // ROWS)) for t in tables]
         # the slot read as FP8 values and as float32 scales, the buffer as each compute dtype
-        self.slots = [(s.view(torch.float8_e4m3fn), s[: s.numel() - s.numel() % 4].view(torch.float32)) for s in slots]
-        self.outs = [None if t is None else _as(buffer, t[1]) for t in tables]
+        self.slots = [(_as(s, "F8_E4M3"), _as(s, "F32")) for s in slots]
+        outs = {t[1]: _as(buffer, t[1]) for t in tables if t is not None}
+        self.outs = [None if t is None else outs[t[1]] for t in tables]
 
     def covers(self, i: int) -> bool:
         return self.tables[i] is not None
@@ -105,7 +106,7 @@ class BlockKernel:
 
 def _as(buffer: torch.Tensor, dtype: str) -> torch.Tensor:
     """The uint8 `buffer` as `dtype` elements (its tail short of one element left out)."""
-    size = DTYPE_SIZES[dtype]
     from dlo.engine.dtypes import torch_dtype
 
+    size = DTYPE_SIZES[dtype]
     return buffer[: buffer.numel() - buffer.numel() % size].view(torch_dtype(dtype))

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from dlo.engine.fp8 import DequantPiece, dequant_bytes
 from dlo.engine.peergather import PeerGather
 from dlo.engine.platform import Platform
+from dlo.engine.quantize import dequantize_into
 from dlo.engine.settings import OffloadSettings
 
 log = logging.getLogger(__name__)
@@ -355,8 +356,6 @@ class Dequantize:
         self._checked = False  # the kernel's bytes compared once with dequantize_into's
 
     def run(self, i: int, k: int) -> None:
-        from dlo.engine.quantize import dequantize_into
-
         if self.block is not None and self.block.covers(i):
             try:
                 self.block.run(i, k)
@@ -373,8 +372,6 @@ class Dequantize:
     def _same_as_reference(self, i: int, k: int) -> bool:
         """Whether the kernel's output of block i's smallest FP8 weight equals `dequantize_into`'s
         (once, on the first block it runs: one synchronisation, in the warm-up)."""
-        from dlo.engine.quantize import dequantize_into
-
         q, scale, out = min(self._work[i][k], key=lambda w: w[0].numel())
         return torch.equal(dequantize_into(torch.empty_like(out), q, scale), out)
 

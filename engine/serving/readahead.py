@@ -107,8 +107,12 @@ def _lines(stdout: IO[str] | None, on_first: Callable[[dict[str, Any]], None] | 
             yield line
 
 
+def _is_library(name: str) -> bool:
+    return name.endswith(".so") or ".so." in name
+
+
 def _is_code(name: str) -> bool:
-    return name.endswith((".py", ".pyc", ".so")) or ".so." in name
+    return name.endswith((".py", ".pyc")) or _is_library(name)
 
 
 def startup_files(packages: tuple[Path, ...], folders: tuple[Path, ...],
@@ -357,7 +361,7 @@ def looks_cached(files: list[Path]) -> bool:
     """Whether `files` are in the page cache by a sample: every shared library (most of the bytes)
     and `SAMPLE_SPREAD` of the rest evenly spread (most of the files), each part on its own with
     `CACHED_ENOUGH` of its bytes resident (a file that cannot be measured counts as not resident)."""
-    libraries = [f for f in files if ".so" in f.name and _is_code(f.name)]
+    libraries = [f for f in files if _is_library(f.name)]
     shared = set(libraries)
     rest = [f for f in files if f not in shared]
     parts = [part for part in (libraries, rest[:: max(1, len(rest) // SAMPLE_SPREAD)]) if part]

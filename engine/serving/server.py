@@ -328,8 +328,8 @@ def _add_operation_routes(app: FastAPI, engine: Engine) -> None:
         if not engine.ready:
             return JSONResponse({"ready": False, "state": engine.state, "reason": engine.failure}, status_code=503)
         return JSONResponse({"ready": True, "mode": engine.cfg.mode, "dp": engine.cfg.dp, "sp": engine.cfg.sp,
-                             "warmup_seconds": engine.warmup_seconds, "warmup_size": engine.warmup_size_text,
-                             "warmup_steps": engine.warmup_steps,
+                             "warmup_seconds": engine.warmup_seconds, "warmup_size": engine.warm.size_text,
+                             "warmup_steps": engine.warm.steps,
                              "startup_seconds": engine.startup_seconds,
                              "ranks": engine.rank_summary()})
 

@@ -38,7 +38,7 @@ from dlo.engine.serving.errors import (EngineFailed, EngineUnavailable, InvalidR
 from dlo.engine.serving.limits import Limits
 from dlo.engine.serving.metrics import EngineMetrics
 from dlo.engine.serving.ranks import RankGroup
-from dlo.engine.serving.startup import startup_phases, warmup_generation, warn_about_start_costs
+from dlo.engine.serving.startup import WarmUp, startup_phases, warn_about_start_costs
 from dlo.engine.serving.threads import in_daemon_thread
 from dlo.engine.timing import process_age_seconds
 from dlo.engine.serving.video_jobs import VideoJobs
@@ -92,9 +92,7 @@ class Engine:
         self.videos = videos  # loaded by the caller (`dlo serve` refuses an unusable --video-dir up front)
         self.jobs = VideoJobs(videos, self, self.metrics)
         self.waves_run = 0
-        self.warmup = options.warmup
-        self.warmup_size = options.warmup_size
-        self._warmup_steps: int | None = None  # `warmup_generation` decides them
+        self.warm = WarmUp(facts, cfg.sp, Path(cfg.model_dir), options.warmup, options.warmup_size, options.warmup_steps)
         self.warmup_seconds: float | None = None
         self.startup_seconds: dict[str, Any] = {}  # set at ready (`_load`): seconds, and rank 0's phases
         self._queue: WaveQueue | None = None
@@ -121,7 +119,7 @@ class Engine:
         if not await self._start_ranks():
             return
         t1 = time.perf_counter()
-        warm = await self._warm_up() if self.warmup else {}  # rank 0's warm-up phases; None: it failed
+        warm = await self._warm_up() if self.warm.enabled else {}  # rank 0's warm-up phases; None: it failed
         if warm is None or self.state != "loading":
             return
         ready0 = self.group.ranks[0].ready
@@ -150,7 +148,7 @@ class Engine:
         """The warm-up wave on every rank: rank 0's request phases (`warmup_*`), None when it failed."""
         t0 = time.perf_counter()
         try:
-            results = await in_daemon_thread(lambda: self.group.run_wave([self.warmup_generation()] * self.cfg.world))
+            results = await in_daemon_thread(lambda: self.group.run_wave([self.warm.generation()] * self.cfg.world))
             failed = [(r, res.error) for r, res in enumerate(results) if res.error is not None]
             if failed:
                 rank, err = failed[0]
@@ -162,28 +160,6 @@ class Engine:
             return None
         self.warmup_seconds = time.perf_counter() - t0
         return {f"warmup_{k}": round(v, 2) for k, v in results[0].phase_seconds.items()}
-
-    def warmup_generation(self) -> Generation:
-        """The warm-up request; its steps are decided once, at the warm-up (after the load: the
-        family may read the scheduler to reach every transformer)."""
-        if self._warmup_steps is None:
-            self._warmup_steps = self.facts.warmup_steps(Path(self.cfg.model_dir), self.options.warmup_steps)
-        return warmup_generation(self.facts, self.cfg.sp, self.warmup_size, self._warmup_steps)
-
-    @property
-    def warmup_size_text(self) -> str | None:
-        """`WxH` of the warm-up generation, None without warm-up."""
-        if not self.warmup:
-            return None
-        g = warmup_generation(self.facts, self.cfg.sp, self.warmup_size)  # its size does not depend on the steps
-        return f"{g.width}x{g.height}"
-
-    @property
-    def warmup_steps(self) -> int | None:
-        """The warm-up's steps as run (`/ready`), None without warm-up."""
-        if not self.warmup:
-            return None
-        return self.warmup_generation().steps
 
     def _enter(self, state: State) -> None:
         """The one place the lifecycle changes (and `dlo_ready` with it); `failed` is final."""

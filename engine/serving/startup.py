@@ -1,14 +1,16 @@
 """What rank 0's start is made of, apart from the ranks: the warm-up request, the start-up phases,
 and the warnings about start costs that are the installation's, not the engine's.
 
-Owns: `warmup_generation` (the one request every rank runs before `/ready`), `startup_phases` (the
-`startup_seconds` of `/ready` and the ready log) and `warn_about_start_costs`.
+Owns: `warmup_generation` (the one request every rank runs before `/ready`) and `WarmUp` (a
+deployment's: its steps decided once), `startup_phases` (the `startup_seconds` of `/ready` and the
+ready log) and `warn_about_start_costs`.
 Must never: touch the ranks (the service runs the warm-up through its rank group), or import torch.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from dlo.engine.families import PipelineFacts
@@ -30,6 +32,36 @@ def warmup_generation(facts: PipelineFacts, sp: int, size: tuple[int, int] | Non
     row = facts.size_multiple * sp  # sp > 1: a width of sp tokens per row splits every frame's tokens over the sp ranks
     w, h = size or (align_up(least, row), least)
     return facts.warmup(w, h, steps)  # an image, or the shortest video of a video-only family
+
+
+class WarmUp:
+    """A deployment's warm-up (`--warmup`, `--warmup-size`, `--warmup-steps`): the request every rank
+    runs, whose steps are decided once, at the warm-up (after the load: the family may read the
+    scheduler to reach every transformer); what `/ready` says of it (None without warm-up)."""
+
+    def __init__(self, facts: PipelineFacts, sp: int, model_dir: Path, enabled: bool,
+                 size: tuple[int, int] | None, steps: int = WARMUP_STEPS):
+        self.facts, self.sp, self.model_dir, self.enabled, self.size = facts, sp, model_dir, enabled, size
+        self.asked_steps = steps
+        self._steps: int | None = None
+
+    def generation(self) -> Generation:
+        if self._steps is None:
+            self._steps = self.facts.warmup_steps(self.model_dir, self.asked_steps)
+        return warmup_generation(self.facts, self.sp, self.size, self._steps)
+
+    @property
+    def size_text(self) -> str | None:
+        """`WxH` of the warm-up generation."""
+        if not self.enabled:
+            return None
+        g = warmup_generation(self.facts, self.sp, self.size)  # its size does not depend on the steps
+        return f"{g.width}x{g.height}"
+
+    @property
+    def steps(self) -> int | None:
+        """The warm-up's steps as run."""
+        return self.generation().steps if self.enabled else None
 
 
 def startup_phases(before_load: float, load_s: float, warmup_s: float | None,
