@@ -70,6 +70,23 @@ def evict(files: list[Path], pids: list[int]) -> int:
     return paged
 
 
+def evict_until_mostly_gone(files: list[Path], pids: list[int], folder: Path, deadline_s: float = 10.0) -> int:
+    """Evict until under half of `folder` is resident; its resident bytes then.
+
+    MADV_PAGEOUT is best effort: a page the kernel cannot isolate at that moment (one still in a
+    per-CPU LRU batch after its fault, or locked by a concurrent reader) stays mapped and cached, so one
+    pass sometimes leaves half the tiny file (seen once in CI: 114,688 of 224,288 bytes). The state is
+    polled with a deadline, never assumed after one pass."""
+    total = folder_residency(folder).bytes
+    end = time.monotonic() + deadline_s
+    while True:
+        evict(files, pids)
+        left = folder_residency(folder).resident_bytes
+        if left < 0.5 * total or time.monotonic() > end:
+            return left
+        time.sleep(0.01)
+
+
 def _png(srv: ServerProcess) -> tuple[str, float]:
     """Hash of the PNG and seconds of one request."""
     t0 = time.perf_counter()
@@ -99,8 +116,7 @@ def test_outputs_stay_byte_identical_when_the_page_cache_is_evicted_under_the_en
         after_evictions, resident = [], []
         for _ in range(ROUNDS):
             before = folder_residency(transformer).resident_bytes
-            evict(files, pids)
-            evicted = folder_residency(transformer).resident_bytes
+            evicted = evict_until_mostly_gone(files, pids, transformer)
             got, took = _png(srv)
             refilled = folder_residency(transformer).resident_bytes
             assert got == want, "an output changed after the page cache was evicted"
