@@ -29,10 +29,12 @@ measured; a step the `--budget-s` left no time for is recorded as skipped):
    at the peak of its load), then one forward per token count and variant (base, lora, lora at scale
    0.8, attention only, and two bench-only controls) with events around every block;
 3. `serve_resident`, `serve_rank_local_partial` (the headline streamed run: a quarter of Wan's blocks,
-   three quarters of Flux's resident), `serve_rank_local` (every block streamed): `dlo serve
-   --lora-dir` over HTTP with the official SDK, the same request without and with `"lora": "r64"`
-   alternately, `--requests` times each; the fastest of each, their ratio, the bytes (the same across
-   modes?), the adapter's device bytes per rank from /ready, peak device and host memory.
+   three quarters of Flux's resident), `serve_rank_local` (every block streamed), and each again with
+   `--lora-apply merge` (`*_merge`): `dlo serve --lora-dir` over HTTP with the official SDK, the same
+   request without and with `"lora": "r64"` alternately, `--requests` times each; the fastest of
+   each, their ratio, the bytes (the same across modes, per way of applying?), the adapter's device
+   bytes per rank from /ready, peak device and host memory. `--runs` keeps some, `--no-per-block`
+   skips step 2: the six runs of Wan2.1 take two calls.
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ TINY = {
              "request": {"kind": "image", "size": "32x32", "steps": 2, "guidance": 3.5}},
 }
 # seconds a step needs at full size (the budget skips what would not fit; the dry run ignores them)
-NEEDS = {"per_block": {"wan21": 130, "flux": 40}, "serve": {"wan21": 90, "flux": 60}}
+NEEDS = {"per_block": {"wan21": 170, "flux": 50}, "serve": {"wan21": 90, "flux": 60}}
+MERGE_SUFFIX = "_merge"  # a serve run with `--lora-apply merge` (its bytes are fuse_lora's, not the branch's)
 
 
 class Budget:
@@ -182,7 +185,9 @@ def run_model(key: str, args: argparse.Namespace, budget: Budget, save: Any) -> 
     rec["checkpoint_bytes"] = checkpoint_bytes(model)
     rec["page_cache_warm_seconds"] = round(warm_page_cache(model), 2)
     save(rec)
-    if budget.allows(NEEDS["per_block"][key]):
+    if not args.per_block:
+        rec["per_block"] = {"skipped": "--no-per-block"}
+    elif budget.allows(NEEDS["per_block"][key]):
         rec["per_block"] = per_block(model, loras, spec, args)
     else:
         rec["per_block"] = {"skipped": "budget"}
@@ -192,6 +197,7 @@ def run_model(key: str, args: argparse.Namespace, budget: Budget, save: Any) -> 
     runs = {"serve_resident": ("--mode", "resident", "--dp", "1"),
             "serve_rank_local_partial": ("--mode", "rank-local", "--dp", "1", "--resident-blocks", k),
             "serve_rank_local": ("--mode", "rank-local", "--dp", "1")}
+    runs.update({f"{n}{MERGE_SUFFIX}": (*f, "--lora-apply", "merge") for n, f in list(runs.items())})
     for name, flags in runs.items():
         if args.runs and name not in args.runs.split(","):
             continue
@@ -235,8 +241,17 @@ def summarize(rec: dict) -> dict:
         serves = {n: r for n, r in m.items() if n.startswith("serve_") and isinstance(r, dict) and "ratio" in r}
         s["end_to_end_ratio"] = {n: r["ratio"] for n, r in serves.items()}
         s["end_to_end_meets_goal"] = {n: r["ratio"] <= GOAL for n, r in serves.items()}
-        lora_shas = {r["output_sha256"]["lora"] for r in serves.values()}
-        s["lora_bytes_identical_across_modes"] = len(lora_shas) == 1 if len(serves) > 1 else None
+        for field, merged in (("lora_bytes_identical_across_modes", False),
+                              ("lora_bytes_identical_across_modes_merged", True)):
+            shas = [r["output_sha256"]["lora"] for n, r in serves.items() if n.endswith(MERGE_SUFFIX) == merged]
+            s[field] = len(set(shas)) == 1 if len(shas) > 1 else None
+        merge_rows = [r for r in rows.values() if "merge" in r]
+        s["merge_add_in_gemm_bit_identical"] = (all(r["merge_separate_add"]["bit_identical_to_merge"]
+                                                    for r in merge_rows) if merge_rows else None)
+        s["merge_over_branch_per_block"] = {t: _ratio(r["merge"]["block_ms"], r["lora"]["block_ms"])
+                                            for t, r in rows.items() if "merge" in r}
+        s["base_bytes_identical_across_modes"] = (len({r["output_sha256"]["base"] for r in serves.values()}) == 1
+                                                  if len(serves) > 1 else None)
         s["lora_changes_output"] = (all(r["output_sha256"]["lora"] != r["output_sha256"]["base"] for r in serves.values())
                                     if serves else None)
         s["adapter_bytes"] = {n: {k: a.get(k) for k in ("device_bytes", "allocated_bytes", "host_anon_bytes_after",
@@ -270,8 +285,11 @@ def markdown(rec: dict) -> str:
             r = m[n]
             lines.append(f"| {n} | {r['seconds']['base']} | {r['seconds']['lora']} | {ratio}x | "
                          f"{ms['end_to_end_meets_goal'][n]} |")
-        lines += ["", f"LoRA bytes identical across modes: {ms['lora_bytes_identical_across_modes']}; the adapter "
-                      f"changes the output: {ms['lora_changes_output']}.", "",
+        lines += ["", f"LoRA bytes identical across modes: {ms['lora_bytes_identical_across_modes']} (branch), "
+                      f"{ms.get('lora_bytes_identical_across_modes_merged')} (merge); the adapter changes the "
+                      f"output: {ms['lora_changes_output']}. Merged in one GEMM and in peft's two steps give the same "
+                      f"bytes: {ms.get('merge_add_in_gemm_bit_identical')}; merge over branch per block: "
+                      f"{ms.get('merge_over_branch_per_block')}.", "",
                   "| adapter | device bytes | allocator delta | host anon after | host anon peak | file bytes | layers |",
                   "|---|---|---|---|---|---|---|"]
         for n, a in ms["adapter_bytes"].items():
@@ -302,7 +320,11 @@ def main() -> int:
     ap.add_argument("--logs", type=Path, default=None)
     ap.add_argument("--stem", default=None)
     ap.add_argument("--only", default="wan21,flux")
-    ap.add_argument("--runs", default="", help="serve runs to keep (default: all three)")
+    ap.add_argument("--runs", default="", help="serve runs to keep, comma-separated (default: all six: "
+                                               "serve_resident, serve_rank_local_partial, serve_rank_local, each "
+                                               f"also with {MERGE_SUFFIX})")
+    ap.add_argument("--per-block", action=argparse.BooleanOptionalAction, default=True,
+                    help="run the per-block step (--no-per-block: the serve runs only, for a second call)")
     ap.add_argument("--requests", type=int, default=2, help="requests per variant and server (the fastest counts)")
     ap.add_argument("--budget-s", type=float, default=440.0, help="skip steps that would end past this")
     ap.add_argument("--delete-after", action=argparse.BooleanOptionalAction, default=True)

@@ -128,18 +128,29 @@ class ParallelSettings:
 LoraLoad = Literal["start"]
 LORA_LOADS: tuple[LoraLoad, ...] = get_args(LoraLoad)
 
+# How a request's adapter reaches a targeted layer's output (`dlo.engine.lora`): "branch" adds the
+# unmerged low-rank branch to the layer's output (peft's forward: equals diffusers + load_lora_weights
+# bit for bit); "merge" computes the layer with W + scaling * B A, merged per call into a device
+# scratch of the rank's own (peft's merge: equals diffusers + load_lora_weights + fuse_lora bit for
+# bit), never into the weight or the slot. The merge costs a pass over the weight where the branch
+# costs passes over the layer's input and output: cheaper where tokens outnumber a layer's width.
+LoraApply = Literal["branch", "merge"]
+LORA_APPLIES: tuple[LoraApply, ...] = get_args(LoraApply)
+
 
 @dataclass(frozen=True)
 class LoraSettings:
-    """Per-request LoRA adapters (`dlo.engine.lora`): the folder of adapters, and when they load."""
+    """Per-request LoRA adapters (`dlo.engine.lora`): the folder of adapters, when they load, how they apply."""
 
     directory: str | None = None  # `dlo serve --lora-dir`; None: no adapters
     load: LoraLoad = "start"
+    apply: LoraApply = "branch"  # `dlo serve --lora-apply`
 
     def __post_init__(self) -> None:
         if self.directory is not None and (not isinstance(self.directory, str) or not self.directory):
             raise ConfigError(f"lora directory must be a folder path or unset, got {self.directory!r}")
         _one_of("lora load", self.load, LORA_LOADS)
+        _one_of("lora apply", self.apply, LORA_APPLIES)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from dlo.engine.checkpoint import CheckpointError, TensorInfo, cached_checkpoint, read_header
 
@@ -304,6 +304,23 @@ def parse_metadata(path: Path, header_metadata: Mapping[str, str]) -> dict[str, 
     if not isinstance(meta, dict):
         raise AdapterError(path, f"metadata {METADATA_KEY} is not a JSON object")
     return {k[len(PREFIX):]: v for k, v in meta.items() if k.startswith(PREFIX)} or None
+
+
+def rank_device_bytes(plans: Iterable[AdapterPlan], apply: str = "branch") -> int:
+    """Device bytes every rank holds for `plans`: the adapters' tensors and, with `--lora-apply merge`,
+    the merge scratch (`dlo.engine.lora.merge.MergeScratch`: the largest targeted weight and lora bias
+    per element size). What the device budget counts as a whole component (`lora_adapters`)."""
+    plans = list(plans)
+    total = sum(p.device_bytes for p in plans)
+    if apply != "merge":
+        return total
+    weights: dict[int, int] = {}
+    biases: dict[int, int] = {}
+    for m in (m for p in plans for m in p.modules):
+        weights[m.itemsize] = max(weights.get(m.itemsize, 0), m.in_features * m.out_features)
+        if m.bias:
+            biases[m.itemsize] = max(biases.get(m.itemsize, 0), m.out_features)
+    return total + sum(n * size for part in (weights, biases) for size, n in part.items())
 
 
 def check_adapters(lora_dir: Path | str, model_dir: Path | str, pipeline_class: str) -> list[AdapterPlan]:

@@ -3,8 +3,11 @@
 Owns: `LoraBank` (every adapter of `--lora-dir`, loaded once at start onto this rank's device, and
 `applied(name, scale)`: the forward hooks of one request, removed when it ends), and `add_branch`,
 the op order every targeted layer's output gets (peft 0.21's `lora.Linear.forward`, unmerged).
+With `--lora-apply merge` the hooks instead swap in, for each targeted layer's call, its weight
+merged with the adapter in a scratch of the rank's own (`dlo.engine.lora.merge`, peft's merge order).
 Must never: write into a layer's weight (in allgather mode that is the shared slot every rank of
-the wave computes from), keep a hook past the request that installed it, or import peft.
+the wave computes from), keep a hook or a swapped weight past the request that installed it, or
+import peft.
 
 [Note: LoRA op order] peft computes `result + lora_B(lora_A(x)) * scaling` with the input cast to
 the adapter's dtype: h = round(x A^T), t = round(h B^T + b), u = round(t * scaling), y = round(out + u).
@@ -34,6 +37,7 @@ from torch import nn
 
 from dlo.engine.hooks import HookSet
 from dlo.engine.lora.adapters import AdapterError, find_adapters
+from dlo.engine.lora.merge import MergeScratch, merge_bias, merge_weight
 from dlo.engine.lora.weights import Branch, branches, read_adapter
 
 log = logging.getLogger(__name__)
@@ -63,17 +67,21 @@ def add_branch(out: torch.Tensor, x: torch.Tensor, b: Branch, factor: Any, add_i
 class LoraBank:
     """Every adapter of one rank by name (`{layer: Branch}` each) on the rank's device."""
 
-    def __init__(self, adapters: dict[str, dict[nn.Module, Branch]], add_in_gemm: bool = False):
+    def __init__(self, adapters: dict[str, dict[nn.Module, Branch]], add_in_gemm: bool = False,
+                 scratch: MergeScratch | None = None):
         self.adapters = adapters
         self.add_in_gemm = add_in_gemm  # [Note: the add in B's product]
+        self.scratch = scratch  # `--lora-apply merge`: where each layer's merged weight is written
         self._active: dict[nn.Module, tuple[Branch, Any]] = {}
+        self._swapped: dict[nn.Module, tuple[Any, Any]] = {}  # layer -> its own (weight, bias) while merged
         self._hooks = HookSet()
 
     @classmethod
     def load(cls, lora_dir: Path | str | None, pipeline_class: str, transformer_dir: Path, model: Any,
-             device: torch.device) -> "LoraBank":
+             device: torch.device, apply: str = "branch") -> "LoraBank":
         """Read, check and place every adapter of `lora_dir` (None: none) for the transformer `model`
-        (an `OffloadedModel`, any mode) loaded from `transformer_dir`."""
+        (an `OffloadedModel`, any mode) loaded from `transformer_dir`, applied as `apply` says
+        (`LoraSettings.apply`: "branch" or "merge")."""
         if lora_dir is None:
             return cls({})
         from dlo.engine.checkpoint import cached_checkpoint
@@ -83,9 +91,13 @@ class LoraBank:
         for entry in find_adapters(lora_dir):
             adapters[entry.name] = branches(read_adapter(entry, pipeline_class, weights), model.module, device,
                                             model.dtype_of)
-        bank = cls(adapters, add_in_gemm=torch.device(device).type in ADD_IN_GEMM)
-        log.info("lora adapters loaded count=%d device=%s device_bytes=%d per_adapter=%s", len(adapters), device,
-                 bank.device_bytes, {n: sum(b.nbytes for b in br.values()) for n, br in adapters.items()})
+        scratch = None
+        if apply == "merge" and adapters:
+            scratch = MergeScratch((b for br in adapters.values() for b in br.values()), torch.device(device))
+        bank = cls(adapters, add_in_gemm=torch.device(device).type in ADD_IN_GEMM, scratch=scratch)
+        log.info("lora adapters loaded count=%d device=%s apply=%s device_bytes=%d (merge scratch %d) per_adapter=%s",
+                 len(adapters), device, apply, bank.device_bytes, scratch.nbytes if scratch else 0,
+                 {n: sum(b.nbytes for b in br.values()) for n, br in adapters.items()})
         return bank
 
     @property
@@ -94,8 +106,9 @@ class LoraBank:
 
     @property
     def device_bytes(self) -> int:
-        """Device bytes of every adapter's tensors (on cpu: host memory of this rank)."""
-        return sum(b.nbytes for br in self.adapters.values() for b in br.values())
+        """Device bytes of every adapter's tensors and the merge scratch (on cpu: host memory of this rank)."""
+        return (sum(b.nbytes for br in self.adapters.values() for b in br.values())
+                + (self.scratch.nbytes if self.scratch is not None else 0))
 
     @contextmanager
     def applied(self, name: str | None, scale: float = 1.0) -> Iterator[None]:
@@ -109,18 +122,49 @@ class LoraBank:
         for layer, b in self.adapters[name].items():
             factor = b.scaling if scale == 1.0 else b.scaling * scale
             self._active[layer] = (b, None if isinstance(factor, float) and factor == 1.0 else factor)
-            self._hooks.add_post(layer, self._hook)
+            if self.scratch is None:
+                self._hooks.add_post(layer, self._hook)
+            else:
+                self._hooks.add_pre(layer, self._merge_in)
+                self._hooks.add_post(layer, self._merge_out)
         try:
             yield
         finally:
             self._hooks.remove()
+            for layer in list(self._swapped):  # a forward that raised skipped its layer's post-hook
+                self._restore(layer)
             self._active.clear()
 
     def _hook(self, layer: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
         b, factor = self._active[layer]
         return add_branch(out, args[0], b, factor, self.add_in_gemm)
 
+    def _merge_in(self, layer: nn.Module, _args: tuple) -> None:
+        """The layer runs with its weight (as bound now: resident, or this block's slot view) merged."""
+        assert self.scratch is not None
+        b, factor = self._active[layer]
+        weight, bias = layer._parameters["weight"], layer._parameters.get("bias")
+        merged = merge_weight(self.scratch.weight_for(b, weight), weight, b, factor, self.add_in_gemm)
+        self._swapped[layer] = (weight, bias)
+        layer._parameters["weight"] = merged
+        if b.bias is not None:
+            layer._parameters["bias"] = merge_bias(self.scratch.bias_for(b, bias), bias, b, factor)
+
+    def _merge_out(self, layer: nn.Module, _args: tuple, _out: Any) -> None:
+        self._restore(layer)
+
+    def _restore(self, layer: nn.Module) -> None:
+        weight, bias = self._swapped.pop(layer)
+        layer._parameters["weight"] = weight
+        if "bias" in layer._parameters or bias is not None:
+            layer._parameters["bias"] = bias
+
     def close(self) -> None:
         self._hooks.remove()
+        for layer in list(self._swapped):
+            self._restore(layer)
         self._active.clear()
         self.adapters = {}
+        if self.scratch is not None:
+            self.scratch.close()
+            self.scratch = None

@@ -27,6 +27,9 @@ if TYPE_CHECKING:
     from dlo.engine.serving.limits import Limits
 
 
+LORA_COMPONENT = "lora_adapters"  # the adapters' bytes in the pipeline's memory, beside the VAE
+
+
 class DeviceBudgetError(ConfigError):
     """No mode (or not the mode given) fits the device budget: the message names what does not fit
     and the smallest budget, or the largest `--max-size`, that would."""
@@ -62,11 +65,15 @@ class Deployment:
     tiling: str  # why that tiling rule
 
 
-def deployment(args: Any, model_dir: Path, limits: Limits, device: str) -> Deployment:
-    """`deployment_memory` for `dlo serve`'s options, this host's budget (`local_budget`) and the
-    tiling rule it implies (`dlo.engine.memory_plan.tiling_for_budget`)."""
+def deployment(args: Any, model_dir: Path, limits: Limits, device: str, adapter_bytes: int = 0) -> Deployment:
+    """`deployment_memory` for `dlo serve`'s options, with `--lora-dir`'s adapters as a whole
+    component of every rank (`lora_adapters`: `adapter_bytes`, their tensors and any merge scratch),
+    this host's budget (`local_budget`) and the tiling rule it implies
+    (`dlo.engine.memory_plan.tiling_for_budget`)."""
     memory = deployment_memory(model_dir, limits, stream_encoders=args.stream_text_encoders,
                                stream_dtype=args.stream_dtype)
+    if adapter_bytes:
+        memory = dataclasses.replace(memory, whole={**memory.whole, LORA_COMPONENT: adapter_bytes})
     if device not in ("cuda", "npu"):
         return Deployment(memory, None, "no device budget on cpu: the fixed rule")
     from dlo.engine.devices import device_facts

@@ -83,11 +83,11 @@ def _warmup_size(flag: str | None, facts: Any, limits: Any) -> tuple[int, int] |
         return None
 
 
-def _check_adapters(lora_dir: Path | None, model_dir: Path, facts: Any, sp: int) -> dict[str, str]:
+def _check_adapters(lora_dir: Path | None, model_dir: Path, facts: Any, sp: int) -> list[Any]:
     """`--lora-dir`'s adapters checked against the transformer before any rank starts (an
-    `AdapterError` names the file): name -> its file or folder in the directory."""
+    `AdapterError` names the file): their plans (`dlo.engine.lora.AdapterPlan`)."""
     if lora_dir is None:
-        return {}
+        return []
     from dlo.engine.lora import AdapterError, check_adapters
 
     lora_dir = lora_dir.resolve()
@@ -108,7 +108,7 @@ def _check_adapters(lora_dir: Path | None, model_dir: Path, facts: Any, sp: int)
     for plan in plans:
         log.info("lora adapter %s: %s modules, %d device bytes per rank", plan.name, len(plan.modules),
                  plan.device_bytes)
-    return {plan.name: plan.path.relative_to(lora_dir).parts[0] for plan in plans}
+    return plans
 
 
 def _attention_heads(model_dir: Path) -> int | None:
@@ -139,6 +139,7 @@ class _Start:
     peers: Any = None
     deployment: Any = None  # the pipeline at its limits on this device (dlo.engine.serving.budget)
     adapters: dict[str, str] = field(default_factory=dict)  # --lora-dir: name -> file or folder
+    adapter_bytes: int = 0  # what every rank holds for them (`dlo.engine.lora.rank_device_bytes`)
 
 
 def _model_and_limits(args: argparse.Namespace, start: _Start) -> None:
@@ -161,7 +162,11 @@ def _model_and_limits(args: argparse.Namespace, start: _Start) -> None:
         start.limits = Limits.load(args.limits, SMALL if args.small_limits else None, max_steps=args.max_steps,
                                    max_width=args.max_size, max_height=args.max_size)
         start.warmup_size = _warmup_size(args.warmup_size, start.facts, start.limits)
-        start.adapters = _check_adapters(args.lora_dir, start.model_dir, start.facts, args.sp)
+        from dlo.engine.lora import rank_device_bytes
+
+        plans = _check_adapters(args.lora_dir, start.model_dir, start.facts, args.sp)
+        start.adapters = {plan.name: plan.path.relative_to(args.lora_dir.resolve()).parts[0] for plan in plans}
+        start.adapter_bytes = rank_device_bytes(plans, args.lora_apply)
     except AdapterError as e:
         raise StartError(f"--lora-dir: refusing an adapter that does not fit the model: {e}") from None
     except ApiError as e:
@@ -241,7 +246,7 @@ def _prepare(args: argparse.Namespace) -> _Start:
     from dlo.engine.serving.budget import DeviceBudgetError, budget_inputs, deployment
 
     try:  # the device budget against the pipeline at its limits (dlo.engine.serving.budget)
-        start.deployment = deployment(args, start.model_dir, start.limits, start.device)
+        start.deployment = deployment(args, start.model_dir, start.limits, start.device, start.adapter_bytes)
         start.mode, why = resolve_mode(args.mode, start.model_dir, start.dp, start.device, args.profile, sp=args.sp,
                                        **budget_inputs(args, start.deployment))
     except DeviceBudgetError as e:

@@ -26,6 +26,7 @@ from dlo.delivery.uri import model_argument
 from dlo.engine.facts import MODES_OR_AUTO, DeviceKind, Mode
 from dlo.engine.families.pipelines import WARMUP_STEPS
 from dlo.engine.settings import (
+    LORA_APPLIES,
     MAX_GATHER_CTAS,
     STREAM_DTYPES,
     TRANSFERS,
@@ -179,6 +180,13 @@ def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
                              "at start (a mismatch exits 2 naming the file) and loaded once onto every rank's device "
                              "(its bytes in the model's dtype: ~0.6 GB for a rank-64 adapter of every Wan2.1-14B "
                              "block linear); requests for different adapters share a wave")
+    parser.add_argument("--lora-apply", choices=LORA_APPLIES, default="branch",
+                        help="how a request's adapter reaches a layer: branch (default) adds the unmerged low-rank "
+                             "branch to the layer's output, bit for bit what diffusers + load_lora_weights gives; "
+                             "merge computes the layer with W + scaling * B A merged per call into a scratch of the "
+                             "rank's own (never the weight or the shared slot), bit for bit what diffusers' "
+                             "fuse_lora gives, cheaper where a request's tokens outnumber a layer's width (video); "
+                             "costs the largest adapted weight once per rank (~142 MB for Wan2.1-14B)")
 
 
 def _add_weights_arguments(parser: argparse.ArgumentParser) -> None:
@@ -267,5 +275,5 @@ def engine_settings(args: argparse.Namespace, mode: Mode, device: DeviceKind, dp
         parallel=ParallelSettings(dp=dp, sp=args.sp, sp_kind=args.sp_kind, **parallel),
         device=device, max_device_memory=args.max_device_memory,
         stream_encoders=args.stream_text_encoders, cpu_threads=args.cpu_threads, safety_checker=args.safety_checker,
-        lora=LoraSettings(directory=str(args.lora_dir.resolve()) if args.lora_dir else None),
+        lora=LoraSettings(directory=str(args.lora_dir.resolve()) if args.lora_dir else None, apply=args.lora_apply),
     )

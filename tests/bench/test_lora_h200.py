@@ -20,7 +20,7 @@ def test_the_dry_run_measures_every_step_and_merges_into_the_record(tmp_path: Pa
     from dlo.engine.random_model import write_pipeline
 
     write_pipeline(tmp_path / "models" / "tiny-flux.1-dev", preset("tiny-flux.1-dev"))  # the bench's make skips it
-    r = subprocess.run([sys.executable, str(BENCH), "run", "--dry-run", "--only", "flux", "--runs", "serve_rank_local",
+    r = subprocess.run([sys.executable, str(BENCH), "run", "--dry-run", "--only", "flux", "--runs", "serve_rank_local,serve_rank_local_merge",
                         "--requests", "1", "--models", str(tmp_path / "models"), "--out", str(tmp_path / "out"),
                         "--stem", "raw-dry"], capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -29,15 +29,20 @@ def test_the_dry_run_measures_every_step_and_merges_into_the_record(tmp_path: Pa
     assert flux["make"] == {"skipped": "present", "bytes": flux["checkpoint_bytes"]}
     assert {a: flux["adapters"][a]["rank"] for a in ("r64", "r64-attention")} == {"r64": 64, "r64-attention": 64}
     row = flux["per_block"]["workloads"]["64"]
-    assert set(row) == {"base", "lora", "lora_scale_0.8", "lora_separate_add", "lora_unfolded", "lora_attention"}
+    assert set(row) == {"base", "lora", "lora_scale_0.8", "lora_separate_add", "lora_unfolded", "lora_attention",
+                        "merge", "merge_separate_add"}
     assert row["lora_unfolded"]["bit_identical_to_lora"] and not row["base"]["bit_identical_to_lora"]
+    assert row["merge_separate_add"]["bit_identical_to_merge"]  # cpu: the same two steps
     adapters = flux["per_block"]["adapters"]
     assert adapters["r64"]["device_bytes"] > adapters["r64-attention"]["device_bytes"] > 0
     run = flux["serve_rank_local"]
     assert run["exit_code"] == 0 and set(run["seconds"]) == {"base", "lora"} and run["same_bytes_every_request"]
     assert run["lora_device_bytes"] == {"0": adapters["r64"]["device_bytes"]}
     s = rec["summary"]["flux"]
-    assert s["lora_changes_output"] and s["fold_bit_identical"] and set(s["end_to_end_ratio"]) == {"serve_rank_local"}
+    assert s["lora_changes_output"] and s["fold_bit_identical"] and s["merge_add_in_gemm_bit_identical"]
+    assert set(s["end_to_end_ratio"]) == {"serve_rank_local", "serve_rank_local_merge"}
+    assert flux["serve_rank_local_merge"]["flags"][-2:] == ["--lora-apply", "merge"]
+    assert s["base_bytes_identical_across_modes"]  # the same request without an adapter, either way
     assert not (tmp_path / "models" / "tiny-flux.1-dev").exists()  # deleted after its runs (disk)
     m = subprocess.run([sys.executable, str(BENCH), "merge", str(tmp_path / "out" / "raw-dry.json"), "--out",
                         str(tmp_path), "--stem", "lora-dry"], capture_output=True, text=True, timeout=120, cwd=ROOT)

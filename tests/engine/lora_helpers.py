@@ -28,6 +28,7 @@ SEQ = 32  # the small limits' max_sequence_length, what `dlo serve --small-limit
 SIZE = 32
 STEPS = 2
 PROMPT = "a lighthouse"
+MERGED = {"branch": "", "merge": "-merged"}  # the reference file of a case per `--lora-apply`
 
 # family -> (model dtype, [(entry name in --lora-dir, write_adapter keywords)], [(adapter, scale, seed)])
 SETUPS = {
@@ -64,13 +65,14 @@ class LoraSetup:
     def case(self, adapter: str | None, scale: float, seed: int) -> int:
         return self.cases.index((adapter, scale, seed))
 
-    def ref_array(self, i: int):
+    def ref_array(self, i: int, apply: str = "branch"):
+        """Case i's float output from diffusers + peft: the adapter unmerged ("branch") or fused ("merge")."""
         import numpy as np
 
-        return np.load(self.reference / f"case-{i}.npy")
+        return np.load(self.reference / f"case-{i}{MERGED[apply] if self.cases[i][0] else ''}.npy")
 
-    def ref_bytes(self, i: int) -> bytes:
-        return (self.reference / f"case-{i}.out").read_bytes()
+    def ref_bytes(self, i: int, apply: str = "branch") -> bytes:
+        return (self.reference / f"case-{i}{MERGED[apply] if self.cases[i][0] else ''}.out").read_bytes()
 
 
 def _spec(setup: LoraSetup) -> list[str]:

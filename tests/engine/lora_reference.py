@@ -7,11 +7,14 @@ sees it (diffusers imports peft by itself wherever it is installed). Run as
 import of diffusers, for every pipeline of a test session); SPEC: {"model_dir", "dtype", "adapters":
 {name: path}, "cases": [{"adapter": name|null, "scale": float, "gen": {Generation fields}}]}; writes
 OUT_DIR/case-<i>.npy (the pipeline's float output, `output_type="np"`) and case-<i>.out (the bytes a
-served request answers: its PNG or MP4), which the tests compare with DLO's for the same request.
+served request answers: its PNG or MP4), which the tests compare with DLO's for the same request;
+and for each case with an adapter the same with the adapter fused (`fuse_lora(lora_scale=scale)`,
+peft's merge, what `dlo serve --lora-apply merge` equals): case-<i>-merged.{npy,out}.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import types
@@ -50,6 +53,11 @@ def run(spec_path: str, out_dir: str) -> None:
         pipe.load_lora_weights(path, adapter_name=name)
     # the same pipeline call as a served request (`ServingPipeline._call_kwargs`, on plain diffusers)
     serving = types.SimpleNamespace(adapter=facts.adapter, max_sequence_length=spec.get("max_sequence_length", 16))
+    def save(name: str, out, gen) -> None:
+        frames = out.frames if hasattr(out, "frames") else out.images
+        np.save(Path(out_dir) / f"{name}.npy", np.asarray(frames))
+        (Path(out_dir) / f"{name}.out").write_bytes(encode(facts.adapter.decode(out, gen), gen.fps)[0][0])
+
     for i, case in enumerate(spec["cases"]):
         if case["adapter"] is None:
             pipe.disable_lora()
@@ -61,9 +69,37 @@ def run(spec_path: str, out_dir: str) -> None:
         kwargs[SCALE_KWARG[facts.family]] = {"scale": case["scale"]}
         with torch.inference_mode():
             out = pipe(**kwargs)
-        frames = out.frames if hasattr(out, "frames") else out.images
-        np.save(Path(out_dir) / f"case-{i}.npy", np.asarray(frames))
-        (Path(out_dir) / f"case-{i}.out").write_bytes(encode(facts.adapter.decode(out, gen), gen.fps)[0][0])
+        save(f"case-{i}", out, gen)
+        if case["adapter"] is not None:
+            kwargs = ServingPipeline._call_kwargs(serving, gen)  # type: ignore[arg-type]  (a fresh generator)
+            with fused(pipe, case["adapter"], case["scale"]), torch.inference_mode():
+                save(f"case-{i}-merged", pipe(**kwargs), gen)  # a fused layer runs its base only: no scale kwarg
+
+
+@contextlib.contextmanager
+def fused(pipe, adapter: str, scale: float):
+    """The pipeline with `adapter` fused into the transformer at `scale`, then exactly as before: the
+    weights and peft's scalings restored from copies (`unfuse_lora` subtracts the delta, which does
+    not round back to the same bits, and `lora_scale` rescales the layers for good)."""
+    import torch
+
+    model = pipe.transformer
+    weights = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
+    scalings = [(m, dict(m.scaling)) for m in model.modules() if isinstance(getattr(m, "scaling", None), dict)]
+    pipe.enable_lora()
+    pipe.set_adapters([adapter])
+    pipe.fuse_lora(components=["transformer"], lora_scale=scale, adapter_names=[adapter])
+    try:
+        yield
+    finally:
+        pipe.unfuse_lora(components=["transformer"])
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n in weights:
+                    p.copy_(weights[n])
+        for m, kept in scalings:
+            m.scaling.clear()
+            m.scaling.update(kept)
 
 
 if __name__ == "__main__":

@@ -146,6 +146,34 @@ def test_resident_plan_fills_the_transformer_first_and_states_its_arithmetic():
     assert resident_plan(m, "resident", 1, 10**12)[0].blocks == {"transformer": 0, "text_encoder": 0}
 
 
+def test_lora_adapters_count_against_the_budget_as_a_whole_component(tmp_path_factory):
+    """`--lora-dir`'s adapters (and a merge scratch) live on every rank: `dlo serve`'s deployment
+    holds them as a whole component, the plan keeps fewer blocks for them, and a given mode's verdict
+    names them."""
+    from dlo.engine.serving.budget import LORA_COMPONENT, check_mode, deployment
+
+    model = preset_pipeline(tmp_path_factory, "tiny-wan2.1-t2v")
+    args = argparse.Namespace(stream_text_encoders=True, stream_dtype="bfloat16", max_device_memory=0)
+    assert LORA_COMPONENT not in deployment(args, model, SMALL, "cpu").memory.whole
+    assert deployment(args, model, SMALL, "cpu", adapter_bytes=12345).memory.whole[LORA_COMPONENT] == 12345
+
+    plain = _memory(Geometry(16, 4), RequestBounds(832, 480, 17, 1, 512))  # Wan2.1-14B's 40 blocks
+    block = plain.transformers["transformer"].largest_block_bytes
+    with_lora = dataclasses.replace(plain, whole={**plain.whole, LORA_COMPONENT: 2 * block})  # as deployment does
+    lean = plain.rank("rank-local")
+    delta = with_lora.rank("rank-local").weights_bytes - lean.weights_bytes  # the adapters and their overhead
+    assert delta >= 2 * block
+    budget = lean.weights_bytes + lean.request_bytes + margin_bytes(lean.request_bytes) + delta + int(5.5 * block)
+
+    def kept(memory: PipelineMemory, budget: int) -> int:
+        return resident_plan(memory, "rank-local", 1, budget)[0].blocks["transformer"]
+
+    assert kept(with_lora, budget) == kept(plain, budget) - 2 == 5  # the adapters take two blocks' room
+    plan = resident_plan(with_lora, "rank-local", 1, budget)[0]
+    assert with_lora.rank("rank-local", 1, dict(plan.blocks)).weights_bytes <= budget - plan.spare_bytes
+    assert LORA_COMPONENT in check_mode("rank-local", with_lora, budget, 1)
+
+
 def test_dlo_serve_defaults_to_auto_resident_blocks_where_a_budget_is_known():
     parser = argparse.ArgumentParser()
     add_arguments(parser)

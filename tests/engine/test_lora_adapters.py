@@ -39,6 +39,16 @@ def test_a_fitting_adapter_is_planned_with_its_bytes_in_the_layers_dtype():
     assert plan.rule.scaling("blocks.0.proj") == 1.0  # no metadata, no alphas: alpha = r
 
 
+def test_what_every_rank_holds_counts_the_merge_scratch_once():
+    from dlo.engine.lora import rank_device_bytes
+
+    plans = [_plan(_pair(r=2)), _plan(_pair(r=3))]
+    assert rank_device_bytes(plans) == sum(p.device_bytes for p in plans) == (2 + 3) * (6 + 8) * 2
+    # merge: one scratch of the largest targeted weight (8 x 6 bf16) for all adapters and layers
+    assert rank_device_bytes(plans, "merge") == rank_device_bytes(plans) + 8 * 6 * 2
+    assert rank_device_bytes([], "merge") == 0
+
+
 @pytest.mark.parametrize("shapes, metadata, fragment", [
     (_pair(i=5), None, "do not fit the layer's 6 inputs and 8 outputs"),
     (_pair(o=9), None, "do not fit the layer's 6 inputs and 8 outputs"),
@@ -239,6 +249,10 @@ def test_lora_settings_travel_to_the_ranks_whole():
     assert EngineSettings.from_dict({"offload": {"mode": "resident"}}).lora == LoraSettings()
     with pytest.raises(ConfigError, match="lora load must be one of start"):
         LoraSettings("/loras", load="first-use")  # type: ignore[arg-type]
+    merged = EngineSettings(OffloadSettings("allgather"), lora=LoraSettings("/loras", apply="merge"))
+    assert EngineSettings.from_dict(json.loads(json.dumps(merged.to_dict()))).lora.apply == "merge"
+    with pytest.raises(ConfigError, match="lora apply must be one of branch, merge, got 'fused'"):
+        LoraSettings("/loras", apply="fused")  # type: ignore[arg-type]
     assert dataclasses.replace(s, lora=LoraSettings()).lora.directory is None
 
 

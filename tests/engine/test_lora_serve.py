@@ -2,7 +2,8 @@
 adapters listed in /v1/models as MODEL:NAME with their parent; chosen by that model id or by
 `"lora"` (+ `"lora_scale"`) in `extra_body`; the bytes of plain diffusers with `load_lora_weights`;
 requests for different adapters (or none) in ONE wave, each equal to itself served alone, so a
-rank's adapter never reaches another rank's output; scale 0 is the base model; an unknown adapter is
+rank's adapter never reaches another rank's output; merged per call (`--lora-apply merge`), the bytes
+of diffusers' `fuse_lora`, in one wave too; scale 0 is the base model; an unknown adapter is
 a 400 naming it; an adapter that does not fit the model is refused at start (exit 2, one line, the
 file named); and the serving path never imports peft."""
 
@@ -103,6 +104,26 @@ def test_flux_rank_local_dp2_community_formats_share_a_wave_and_equal_diffusers(
         assert alphas == s.ref_bytes(s.case("ak", 0.5, 2))  # `.alpha` keys: Flux's network alphas
         assert _image(client, mid, 2, lora="ak", lora_scale=0.5) == alphas
         assert _image(client, mid, 1, lora="flux-d") == s.ref_bytes(s.case("flux-d", 1.0, 1))
+
+
+def test_flux_allgather_dp2_merged_adapters_share_a_wave_and_equal_diffusers_fuse_lora(lora_setups, tmp_path):
+    """`--lora-apply merge`: each rank computes with its own adapter merged into a scratch, while the
+    allgather slot both ranks computed from stays the base (the plain request beside it shows it).
+    Flux in bfloat16, where fuse_lora's PNG differs from the branch's."""
+    s = lora_setups["flux"]
+    with _server(s, tmp_path, "--dp", "2", "--mode", "allgather", "--lora-apply", "merge") as srv:
+        client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        mid = client.models.list().data[0].id
+        kohya, alphas = _one_wave(srv, [lambda: _image(client, f"{mid}:k", 2),
+                                        lambda: _image(client, mid, 2, lora="ak", lora_scale=0.5)])
+        assert kohya == s.ref_bytes(s.case("k", 1.0, 2), "merge")
+        assert alphas == s.ref_bytes(s.case("ak", 0.5, 2), "merge")
+        assert alphas != s.ref_bytes(s.case("ak", 0.5, 2))  # fuse_lora's bytes, not the branch's
+        merged, plain = _one_wave(srv, [lambda: _image(client, mid, 1, lora="flux-d"), lambda: _image(client, mid, 1)])
+        assert merged == s.ref_bytes(s.case("flux-d", 1.0, 1), "merge") and plain == s.ref_bytes(s.case(None, 1.0, 1))
+        assert _image(client, mid, 2, lora="ak", lora_scale=0.5) == alphas  # alone, on rank 0 now
+        assert _image(client, mid, 1, lora="flux-d", lora_scale=0.0) == plain  # scale 0: the base model
+    assert "apply=merge" in (tmp_path / "serve.log").read_text()
 
 
 def test_an_adapter_that_does_not_fit_the_model_is_refused_at_start_naming_the_file(lora_setups, tmp_path):

@@ -1,0 +1,105 @@
+"""A request's adapter merged into the weight a layer computes with, per call, in a scratch of the rank's own.
+
+Owns: `merge_weight` (W + scaling * B A in peft's merge order, written into a given tensor),
+`merge_bias`, and `MergeScratch` (one device buffer per dtype, the size of the largest targeted
+weight, and its views as parameters, made once per shape). `LoraBank` swaps a scratch view in as
+the layer's weight before the layer runs and its own weight back after (`dlo serve --lora-apply merge`).
+Must never: write into a layer's weight or bias (a resident weight is every later request's base; a
+streamed one is the slot the next copy fills and, in allgather mode, the wave's shared gather), or
+import peft.
+
+[Note: LoRA merge order] peft 0.21's `lora.Linear.merge`, what diffusers' `fuse_lora` runs:
+delta = (B @ A) * scaling, in float32 on cpu for a bfloat16 or float16 adapter and cast back
+(`get_delta_weight`'s cast_to_fp32), else in the adapter's dtype; W' = round(W + delta); a lora bias
+adds round(b * scaling) to the layer's bias. `merge_weight` runs exactly these steps (delta written
+into the scratch, W added into it: the same sum, W + delta = delta + W), so a request equals
+diffusers + load_lora_weights + fuse_lora(lora_scale=scale) bit for bit where the kernels are the
+same. A scaling folded into B (a power of two, `weights._fold`) gives the same delta: B' A is
+(B A) * 2^k exactly. On cuda with no multiply left, W + B A runs as one `addmm` into the scratch where
+[Note: the add in B's product] says the GEMM's add rounds as a separate add would (`ADD_IN_GEMM`);
+the LoRA bench's `merge_separate_add` control checks that on the device.
+
+Cost, against the branch: a pass that reads W and writes the scratch (plus the K = r product), where
+the branch reads the layer's input once more and its output twice, so the merge is cheaper where a
+call's tokens outnumber the layer's width (Wan2.1 video: 15,600 tokens a CFG call against 5,120).
+Memory: the largest targeted weight once per rank (Wan2.1-14B's FFN: 141.6 MB in bfloat16).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from dlo.engine.lora.weights import Branch
+
+HALF_ON_CPU = (torch.float16, torch.bfloat16)  # what peft merges in float32 on cpu
+
+
+def merge_weight(out: torch.Tensor, weight: torch.Tensor, b: Branch, factor: Any,
+                 add_in_gemm: bool = False) -> torch.Tensor:
+    """`out` = `weight` + `factor` (None: 1) * B A, rounded as peft merges ([Note: LoRA merge order])."""
+    if add_in_gemm and factor is None:
+        return torch.addmm(weight, b.B, b.A, out=out)
+    if out.device.type == "cpu" and b.B.dtype in HALF_ON_CPU:
+        delta = b.B.float() @ b.A.float()
+        out.copy_(delta if factor is None else delta * factor)
+    else:
+        torch.mm(b.B, b.A, out=out)
+        if factor is not None:
+            out.mul_(factor)
+    return out.add_(weight)
+
+
+def merge_bias(out: torch.Tensor, bias: torch.Tensor | None, b: Branch, factor: Any) -> torch.Tensor:
+    """`out` = `bias` + round(lora bias * factor): peft's bias merge (a layer without a bias of its own,
+    which peft refuses to merge, gets the lora bias alone: the branch's sum)."""
+    assert b.bias is not None
+    out.copy_(b.bias if factor is None else b.bias * factor)
+    return out if bias is None else out.add_(bias)
+
+
+class MergeScratch:
+    """Device buffers the merged weights (and biases) are written into, one per dtype, reused by
+    every layer in turn: a layer's merged weight is read by its own forward before the next layer's
+    merge is queued behind it on the same stream."""
+
+    def __init__(self, branches: Iterable[Branch], device: torch.device):
+        weights: dict[torch.dtype, int] = {}
+        biases: dict[torch.dtype, int] = {}
+        for b in branches:
+            dtype = b.B.dtype
+            weights[dtype] = max(weights.get(dtype, 0), b.B.shape[0] * b.A.shape[1])
+            if b.bias is not None:
+                biases[dtype] = max(biases.get(dtype, 0), b.B.shape[0])
+        self._weights = {d: torch.empty(n, dtype=d, device=device) for d, n in weights.items()}
+        self._biases = {d: torch.empty(n, dtype=d, device=device) for d, n in biases.items()}
+        self._views: dict[tuple, nn.Parameter] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self._weights.values(), *self._biases.values()))
+
+    def weight_for(self, b: Branch, like: torch.Tensor) -> nn.Parameter:
+        """The scratch as the (out, in) weight of `b`'s layer, flagged as the layer's own weight `like`
+        is (`requires_grad` steers ATen's kernel choice: see `weights._trainable`)."""
+        return self._view(self._weights, (b.B.shape[0], b.A.shape[1]), b.B.dtype, like.requires_grad)
+
+    def bias_for(self, b: Branch, like: torch.Tensor | None) -> nn.Parameter:
+        return self._view(self._biases, (b.B.shape[0],), b.B.dtype, like is not None and like.requires_grad)
+
+    def _view(self, buffers: dict, shape: tuple[int, ...], dtype: torch.dtype, grad: bool) -> nn.Parameter:
+        key = (buffers is self._weights, shape, dtype, grad)
+        view = self._views.get(key)
+        if view is None:
+            n = 1
+            for d in shape:
+                n *= d
+            view = self._views[key] = nn.Parameter(buffers[dtype][:n].view(shape), requires_grad=grad)
+        return view
+
+    def close(self) -> None:
+        self._views.clear()
+        self._weights.clear()
+        self._biases.clear()
