@@ -43,20 +43,45 @@ def test_import_dlo_engine_and_torch_free_modules_do_not_import_torch():
     assert out == "False"
 
 
+def imported(path: Path) -> list[tuple[str, int]]:
+    """Every module name an import in `path` names, anywhere in it (top, functions, type checking),
+    with its line: `import a.b` gives a.b, `from a import b` gives a and a.b."""
+    import ast
+
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            out += [(node.module or "", node.lineno)] + [(f"{node.module}.{a.name}", node.lineno) for a in node.names]
+    return out
+
+
 def test_the_core_never_imports_serving():
     """The core (engine/*.py, engine/families/) imports nothing of dlo.engine.serving, anywhere in a
     module: not at the top, not in a function, not for type checking (layers point down)."""
-    import ast
-
     offenders = []
     for path in sorted([*(ROOT / "engine").glob("*.py"), *(ROOT / "engine" / "families").glob("*.py")]):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            names += [f"{node.module}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom) else []
-            if any(n == "dlo.engine.serving" or n.startswith("dlo.engine.serving.") for n in names):
-                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+        for name, line in imported(path):
+            if name == "dlo.engine.serving" or name.startswith("dlo.engine.serving."):
+                offenders.append(f"{path.relative_to(ROOT)}:{line}")
     assert not offenders, offenders
+
+
+# CONTRACTS.md section 1: what of the agent the engine may import (all torch-free): the pure policy
+# and profile, and the page-cache readers the start-up readahead shares with `dlo warm`
+AGENT_FOR_ENGINE = {"dlo.agent.policy", "dlo.agent.profile", "dlo.agent.residency", "dlo.agent.tree", "dlo.agent.warm"}
+
+
+def test_the_engine_imports_only_the_agent_modules_the_contract_allows():
+    def allowed(name: str) -> bool:
+        return name in ("dlo.agent", *AGENT_FOR_ENGINE) or any(name.startswith(m + ".") for m in AGENT_FOR_ENGINE)
+
+    offenders = [f"{path.relative_to(ROOT)}:{line} {name}" for path in sorted((ROOT / "engine").rglob("*.py"))
+                 for name, line in imported(path) if name.startswith("dlo.agent") and not allowed(name)]
+    assert not offenders, offenders
+    # and none of them brings torch with it
+    assert run_py(f"import sys; import {', '.join(sorted(AGENT_FOR_ENGINE))}; print('torch' in sys.modules)") == "False"
 
 
 def test_dispatcher_lists_every_contract_subcommand():
