@@ -145,12 +145,16 @@ class LoraSettings:
     directory: str | None = None  # `dlo serve --lora-dir`; None: no adapters
     load: LoraLoad = "start"
     apply: LoraApply = "branch"  # `dlo serve --lora-apply`
+    merge_cache_bytes: int = 0  # `--lora-merge-cache`: device bytes of resident layers' merges kept (merge only)
 
     def __post_init__(self) -> None:
         if self.directory is not None and (not isinstance(self.directory, str) or not self.directory):
             raise ConfigError(f"lora directory must be a folder path or unset, got {self.directory!r}")
         _one_of("lora load", self.load, LORA_LOADS)
         _one_of("lora apply", self.apply, LORA_APPLIES)
+        _whole("lora merge_cache_bytes", self.merge_cache_bytes, 0)
+        if self.merge_cache_bytes and self.apply != "merge":
+            raise ConfigError("lora merge_cache_bytes keeps merged weights: it needs lora apply 'merge'")
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from torch import nn
 
 from dlo.engine.hooks import HookSet
 from dlo.engine.lora.adapters import AdapterError, find_adapters
-from dlo.engine.lora.merge import MergeScratch, merge_bias, merge_weight
+from dlo.engine.lora.merge import MergeCache, Merged, MergeScratch, merge_bias, merge_weight, new_like
 from dlo.engine.lora.weights import Branch, branches, read_adapter
 
 log = logging.getLogger(__name__)
@@ -68,20 +68,25 @@ class LoraBank:
     """Every adapter of one rank by name (`{layer: Branch}` each) on the rank's device."""
 
     def __init__(self, adapters: dict[str, dict[nn.Module, Branch]], add_in_gemm: bool = False,
-                 scratch: MergeScratch | None = None):
+                 scratch: MergeScratch | None = None, cache: MergeCache | None = None,
+                 streamed: frozenset[nn.Module] = frozenset()):
         self.adapters = adapters
         self.add_in_gemm = add_in_gemm  # [Note: the add in B's product]
         self.scratch = scratch  # `--lora-apply merge`: where each layer's merged weight is written
+        self.cache = cache  # `--lora-merge-cache`: resident layers' merges kept ([Note: the merge cache])
+        self.streamed = streamed  # layers whose weight is this call's slot view: never cached
+        self._cached: dict[nn.Module, Merged] | None = None  # the running request's cache entries
+        self._key: tuple[str, float] = ("", 0.0)
         self._active: dict[nn.Module, tuple[Branch, Any]] = {}
         self._swapped: dict[nn.Module, tuple[Any, Any]] = {}  # layer -> its own (weight, bias) while merged
         self._hooks = HookSet()
 
     @classmethod
     def load(cls, lora_dir: Path | str | None, pipeline_class: str, transformer_dir: Path, model: Any,
-             device: torch.device, apply: str = "branch") -> "LoraBank":
+             device: torch.device, apply: str = "branch", merge_cache_bytes: int = 0) -> "LoraBank":
         """Read, check and place every adapter of `lora_dir` (None: none) for the transformer `model`
         (an `OffloadedModel`, any mode) loaded from `transformer_dir`, applied as `apply` says
-        (`LoraSettings.apply`: "branch" or "merge")."""
+        (`LoraSettings.apply`: "branch" or "merge", with up to `merge_cache_bytes` of resident merges)."""
         if lora_dir is None:
             return cls({})
         from dlo.engine.checkpoint import cached_checkpoint
@@ -91,12 +96,15 @@ class LoraBank:
         for entry in find_adapters(lora_dir):
             adapters[entry.name] = branches(read_adapter(entry, pipeline_class, weights), model.module, device,
                                             model.dtype_of)
-        scratch = None
+        scratch, cache = None, None
         if apply == "merge" and adapters:
             scratch = MergeScratch((b for br in adapters.values() for b in br.values()), torch.device(device))
-        bank = cls(adapters, add_in_gemm=torch.device(device).type in ADD_IN_GEMM, scratch=scratch)
-        log.info("lora adapters loaded count=%d device=%s apply=%s device_bytes=%d (merge scratch %d) per_adapter=%s",
-                 len(adapters), device, apply, bank.device_bytes, scratch.nbytes if scratch else 0,
+            cache = MergeCache(merge_cache_bytes) if merge_cache_bytes else None
+        bank = cls(adapters, add_in_gemm=torch.device(device).type in ADD_IN_GEMM, scratch=scratch, cache=cache,
+                   streamed=model.streamed_modules())
+        log.info("lora adapters loaded count=%d device=%s apply=%s device_bytes=%d (merge scratch %d, merge cache "
+                 "up to %d) per_adapter=%s", len(adapters), device, apply, bank.device_bytes,
+                 scratch.nbytes if scratch else 0, merge_cache_bytes if cache else 0,
                  {n: sum(b.nbytes for b in br.values()) for n, br in adapters.items()})
         return bank
 
@@ -106,9 +114,11 @@ class LoraBank:
 
     @property
     def device_bytes(self) -> int:
-        """Device bytes of every adapter's tensors and the merge scratch (on cpu: host memory of this rank)."""
+        """Device bytes of every adapter's tensors, the merge scratch and the merges cached now (on cpu:
+        host memory of this rank)."""
         return (sum(b.nbytes for br in self.adapters.values() for b in br.values())
-                + (self.scratch.nbytes if self.scratch is not None else 0))
+                + (self.scratch.nbytes if self.scratch is not None else 0)
+                + (self.cache.used if self.cache is not None else 0))
 
     @contextmanager
     def applied(self, name: str | None, scale: float = 1.0) -> Iterator[None]:
@@ -127,6 +137,9 @@ class LoraBank:
             else:
                 self._hooks.add_pre(layer, self._merge_in)
                 self._hooks.add_post(layer, self._merge_out)
+        if self.cache is not None:
+            self._key = (name, float(scale))
+            self._cached = self.cache.entries(self._key)
         try:
             yield
         finally:
@@ -134,21 +147,50 @@ class LoraBank:
             for layer in list(self._swapped):  # a forward that raised skipped its layer's post-hook
                 self._restore(layer)
             self._active.clear()
+            self._cached = None
 
     def _hook(self, layer: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
         b, factor = self._active[layer]
         return add_branch(out, args[0], b, factor, self.add_in_gemm)
 
     def _merge_in(self, layer: nn.Module, _args: tuple) -> None:
-        """The layer runs with its weight (as bound now: resident, or this block's slot view) merged."""
+        """The layer runs with its weight (as bound now: resident, or this block's slot view) merged:
+        the cached merge of a resident layer, else one made now (into the cache where it has room)."""
+        weight, bias = layer._parameters["weight"], layer._parameters.get("bias")
+        merged = self._cached.get(layer) if self._cached is not None else None
+        if merged is None:
+            merged = self._merge(layer, weight, bias)
+        self._swapped[layer] = (weight, bias)
+        layer._parameters["weight"] = merged[0]
+        if merged[1] is not None:
+            layer._parameters["bias"] = merged[1]
+
+    def _merge(self, layer: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> Merged:
+        """`layer`'s merge for the running request, in new tensors kept by the cache where the layer
+        is resident and the cache has room, else in the scratch."""
         assert self.scratch is not None
         b, factor = self._active[layer]
-        weight, bias = layer._parameters["weight"], layer._parameters.get("bias")
-        merged = merge_weight(self.scratch.weight_for(b, weight), weight, b, factor, self.add_in_gemm)
-        self._swapped[layer] = (weight, bias)
-        layer._parameters["weight"] = merged
+        kept = self._cache_room(layer, weight, bias, b)
+        merged_bias = None
         if b.bias is not None:
-            layer._parameters["bias"] = merge_bias(self.scratch.bias_for(b, bias), bias, b, factor)
+            into = kept[1] if kept is not None else self.scratch.bias_for(b, bias)
+            merged_bias = merge_bias(into, bias, b, factor)
+        into_w = kept[0] if kept is not None else self.scratch.weight_for(b, weight)
+        merged = (merge_weight(into_w, weight, b, factor, self.add_in_gemm), merged_bias)
+        if kept is not None and self.cache is not None:
+            self.cache.keep(self._key, layer, merged)
+        return merged
+
+    def _cache_room(self, layer: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None, b: Branch) -> Any:
+        """New tensors (weight, bias or None) to keep `layer`'s merge in, where it is resident and the
+        cache has room for them; else None."""
+        if self.cache is None or layer in self.streamed:
+            return None
+        bias_like = None if b.bias is None else (bias if bias is not None else b.bias)
+        nbytes = sum(t.numel() * t.element_size() for t in (weight, bias_like) if t is not None)
+        if not self.cache.room_for(self._key, nbytes):
+            return None
+        return new_like(weight), (None if bias_like is None else new_like(bias_like))
 
     def _merge_out(self, layer: nn.Module, _args: tuple, _out: Any) -> None:
         self._restore(layer)
@@ -168,3 +210,6 @@ class LoraBank:
         if self.scratch is not None:
             self.scratch.close()
             self.scratch = None
+        if self.cache is not None:
+            self.cache.close()
+            self.cache = None

@@ -1,9 +1,11 @@
 """A request's adapter merged into the weight a layer computes with, per call, in a scratch of the rank's own.
 
 Owns: `merge_weight` (W + scaling * B A in peft's merge order, written into a given tensor),
-`merge_bias`, and `MergeScratch` (one device buffer per dtype, the size of the largest targeted
-weight, and its views as parameters, made once per shape). `LoraBank` swaps a scratch view in as
-the layer's weight before the layer runs and its own weight back after (`dlo serve --lora-apply merge`).
+`merge_bias`, `MergeScratch` (one device buffer per dtype, the size of the largest targeted
+weight, and its views as parameters, made once per shape) and `MergeCache` (merged weights of
+resident layers kept per adapter and scale, up to a byte budget, the least recently used dropped
+first). `LoraBank` swaps a cached merge, else a scratch view, in as the layer's weight before the
+layer runs and its own weight back after (`dlo serve --lora-apply merge [--lora-merge-cache BYTES]`).
 Must never: write into a layer's weight or bias (a resident weight is every later request's base; a
 streamed one is the slot the next copy fills and, in allgather mode, the wave's shared gather), or
 import peft.
@@ -23,10 +25,19 @@ Cost, against the branch: a pass that reads W and writes the scratch (plus the K
 the branch reads the layer's input once more and its output twice, so the merge is cheaper where a
 call's tokens outnumber the layer's width (Wan2.1 video: 15,600 tokens a CFG call against 5,120).
 Memory: the largest targeted weight once per rank (Wan2.1-14B's FFN: 141.6 MB in bfloat16).
+
+[Note: the merge cache] A resident layer's weight never changes, so its merge for one adapter and
+scale is the same tensor every call: with `--lora-merge-cache BYTES` the first call's merge is kept
+(its own device tensor, the same bytes the scratch would hold) and later calls swap it in with no
+work, so a request with a cached adapter costs what the base model costs. A streamed layer's weight
+is the slot of this call only: it always merges into the scratch. The cache fills in the order the
+layers run; an (adapter, scale) that does not fit whole keeps what fits, after the least recently
+used others are dropped (never the request's own). The budget counts the whole cache as taken.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Iterable
 
 import torch
@@ -103,3 +114,54 @@ class MergeScratch:
         self._views.clear()
         self._weights.clear()
         self._biases.clear()
+
+
+Merged = tuple[nn.Parameter, "nn.Parameter | None"]  # a layer's merged weight and bias (None: its own bias)
+
+
+class MergeCache:
+    """Merged weights of resident layers on the device, per (adapter, scale), up to `capacity` bytes
+    ([Note: the merge cache])."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.used = capacity, 0
+        self._entries: OrderedDict[tuple[str, float], dict[nn.Module, Merged]] = OrderedDict()
+        self._bytes: dict[tuple[str, float], int] = {}
+
+    def entries(self, key: tuple[str, float]) -> dict[nn.Module, Merged]:
+        """The layers merged for `key` so far (the most recently used key from now on)."""
+        if key not in self._entries:
+            self._entries[key], self._bytes[key] = {}, 0
+        self._entries.move_to_end(key)
+        return self._entries[key]
+
+    def keep(self, key: tuple[str, float], layer: nn.Module, merged: Merged) -> None:
+        nbytes = sum(t.numel() * t.element_size() for t in merged if t is not None)
+        self._entries[key][layer] = merged
+        self._bytes[key] += nbytes
+        self.used += nbytes
+
+    def room_for(self, key: tuple[str, float], nbytes: int) -> bool:
+        """Whether `nbytes` more fit for `key`, after dropping the least recently used other keys."""
+        for other in [k for k in self._entries if k != key]:
+            if self.used + nbytes <= self.capacity:
+                break
+            self.used -= self._bytes.pop(other)
+            del self._entries[other]
+        return self.used + nbytes <= self.capacity
+
+    @property
+    def keys(self) -> tuple[tuple[str, float], ...]:
+        return tuple(self._entries)
+
+    def close(self) -> None:
+        self._entries.clear()
+        self._bytes.clear()
+        self.used = 0
+
+
+def new_like(t: torch.Tensor) -> nn.Parameter:
+    """A device tensor of `t`'s shape and dtype flagged as `t` is, made outside inference mode (a
+    request's forward runs inside it; what is made there cannot be kept as a parameter for later)."""
+    with torch.inference_mode(False):
+        return nn.Parameter(torch.empty_like(t), requires_grad=t.requires_grad)

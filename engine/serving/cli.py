@@ -166,7 +166,9 @@ def _model_and_limits(args: argparse.Namespace, start: _Start) -> None:
 
         plans = _check_adapters(args.lora_dir, start.model_dir, start.facts, args.sp)
         start.adapters = {plan.name: plan.path.relative_to(args.lora_dir.resolve()).parts[0] for plan in plans}
-        start.adapter_bytes = rank_device_bytes(plans, args.lora_apply)
+        if args.lora_merge_cache and args.lora_apply != "merge":
+            raise StartError("--lora-merge-cache keeps merged weights: it needs --lora-apply merge")
+        start.adapter_bytes = rank_device_bytes(plans, args.lora_apply, args.lora_merge_cache or 0)
     except AdapterError as e:
         raise StartError(f"--lora-dir: refusing an adapter that does not fit the model: {e}") from None
     except ApiError as e:

@@ -187,6 +187,12 @@ def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
                              "rank's own (never the weight or the shared slot), bit for bit what diffusers' "
                              "fuse_lora gives, cheaper where a request's tokens outnumber a layer's width (video); "
                              "costs the largest adapted weight once per rank (~142 MB for Wan2.1-14B)")
+    parser.add_argument("--lora-merge-cache", type=byte_size, default=None, metavar="BYTES",
+                        help="with --lora-apply merge: device bytes per rank (an integer or 48GiB, 48GB) that keep "
+                             "resident layers' merges per adapter and scale, so a request whose adapter is cached "
+                             "runs at the base model's cost (the least recently used adapter is dropped first; "
+                             "streamed layers always merge per call); the device budget counts it all as taken; "
+                             "default: none kept")
 
 
 def _add_weights_arguments(parser: argparse.ArgumentParser) -> None:
@@ -275,5 +281,6 @@ def engine_settings(args: argparse.Namespace, mode: Mode, device: DeviceKind, dp
         parallel=ParallelSettings(dp=dp, sp=args.sp, sp_kind=args.sp_kind, **parallel),
         device=device, max_device_memory=args.max_device_memory,
         stream_encoders=args.stream_text_encoders, cpu_threads=args.cpu_threads, safety_checker=args.safety_checker,
-        lora=LoraSettings(directory=str(args.lora_dir.resolve()) if args.lora_dir else None, apply=args.lora_apply),
+        lora=LoraSettings(directory=str(args.lora_dir.resolve()) if args.lora_dir else None, apply=args.lora_apply,
+                          merge_cache_bytes=args.lora_merge_cache or 0),
     )

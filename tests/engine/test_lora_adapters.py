@@ -47,6 +47,8 @@ def test_what_every_rank_holds_counts_the_merge_scratch_once():
     # merge: one scratch of the largest targeted weight (8 x 6 bf16) for all adapters and layers
     assert rank_device_bytes(plans, "merge") == rank_device_bytes(plans) + 8 * 6 * 2
     assert rank_device_bytes([], "merge") == 0
+    assert rank_device_bytes(plans, "merge", 10**6) == rank_device_bytes(plans, "merge") + 10**6  # the whole cache
+    assert rank_device_bytes([], "merge", 10**6) == 0  # no adapter: nothing kept
 
 
 @pytest.mark.parametrize("shapes, metadata, fragment", [
@@ -253,6 +255,9 @@ def test_lora_settings_travel_to_the_ranks_whole():
     assert EngineSettings.from_dict(json.loads(json.dumps(merged.to_dict()))).lora.apply == "merge"
     with pytest.raises(ConfigError, match="lora apply must be one of branch, merge, got 'fused'"):
         LoraSettings("/loras", apply="fused")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="it needs lora apply 'merge'"):
+        LoraSettings("/loras", merge_cache_bytes=10**9)
+    assert LoraSettings("/loras", apply="merge", merge_cache_bytes=10**9).merge_cache_bytes == 10**9
     assert dataclasses.replace(s, lora=LoraSettings()).lora.directory is None
 
 

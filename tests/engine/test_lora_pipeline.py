@@ -19,13 +19,14 @@ from tests.engine.lora_helpers import SEQ
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("family,mode,apply", [("wan", "resident", "branch"), ("flux", "rank-local", "branch"),
-                                               ("wan", "rank-local", "merge"), ("flux", "resident", "merge")])
-def test_every_adapter_equals_diffusers_load_lora_weights_bit_for_bit(lora_setups, family, mode, apply):
+@pytest.mark.parametrize("family,mode,apply,cache", [
+    ("wan", "resident", "branch", 0), ("flux", "rank-local", "branch", 0),
+    ("wan", "rank-local", "merge", 0), ("flux", "resident", "merge", 10**9)])
+def test_every_adapter_equals_diffusers_load_lora_weights_bit_for_bit(lora_setups, family, mode, apply, cache):
     from dlo.engine.serving.pipeline import ServingPipeline
 
     s = lora_setups[family]
-    lora = LoraSettings(str(s.lora_dir), apply=apply)
+    lora = LoraSettings(str(s.lora_dir), apply=apply, merge_cache_bytes=cache)
     pipe = ServingPipeline(s.model, EngineSettings(OffloadSettings(mode), lora=lora), max_sequence_length=SEQ)
     assert sorted(pipe.lora.names) == sorted(s.adapters)
     linears = [m for m in pipe.model.module.modules() if isinstance(m, torch.nn.Linear)]
@@ -44,6 +45,9 @@ def test_every_adapter_equals_diffusers_load_lora_weights_bit_for_bit(lora_setup
         assert not any(m._forward_hooks or m._forward_pre_hooks for m in linears), "a LoRA hook outlived its request"
         if mode == "resident":  # a resident layer computes with its own weight again, untouched
             assert all(m._parameters["weight"] is w for m, w in own.items()), "a merged weight outlived its request"
+    if cache:  # every (adapter, scale) asked kept its merges: the request below swaps them in, no merge
+        assert set(pipe.lora.cache.keys) == {(a, sc) for a, sc, _ in s.cases if a is not None}
+        assert 0 < pipe.lora.cache.used <= cache
     # the request path (`run`): the served bytes of the reference, and scale 0 the base model's
     first = next(i for i, c in enumerate(s.cases) if c[0] is not None and c[1] == 1.0)
     assert pipe.run(s.gen(first)).outputs[0] == s.ref_bytes(first, apply)
@@ -84,3 +88,41 @@ def test_the_merged_weight_is_the_layer_s_own_again_after_a_forward_that_raises(
     assert good._parameters["weight"] is own[0] and bad._parameters["weight"] is own[1]
     assert torch.equal(good.weight, before[0]) and torch.equal(bad.weight, before[1])
     assert not bad._forward_pre_hooks and not bad._forward_hooks
+
+
+def test_the_merge_cache_keeps_what_fits_drops_the_least_recently_used_and_changes_no_bit():
+    """Three layers, two adapters, a cache with room for one adapter's merges: each request equals the
+    uncached merge bit for bit, whichever of its layers were cached; the other adapter's merges go
+    first; a layer marked streamed (its weight this call's slot) is never cached."""
+    from dlo.engine.lora.bank import LoraBank
+    from dlo.engine.lora.merge import MergeCache, MergeScratch
+    from dlo.engine.lora.weights import Branch
+
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 6), torch.nn.Linear(6, 4))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    streamed = frozenset({model[2]})
+    adapters = {name: {layer: Branch(torch.randn(2, layer.in_features), torch.randn(layer.out_features, 2), None, 0.5)
+                       for layer in model} for name in ("a", "b")}
+    one_adapter = sum(layer.weight.numel() * 4 for layer in model[:2])  # float32 weights of the resident two
+    branches = [b for br in adapters.values() for b in br.values()]
+
+    def bank(cache: MergeCache | None) -> LoraBank:
+        return LoraBank(adapters, scratch=MergeScratch(branches, torch.device("cpu")), cache=cache, streamed=streamed)
+
+    x = torch.randn(5, 8)
+    plain, cached = bank(None), bank(MergeCache(one_adapter))
+    with torch.inference_mode():
+        def run(b: LoraBank, name: str, scale: float = 1.0) -> torch.Tensor:
+            with b.applied(name, scale):
+                return model(x)
+
+        for name, scale, keys in (("a", 1.0, [("a", 1.0)]), ("a", 1.0, [("a", 1.0)]), ("b", 1.0, [("b", 1.0)]),
+                                  ("a", 0.5, [("a", 0.5)]), ("b", 1.0, [("b", 1.0)])):
+            assert torch.equal(run(cached, name, scale), run(plain, name, scale)), (name, scale)
+            assert list(cached.cache.keys) == keys and cached.cache.used == one_adapter
+        assert model[2] not in cached.cache.entries(("b", 1.0))  # streamed: merged in the scratch each call
+        small = bank(MergeCache(one_adapter - 1))  # room for the first layer's merge only
+        assert torch.equal(run(small, "a"), run(plain, "a")) and list(small.cache.entries(("a", 1.0))) == [model[0]]
+    assert all(layer._parameters["weight"] is not None and not layer._forward_pre_hooks for layer in model)
