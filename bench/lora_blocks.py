@@ -12,9 +12,10 @@ times one transformer forward per variant and token count with an event pair aro
   `bit_identical_to_lora`);
 - `lora_unfolded` (the engine's `lora` run as a scaling of 0.5 over 2B: the multiply the power-of-two
   fold removes, whose output must equal `lora` bit for bit on this device);
-- `merge` (`--lora-apply merge`: each layer computes with W + B A merged into a scratch, on cuda in
-  one `addmm`) and its control `merge_separate_add` (B A rounded, then W added: peft's merge order),
-  which must give the same bytes as `merge` (`bit_identical_to_merge`) for the GEMM's add to be taken.
+- `merge` (`--lora-apply merge`: each layer computes with W + B A merged into a scratch, in peft's
+  two steps: B A rounded, then W added) and `merge_in_gemm` (bench only: W + B A as one `addmm`,
+  half the passes over W), which must give the same bytes as `merge` (`bit_identical_to_merge`)
+  before the engine takes it on this device (`dlo.engine.lora.merge.MERGE_IN_GEMM`).
 
 Prints one JSON object: the adapters' device bytes (allocator delta) and host bytes (anonymous PSS
 delta of this process, and its peak) per adapter, load seconds, and per token count and variant the
@@ -118,13 +119,13 @@ def unfolded(bank: Any, name: str) -> Any:
                            for layer, b in bank.adapters[name].items()}}, add_in_gemm=bank.add_in_gemm)
 
 
-def merged(bank: Any, add_in_gemm: bool, device: Any) -> Any:
-    """The same adapters merged per call into a scratch (`--lora-apply merge`)."""
+def merged(bank: Any, in_gemm: bool, device: Any) -> Any:
+    """The same adapters merged per call into a scratch (`--lora-apply merge`), in one GEMM or two steps."""
     from dlo.engine.lora.bank import LoraBank
     from dlo.engine.lora.merge import MergeScratch
 
     scratch = MergeScratch((b for br in bank.adapters.values() for b in br.values()), device)
-    return LoraBank(bank.adapters, add_in_gemm=add_in_gemm, scratch=scratch)
+    return LoraBank(bank.adapters, scratch=scratch, merge_in_gemm=in_gemm)
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -152,8 +153,8 @@ def measure(args: argparse.Namespace) -> dict:
         "base": contextlib.nullcontext, "lora": lambda: full.applied("r64", 1.0),
         "lora_scale_0.8": lambda: full.applied("r64", 0.8), "lora_separate_add": lambda: separate_add(full).applied("r64", 1.0),
         "lora_unfolded": lambda: unfolded(full, "r64").applied("x", 1.0)}
-    merge_banks = {"merge": merged(full, full.add_in_gemm, model.device),
-                   "merge_separate_add": merged(full, False, model.device)}
+    merge_banks = {"merge": merged(full, full.merge_in_gemm, model.device),
+                   "merge_in_gemm": merged(full, True, model.device)}
     variants.update({n: (lambda b=b: b.applied("r64", 1.0)) for n, b in merge_banks.items()})
     if attention is not None:
         variants["lora_attention"] = lambda: attention.applied("r64-attention", 1.0)

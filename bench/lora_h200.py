@@ -252,8 +252,8 @@ def summarize(rec: dict) -> dict:
             shas = [r["output_sha256"]["lora"] for r in serves.values() if ("--lora-apply" in r["flags"]) == merged]
             s[field] = len(set(shas)) == 1 if len(shas) > 1 else None
         merge_rows = [r for r in rows.values() if "merge" in r]
-        s["merge_add_in_gemm_bit_identical"] = (all(r["merge_separate_add"]["bit_identical_to_merge"]
-                                                    for r in merge_rows) if merge_rows else None)
+        s["merge_in_gemm_bit_identical"] = (all(r["merge_in_gemm"]["bit_identical_to_merge"]
+                                                for r in merge_rows) if merge_rows else None)
         s["merge_over_branch_per_block"] = {t: _ratio(r["merge"]["block_ms"], r["lora"]["block_ms"])
                                             for t, r in rows.items() if "merge" in r}
         s["base_bytes_identical_across_modes"] = (len({r["output_sha256"]["base"] for r in serves.values()}) == 1
@@ -294,7 +294,7 @@ def markdown(rec: dict) -> str:
         lines += ["", f"LoRA bytes identical across modes: {ms['lora_bytes_identical_across_modes']} (branch), "
                       f"{ms.get('lora_bytes_identical_across_modes_merged')} (merge); the adapter changes the "
                       f"output: {ms['lora_changes_output']}. Merged in one GEMM and in peft's two steps give the same "
-                      f"bytes: {ms.get('merge_add_in_gemm_bit_identical')}; merge over branch per block: "
+                      f"bytes: {ms.get('merge_in_gemm_bit_identical')}; merge over branch per block: "
                       f"{ms.get('merge_over_branch_per_block')}.", "",
                   "| adapter | device bytes | allocator delta | host anon after | host anon peak | file bytes | layers |",
                   "|---|---|---|---|---|---|---|"]

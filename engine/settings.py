@@ -154,7 +154,8 @@ class LoraSettings:
         _one_of("lora apply", self.apply, LORA_APPLIES)
         _whole("lora merge_cache_bytes", self.merge_cache_bytes, 0)
         if self.merge_cache_bytes and self.apply != "merge":
-            raise ConfigError("lora merge_cache_bytes keeps merged weights: it needs lora apply 'merge'")
+            raise ConfigError("lora merge_cache_bytes (--lora-merge-cache) keeps merged weights: it needs lora apply "
+                              "'merge' (--lora-apply merge)")
 
 
 @dataclass(frozen=True)

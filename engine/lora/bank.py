@@ -37,7 +37,15 @@ from torch import nn
 
 from dlo.engine.hooks import HookSet
 from dlo.engine.lora.adapters import AdapterError, find_adapters
-from dlo.engine.lora.merge import MergeCache, Merged, MergeScratch, merge_bias, merge_weight, new_like
+from dlo.engine.lora.merge import (
+    MERGE_IN_GEMM,
+    MergeCache,
+    Merged,
+    MergeScratch,
+    merge_bias,
+    merge_weight,
+    new_parameter,
+)
 from dlo.engine.lora.weights import Branch, branches, read_adapter
 
 log = logging.getLogger(__name__)
@@ -69,9 +77,10 @@ class LoraBank:
 
     def __init__(self, adapters: dict[str, dict[nn.Module, Branch]], add_in_gemm: bool = False,
                  scratch: MergeScratch | None = None, cache: MergeCache | None = None,
-                 streamed: frozenset[nn.Module] = frozenset()):
+                 streamed: frozenset[nn.Module] = frozenset(), merge_in_gemm: bool = False):
         self.adapters = adapters
         self.add_in_gemm = add_in_gemm  # [Note: the add in B's product]
+        self.merge_in_gemm = merge_in_gemm  # [Note: LoRA merge order]
         self.scratch = scratch  # `--lora-apply merge`: where each layer's merged weight is written
         self.cache = cache  # `--lora-merge-cache`: resident layers' merges kept ([Note: the merge cache])
         self.streamed = streamed  # layers whose weight is this call's slot view: never cached
@@ -100,8 +109,9 @@ class LoraBank:
         if apply == "merge" and adapters:
             scratch = MergeScratch((b for br in adapters.values() for b in br.values()), torch.device(device))
             cache = MergeCache(merge_cache_bytes) if merge_cache_bytes else None
-        bank = cls(adapters, add_in_gemm=torch.device(device).type in ADD_IN_GEMM, scratch=scratch, cache=cache,
-                   streamed=model.streamed_modules())
+        kind = torch.device(device).type
+        bank = cls(adapters, add_in_gemm=kind in ADD_IN_GEMM, scratch=scratch, cache=cache,
+                   streamed=model.streamed_modules(), merge_in_gemm=kind in MERGE_IN_GEMM)
         log.info("lora adapters loaded count=%d device=%s apply=%s device_bytes=%d (merge scratch %d, merge cache "
                  "up to %d) per_adapter=%s", len(adapters), device, apply, bank.device_bytes,
                  scratch.nbytes if scratch else 0, merge_cache_bytes if cache else 0,
@@ -156,7 +166,9 @@ class LoraBank:
     def _merge_in(self, layer: nn.Module, _args: tuple) -> None:
         """The layer runs with its weight (as bound now: resident, or this block's slot view) merged:
         the cached merge of a resident layer, else one made now (into the cache where it has room)."""
-        weight, bias = layer._parameters["weight"], layer._parameters.get("bias")
+        # its own weight: a layer called again before its post-hook ran (a raise caught inside the
+        # forward) is still swapped, and a merge of the scratch into itself would lose W
+        weight, bias = self._swapped.get(layer) or (layer._parameters["weight"], layer._parameters.get("bias"))
         merged = self._cached.get(layer) if self._cached is not None else None
         if merged is None:
             merged = self._merge(layer, weight, bias)
@@ -176,21 +188,25 @@ class LoraBank:
             into = kept[1] if kept is not None else self.scratch.bias_for(b, bias)
             merged_bias = merge_bias(into, bias, b, factor)
         into_w = kept[0] if kept is not None else self.scratch.weight_for(b, weight)
-        merged = (merge_weight(into_w, weight, b, factor, self.add_in_gemm), merged_bias)
+        merged = (merge_weight(into_w, weight, b, factor, self.merge_in_gemm), merged_bias)
         if kept is not None and self.cache is not None:
             self.cache.keep(self._key, layer, merged)
         return merged
 
-    def _cache_room(self, layer: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None, b: Branch) -> Any:
+    def _cache_room(self, layer: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None,
+                    b: Branch) -> Merged | None:
         """New tensors (weight, bias or None) to keep `layer`'s merge in, where it is resident and the
-        cache has room for them; else None."""
+        cache has room for them; else None. Shaped, typed and flagged as the scratch's views are."""
         if self.cache is None or layer in self.streamed:
             return None
-        bias_like = None if b.bias is None else (bias if bias is not None else b.bias)
-        nbytes = sum(t.numel() * t.element_size() for t in (weight, bias_like) if t is not None)
+        out, dtype = b.B.shape[0], b.B.dtype
+        nbytes = (out * b.A.shape[1] + (out if b.bias is not None else 0)) * dtype.itemsize
         if not self.cache.room_for(self._key, nbytes):
             return None
-        return new_like(weight), (None if bias_like is None else new_like(bias_like))
+        device = weight.device
+        kept_bias = None if b.bias is None else new_parameter((out,), dtype, device,
+                                                              bias is not None and bias.requires_grad)
+        return new_parameter((out, b.A.shape[1]), dtype, device, weight.requires_grad), kept_bias
 
     def _merge_out(self, layer: nn.Module, _args: tuple, _out: Any) -> None:
         self._restore(layer)

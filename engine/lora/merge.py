@@ -17,9 +17,11 @@ adds round(b * scaling) to the layer's bias. `merge_weight` runs exactly these s
 into the scratch, W added into it: the same sum, W + delta = delta + W), so a request equals
 diffusers + load_lora_weights + fuse_lora(lora_scale=scale) bit for bit where the kernels are the
 same. A scaling folded into B (a power of two, `weights._fold`) gives the same delta: B' A is
-(B A) * 2^k exactly. On cuda with no multiply left, W + B A runs as one `addmm` into the scratch where
-[Note: the add in B's product] says the GEMM's add rounds as a separate add would (`ADD_IN_GEMM`);
-the LoRA bench's `merge_separate_add` control checks that on the device.
+(B A) * 2^k exactly. W + B A as one `addmm` into the scratch (half the passes over W) rounds once
+where peft rounds twice: on CPU they differ (bf16: 350,703 of 4.19M elements at LoRA-like sizes), and
+on cuda the branch's GEMM (M = tokens) was measured to keep the bits but the merge's (M = out,
+N = in, K = r) is not yet, so `MERGE_IN_GEMM` is empty: every device takes peft's two steps until
+the LoRA bench's `merge_in_gemm` variant shows the same bytes as `merge` on that device.
 
 Cost, against the branch: a pass that reads W and writes the scratch (plus the K = r product), where
 the branch reads the layer's input once more and its output twice, so the merge is cheaper where a
@@ -46,12 +48,17 @@ from torch import nn
 from dlo.engine.lora.weights import Branch
 
 HALF_ON_CPU = (torch.float16, torch.bfloat16)  # what peft merges in float32 on cpu
+# device types whose one-GEMM merge (addmm of W and B A) is measured to round as peft's two steps do
+# ([Note: LoRA merge order]): none yet
+MERGE_IN_GEMM: frozenset[str] = frozenset()
 
 
 def merge_weight(out: torch.Tensor, weight: torch.Tensor, b: Branch, factor: Any,
-                 add_in_gemm: bool = False) -> torch.Tensor:
-    """`out` = `weight` + `factor` (None: 1) * B A, rounded as peft merges ([Note: LoRA merge order])."""
-    if add_in_gemm and factor is None:
+                 in_gemm: bool = False) -> torch.Tensor:
+    """`out` = `weight` + `factor` (None: 1) * B A, rounded as peft merges ([Note: LoRA merge order]);
+    `in_gemm`: as one addmm (where `MERGE_IN_GEMM` says that changes no bit)."""
+    assert out.data_ptr() != weight.data_ptr(), "a merge never writes into the weight it reads"
+    if in_gemm and factor is None:
         return torch.addmm(weight, b.B, b.A, out=out)
     if out.device.type == "cpu" and b.B.dtype in HALF_ON_CPU:
         delta = b.B.float() @ b.A.float()
@@ -142,7 +149,10 @@ class MergeCache:
         self.used += nbytes
 
     def room_for(self, key: tuple[str, float], nbytes: int) -> bool:
-        """Whether `nbytes` more fit for `key`, after dropping the least recently used other keys."""
+        """Whether `nbytes` more fit for `key`, after dropping the least recently used other keys
+        (none is dropped for what would not fit even alone)."""
+        if nbytes > self.capacity - self._bytes.get(key, 0):
+            return False
         for other in [k for k in self._entries if k != key]:
             if self.used + nbytes <= self.capacity:
                 break
@@ -160,8 +170,8 @@ class MergeCache:
         self.used = 0
 
 
-def new_like(t: torch.Tensor) -> nn.Parameter:
-    """A device tensor of `t`'s shape and dtype flagged as `t` is, made outside inference mode (a
-    request's forward runs inside it; what is made there cannot be kept as a parameter for later)."""
+def new_parameter(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, grad: bool) -> nn.Parameter:
+    """A device tensor to keep a merge in, made outside inference mode (a request's forward runs
+    inside it; what is made there cannot be kept as a parameter for later)."""
     with torch.inference_mode(False):
-        return nn.Parameter(torch.empty_like(t), requires_grad=t.requires_grad)
+        return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=grad)

@@ -111,6 +111,18 @@ def _check_adapters(lora_dir: Path | None, model_dir: Path, facts: Any, sp: int)
     return plans
 
 
+def _adapters(args: argparse.Namespace, start: "_Start") -> None:
+    """The LoRA flags agreeing (`lora_settings`), the adapters checked, and what every rank will hold
+    for them (`dlo.engine.lora.rank_device_bytes`: the budget counts it)."""
+    from dlo.engine.lora import rank_device_bytes
+    from dlo.engine.serving.options import lora_settings
+
+    lora = lora_settings(args)
+    plans = _check_adapters(args.lora_dir, start.model_dir, start.facts, args.sp)
+    start.adapters = {plan.name: plan.path.relative_to(args.lora_dir.resolve()).parts[0] for plan in plans}
+    start.adapter_bytes = rank_device_bytes(plans, lora.apply, lora.merge_cache_bytes)
+
+
 def _attention_heads(model_dir: Path) -> int | None:
     """The transformer's attention heads (Ulysses splits them over the sp ranks), if its config says."""
     from dlo.engine.checkpoint import CheckpointError, read_json_config
@@ -162,15 +174,11 @@ def _model_and_limits(args: argparse.Namespace, start: _Start) -> None:
         start.limits = Limits.load(args.limits, SMALL if args.small_limits else None, max_steps=args.max_steps,
                                    max_width=args.max_size, max_height=args.max_size)
         start.warmup_size = _warmup_size(args.warmup_size, start.facts, start.limits)
-        from dlo.engine.lora import rank_device_bytes
-
-        plans = _check_adapters(args.lora_dir, start.model_dir, start.facts, args.sp)
-        start.adapters = {plan.name: plan.path.relative_to(args.lora_dir.resolve()).parts[0] for plan in plans}
-        if args.lora_merge_cache and args.lora_apply != "merge":
-            raise StartError("--lora-merge-cache keeps merged weights: it needs --lora-apply merge")
-        start.adapter_bytes = rank_device_bytes(plans, args.lora_apply, args.lora_merge_cache or 0)
+        _adapters(args, start)
     except AdapterError as e:
         raise StartError(f"--lora-dir: refusing an adapter that does not fit the model: {e}") from None
+    except ConfigError as e:  # the LoRA flags disagree
+        raise StartError(str(e)) from None
     except ApiError as e:
         raise StartError(f"--warmup-size: {e.message}") from None
     except CheckpointError as e:

@@ -266,6 +266,12 @@ def _add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
                              "cuda). Env: DLO_REGISTER_EARLY=0|1")
 
 
+def lora_settings(args: argparse.Namespace) -> LoraSettings:
+    """`--lora-dir`, `--lora-apply` and `--lora-merge-cache` as settings (ConfigError when they disagree)."""
+    return LoraSettings(directory=str(args.lora_dir.resolve()) if args.lora_dir else None, apply=args.lora_apply,
+                        merge_cache_bytes=args.lora_merge_cache or 0)
+
+
 def engine_settings(args: argparse.Namespace, mode: Mode, device: DeviceKind, dp: int,
                     environ: Mapping[str, str]) -> EngineSettings:
     """The engine's settings from the flags, the `DLO_*` variables where a flag is unset, and the
@@ -281,6 +287,5 @@ def engine_settings(args: argparse.Namespace, mode: Mode, device: DeviceKind, dp
         parallel=ParallelSettings(dp=dp, sp=args.sp, sp_kind=args.sp_kind, **parallel),
         device=device, max_device_memory=args.max_device_memory,
         stream_encoders=args.stream_text_encoders, cpu_threads=args.cpu_threads, safety_checker=args.safety_checker,
-        lora=LoraSettings(directory=str(args.lora_dir.resolve()) if args.lora_dir else None, apply=args.lora_apply,
-                          merge_cache_bytes=args.lora_merge_cache or 0),
+        lora=lora_settings(args),
     )

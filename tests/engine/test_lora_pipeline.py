@@ -22,7 +22,8 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("family,mode,apply,cache", [
     ("wan", "resident", "branch", 0), ("flux", "rank-local", "branch", 0),
     ("wan", "rank-local", "merge", 0), ("flux", "resident", "merge", 10**9)])
-def test_every_adapter_equals_diffusers_load_lora_weights_bit_for_bit(lora_setups, family, mode, apply, cache):
+def test_every_adapter_equals_diffusers_load_lora_weights_bit_for_bit(lora_setups, family, mode, apply, cache,
+                                                                    monkeypatch):
     from dlo.engine.serving.pipeline import ServingPipeline
 
     s = lora_setups[family]
@@ -43,11 +44,14 @@ def test_every_adapter_equals_diffusers_load_lora_weights_bit_for_bit(lora_setup
         if adapter is not None and (None, 1.0, seed) in s.cases:
             assert not np.array_equal(ref, s.ref_array(s.case(None, 1.0, seed))), f"{adapter} changed nothing"
         assert not any(m._forward_hooks or m._forward_pre_hooks for m in linears), "a LoRA hook outlived its request"
-        if mode == "resident":  # a resident layer computes with its own weight again, untouched
-            assert all(m._parameters["weight"] is w for m, w in own.items()), "a merged weight outlived its request"
+        # a resident layer (every layer outside a streamed block) computes with its own weight again
+        streamed = pipe.model.streamed_modules()
+        assert all(m._parameters["weight"] is w for m, w in own.items() if m not in streamed), \
+            "a merged weight outlived its request"
     if cache:  # every (adapter, scale) asked kept its merges: the request below swaps them in, no merge
         assert set(pipe.lora.cache.keys) == {(a, sc) for a, sc, _ in s.cases if a is not None}
         assert 0 < pipe.lora.cache.used <= cache
+        monkeypatch.setattr("dlo.engine.lora.bank.merge_weight", _no_merge)
     # the request path (`run`): the served bytes of the reference, and scale 0 the base model's
     first = next(i for i, c in enumerate(s.cases) if c[0] is not None and c[1] == 1.0)
     assert pipe.run(s.gen(first)).outputs[0] == s.ref_bytes(first, apply)
@@ -56,6 +60,10 @@ def test_every_adapter_equals_diffusers_load_lora_weights_bit_for_bit(lora_setup
     assert pipe.component_reports()["lora"]["device_bytes"] == pipe.lora.device_bytes > 0
     assert (pipe.lora.scratch is not None) == (apply == "merge")
     pipe.close()
+
+
+def _no_merge(*_args, **_kw):
+    raise AssertionError("a cached adapter's request merged a weight")
 
 
 def test_the_merged_weight_is_the_layer_s_own_again_after_a_forward_that_raises():
@@ -86,6 +94,12 @@ def test_the_merged_weight_is_the_layer_s_own_again_after_a_forward_that_raises(
     with pytest.raises(RuntimeError), torch.inference_mode(), bank.applied("a"):
         bad(torch.randn(3, 5))  # wrong width: raises inside the layer, after its weight was swapped
     assert good._parameters["weight"] is own[0] and bad._parameters["weight"] is own[1]
+    with torch.inference_mode(), bank.applied("a"):  # the raise caught inside the forward, the layer called again
+        with pytest.raises(RuntimeError):
+            bad(torch.randn(3, 5))
+        b = adapters["a"][bad]
+        x = torch.randn(3, 6)
+        assert torch.equal(bad(x), torch.nn.functional.linear(x, before[1] + (b.B @ b.A) * 0.5, bad.bias))
     assert torch.equal(good.weight, before[0]) and torch.equal(bad.weight, before[1])
     assert not bad._forward_pre_hooks and not bad._forward_hooks
 
@@ -125,4 +139,28 @@ def test_the_merge_cache_keeps_what_fits_drops_the_least_recently_used_and_chang
         assert model[2] not in cached.cache.entries(("b", 1.0))  # streamed: merged in the scratch each call
         small = bank(MergeCache(one_adapter - 1))  # room for the first layer's merge only
         assert torch.equal(run(small, "a"), run(plain, "a")) and list(small.cache.entries(("a", 1.0))) == [model[0]]
+        # a layer larger than the whole cache drops nothing for it: "a" keeps its one merge
+        tiny = bank(MergeCache(model[1].weight.numel() * 4))
+        run(tiny, "a")
+        assert torch.equal(run(tiny, "b"), run(plain, "b"))  # layer 0 (192 bytes) never fits 144: b caches layer 1
+        assert list(tiny.cache.keys) == [("b", 1.0)] and list(tiny.cache.entries(("b", 1.0))) == [model[1]]
+        # a cached request merges only its streamed layer
+        calls = []
+        real = merge_weight_spy(calls)
+        expected = run(plain, "b")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("dlo.engine.lora.bank.merge_weight", real)
+            assert torch.equal(run(cached, "b"), expected)
+        assert calls == [model[2].out_features], calls
     assert all(layer._parameters["weight"] is not None and not layer._forward_pre_hooks for layer in model)
+
+
+def merge_weight_spy(calls: list):
+    """`merge_weight` that records each merged weight's rows (which layer merged) in `calls`."""
+    from dlo.engine.lora.merge import merge_weight
+
+    def spy(out, weight, *args, **kw):
+        calls.append(weight.shape[0])
+        return merge_weight(out, weight, *args, **kw)
+
+    return spy
