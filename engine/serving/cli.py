@@ -112,8 +112,7 @@ def _check_adapters(lora_dir: Path | None, model_dir: Path, facts: Any, sp: int)
 
 
 def _adapters(args: argparse.Namespace, start: "_Start") -> None:
-    """The LoRA flags agreeing (`lora_settings`), the adapters checked, and what every rank will hold
-    for them (`dlo.engine.lora.rank_device_bytes`: the budget counts it)."""
+    """The LoRA flags agreeing, the adapters checked, what every rank holds for them (the budget's)."""
     from dlo.engine.lora import rank_device_bytes
     from dlo.engine.serving.options import lora_settings
 
@@ -177,13 +176,11 @@ def _model_and_limits(args: argparse.Namespace, start: _Start) -> None:
         _adapters(args, start)
     except AdapterError as e:
         raise StartError(f"--lora-dir: refusing an adapter that does not fit the model: {e}") from None
-    except ConfigError as e:  # the LoRA flags disagree
-        raise StartError(str(e)) from None
     except ApiError as e:
         raise StartError(f"--warmup-size: {e.message}") from None
     except CheckpointError as e:
         raise StartError(f"refusing a broken checkpoint: CheckpointError: {e}") from None
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError) as e:  # the limits file, the LoRA flags disagreeing (ConfigError)
         raise StartError(str(e)) from None
 
 

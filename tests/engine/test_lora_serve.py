@@ -143,3 +143,10 @@ def test_an_adapter_that_does_not_fit_the_model_is_refused_at_start_naming_the_f
     assert message[0].startswith("dlo serve: --lora-dir: ")
     assert str(tmp_path / "loras" / "z-flux" / "pytorch_lora_weights.safetensors") in message[0], message[0]
     assert "the transformer has no single_transformer_blocks.0." in message[0], message[0]
+    # a merge cache without the merge: refused before anything starts, both flags named
+    r = subprocess.run([sys.executable, "-m", "dlo.cli.main", "serve", str(wan.model), "--device", "cpu", "--lora-dir",
+                        str(wan.lora_dir), "--lora-merge-cache", "1GiB", "--port", "0"], capture_output=True, text=True,
+                       env=offline_env(), timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "dlo serve: lora merge_cache_bytes (--lora-merge-cache) keeps merged weights: it needs lora apply 'merge' "
+        "(--lora-apply merge)"], r.stderr[-2000:]
