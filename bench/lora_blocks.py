@@ -187,6 +187,7 @@ def _load_measured(lora_dir: Path, name: str, pipeline_class: str, transformer_d
     import torch
 
     from dlo.engine.lora.bank import LoraBank
+    from dlo.engine.settings import LoraSettings
 
     single = lora_dir / f".{name}"  # a folder holding only this adapter (hidden: not an adapter itself)
     single.mkdir(exist_ok=True)
@@ -203,7 +204,7 @@ def _load_measured(lora_dir: Path, name: str, pipeline_class: str, transformer_d
     sampler.start()
     dev0 = torch.cuda.memory_allocated() if cuda else 0
     t0 = time.perf_counter()
-    bank = LoraBank.load(single, pipeline_class, transformer_dir, model, model.device)
+    bank = LoraBank.load(LoraSettings(str(single)), pipeline_class, transformer_dir, model, model.device)
     seconds = time.perf_counter() - t0
     done.set()
     sampler.join()

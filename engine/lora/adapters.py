@@ -315,15 +315,25 @@ def rank_device_bytes(plans: Iterable[AdapterPlan], apply: str = "branch", merge
     total = sum(p.device_bytes for p in plans)
     if apply != "merge" or not plans:
         return total
-    merges = sum((m.in_features + m.bias) * m.out_features * m.itemsize for p in plans for m in p.modules)
-    total += min(merge_cache_bytes, merges)
-    weights: dict[int, int] = {}
-    biases: dict[int, int] = {}
-    for m in (m for p in plans for m in p.modules):
-        weights[m.itemsize] = max(weights.get(m.itemsize, 0), m.in_features * m.out_features)
-        if m.bias:
-            biases[m.itemsize] = max(biases.get(m.itemsize, 0), m.out_features)
-    return total + sum(n * size for part in (weights, biases) for size, n in part.items())
+    modules = [m for p in plans for m in p.modules]
+    merges = sum((m.in_features + m.bias) * m.out_features * m.itemsize for m in modules)
+    weights, biases = merge_scratch_elements((m.itemsize, m.out_features, m.in_features, m.bias) for m in modules)
+    return total + min(merge_cache_bytes, merges) + sum(n * size for part in (weights, biases)
+                                                        for size, n in part.items())
+
+
+def merge_scratch_elements(layers: Iterable[tuple[Any, int, int, bool]]) -> tuple[dict[Any, int], dict[Any, int]]:
+    """Elements of the merge scratch per kind of element (a dtype, or its size where torch is not
+    imported): the largest (out x in) weight and the largest lora bias among `layers`, each given as
+    (kind, out features, in features, has a lora bias). One rule for the engine's buffers
+    (`merge.MergeScratch`) and the budget's count of them (`rank_device_bytes`)."""
+    weights: dict[Any, int] = {}
+    biases: dict[Any, int] = {}
+    for kind, out, inp, bias in layers:
+        weights[kind] = max(weights.get(kind, 0), out * inp)
+        if bias:
+            biases[kind] = max(biases.get(kind, 0), out)
+    return weights, biases
 
 
 def check_adapters(lora_dir: Path | str, model_dir: Path | str, pipeline_class: str) -> list[AdapterPlan]:

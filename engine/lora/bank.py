@@ -47,6 +47,7 @@ from dlo.engine.lora.merge import (
     new_parameter,
 )
 from dlo.engine.lora.weights import Branch, branches, read_adapter
+from dlo.engine.settings import LoraSettings
 
 log = logging.getLogger(__name__)
 
@@ -91,30 +92,30 @@ class LoraBank:
         self._hooks = HookSet()
 
     @classmethod
-    def load(cls, lora_dir: Path | str | None, pipeline_class: str, transformer_dir: Path, model: Any,
-             device: torch.device, apply: str = "branch", merge_cache_bytes: int = 0) -> "LoraBank":
-        """Read, check and place every adapter of `lora_dir` (None: none) for the transformer `model`
-        (an `OffloadedModel`, any mode) loaded from `transformer_dir`, applied as `apply` says
-        (`LoraSettings.apply`: "branch" or "merge", with up to `merge_cache_bytes` of resident merges)."""
-        if lora_dir is None:
+    def load(cls, settings: LoraSettings, pipeline_class: str, transformer_dir: Path, model: Any,
+             device: torch.device) -> "LoraBank":
+        """Read, check and place every adapter of `settings.directory` (None: none) for the transformer
+        `model` (an `OffloadedModel`, any mode) loaded from `transformer_dir`, applied as
+        `settings.apply` says (with up to `settings.merge_cache_bytes` of resident merges kept)."""
+        if settings.directory is None:
             return cls({})
         from dlo.engine.checkpoint import cached_checkpoint
 
         weights = cached_checkpoint(transformer_dir).tensors
         adapters = {}
-        for entry in find_adapters(lora_dir):
+        for entry in find_adapters(settings.directory):
             adapters[entry.name] = branches(read_adapter(entry, pipeline_class, weights), model.module, device,
                                             model.dtype_of)
         scratch, cache = None, None
-        if apply == "merge" and adapters:
+        if settings.apply == "merge" and adapters:
             scratch = MergeScratch((b for br in adapters.values() for b in br.values()), torch.device(device))
-            cache = MergeCache(merge_cache_bytes) if merge_cache_bytes else None
+            cache = MergeCache(settings.merge_cache_bytes) if settings.merge_cache_bytes else None
         kind = torch.device(device).type
         bank = cls(adapters, add_in_gemm=kind in ADD_IN_GEMM, scratch=scratch, cache=cache,
                    streamed=model.streamed_modules(), merge_in_gemm=kind in MERGE_IN_GEMM)
         log.info("lora adapters loaded count=%d device=%s apply=%s device_bytes=%d (merge scratch %d, merge cache "
-                 "up to %d) per_adapter=%s", len(adapters), device, apply, bank.device_bytes,
-                 scratch.nbytes if scratch else 0, merge_cache_bytes if cache else 0,
+                 "up to %d) per_adapter=%s", len(adapters), device, settings.apply, bank.device_bytes,
+                 scratch.nbytes if scratch else 0, cache.capacity if cache else 0,
                  {n: sum(b.nbytes for b in br.values()) for n, br in adapters.items()})
         return bank
 

@@ -39,12 +39,14 @@ used others are dropped (never the request's own). The budget counts the whole c
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from typing import Any, Iterable
 
 import torch
 from torch import nn
 
+from dlo.engine.lora.adapters import merge_scratch_elements
 from dlo.engine.lora.weights import Branch
 
 HALF_ON_CPU = (torch.float16, torch.bfloat16)  # what peft merges in float32 on cpu
@@ -84,13 +86,8 @@ class MergeScratch:
     merge is queued behind it on the same stream."""
 
     def __init__(self, branches: Iterable[Branch], device: torch.device):
-        weights: dict[torch.dtype, int] = {}
-        biases: dict[torch.dtype, int] = {}
-        for b in branches:
-            dtype = b.B.dtype
-            weights[dtype] = max(weights.get(dtype, 0), b.B.shape[0] * b.A.shape[1])
-            if b.bias is not None:
-                biases[dtype] = max(biases.get(dtype, 0), b.B.shape[0])
+        weights, biases = merge_scratch_elements((b.B.dtype, b.B.shape[0], b.A.shape[1], b.bias is not None)
+                                                 for b in branches)
         self._weights = {d: torch.empty(n, dtype=d, device=device) for d, n in weights.items()}
         self._biases = {d: torch.empty(n, dtype=d, device=device) for d, n in biases.items()}
         self._views: dict[tuple, nn.Parameter] = {}
@@ -111,10 +108,7 @@ class MergeScratch:
         key = (buffers is self._weights, shape, dtype, grad)
         view = self._views.get(key)
         if view is None:
-            n = 1
-            for d in shape:
-                n *= d
-            view = self._views[key] = nn.Parameter(buffers[dtype][:n].view(shape), requires_grad=grad)
+            view = self._views[key] = nn.Parameter(buffers[dtype][:math.prod(shape)].view(shape), requires_grad=grad)
         return view
 
     def close(self) -> None:

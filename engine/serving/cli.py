@@ -83,14 +83,11 @@ def _warmup_size(flag: str | None, facts: Any, limits: Any) -> tuple[int, int] |
         return None
 
 
-def _check_adapters(lora_dir: Path | None, model_dir: Path, facts: Any, sp: int) -> list[Any]:
+def _check_adapters(lora_dir: Path, model_dir: Path, facts: Any, sp: int) -> list[Any]:
     """`--lora-dir`'s adapters checked against the transformer before any rank starts (an
     `AdapterError` names the file): their plans (`dlo.engine.lora.AdapterPlan`)."""
-    if lora_dir is None:
-        return []
     from dlo.engine.lora import AdapterError, check_adapters
 
-    lora_dir = lora_dir.resolve()
     plans = check_adapters(lora_dir, model_dir, facts.pipeline_class)
     if sp > 1 and plans:  # diffusers' context parallelism gathers these outputs inside their forward
         import diffusers
@@ -117,8 +114,11 @@ def _adapters(args: argparse.Namespace, start: "_Start") -> None:
     from dlo.engine.serving.options import lora_settings
 
     lora = lora_settings(args)
-    plans = _check_adapters(args.lora_dir, start.model_dir, start.facts, args.sp)
-    start.adapters = {plan.name: plan.path.relative_to(args.lora_dir.resolve()).parts[0] for plan in plans}
+    if lora.directory is None:
+        return
+    lora_dir = Path(lora.directory)  # resolved
+    plans = _check_adapters(lora_dir, start.model_dir, start.facts, args.sp)
+    start.adapters = {plan.name: plan.path.relative_to(lora_dir).parts[0] for plan in plans}
     start.adapter_bytes = rank_device_bytes(plans, lora.apply, lora.merge_cache_bytes)
 
 

@@ -249,9 +249,8 @@ class ServingPipeline:
         from dlo.engine.lora.bank import LoraBank
 
         first = self.facts.transformers[0]
-        return LoraBank.load(self.settings.lora.directory, self.facts.pipeline_class, self.model_dir / first,
-                             self.models[first], self.device, self.settings.lora.apply,
-                             self.settings.lora.merge_cache_bytes)
+        return LoraBank.load(self.settings.lora, self.facts.pipeline_class, self.model_dir / first,
+                             self.models[first], self.device)
 
     def _resident_blocks(self, streamed: tuple[str, ...], group: Any) -> dict[str, int]:
         """Blocks each streamed model keeps on the device: as given, or `--resident-blocks auto`'s plan

@@ -25,7 +25,7 @@ import requests
 
 from dlo.agent.residency import folder_residency, model_files
 from dlo.engine.serving.launch import ServerProcess
-from tests.engine.serving_helpers import sha, tiny_pipeline
+from tests.engine.serving_helpers import sha, tiny_pipeline, wait_until
 from tests.reliability.figures import record
 
 pytestmark = pytest.mark.slow
@@ -78,13 +78,13 @@ def evict_until_mostly_gone(files: list[Path], pids: list[int], folder: Path, de
     pass sometimes leaves half the tiny file (seen once in CI: 114,688 of 224,288 bytes). The state is
     polled with a deadline, never assumed after one pass."""
     total = folder_residency(folder).bytes
-    end = time.monotonic() + deadline_s
-    while True:
+
+    def mostly_gone() -> bool:
         evict(files, pids)
-        left = folder_residency(folder).resident_bytes
-        if left < 0.5 * total or time.monotonic() > end:
-            return left
-        time.sleep(0.01)
+        return folder_residency(folder).resident_bytes < 0.5 * total
+
+    wait_until(mostly_gone, deadline_s, f"under half of {folder} is in the page cache", poll_s=0.01)
+    return folder_residency(folder).resident_bytes
 
 
 def _png(srv: ServerProcess) -> tuple[str, float]:
