@@ -114,15 +114,19 @@ def test_a_broken_checkpoint_is_refused_at_load_naming_file_and_key(tmp_path_fac
         srv.proc = subprocess.Popen(srv.cmd, env=srv.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         tree = [psutil.Process(srv.proc.pid)]
         readies: list[int] = []
-        seen: dict[int, str] = {}  # child pid -> command line
-        direct: set[int] = set()  # the server's own children (a rank's helper, caught before its exec, looks like the rank)
+        # child pid -> its latest command line: one caught between its fork and its exec still carries
+        # its parent's (a rank then looks like the server, a rank's helper like the rank), so each poll
+        # reads it again while the child lives
+        seen: dict[int, str] = {}
+        direct: set[int] = set()  # the server's own children (not a rank's helpers)
         reason = ""
         try:
             while srv.proc.poll() is None and time.monotonic() - t0 < 120:
                 try:
                     for child in tree[0].children(recursive=True):
+                        cmd = " ".join(child.cmdline())  # before the append: retried if it raced
+                        seen[child.pid] = cmd or seen.get(child.pid, "")  # a zombie's reads empty: keep the last
                         if child not in tree:
-                            seen[child.pid] = " ".join(child.cmdline())  # before the append: retried if it raced
                             if child.ppid() == srv.proc.pid:
                                 direct.add(child.pid)
                             tree.append(child)
