@@ -20,7 +20,7 @@ def test_the_dry_run_measures_every_step_and_merges_into_the_record(tmp_path: Pa
     from dlo.engine.random_model import write_pipeline
 
     write_pipeline(tmp_path / "models" / "tiny-flux.1-dev", preset("tiny-flux.1-dev"))  # the bench's make skips it
-    r = subprocess.run([sys.executable, str(BENCH), "run", "--dry-run", "--only", "flux", "--runs", "serve_rank_local,serve_resident_merge_cached",
+    r = subprocess.run([sys.executable, str(BENCH), "run", "--dry-run", "--only", "flux", "--runs", "serve_rank_local,serve_resident_merge_cached,serve_rank_local_merge_host",
                         "--requests", "1", "--models", str(tmp_path / "models"), "--out", str(tmp_path / "out"),
                         "--stem", "raw-dry"], capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -36,11 +36,13 @@ def test_the_dry_run_measures_every_step_and_merges_into_the_record(tmp_path: Pa
     adapters = flux["per_block"]["adapters"]
     assert adapters["r64"]["device_bytes"] > adapters["r64-attention"]["device_bytes"] > 0
     run = flux["serve_rank_local"]
+    assert run["flags"][-2:] == ["--resident-blocks", "0"]  # every block streamed: auto keeps what fits
     assert run["exit_code"] == 0 and set(run["seconds"]) == {"base", "lora"} and run["same_bytes_every_request"]
     assert run["lora_device_bytes"] == {"0": adapters["r64"]["device_bytes"]}
     s = rec["summary"]["flux"]
     assert s["lora_changes_output"] and s["fold_bit_identical"] and isinstance(s["merge_in_gemm_bit_identical"], bool)
-    assert set(s["end_to_end_ratio"]) == {"serve_rank_local", "serve_resident_merge_cached"}
+    assert set(s["end_to_end_ratio"]) == {"serve_rank_local", "serve_resident_merge_cached", "serve_rank_local_merge_host"}
+    assert flux["serve_rank_local_merge_host"]["flags"][-2:] == ["--lora-host-cache", "1GiB"]
     assert flux["serve_resident_merge_cached"]["flags"][-4:] == ["--lora-apply", "merge", "--lora-merge-cache", "1GiB"]
     assert s["base_bytes_identical_across_modes"]  # the same request without an adapter, either way
     assert not (tmp_path / "models" / "tiny-flux.1-dev").exists()  # deleted after its runs (disk)
@@ -50,3 +52,25 @@ def test_the_dry_run_measures_every_step_and_merges_into_the_record(tmp_path: Pa
     md = (tmp_path / "lora-dry.md").read_text()
     assert "CPU dry run: no figure here is a result" in md and "| serve_rank_local |" in md
     assert json.loads((tmp_path / "lora-dry.json").read_text())["summary"]["goal"] == 1.03
+
+
+def test_merge_takes_each_step_of_a_model_from_the_call_that_ran_it(tmp_path: Path) -> None:
+    """Wan2.1's runs take several calls: the record keeps every measured step, and a step a later call
+    skipped (the make, `--no-per-block`) never hides the one an earlier call measured."""
+    def raw(name: str, **steps) -> Path:
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"date": "d", "device": "x", "command": name, "models": {"flux": steps}}))
+        return path
+
+    run = {"flags": ["--mode", "resident"], "ratio": 1.01, "seconds": {"base": 1.0, "lora": 1.01},
+           "output_sha256": {"base": "b", "lora": "l"}}
+    first = raw("a", make={"bytes": 5}, per_block={"workloads": {}}, serve_resident=run)
+    second = raw("b", make={"skipped": "present"}, per_block={"skipped": "--no-per-block"},
+                 serve_rank_local={**run, "flags": ["--mode", "rank-local"], "ratio": 0.99})
+    m = subprocess.run([sys.executable, str(BENCH), "merge", str(first), str(second), "--out", str(tmp_path),
+                        "--stem", "both"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert m.returncode == 0, m.stderr[-2000:]
+    flux = json.loads((tmp_path / "both.json").read_text())["models"]["flux"]
+    assert flux["make"] == {"bytes": 5} and flux["per_block"] == {"workloads": {}}
+    assert {n: flux[n]["ratio"] for n in ("serve_resident", "serve_rank_local")} == {"serve_resident": 1.01,
+                                                                                    "serve_rank_local": 0.99}
