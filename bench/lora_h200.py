@@ -35,9 +35,10 @@ measured; a step the `--budget-s` left no time for is recorded as skipped):
    each, their ratio, the bytes (the same across modes, per way of applying?), the adapter's device
    bytes per rank from /ready, peak device and host memory; and `serve_resident_merge_cached`
    (`--lora-merge-cache`: the first request with the adapter fills the cache, the fastest of the
-   others is the figure), `serve_rank_local_merge_host` (`--lora-host-cache`: streamed blocks copied
-   merged from the host after the first call) and `serve_rank_local_partial_merge_cached` (both
-   caches). `--runs` keeps some, `--no-per-block` skips step 2: Wan2.1's nine runs take several calls.
+   others is the figure). `--runs` keeps some, `--no-per-block` skips step 2: Wan2.1's seven runs
+   take two calls (the 2026-12-02 record's `serve_rank_local_merge_host` and
+   `serve_rank_local_partial_merge_cached` used `--lora-host-cache`, since reverted: bench/NOTES.md
+   section 18).
 """
 
 from __future__ import annotations
@@ -68,17 +69,17 @@ GOAL = 1.03  # the issue's: the request with the adapter over the same request w
 RANK = 64
 MODELS = {
     "wan21": {"preset": "wan2.1-t2v-14b", "tokens": [4096, 7800, 32760], "resident_share": 0.25,
-              "merge_cache": "40GiB", "host_cache": "40GiB",
+              "merge_cache": "40GiB",
               "request": {"kind": "video", "size": "832x480", "frames": 17, "steps": 10, "guidance": 5.0}},
     "flux": {"preset": "flux.1-dev", "tokens": [4096], "resident_share": 0.75,
-             "merge_cache": "30GiB", "host_cache": "30GiB", "request": {"kind": "image", "size": "1024x1024", "steps": 20, "guidance": 3.5}},
+             "merge_cache": "30GiB", "request": {"kind": "image", "size": "1024x1024", "steps": 20, "guidance": 3.5}},
 }
 TINY = {
     "wan21": {"preset": "tiny-wan2.1-t2v", "tokens": [64], "resident_share": 0.5,
-              "merge_cache": "1GiB", "host_cache": "1GiB",
+              "merge_cache": "1GiB",
               "request": {"kind": "video", "size": "32x32", "frames": 5, "steps": 2, "guidance": 5.0}},
     "flux": {"preset": "tiny-flux.1-dev", "tokens": [64], "resident_share": 0.5,
-             "merge_cache": "1GiB", "host_cache": "1GiB", "request": {"kind": "image", "size": "32x32", "steps": 2, "guidance": 3.5}},
+             "merge_cache": "1GiB", "request": {"kind": "image", "size": "32x32", "steps": 2, "guidance": 3.5}},
 }
 # seconds a step needs at full size (the budget skips what would not fit; the dry run ignores them)
 NEEDS = {"per_block": {"wan21": 170, "flux": 50}, "serve": {"wan21": 90, "flux": 60}}
@@ -206,11 +207,6 @@ def run_model(key: str, args: argparse.Namespace, budget: Budget, save: Any) -> 
     runs.update({f"{n}{MERGE_SUFFIX}": (*f, "--lora-apply", "merge") for n, f in list(runs.items())})
     # every resident layer's merge kept after the first request with the adapter ([Note: the merge cache])
     runs["serve_resident_merge_cached"] = (*runs["serve_resident_merge"], "--lora-merge-cache", spec["merge_cache"])
-    # streamed blocks copied merged from the host after the first call ([Note: the host merge cache]); the
-    # partial run keeps its resident layers' merges on the device too
-    runs["serve_rank_local_merge_host"] = (*runs["serve_rank_local_merge"], "--lora-host-cache", spec["host_cache"])
-    runs["serve_rank_local_partial_merge_cached"] = (*runs["serve_rank_local_partial_merge"], "--lora-merge-cache",
-                                                     spec["merge_cache"], "--lora-host-cache", spec["host_cache"])
     for name, flags in runs.items():
         if args.runs and name not in args.runs.split(","):
             continue
@@ -337,10 +333,9 @@ def main() -> int:
     ap.add_argument("--logs", type=Path, default=None)
     ap.add_argument("--stem", default=None)
     ap.add_argument("--only", default="wan21,flux")
-    ap.add_argument("--runs", default="", help="serve runs to keep, comma-separated (default: all nine: "
+    ap.add_argument("--runs", default="", help="serve runs to keep, comma-separated (default: all seven: "
                                                "serve_resident, serve_rank_local_partial, serve_rank_local, each "
-                                               f"also with {MERGE_SUFFIX}, serve_resident_merge_cached, "
-                                               "serve_rank_local_merge_host, serve_rank_local_partial_merge_cached)")
+                                               f"also with {MERGE_SUFFIX}, and serve_resident_merge_cached)")
     ap.add_argument("--per-block", action=argparse.BooleanOptionalAction, default=True,
                     help="run the per-block step (--no-per-block: the serve runs only, for a second call)")
     ap.add_argument("--requests", type=int, default=2, help="requests per variant and server (the fastest counts)")

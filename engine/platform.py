@@ -60,10 +60,6 @@ class Platform:
     def host_wait(self, event: Any) -> None:
         """Block the host until `event` has completed (CPU: work ran in program order, nothing to wait for)."""
 
-    def done(self, event: Any) -> bool:
-        """Whether `event`'s work has completed, without waiting (CPU: always)."""
-        return True
-
     # ---- host memory -----------------------------------------------------------------------------
     def pin(self, t: torch.Tensor) -> bool:
         """Make `t`'s memory DMA-able in place (one call for the whole tensor). False if refused."""
@@ -134,9 +130,6 @@ class CudaPlatform(Platform):
 
     def host_wait(self, event: torch.cuda.Event) -> None:
         event.synchronize()
-
-    def done(self, event: torch.cuda.Event) -> bool:
-        return event.query()
 
     def pin(self, t: torch.Tensor) -> bool:
         err = torch.cuda.cudart().cudaHostRegister(

@@ -37,14 +37,6 @@ Every rank of a shard group must issue the same gathers in the same order. Each 
 execution order; a rank without work in a wave calls `gather_only(n_calls)`, which walks the same
 sequence without compute. A block called out of order (a forward that failed mid-way) breaks the
 prefetcher for good: `PrefetchOrderError`, and the engine must restart (collectives may be in flight).
-
-[Note: a slot's other source]
-Where no rank reads another's slot (nothing `receives`: rank-local), a block may be copied from other
-host bytes than its own: `sources.source(i)` (LoRA's `HostMergeCache`: the block merged with the
-running request's adapter) returns (copies, tag) or None, asked when block i is issued within a call
-(never for block 0 issued by the last block: the next call's request is not known yet). The slot's
-tag says what it holds (None: the block's own bytes) until its next gather; `tag_of(i)` reads it for
-the block bound now.
 """
 
 from __future__ import annotations
@@ -138,8 +130,6 @@ class SlotPrefetcher:
         self._cur = 0  # slot holding (or receiving) that block
         self._running = 0
         self.broken: str | None = None
-        self.sources = None  # [Note: a slot's other source]: set once by its owner, None for the block's own bytes
-        self._tags: list = [None, None]  # per slot: what its bytes are (None: the block's own)
         # Block 0 is gathered eagerly first whatever the transfer: NCCL must set up its communicator
         # outside graph capture, and the next call starts from it. Then the transfer every later
         # gather uses (transfer graphs are captured here), fixed for the model's life.
@@ -192,24 +182,17 @@ class SlotPrefetcher:
         self.transfer.release()
 
     # ---- the hot path ----------------------------------------------------------------------------
-    def _issue(self, i: int, k: int, within_call: bool = False) -> None:
+    def _issue(self, i: int, k: int) -> None:
         if profiling():
             with record_function("dlo::gather"):
-                return self._issue_any(i, k, within_call)
-        return self._issue_any(i, k, within_call)
+                return self._issue_any(i, k)
+        return self._issue_any(i, k)
 
-    def _issue_any(self, i: int, k: int, within_call: bool) -> None:
-        """Gather n (block i into slot k) through the transfer, from another source where one is given
-        ([Note: a slot's other source]), and count it."""
+    def _issue_any(self, i: int, k: int) -> None:
+        """Gather n (block i into slot k) through the transfer, and count it."""
         n, self._n = self._n, self._n + 1
         t0 = time.perf_counter() if self._timed else 0.0
-        other = self.sources.source(i) if within_call and self.sources is not None else None
-        if other is None:
-            self.transfer.issue(i, k, n)
-            self._tags[k] = None
-        else:
-            self.transfer.issue(i, k, n, other[0])
-            self._tags[k] = other[1]
+        self.transfer.issue(i, k, n)
         self._gathers += 1
         self._h2d_bytes += self.blocks[i].shard
         self._collective_bytes += self._received[i]
@@ -242,15 +225,11 @@ class SlotPrefetcher:
                 self._bind(blk, k)
         nxt = i + 1 if i + 1 < len(self.blocks) else 0
         try:
-            self._issue(nxt, 1 - k, within_call=nxt != 0)
+            self._issue(nxt, 1 - k)
         except BaseException as e:  # a gather that raised (a broken collective) leaves the order unknown
             self.broken = f"the gather of block {nxt} failed: {type(e).__name__}: {e}; restart the engine"
             raise
         self._expected, self._cur, self._running = nxt, 1 - k, k
-
-    def tag_of(self, i: int) -> object:
-        """What the slot bound to block i holds ([Note: a slot's other source]; None: its own bytes)."""
-        return self._tags[self.blocks[i].bound]
 
     @property
     def between_forwards(self) -> bool:

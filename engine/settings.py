@@ -146,7 +146,6 @@ class LoraSettings:
     load: LoraLoad = "start"
     apply: LoraApply = "branch"  # `dlo serve --lora-apply`
     merge_cache_bytes: int = 0  # `--lora-merge-cache`: device bytes of resident layers' merges kept (merge only)
-    host_cache_bytes: int = 0  # `--lora-host-cache`: host bytes of streamed blocks' merges kept (merge, rank-local)
 
     def __post_init__(self) -> None:
         if self.directory is not None and (not isinstance(self.directory, str) or not self.directory):
@@ -154,21 +153,9 @@ class LoraSettings:
         _one_of("lora load", self.load, LORA_LOADS)
         _one_of("lora apply", self.apply, LORA_APPLIES)
         _whole("lora merge_cache_bytes", self.merge_cache_bytes, 0)
-        _whole("lora host_cache_bytes", self.host_cache_bytes, 0)
-        for field_, flag, n in (("merge_cache_bytes", "--lora-merge-cache", self.merge_cache_bytes),
-                                ("host_cache_bytes", "--lora-host-cache", self.host_cache_bytes)):
-            if n and self.apply != "merge":
-                raise ConfigError(f"lora {field_} ({flag}) keeps merged weights: it needs lora apply 'merge' "
-                                  "(--lora-apply merge)")
-
-    def check_streaming(self, mode: str, stream_dtype: str) -> None:
-        """ConfigError where the host merge cache cannot run with this mode and streaming dtype (`dlo serve`
-        asks as soon as the flags are read, the engine's settings again once the mode is resolved)."""
-        why = ("mode allgather (its slots hold the gathered block every rank reads)" if mode == "allgather"
-               else "stream_dtype fp8 (its slots hold FP8 weights)" if stream_dtype == "fp8" else None)
-        if self.host_cache_bytes and why:
-            raise ConfigError(f"lora host_cache_bytes (--lora-host-cache) copies merged blocks into a rank's own slot: "
-                              f"it cannot run with {why}")
+        if self.merge_cache_bytes and self.apply != "merge":
+            raise ConfigError("lora merge_cache_bytes (--lora-merge-cache) keeps merged weights: it needs lora apply "
+                              "'merge' (--lora-apply merge)")
 
 
 @dataclass(frozen=True)
@@ -230,7 +217,6 @@ class EngineSettings:
         if self.resident_plan is not None and not isinstance(self.resident_plan, ResidentPlan):
             raise ConfigError("resident_plan must be a ResidentPlan")
         _flag("safety_checker", self.safety_checker)
-        self.lora.check_streaming(self.mode, self.offload.stream_dtype)
 
     @property
     def mode(self) -> Mode:

@@ -75,15 +75,12 @@ class Lanes:
         return cls(platform, copy, comm, compute, h2d, ready, free)
 
 
-Copies = list[tuple[torch.Tensor, int]]  # host runs of one block: (bytes, offset in this rank's shard)
-
-
 @dataclass(frozen=True)
 class SlotPlan:
     """What a transfer moves, fixed at load: per streamed block, this rank's host runs and its shard
     size S; the shard group (g ranks, this one r; g = 1 without a collective)."""
 
-    copies: list[Copies]  # per block: (host bytes, offset in this rank's shard)
+    copies: list[list[tuple[torch.Tensor, int]]]  # per block: (host bytes, offset in this rank's shard)
     shards: list[int]  # per block: S
     g: int
     r: int
@@ -114,9 +111,7 @@ class BlockTransfer:
         """The transfer of every later gather, once block 0's gather is issued."""
         return self
 
-    def issue(self, i: int, k: int, n: int, copies: Copies | None = None) -> None:
-        """Gather n: block i into slot k; `copies` (where nothing `receives`): this gather's host runs
-        instead of the block's own (`[Note: a slot's other source]` in `dlo.engine.prefetch`)."""
+    def issue(self, i: int, k: int, n: int) -> None:
         raise NotImplementedError
 
     def release(self) -> None:
@@ -140,10 +135,10 @@ class EagerTransfer(BlockTransfer):
     def _allocate(self) -> list[torch.Tensor]:
         return [torch.empty(self.plan.slot_bytes, dtype=torch.uint8, device=self.plan.device) for _ in range(2)]
 
-    def copy_in(self, i: int, k: int, copies: Copies | None = None) -> None:
-        """H2D this rank's bytes of block i (or `copies`) into its part of slot k, on the current stream."""
+    def copy_in(self, i: int, k: int) -> None:
+        """H2D this rank's bytes of block i into its part of slot k, on the current stream."""
         dst = self._into[i][k]
-        for src, off in self.plan.copies[i] if copies is None else copies:
+        for src, off in self.plan.copies[i]:
             dst[off : off + src.numel()].copy_(src, non_blocking=True)
 
     def exchange(self, i: int, k: int, n: int) -> None:
@@ -156,15 +151,14 @@ class EagerTransfer(BlockTransfer):
     def _after_h2d(self, n: int, k: int) -> None:
         pass
 
-    def issue(self, i: int, k: int, n: int, copies: Copies | None = None) -> None:
-        assert copies is None or not self.receives, "another source for a gathered slot would mix the ranks' bytes"
+    def issue(self, i: int, k: int, n: int) -> None:
         lanes = self.lanes
         p = lanes.platform
         try:
             p.set_stream(lanes.copy)
             p.wait(lanes.copy, lanes.free[k])  # [Note: stream lifetimes] rule 1
             self._before_h2d(n, k)
-            self.copy_in(i, k, copies)
+            self.copy_in(i, k)
             if not self.receives:  # no second stage: the block is ready once its bytes have landed
                 p.record(lanes.ready[k], lanes.copy)
                 return
@@ -272,9 +266,7 @@ class GraphTransfer(BlockTransfer):
         self._graphs = graphs
         return self
 
-    def issue(self, i: int, k: int, n: int, copies: Copies | None = None) -> None:
-        if copies is not None:  # a graph replays the block's own runs: another source goes eagerly
-            return self._eager.issue(i, k, n, copies)
+    def issue(self, i: int, k: int, n: int) -> None:
         lanes = self.lanes
         p = lanes.platform
         copy, gather = self._graphs[i][k]

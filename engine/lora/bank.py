@@ -37,7 +37,6 @@ from torch import nn
 
 from dlo.engine.hooks import HookSet
 from dlo.engine.lora.adapters import AdapterError, find_adapters
-from dlo.engine.lora.host_cache import HostMergeCache
 from dlo.engine.lora.merge import (
     MERGE_IN_GEMM,
     MergeCache,
@@ -74,26 +73,18 @@ def add_branch(out: torch.Tensor, x: torch.Tensor, b: Branch, factor: Any, add_i
     return (out + t).to(out.dtype)
 
 
-def merged_bytes(b: Branch) -> tuple[int, int | None]:
-    """Bytes of a layer's merged weight, and of its merged bias (None: the adapter merges none)."""
-    out, size = b.B.shape[0], b.B.dtype.itemsize
-    return out * b.A.shape[1] * size, out * size if b.bias is not None else None
-
-
 class LoraBank:
     """Every adapter of one rank by name (`{layer: Branch}` each) on the rank's device."""
 
     def __init__(self, adapters: dict[str, dict[nn.Module, Branch]], add_in_gemm: bool = False,
                  scratch: MergeScratch | None = None, cache: MergeCache | None = None,
-                 streamed: frozenset[nn.Module] = frozenset(), merge_in_gemm: bool = False,
-                 host: HostMergeCache | None = None):
+                 streamed: frozenset[nn.Module] = frozenset(), merge_in_gemm: bool = False):
         self.adapters = adapters
         self.add_in_gemm = add_in_gemm  # [Note: the add in B's product]
         self.merge_in_gemm = merge_in_gemm  # [Note: LoRA merge order]
         self.scratch = scratch  # `--lora-apply merge`: where each layer's merged weight is written
         self.cache = cache  # `--lora-merge-cache`: resident layers' merges kept ([Note: the merge cache])
         self.streamed = streamed  # layers whose weight is this call's slot view: never cached
-        self.host = host  # `--lora-host-cache`: streamed blocks' merges kept ([Note: the host merge cache])
         self._cached: dict[nn.Module, Merged] | None = None  # the running request's cache entries
         self._key: tuple[str, float] = ("", 0.0)
         self._active: dict[nn.Module, tuple[Branch, Any]] = {}
@@ -115,19 +106,17 @@ class LoraBank:
         for entry in find_adapters(settings.directory):
             adapters[entry.name] = branches(read_adapter(entry, pipeline_class, weights), model.module, device,
                                             model.dtype_of)
-        scratch, cache, host = None, None, None
+        scratch, cache = None, None
         if settings.apply == "merge" and adapters:
             scratch = MergeScratch((b for br in adapters.values() for b in br.values()), torch.device(device))
             cache = MergeCache(settings.merge_cache_bytes) if settings.merge_cache_bytes else None
-            if settings.host_cache_bytes and model.prefetcher is not None:
-                host = HostMergeCache.for_model(settings.host_cache_bytes, model)
         kind = torch.device(device).type
         bank = cls(adapters, add_in_gemm=kind in ADD_IN_GEMM, scratch=scratch, cache=cache,
-                   streamed=model.streamed_modules(), merge_in_gemm=kind in MERGE_IN_GEMM, host=host)
+                   streamed=model.streamed_modules(), merge_in_gemm=kind in MERGE_IN_GEMM)
         log.info("lora adapters loaded count=%d device=%s apply=%s device_bytes=%d (merge scratch %d, merge cache "
-                 "up to %d) host merge cache up to %d per_adapter=%s", len(adapters), device, settings.apply,
-                 bank.device_bytes, scratch.nbytes if scratch else 0, cache.capacity if cache else 0,
-                 host.capacity if host else 0, {n: sum(b.nbytes for b in br.values()) for n, br in adapters.items()})
+                 "up to %d) per_adapter=%s", len(adapters), device, settings.apply, bank.device_bytes,
+                 scratch.nbytes if scratch else 0, cache.capacity if cache else 0,
+                 {n: sum(b.nbytes for b in br.values()) for n, br in adapters.items()})
         return bank
 
     @property
@@ -141,17 +130,6 @@ class LoraBank:
         return (sum(b.nbytes for br in self.adapters.values() for b in br.values())
                 + (self.scratch.nbytes if self.scratch is not None else 0)
                 + (self.cache.used if self.cache is not None else 0))
-
-    @property
-    def host_bytes(self) -> int:
-        """Host bytes of the streamed blocks' merges kept now (`--lora-host-cache`)."""
-        return self.host.used if self.host is not None else 0
-
-    def report(self) -> dict[str, Any]:
-        """The adapters as a component of /ready: device bytes now, host bytes now and the most the host
-        merge cache may take."""
-        return {"weights_source": "resident", "host_bytes": self.host_bytes, "device_bytes": self.device_bytes,
-                "host_cache_bytes": self.host.capacity if self.host is not None else 0}
 
     @contextmanager
     def applied(self, name: str | None, scale: float = 1.0) -> Iterator[None]:
@@ -170,11 +148,9 @@ class LoraBank:
             else:
                 self._hooks.add_pre(layer, self._merge_in)
                 self._hooks.add_post(layer, self._merge_out)
-        self._key = (name, float(scale))
         if self.cache is not None:
+            self._key = (name, float(scale))
             self._cached = self.cache.entries(self._key)
-        if self.host is not None:
-            self.host.begin(self._key, {layer: merged_bytes(b) for layer, b in self.adapters[name].items()})
         try:
             yield
         finally:
@@ -183,8 +159,6 @@ class LoraBank:
                 self._restore(layer)
             self._active.clear()
             self._cached = None
-            if self.host is not None:
-                self.host.end()
 
     def _hook(self, layer: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
         b, factor = self._active[layer]
@@ -193,16 +167,12 @@ class LoraBank:
     def _merge_in(self, layer: nn.Module, _args: tuple) -> None:
         """The layer runs with its weight (as bound now: resident, or this block's slot view) merged:
         the cached merge of a resident layer, else one made now (into the cache where it has room)."""
-        if self.host is not None and self.host.in_slot(layer):
-            return  # its slot was copied merged ([Note: the host merge cache])
         # its own weight: a layer called again before its post-hook ran (a raise caught inside the
         # forward) is still swapped, and a merge of the scratch into itself would lose W
         weight, bias = self._swapped.get(layer) or (layer._parameters["weight"], layer._parameters.get("bias"))
         merged = self._cached.get(layer) if self._cached is not None else None
         if merged is None:
             merged = self._merge(layer, weight, bias)
-            if self.host is not None and layer in self.streamed:
-                self.host.keep(layer, *merged)
         self._swapped[layer] = (weight, bias)
         layer._parameters["weight"] = merged[0]
         if merged[1] is not None:
@@ -240,8 +210,7 @@ class LoraBank:
         return new_parameter((out, b.A.shape[1]), dtype, device, weight.requires_grad), kept_bias
 
     def _merge_out(self, layer: nn.Module, _args: tuple, _out: Any) -> None:
-        if layer in self._swapped:  # not where its slot holds it merged
-            self._restore(layer)
+        self._restore(layer)
 
     def _restore(self, layer: nn.Module) -> None:
         weight, bias = self._swapped.pop(layer)
@@ -261,6 +230,3 @@ class LoraBank:
         if self.cache is not None:
             self.cache.close()
             self.cache = None
-        if self.host is not None:
-            self.host.close()
-            self.host = None

@@ -114,7 +114,6 @@ def _adapters(args: argparse.Namespace, start: "_Start") -> None:
     from dlo.engine.serving.options import lora_settings
 
     lora = lora_settings(args)
-    lora.check_streaming(args.mode, args.stream_dtype)  # an auto mode is checked again once resolved
     if lora.directory is None:
         return
     lora_dir = Path(lora.directory)  # resolved

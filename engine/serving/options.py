@@ -193,12 +193,6 @@ def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
                              "runs at the base model's cost (the least recently used adapter is dropped first; "
                              "streamed layers always merge per call); the device budget counts it all as taken; "
                              "default: none kept")
-    parser.add_argument("--lora-host-cache", type=byte_size, default=None, metavar="BYTES",
-                        help="with --lora-apply merge in rank-local mode: host bytes per rank that keep streamed "
-                             "blocks' merges per adapter and scale (pinned; ~28 GB for a rank-64 adapter of every "
-                             "Wan2.1-14B block linear), copied into the slot in place of the block's own bytes, so "
-                             "streamed layers run with no merge once the adapter's first call has filled it; "
-                             "default: none kept")
 
 
 def _add_weights_arguments(parser: argparse.ArgumentParser) -> None:
@@ -273,9 +267,9 @@ def _add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def lora_settings(args: argparse.Namespace) -> LoraSettings:
-    """`--lora-dir`, `--lora-apply` and the caches' flags as settings (ConfigError when they disagree)."""
+    """`--lora-dir`, `--lora-apply` and `--lora-merge-cache` as settings (ConfigError when they disagree)."""
     return LoraSettings(directory=str(args.lora_dir.resolve()) if args.lora_dir else None, apply=args.lora_apply,
-                        merge_cache_bytes=args.lora_merge_cache or 0, host_cache_bytes=args.lora_host_cache or 0)
+                        merge_cache_bytes=args.lora_merge_cache or 0)
 
 
 def engine_settings(args: argparse.Namespace, mode: Mode, device: DeviceKind, dp: int,

@@ -290,7 +290,7 @@ class ServingPipeline:
         for name, nbytes in self.component_bytes.items():
             out[name] = {"weights_source": "resident", "host_bytes": 0, "device_bytes": nbytes}
         if self.lora.adapters:  # every adapter, loaded at start
-            out["lora"] = self.lora.report()
+            out["lora"] = {"weights_source": "resident", "host_bytes": 0, "device_bytes": self.lora.device_bytes}
         return out
 
     def stats(self) -> RankStats:

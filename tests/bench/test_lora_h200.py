@@ -20,7 +20,7 @@ def test_the_dry_run_measures_every_step_and_merges_into_the_record(tmp_path: Pa
     from dlo.engine.random_model import write_pipeline
 
     write_pipeline(tmp_path / "models" / "tiny-flux.1-dev", preset("tiny-flux.1-dev"))  # the bench's make skips it
-    r = subprocess.run([sys.executable, str(BENCH), "run", "--dry-run", "--only", "flux", "--runs", "serve_rank_local,serve_resident_merge_cached,serve_rank_local_merge_host",
+    r = subprocess.run([sys.executable, str(BENCH), "run", "--dry-run", "--only", "flux", "--runs", "serve_rank_local,serve_resident_merge_cached",
                         "--requests", "1", "--models", str(tmp_path / "models"), "--out", str(tmp_path / "out"),
                         "--stem", "raw-dry"], capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -41,8 +41,7 @@ def test_the_dry_run_measures_every_step_and_merges_into_the_record(tmp_path: Pa
     assert run["lora_device_bytes"] == {"0": adapters["r64"]["device_bytes"]}
     s = rec["summary"]["flux"]
     assert s["lora_changes_output"] and s["fold_bit_identical"] and isinstance(s["merge_in_gemm_bit_identical"], bool)
-    assert set(s["end_to_end_ratio"]) == {"serve_rank_local", "serve_resident_merge_cached", "serve_rank_local_merge_host"}
-    assert flux["serve_rank_local_merge_host"]["flags"][-2:] == ["--lora-host-cache", "1GiB"]
+    assert set(s["end_to_end_ratio"]) == {"serve_rank_local", "serve_resident_merge_cached"}
     assert flux["serve_resident_merge_cached"]["flags"][-4:] == ["--lora-apply", "merge", "--lora-merge-cache", "1GiB"]
     assert s["base_bytes_identical_across_modes"]  # the same request without an adapter, either way
     assert not (tmp_path / "models" / "tiny-flux.1-dev").exists()  # deleted after its runs (disk)

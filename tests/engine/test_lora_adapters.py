@@ -260,14 +260,6 @@ def test_lora_settings_travel_to_the_ranks_whole():
     with pytest.raises(ConfigError, match="it needs lora apply 'merge'"):
         LoraSettings("/loras", merge_cache_bytes=10**9)
     assert LoraSettings("/loras", apply="merge", merge_cache_bytes=10**9).merge_cache_bytes == 10**9
-    with pytest.raises(ConfigError, match=r"host_cache_bytes \(--lora-host-cache\) keeps merged weights"):
-        LoraSettings("/loras", host_cache_bytes=10**9)
-    host = LoraSettings("/loras", apply="merge", host_cache_bytes=10**9)
-    assert EngineSettings(OffloadSettings("rank-local"), lora=host).lora.host_cache_bytes == 10**9
-    for offload, why in ((OffloadSettings("allgather"), "mode allgather"),
-                         (OffloadSettings("rank-local", stream_dtype="fp8"), "stream_dtype fp8")):
-        with pytest.raises(ConfigError, match=f"copies merged blocks into a rank's own slot: it cannot run with {why}"):
-            EngineSettings(offload, lora=host)
     assert dataclasses.replace(s, lora=LoraSettings()).lora.directory is None
 
 

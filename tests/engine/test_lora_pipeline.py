@@ -19,16 +19,15 @@ from tests.engine.lora_helpers import SEQ
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("family,mode,apply,cache,host", [
-    ("wan", "resident", "branch", 0, 0), ("flux", "rank-local", "branch", 0, 0),
-    ("wan", "rank-local", "merge", 0, 0), ("flux", "resident", "merge", 10**9, 0),
-    ("wan", "rank-local", "merge", 0, 10**9), ("flux", "rank-local", "merge", 0, 10**9)])
-def test_every_adapter_equals_diffusers_load_lora_weights_bit_for_bit(lora_setups, family, mode, apply, cache, host,
+@pytest.mark.parametrize("family,mode,apply,cache", [
+    ("wan", "resident", "branch", 0), ("flux", "rank-local", "branch", 0),
+    ("wan", "rank-local", "merge", 0), ("flux", "resident", "merge", 10**9)])
+def test_every_adapter_equals_diffusers_load_lora_weights_bit_for_bit(lora_setups, family, mode, apply, cache,
                                                                     monkeypatch):
     from dlo.engine.serving.pipeline import ServingPipeline
 
     s = lora_setups[family]
-    lora = LoraSettings(str(s.lora_dir), apply=apply, merge_cache_bytes=cache, host_cache_bytes=host)
+    lora = LoraSettings(str(s.lora_dir), apply=apply, merge_cache_bytes=cache)
     pipe = ServingPipeline(s.model, EngineSettings(OffloadSettings(mode), lora=lora), max_sequence_length=SEQ)
     assert sorted(pipe.lora.names) == sorted(s.adapters)
     linears = [m for m in pipe.model.module.modules() if isinstance(m, torch.nn.Linear)]
@@ -53,36 +52,14 @@ def test_every_adapter_equals_diffusers_load_lora_weights_bit_for_bit(lora_setup
         assert set(pipe.lora.cache.keys) == {(a, sc) for a, sc, _ in s.cases if a is not None}
         assert 0 < pipe.lora.cache.used <= cache
         monkeypatch.setattr("dlo.engine.lora.bank.merge_weight", _no_merge)
-    merged: list = []
-    if host:  # every (adapter, scale) asked kept its streamed blocks' merges on the host: only block 0 merges
-        assert set(pipe.lora.host.keys) == {(a, sc) for a, sc, _ in s.cases if a is not None}
-        assert 0 < pipe.lora.host_bytes == pipe.component_reports()["lora"]["host_bytes"] <= host
-        spy_on_merges(monkeypatch, merged)
     # the request path (`run`): the served bytes of the reference, and scale 0 the base model's
     first = next(i for i, c in enumerate(s.cases) if c[0] is not None and c[1] == 1.0)
     assert pipe.run(s.gen(first)).outputs[0] == s.ref_bytes(first, apply)
-    if host:
-        blocks = pipe.model.prefetcher.blocks
-        assert len(blocks) > 1 and merged and set(merged) <= set(blocks[0].module.modules()), \
-            "a block copied from the host merge cache merged again"
     base = s.case(None, 1.0, s.cases[first][2])
     assert pipe.run(dataclasses.replace(s.gen(first), lora_scale=0.0)).outputs[0] == s.ref_bytes(base)
     assert pipe.component_reports()["lora"]["device_bytes"] == pipe.lora.device_bytes > 0
     assert (pipe.lora.scratch is not None) == (apply == "merge")
     pipe.close()
-
-
-def spy_on_merges(monkeypatch, layers: list) -> None:
-    """`LoraBank._merge` records each layer it merges in `layers`."""
-    from dlo.engine.lora.bank import LoraBank
-
-    real = LoraBank._merge
-
-    def spy(self, layer, *args):
-        layers.append(layer)
-        return real(self, layer, *args)
-
-    monkeypatch.setattr(LoraBank, "_merge", spy)
 
 
 def _no_merge(*_args, **_kw):
@@ -187,52 +164,3 @@ def merge_weight_spy(calls: list):
         return merge_weight(out, weight, *args, **kw)
 
     return spy
-
-
-def test_the_host_merge_cache_keeps_what_fits_drops_the_least_recently_used_and_changes_no_bit(lora_setups):
-    """Room for one adapter's streamed merges: each request equals fuse_lora's bytes while the cache
-    drops the other (adapter, scale); with less room than one adapter the blocks that fit are kept."""
-    from dlo.engine.serving.pipeline import ServingPipeline
-
-    s = lora_setups["wan"]
-
-    def serve(host: int) -> ServingPipeline:
-        lora = LoraSettings(str(s.lora_dir), apply="merge", host_cache_bytes=host)
-        return ServingPipeline(s.model, EngineSettings(OffloadSettings("rank-local"), lora=lora), max_sequence_length=SEQ)
-
-    def request(pipe: ServingPipeline, adapter: str, scale: float) -> None:
-        i = next(j for j, c in enumerate(s.cases) if c[:2] == (adapter, scale))
-        assert pipe.run(s.gen(i)).outputs[0] == s.ref_bytes(i, "merge"), (adapter, scale)
-
-    pipe = serve(10**9)
-    request(pipe, "style-a", 1.0)
-    one = pipe.lora.host_bytes  # every adapter targets the same layers: the same merged bytes
-    pipe.close()
-    pipe = serve(one)
-    for adapter, scale in (("style-a", 1.0), ("style-a", 1.0), ("style-b", 1.0), ("style-a", 0.7)):
-        request(pipe, adapter, scale)
-        assert pipe.lora.host.keys == ((adapter, scale),) and pipe.lora.host_bytes == one
-    pipe.close()
-    pipe = serve(one - 1)  # the last block does not fit: it merges per call
-    request(pipe, "style-a", 1.0)
-    request(pipe, "style-a", 1.0)
-    assert 0 < pipe.lora.host_bytes < one
-    pipe.close()
-
-
-def test_overlay_takes_each_patch_s_bytes_in_place_of_the_runs():
-    from dlo.engine.lora.host_cache import overlay
-
-    base = torch.arange(20, dtype=torch.uint8)
-    runs = [(base[0:7], 0), (base[7:20], 7)]  # two runs, a patch across their boundary and one inside
-    patches = [(5, torch.full((4,), 200, dtype=torch.uint8)), (14, torch.full((3,), 100, dtype=torch.uint8))]
-    out = torch.zeros(20, dtype=torch.uint8)
-    copies = overlay(runs, patches)
-    for src, off in copies:
-        out[off : off + src.numel()] = src
-    want = base.clone()
-    want[5:9], want[14:17] = 200, 100
-    assert torch.equal(out, want)
-    assert sum(src.numel() for src, _ in copies) == 20  # every byte copied once
-    assert [(src.data_ptr(), src.numel(), off) for src, off in overlay(runs, [])] == \
-        [(src.data_ptr(), src.numel(), off) for src, off in runs]

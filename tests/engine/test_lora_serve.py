@@ -126,28 +126,6 @@ def test_flux_allgather_dp2_merged_adapters_share_a_wave_and_equal_diffusers_fus
     assert "apply=merge" in (tmp_path / "serve.log").read_text()
 
 
-def test_flux_rank_local_dp2_host_merge_cache_serves_fuse_lora_s_bytes_per_rank(lora_setups, tmp_path):
-    """`--lora-host-cache`: each rank keeps its streamed blocks merged with its own request's adapter
-    on the host and copies them into its own slot in later calls; a wave with a different adapter per
-    rank, the same adapters swapped between the ranks, and a plain request after them all give the
-    uncached bytes (fuse_lora's, and the base model's)."""
-    s = lora_setups["flux"]
-    with _server(s, tmp_path, "--dp", "2", "--mode", "rank-local", "--lora-apply", "merge",
-                 "--lora-host-cache", "1GiB") as srv:
-        client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
-        mid = client.models.list().data[0].id
-        asks = {"k": (lambda: _image(client, f"{mid}:k", 2), s.ref_bytes(s.case("k", 1.0, 2), "merge")),
-                "ak": (lambda: _image(client, mid, 2, lora="ak", lora_scale=0.5),
-                       s.ref_bytes(s.case("ak", 0.5, 2), "merge"))}
-        # the second wave's ranks copy what they kept in the first; the third swaps the adapters between them
-        for order in (("k", "ak"), ("k", "ak"), ("ak", "k")):
-            assert _one_wave(srv, [asks[a][0] for a in order]) == [asks[a][1] for a in order], order
-        assert _image(client, mid, 1) == s.ref_bytes(s.case(None, 1.0, 1))
-        caps = [r["component_reports"]["lora"]["host_cache_bytes"] for r in srv.ready_info()["ranks"]]
-        assert caps == [2**30, 2**30], caps  # what each rank's host cache may take (it fills per request)
-    assert "host merge cache up to 1073741824" in (tmp_path / "serve.log").read_text()
-
-
 def test_an_adapter_that_does_not_fit_the_model_is_refused_at_start_naming_the_file(lora_setups, tmp_path):
     """A Flux adapter in a Wan server's folder: modules the model does not have (checked from the
     file's header, before any rank starts)."""
@@ -172,10 +150,3 @@ def test_an_adapter_that_does_not_fit_the_model_is_refused_at_start_naming_the_f
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "dlo serve: lora merge_cache_bytes (--lora-merge-cache) keeps merged weights: it needs lora apply 'merge' "
         "(--lora-apply merge)"], r.stderr[-2000:]
-    # the host merge cache where a slot is shared: refused before anything starts, the mode named
-    r = subprocess.run([sys.executable, "-m", "dlo.cli.main", "serve", str(wan.model), "--device", "cpu", "--lora-dir",
-                        str(wan.lora_dir), "--lora-apply", "merge", "--lora-host-cache", "1GiB", "--mode", "allgather",
-                        "--port", "0"], capture_output=True, text=True, env=offline_env(), timeout=300)
-    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        "dlo serve: lora host_cache_bytes (--lora-host-cache) copies merged blocks into a rank's own slot: it cannot "
-        "run with mode allgather (its slots hold the gathered block every rank reads)"], r.stderr[-2000:]
