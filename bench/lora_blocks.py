@@ -14,8 +14,8 @@ times one transformer forward per variant and token count with an event pair aro
   fold removes, whose output must equal `lora` bit for bit on this device);
 - `merge` (`--lora-apply merge`: each layer computes with W + B A merged into a scratch, in peft's
   two steps: B A rounded, then W added) and `merge_in_gemm` (bench only: W + B A as one `addmm`,
-  half the passes over W), which must give the same bytes as `merge` (`bit_identical_to_merge`)
-  before the engine takes it on this device (`dlo.engine.lora.merge.MERGE_IN_GEMM`).
+  half the passes over W), whose bytes against `merge`'s (`bit_identical_to_merge`) and time decide
+  whether the engine should take it (`[Note: LoRA merge order]` in `dlo.engine.lora.merge`).
 
 Prints one JSON object: the adapters' device bytes (allocator delta) and host bytes (anonymous PSS
 delta of this process, and its peak) per adapter, load seconds, and per token count and variant the
@@ -153,7 +153,7 @@ def measure(args: argparse.Namespace) -> dict:
         "base": contextlib.nullcontext, "lora": lambda: full.applied("r64", 1.0),
         "lora_scale_0.8": lambda: full.applied("r64", 0.8), "lora_separate_add": lambda: separate_add(full).applied("r64", 1.0),
         "lora_unfolded": lambda: unfolded(full, "r64").applied("x", 1.0)}
-    merge_banks = {"merge": merged(full, full.merge_in_gemm, model.device),
+    merge_banks = {"merge": merged(full, False, model.device),
                    "merge_in_gemm": merged(full, True, model.device)}
     variants.update({n: (lambda b=b: b.applied("r64", 1.0)) for n, b in merge_banks.items()})
     if attention is not None:

@@ -316,10 +316,16 @@ def rank_device_bytes(plans: Iterable[AdapterPlan], apply: str = "branch", merge
     if apply != "merge" or not plans:
         return total
     modules = [m for p in plans for m in p.modules]
-    merges = sum((m.in_features + m.bias) * m.out_features * m.itemsize for m in modules)
+    merges = sum(merge_bytes(m.out_features, m.in_features, m.bias, m.itemsize) for m in modules)
     weights, biases = merge_scratch_elements((m.itemsize, m.out_features, m.in_features, m.bias) for m in modules)
     return total + min(merge_cache_bytes, merges) + sum(n * size for part in (weights, biases)
                                                         for size, n in part.items())
+
+
+def merge_bytes(out: int, inp: int, bias: bool, itemsize: int) -> int:
+    """Bytes of one layer's merge: its (out x in) weight and, with a lora bias, its bias. One rule for
+    what the merge cache keeps (`bank.LoraBank`) and what the budget counts of it (`rank_device_bytes`)."""
+    return (out * inp + (out if bias else 0)) * itemsize
 
 
 def merge_scratch_elements(layers: Iterable[tuple[Any, int, int, bool]]) -> tuple[dict[Any, int], dict[Any, int]]:

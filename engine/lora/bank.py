@@ -36,9 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlo.engine.hooks import HookSet
-from dlo.engine.lora.adapters import AdapterError, find_adapters
+from dlo.engine.lora.adapters import AdapterError, find_adapters, merge_bytes
 from dlo.engine.lora.merge import (
-    MERGE_IN_GEMM,
     MergeCache,
     Merged,
     MergeScratch,
@@ -81,7 +80,7 @@ class LoraBank:
                  streamed: frozenset[nn.Module] = frozenset(), merge_in_gemm: bool = False):
         self.adapters = adapters
         self.add_in_gemm = add_in_gemm  # [Note: the add in B's product]
-        self.merge_in_gemm = merge_in_gemm  # [Note: LoRA merge order]
+        self.merge_in_gemm = merge_in_gemm  # the bench's one-GEMM merge ([Note: LoRA merge order])
         self.scratch = scratch  # `--lora-apply merge`: where each layer's merged weight is written
         self.cache = cache  # `--lora-merge-cache`: resident layers' merges kept ([Note: the merge cache])
         self.streamed = streamed  # layers whose weight is this call's slot view: never cached
@@ -110,9 +109,8 @@ class LoraBank:
         if settings.apply == "merge" and adapters:
             scratch = MergeScratch((b for br in adapters.values() for b in br.values()), torch.device(device))
             cache = MergeCache(settings.merge_cache_bytes) if settings.merge_cache_bytes else None
-        kind = torch.device(device).type
-        bank = cls(adapters, add_in_gemm=kind in ADD_IN_GEMM, scratch=scratch, cache=cache,
-                   streamed=model.streamed_modules(), merge_in_gemm=kind in MERGE_IN_GEMM)
+        bank = cls(adapters, add_in_gemm=torch.device(device).type in ADD_IN_GEMM, scratch=scratch, cache=cache,
+                   streamed=model.streamed_modules())
         log.info("lora adapters loaded count=%d device=%s apply=%s device_bytes=%d (merge scratch %d, merge cache "
                  "up to %d) per_adapter=%s", len(adapters), device, settings.apply, bank.device_bytes,
                  scratch.nbytes if scratch else 0, cache.capacity if cache else 0,
@@ -201,7 +199,7 @@ class LoraBank:
         if self.cache is None or layer in self.streamed:
             return None
         out, dtype = b.B.shape[0], b.B.dtype
-        nbytes = (out * b.A.shape[1] + (out if b.bias is not None else 0)) * dtype.itemsize
+        nbytes = merge_bytes(out, b.A.shape[1], b.bias is not None, dtype.itemsize)
         if not self.cache.room_for(self._key, nbytes):
             return None
         device = weight.device

@@ -17,11 +17,11 @@ adds round(b * scaling) to the layer's bias. `merge_weight` runs exactly these s
 into the scratch, W added into it: the same sum, W + delta = delta + W), so a request equals
 diffusers + load_lora_weights + fuse_lora(lora_scale=scale) bit for bit where the kernels are the
 same. A scaling folded into B (a power of two, `weights._fold`) gives the same delta: B' A is
-(B A) * 2^k exactly. W + B A as one `addmm` into the scratch (half the passes over W) rounds once
-where peft rounds twice: on CPU they differ (bf16: 350,703 of 4.19M elements at LoRA-like sizes), and
-on cuda the branch's GEMM (M = tokens) was measured to keep the bits but the merge's (M = out,
-N = in, K = r) is not yet, so `MERGE_IN_GEMM` is empty: every device takes peft's two steps until
-the LoRA bench's `merge_in_gemm` variant shows the same bytes as `merge` on that device.
+(B A) * 2^k exactly. W + B A as one `addmm` into the scratch (`in_gemm`: half the passes over W)
+rounds once where peft rounds twice: on CPU they differ (bf16: 350,703 of 4.19M elements at LoRA-like
+sizes); on the H200 the LoRA bench's `merge_in_gemm` variant gave the same bytes for Wan2.1 and Flux
+and no gain (13.650 against 13.639 ms a Wan2.1 block at 7,800 tokens, 2026-12-02), so the engine
+always takes peft's two steps and only the bench runs the one GEMM.
 
 Cost, against the branch: a pass that reads W and writes the scratch (plus the K = r product), where
 the branch reads the layer's input once more and its output twice, so the merge is cheaper where a
@@ -50,15 +50,12 @@ from dlo.engine.lora.adapters import merge_scratch_elements
 from dlo.engine.lora.weights import Branch
 
 HALF_ON_CPU = (torch.float16, torch.bfloat16)  # what peft merges in float32 on cpu
-# device types whose one-GEMM merge (addmm of W and B A) is measured to round as peft's two steps do
-# ([Note: LoRA merge order]): none yet
-MERGE_IN_GEMM: frozenset[str] = frozenset()
 
 
 def merge_weight(out: torch.Tensor, weight: torch.Tensor, b: Branch, factor: Any,
                  in_gemm: bool = False) -> torch.Tensor:
     """`out` = `weight` + `factor` (None: 1) * B A, rounded as peft merges ([Note: LoRA merge order]);
-    `in_gemm`: as one addmm (where `MERGE_IN_GEMM` says that changes no bit)."""
+    `in_gemm`: as one addmm (the bench's variant: it rounds once, see the note)."""
     assert out.data_ptr() != weight.data_ptr(), "a merge never writes into the weight it reads"
     if in_gemm and factor is None:
         return torch.addmm(weight, b.B, b.A, out=out)
