@@ -166,7 +166,8 @@ def start_once(model: Path, flags: list[str], args: argparse.Namespace, label: s
 
 
 # rank 0's lines only: every rank writes to the server's log
-_REGISTERED = re.compile(r"^rank0 .*?early registration of (\S+): .*?, ([\d.]+) s \(([\d.]+) s of it waiting", re.M)
+_REGISTERED = re.compile(r"^rank0 .*?early registration of (\S+): .*?, ([\d.]+) s \(([\d.]+) s of it waiting"
+                         r"(?: for the start's other files, ([\d.]+) s for the readahead to read the weights)?", re.M)
 _READAHEAD_DONE = re.compile(r"^rank0 .*?readahead done seconds=([\d.]+) result=(\{.*\}) \(beside the imports\)", re.M)
 _ADOPTED = re.compile(r"^rank0 .*?readahead of .* adopted \(started with dlo serve's checks, ([\d.]+) s before this load\)",
                       re.M)
@@ -174,14 +175,18 @@ _ADOPTED = re.compile(r"^rank0 .*?readahead of .* adopted \(started with dlo ser
 
 def log_facts(text: str) -> dict[str, Any]:
     """What rank 0's log says about a cold start's reads: each early registration's seconds and
-    the part of them it waited for the readahead's first files (`registration`), the readahead's
+    the parts of them it waited for the readahead's first files and then for its read of each
+    weights file (`registration`; the latter where the log says it), the readahead's
     own result with its first phase (`readahead`; `job_seconds`: its job's own run time), and
     how long before the load it started (`readahead_lead_seconds`); only what the log has."""
     import ast
 
     out: dict[str, Any] = {}
-    for name, seconds, waited in _REGISTERED.findall(text):
-        out.setdefault("registration", {})[name] = {"seconds": float(seconds), "waited_seconds": float(waited)}
+    for name, seconds, waited, behind in _REGISTERED.findall(text):
+        reg = {"seconds": float(seconds), "waited_seconds": float(waited)}
+        if behind:
+            reg["read_wait_seconds"] = float(behind)
+        out.setdefault("registration", {})[name] = reg
     if m := _READAHEAD_DONE.search(text):
         out["readahead"] = {**ast.literal_eval(m.group(2)), "job_seconds": float(m.group(1))}
     if m := _ADOPTED.search(text):
@@ -438,7 +443,8 @@ def _reads_text(st: dict) -> str:
     if first := (st.get("readahead") or {}).get("first"):
         parts.append(f"first files {first['files']} ({first['bytes'] / 1e9:.2f} GB) in {first['seconds']} s")
     for name, reg in (st.get("registration") or {}).items():
-        parts.append(f"{name} registered in {reg['seconds']} s, {reg['waited_seconds']} s of it waiting")
+        behind = f", {reg['read_wait_seconds']} s for the weights' read" if "read_wait_seconds" in reg else ""
+        parts.append(f"{name} registered in {reg['seconds']} s, {reg['waited_seconds']} s of it waiting{behind}")
     return "; " + "; ".join(parts) if parts else ""
 
 

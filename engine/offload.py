@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,7 @@ from dlo.engine.report import GatherStats, LoadReport
 from dlo.engine.settings import ConfigError, OffloadSettings
 from dlo.engine.timing import Laps
 from dlo.engine.transfers import choose_transfer
-from dlo.engine.weights import EarlyRegistration, HostWeights, prepare_host_weights
+from dlo.engine.weights import EarlyRegistration, HostWeights, ReadFront, prepare_host_weights
 
 log = logging.getLogger(__name__)
 
@@ -308,13 +307,13 @@ def agree_on_resident_blocks(counts: dict[str, int], mode: str, group: Any, devi
 
 
 def early_registration(component_dir: Path | str, device: torch.device | str,
-                       settings: OffloadSettings, after: threading.Event | None = None) -> EarlyRegistration | None:
+                       settings: OffloadSettings, after: ReadFront | None = None) -> EarlyRegistration | None:
     """Start registering `component_dir`'s files for DMA now (a thread), on a platform that
     registers host memory, unless the weights are forced into the arena or `settings.register_early`
     is off (`--no-register-early`, `DLO_REGISTER_EARLY=0`: the files are then registered in order
     when the host weights are prepared, and the resident copies go through pageable memory). Pass
-    the result to `load(early=...)`. `after`: registering waits for it (a cold start's readahead of
-    the start's other files, `EarlyRegistration`).
+    the result to `load(early=...)`. `after`: a cold start's readahead, which registering follows
+    (`EarlyRegistration`: the start's other files first, then each file once it is read).
 
     Every mode registers, `resident` included: the resident copies read the registered page cache
     (~55 GB/s on an H200 against ~7.5 GB/s pageable: 0.75 s instead of 5.3 s for Wan2.1's 40 GB) and

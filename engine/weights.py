@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Callable, Literal, Protocol
 
 import torch
 
@@ -71,13 +71,24 @@ class Run:
 AFTER_WAIT_S = 120.0  # the longest an early registration waits for the readahead's first files
 
 
-def _wait_for(after: threading.Event | None, released: threading.Event) -> float:
-    """Wait for `after` (`AFTER_WAIT_S` at most, a warning past it) unless `released` is set first;
-    the seconds waited."""
+class ReadFront(Protocol):
+    """A cold start's readahead as an early registration waits for it
+    (`dlo.engine.serving.prewarm.Readahead`): `first_read` is set once the start's other files are
+    read; `until_resident(path, stop)` returns once `path` is in the page cache (or the readahead
+    ended, or `stop` is set), with the seconds it waited."""
+
+    first_read: threading.Event
+
+    def until_resident(self, path: Path, stop: threading.Event) -> float: ...
+
+
+def _wait_for(after: ReadFront | None, released: threading.Event) -> float:
+    """Wait for `after.first_read` (`AFTER_WAIT_S` at most, a warning past it) unless `released`
+    is set first; the seconds waited."""
     t0 = time.perf_counter()
     if after is None:
         return 0.0
-    while not after.wait(0.05):
+    while not after.first_read.wait(0.05):
         if released.is_set():
             break
         if time.perf_counter() - t0 > AFTER_WAIT_S:
@@ -96,10 +107,10 @@ class EarlyRegistration:
     must view the same mappings: use `ckpt` (this object's) for the load."""
 
     def __init__(self, ckpt: Checkpoint, platform: Platform, device: torch.device,
-                 after: threading.Event | None = None):
-        """`after`: registering (which reads a cold file whole, to pin it) waits for this event,
-        `AFTER_WAIT_S` at most: a cold start's readahead sets it once the start's other files are
-        read (`dlo.engine.serving.prewarm.Readahead`), so those never queue behind the weights."""
+                 after: ReadFront | None = None):
+        """`after`: a cold start's readahead. Registering waits for its `first_read`
+        (`AFTER_WAIT_S` at most), so the start's other files never queue behind the weights, then
+        registers each file once the readahead has read it ([Note: pin what is read])."""
         self.ckpt = ckpt
         self.platform = platform
         self.registered: dict[Path, tuple[int, int]] = {}  # path -> (pointer, bytes)
@@ -112,10 +123,16 @@ class EarlyRegistration:
         def run() -> None:
             t0 = time.perf_counter()
             waited = _wait_for(after, self._released)
+            behind = [0.0]  # seconds waiting for the readahead to read each file
+
+            def wait_for_read(path: Path) -> None:
+                if after is not None:
+                    behind[0] += after.until_resident(path, self._released)
+
             try:
                 platform.device(device.index or 0)  # the caller's device (`early_registration` resolves it)
                 self.problem = _register_files(ckpt, ckpt.files, platform, self.registered, self._progress,
-                                               self._released)
+                                               self._released, wait_for_read)
             except Exception as e:  # reported by wait(); the load falls back as for a refusal
                 self.problem = f"registering the page cache failed: {type(e).__name__}: {e}"
             released = self._released.is_set()  # stopped on purpose (the load needs no more): not a problem
@@ -124,9 +141,9 @@ class EarlyRegistration:
                       "are prepared)" if self.problem else "")
             log.log(logging.WARNING if self.problem and not released else logging.INFO,
                     "early registration of %s: %d of %d files, %d bytes, %.2f s (%.2f s of it waiting for "
-                    "the start's other files)%s", ckpt.root.name,
+                    "the start's other files, %.2f s for the readahead to read the weights)%s", ckpt.root.name,
                     len(self.registered), len(ckpt.files), sum(n for _, n in self.registered.values()),
-                    time.perf_counter() - t0, waited, suffix)
+                    time.perf_counter() - t0, waited, behind[0], suffix)
             with self._progress:
                 self._ended = True
                 self._progress.notify_all()
@@ -166,11 +183,13 @@ class EarlyRegistration:
 
 def _register_files(ckpt: Checkpoint, paths: list[Path], platform: Platform,
                     into: dict[Path, tuple[int, int]], progress: threading.Condition | None = None,
-                    stop: threading.Event | None = None) -> str:
+                    stop: threading.Event | None = None, before: Callable[[Path], None] | None = None) -> str:
     """Register whole files for DMA in order, each into `into` (path -> (pointer, bytes)) as it
-    succeeds (notifying `progress`), until `stop` is set; returns why it stopped ("" when every file
-    is registered)."""
+    succeeds (notifying `progress`), until `stop` is set; `before(path)` runs first for each file.
+    Returns why it stopped ("" when every file is registered)."""
     for path in paths:
+        if before is not None:
+            before(path)
         if stop is not None and stop.is_set():
             return "released before every file was registered"
         whole = ckpt.file_bytes(path)
@@ -293,3 +312,14 @@ def _register(ckpt: Checkpoint, runs: list[list[Run]], platform: Platform,
     log.info("weights source=registered files=%d bytes=%d runs_per_block_max=%d",
              len(used), hw.pinned_bytes, max((len(b) for b in runs), default=0))
     return hw
+
+
+# [Note: pin what is read]
+# Registering a file the page cache does not hold makes the driver read it whole while it pins it,
+# and the pinning holds the process's memory map meanwhile: on the H200 a checkpoint-cold Wan2.1
+# start spent 20-25 s in imports or in building the models, whichever ran beside the pinning of
+# cold files, though those files were cached (`ready-h200-2026-12-02-i`: imports 22.6 s against
+# 1.5 s warm; every `mmap` of a library or an allocation waits for the map). So on a cold start the
+# registration pins each file only once the readahead child has read it (`ReadFront.until_resident`):
+# the disk is read by the child at its speed, the pinning of cached pages is short (~1.5 s for the
+# whole 40 GB warm), and the rank's imports and builds go on beside.

@@ -102,9 +102,15 @@ def join_logged(job: Background | None) -> None:
         log.info("%s done seconds=%.2f result=%s (beside the imports)", job.name, job.seconds, result)
 
 
+PIN_POLL_S = 0.05  # how often a registration waiting for a file asks the page cache about it
+PIN_WAIT_S = 120.0  # the longest it waits for one file (a readahead that stopped reading)
+
+
 class Readahead(Background):
     """The readahead's job: `first_read` is set once the start's other files are read (or the read
-    ended without them): what the rank's early registration waits for on a cold start."""
+    ended without them): what the rank's early registration waits for on a cold start; then it
+    registers each file once `until_resident` says the child has read it
+    (`dlo.engine.weights.ReadFront`, [Note: pin what is read] there)."""
 
     def __init__(self, read: Callable[[Callable[[Any], None]], Any], what: str):
         self.first_read = threading.Event()
@@ -118,6 +124,22 @@ class Readahead(Background):
                 self.first_read.set()
 
         super().__init__("readahead", work)
+
+    def until_resident(self, path: Path, stop: threading.Event) -> float:
+        """Wait until `path` is `RESIDENT_ENOUGH` in the page cache, the readahead has ended (a file
+        it did not read, or one evicted since, is read by whoever maps it), `stop` is set, or
+        `PIN_WAIT_S` passed; the seconds waited."""
+        from dlo.agent.residency import file_residency
+
+        t0 = time.perf_counter()
+        while self._thread.is_alive() and not stop.is_set() and time.perf_counter() - t0 < PIN_WAIT_S:
+            try:
+                if file_residency(path).ratio >= RESIDENT_ENOUGH:
+                    break
+            except OSError:  # cannot be measured: the registration reads it as before
+                break
+            stop.wait(PIN_POLL_S)
+        return time.perf_counter() - t0
 
 
 def start_readahead(model_dir: Path, components: tuple[str, ...],

@@ -4,6 +4,7 @@ registration); the CUDA path is measured on the GPU (bench/NOTES.md)."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from dlo.engine.families.tiny import make_tiny_transformer
 from dlo.engine.model import build_meta_model
 from dlo.engine.platform import Platform
 from dlo.engine.weights import EarlyRegistration, prepare_host_weights
+from tests.engine.serving_helpers import wait_until
 
 
 class RecordingPlatform(Platform):
@@ -242,27 +244,68 @@ def test_a_streaming_load_unregisters_the_files_it_does_not_keep_only_after_the_
     assert platform.live == {}
 
 
+class Front:
+    """A cold start's readahead as the registration sees it (`ReadFront`): `first_read`, and a gate
+    per file that says it was read; `asked` lists the files waited for, in order."""
+
+    def __init__(self, first: bool = False):
+        self.first_read = threading.Event()
+        if first:
+            self.first_read.set()
+        self.gates: dict[Path, threading.Event] = {}
+        self.asked: list[Path] = []
+
+    def gate(self, path: Path) -> threading.Event:
+        return self.gates.setdefault(path, threading.Event())
+
+    def until_resident(self, path: Path, stop) -> float:
+        self.asked.append(path)
+        while not self.gate(path).wait(0.01) and not stop.is_set():
+            pass
+        return 0.0
+
+
+def test_a_cold_file_is_registered_only_once_the_readahead_has_read_it(sharded):
+    """[Note: pin what is read]: pinning a cold file reads it under the process's memory map, so the
+    registration pins each file only after the readahead says it is in the page cache, in order."""
+    platform = RecordingPlatform()
+    front = Front(first=True)
+    early = EarlyRegistration(cached_checkpoint(sharded), platform, torch.device("cpu"), after=front)
+    files = early.ckpt.files
+    for i, path in enumerate(files):
+        wait_until(lambda: len(front.asked) == i + 1, 10, f"the registration asks for file {i}")
+        assert front.asked[i] == path and len(early.registered) == i  # nothing pinned ahead of the read
+        front.gate(path).set()
+        wait_until(lambda: path in early.registered, 10, f"file {i} registered once read")
+    assert early.wait() and len(platform.live) == len(files)
+    early.release()
+
+
 def test_registering_waits_for_the_readahead_of_the_starts_other_files(sharded, monkeypatch, caplog):
     """On a cold start pinning reads the weights whole: it waits for the event the readahead sets once
     the imports' files are read, and a readahead that never says so holds it back `AFTER_WAIT_S` at most."""
-    import threading
     import time
 
     import dlo.engine.weights as weights
 
     platform = RecordingPlatform()
-    first_read = threading.Event()
-    early = EarlyRegistration(cached_checkpoint(sharded), platform, torch.device("cpu"), after=first_read)
+    front = Front()
+    for f in cached_checkpoint(sharded).files:
+        front.gate(f).set()  # read: only the start's other files hold it back
+    early = EarlyRegistration(cached_checkpoint(sharded), platform, torch.device("cpu"), after=front)
     time.sleep(0.3)  # a registration that did not wait would be done by now (3 tiny files)
     assert platform.calls == 0 and not early.registered
-    first_read.set()
+    front.first_read.set()
     assert early.wait() and len(platform.live) == len(early.ckpt.files)
     early.release()
 
     monkeypatch.setattr(weights, "AFTER_WAIT_S", 0.05)
     platform = RecordingPlatform()
     with caplog.at_level("WARNING", logger="dlo.engine.weights"):
-        early = EarlyRegistration(cached_checkpoint(sharded), platform, torch.device("cpu"), after=threading.Event())
+        front = Front()
+        for f in cached_checkpoint(sharded).files:
+            front.gate(f).set()
+        early = EarlyRegistration(cached_checkpoint(sharded), platform, torch.device("cpu"), after=front)
         assert early.wait() and len(platform.live) == len(early.ckpt.files)
     assert "registering the weights now" in caplog.text
     early.release()
@@ -271,11 +314,19 @@ def test_registering_waits_for_the_readahead_of_the_starts_other_files(sharded, 
 def test_releasing_a_registration_that_still_waits_stops_it_at_once(sharded):
     """A load that fails while the registration waits for the readahead: `release()` neither waits
     out `AFTER_WAIT_S` nor pins files only to unpin them."""
-    import threading
     import time
 
     platform = RecordingPlatform()
-    early = EarlyRegistration(cached_checkpoint(sharded), platform, torch.device("cpu"), after=threading.Event())
+    early = EarlyRegistration(cached_checkpoint(sharded), platform, torch.device("cpu"), after=Front())
+    t0 = time.perf_counter()
+    early.release()
+    assert time.perf_counter() - t0 < 5 and platform.calls == 0 and platform.live == {}
+    assert not early.wait() and "released" in early.problem
+
+    platform = RecordingPlatform()  # waiting for a file the readahead has not read yet
+    front = Front(first=True)
+    early = EarlyRegistration(cached_checkpoint(sharded), platform, torch.device("cpu"), after=front)
+    wait_until(lambda: front.asked, 10, "the registration waits for its first file")
     t0 = time.perf_counter()
     early.release()
     assert time.perf_counter() - t0 < 5 and platform.calls == 0 and platform.live == {}

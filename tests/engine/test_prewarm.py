@@ -28,6 +28,52 @@ def test_a_cold_checkpoint_is_read_ahead_and_a_warm_one_costs_nothing(tmp_path_f
     assert start_readahead(model, ("transformer",)) is None  # every file cached: no thread, no read
 
 
+def test_a_registration_waits_until_the_readahead_has_read_its_file(tmp_path):
+    """[Note: pin what is read]: `until_resident` returns once the child's read brought the file
+    into the page cache; at once when the readahead has ended (whoever maps the file reads it) or
+    the registration is released."""
+    import threading
+    import time
+
+    from dlo.agent.residency import file_residency
+    from dlo.engine.serving.prewarm import RESIDENT_ENOUGH, Readahead
+
+    weights = tmp_path / "w.safetensors"
+    weights.write_bytes(os.urandom(8 << 20))
+    drop(weights)
+    assert file_residency(weights).ratio < RESIDENT_ENOUGH  # the page cache really dropped it
+    go = threading.Event()
+
+    def read(on_first):
+        on_first({})
+        go.wait(30)
+        return len(weights.read_bytes())
+
+    job = Readahead(read, "one file")
+    stop, waited = threading.Event(), []
+    waiter = threading.Thread(target=lambda: waited.append(job.until_resident(weights, stop)))
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive() and not waited  # the file is not read yet: it waits
+    go.set()
+    waiter.join(30)
+    assert waited and file_residency(weights).ratio >= RESIDENT_ENOUGH
+    assert job.join() == 8 << 20
+
+    drop(weights)  # the readahead has ended: nothing will read it for the registration
+    t0 = time.perf_counter()
+    job.until_resident(weights, stop)
+    assert time.perf_counter() - t0 < 1.0
+    go2, stop2 = threading.Event(), threading.Event()
+    job2 = Readahead(lambda on_first: go2.wait(30), "never reads it")
+    stop2.set()  # released: it does not wait for a read that would come
+    t0 = time.perf_counter()
+    job2.until_resident(weights, stop2)
+    assert time.perf_counter() - t0 < 1.0
+    go2.set()
+    job2.join()
+
+
 def test_the_readahead_reads_the_starts_code_and_small_files_before_the_weights(tmp_path_factory, tmp_path):
     from dlo.agent.residency import file_residency
     from dlo.engine.serving.prewarm import package_folders
