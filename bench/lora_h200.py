@@ -161,15 +161,18 @@ def serve(model: Path, loras: Path, spec: dict, args: argparse.Namespace, name: 
                                     for r in info["ranks"]}
         client = OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=3600, max_retries=0)
         secs: dict[str, list[float]] = {"base": [], "lora": []}
+        steps: dict[str, list[float]] = {"base": [], "lora": []}  # the denoising steps' seconds of each request
         shas: dict[str, list[str]] = {"base": [], "lora": []}
         for _ in range(args.requests):
             for variant in ("base", "lora"):
-                t1 = time.perf_counter()
+                t1, s1 = time.perf_counter(), step_seconds(srv)
                 data = generate(client, {**request, "lora": "r64" if variant == "lora" else None})
                 secs[variant].append(round(time.perf_counter() - t1, 3))
+                steps[variant].append(round(step_seconds(srv) - s1, 3))
                 shas[variant].append(hashlib.sha256(data).hexdigest())
         out.update(request_seconds=secs, seconds={v: min(s) for v, s in secs.items()},
-                   ratio=round(min(secs["lora"]) / min(secs["base"]), 4),
+                   ratio=round(min(secs["lora"]) / min(secs["base"]), 4), step_seconds=steps,
+                   denoise_ratio=_ratio(min(steps["lora"]), min(steps["base"])),
                    output_sha256={v: s[0] for v, s in shas.items()},
                    same_bytes_every_request=all(len(set(s)) == 1 for s in shas.values()))
         m = srv.metrics()
@@ -180,8 +183,28 @@ def serve(model: Path, loras: Path, spec: dict, args: argparse.Namespace, name: 
     return out
 
 
-def run_model(key: str, args: argparse.Namespace, budget: Budget, save: Any) -> dict:
-    spec = (TINY if args.dry_run else MODELS)[key]
+def request_of(key: str, args: argparse.Namespace) -> tuple[str, dict]:
+    """The model's spec with `--frames`/`--steps` applied to its request, and the key its record
+    goes under: `KEY-Nf` for a video request at `--frames N` (another workload, never merged with
+    the default request's runs)."""
+    spec = dict((TINY if args.dry_run else MODELS)[key])
+    request = dict(spec["request"])
+    if args.steps:
+        request["steps"] = args.steps
+    if args.frames and request["kind"] == "video":
+        request["frames"] = args.frames
+        key = f"{key}-{args.frames}f"
+    spec["request"] = request
+    return key, spec
+
+
+def step_seconds(srv: Any) -> float:
+    """The server's denoising seconds so far (`dlo_step_duration_seconds`' sum, every rank's)."""
+    return sum(v for _, v in srv.metrics().get("dlo_step_duration_seconds_sum", []))
+
+
+def run_model(base: str, args: argparse.Namespace, budget: Budget, save: Any) -> dict:
+    key, spec = request_of(base, args)
     model = args.models / spec["preset"]
     loras = args.models / f"loras-{spec['preset']}"
     rec: dict[str, Any] = {"preset": spec["preset"], "request": spec["request"], "rank": RANK,
@@ -193,7 +216,7 @@ def run_model(key: str, args: argparse.Namespace, budget: Budget, save: Any) -> 
     save(rec)
     if not args.per_block:
         rec["per_block"] = {"skipped": "--no-per-block"}
-    elif budget.allows(NEEDS["per_block"][key]):
+    elif budget.allows(NEEDS["per_block"][base]):
         rec["per_block"] = per_block(model, loras, spec, args)
     else:
         rec["per_block"] = {"skipped": "budget"}
@@ -210,7 +233,7 @@ def run_model(key: str, args: argparse.Namespace, budget: Budget, save: Any) -> 
     for name, flags in runs.items():
         if args.runs and name not in args.runs.split(","):
             continue
-        if not budget.allows(NEEDS["serve"][key]):
+        if not budget.allows(NEEDS["serve"][base]):
             rec[name] = {"flags": list(flags), "skipped": "budget"}
         else:
             try:
@@ -250,6 +273,8 @@ def summarize(rec: dict) -> dict:
         serves = {n: r for n, r in m.items() if n.startswith("serve_") and isinstance(r, dict) and "ratio" in r}
         s["end_to_end_ratio"] = {n: r["ratio"] for n, r in serves.items()}
         s["end_to_end_meets_goal"] = {n: r["ratio"] <= GOAL for n, r in serves.items()}
+        # the denoising steps only (the decode and the encoding, the same with and without, left out)
+        s["denoise_ratio"] = {n: r["denoise_ratio"] for n, r in serves.items() if r.get("denoise_ratio")}
         for field, merged in (("lora_bytes_identical_across_modes", False),
                               ("lora_bytes_identical_across_modes_merged", True)):
             shas = [r["output_sha256"]["lora"] for r in serves.values() if ("--lora-apply" in r["flags"]) == merged]
@@ -280,7 +305,9 @@ def markdown(rec: dict) -> str:
               f"Commands: {'; '.join(rec.get('commands', []))}", ""]
     for key, m in rec["models"].items():
         ms = s[key]
-        lines += [f"## {key} ({m.get('preset')}, {m.get('transformer_blocks')} blocks)", "",
+        req = m.get("request") or {}
+        shape = f"{req.get('size')}" + (f"x{req['frames']}" if req.get("frames") else "") + f", {req.get('steps')} steps"
+        lines += [f"## {key} ({m.get('preset')}, {m.get('transformer_blocks')} blocks; request {shape})", "",
                   "| tokens | " + " | ".join(next(iter(ms["per_block_ratio"].values()), {}).keys()) + " |",
                   "|---|" + "---|" * len(next(iter(ms["per_block_ratio"].values()), {}))]
         for t, row in ms["per_block_ratio"].items():
@@ -289,11 +316,13 @@ def markdown(rec: dict) -> str:
         lines += ["", f"Power-of-two fold bit-identical on the device: {ms['fold_bit_identical']}; B's product "
                       f"added in its GEMM and separately give the same bytes ({ms['add_in_gemm_control']} "
                       f"control): {ms['add_in_gemm_bit_identical']}.", "",
-                  "| end to end | base s | lora s | ratio | meets goal |", "|---|---|---|---|---|"]
+                  "| end to end | base s | lora s | ratio | meets goal | denoising steps only |",
+                  "|---|---|---|---|---|---|"]
         for n, ratio in ms["end_to_end_ratio"].items():
             r = m[n]
+            denoise = (ms.get("denoise_ratio") or {}).get(n)
             lines.append(f"| {n} | {r['seconds']['base']} | {r['seconds']['lora']} | {ratio}x | "
-                         f"{ms['end_to_end_meets_goal'][n]} |")
+                         f"{ms['end_to_end_meets_goal'][n]} | {f'{denoise}x' if denoise else ''} |")
         lines += ["", f"LoRA bytes identical across modes: {ms['lora_bytes_identical_across_modes']} (branch), "
                       f"{ms.get('lora_bytes_identical_across_modes_merged')} (merge); the adapter changes the "
                       f"output: {ms['lora_changes_output']}. Merged in one GEMM and in peft's two steps give the same "
@@ -340,6 +369,9 @@ def main() -> int:
                     help="run the per-block step (--no-per-block: the serve runs only, for a second call)")
     ap.add_argument("--requests", type=int, default=2, help="requests per variant and server (the fastest counts)")
     ap.add_argument("--budget-s", type=float, default=440.0, help="skip steps that would end past this")
+    ap.add_argument("--frames", type=int, default=0,
+                    help="a video model's request at N frames (Wan2.1's own default: 81), recorded as KEY-Nf")
+    ap.add_argument("--steps", type=int, default=0, help="the request's steps instead of the model's bench default")
     ap.add_argument("--delete-after", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny presets: every step, no result")
     args = ap.parse_args()
@@ -365,8 +397,9 @@ def main() -> int:
         rec["summary"] = summarize(rec)
         stem.with_suffix(".json").write_text(json.dumps(rec, indent=2) + "\n")
 
-    for key in args.only.split(","):
-        run_model(key, args, budget, lambda r, key=key: save(key, r))
+    for base in args.only.split(","):
+        key = request_of(base, args)[0]
+        run_model(base, args, budget, lambda r, key=key: save(key, r))
     print(json.dumps(rec["summary"], indent=2))
     return 0
 

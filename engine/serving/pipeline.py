@@ -28,7 +28,6 @@ from dlo.engine.serving import distmap
 from dlo.engine.serving.control import RankStats
 from dlo.engine.serving.encode import encode
 from dlo.engine.serving.prewarm import join_logged, start_beside_imports
-from dlo.engine.serving.vae_decode import decode_in_own_dtype, warm_decode_beside
 from dlo.engine.memory_model import Shape, decoded_pixels
 from dlo.engine.settings import VAE_TILE_ABOVE_PIXELS, EngineSettings
 from dlo.engine.timing import Laps, PhaseClock
@@ -47,6 +46,17 @@ class RunResult:
     phase_seconds: dict[str, float] = field(default_factory=dict)  # prepare, denoise, decode, encode_output
 
 
+def decode_in_own_dtype(vae: Any) -> None:
+    """Cast the latents to the VAE's dtype on the way in: the VAE runs in float32 (its output becomes
+    the bytes) while Flux and QwenImage hand it latents in the transformer's dtype (bfloat16)."""
+    inner = vae.decode
+
+    def decode(z: Any, *args: Any, **kwargs: Any) -> Any:
+        return inner(z.to(vae.dtype), *args, **kwargs)
+
+    vae.decode = decode  # type: ignore[method-assign]
+
+
 class ServingPipeline:
     """A diffusers pipeline whose transformer runs through DLO, run one request at a time.
 
@@ -62,10 +72,9 @@ class ServingPipeline:
         The steps, in order (each a method, torchtitan's `parallelize_*` style): configure (facts,
         device, cap), start the readahead and the library warm-up beside the imports (`prewarm.py`),
         load the engine's models (resident copies left in flight), parallelize (dp x sp), build the
-        diffusers pipeline around them, place its other components, start the VAE's first decode beside
-        the rest (`vae_decode.py`), attach the progress hooks, load the LoRA adapters, settle the
-        copies, join the readahead. `phases=` of the "pipeline loaded" log line (`load_phases`) times
-        them. A step that fails closes the models already loaded."""
+        diffusers pipeline around them, place its other components, attach the progress hooks, load
+        the LoRA adapters, settle the copies, join the readahead. `phases=` of the "pipeline loaded"
+        log line (`load_phases`) times them. A step that fails closes the models already loaded."""
         t0 = time.perf_counter()
         laps = Laps(t0)
         self._configure(Path(model_dir), settings, device, max_sequence_length)
@@ -80,7 +89,6 @@ class ServingPipeline:
             laps.lap("from_pretrained")
             self.component_bytes = self._place_components()
             laps.lap("components_to_device")
-            self.first_decode = warm_decode_beside(self.pipe, self.device, self.facts.smallest_side)
             self._attach_progress_hooks()
             self.lora = self._load_lora()
             laps.lap("lora")
@@ -384,8 +392,6 @@ class ServingPipeline:
     def close(self) -> None:
         """Remove the progress hooks and release the engine's models and the adapters (also after a
         failed start)."""
-        if getattr(self, "first_decode", None) is not None:  # no decode of ours left running on the device
-            self.first_decode.join()
         if hasattr(self, "hooks"):  # attached by a late step of __init__
             self.hooks.remove()
         if hasattr(self, "lora"):

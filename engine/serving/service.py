@@ -39,7 +39,7 @@ from dlo.engine.serving.limits import Limits
 from dlo.engine.serving.metrics import EngineMetrics
 from dlo.engine.serving.ranks import RankGroup
 from dlo.engine.serving.startup import WarmUp, startup_phases, warn_about_start_costs
-from dlo.engine.serving.threads import in_daemon_thread
+from dlo.engine.serving.threads import WaveThread, in_daemon_thread
 from dlo.engine.timing import process_age_seconds
 from dlo.engine.serving.video_jobs import VideoJobs
 from dlo.engine.serving.videos import VideoStore
@@ -82,6 +82,7 @@ class Engine:
         self.exit_code = 0
         self.request_exit: Callable[[], None] = lambda: None
         self.group = RankGroup(cfg, options.progress_timeout_s, self._on_fault)
+        self.waves = WaveThread()  # rank 0's waves, the warm-up's first, on one thread (its libraries' state)
         self.layout = Layout(cfg.dp, cfg.sp)  # a wave: up to dp requests, each on its sp ranks
         self.metrics = EngineMetrics(cfg.dp, self._rank_facts)
         self.created = int(time.time())
@@ -148,7 +149,8 @@ class Engine:
         """The warm-up wave on every rank: rank 0's request phases (`warmup_*`), None when it failed."""
         t0 = time.perf_counter()
         try:
-            results = await in_daemon_thread(lambda: self.group.run_wave([self.warm.generation()] * self.cfg.world))
+            warm = [self.warm.generation()] * self.cfg.world
+            results = await self.waves.run(lambda: self.group.run_wave(warm))
             failed = [(r, res.error) for r, res in enumerate(results) if res.error is not None]
             if failed:
                 rank, err = failed[0]
@@ -350,7 +352,7 @@ class Engine:
             t0 = time.perf_counter()
             self.wave_running = True
             try:
-                results: list[Result] = await in_daemon_thread(lambda: self.group.run_wave(assignments))
+                results: list[Result] = await self.waves.run(lambda: self.group.run_wave(assignments))
             except WaveError as e:
                 log.error("wave failed: %s", e)
                 return  # _on_fault fails the futures and stops the server

@@ -39,9 +39,10 @@ def test_the_dry_run_measures_every_step_and_merges_into_the_record(tmp_path: Pa
     assert run["flags"][-2:] == ["--resident-blocks", "0"]  # every block streamed: auto keeps what fits
     assert run["exit_code"] == 0 and set(run["seconds"]) == {"base", "lora"} and run["same_bytes_every_request"]
     assert run["lora_device_bytes"] == {"0": adapters["r64"]["device_bytes"]}
+    assert all(x > 0 for v in ("base", "lora") for x in run["step_seconds"][v])  # the denoising steps, per request
     s = rec["summary"]["flux"]
     assert s["lora_changes_output"] and s["fold_bit_identical"] and isinstance(s["merge_in_gemm_bit_identical"], bool)
-    assert set(s["end_to_end_ratio"]) == {"serve_rank_local", "serve_resident_merge_cached"}
+    assert set(s["end_to_end_ratio"]) == {"serve_rank_local", "serve_resident_merge_cached"} == set(s["denoise_ratio"])
     assert flux["serve_resident_merge_cached"]["flags"][-4:] == ["--lora-apply", "merge", "--lora-merge-cache", "1GiB"]
     assert s["base_bytes_identical_across_modes"]  # the same request without an adapter, either way
     assert not (tmp_path / "models" / "tiny-flux.1-dev").exists()  # deleted after its runs (disk)
@@ -51,6 +52,23 @@ def test_the_dry_run_measures_every_step_and_merges_into_the_record(tmp_path: Pa
     md = (tmp_path / "lora-dry.md").read_text()
     assert "CPU dry run: no figure here is a result" in md and "| serve_rank_local |" in md
     assert json.loads((tmp_path / "lora-dry.json").read_text())["summary"]["goal"] == 1.03
+
+
+def test_a_longer_video_request_is_a_workload_of_its_own() -> None:
+    """`--frames`: a video model's runs at N frames go under `KEY-Nf` (never merged with the default
+    request's); an image model's request keeps its shape; `--steps` applies to both."""
+    import argparse
+
+    sys.path.insert(0, str(BENCH.parent))
+    import lora_h200
+
+    args = argparse.Namespace(dry_run=False, frames=81, steps=3)
+    key, spec = lora_h200.request_of("wan21", args)
+    assert key == "wan21-81f" and spec["request"]["frames"] == 81 and spec["request"]["steps"] == 3
+    assert lora_h200.MODELS["wan21"]["request"]["frames"] == 17  # the default request untouched
+    key, spec = lora_h200.request_of("flux", args)
+    assert key == "flux" and "frames" not in spec["request"] and spec["request"]["steps"] == 3
+    assert lora_h200.request_of("wan21", argparse.Namespace(dry_run=False, frames=0, steps=0))[0] == "wan21"
 
 
 def test_merge_takes_each_step_of_a_model_from_the_call_that_ran_it(tmp_path: Path) -> None:
