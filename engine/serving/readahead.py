@@ -34,7 +34,7 @@ the folders themselves. `--python` reads the first two (`interpreter_files`, `me
 
 Owns: `read_in_child` (the parent's side: run the child, report its first line, wait, parse its
 last; its warnings go to the rank's log), `startup_files` and `distribution_files` (what is read
-first), `looks_cached` and `read_uncached` ([Note: first files already cached]) and `main` (the child: arm the
+first), `read_uncached` (`first_cached.py`: [Note: first files already cached]) and `main` (the child: arm the
 parent-death signal first, exit if the parent is already gone, read the start's other files (or
 find them cached), say so, then warm the weights in the order given, print what it read).
 Must never: outlive the process that started it (parent-death signal), write to a model file, or
@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Iterable, Iterator
 
 from dlo.engine.serving.child_env import child_env
+from dlo.engine.serving.first_cached import is_library, looks_cached, needs_read, residency
 
 THREADS = 8  # requests in flight: enough for an NVMe disk, 8 x 16 MiB of buffers at most
 FIRST_THREADS = 16  # for the start's other files: thousands of small ones, each read waits for the disk
@@ -107,12 +108,8 @@ def _lines(stdout: IO[str] | None, on_first: Callable[[dict[str, Any]], None] | 
             yield line
 
 
-def _is_library(name: str) -> bool:
-    return name.endswith(".so") or ".so." in name
-
-
 def _is_code(name: str) -> bool:
-    return name.endswith((".py", ".pyc")) or _is_library(name)
+    return name.endswith((".py", ".pyc")) or is_library(name)
 
 
 def startup_files(packages: tuple[Path, ...], folders: tuple[Path, ...],
@@ -342,58 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# [Note: first files already cached]
-# When only the checkpoint left the page cache (a new model on a node that ran the engine, the
-# issue's cold start), the start's other files are cached, yet reading them again took the child
-# 2.7-5.4 s on the H200 (23,175 files: Python's open and read of each, and 4.9 GB of copies), and
-# the rank's registration waited that long to start reading the weights
-# (`ready-h200-2026-12-02-f`). A sample says whether they are cached: every shared library (most
-# of the bytes) and an even spread of the rest; if at least `CACHED_ENOUGH` of the sample's bytes
-# are (the libraries and the rest each on its own: the libraries are most of the bytes, the rest
-# most of the files), the child says so at once and reads beside the weights whatever files are
-# not whole in the cache (`read_uncached`: those the sample missed, then read behind the weights'
-# reads, the cost the first phase exists to avoid, but only for those few files).
-CACHED_ENOUGH = 0.9  # libraries a process mapped are partly resident: the pages it used
-SAMPLE_SPREAD = 256  # of the other files
-
-
-def looks_cached(files: list[Path]) -> bool:
-    """Whether `files` are in the page cache by a sample: every shared library (most of the bytes)
-    and `SAMPLE_SPREAD` of the rest evenly spread (most of the files), each part on its own with
-    `CACHED_ENOUGH` of its bytes resident (a file that cannot be measured counts as not resident)."""
-    libraries = [f for f in files if _is_library(f.name)]
-    shared = set(libraries)
-    rest = [f for f in files if f not in shared]
-    parts = [part for part in (libraries, rest[:: max(1, len(rest) // SAMPLE_SPREAD)]) if part]
-    return bool(parts) and all(_resident_share(part) >= CACHED_ENOUGH for part in parts)
-
-
-def _residency(files: list[Path]) -> list[tuple[int, int]]:
-    """(resident bytes, bytes) of each file (0, 0 for one that cannot be measured), in parallel."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from dlo.agent.residency import file_residency
-
-    def one(f: Path) -> tuple[int, int]:
-        try:
-            r = file_residency(f)
-        except OSError:  # gone or unreadable: the read decides what to do with it
-            return 0, 0
-        return r.resident_bytes, r.bytes
-
-    with ThreadPoolExecutor(max_workers=FIRST_THREADS, thread_name_prefix="dlo-residency") as pool:
-        return list(pool.map(one, files))
-
-
-def _resident_share(files: list[Path]) -> float:
-    counts = _residency(files)
-    total = sum(size for _, size in counts)
-    return sum(res for res, _ in counts) / total if total else 0.0
-
-
 def read_uncached(files: list[Path], threads: int) -> dict[str, Any]:
-    """`read_first` of those of `files` not whole in the page cache (what the sample missed)."""
-    return read_first([f for f, (res, size) in zip(files, _residency(files)) if res < size], threads)
+    """`read_first` of those of `files` that `needs_read` (what the sample missed)."""
+    return read_first([f for f, c in zip(files, residency(files)) if needs_read(f, c)], threads)
 
 
 if __name__ == "__main__":

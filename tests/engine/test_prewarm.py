@@ -221,6 +221,45 @@ def test_first_files_already_cached_are_said_at_once_and_read_beside_the_weights
     assert "cached" not in done["first"] and done["first"]["bytes"] == 8192 * len(code)
 
 
+def test_a_library_a_process_mapped_counts_as_cached_and_is_not_read_whole(tmp_path_factory, tmp_path):
+    """[Note: first files already cached]: a shared library holds only the pages a process ran; the
+    rest of its bytes are never read for a start. Partly resident (`TOUCHED`), it counts as cached
+    and the child reads none of it; one not resident at all is read whole beside the weights."""
+    import shutil
+
+    from dlo.agent.residency import file_residency
+    from dlo.engine.serving.first_cached import TOUCHED
+    from dlo.engine.serving.readahead import looks_cached, read_in_child
+
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    code = [pkg / f"m{i}.py" for i in range(20)]
+    for f in code:
+        f.write_bytes(b"x" * 8192)
+    used, cold = pkg / "_used.so", pkg / "libcold.so.1"
+    for lib in (used, cold):
+        lib.write_bytes(os.urandom(8 << 20))
+        drop(lib)
+    with open(used, "rb") as f:
+        f.read(256 << 10)  # the pages a process ran: 3% of it
+    assert TOUCHED <= file_residency(used).ratio < 0.5
+    assert not looks_cached([*code, cold])  # its only library never mapped: cold
+    assert looks_cached([*code, used])
+    model = shutil.copytree(tiny_pipeline(tmp_path_factory, "wan"), tmp_path / "model")
+    for f in model_files(model):
+        drop(f)
+    (tmp_path / "more").mkdir()
+    shutil.move(cold, tmp_path / "more" / cold.name)  # out of the package: the set looks cached
+    done = read_in_child(model_files(model), packages=(pkg,))
+    assert done["first"]["cached"] is True and done["first"]["behind"]["files"] == 0
+    assert file_residency(used).ratio < 0.5 and folder_residency(model).ratio == 1.0  # not read whole
+    shutil.move(tmp_path / "more" / cold.name, cold)  # 1 of 2 libraries not mapped: under CACHED_ENOUGH
+    for f in model_files(model):
+        drop(f)
+    done = read_in_child(model_files(model), packages=(pkg,))
+    assert "cached" not in done["first"] and file_residency(cold).ratio == 1.0
+
+
 def test_the_library_warmup_runs_its_calls_and_only_starts_on_cuda():
     assert warm_libraries("cpu") > 0
     assert start_library_warmup(__import__("torch").device("cpu")) is None
