@@ -43,15 +43,23 @@ def looks_cached(files: list[Path]) -> bool:
     """Whether `files` are in the page cache by a sample: every shared library, `CACHED_ENOUGH` of
     them `TOUCHED`, and `SAMPLE_SPREAD` of the rest evenly spread, `CACHED_ENOUGH` of their bytes
     resident (a file that cannot be measured counts as not resident)."""
+    return sample_facts(files)["cached"]
+
+
+def sample_facts(files: list[Path]) -> dict:
+    """The sample `looks_cached` judges by, and its verdict: the libraries and how many of them are
+    `TOUCHED` (with their bytes and resident bytes), the rest's sample and its resident share."""
     libraries = [f for f in files if is_library(f.name)]
     shared = set(libraries)
     rest = [f for f in files if f not in shared]
     sample = rest[:: max(1, len(rest) // SAMPLE_SPREAD)]
-    if not libraries and not sample:
-        return False
-    cold = sum(needs_read(f, c) for f, c in zip(libraries, residency(libraries)))
-    return (len(libraries) - cold >= CACHED_ENOUGH * len(libraries)
-            and (not sample or _resident_share(sample) >= CACHED_ENOUGH))
+    counts = residency(libraries)
+    touched = len(libraries) - sum(needs_read(f, c) for f, c in zip(libraries, counts))
+    share = _resident_share(sample) if sample else 1.0
+    cached = bool(libraries or sample) and touched >= CACHED_ENOUGH * len(libraries) and share >= CACHED_ENOUGH
+    return {"cached": cached, "libraries": len(libraries), "libraries_touched": touched,
+            "library_bytes": sum(n for _, n in counts), "library_resident_bytes": sum(r for r, _ in counts),
+            "rest_sample": len(sample), "rest_resident_share": round(share, 4)}
 
 
 def needs_read(f: Path, counts: tuple[int, int]) -> bool:

@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Iterable, Iterator
 
 from dlo.engine.serving.child_env import child_env
-from dlo.engine.serving.first_cached import is_library, looks_cached, needs_read, residency
+from dlo.engine.serving.first_cached import is_library, needs_read, residency, sample_facts
 
 THREADS = 8  # requests in flight: enough for an NVMe disk, 8 x 16 MiB of buffers at most
 FIRST_THREADS = 16  # for the start's other files: thousands of small ones, each read waits for the disk
@@ -321,12 +321,14 @@ def main(argv: list[str] | None = None) -> int:
                           python=args.python)
     behind: dict[str, Any] = {}
     thread = None
-    if looks_cached(files):  # [Note: first files already cached]: said at once, read beside the weights
+    sample = sample_facts(files)
+    if sample["cached"]:  # [Note: first files already cached]: said at once, read beside the weights
         first = {"files": len(files), "bytes": 0, "seconds": round(time.monotonic() - t0, 2), "cached": True}
         thread = threading.Thread(target=lambda: behind.update(read_uncached(files, args.first_threads)),
                                   name="dlo-first", daemon=True)
     else:
         first = read_first(files, args.first_threads)
+    first["sample"] = {k: v for k, v in sample.items() if k != "cached"}  # what the verdict was drawn from
     print(json.dumps({"phase": "first", "first": first}), flush=True)  # the rank's registration may start
     if thread is not None:
         thread.start()

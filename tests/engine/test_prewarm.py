@@ -192,7 +192,8 @@ def test_first_files_already_cached_are_said_at_once_and_read_beside_the_weights
     import shutil
 
     from dlo.agent.residency import file_residency
-    from dlo.engine.serving.readahead import looks_cached, read_in_child
+    from dlo.engine.serving.first_cached import looks_cached
+    from dlo.engine.serving.readahead import read_in_child
 
     pkg = tmp_path / "pkg"
     pkg.mkdir()
@@ -229,7 +230,8 @@ def test_a_library_a_process_mapped_counts_as_cached_and_is_not_read_whole(tmp_p
 
     from dlo.agent.residency import file_residency
     from dlo.engine.serving.first_cached import TOUCHED
-    from dlo.engine.serving.readahead import looks_cached, read_in_child
+    from dlo.engine.serving.first_cached import looks_cached
+    from dlo.engine.serving.readahead import read_in_child
 
     pkg = tmp_path / "pkg"
     pkg.mkdir()
@@ -252,6 +254,7 @@ def test_a_library_a_process_mapped_counts_as_cached_and_is_not_read_whole(tmp_p
     shutil.move(cold, tmp_path / "more" / cold.name)  # out of the package: the set looks cached
     done = read_in_child(model_files(model), packages=(pkg,))
     assert done["first"]["cached"] is True and done["first"]["behind"]["files"] == 0
+    assert done["first"]["sample"]["libraries"] == done["first"]["sample"]["libraries_touched"] == 1
     assert file_residency(used).ratio < 0.5 and folder_residency(model).ratio == 1.0  # not read whole
     shutil.move(tmp_path / "more" / cold.name, cold)  # 1 of 2 libraries not mapped: under CACHED_ENOUGH
     for f in model_files(model):
