@@ -203,8 +203,8 @@ def step_seconds(srv: Any) -> float:
     return sum(v for _, v in srv.metrics().get("dlo_step_duration_seconds_sum", []))
 
 
-def run_model(base: str, args: argparse.Namespace, budget: Budget, save: Any) -> dict:
-    key, spec = request_of(base, args)
+def run_model(base: str, key: str, spec: dict, args: argparse.Namespace, budget: Budget, save: Any) -> dict:
+    """`base`'s steps (`key` and `spec` from `request_of`)."""
     model = args.models / spec["preset"]
     loras = args.models / f"loras-{spec['preset']}"
     rec: dict[str, Any] = {"preset": spec["preset"], "request": spec["request"], "rank": RANK,
@@ -398,8 +398,8 @@ def main() -> int:
         stem.with_suffix(".json").write_text(json.dumps(rec, indent=2) + "\n")
 
     for base in args.only.split(","):
-        key = request_of(base, args)[0]
-        run_model(base, args, budget, lambda r, key=key: save(key, r))
+        key, spec = request_of(base, args)
+        run_model(base, key, spec, args, budget, lambda r, key=key: save(key, r))
     print(json.dumps(rec["summary"], indent=2))
     return 0
 

@@ -27,13 +27,6 @@ from ready_h200 import evict  # noqa: E402  (a folder's safetensors out of the p
 READ_ONLY = 8  # cudaHostRegisterReadOnly
 
 
-def read_whole(path: Path) -> None:
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(16 << 20)
-        while f.readinto(buf):
-            pass
-
-
 def probe_while_registering(path: Path) -> dict:
     import numpy as np
     import torch
@@ -77,7 +70,9 @@ def main() -> int:
     out = {"file": str(args.file), "bytes": args.file.stat().st_size}
     evict(args.file.parent)  # the file's folder: the file among them
     out["cold"] = probe_while_registering(args.file)
-    read_whole(args.file)
+    from dlo.agent.warm import warm
+
+    warm([args.file])  # read into the page cache, as `dlo warm` does
     out["read_first"] = probe_while_registering(args.file)
     print(json.dumps(out, indent=1))
     args.out.write_text(json.dumps(out, indent=1) + "\n")
