@@ -166,8 +166,11 @@ def start_once(model: Path, flags: list[str], args: argparse.Namespace, label: s
 
 
 # rank 0's lines only: every rank writes to the server's log
+# "(W s of it waiting for the readahead to read the weights)"; before 2026-12-04 first "(F s of it
+# waiting for the start's other files, W s for ...)", before that "(F s of it waiting ...)" alone
 _REGISTERED = re.compile(r"^rank0 .*?early registration of (\S+): .*?, ([\d.]+) s \(([\d.]+) s of it waiting"
-                         r"(?: for the start's other files, ([\d.]+) s for the readahead to read the weights)?", re.M)
+                         r"( for the readahead to read the weights|"
+                         r" for the start's other files, ([\d.]+) s for the readahead to read the weights)?", re.M)
 _READAHEAD_DONE = re.compile(r"^rank0 .*?readahead done seconds=([\d.]+) result=(\{.*\}) \(beside the imports\)", re.M)
 _ADOPTED = re.compile(r"^rank0 .*?readahead of .* adopted \(started with dlo serve's checks, ([\d.]+) s before this load\)",
                       re.M)
@@ -182,10 +185,13 @@ def log_facts(text: str) -> dict[str, Any]:
     import ast
 
     out: dict[str, Any] = {}
-    for name, seconds, waited, behind in _REGISTERED.findall(text):
-        reg = {"seconds": float(seconds), "waited_seconds": float(waited)}
-        if behind:
-            reg["read_wait_seconds"] = float(behind)
+    for name, seconds, waited, tail, behind in _REGISTERED.findall(text):
+        if tail.startswith(" for the readahead"):  # one wait: the weights' read
+            reg = {"seconds": float(seconds), "read_wait_seconds": float(waited)}
+        else:
+            reg = {"seconds": float(seconds), "waited_seconds": float(waited)}
+            if behind:
+                reg["read_wait_seconds"] = float(behind)
         out.setdefault("registration", {})[name] = reg
     if m := _READAHEAD_DONE.search(text):
         out["readahead"] = {**ast.literal_eval(m.group(2)), "job_seconds": float(m.group(1))}
@@ -444,7 +450,8 @@ def _reads_text(st: dict) -> str:
         parts.append(f"first files {first['files']} ({first['bytes'] / 1e9:.2f} GB) in {first['seconds']} s")
     for name, reg in (st.get("registration") or {}).items():
         behind = f", {reg['read_wait_seconds']} s for the weights' read" if "read_wait_seconds" in reg else ""
-        parts.append(f"{name} registered in {reg['seconds']} s, {reg['waited_seconds']} s of it waiting{behind}")
+        first = f", {reg['waited_seconds']} s of it waiting" if "waited_seconds" in reg else ""
+        parts.append(f"{name} registered in {reg['seconds']} s{first}{behind}")
     return "; " + "; ".join(parts) if parts else ""
 
 

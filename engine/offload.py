@@ -313,7 +313,8 @@ def early_registration(component_dir: Path | str, device: torch.device | str,
     is off (`--no-register-early`, `DLO_REGISTER_EARLY=0`: the files are then registered in order
     when the host weights are prepared, and the resident copies go through pageable memory). Pass
     the result to `load(early=...)`. `after`: a cold start's readahead, which registering follows
-    (`EarlyRegistration`: the start's other files first, then each file once it is read).
+    (`EarlyRegistration`: each file once the readahead has read it; the readahead reads the start's
+    other files first).
 
     Every mode registers, `resident` included: the resident copies read the registered page cache
     (~55 GB/s on an H200 against ~7.5 GB/s pageable: 0.75 s instead of 5.3 s for Wan2.1's 40 GB) and

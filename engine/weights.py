@@ -68,33 +68,14 @@ class Run:
     n: int
 
 
-AFTER_WAIT_S = 120.0  # the longest an early registration waits for the readahead's first files
-
-
 class ReadFront(Protocol):
     """A cold start's readahead as an early registration waits for it
-    (`dlo.engine.serving.prewarm.Readahead`): `first_read` is set once the start's other files are
-    read; `until_resident(path, stop)` returns once `path` is in the page cache (or the readahead
-    ended, or `stop` is set), with the seconds it waited."""
-
-    first_read: threading.Event
+    (`dlo.engine.serving.prewarm.Readahead`): `until_resident(path, stop)` returns once `path` is in
+    the page cache (or the readahead ended, or `stop` is set), with the seconds it waited. The child
+    reads the start's other files before any weights file, so waiting for each file also keeps the
+    pinning behind those."""
 
     def until_resident(self, path: Path, stop: threading.Event) -> float: ...
-
-
-def _wait_for(after: ReadFront | None, released: threading.Event) -> float:
-    """Wait for `after.first_read` (`AFTER_WAIT_S` at most, a warning past it) unless `released`
-    is set first; the seconds waited."""
-    t0 = time.perf_counter()
-    if after is None:
-        return 0.0
-    while not after.first_read.wait(0.05):
-        if released.is_set():
-            break
-        if time.perf_counter() - t0 > AFTER_WAIT_S:
-            log.warning("the readahead's first files took over %.0f s: registering the weights now", AFTER_WAIT_S)
-            break
-    return time.perf_counter() - t0
 
 
 class EarlyRegistration:
@@ -108,9 +89,9 @@ class EarlyRegistration:
 
     def __init__(self, ckpt: Checkpoint, platform: Platform, device: torch.device,
                  after: ReadFront | None = None):
-        """`after`: a cold start's readahead. Registering waits for its `first_read`
-        (`AFTER_WAIT_S` at most), so the start's other files never queue behind the weights, then
-        registers each file once the readahead has read it ([Note: pin what is read])."""
+        """`after`: a cold start's readahead. Registering pins each file once the readahead has read
+        it ([Note: pin what is read]), so neither the pinning nor the start's other files, which the
+        readahead reads first, queue behind a weights file's read."""
         self.ckpt = ckpt
         self.platform = platform
         self.registered: dict[Path, tuple[int, int]] = {}  # path -> (pointer, bytes)
@@ -122,7 +103,6 @@ class EarlyRegistration:
 
         def run() -> None:
             t0 = time.perf_counter()
-            waited = _wait_for(after, self._released)
             behind = [0.0]  # seconds waiting for the readahead to read each file
 
             def wait_for_read(path: Path) -> None:
@@ -141,9 +121,9 @@ class EarlyRegistration:
                       "are prepared)" if self.problem else "")
             log.log(logging.WARNING if self.problem and not released else logging.INFO,
                     "early registration of %s: %d of %d files, %d bytes, %.2f s (%.2f s of it waiting for "
-                    "the start's other files, %.2f s for the readahead to read the weights)%s", ckpt.root.name,
+                    "the readahead to read the weights)%s", ckpt.root.name,
                     len(self.registered), len(ckpt.files), sum(n for _, n in self.registered.values()),
-                    time.perf_counter() - t0, waited, behind[0], suffix)
+                    time.perf_counter() - t0, behind[0], suffix)
             with self._progress:
                 self._ended = True
                 self._progress.notify_all()

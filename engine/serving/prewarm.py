@@ -6,8 +6,8 @@ Owns: `start_beside_imports` and `join_logged` (both jobs, as `ServingPipeline` 
 `start_readahead` (the pipeline folder's safetensors files that are not in the page cache,
 read in the order the load needs them, in parallel chunks at the disk's speed by `dlo.agent.warm`
 in a child process, `readahead.py`, waited for on a thread, after the files of `START_DISTRIBUTIONS`
-(with their requirements), `START_FOLDERS` and the folder's small files, whose end `Readahead.first_read`
-signals; a warm page cache costs one residency check per file) and `start_library_warmup`
+(with their requirements), `START_FOLDERS` and the folder's small files, which the child reads
+first; a warm page cache costs one residency check per file) and `start_library_warmup`
 (on a side stream of the device: bf16 and fp32 GEMMs, fused attention, 2-D and 3-D convolutions,
 norms, so that cuBLAS(Lt), cuDNN and the attention kernels are loaded and initialised here,
 inside C++ that releases the GIL, while the main thread imports; not in the warm-up generation
@@ -107,23 +107,14 @@ PIN_WAIT_S = 120.0  # the longest it waits for one file (a readahead that stoppe
 
 
 class Readahead(Background):
-    """The readahead's job: `first_read` is set once the start's other files are read (or the read
-    ended without them): what the rank's early registration waits for on a cold start; then it
-    registers each file once `until_resident` says the child has read it
-    (`dlo.engine.weights.ReadFront`, [Note: pin what is read] there)."""
+    """The readahead's job (the child reads the start's other files, then the weights): on a cold
+    start the rank's early registration pins each weights file once `until_resident` says the child
+    has read it (`dlo.engine.weights.ReadFront`, [Note: pin what is read] there)."""
 
-    def __init__(self, read: Callable[[Callable[[Any], None]], Any], what: str):
-        self.first_read = threading.Event()
+    def __init__(self, read: Callable[[], Any], what: str):
         self.what = what  # "N files not in the page cache (B bytes)"
         self.started = time.monotonic()
-
-        def work() -> Any:
-            try:
-                return read(lambda _first: self.first_read.set())
-            finally:  # a failed child never holds the registration back
-                self.first_read.set()
-
-        super().__init__("readahead", work)
+        super().__init__("readahead", read)
 
     def until_resident(self, path: Path, stop: threading.Event) -> float:
         """Wait until `path` is `RESIDENT_ENOUGH` in the page cache, the readahead has ended (a file
@@ -163,11 +154,10 @@ def start_readahead(model_dir: Path, components: tuple[str, ...],
 
     from dlo.engine.serving.readahead import read_in_child
 
-    def read(on_first: Callable[[Any], None]) -> dict[str, Any]:
+    def read() -> dict[str, Any]:
         # a process of its own: its reads never take this one's GIL; the imports' and the
         # tokenizers' files first ([Note: the start's other files first] in readahead.py)
-        return read_in_child(cold, packages=packages, folders=(model_dir,), distributions=names, on_first=on_first,
-                             python=default)
+        return read_in_child(cold, packages=packages, folders=(model_dir,), distributions=names, python=default)
 
     return Readahead(read, f"{len(cold)} files not in the page cache ({sum(f.stat().st_size for f in cold)} bytes)")
 

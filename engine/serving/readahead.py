@@ -18,8 +18,8 @@ the disk busy; the advice queued the whole folder in front of every other read).
 That order alone did not help (`ready-h200-2026-12-02-d`: cold imports 29.5-32 s again): the
 rank's early registration pins the weights from its first second, and pinning reads them, so the
 package reads still queued behind 40 GB. Now the child prints a line once the start's other files
-are read (`read_in_child`'s `on_first`), and the rank's registration waits for it
-(`prewarm.Readahead.first_read`); and those files are read as the weights are, in chunks on every
+are read (`read_in_child`'s `on_first`), and the rank's registration pins each weights file only
+once the child has read it ([Note: pin what is read] in `dlo.engine.weights`); and those files are read as the weights are, in chunks on every
 thread (one thread per large `.so` read 4 GB of packages at 229 MB/s). Which packages: the
 requirement closure of the distributions a rank imports (`--distribution`: each one's installed
 files, from its RECORD, its requirements' with their markers evaluated), and `--package` folders

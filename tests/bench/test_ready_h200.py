@@ -29,13 +29,16 @@ def test_rank_zeros_log_gives_the_cold_starts_reads() -> None:
            "(4.10 s of it waiting for the start's other files)\n"
            "rank0 INFO dlo.engine.weights early registration of text_encoder: 3 of 3 files, 9 bytes, 20.10 s "
            "(1.20 s of it waiting for the start's other files, 18.30 s for the readahead to read the weights)\n"
+           "rank0 INFO dlo.engine.weights early registration of text_encoder_2: 1 of 1 files, 5 bytes, 2.00 s "
+           "(1.50 s of it waiting for the readahead to read the weights)\n"  # today's: one wait
            "rank0 INFO dlo.engine.serving.prewarm readahead done seconds=30.10 result={'files': 12, 'bytes': 40, "
            "'seconds': 25.0, 'pid': 7, 'first': {'files': 21803, 'bytes': 5000, 'seconds': 3.9}} (beside the imports)\n"
            "rank1 INFO dlo.engine.weights early registration of transformer: 6 of 6 files, 1 bytes, 9.00 s "
            "(9.00 s of it waiting for the start's other files)\n")  # another rank's: not rank 0's figures
     assert ready_h200.log_facts(log) == {
         "registration": {"transformer": {"seconds": 21.4, "waited_seconds": 4.1},
-                         "text_encoder": {"seconds": 20.1, "waited_seconds": 1.2, "read_wait_seconds": 18.3}},
+                         "text_encoder": {"seconds": 20.1, "waited_seconds": 1.2, "read_wait_seconds": 18.3},
+                         "text_encoder_2": {"seconds": 2.0, "read_wait_seconds": 1.5}},
         "readahead": {"files": 12, "bytes": 40, "seconds": 25.0, "pid": 7, "job_seconds": 30.1,
                       "first": {"files": 21803, "bytes": 5000, "seconds": 3.9}},
         "readahead_lead_seconds": 3.5}

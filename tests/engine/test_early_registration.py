@@ -245,13 +245,10 @@ def test_a_streaming_load_unregisters_the_files_it_does_not_keep_only_after_the_
 
 
 class Front:
-    """A cold start's readahead as the registration sees it (`ReadFront`): `first_read`, and a gate
-    per file that says it was read; `asked` lists the files waited for, in order."""
+    """A cold start's readahead as the registration sees it (`ReadFront`): a gate per file that says
+    it was read; `asked` lists the files waited for, in order."""
 
-    def __init__(self, first: bool = False):
-        self.first_read = threading.Event()
-        if first:
-            self.first_read.set()
+    def __init__(self):
         self.gates: dict[Path, threading.Event] = {}
         self.asked: list[Path] = []
 
@@ -269,7 +266,7 @@ def test_a_cold_file_is_registered_only_once_the_readahead_has_read_it(sharded):
     """[Note: pin what is read]: pinning a cold file reads it under the process's memory map, so the
     registration pins each file only after the readahead says it is in the page cache, in order."""
     platform = RecordingPlatform()
-    front = Front(first=True)
+    front = Front()
     early = EarlyRegistration(cached_checkpoint(sharded), platform, torch.device("cpu"), after=front)
     files = early.ckpt.files
     for i, path in enumerate(files):
@@ -281,39 +278,9 @@ def test_a_cold_file_is_registered_only_once_the_readahead_has_read_it(sharded):
     early.release()
 
 
-def test_registering_waits_for_the_readahead_of_the_starts_other_files(sharded, monkeypatch, caplog):
-    """On a cold start pinning reads the weights whole: it waits for the event the readahead sets once
-    the imports' files are read, and a readahead that never says so holds it back `AFTER_WAIT_S` at most."""
-    import time
-
-    import dlo.engine.weights as weights
-
-    platform = RecordingPlatform()
-    front = Front()
-    for f in cached_checkpoint(sharded).files:
-        front.gate(f).set()  # read: only the start's other files hold it back
-    early = EarlyRegistration(cached_checkpoint(sharded), platform, torch.device("cpu"), after=front)
-    time.sleep(0.3)  # a registration that did not wait would be done by now (3 tiny files)
-    assert platform.calls == 0 and not early.registered
-    front.first_read.set()
-    assert early.wait() and len(platform.live) == len(early.ckpt.files)
-    early.release()
-
-    monkeypatch.setattr(weights, "AFTER_WAIT_S", 0.05)
-    platform = RecordingPlatform()
-    with caplog.at_level("WARNING", logger="dlo.engine.weights"):
-        front = Front()
-        for f in cached_checkpoint(sharded).files:
-            front.gate(f).set()
-        early = EarlyRegistration(cached_checkpoint(sharded), platform, torch.device("cpu"), after=front)
-        assert early.wait() and len(platform.live) == len(early.ckpt.files)
-    assert "registering the weights now" in caplog.text
-    early.release()
-
-
 def test_releasing_a_registration_that_still_waits_stops_it_at_once(sharded):
     """A load that fails while the registration waits for the readahead: `release()` neither waits
-    out `AFTER_WAIT_S` nor pins files only to unpin them."""
+    for the readahead's read nor pins files only to unpin them."""
     import time
 
     platform = RecordingPlatform()
@@ -324,7 +291,7 @@ def test_releasing_a_registration_that_still_waits_stops_it_at_once(sharded):
     assert not early.wait() and "released" in early.problem
 
     platform = RecordingPlatform()  # waiting for a file the readahead has not read yet
-    front = Front(first=True)
+    front = Front()
     early = EarlyRegistration(cached_checkpoint(sharded), platform, torch.device("cpu"), after=front)
     wait_until(lambda: front.asked, 10, "the registration waits for its first file")
     t0 = time.perf_counter()

@@ -22,7 +22,6 @@ def test_a_cold_checkpoint_is_read_ahead_and_a_warm_one_costs_nothing(tmp_path_f
     done = job.join()
     assert done is not None and done["files"] == len(model_files(model)), done
     assert done["first"]["files"] > 1  # the distribution's code and the folder's configs, before the weights
-    assert job.first_read.is_set()  # what the rank's early registration waits for
     assert done["pid"] != os.getpid()  # read by a child: its threads never take the GIL of the rank's imports
     assert folder_residency(model).ratio == 1.0 > cold
     assert start_readahead(model, ("transformer",)) is None  # every file cached: no thread, no read
@@ -44,8 +43,7 @@ def test_a_registration_waits_until_the_readahead_has_read_its_file(tmp_path):
     assert file_residency(weights).ratio < RESIDENT_ENOUGH  # the page cache really dropped it
     go = threading.Event()
 
-    def read(on_first):
-        on_first({})
+    def read():
         go.wait(30)
         return len(weights.read_bytes())
 
@@ -65,7 +63,7 @@ def test_a_registration_waits_until_the_readahead_has_read_its_file(tmp_path):
     job.until_resident(weights, stop)
     assert time.perf_counter() - t0 < 1.0
     go2, stop2 = threading.Event(), threading.Event()
-    job2 = Readahead(lambda on_first: go2.wait(30), "never reads it")
+    job2 = Readahead(lambda: go2.wait(30), "never reads it")
     stop2.set()  # released: it does not wait for a read that would come
     t0 = time.perf_counter()
     job2.until_resident(weights, stop2)
