@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Iterable, Iterator
 
 from dlo.engine.serving.child_env import child_env
-from dlo.engine.serving.first_cached import is_library, needs_read, residency, sample_facts
+from dlo.engine.serving.first_cached import is_code, needs_read, residency, sample_facts
 
 THREADS = 8  # requests in flight: enough for an NVMe disk, 8 x 16 MiB of buffers at most
 FIRST_THREADS = 16  # for the start's other files: thousands of small ones, each read waits for the disk
@@ -108,10 +108,6 @@ def _lines(stdout: IO[str] | None, on_first: Callable[[dict[str, Any]], None] | 
             yield line
 
 
-def _is_code(name: str) -> bool:
-    return name.endswith((".py", ".pyc")) or is_library(name)
-
-
 def startup_files(packages: tuple[Path, ...], folders: tuple[Path, ...],
                   distributions: tuple[str, ...] = (), path: list[str] | None = None,
                   python: bool = False) -> list[Path]:
@@ -123,8 +119,8 @@ def startup_files(packages: tuple[Path, ...], folders: tuple[Path, ...],
     from dlo.agent.tree import FolderTooDeep, walk_files
 
     out = [*metadata_files(path), *interpreter_files()] if python else []
-    out.extend(f for f in distribution_files(distributions, path) if _is_code(f.name))
-    for roots, keep in ((packages, lambda f, root: _is_code(f.name) and f.is_file()), (folders, _small_config)):
+    out.extend(f for f in distribution_files(distributions, path) if is_code(f.name))
+    for roots, keep in ((packages, lambda f, root: is_code(f.name) and f.is_file()), (folders, _small_config)):
         for root in roots:
             try:
                 out.extend(f for f in walk_files(root) if keep(f, root))
@@ -189,7 +185,7 @@ def interpreter_files() -> list[Path]:
                 if name.endswith(".py"):
                     cached = Path(cache_from_source(str(f)))
                     out.append(cached if cached.is_file() else f)
-                elif _is_code(name):
+                elif is_code(name):
                     out.append(f)
     return out
 
@@ -342,8 +338,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def read_uncached(files: list[Path], threads: int) -> dict[str, Any]:
-    """`read_first` of those of `files` that `needs_read` (what the sample missed)."""
-    return read_first([f for f, c in zip(files, residency(files)) if needs_read(f, c)], threads)
+    """`read_first` of those of `files` that `needs_read` (the files other than code not whole)."""
+    rest = [f for f in files if not is_code(f.name)]  # code is never read here: no residency check for it
+    return read_first([f for f, c in zip(rest, residency(rest)) if needs_read(f, c)], threads)
 
 
 if __name__ == "__main__":

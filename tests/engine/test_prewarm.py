@@ -180,86 +180,80 @@ def test_a_starts_readahead_reads_the_interpreters_modules_the_metadata_and_the_
     job = start_readahead(model, ("transformer",))
     done = job.join()
     assert done["first"]["files"] > 1000, done  # the standard library alone is thousands of modules
-    assert all(file_residency(f).ratio == 1.0 for f in (tabnanny, metadata, own)), done
+    # this interpreter's code is cached (the sample says so): of the three only the metadata, not
+    # code, is read beside the weights; a cold set is read first whole (the test above)
+    assert done["first"]["cached"] is True and file_residency(metadata).ratio == 1.0, done
 
 
-def test_first_files_already_cached_are_said_at_once_and_read_beside_the_weights(tmp_path_factory, tmp_path):
-    """Only the checkpoint evicted (the start's other files cached): the child says so before
-    reading them (the registration starts at once) and still reads them, beside the weights; a
-    cold set is read first, as before."""
+def _package(root: Path, modules: int) -> tuple[list[Path], Path]:
+    """A package of `modules` Python files (8 KiB each) and a library (8 MiB), all out of the page cache."""
+    root.mkdir()
+    code = [root / f"m{i}.py" for i in range(modules)]
+    for f in code:
+        f.write_bytes(b"x" * 8192)
+    lib = root / "_c.cpython-311-x86_64-linux-gnu.so"
+    lib.write_bytes(os.urandom(8 << 20))
+    for f in (*code, lib):
+        drop(f)
+    return code, lib
+
+
+def _run(files: list[Path], share: float = 0.0) -> None:
+    """What a start does to its code: imports `share` of the modules (reads them whole) and maps the
+    library, faulting in a few of its pages."""
+    modules, lib = files[:-1], files[-1]
+    for f in modules[: round(share * len(modules))]:
+        f.read_bytes()
+    with open(lib, "rb") as fh:
+        fh.read(256 << 10)
+
+
+def test_code_a_start_ran_counts_as_cached_and_only_the_folders_files_are_read_beside(tmp_path_factory, tmp_path):
+    """[Note: first files already cached]: after warm starts only the modules they imported and the
+    pages of the libraries they ran are resident; that counts as cached (the child says so at once,
+    the registration starts) and the child reads beside the weights only the folder's small files,
+    none of the code no start read. A page cache dropped since is cold: everything is read first."""
     import shutil
 
     from dlo.agent.residency import file_residency
-    from dlo.engine.serving.first_cached import looks_cached
+    from dlo.engine.serving.first_cached import USED_SHARE, looks_cached
     from dlo.engine.serving.readahead import read_in_child
 
-    pkg = tmp_path / "pkg"
-    pkg.mkdir()
-    code = [pkg / f"m{i}.py" for i in range(40)] + [pkg / "_c.so"]
-    for f in code:
-        f.write_bytes(b"x" * 8192)
-    assert looks_cached(code)  # just written: in the page cache
+    code, lib = _package(tmp_path / "pkg", 40)
+    assert not looks_cached([*code, lib])  # a dropped page cache
+    _run([*code, lib], share=0.15)  # a Wan2.1 rank imports ~16% of its Python files' bytes
+    assert looks_cached([*code, lib]) and USED_SHARE < 0.15
     model = shutil.copytree(tiny_pipeline(tmp_path_factory, "wan"), tmp_path / "model")
-    missed = code[7]  # one file evicted: the sample still finds the set cached (CACHED_ENOUGH)
-    for f in (missed, *model_files(model)):
+    for f in model.rglob("*"):
+        if f.is_file():
+            drop(f)
+    done = read_in_child(model_files(model), packages=(tmp_path / "pkg",), folders=(model,))
+    first = done["first"]
+    assert first["cached"] is True and first["bytes"] == 0, first
+    assert first["sample"]["libraries_touched"] == first["sample"]["libraries"] == 1
+    assert folder_residency(model).ratio == 1.0  # the weights, then the configs read beside them
+    assert (model / "model_index.json").read_bytes() and file_residency(model / "model_index.json").ratio == 1.0
+    assert 0 < first["behind"]["files"] < len(list(model.rglob("*")))  # the folder's small files only
+    assert file_residency(code[-1]).ratio == 0.0 and file_residency(lib).ratio < 0.5  # unused code: not read
+
+    for f in (*code, lib, *model_files(model)):  # the whole page cache dropped: cold, read first
         drop(f)
-    assert looks_cached(code) and file_residency(missed).ratio < 1.0
-    done = read_in_child(model_files(model), packages=(pkg,))
-    assert done["first"]["cached"] is True and done["first"]["bytes"] == 0 and done["first"]["files"] == len(code)
-    assert file_residency(missed).ratio == 1.0 and folder_residency(model).ratio == 1.0  # read beside the weights
-    assert done["first"]["behind"]["files"] == 1  # only what was not cached
-    big = tmp_path / "_big.so"  # most of the bytes cached, most of the files not: cold
-    big.write_bytes(b"y" * (4 << 20))
-    for f in code[:-1]:
-        drop(f)
-    assert not looks_cached([*code, big])
+    done = read_in_child(model_files(model), packages=(tmp_path / "pkg",))
+    assert "cached" not in done["first"] and done["first"]["bytes"] == 8192 * len(code) + (8 << 20)
+
+
+def test_python_files_cached_with_no_library_touched_are_cold(tmp_path):
+    """The libraries dropped while the Python files stayed: the code is not all there, read first."""
+    from dlo.engine.serving.first_cached import looks_cached, sample_facts
+
+    code, lib = _package(tmp_path / "pkg", 20)
     for f in code:
-        drop(f)
-    assert not looks_cached(code)
-    done = read_in_child(model_files(model), packages=(pkg,))
-    assert "cached" not in done["first"] and done["first"]["bytes"] == 8192 * len(code)
-
-
-def test_a_library_a_process_mapped_counts_as_cached_and_is_not_read_whole(tmp_path_factory, tmp_path):
-    """[Note: first files already cached]: a shared library holds only the pages a process ran; the
-    rest of its bytes are never read for a start. Partly resident (`TOUCHED`), it counts as cached
-    and the child reads none of it; one not resident at all is read whole beside the weights."""
-    import shutil
-
-    from dlo.agent.residency import file_residency
-    from dlo.engine.serving.first_cached import TOUCHED
-    from dlo.engine.serving.first_cached import looks_cached
-    from dlo.engine.serving.readahead import read_in_child
-
-    pkg = tmp_path / "pkg"
-    pkg.mkdir()
-    code = [pkg / f"m{i}.py" for i in range(20)]
-    for f in code:
-        f.write_bytes(b"x" * 8192)
-    used, cold = pkg / "_used.so", pkg / "libcold.so.1"
-    for lib in (used, cold):
-        lib.write_bytes(os.urandom(8 << 20))
-        drop(lib)
-    with open(used, "rb") as f:
-        f.read(256 << 10)  # the pages a process ran: 3% of it
-    assert TOUCHED <= file_residency(used).ratio < 0.5
-    assert not looks_cached([*code, cold])  # its only library never mapped: cold
-    assert looks_cached([*code, used])
-    model = shutil.copytree(tiny_pipeline(tmp_path_factory, "wan"), tmp_path / "model")
-    for f in model_files(model):
-        drop(f)
-    (tmp_path / "more").mkdir()
-    shutil.move(cold, tmp_path / "more" / cold.name)  # out of the package: the set looks cached
-    done = read_in_child(model_files(model), packages=(pkg,))
-    assert done["first"]["cached"] is True and done["first"]["behind"]["files"] == 0
-    assert done["first"]["sample"]["libraries"] == done["first"]["sample"]["libraries_touched"] == 1
-    assert file_residency(used).ratio < 0.5 and folder_residency(model).ratio == 1.0  # not read whole
-    shutil.move(tmp_path / "more" / cold.name, cold)  # 1 of 2 libraries not mapped: under CACHED_ENOUGH
-    for f in model_files(model):
-        drop(f)
-    done = read_in_child(model_files(model), packages=(pkg,))
-    assert "cached" not in done["first"] and file_residency(cold).ratio == 1.0
-
+        f.read_bytes()
+    facts = sample_facts([*code, lib])
+    assert not facts["cached"] and facts["libraries_touched"] == 0 and facts["rest_resident_share"] == 1.0
+    _run([*code, lib])
+    assert looks_cached([*code, lib])
+    assert looks_cached(code)  # no library listed: the Python files alone decide
 
 def test_the_library_warmup_runs_its_calls_and_only_starts_on_cuda():
     assert warm_libraries("cpu") > 0
