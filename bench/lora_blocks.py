@@ -204,7 +204,9 @@ def _load_measured(lora_dir: Path, name: str, pipeline_class: str, transformer_d
     sampler.start()
     dev0 = torch.cuda.memory_allocated() if cuda else 0
     t0 = time.perf_counter()
-    bank = LoraBank.load(LoraSettings(str(single)), pipeline_class, transformer_dir, model, model.device)
+    # the adapter's own bytes: the branch (merge and auto add one scratch per rank, counted apart)
+    bank = LoraBank.load(LoraSettings(str(single), apply="branch"), pipeline_class, transformer_dir, model,
+                         model.device)
     seconds = time.perf_counter() - t0
     done.set()
     sampler.join()

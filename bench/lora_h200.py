@@ -29,8 +29,9 @@ measured; a step the `--budget-s` left no time for is recorded as skipped):
    at the peak of its load), then one forward per token count and variant (base, lora, lora at scale
    0.8, attention only, and two bench-only controls) with events around every block;
 3. `serve_resident`, `serve_rank_local_partial` (the headline streamed run: a quarter of Wan's blocks,
-   three quarters of Flux's resident), `serve_rank_local` (every block streamed), and each again with
-   `--lora-apply merge` (`*_merge`): `dlo serve --lora-dir` over HTTP with the official SDK, the same
+   three quarters of Flux's resident), `serve_rank_local` (every block streamed), each with
+   `--lora-apply branch`, again with `--lora-apply merge` (`*_merge`) and with the default flags
+   (`*_auto`: merged above `--lora-merge-above` tokens a call): `dlo serve --lora-dir` over HTTP with the official SDK, the same
    request without and with `"lora": "r64"` alternately, `--requests` times each; the fastest of
    each, their ratio, the bytes (the same across modes, per way of applying?), the adapter's device
    bytes per rank from /ready, peak device and host memory; and `serve_resident_merge_cached`
@@ -84,6 +85,13 @@ TINY = {
 # seconds a step needs at full size (the budget skips what would not fit; the dry run ignores them)
 NEEDS = {"per_block": {"wan21": 170, "flux": 50}, "serve": {"wan21": 90, "flux": 60}}
 MERGE_SUFFIX = "_merge"  # a serve run with `--lora-apply merge` (its bytes are fuse_lora's, not the branch's)
+AUTO_SUFFIX = "_auto"  # a serve run with the default `--lora-apply auto` (merged above --lora-merge-above tokens)
+
+
+def apply_of(flags: list[str] | tuple[str, ...]) -> str:
+    """The `--lora-apply` a serve run's flags give (the default: auto)."""
+    flags = list(flags)
+    return flags[flags.index("--lora-apply") + 1] if "--lora-apply" in flags else "auto"
 
 
 class Budget:
@@ -227,7 +235,10 @@ def run_model(base: str, key: str, spec: dict, args: argparse.Namespace, budget:
             "serve_rank_local_partial": ("--mode", "rank-local", "--dp", "1", "--resident-blocks", k),
             # every block streamed: auto would keep them all where they fit (Flux's 2026-12-01 run did)
             "serve_rank_local": ("--mode", "rank-local", "--dp", "1", "--resident-blocks", "0")}
-    runs.update({f"{n}{MERGE_SUFFIX}": (*f, "--lora-apply", "merge") for n, f in list(runs.items())})
+    base_runs = list(runs.items())
+    runs = {n: (*f, "--lora-apply", "branch") for n, f in base_runs}
+    runs.update({f"{n}{MERGE_SUFFIX}": (*f, "--lora-apply", "merge") for n, f in base_runs})
+    runs.update({f"{n}{AUTO_SUFFIX}": f for n, f in base_runs})  # the default flags
     # every resident layer's merge kept after the first request with the adapter ([Note: the merge cache])
     runs["serve_resident_merge_cached"] = (*runs["serve_resident_merge"], "--lora-merge-cache", spec["merge_cache"])
     for name, flags in runs.items():
@@ -275,9 +286,10 @@ def summarize(rec: dict) -> dict:
         s["end_to_end_meets_goal"] = {n: r["ratio"] <= GOAL for n, r in serves.items()}
         # the denoising steps only (the decode and the encoding, the same with and without, left out)
         s["denoise_ratio"] = {n: r["denoise_ratio"] for n, r in serves.items() if r.get("denoise_ratio")}
-        for field, merged in (("lora_bytes_identical_across_modes", False),
-                              ("lora_bytes_identical_across_modes_merged", True)):
-            shas = [r["output_sha256"]["lora"] for r in serves.values() if ("--lora-apply" in r["flags"]) == merged]
+        for field, apply in (("lora_bytes_identical_across_modes", "branch"),
+                             ("lora_bytes_identical_across_modes_merged", "merge"),
+                             ("lora_bytes_identical_across_modes_auto", "auto")):
+            shas = [r["output_sha256"]["lora"] for r in serves.values() if apply_of(r["flags"]) == apply]
             s[field] = len(set(shas)) == 1 if len(shas) > 1 else None
         merge_rows = [r for r in rows.values() if "merge" in r]
         s["merge_in_gemm_bit_identical"] = (all(r["merge_in_gemm"]["bit_identical_to_merge"]
@@ -324,7 +336,8 @@ def markdown(rec: dict) -> str:
             lines.append(f"| {n} | {r['seconds']['base']} | {r['seconds']['lora']} | {ratio}x | "
                          f"{ms['end_to_end_meets_goal'][n]} | {f'{denoise}x' if denoise else ''} |")
         lines += ["", f"LoRA bytes identical across modes: {ms['lora_bytes_identical_across_modes']} (branch), "
-                      f"{ms.get('lora_bytes_identical_across_modes_merged')} (merge); the adapter changes the "
+                      f"{ms.get('lora_bytes_identical_across_modes_merged')} (merge), "
+                      f"{ms.get('lora_bytes_identical_across_modes_auto')} (auto); the adapter changes the "
                       f"output: {ms['lora_changes_output']}. Merged in one GEMM and in peft's two steps give the same "
                       f"bytes: {ms.get('merge_in_gemm_bit_identical')}; merge over branch per block: "
                       f"{ms.get('merge_over_branch_per_block')}.", "",
@@ -364,7 +377,7 @@ def main() -> int:
     ap.add_argument("--only", default="wan21,flux")
     ap.add_argument("--runs", default="", help="serve runs to keep, comma-separated (default: all seven: "
                                                "serve_resident, serve_rank_local_partial, serve_rank_local, each "
-                                               f"also with {MERGE_SUFFIX}, and serve_resident_merge_cached)")
+                                               f"also with {MERGE_SUFFIX} and {AUTO_SUFFIX}, and serve_resident_merge_cached)")
     ap.add_argument("--per-block", action=argparse.BooleanOptionalAction, default=True,
                     help="run the per-block step (--no-per-block: the serve runs only, for a second call)")
     ap.add_argument("--requests", type=int, default=2, help="requests per variant and server (the fastest counts)")

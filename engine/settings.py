@@ -134,8 +134,14 @@ LORA_LOADS: tuple[LoraLoad, ...] = get_args(LoraLoad)
 # scratch of the rank's own (peft's merge: equals diffusers + load_lora_weights + fuse_lora bit for
 # bit), never into the weight or the slot. The merge costs a pass over the weight where the branch
 # costs passes over the layer's input and output: cheaper where tokens outnumber a layer's width.
-LoraApply = Literal["branch", "merge"]
+# "auto" (the default) merges for a request whose transformer calls hold more than
+# `merge_above_tokens` tokens, else adds the branch: decided per request from its shape alone, so a
+# request's bytes are the same in every mode, dp and sp. Measured on one H200 (Wan2.1-14B, a rank-64
+# adapter, per block, `bench/results/lora-h200-2026-12-02.md`): merge over branch 1.053 at 4,096
+# tokens, 0.998 at 7,800, 0.974 at 32,760; Flux.1-dev 1.072 at 4,096.
+LoraApply = Literal["auto", "branch", "merge"]
 LORA_APPLIES: tuple[LoraApply, ...] = get_args(LoraApply)
+LORA_MERGE_ABOVE_TOKENS = 8000  # `--lora-merge-above`: the measured crossover, just above Wan2.1's 7,800
 
 
 @dataclass(frozen=True)
@@ -144,8 +150,9 @@ class LoraSettings:
 
     directory: str | None = None  # `dlo serve --lora-dir`; None: no adapters
     load: LoraLoad = "start"
-    apply: LoraApply = "branch"  # `dlo serve --lora-apply`
-    merge_cache_bytes: int = 0  # `--lora-merge-cache`: device bytes of resident layers' merges kept (merge only)
+    apply: LoraApply = "auto"  # `dlo serve --lora-apply`
+    merge_cache_bytes: int = 0  # `--lora-merge-cache`: device bytes of resident layers' merges kept (merge, auto)
+    merge_above_tokens: int = LORA_MERGE_ABOVE_TOKENS  # `--lora-merge-above`: auto merges calls of more tokens
 
     def __post_init__(self) -> None:
         if self.directory is not None and (not isinstance(self.directory, str) or not self.directory):
@@ -153,9 +160,16 @@ class LoraSettings:
         _one_of("lora load", self.load, LORA_LOADS)
         _one_of("lora apply", self.apply, LORA_APPLIES)
         _whole("lora merge_cache_bytes", self.merge_cache_bytes, 0)
-        if self.merge_cache_bytes and self.apply != "merge":
+        _whole("lora merge_above_tokens", self.merge_above_tokens, 0)
+        if self.merge_cache_bytes and self.apply == "branch":
             raise ConfigError("lora merge_cache_bytes (--lora-merge-cache) keeps merged weights: it needs lora apply "
-                              "'merge' (--lora-apply merge)")
+                              "'merge' or 'auto' (--lora-apply), not 'branch'")
+
+    @property
+    def merge_above(self) -> int:
+        """Tokens per transformer call above which a request's adapter is merged; -1: always (merge),
+        and for branch never (no scratch is made)."""
+        return -1 if self.apply == "merge" else self.merge_above_tokens
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,12 @@ class PipelineFacts:
         """The smallest width and height served: `min_side` rounded up to a multiple of `size_multiple`."""
         return max(self.size_multiple, align_up(self.min_side, self.size_multiple))
 
+    def call_tokens(self, gen: Generation) -> int:
+        """Latent tokens of one transformer call of `gen` (every image of it, all its latent frames),
+        the whole request's: what `--lora-apply auto` decides by, the same on every rank."""
+        latent_frames = (max(1, gen.frames) - 1) // self.temporal_factor + 1 if self.temporal_factor else 1
+        return gen.n * latent_frames * (gen.width // self.size_multiple) * (gen.height // self.size_multiple)
+
     @classmethod
     def from_dir(cls, model_dir: Path | str) -> "PipelineFacts":
         """`dlo.engine.families.pipeline_facts(model_dir)`."""

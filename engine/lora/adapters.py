@@ -307,13 +307,13 @@ def parse_metadata(path: Path, header_metadata: Mapping[str, str]) -> dict[str, 
 
 
 def rank_device_bytes(plans: Iterable[AdapterPlan], apply: str = "branch", merge_cache_bytes: int = 0) -> int:
-    """Device bytes every rank holds for `plans`: the adapters' tensors and, with `--lora-apply merge`,
+    """Device bytes every rank holds for `plans`: the adapters' tensors and, with `--lora-apply merge|auto`,
     the merge scratch (`dlo.engine.lora.merge.MergeScratch`: the largest targeted weight and lora bias
     per element size) and the merge cache, up to what every adapter's merges would fill (a larger
     cache could never be used). What the device budget counts as a whole component (`lora_adapters`)."""
     plans = list(plans)
     total = sum(p.device_bytes for p in plans)
-    if apply != "merge" or not plans:
+    if apply == "branch" or not plans:
         return total
     modules = [m for p in plans for m in p.modules]
     merges = sum(merge_bytes(m.out_features, m.in_features, m.bias, m.itemsize) for m in modules)

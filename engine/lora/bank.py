@@ -3,8 +3,9 @@
 Owns: `LoraBank` (every adapter of `--lora-dir`, loaded once at start onto this rank's device, and
 `applied(name, scale)`: the forward hooks of one request, removed when it ends), and `add_branch`,
 the op order every targeted layer's output gets (peft 0.21's `lora.Linear.forward`, unmerged).
-With `--lora-apply merge` the hooks instead swap in, for each targeted layer's call, its weight
-merged with the adapter in a scratch of the rank's own (`dlo.engine.lora.merge`, peft's merge order).
+With `--lora-apply merge` (and `auto`, for a request of more than `--lora-merge-above` tokens a
+transformer call) the hooks instead swap in, for each targeted layer's call, its weight merged with
+the adapter in a scratch of the rank's own (`dlo.engine.lora.merge`, peft's merge order).
 Must never: write into a layer's weight (in allgather mode that is the shared slot every rank of
 the wave computes from), keep a hook or a swapped weight past the request that installed it, or
 import peft.
@@ -77,11 +78,12 @@ class LoraBank:
 
     def __init__(self, adapters: dict[str, dict[nn.Module, Branch]], add_in_gemm: bool = False,
                  scratch: MergeScratch | None = None, cache: MergeCache | None = None,
-                 streamed: frozenset[nn.Module] = frozenset(), merge_in_gemm: bool = False):
+                 streamed: frozenset[nn.Module] = frozenset(), merge_in_gemm: bool = False, merge_above: int = -1):
         self.adapters = adapters
         self.add_in_gemm = add_in_gemm  # [Note: the add in B's product]
         self.merge_in_gemm = merge_in_gemm  # the bench's one-GEMM merge ([Note: LoRA merge order])
-        self.scratch = scratch  # `--lora-apply merge`: where each layer's merged weight is written
+        self.scratch = scratch  # `--lora-apply merge|auto`: where each layer's merged weight is written
+        self.merge_above = merge_above  # with a scratch: a request merges above these tokens a call (-1: always)
         self.cache = cache  # `--lora-merge-cache`: resident layers' merges kept ([Note: the merge cache])
         self.streamed = streamed  # layers whose weight is this call's slot view: never cached
         self._cached: dict[nn.Module, Merged] | None = None  # the running request's cache entries
@@ -106,11 +108,11 @@ class LoraBank:
             adapters[entry.name] = branches(read_adapter(entry, pipeline_class, weights), model.module, device,
                                             model.dtype_of)
         scratch, cache = None, None
-        if settings.apply == "merge" and adapters:
+        if settings.apply != "branch" and adapters:
             scratch = MergeScratch((b for br in adapters.values() for b in br.values()), torch.device(device))
             cache = MergeCache(settings.merge_cache_bytes) if settings.merge_cache_bytes else None
         bank = cls(adapters, add_in_gemm=torch.device(device).type in ADD_IN_GEMM, scratch=scratch, cache=cache,
-                   streamed=model.streamed_modules())
+                   streamed=model.streamed_modules(), merge_above=settings.merge_above)
         log.info("lora adapters loaded count=%d device=%s apply=%s device_bytes=%d (merge scratch %d, merge cache "
                  "up to %d) per_adapter=%s", len(adapters), device, settings.apply, bank.device_bytes,
                  scratch.nbytes if scratch else 0, cache.capacity if cache else 0,
@@ -130,23 +132,27 @@ class LoraBank:
                 + (self.cache.used if self.cache is not None else 0))
 
     @contextmanager
-    def applied(self, name: str | None, scale: float = 1.0) -> Iterator[None]:
-        """The forwards inside run adapter `name` at `scale` (peft's `scaling * scale`); nothing for
-        no adapter or scale 0. The hooks are removed on the way out, whatever happens inside."""
+    def applied(self, name: str | None, scale: float = 1.0, tokens: int = 0) -> Iterator[None]:
+        """The forwards inside run adapter `name` at `scale` (peft's `scaling * scale`), merged where
+        the bank merges and the request's transformer calls hold more than `merge_above` `tokens`
+        (the whole request's, never a rank's share: the same choice on every rank), else as the
+        branch; nothing for no adapter or scale 0. The hooks are removed on the way out, whatever
+        happens inside."""
         if name is None or scale == 0:
             yield
             return
         if name not in self.adapters:  # the API refuses unknown names: a caller's bug
             raise AdapterError(name, f"no adapter {name!r} on this rank; loaded: {', '.join(self.adapters) or 'none'}")
+        merging = self.merges(tokens)
         for layer, b in self.adapters[name].items():
             factor = b.scaling if scale == 1.0 else b.scaling * scale
             self._active[layer] = (b, None if isinstance(factor, float) and factor == 1.0 else factor)
-            if self.scratch is None:
+            if not merging:
                 self._hooks.add_post(layer, self._hook)
             else:
                 self._hooks.add_pre(layer, self._merge_in)
                 self._hooks.add_post(layer, self._merge_out)
-        if self.cache is not None:
+        if self.cache is not None and merging:
             self._key = (name, float(scale))
             self._cached = self.cache.entries(self._key)
         try:
@@ -157,6 +163,10 @@ class LoraBank:
                 self._restore(layer)
             self._active.clear()
             self._cached = None
+
+    def merges(self, tokens: int) -> bool:
+        """Whether a request of `tokens` per transformer call runs its adapter merged."""
+        return self.scratch is not None and tokens > self.merge_above
 
     def _hook(self, layer: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
         b, factor = self._active[layer]

@@ -16,6 +16,7 @@ from dlo.cli.args import (
     byte_size,
     existing_dir,
     existing_file,
+    non_negative_int,
     non_negative_seconds,
     port,
     positive_int,
@@ -27,6 +28,7 @@ from dlo.engine.facts import MODES_OR_AUTO, DeviceKind, Mode
 from dlo.engine.families.pipelines import WARMUP_STEPS
 from dlo.engine.settings import (
     LORA_APPLIES,
+    LORA_MERGE_ABOVE_TOKENS,
     MAX_GATHER_CTAS,
     STREAM_DTYPES,
     TRANSFERS,
@@ -180,15 +182,22 @@ def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
                              "at start (a mismatch exits 2 naming the file) and loaded once onto every rank's device "
                              "(its bytes in the model's dtype: ~0.6 GB for a rank-64 adapter of every Wan2.1-14B "
                              "block linear); requests for different adapters share a wave")
-    parser.add_argument("--lora-apply", choices=LORA_APPLIES, default="branch",
-                        help="how a request's adapter reaches a layer: branch (default) adds the unmerged low-rank "
-                             "branch to the layer's output, bit for bit what diffusers + load_lora_weights gives; "
-                             "merge computes the layer with W + scaling * B A merged per call into a scratch of the "
-                             "rank's own (never the weight or the shared slot), bit for bit what diffusers' "
-                             "fuse_lora gives, cheaper where a request's tokens outnumber a layer's width (video); "
-                             "costs the largest adapted weight once per rank (~142 MB for Wan2.1-14B)")
+    parser.add_argument("--lora-apply", choices=LORA_APPLIES, default="auto",
+                        help="how a request's adapter reaches a layer: branch adds the unmerged low-rank branch to "
+                             "the layer's output, bit for bit what diffusers + load_lora_weights gives; merge computes "
+                             "the layer with W + scaling * B A merged per call into a scratch of the rank's own (never "
+                             "the weight or the shared slot), bit for bit what diffusers' fuse_lora gives, cheaper "
+                             "where a call's tokens outnumber a layer's width (video); auto (default): merge for a "
+                             "request of more than --lora-merge-above tokens a transformer call, else branch (decided "
+                             "by the request's shape: its bytes are the same in every mode, dp and sp); merge and auto "
+                             "cost the largest adapted weight once per rank (~142 MB for Wan2.1-14B)")
+    parser.add_argument("--lora-merge-above", type=non_negative_int, default=LORA_MERGE_ABOVE_TOKENS, metavar="TOKENS",
+                        help="with --lora-apply auto: latent tokens per transformer call above which a request's "
+                             f"adapter is merged (default {LORA_MERGE_ABOVE_TOKENS}: measured on an H200, merging a "
+                             "rank-64 adapter costs a Wan2.1-14B block what the branch costs at ~7,800 tokens; a "
+                             "832x480 frame is 1,560 tokens, an 81-frame clip 32,760)")
     parser.add_argument("--lora-merge-cache", type=byte_size, default=None, metavar="BYTES",
-                        help="with --lora-apply merge: device bytes per rank (an integer or 48GiB, 48GB) that keep "
+                        help="with --lora-apply merge or auto: device bytes per rank (an integer or 48GiB, 48GB) that keep "
                              "resident layers' merges per adapter and scale, so a request whose adapter is cached "
                              "runs at the base model's cost (the least recently used adapter is dropped first; "
                              "streamed layers always merge per call); the device budget counts it all as taken; "
@@ -267,9 +276,10 @@ def _add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def lora_settings(args: argparse.Namespace) -> LoraSettings:
-    """`--lora-dir`, `--lora-apply` and `--lora-merge-cache` as settings (ConfigError when they disagree)."""
+    """`--lora-dir`, `--lora-apply`, `--lora-merge-cache` and `--lora-merge-above` as settings
+    (ConfigError when they disagree)."""
     return LoraSettings(directory=str(args.lora_dir.resolve()) if args.lora_dir else None, apply=args.lora_apply,
-                        merge_cache_bytes=args.lora_merge_cache or 0)
+                        merge_cache_bytes=args.lora_merge_cache or 0, merge_above_tokens=args.lora_merge_above)
 
 
 def engine_settings(args: argparse.Namespace, mode: Mode, device: DeviceKind, dp: int,

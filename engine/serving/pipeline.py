@@ -360,7 +360,7 @@ class ServingPipeline:
         self.phase = "prepare"  # text encoding, scheduler set-up, latents
         self.tick()
         self._vae_tiling(gen)
-        with torch.inference_mode(), self.lora.applied(gen.lora_id, gen.lora_scale):
+        with torch.inference_mode(), self.lora.applied(gen.lora_id, gen.lora_scale, self.facts.call_tokens(gen)):
             out = self.adapter.run(self.pipe, self._call_kwargs(gen), on_step)
         self.tick()
         self.phase = "encode_output"

@@ -35,8 +35,13 @@ def test_the_dry_run_measures_every_step_and_merges_into_the_record(tmp_path: Pa
     assert isinstance(row["merge_in_gemm"]["bit_identical_to_merge"], bool)  # the device's verdict; cpu's tells nothing
     adapters = flux["per_block"]["adapters"]
     assert adapters["r64"]["device_bytes"] > adapters["r64-attention"]["device_bytes"] > 0
+    sys.path.insert(0, str(BENCH.parent))
+    import lora_h200
+
     run = flux["serve_rank_local"]
-    assert run["flags"][-2:] == ["--resident-blocks", "0"]  # every block streamed: auto keeps what fits
+    # every block streamed (auto resident blocks keep what fits), the branch asked for
+    assert run["flags"][-4:] == ["--resident-blocks", "0", "--lora-apply", "branch"]
+    assert lora_h200.apply_of(run["flags"]) == "branch" and lora_h200.apply_of(["--mode", "resident"]) == "auto"
     assert run["exit_code"] == 0 and set(run["seconds"]) == {"base", "lora"} and run["same_bytes_every_request"]
     assert run["lora_device_bytes"] == {"0": adapters["r64"]["device_bytes"]}
     assert all(x > 0 for v in ("base", "lora") for x in run["step_seconds"][v])  # the denoising steps, per request

@@ -47,6 +47,7 @@ def test_what_every_rank_holds_counts_the_merge_scratch_once():
     # merge: one scratch of the largest targeted weight (8 x 6 bf16) for all adapters and layers
     assert rank_device_bytes(plans, "merge") == rank_device_bytes(plans) + 8 * 6 * 2
     assert rank_device_bytes([], "merge") == 0
+    assert rank_device_bytes(plans, "auto") == rank_device_bytes(plans, "merge")  # auto merges large requests
     assert rank_device_bytes(plans, "merge", 100) == rank_device_bytes(plans, "merge") + 100  # the cache asked
     # no more than both adapters' merges would fill: 2 x (8 x 6) bf16
     assert rank_device_bytes(plans, "merge", 10**6) == rank_device_bytes(plans, "merge") + 2 * 8 * 6 * 2
@@ -255,11 +256,16 @@ def test_lora_settings_travel_to_the_ranks_whole():
         LoraSettings("/loras", load="first-use")  # type: ignore[arg-type]
     merged = EngineSettings(OffloadSettings("allgather"), lora=LoraSettings("/loras", apply="merge"))
     assert EngineSettings.from_dict(json.loads(json.dumps(merged.to_dict()))).lora.apply == "merge"
-    with pytest.raises(ConfigError, match="lora apply must be one of branch, merge, got 'fused'"):
+    with pytest.raises(ConfigError, match="lora apply must be one of auto, branch, merge, got 'fused'"):
         LoraSettings("/loras", apply="fused")  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="it needs lora apply 'merge'"):
-        LoraSettings("/loras", merge_cache_bytes=10**9)
+    with pytest.raises(ConfigError, match="it needs lora apply 'merge' or 'auto'"):
+        LoraSettings("/loras", apply="branch", merge_cache_bytes=10**9)
     assert LoraSettings("/loras", apply="merge", merge_cache_bytes=10**9).merge_cache_bytes == 10**9
+    with pytest.raises(ConfigError, match="lora merge_above_tokens must be an integer >= 0, got -1"):
+        LoraSettings("/loras", merge_above_tokens=-1)
+    auto = LoraSettings("/loras", merge_above_tokens=100)  # the default apply: merge above 100 tokens a call
+    assert auto.apply == "auto" and auto.merge_above == 100 and LoraSettings(apply="merge").merge_above == -1
+    assert EngineSettings.from_dict(json.loads(json.dumps(EngineSettings(OffloadSettings("resident"), lora=auto).to_dict()))).lora == auto
     assert dataclasses.replace(s, lora=LoraSettings()).lora.directory is None
 
 

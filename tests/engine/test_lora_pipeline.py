@@ -19,26 +19,35 @@ from tests.engine.lora_helpers import SEQ
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("family,mode,apply,cache", [
-    ("wan", "resident", "branch", 0), ("flux", "rank-local", "branch", 0),
-    ("wan", "rank-local", "merge", 0), ("flux", "resident", "merge", 10**9)])
-def test_every_adapter_equals_diffusers_load_lora_weights_bit_for_bit(lora_setups, family, mode, apply, cache,
+# `auto` (the default): the tiny requests hold 4 tokens a call, so the default threshold (8,000) adds the
+# branch and a threshold of 3 merges
+@pytest.mark.parametrize("family,mode,apply,cache,above", [
+    ("wan", "resident", "branch", 0, None), ("flux", "rank-local", "auto", 0, None),
+    ("wan", "rank-local", "merge", 0, None), ("flux", "resident", "merge", 10**9, None),
+    ("wan", "resident", "auto", 0, 3)])
+def test_every_adapter_equals_diffusers_load_lora_weights_bit_for_bit(lora_setups, family, mode, apply, cache, above,
                                                                     monkeypatch):
     from dlo.engine.serving.pipeline import ServingPipeline
 
     s = lora_setups[family]
-    lora = LoraSettings(str(s.lora_dir), apply=apply, merge_cache_bytes=cache)
+    lora = LoraSettings(str(s.lora_dir), apply=apply, merge_cache_bytes=cache,
+                        **({} if above is None else {"merge_above_tokens": above}))
     pipe = ServingPipeline(s.model, EngineSettings(OffloadSettings(mode), lora=lora), max_sequence_length=SEQ)
     assert sorted(pipe.lora.names) == sorted(s.adapters)
+    tokens = pipe.facts.call_tokens(s.gen(0))
+    assert tokens == 4
+    merged = pipe.lora.merges(tokens)
+    assert merged == (apply == "merge" or (apply == "auto" and above is not None))
+    kind = "merge" if merged else "branch"  # which diffusers reference the bytes equal
     linears = [m for m in pipe.model.module.modules() if isinstance(m, torch.nn.Linear)]
     own = {m: m._parameters["weight"] for m in linears}
-    reference = "diffusers + peft" + (" + fuse_lora" if apply == "merge" else "")
+    reference = "diffusers + peft" + (" + fuse_lora" if merged else "")
     for i, (adapter, scale, seed) in enumerate(s.cases):
         gen = s.gen(i)
-        with torch.inference_mode(), pipe.lora.applied(gen.lora_id, gen.lora_scale):
+        with torch.inference_mode(), pipe.lora.applied(gen.lora_id, gen.lora_scale, tokens):
             out = pipe.pipe(**pipe._call_kwargs(gen))
         got = np.asarray(out.frames if family == "wan" else out.images)
-        ref = s.ref_array(i, apply)
+        ref = s.ref_array(i, kind)
         assert np.array_equal(got, ref), (f"{family} {mode} {apply} case {i} {adapter}@{scale}: max difference "
                                           f"{np.abs(got.astype(np.float64) - ref).max():.3g} from {reference}")
         if adapter is not None and (None, 1.0, seed) in s.cases:
@@ -54,11 +63,11 @@ def test_every_adapter_equals_diffusers_load_lora_weights_bit_for_bit(lora_setup
         monkeypatch.setattr("dlo.engine.lora.bank.merge_weight", _no_merge)
     # the request path (`run`): the served bytes of the reference, and scale 0 the base model's
     first = next(i for i, c in enumerate(s.cases) if c[0] is not None and c[1] == 1.0)
-    assert pipe.run(s.gen(first)).outputs[0] == s.ref_bytes(first, apply)
+    assert pipe.run(s.gen(first)).outputs[0] == s.ref_bytes(first, kind)
     base = s.case(None, 1.0, s.cases[first][2])
     assert pipe.run(dataclasses.replace(s.gen(first), lora_scale=0.0)).outputs[0] == s.ref_bytes(base)
     assert pipe.component_reports()["lora"]["device_bytes"] == pipe.lora.device_bytes > 0
-    assert (pipe.lora.scratch is not None) == (apply == "merge")
+    assert (pipe.lora.scratch is not None) == (apply != "branch")
     pipe.close()
 
 

@@ -145,8 +145,12 @@ def test_an_adapter_that_does_not_fit_the_model_is_refused_at_start_naming_the_f
     assert "the transformer has no single_transformer_blocks.0." in message[0], message[0]
     # a merge cache without the merge: refused before anything starts, both flags named
     r = subprocess.run([sys.executable, "-m", "dlo.cli.main", "serve", str(wan.model), "--device", "cpu", "--lora-dir",
-                        str(wan.lora_dir), "--lora-merge-cache", "1GiB", "--port", "0"], capture_output=True, text=True,
-                       env=offline_env(), timeout=300)
+                        str(wan.lora_dir), "--lora-apply", "branch", "--lora-merge-cache", "1GiB", "--port", "0"],
+                       capture_output=True, text=True, env=offline_env(), timeout=300)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "dlo serve: lora merge_cache_bytes (--lora-merge-cache) keeps merged weights: it needs lora apply 'merge' "
-        "(--lora-apply merge)"], r.stderr[-2000:]
+        "or 'auto' (--lora-apply), not 'branch'"], r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "-m", "dlo.cli.main", "serve", str(wan.model), "--device", "cpu", "--lora-dir",
+                        str(wan.lora_dir), "--lora-merge-above", "-5", "--port", "0"], capture_output=True, text=True,
+                       env=offline_env(), timeout=300)
+    assert r.returncode == 2 and "--lora-merge-above" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
