@@ -34,3 +34,5 @@ class Generation:
     # image-to-video: the uploaded first frame (encoded bytes, decoded on the rank); not part of the
     # wave's compatibility key: every image of a wave is resized to the wave's size
     image: bytes | None = field(default=None, repr=False)
+    # the start's warm-up request, every rank's, its output discarded (`dlo.engine.serving.warm_run`)
+    warmup: bool = False

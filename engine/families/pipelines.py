@@ -177,6 +177,9 @@ class PipelineFamily:
     # The VAE decodes in tiles at every size (MiniMax-H3's was released so: untiled, its output
     # differs); else tiles only above `ServingPipeline.vae_tile_above_pixels`.
     vae_always_tiled: bool = False
+    # `warm_decode` is the call's own decode: the warm-up runs it beside its denoising
+    # ([Note: the warm-up's decode beside its denoising] in `dlo.engine.serving.warm_run`)
+    decode_beside_warmup: bool = False
 
     def __repr__(self) -> str:
         return f"PipelineFamily({self.name!r})"
@@ -235,4 +238,10 @@ class PipelineFamily:
 
     def decode(self, out: Any, gen: Generation) -> Decoded:
         """The pipeline call's output (`output_type="np"`) as frames."""
+        raise NotImplementedError
+
+    def warm_decode(self, pipe: Any, gen: Generation) -> Any:
+        """The pipeline call's output (`output_type="np"`) for `gen` were its latents zero, made by
+        the call's own decode steps (the VAE at the request's latent shape, its post-processing):
+        where `decode_beside_warmup` is set."""
         raise NotImplementedError

@@ -2,8 +2,8 @@
 
 Owns: Wan's block list, its pipeline facts (VAE 8x spatial / 4x temporal, patch 1x2x2, frames
 4k+1), what a request means for `WanPipeline` (CFG whenever guidance > 1, videos per prompt,
-frames) and how its output decodes (videos; an image request is the first frame of each). The
-tiny random Wan folder is `dlo.engine.families.tiny_writers.WanTiny`.
+frames) and how its output decodes (videos; an image request is the first frame of each), and the
+call's decode alone for the warm-up (`warm_decode`). The tiny random Wan folder is `dlo.engine.families.tiny_writers.WanTiny`.
 Must never: import torch or diffusers at import time.
 """
 
@@ -25,6 +25,7 @@ class WanFamily(PipelineFamily):
     blocks = WAN_BLOCKS
     pipeline_class = "WanPipeline"
     streamable_encoders = ("text_encoder",)  # UMT5-XXL
+    decode_beside_warmup = True
 
     def pipeline_facts(self, root: Path, index: dict, transformer: dict, vae: dict) -> PipelineFacts:
         if (index.get("transformer_2") or [None])[0] is not None:
@@ -44,3 +45,18 @@ class WanFamily(PipelineFamily):
         if gen.kind == "video":
             return Decoded(video=videos[0])
         return Decoded(images=tuple(v[0] for v in videos))
+
+    def warm_decode(self, pipe: Any, gen: Generation) -> Any:
+        # WanPipeline's decode: the latents in the VAE's dtype, de-normalised (zeros stay zeros in
+        # shape and dtype), `vae.decode`, `video_processor.postprocess_video`
+        from types import SimpleNamespace
+
+        import torch
+
+        vae = pipe.vae
+        frames = (max(1, gen.frames) - 1) // pipe.vae_scale_factor_temporal + 1
+        side = pipe.vae_scale_factor_spatial
+        z = torch.zeros(gen.n, vae.config.z_dim, frames, gen.height // side, gen.width // side,
+                        dtype=vae.dtype, device=pipe._execution_device)
+        video = vae.decode(z, return_dict=False)[0]
+        return SimpleNamespace(frames=pipe.video_processor.postprocess_video(video, output_type="np"))

@@ -34,6 +34,7 @@ from dlo.engine.serving.control import (
 )
 from dlo.engine.serving.distmap import start_distribution_map
 from dlo.engine.serving.faults import InjectedFault, install_rank_faults
+from dlo.engine.serving.warm_run import run_warm_up
 from dlo.engine.timing import Laps
 from dlo.engine.request import Generation
 
@@ -109,7 +110,7 @@ def run_assignment(pipe: Any, cfg: RankConfig, wave: int, mine: Generation | Non
     if mine is not None:
         calls0 = dict(pipe.calls_done)
         try:
-            res = pipe.run(mine)
+            res = run_warm_up(pipe, mine) if mine.warmup else pipe.run(mine)
         except Exception as e:
             client_fault = isinstance(e, UnicodeError)
             # sp > 1: the request's sp group shares attention collectives, so only a failure every

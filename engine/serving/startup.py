@@ -9,6 +9,7 @@ Must never: touch the ranks (the service runs the warm-up through its rank group
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ def warmup_generation(facts: PipelineFacts, sp: int, size: tuple[int, int] | Non
     least = facts.smallest_side
     row = facts.size_multiple * sp  # sp > 1: a width of sp tokens per row splits every frame's tokens over the sp ranks
     w, h = size or (align_up(least, row), least)
-    return facts.warmup(w, h, steps)  # an image, or the shortest video of a video-only family
+    return dataclasses.replace(facts.warmup(w, h, steps), warmup=True)  # an image, or a video-only family's shortest video
 
 
 class WarmUp:

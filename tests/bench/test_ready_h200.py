@@ -111,7 +111,7 @@ def test_the_dry_run_records_warm_and_cold_starts_with_their_phases_and_merge_su
     for st in (cold, warm):
         assert st["exit_code"] == 0 and st["ready_seconds"] > 0 and st["mode"] == st["server_mode"] == "resident", st
         phases = st["startup_seconds"]["phases"]
-        assert {"imports", "engine_models", "settle", "warmup_denoise"} <= set(phases), phases
+        assert {"imports", "engine_models", "settle", "warmup_decode", "warmup_denoise_beside"} <= set(phases), phases
     assert len(warm["output_sha256"]) == 64 and "output_sha256" not in cold
     # a cold start's reads, from rank 0's log: the readahead's first phase, started with dlo serve's checks
     assert cold["readahead"]["first"]["files"] > 0 and cold["readahead_lead_seconds"] > 0, cold
