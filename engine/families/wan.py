@@ -57,6 +57,6 @@ class WanFamily(PipelineFamily):
         frames = (max(1, gen.frames) - 1) // pipe.vae_scale_factor_temporal + 1
         side = pipe.vae_scale_factor_spatial
         z = torch.zeros(gen.n, vae.config.z_dim, frames, gen.height // side, gen.width // side,
-                        dtype=vae.dtype, device=pipe._execution_device)
+                        dtype=vae.dtype, device=next(vae.parameters()).device)
         video = vae.decode(z, return_dict=False)[0]
         return SimpleNamespace(frames=pipe.video_processor.postprocess_video(video, output_type="np"))

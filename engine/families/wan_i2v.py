@@ -21,6 +21,7 @@ from dlo.engine.request import Generation
 class WanI2VFamily(WanFamily):
     name = "wan-i2v"  # the transformer is Wan's (`WAN_BLOCKS`)
     pipeline_class = "WanImageToVideoPipeline"
+    decode_beside_warmup = False  # its call encodes the input image with the VAE the decode would use
 
     def matches(self, index: dict) -> bool:
         return (index.get("_class_name") == self.pipeline_class

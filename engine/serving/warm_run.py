@@ -17,7 +17,9 @@ on a thread beside, while this thread decodes zeros of that shape and encodes th
 warm-up takes the longer of the two instead of their sum. Measured on one H200 (Wan2.1-14B
 resident, 832x480, `ready-h200-2026-12-03-l`): text encoding 0.33-0.56 s, denoising 0.59-0.87 s,
 decode 0.64-0.92 s, encoding 0.18-0.24 s, one after another. Both run on the device's default
-stream (no ordering between them matters: neither reads what the other writes), and the warm-up's
+stream (no ordering between them matters: neither reads what the other writes; a request with an
+input image runs whole, as the call beside would encode it with the same VAE, whose causal caches
+are the module's own state), and the warm-up's
 shape is the smallest or the default one, far below the largest request the budget holds, so both
 peaks together fit where that request fits.
 """
@@ -36,7 +38,7 @@ def run_warm_up(pipe: Any, gen: Generation) -> Any:
     ([Note: the warm-up's decode beside its denoising]); `phase_seconds` then name the parts:
     `decode`, `encode_output` and `wait` (for the call beside) one after another here, and
     `denoise_beside` (the call without its decode: text encoding and denoising), beside them."""
-    if not pipe.adapter.decode_beside_warmup:
+    if not pipe.adapter.decode_beside_warmup or gen.image is not None:  # an input image: the VAE encodes it beside
         return pipe.run(gen)
     import torch
 
