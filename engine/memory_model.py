@@ -226,14 +226,9 @@ class PipelineMemory:
                 yield "vae_decode", plain
 
     def _largest_plain(self, shape: Shape) -> Shape | None:
-        """The largest request below `shape` that the threshold leaves plain (fewer frames, or fewer
-        images, at the largest size; below one frame of it, one frame as wide as the threshold allows;
-        None when the threshold leaves nothing plain)."""
+        """The largest request below `shape` that the threshold leaves plain (fewer frames, or
+        fewer images, at the largest size; None when not one frame or image of it is plain)."""
         area = shape.width * shape.height
-        if self.tile_above_pixels < area:  # not one frame of this size is plain: one narrower frame is
-            m = self.geometry.size_multiple
-            w = self.tile_above_pixels // shape.height // m * m  # a width a request can ask for
-            return Shape(w, shape.height, 1, 1) if w >= m else None
         if self.geometry.temporal_factor and shape.frames > 1:
             t = self.geometry.temporal_factor
             frames = (self.tile_above_pixels // (area * shape.batch) - 1) // t * t + 1

@@ -19,10 +19,9 @@ Within a model the kept blocks are spread through the order (`dlo.engine.offload
 each resident block hides the next streamed block's copy; measured better than the first k).
 
 The tiling rule: the plain decode unless (a) it does not fit the budget beside the leanest placement
-(rank-local, no resident block: the mode-independent reference): then plain up to the largest
-threshold whose plain decodes fit, tiled above it (one H200 cannot hold Wan2.1's plain decode of
-its largest accepted request), or (b) the family decodes images only, a tiled decode has a lower
-peak, and the budget cannot hold every block resident with the plain one: image requests are copy-bound (measured on one H200 at 1024x1024: Qwen-Image 15.8 s
+(rank-local, no resident block: the mode-independent reference), or (b) the family decodes images
+only, a tiled decode has a lower peak, and the budget cannot hold every block resident with the
+plain one: image requests are copy-bound (measured on one H200 at 1024x1024: Qwen-Image 15.8 s
 against a 14.9 s copy bound, Flux.1-dev ~0.18 s of compute per step against ~0.46 s of copies), so
 every block the plain decode displaces costs a copy on each transformer call, against a decode
 once per request (Qwen-Image 1024x1024, tiled: +0.43 s measured). Video requests are not: Wan2.1
@@ -64,7 +63,8 @@ def tiling_for_budget(memory: PipelineMemory, budget: int) -> tuple[int, str]:
         if tiled.request_bytes >= lean.request_bytes:
             return VAE_TILE_ABOVE_PIXELS, (f"the fixed rule: the plain decode does not fit the budget of "
                                            f"{format_gb(budget)} and a tiled one needs no less")
-        return _largest_plain_threshold(memory, budget, lean.describe())
+        return 0, (f"every decode tiled: the plain decode does not fit the budget of {format_gb(budget)} "
+                   f"({lean.describe()} + margin)")
     streamed = sum(m.blocks * m.largest_block_bytes for m in memory.transformers.values())
     if (memory.geometry.temporal_factor == 0 and tiled.request_bytes < lean.request_bytes
             and budget - need < streamed):
@@ -72,27 +72,6 @@ def tiling_for_budget(memory: PipelineMemory, budget: int) -> tuple[int, str]:
                    f"({format_gb(lean.request_bytes)}) would displace resident blocks "
                    f"(tiled: {format_gb(tiled.request_bytes)})")
     return VAE_TILE_ABOVE_PIXELS, "the plain decode fits the budget"
-
-
-def _largest_plain_threshold(memory: PipelineMemory, budget: int, plain_need: str) -> tuple[int, str]:
-    """The largest threshold below the fixed rule's whose plain decodes still fit `budget` beside the
-    leanest placement (bisected: a higher threshold only adds larger plain decodes), 0 where none does.
-    A small request then decodes in one pass (faster, and one set of kernels where tiles have several
-    shapes), only what the budget cannot hold plain is tiled."""
-    def fits(threshold: int) -> bool:
-        rank = dataclasses.replace(memory, tile_above_pixels=threshold).rank("rank-local")
-        assert rank.request_bytes is not None  # measured: the caller checked the plain and the tiled
-        return rank.weights_bytes + rank.request_bytes + margin_bytes(rank.request_bytes) <= budget
-
-    low, high = 0, VAE_TILE_ABOVE_PIXELS  # fits(low) is assumed (all tiled), fits(high) is known false
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid)
-    if low == 0:
-        return 0, (f"every decode tiled: the plain decode does not fit the budget of {format_gb(budget)} "
-                   f"({plain_need} + margin)")
-    return low, (f"plain up to {low} decoded pixels, tiled above: the plain decode of the largest accepted "
-                 f"request does not fit the budget of {format_gb(budget)} ({plain_need} + margin)")
 
 
 def resident_plan(memory: PipelineMemory, mode: str, g: int, budget: int) -> tuple[ResidentPlan, str]:
