@@ -36,7 +36,7 @@ measured; a step the `--budget-s` left no time for is recorded as skipped):
    each, their ratio, the bytes (the same across modes, per way of applying?), the adapter's device
    bytes per rank from /ready, peak device and host memory; and `serve_resident_merge_cached`
    (`--lora-merge-cache`: the first request with the adapter fills the cache, the fastest of the
-   others is the figure). `--runs` keeps some, `--no-per-block` skips step 2: Wan2.1's seven runs
+   others is the figure). `--runs` keeps some, `--no-per-block` skips step 2: Wan2.1's ten runs
    take two calls (the 2026-12-02 record's `serve_rank_local_merge_host` and
    `serve_rank_local_partial_merge_cached` used `--lora-host-cache`, since reverted: bench/NOTES.md
    section 18).
@@ -375,7 +375,7 @@ def main() -> int:
     ap.add_argument("--logs", type=Path, default=None)
     ap.add_argument("--stem", default=None)
     ap.add_argument("--only", default="wan21,flux")
-    ap.add_argument("--runs", default="", help="serve runs to keep, comma-separated (default: all seven: "
+    ap.add_argument("--runs", default="", help="serve runs to keep, comma-separated (default: all ten: "
                                                "serve_resident, serve_rank_local_partial, serve_rank_local, each "
                                                f"also with {MERGE_SUFFIX} and {AUTO_SUFFIX}, and serve_resident_merge_cached)")
     ap.add_argument("--per-block", action=argparse.BooleanOptionalAction, default=True,

@@ -50,6 +50,14 @@ class BlockLayout:
         return shard_bytes(self.nbytes, g)
 
 
+def latent_tokens(width: int, height: int, frames: int, n: int, size_multiple: int, temporal_factor: int) -> int:
+    """Transformer tokens of one call over `n` outputs of width x height x frames: one per
+    size_multiple^2 pixels of each latent frame ((frames - 1) / temporal_factor + 1 of them; one for
+    an images-only family, temporal_factor 0)."""
+    latent_frames = (max(1, frames) - 1) // temporal_factor + 1 if temporal_factor else 1
+    return n * latent_frames * (width // size_multiple) * (height // size_multiple)
+
+
 def shard_bytes(nbytes: int, g: int) -> int:
     """S: the bytes each of g ranks holds of a block of `nbytes` bytes."""
     if g < 1:

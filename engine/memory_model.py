@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 from dlo.engine.facts import ModelFacts
+from dlo.engine.layout import latent_tokens
 from dlo.engine.memory_table import FamilyTable, MemoryTable, part_features
 
 SLOT_ALIGN = 256
@@ -74,10 +75,10 @@ class Geometry:
 
 def features(part: str, shape: Shape, geometry: Geometry, sequence: int) -> dict[str, float]:
     """The feature values of `part` at `shape` (`dlo.engine.memory_table.part_features`)."""
-    latent_frames = (shape.frames - 1) // geometry.temporal_factor + 1 if geometry.temporal_factor else 1
-    m = geometry.size_multiple
     area = shape.batch * shape.width * shape.height
-    every = {"tokens": float(shape.batch * latent_frames * (shape.width // m) * (shape.height // m)),
+    tokens = latent_tokens(shape.width, shape.height, shape.frames, shape.batch, geometry.size_multiple,
+                           geometry.temporal_factor)
+    every = {"tokens": float(tokens),
              "area": float(area), "pixels": float(area * shape.frames), "sequence": float(sequence)}
     return {f: every[f] for f in part_features(part, video=geometry.temporal_factor > 0)}
 

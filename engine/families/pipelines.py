@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dlo.engine.families.base import BlockFamily
-from dlo.engine.layout import align_up
+from dlo.engine.layout import align_up, latent_tokens
 from dlo.engine.request import Generation
 
 
@@ -66,8 +66,7 @@ class PipelineFacts:
     def call_tokens(self, gen: Generation) -> int:
         """Latent tokens of one transformer call of `gen` (every image of it, all its latent frames),
         the whole request's: what `--lora-apply auto` decides by, the same on every rank."""
-        latent_frames = (max(1, gen.frames) - 1) // self.temporal_factor + 1 if self.temporal_factor else 1
-        return gen.n * latent_frames * (gen.width // self.size_multiple) * (gen.height // self.size_multiple)
+        return latent_tokens(gen.width, gen.height, gen.frames, gen.n, self.size_multiple, self.temporal_factor)
 
     @classmethod
     def from_dir(cls, model_dir: Path | str) -> "PipelineFacts":

@@ -47,8 +47,8 @@ class WanFamily(PipelineFamily):
         return Decoded(images=tuple(v[0] for v in videos))
 
     def warm_decode(self, pipe: Any, gen: Generation) -> Any:
-        # WanPipeline's decode: the latents in the VAE's dtype, de-normalised (zeros stay zeros in
-        # shape and dtype), `vae.decode`, `video_processor.postprocess_video`
+        # WanPipeline's decode: the latents in the VAE's dtype, de-normalised (the values change, the
+        # shape and dtype the kernels are chosen by do not), `vae.decode`, `video_processor.postprocess_video`
         from types import SimpleNamespace
 
         import torch

@@ -17,9 +17,8 @@ a rank imports (`--package`) and the pipeline folder's small files, configs and 
 the disk busy; the advice queued the whole folder in front of every other read).
 That order alone did not help (`ready-h200-2026-12-02-d`: cold imports 29.5-32 s again): the
 rank's early registration pins the weights from its first second, and pinning reads them, so the
-package reads still queued behind 40 GB. Now the child prints a line once the start's other files
-are read (`read_in_child`'s `on_first`), and the rank's registration pins each weights file only
-once the child has read it ([Note: pin what is read] in `dlo.engine.weights`); and those files are read as the weights are, in chunks on every
+package reads still queued behind 40 GB. Now the child reads those files before any weights file,
+and the rank's registration pins each weights file only once the child has read it ([Note: pin what is read] in `dlo.engine.weights`); and those files are read as the weights are, in chunks on every
 thread (one thread per large `.so` read 4 GB of packages at 229 MB/s). Which packages: the
 requirement closure of the distributions a rank imports (`--distribution`: each one's installed
 files, from its RECORD, its requirements' with their markers evaluated), and `--package` folders
@@ -32,11 +31,10 @@ transformers' imports, and the distribution map's child, read it), the project's
 the folders themselves. `--python` reads the first two (`interpreter_files`, `metadata_files`),
 `START_FOLDERS` names the project's packages, and `read_first` lists the folder of every file it reads.
 
-Owns: `read_in_child` (the parent's side: run the child, report its first line, wait, parse its
-last; its warnings go to the rank's log), `startup_files` and `distribution_files` (what is read
+Owns: `read_in_child` (the parent's side: run the child, wait, parse its last line; its warnings go to the rank's log), `startup_files` and `distribution_files` (what is read
 first), `read_uncached` (`first_cached.py`: [Note: first files already cached]) and `main` (the child: arm the
 parent-death signal first, exit if the parent is already gone, read the start's other files (or
-find them cached), say so, then warm the weights in the order given, print what it read).
+find them cached), then warm the weights in the order given, print what it read).
 Must never: outlive the process that started it (parent-death signal), write to a model file, or
 import torch.
 """
@@ -53,7 +51,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import IO, Any, Callable, Iterable, Iterator
+from typing import IO, Any, Iterable, Iterator
 
 from dlo.engine.serving.child_env import child_env
 from dlo.engine.serving.first_cached import is_code, needs_read, residency, sample_facts
@@ -76,18 +74,17 @@ FOLDER_FILE_BYTES = 64 << 20
 
 def read_in_child(files: list[Path], threads: int = THREADS, packages: tuple[Path, ...] = (),
                   folders: tuple[Path, ...] = (), distributions: tuple[str, ...] = (),
-                  on_first: Callable[[dict[str, Any]], None] | None = None, python: bool = False) -> dict[str, Any]:
+                  python: bool = False) -> dict[str, Any]:
     """Warm `files` (in this order) in a child process, the `startup_files` of `packages`,
-    `folders`, `distributions` and (`python`) the interpreter's first, calling `on_first` with what
-    those were once they are read; what it read: files, bytes, seconds, pid, and `first` (files,
-    bytes, seconds)."""
+    `folders`, `distributions` and (`python`) the interpreter's first; what it read: files, bytes,
+    seconds, pid, and `first` (files, bytes, seconds, and the sample its verdict was drawn from)."""
     argv = [sys.executable, "-m", __name__, "--threads", str(threads), "--parent-pid", str(os.getpid()),
             "--sys-path", json.dumps(sys.path), *(["--python"] if python else []),
             *(a for p in packages for a in ("--package", str(p))), *(a for f in folders for a in ("--folder", str(f))),
             *(a for d in distributions for a in ("--distribution", d)), *map(str, files)]
     with tempfile.TemporaryFile("w+", errors="replace") as err:  # a file, not a pipe: warnings never block the child
         with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=child_env()) as proc:
-            lines = list(_lines(proc.stdout, on_first))
+            lines = list(_lines(proc.stdout))
         err.seek(0)
         stderr = err.read().strip()
     if proc.returncode != 0 or not lines:
@@ -98,13 +95,10 @@ def read_in_child(files: list[Path], threads: int = THREADS, packages: tuple[Pat
     return json.loads(lines[-1])
 
 
-def _lines(stdout: IO[str] | None, on_first: Callable[[dict[str, Any]], None] | None) -> Iterator[str]:
-    """The child's lines as they come; its `{"phase": "first", ...}` line goes to `on_first`."""
+def _lines(stdout: IO[str] | None) -> Iterator[str]:
+    """The child's non-empty lines as they come."""
     for line in stdout or ():
-        if line.startswith('{"phase": "first"'):
-            if on_first is not None:
-                on_first(json.loads(line)["first"])
-        elif line.strip():
+        if line.strip():
             yield line
 
 
@@ -325,7 +319,6 @@ def main(argv: list[str] | None = None) -> int:
     else:
         first = read_first(files, args.first_threads)
     first["sample"] = {k: v for k, v in sample.items() if k != "cached"}  # what the verdict was drawn from
-    print(json.dumps({"phase": "first", "first": first}), flush=True)  # the rank's registration may start
     if thread is not None:
         thread.start()
     session = warm(args.files, threads=args.threads, advise=False)
