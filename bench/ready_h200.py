@@ -428,10 +428,13 @@ def markdown(rec: dict) -> str:
         lines.append(f"| {m} | " + " | ".join(map(str, row)) + " |")
     lines += ["", f"Disk read of the folder once: {s.get('disk_read_seconds', 'not measured')} s. "
               f"Same output in every mode: {s.get('same_output_every_mode', 'not checked')}.", "",
-              "Phases of each start (rank 0, seconds; `warmup_*` are the warm-up request's):", ""]
+              "Phases of each start (rank 0, seconds; `before: {...}` are `dlo serve`'s steps before the load, "
+              "`warmup_*` the warm-up request's):", ""]
     for raw in rec["raws"]:
         for st in raw["starts"]:
             phases = (st.get("startup_seconds") or {}).get("phases", {})
+            before = (st.get("startup_seconds") or {}).get("before_load_phases")
+            phases = {"before": before, **phases} if before else phases
             kind = "profiled" if st.get("profiled") else start_kind(st)
             check = f"; check request first/second {st['check_seconds']} s" if st.get("check_seconds") else ""
             lines.append(f"- {st['mode']} {kind} {st['start']}: ready "

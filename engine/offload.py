@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,7 @@ class OffloadedModel:
         self.compute_dtype = compute_dtype  # what most weights compute in (`_compute_dtype`)
         # the resident copies still in flight (their event) and the registrations they read (`settle`)
         self._copies, self._unsettled = copies, unsettled
+        self._releasing: threading.Thread | None = None  # the registrations' release after `settle`
 
     def gather_only(self, n_calls: int) -> None:
         """Take part in n_calls forwards' weight gathers without compute (same collective order)."""
@@ -109,21 +111,31 @@ class OffloadedModel:
         return self.prefetcher.stats
 
     def settle(self) -> float:
-        """Wait for the resident copies a `load(settle=False)` left in flight and release the page-cache
-        registrations they read (those no host weights kept); returns the seconds waited. Idempotent."""
+        """After `load(settle=False)`: wait until its resident copies are issued, order the compute
+        stream after them (`ResidentCopies.finish`), and release the registrations they read (those no
+        host weights kept) on a thread, once they have landed (`close()` joins it). Returns the
+        seconds waited. Idempotent."""
         t0 = time.perf_counter()
         if self._copies is not None:
-            self.platform.host_wait(self._copies)
-            self._copies = None
+            copies, self._copies = self._copies, None
+            copies.finish()
+            if copies.in_background:
+                log.info("resident copies issued beside the load: %d bytes from registered files in %.2f s "
+                         "(%.2f s of it waiting for the registration)", copies.registered_bytes,
+                         copies.issue_seconds, copies.registration_wait)
         if self._unsettled is not None:
-            self._unsettled.release()
-            self._unsettled = None
+            registration, self._unsettled = self._unsettled, None
+            self._releasing = threading.Thread(target=_release_logged, args=(registration,), daemon=True,
+                                               name="dlo-unregister")
+            self._releasing.start()
         return time.perf_counter() - t0
 
     def close(self) -> None:
         """Remove DLO's hooks and release DMA registrations (after in-flight copies finish). The
         model is unusable after."""
         self.settle()
+        if self._releasing is not None:
+            self._releasing.join()
         self.hooks.remove()
         if self.prefetcher is not None:
             self.prefetcher.release()
@@ -158,9 +170,10 @@ def load(
     caller (`early_registration`, to overlap it with the caller's own imports); else one starts here
     where it can help, so that the driver pins the page cache while the model is built and the
     resident copies run at DMA speed ([Note: resident copies] in `dlo.engine.placement`).
-    `settle=False` returns while those copies may still run (the stream current at load is ordered
-    after them, so work queued on it is safe); `OffloadedModel.settle()` then waits for them and
-    releases the registrations they read (those no host weights kept), and `close()` does too.
+    `settle=False` returns while those copies may still run, or, with no block streamed, while a
+    thread still issues them: nothing may read the model's tensors before `OffloadedModel.settle()`,
+    which orders the stream current at load after them and releases the registrations they read
+    (those no host weights kept); `close()` does too.
     """
     t0 = time.perf_counter()
     laps = Laps(t0)  # where the load's time goes (the `phases=` of its log line)
@@ -174,8 +187,11 @@ def load(
         ckpt, meta = _parse_and_build(component_dir, early, laps)
         fp8 = fp8_plan(ckpt, (k for b in meta.blocks for k in b.keys), settings.stream_dtype)
         keep = spread_resident(len(meta.blocks), _resident_count(settings, len(meta.blocks)))
-        placed, host_only_bytes = _place_resident_weights(ckpt, meta, keep, device, platform, early, laps, fp8)
         offloaded = [b for i, b in enumerate(meta.blocks) if i not in keep]
+        # with nothing streamed, no graph is captured: the copies are issued beside the caller's next steps
+        background = not offloaded and not settle
+        placed, host_only_bytes = _place_resident_weights(ckpt, meta, keep, device, platform, early, laps, fp8,
+                                                          background)
         wires = [_wire(ckpt, b, meta, fp8) for b in offloaded]
         layouts = [lay for lay, _ in wires]
         g, r = _shard_group(settings.mode, group)
@@ -188,7 +204,7 @@ def load(
             stream = _start_streaming(meta, offloaded, wires, host, settings, platform, device, group, g, r)
             laps.lap("slots")
     except BaseException:
-        _release_after_failure(placed, host, early, platform)
+        _release_after_failure(placed, host, early)
         raise
     assert_nothing_on_meta(meta.module, {k for b in offloaded for k in b.keys})
     prefetcher, hooks = stream if stream is not None else (None, HookSet())
@@ -205,18 +221,24 @@ def load(
     log.info("dlo loaded %s phases=%s", " ".join(f"{k}={v}" for k, v in report.to_dict().items()), laps.rounded())
     # what no host weights adopted stays registered until the copies that read it have landed
     model = OffloadedModel(meta.module, report, prefetcher, host, ckpt, platform, device, hooks,
-                           compute_dtype=_compute_dtype(meta, ckpt), unsettled=early, copies=placed.done)
+                           compute_dtype=_compute_dtype(meta, ckpt), unsettled=early, copies=placed.copies)
     if settle:
         model.settle()
     return model
 
 
-def _release_after_failure(placed: Placement | None, host: HostWeights | None, early: EarlyRegistration | None,
-                           platform: Platform) -> None:
+def _release_logged(registration: EarlyRegistration) -> None:
+    t0 = time.perf_counter()
+    registration.release()
+    log.info("page-cache registrations the resident copies read released in %.2f s", time.perf_counter() - t0)
+
+
+def _release_after_failure(placed: Placement | None, host: HostWeights | None,
+                           early: EarlyRegistration | None) -> None:
     """A load that failed part-way (the slots did not fit, say): once no copy still reads them, nothing
     stays registered or pinned."""
-    if placed is not None and placed.done is not None:
-        platform.host_wait(placed.done)
+    if placed is not None:
+        placed.copies.land()
     if host is not None:
         host.release()
     if early is not None:
@@ -235,16 +257,18 @@ def _parse_and_build(component_dir: Path | str, early: EarlyRegistration | None,
 
 def _place_resident_weights(ckpt: Checkpoint, meta: MetaModel, keep: set[int], device: torch.device,
                             platform: Platform, early: EarlyRegistration | None, laps: Laps,
-                            fp8: Fp8Plan | None = None) -> tuple[Placement, int]:
+                            fp8: Fp8Plan | None = None, background: bool = False) -> tuple[Placement, int]:
     """Step 2: the family's host-only weights as page-cache views, then the non-block weights and
     the kept blocks onto the device (from the registered page cache, asynchronously, where the early
     registration reached their files; FP8 weights dequantized as streamed ones are, so every mode
     computes with the same values: `dlo.engine.placement`); returns the placement and the host-only
     bytes."""
     host_only = _keep_on_host(ckpt, meta)  # first: a tied tensor may point at one of them
-    placed = place_resident(ckpt, meta, keep, device, platform, early, fp8)
+    placed = place_resident(ckpt, meta, keep, device, platform, early, fp8, background)
     laps.lap("resident_copies")
-    laps.phases["registration_wait"] = placed.registration_wait  # inside resident_copies
+    laps.phases["resident_alloc"] = placed.alloc_seconds  # inside resident_copies
+    if not placed.copies.in_background:  # else the settle's log line says
+        laps.phases["registration_wait"] = placed.copies.registration_wait  # inside resident_copies
     return placed, host_only
 
 

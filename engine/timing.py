@@ -59,7 +59,7 @@ class PhaseClock:
 
 
 class Laps:
-    """`lap(name)` records the seconds since the previous lap (or since construction) under `name`."""
+    """`lap(name)` records the seconds since the previous lap (or since `start`) under `name`."""
 
     def __init__(self, start: float | None = None):
         self.phases: dict[str, float] = {}
@@ -71,6 +71,11 @@ class Laps:
 
     def rounded(self) -> dict[str, float]:
         return {k: round(v, 2) for k, v in self.phases.items()}
+
+
+def start_laps() -> Laps:
+    """Laps counted from this process's start (`process_age_seconds`)."""
+    return Laps(time.perf_counter() - process_age_seconds())
 
 
 # Imported by diffusers or transformers whenever they are installed, needed by none of the served

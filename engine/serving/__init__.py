@@ -10,6 +10,7 @@ Map (which file to open for which concept):
                  InvalidInput, video jobs)
   connections.py the listener's limits: cap and probe reserve, idle/header and body timeouts, episode logs
   http_protocol.py the HTTP/1.1 connection applying them (uvicorn's h11), 16 KiB heads, RFC 9112 framing
+  uvicorn_server.py the uvicorn server with them, and its drain on SIGTERM/SIGINT
   faults.py      test-only fault injection (DLO_TEST_HOOKS=1 + DLO_TEST_FAULTS) and its seams, off in production
   waves.py       compatibility keys of a Generation (dlo.engine.request), the wave-forming rule, WaveQueue
   videos.py      the video job store; video_records.py a job's files; video_jobs.py running jobs

@@ -22,7 +22,6 @@ import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -31,10 +30,9 @@ from dlo.engine.facts import DeviceKind, Mode
 from dlo.engine.serving.mode_choice import resolve_mode
 from dlo.engine.serving.options import add_arguments, engine_settings
 from dlo.engine.settings import ConfigError, from_environment
+from dlo.engine.timing import Laps, start_laps
 
 __all__ = ["add_arguments", "main", "engine_settings", "resolve_mode", "read_api_key", "StartError"]
-
-LISTEN_BACKLOG = 2048  # uvicorn's default
 
 
 class StartError(Exception):
@@ -138,6 +136,7 @@ class _Start:
     """What the checks before any rank decided, step by step."""
 
     model_dir: Path
+    laps: Laps  # from the process's start: the interpreter and this module's imports, then each step
     facts: Any = None
     limits: Any = None
     warmup_size: tuple[int, int] | None = None
@@ -186,6 +185,9 @@ def _model_and_limits(args: argparse.Namespace, start: _Start) -> None:
 
 def _layout(args: argparse.Namespace, start: _Start) -> None:
     """Device, dp x sp, and the flags that depend on them; the `DLO_*` switches."""
+    from dlo.engine.serving.distmap import start_distribution_map
+
+    start_distribution_map()  # once the folder passed its checks; beside torch's import below (distmap.py)
     from dlo.engine.devices import device_count, resolve_device
     from dlo.engine.parallel import LayoutError, check_layout, check_tokens
 
@@ -241,18 +243,11 @@ def _listen(args: argparse.Namespace, start: _Start) -> None:
     start.listener = sock
 
 
-def _prepare(args: argparse.Namespace) -> _Start:
-    """Every check that needs no rank, in order; `StartError` names the first problem."""
-    start = _Start(model_dir=args.model_dir.resolve())
-    start.api_key = read_api_key(args.api_key_file)
-    _model_and_limits(args, start)
-    from dlo.engine.serving.distmap import start_distribution_map
-
-    start_distribution_map()  # once the folder passed its checks; beside torch's import below (distmap.py)
-    _layout(args, start)
+def _budget(args: argparse.Namespace, start: _Start) -> None:
+    """The device budget against the pipeline at its limits (`dlo.engine.serving.budget`), the mode."""
     from dlo.engine.serving.budget import DeviceBudgetError, budget_inputs, deployment
 
-    try:  # the device budget against the pipeline at its limits (dlo.engine.serving.budget)
+    try:
         start.deployment = deployment(args, start.model_dir, start.limits, start.device, start.adapter_bytes)
         start.mode, why = resolve_mode(args.mode, start.model_dir, start.dp, start.device, args.profile, sp=args.sp,
                                        **budget_inputs(args, start.deployment))
@@ -262,8 +257,17 @@ def _prepare(args: argparse.Namespace) -> _Start:
         raise StartError(f"--profile: {e}") from None
     log.info("serving %s family=%s mode=%s (%s) dp=%d sp=%d device=%s", start.model_dir, start.facts.family,
              start.mode, why, start.dp, args.sp, start.device)
-    _video_store(args, start)
-    _listen(args, start)
+
+
+def _prepare(args: argparse.Namespace) -> _Start:
+    """Every check that needs no rank, in order; `StartError` names the first problem. Each step's
+    seconds are a lap of `start.laps` (the `before_load_phases` of `/ready`)."""
+    start = _Start(model_dir=args.model_dir.resolve(), laps=start_laps())
+    start.laps.lap("before_checks")  # the interpreter, the imports of `dlo`, the arguments, a --fetch
+    start.api_key = read_api_key(args.api_key_file)
+    for step in (_model_and_limits, _layout, _budget, _video_store, _listen):
+        step(args, start)
+        start.laps.lap(step.__name__.lstrip("_"))
     return start
 
 
@@ -290,68 +294,9 @@ def _engine(args: argparse.Namespace, start: _Start) -> Any:
                             wave_window_ms=args.wave_window_ms, warmup=args.warmup, warmup_size=start.warmup_size,
                             warmup_steps=args.warmup_steps,
                             shutdown_grace_s=args.shutdown_grace, startup_timeout_s=args.startup_timeout,
-                            adapters=start.adapters)
+                            adapters=start.adapters, start_laps=start.laps)
     return Engine(cfg, limits=start.limits, facts=start.facts, model_id=args.served_model_name or start.model_dir.name,
                   videos=start.videos, options=options)
-
-
-def _server_class(engine: Any, guard: Any) -> type:
-    import asyncio
-
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        """SIGTERM/SIGINT drain the engine first (`Engine.begin_drain`), which then asks uvicorn to
-        exit: uvicorn's own graceful shutdown would cancel the handlers still waiting for their wave
-        with a plain-text 500. A signal before the engine runs, or once the exit is under way, is
-        uvicorn's as usual. uvicorn re-raises the signal after a graceful shutdown; a requested stop
-        exits 0 instead."""
-
-        async def startup(self, sockets: Any = None) -> None:
-            await super().startup(sockets)
-            guard.start(asyncio.get_running_loop())
-
-        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            loop = engine.loop
-            if self.should_exit or loop is None or loop.is_closed():
-                super().handle_exit(sig, frame)
-            else:
-                loop.call_soon_threadsafe(engine.begin_drain)
-            getattr(self, "_captured_signals", []).clear()
-
-    return Server
-
-
-def _http_server(args: argparse.Namespace, engine: Any, app: Any) -> Any:
-    """uvicorn with our connection protocol and limits."""
-    import uvicorn
-
-    from dlo.engine.serving.connections import (
-        FD_RESERVE,
-        LOOPBACK,
-        ConnectionGuard,
-        ConnectionLimits,
-        default_max_connections,
-        raise_nofile_limit,
-    )
-    from dlo.engine.serving.http_protocol import guarded_protocol
-
-    nofile = raise_nofile_limit()
-    max_connections = args.max_connections or default_max_connections(nofile)
-    if max_connections > nofile - FD_RESERVE:
-        log.warning("--max-connections %d leaves fewer than %d of RLIMIT_NOFILE %d for the engine: accepts may "
-                    "fail for lack of descriptors", max_connections, FD_RESERVE, nofile)
-    guard = ConnectionGuard(ConnectionLimits(
-        max_connections, idle_timeout_s=args.idle_timeout, body_timeout_s=args.body_timeout,
-        min_body_rate=args.min_body_rate, probe_networks=(*LOOPBACK, *args.probe_cidr)))
-    # uvicorn's graceful timeout only guards a stop that did not come through the drain: above the
-    # grace, so it never cancels a handler the drain still lets finish.
-    server = _server_class(engine, guard)(uvicorn.Config(
-        app, log_level=args.log_level, http=guarded_protocol(guard), backlog=LISTEN_BACKLOG,
-        timeout_keep_alive=max(1, int(args.idle_timeout)),
-        timeout_graceful_shutdown=int(args.shutdown_grace) + 5))
-    engine.request_exit = lambda: setattr(server, "should_exit", True)
-    return server
 
 
 def _fetch_model(args: argparse.Namespace) -> int:
@@ -378,16 +323,18 @@ def main(args: argparse.Namespace) -> int:
     try:
         start = _prepare(args)
         engine = _engine(args, start)
+        start.laps.lap("engine")
     except StartError as e:
         print(f"dlo serve: {e}", file=sys.stderr)
         return 2
     from dlo.engine.serving.faults import install_http_faults
     from dlo.engine.serving.server import create_app
+    from dlo.engine.serving.uvicorn_server import http_server
 
     engine.group.spawn()
     app = create_app(engine, start.api_key, start.peers)
     install_http_faults(app)  # test-only: a no-op unless DLO_TEST_HOOKS=1 and DLO_TEST_FAULTS say so
-    server = _http_server(args, engine, app)
+    server = http_server(args, engine, app)
     assert start.listener is not None
     server.run(sockets=[start.listener])
     code = engine.exit_code or (0 if server.started else 1)

@@ -72,8 +72,8 @@ class ServingPipeline:
         The steps, in order (each a method, torchtitan's `parallelize_*` style): configure (facts,
         device, cap), start the readahead and the library warm-up beside the imports (`prewarm.py`),
         load the engine's models (resident copies left in flight), parallelize (dp x sp), build the
-        diffusers pipeline around them, place its other components, attach the progress hooks, load
-        the LoRA adapters, settle the copies, join the readahead. `phases=` of the "pipeline loaded"
+        diffusers pipeline around them, place its other components, attach the progress hooks,
+        settle the copies, load the LoRA adapters, join the readahead. `phases=` of the "pipeline loaded"
         log line (`load_phases`) times them. A step that fails closes the models already loaded."""
         t0 = time.perf_counter()
         laps = Laps(t0)
@@ -90,11 +90,11 @@ class ServingPipeline:
             self.component_bytes = self._place_components()
             laps.lap("components_to_device")
             self._attach_progress_hooks()
+            for m in self.models.values():  # the resident copies issued beside the steps above: the
+                m.settle()                  # compute stream waits for them (the LoRA bank reads them)
+            laps.lap("settle")
             self.lora = self._load_lora()
             laps.lap("lora")
-            for m in self.models.values():  # the resident copies the loads left in flight land here
-                m.settle()
-            laps.lap("settle")
         except BaseException:
             self.close()  # nothing stays registered, pinned or in flight
             raise

@@ -40,7 +40,7 @@ from dlo.engine.serving.metrics import EngineMetrics
 from dlo.engine.serving.ranks import RankGroup
 from dlo.engine.serving.startup import WarmUp, startup_phases, warn_about_start_costs
 from dlo.engine.serving.threads import WaveThread, in_daemon_thread
-from dlo.engine.timing import process_age_seconds
+from dlo.engine.timing import Laps, process_age_seconds
 from dlo.engine.serving.video_jobs import VideoJobs
 from dlo.engine.serving.videos import VideoStore
 from dlo.engine.serving.waves import Pending, WaveQueue
@@ -69,6 +69,7 @@ class EngineOptions:
     shutdown_grace_s: float = 25.0
     startup_timeout_s: float = 900.0
     adapters: Mapping[str, str] = field(default_factory=dict)  # --lora-dir: name -> its file or folder
+    start_laps: Laps | None = None  # `dlo serve`'s steps before the load, from the process's start
 
 
 class Engine:
@@ -117,6 +118,9 @@ class Engine:
         """Start the ranks, warm every one up, then turn ready and start the scheduler."""
         t0 = time.perf_counter()
         before_load = process_age_seconds()  # interpreter start, imports, arguments, the HTTP server
+        before_laps = self.options.start_laps
+        if before_laps is not None:
+            before_laps.lap("rank_spawn_and_http_server")
         if not await self._start_ranks():
             return
         t1 = time.perf_counter()
@@ -128,7 +132,8 @@ class Engine:
         self.metrics.set_info(self.cfg.mode, self.cfg.dp, self.facts.family, self.cfg.device,
                               ready0.facts.report.weights_source)
         self._enter("ready")
-        self.startup_seconds = startup_phases(before_load, t1 - t0, self.warmup_seconds, ready0.facts.load_phases, warm)
+        self.startup_seconds = startup_phases(before_load, t1 - t0, self.warmup_seconds, ready0.facts.load_phases, warm,
+                                              before_laps.rounded() if before_laps is not None else {})
         log.info("engine ready mode=%s dp=%d family=%s device=%s seconds=%.1f warmup_seconds=%s startup=%s",
                  self.cfg.mode, self.cfg.dp, self.facts.family, self.cfg.device, time.perf_counter() - t0,
                  "off" if self.warmup_seconds is None else f"{self.warmup_seconds:.2f}", self.startup_seconds)

@@ -65,12 +65,14 @@ class WarmUp:
         return self.generation().steps if self.enabled else None
 
 
-def startup_phases(before_load: float, load_s: float, warmup_s: float | None,
-                   load_phases: dict[str, float], warmup_phases: dict[str, float]) -> dict[str, Any]:
-    """Where the time from process start to ready went, and `phases`: rank 0's in order, its load's
-    steps then the warm-up request's `warmup_*` (every rank's own load phases are in `/ready`)."""
+def startup_phases(before_load: float, load_s: float, warmup_s: float | None, load_phases: dict[str, float],
+                   warmup_phases: dict[str, float], before_load_phases: dict[str, float]) -> dict[str, Any]:
+    """Where the time from process start to ready went: `before_load_phases`, `dlo serve`'s steps
+    before the load (they add up to `before_load`), and `phases`: rank 0's in order, its load's steps
+    then the warm-up request's `warmup_*` (every rank's own load phases are in `/ready`)."""
     return {"before_load": round(before_load, 2), "load": round(load_s, 2), "warmup": round(warmup_s or 0.0, 2),
-            "total": round(process_age_seconds(), 2), "phases": {**load_phases, **warmup_phases}}
+            "total": round(process_age_seconds(), 2), "phases": {**load_phases, **warmup_phases},
+            "before_load_phases": before_load_phases}
 
 
 def warn_about_start_costs() -> None:

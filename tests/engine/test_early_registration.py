@@ -172,6 +172,7 @@ class StreamPlatform(RecordingPlatform):
         super().__init__(**kw)
         self.events: list[str] = []
         self.waited: list[str] = []
+        self.issuers: set[str] = set()  # the threads that issued copies on the copy stream
 
     def new_stream(self, role):
         return f"stream:{role}"
@@ -186,6 +187,10 @@ class StreamPlatform(RecordingPlatform):
     def host_wait(self, event):
         self.waited.append(event)
 
+    def set_stream(self, stream):
+        if stream == "stream:resident":
+            self.issuers.add(threading.current_thread().name)
+
     def unregister(self, ptr):
         assert self.waited, "a file unregistered while the resident copies may still read it"
         super().unregister(ptr)
@@ -195,8 +200,10 @@ class StreamPlatform(RecordingPlatform):
 def test_resident_copies_read_the_registered_files_until_they_settle(sharded, monkeypatch, settle):
     """[Note: resident copies]: a resident load copies from the registered files (asynchronously
     where the platform has streams) and the files stay registered until the host has waited for the
-    copies' event: at the end of `load`, or at `settle()` with `settle=False` (the caller's work
-    runs meanwhile). The weights are exactly those of a load without registration."""
+    copies' event: at the end of `load`, or after `settle()` with `settle=False`, where the copies
+    are issued on a thread of their own while the caller goes on, and the registrations are
+    released on another once they have landed. The weights are exactly those of a load without
+    registration."""
     import dlo.engine.offload as offload
     from dlo.engine import OffloadSettings, load
 
@@ -206,12 +213,14 @@ def test_resident_copies_read_the_registered_files_until_they_settle(sharded, mo
     settings = OffloadSettings("resident")
     m = load(sharded, settings=settings, device="cpu", early=offload.early_registration(sharded, "cpu", settings),
              settle=settle)
-    got = m.module.state_dict()
-    assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
-    done = platform.events[-1]  # recorded on the copy stream after the last copy
     if not settle:
         assert platform.waited == [] and len(platform.live) == len(cached_checkpoint(sharded).files)
         assert m.settle() >= 0.0
+        wait_until(lambda: platform.live == {}, 10, "the registrations released after the copies")
+    assert platform.issuers == ({"MainThread"} if settle else {"dlo-resident-copies"})
+    got = m.module.state_dict()
+    assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
+    done = platform.events[-1]  # recorded on the copy stream after the last copy
     waits = len(platform.waited)
     assert waits and set(platform.waited) == {done} and platform.live == {}
     m.settle()  # idempotent

@@ -6,7 +6,9 @@ the garbage collector, the StatefulSet and Job controllers and the scheduler.
   template hash; they become Running/Ready through `ready_when(pod)` once scheduled (default: at
   once; the e2e's local kubelet reports readiness itself);
 - Job: one pod at a time from the template, `backoffLimit` retries, `podFailurePolicy` FailJob on
-  exit codes, and the Complete/Failed conditions;
+  exit codes, and the Complete/Failed conditions, stamped as the Job controller does (`startTime`,
+  the conditions' `lastTransitionTime`, `completionTime` when Complete: how long ago a Job finished
+  is what the operator retries a failed fetch by);
 - scheduler: a pending pod goes to the first node (by name) that matches its nodeSelector and
   required node affinity (labels and `metadata.name` fields), holds no pod its required
   anti-affinity excludes, and has the extended resources it requests; else the pod gets
@@ -23,7 +25,7 @@ from typing import Any
 
 from dlo.operator import builders
 from dlo.operator.kube import _path
-from emulator import Emulator, live_objects
+from emulator import Emulator, live_objects, now
 
 
 async def request(emulator: Emulator, method: str, path: str, body: Any = None) -> None:
@@ -118,14 +120,21 @@ class JobController:
             path = _path("batch/v1", "Job", job["metadata"]["namespace"], job["metadata"]["name"])
             verdict = self._verdict(job, done, failed)
             if verdict is not None:
+                stamp = now()
                 status = {"succeeded": len(done), "failed": len(failed), "active": 0,
-                          "conditions": [{"type": verdict[0], "status": "True", "reason": verdict[1]}]}
+                          "conditions": [{"type": verdict[0], "status": "True", "reason": verdict[1],
+                                          "lastTransitionTime": stamp}]}
+                if verdict[0] == "Complete":
+                    status["completionTime"] = stamp
                 await request(emulator, "PATCH", path + "/status", {"status": status})
             elif not active:
                 name = f"{job['metadata']['name']}-{uuid.uuid4().hex[:5]}"
                 body = new_pod(job, job["spec"]["template"], name, {"job-name": job["metadata"]["name"]})
                 await request(emulator, "POST", _path("v1", "Pod", job["metadata"]["namespace"]), body)
-                await request(emulator, "PATCH", path + "/status", {"status": {"active": 1, "failed": len(failed)}})
+                status = {"active": 1, "failed": len(failed)}
+                if not (job.get("status") or {}).get("startTime"):
+                    status["startTime"] = now()
+                await request(emulator, "PATCH", path + "/status", {"status": status})
 
     @staticmethod
     def _verdict(job: dict[str, Any], done: list[dict], failed: list[dict]) -> tuple[str, str] | None:

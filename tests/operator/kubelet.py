@@ -3,7 +3,8 @@
 For each Pod object in the emulator it runs the init containers' commands to completion, then the
 main container's command, as local processes with the pod's env (values, field refs and Secret
 keys resolved from the emulator) and its volume mounts mapped to local paths (hostPath: the path
-itself; emptyDir: a fresh folder; the memory-backed /dev/shm stays the host's). It probes the
+itself, or with `node_disks` the path on the pod's node's own disk, a folder per node under the
+workdir; emptyDir: a fresh folder; the memory-backed /dev/shm stays the host's). It probes the
 readiness endpoint and writes the pod status (phase, Ready condition) back to the emulator, and it
 terminates a pod's processes once the pod object is gone. Images are ignored: the commands run from
 this checkout's environment.
@@ -43,11 +44,16 @@ class PodFailed(RuntimeError):
 
 
 class LocalKubelet:
-    def __init__(self, cluster: Cluster, workdir: Path, select: Any = None) -> None:
-        """`select(pod) -> bool`: the pods this kubelet runs (default: every scheduled pod)."""
+    def __init__(self, cluster: Cluster, workdir: Path, select: Any = None, node_disks: bool = False) -> None:
+        """`select(pod) -> bool`: the pods this kubelet runs (default: every scheduled pod).
+        `node_disks`: every node has a disk of its own, as the nodes of a cluster do: a hostPath of a
+        pod on node N is `host_path(N, path)`, so the fetches of two nodes into the same cache path
+        do not share one folder (default: every node is this host and shares its paths, e.g. a
+        model folder placed once for every node)."""
         self.cluster = cluster
         self.workdir = workdir
         self.select = select or (lambda pod: True)
+        self.node_disks = node_disks
         self.unpullable: set[str] = set()  # images no registry serves: their pods wait in ImagePullBackOff
         self.tasks: dict[str, asyncio.Task] = {}
         self.processes: dict[str, list[asyncio.subprocess.Process]] = {}
@@ -57,6 +63,12 @@ class LocalKubelet:
         self.names: dict[str, str] = {}  # pod uid -> name
         self.proxies: dict[int, asyncio.Server] = {}  # client Service port -> its proxy
         self._turn = itertools.count()
+
+    def host_path(self, node: str, path: str | Path) -> Path:
+        """Where `path` on `node`'s disk is on this host."""
+        if not self.node_disks:
+            return Path(path)
+        return self.workdir / "nodes" / node / Path(path).relative_to("/")
 
     def pod_url(self, pod: str) -> str:
         """Where a pod answers on this host (what `<pod>.<headless>` would reach in a cluster)."""
@@ -219,7 +231,7 @@ class LocalKubelet:
         out: dict[str, str | None] = {}
         for v in pod["spec"].get("volumes", []):
             if "hostPath" in v:
-                path = Path(v["hostPath"]["path"])
+                path = self.host_path(pod["spec"]["nodeName"], v["hostPath"]["path"])
                 if v["hostPath"].get("type") == "DirectoryOrCreate":
                     path.mkdir(parents=True, exist_ok=True)
                 elif v["hostPath"].get("type") == "Directory" and not path.is_dir():

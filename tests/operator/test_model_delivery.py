@@ -1,7 +1,9 @@
 """spec.model.uri on the API emulator with the real operator, real fetch Jobs and a real store: the
 fetch Jobs' pods run `dlo fetch` as local processes (tests/operator/kubelet.py) against moto's S3
-server with the real boto3 client. Placement from two node profiles (one lists the model, one does
-not), the fetch request, the status while fetching, and the roll to a new model (fetched first)."""
+server with the real boto3 client, each node on a disk of its own (as in a cluster: two nodes'
+fetches of one model never share a staging folder). Placement from two node profiles (one lists the
+model, one does not), the fetch request, the status while fetching, and the roll to a new model
+(fetched first)."""
 
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ async def start(cluster, server, tmp_path):
     secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "store", "namespace": NS},
               "stringData": {"AWS_ACCESS_KEY_ID": server.access_key, "AWS_SECRET_ACCESS_KEY": server.secret_key}}
     await cluster.create(secret)
-    kubelet = LocalKubelet(cluster, tmp_path / "kubelet", select=fetch_pods)
+    kubelet = LocalKubelet(cluster, tmp_path / "kubelet", select=fetch_pods, node_disks=True)
     kubelet.workdir.mkdir()
     return kubelet, asyncio.create_task(kubelet.run())
 
@@ -119,7 +121,7 @@ async def test_placement_from_two_profiles_a_fetch_job_and_the_status_while_fetc
                                what="fetched")
             assert condition(cluster, "ModelReady")["reason"] == "Fetched"
             assert holders(cluster, key) == ["node-0", "node-1"]
-            assert files_of(cache / key) == files_of(model)
+            assert files_of(kubelet.host_path("node-1", cache / key)) == files_of(model)
             await cluster.wait(lambda: (condition(cluster, "Ready") or {}).get("status") == "True", what="Ready")
             placed = sorted(p["spec"]["nodeName"] for p in cluster.objects("Pod", NS) if not fetch_pods(p))
             assert placed == ["node-0", "node-1"]
@@ -131,9 +133,10 @@ async def test_placement_from_two_profiles_a_fetch_job_and_the_status_while_fetc
 
 
 async def test_a_new_uri_is_fetched_before_the_pods_move_to_it(store, tmp_path):
-    server, _ = store
+    server, model = store
     old, new = key_of(URI, server.url), key_of(URI_V2, server.url)
-    async with running_cluster(cache_root=str(tmp_path / "cache")) as cluster:
+    cache = tmp_path / "cache"
+    async with running_cluster(cache_root=str(cache)) as cluster:
         kubelet, task = await start(cluster, server, tmp_path)
         try:
             for i in range(2):
@@ -154,6 +157,8 @@ async def test_a_new_uri_is_fetched_before_the_pods_move_to_it(store, tmp_path):
 
             await cluster.wait(moved, timeout=90, what="pods on the new model")
             assert holders(cluster, new) == ["node-0", "node-1"]
+            for node in ("node-0", "node-1"):  # each node fetched it onto its own disk
+                assert files_of(kubelet.host_path(node, cache / new)) == files_of(model)
             for p in cluster.objects("Pod", NS):
                 assert p["metadata"]["uid"] not in pods.values()  # each pod was replaced once, after the fetch
             await cluster.wait(lambda: condition(cluster, "ModelReady").get("reason") == "Fetched"
@@ -181,7 +186,7 @@ async def test_a_source_that_is_not_a_pipeline_fails_the_fetch_with_its_reason(s
             assert condition(cluster, "Ready")["reason"] == "FetchFailed"
             # exit 2 fails the Job at once (podFailurePolicy): one pod, no retries
             assert len([p for p in cluster.objects("Pod", NS) if fetch_pods(p)]) == 1
-            assert not (tmp_path / "cache" / key_of(uri, server.url)).exists()
+            assert not kubelet.host_path("node-0", tmp_path / "cache" / key_of(uri, server.url)).exists()
         finally:
             await kubelet.stop()
             task.cancel()
