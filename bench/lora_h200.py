@@ -88,10 +88,14 @@ MERGE_SUFFIX = "_merge"  # a serve run with `--lora-apply merge` (its bytes are 
 AUTO_SUFFIX = "_auto"  # a serve run with the default `--lora-apply auto` (merged above --lora-merge-above tokens)
 
 
-def apply_of(flags: list[str] | tuple[str, ...]) -> str:
-    """The `--lora-apply` a serve run's flags give (the default: auto)."""
+def apply_of(flags: list[str] | tuple[str, ...], name: str = "") -> str:
+    """The `--lora-apply` a serve run's flags give; without the flag, the default of the run's time:
+    auto for the `*_auto` runs, the branch for the others (raws from before auto became the default,
+    which named no `--lora-apply` for the branch)."""
     flags = list(flags)
-    return flags[flags.index("--lora-apply") + 1] if "--lora-apply" in flags else "auto"
+    if "--lora-apply" in flags:
+        return flags[flags.index("--lora-apply") + 1]
+    return "auto" if name.endswith("_auto") else "branch"
 
 
 class Budget:
@@ -289,7 +293,7 @@ def summarize(rec: dict) -> dict:
         for field, apply in (("lora_bytes_identical_across_modes", "branch"),
                              ("lora_bytes_identical_across_modes_merged", "merge"),
                              ("lora_bytes_identical_across_modes_auto", "auto")):
-            shas = [r["output_sha256"]["lora"] for r in serves.values() if apply_of(r["flags"]) == apply]
+            shas = [r["output_sha256"]["lora"] for n, r in serves.items() if apply_of(r["flags"], n) == apply]
             s[field] = len(set(shas)) == 1 if len(shas) > 1 else None
         merge_rows = [r for r in rows.values() if "merge" in r]
         s["merge_in_gemm_bit_identical"] = (all(r["merge_in_gemm"]["bit_identical_to_merge"]

@@ -45,8 +45,11 @@ def _served_model(kube: Kube, owner: Owner) -> ModelSource | None:
 
 
 def _finished_at(job: dict[str, Any]) -> float:
+    """When a finished Job ended: its completion or a condition's transition, else its creation (a
+    Job with no time of its own is retried after the back-off from then, never held back for good)."""
     st = job.get("status") or {}
     stamps = [st.get("completionTime")] + [c.get("lastTransitionTime") for c in st.get("conditions") or []]
+    stamps.append((job.get("metadata") or {}).get("creationTimestamp"))
     for stamp in stamps:
         if stamp:
             try:

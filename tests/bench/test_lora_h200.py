@@ -41,7 +41,10 @@ def test_the_dry_run_measures_every_step_and_merges_into_the_record(tmp_path: Pa
     run = flux["serve_rank_local"]
     # every block streamed (auto resident blocks keep what fits), the branch asked for
     assert run["flags"][-4:] == ["--resident-blocks", "0", "--lora-apply", "branch"]
-    assert lora_h200.apply_of(run["flags"]) == "branch" and lora_h200.apply_of(["--mode", "resident"]) == "auto"
+    assert lora_h200.apply_of(run["flags"]) == "branch"
+    # no flag: auto for the `*_auto` runs; the branch for a raw from before auto was the default
+    assert lora_h200.apply_of(["--mode", "resident"], "serve_resident_auto") == "auto"
+    assert lora_h200.apply_of(["--mode", "rank-local"], "serve_rank_local") == "branch"
     assert run["exit_code"] == 0 and set(run["seconds"]) == {"base", "lora"} and run["same_bytes_every_request"]
     assert run["lora_device_bytes"] == {"0": adapters["r64"]["device_bytes"]}
     assert all(x > 0 for v in ("base", "lora") for x in run["step_seconds"][v])  # the denoising steps, per request

@@ -105,3 +105,18 @@ def test_keys_in_use_come_from_the_engine_pods_of_every_resource():
             {"metadata": {"labels": {"app.kubernetes.io/component": "fetch"}, "annotations": {MODEL_KEY_ANNOTATION: "k2"}},
              "spec": {"nodeName": "a"}}]
     assert keys_in_use(pods) == {"a": ["k1"]}
+
+
+def test_a_finished_job_ends_at_its_own_stamps_else_at_its_creation():
+    """A failed fetch is retried `fetch_retry_seconds` after it ended: its completion or condition
+    time, and for a Job that carries neither, its creation (never "now", which would hold it back
+    for good)."""
+    from dlo.operator.delivery_run import _finished_at
+
+    failed = job("node-0", state="failed")
+    failed["metadata"]["creationTimestamp"] = "2026-12-01T10:00:00Z"
+    assert _finished_at(failed) == 1796119200.0
+    failed["status"]["conditions"][0]["lastTransitionTime"] = "2026-12-01T10:05:00Z"
+    assert _finished_at(failed) == 1796119500.0
+    failed["status"]["completionTime"] = "2026-12-01T10:06:00+00:00"
+    assert _finished_at(failed) == 1796119560.0
