@@ -25,14 +25,14 @@ copy stream and the host goes on (the pipeline builds its other components meanw
 3. The registered files stay registered until the event has completed: `EarlyRegistration`'s
    release waits for it (`Platform.host_wait`), and a load that fails mid-way synchronises first.
 
-Issuing the copies holds the host about as long as the link takes to carry them: a resident
-Wan2.1 transformer's 1,100 copies (28.6 GB) took 0.56 s of the load thread, ~51 GB/s, where the
-text encoder's 11.4 GB on a fresh stream took 0.02 s (the driver's queue of a stream holds a few
-hundred copies). With `background` (a model with no streamed block: nothing captures a graph
-while they are issued) a thread issues them, in the C++ of each copy without the GIL, while the
-load goes on building the next model and the pipeline; `ResidentCopies.finish()` (at `settle`, or
-before anything fails) joins it, and only then are rules 2 and 3 applied: the compute stream
-waits for the copies' event before anything reads a resident tensor. Between the load and
+Issuing the copies held the load thread 0.56 s for a resident Wan2.1 transformer's copies
+(28.6 GB: about the link's time for them) where the text encoder's 11.4 GB on a stream of its own
+took 0.02 s (H200, `ready-h200-2026-12-03-m`). With `background` (a model with no streamed block:
+nothing captures a graph while they are issued) a thread issues them, each copy's C++ without the
+GIL, while the load goes on building the next model and the pipeline: 0.18-0.21 s on that thread,
+0.05 s left on the load's, and nothing to wait for at the settle (call n). `ResidentCopies.finish()`
+(at `settle`, or when a load fails) joins it, and only then are rules 2 and 3 applied: the compute
+stream waits for the copies' event before anything reads a resident tensor. Between the load and
 `finish()` the caller queues no work that reads the model's resident tensors.
 """
 
