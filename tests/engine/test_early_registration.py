@@ -187,6 +187,9 @@ class StreamPlatform(RecordingPlatform):
     def host_wait(self, event):
         self.waited.append(event)
 
+    def synchronize(self):  # waits for everything, the copies' event included
+        self.waited.append("synchronize")
+
     def set_stream(self, stream):
         if stream == "stream:resident":
             self.issuers.add(threading.current_thread().name)
@@ -307,3 +310,28 @@ def test_releasing_a_registration_that_still_waits_stops_it_at_once(sharded):
     early.release()
     assert time.perf_counter() - t0 < 5 and platform.calls == 0 and platform.live == {}
     assert not early.wait() and "released" in early.problem
+
+
+def test_a_copy_that_fails_on_the_copies_thread_fails_the_settle_and_leaves_nothing_registered(sharded, monkeypatch):
+    """The blast radius of a resident copy that fails on its own thread (`settle=False`, nothing
+    streamed): the error comes out of `settle()` on the caller's thread, after a synchronise, and
+    `close()` leaves no file registered."""
+    import dlo.engine.offload as offload
+    import dlo.engine.placement as placement
+    from dlo.engine import OffloadSettings, load
+
+    platform = StreamPlatform()
+    monkeypatch.setattr(offload, "get_platform", lambda device: platform)
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("copy failed on the device")
+
+    monkeypatch.setattr(placement, "_copy_in_file_order", failing)
+    settings = OffloadSettings("resident")
+    m = load(sharded, settings=settings, device="cpu", early=offload.early_registration(sharded, "cpu", settings),
+             settle=False)
+    with pytest.raises(RuntimeError, match="copy failed on the device"):
+        m.settle()
+    assert platform.waited == ["synchronize"]  # before the error came out: nothing in flight
+    m.close()
+    assert platform.live == {}
