@@ -195,6 +195,10 @@ def _layout(args: argparse.Namespace, start: _Start) -> None:
     sp = args.sp
     devices = device_count(device) if device != "cpu" else None
     start.dp = args.dp or max(1, (devices or 1) // max(1, sp))
+    if device == "cuda":  # rank 0's (this process's) device libraries load beside the steps after this one
+        from dlo.engine.serving.prewarm import start_early_library_warmup
+
+        start_early_library_warmup(f"{device}:0")
     try:
         check_layout(start.dp, sp, devices, _attention_heads(start.model_dir), args.sp_kind)
         if sp > 1 and start.facts.no_sp:
@@ -326,6 +330,9 @@ def main(args: argparse.Namespace) -> int:
         start.laps.lap("engine")
     except StartError as e:
         print(f"dlo serve: {e}", file=sys.stderr)
+        from dlo.engine.serving.prewarm import end_early_library_warmups
+
+        end_early_library_warmups()  # never exit while a thread is inside the device's libraries
         return 2
     from dlo.engine.serving.faults import install_http_faults
     from dlo.engine.serving.server import create_app

@@ -3,6 +3,9 @@ and initialise the device libraries every request uses.
 
 Owns: `start_beside_imports` and `join_logged` (both jobs, as `ServingPipeline` runs them),
 `start_early_readahead` (the readahead from `dlo serve`'s first steps, adopted by rank 0's load),
+`start_early_library_warmup` (rank 0's library warm-up from `dlo serve`'s checks, once torch is
+imported, adopted by its load: it took 1.4-2.8 s on the H200 and the load had waited up to 0.95 s
+for it; `end_early_library_warmups` waits for it when the start is refused),
 `start_readahead` (the pipeline folder's safetensors files that are not in the page cache,
 read in the order the load needs them, in parallel chunks at the disk's speed by `dlo.agent.warm`
 in a child process, `readahead.py`, waited for on a thread, after the files of `START_DISTRIBUTIONS`
@@ -38,6 +41,7 @@ class Background:
         self.name = name
         self.result: Any = None
         self.seconds = 0.0
+        self.started = time.monotonic()
 
         def run() -> None:
             t0 = time.perf_counter()
@@ -71,7 +75,41 @@ def start_beside_imports(model_dir: Path, components: tuple[str, ...], device: A
             log.info("readahead of %s started", readahead.what)
     if problem:
         log.warning("no readahead (the start goes on without it): %s", problem)
-    return readahead, start_library_warmup(device)
+    return readahead, _library_warmup(device)
+
+
+# rank 0's library warm-up `dlo serve` started with its checks, by device, until the load takes it
+_EARLY_LIBRARIES: dict[str, Background | None] = {}
+
+
+def start_early_library_warmup(device: Any) -> None:
+    """`start_library_warmup(device)` now, from `dlo serve`'s checks once torch is imported: the
+    load of this process's rank on `device` adopts it (`start_beside_imports`)."""
+    import torch
+
+    device = torch.device(device)
+    _EARLY_LIBRARIES[str(device)] = start_library_warmup(device)
+
+
+def end_early_library_warmups() -> None:
+    """A start refused after its early library warm-up began: wait for it (seconds at most), so the
+    process never exits while a thread is inside the device's libraries."""
+    while _EARLY_LIBRARIES:
+        _, job = _EARLY_LIBRARIES.popitem()
+        if job is not None:
+            job.join()
+
+
+def _library_warmup(device: Any) -> Background | None:
+    """The library warm-up `dlo serve` started for `device`, else one started now."""
+    key = str(device)
+    if key not in _EARLY_LIBRARIES:
+        return start_library_warmup(device)
+    job = _EARLY_LIBRARIES.pop(key)
+    if job is not None:
+        log.info("library warm-up adopted (started with dlo serve's checks, %.1f s before this load)",
+                 time.monotonic() - job.started)
+    return job
 
 
 # the readahead `dlo serve` started before its own imports (or why it could not), by folder, until
@@ -113,7 +151,6 @@ class Readahead(Background):
 
     def __init__(self, read: Callable[[], Any], what: str):
         self.what = what  # "N files not in the page cache (B bytes)"
-        self.started = time.monotonic()
         super().__init__("readahead", read)
 
     def until_resident(self, path: Path, stop: threading.Event) -> float:

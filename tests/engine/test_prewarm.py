@@ -258,6 +258,34 @@ def test_the_library_warmup_runs_its_calls_and_only_starts_on_cuda():
     assert start_library_warmup(__import__("torch").device("cpu")) is None
 
 
+def test_rank_zeros_load_adopts_the_library_warmup_dlo_serve_started(tmp_path, monkeypatch):
+    """`dlo serve` starts rank 0's library warm-up with its checks (`start_early_library_warmup`);
+    the load on that device adopts it once, any other device's load, or a later one, starts its own.
+    (The warm-up starts only on cuda: here it runs its calls on cpu.)"""
+    from dlo.engine.serving import prewarm
+
+    started: list[str] = []
+
+    def start(device):
+        started.append(str(device))
+        return prewarm.Background("library-warmup", lambda: warm_libraries(device))
+
+    monkeypatch.setattr(prewarm, "start_library_warmup", start)
+    monkeypatch.setattr(prewarm, "_EARLY_LIBRARIES", {})
+    prewarm.start_early_library_warmup("cpu")
+    early = prewarm._EARLY_LIBRARIES["cpu"]
+    _, adopted = prewarm.start_beside_imports(tmp_path, (), __import__("torch").device("cpu"))
+    assert adopted is early and started == ["cpu"] and adopted.join() > 0
+    _, again = prewarm.start_beside_imports(tmp_path, (), __import__("torch").device("cpu"))
+    assert again is not early and started == ["cpu", "cpu"]
+    again.join()
+    # a start refused after its warm-up began waits for it before it exits
+    prewarm.start_early_library_warmup("cpu")
+    refused = prewarm._EARLY_LIBRARIES["cpu"]
+    prewarm.end_early_library_warmups()
+    assert prewarm._EARLY_LIBRARIES == {} and not refused._thread.is_alive() and refused.result > 0
+
+
 def test_a_readahead_that_cannot_read_says_why_and_an_orphan_reads_nothing(tmp_path):
     import subprocess
     import sys
