@@ -24,13 +24,15 @@ from tests.reliability.procs import survivors
 pytestmark = pytest.mark.slow
 
 PROGRESS_TIMEOUT = 3.0
-LONG = {"prompt": "a long one", "size": "128x128", "num_inference_steps": 500, "seed": 5}  # ~9 s on a 2-core host
+# 2.9-9 s on 2-core hosts: long enough for a fault mid-wave (the long-wave test sizes its own: `_long_steps`)
+LONG = {"prompt": "a long one", "size": "128x128", "num_inference_steps": 500, "seed": 5}
+MAX_STEPS = 5000
 
 
 @pytest.fixture(scope="module")
 def long_limits(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("limits") / "limits.json"
-    path.write_text(json.dumps({"max_steps": 1200, "max_width": 128, "max_height": 128, "max_sequence_length": 32}))
+    path.write_text(json.dumps({"max_steps": MAX_STEPS, "max_width": 128, "max_height": 128, "max_sequence_length": 32}))
     return path
 
 
@@ -73,17 +75,32 @@ def _wait_for_state(srv: ServerProcess, running: int, queued: int, seconds: floa
     raise AssertionError(f"never reached running={running} queued={queued} within {seconds:g} s; last: {state}")
 
 
+def _long_steps(srv: ServerProcess, short: int = 20, longer: int = 120) -> int:
+    """Steps for a request of ~2.5 progress timeouts on this host, from the seconds a step adds
+    between two short requests (a fixed count took 9 s on one 2-core host and 2.9 s on another:
+    too short to prove anything)."""
+    def seconds(steps: int) -> float:
+        t0 = time.monotonic()
+        r = requests.post(srv.url + "/v1/images/generations", json={**LONG, "num_inference_steps": steps}, timeout=120)
+        assert r.status_code == 200, r.text[:300]
+        return time.monotonic() - t0
+
+    per_step = max(1e-4, (seconds(longer) - seconds(short)) / (longer - short))
+    return min(MAX_STEPS, max(longer, int(2.5 * PROGRESS_TIMEOUT / per_step) + 1))
+
+
 def test_a_wave_longer_than_the_progress_timeout_completes(tmp_path_factory, tmp_path, long_limits):
     srv = _server(tmp_path_factory, tmp_path, long_limits)
     with srv:
+        steps = _long_steps(srv)
         t0 = time.monotonic()
-        r = requests.post(srv.url + "/v1/images/generations", json=LONG, timeout=300)
+        r = requests.post(srv.url + "/v1/images/generations", json={**LONG, "num_inference_steps": steps}, timeout=300)
         took = time.monotonic() - t0
         assert r.status_code == 200, r.text[:300]
         assert took > PROGRESS_TIMEOUT, f"the request took {took:.1f} s: too short to prove anything"
         assert requests.get(srv.url + "/health").status_code == 200
     assert srv.proc is not None and srv.proc.returncode == 0
-    record("long_wave", steps=LONG["num_inference_steps"], seconds=round(took, 2), progress_timeout_s=PROGRESS_TIMEOUT,
+    record("long_wave", steps=steps, seconds=round(took, 2), progress_timeout_s=PROGRESS_TIMEOUT,
            status=r.status_code)
 
 
