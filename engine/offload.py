@@ -111,10 +111,9 @@ class OffloadedModel:
         return self.prefetcher.stats
 
     def settle(self) -> float:
-        """After `load(settle=False)`: wait until its resident copies are issued, order the compute
-        stream after them (`ResidentCopies.finish`), and release the registrations they read (those no
-        host weights kept) on a thread, once they have landed (`close()` joins it). Returns the
-        seconds waited. Idempotent."""
+        """After `load(settle=False)`: wait until its resident copies are issued, order the compute stream
+        after them (`ResidentCopies.finish`), and release the registrations they read (those no host
+        weights kept) on a thread once they land (`close()` joins it). Returns the seconds. Idempotent."""
         t0 = time.perf_counter()
         if self._copies is not None:
             copies, self._copies = self._copies, None
@@ -144,15 +143,8 @@ class OffloadedModel:
             self.host.release()
 
 
-def load(
-    component_dir: Path | str,
-    *,
-    settings: OffloadSettings,
-    device: torch.device | str,
-    group: Any = None,
-    early: EarlyRegistration | None = None,
-    settle: bool = True,
-) -> OffloadedModel:
+def load(component_dir: Path | str, *, settings: OffloadSettings, device: torch.device | str, group: Any = None,
+         early: EarlyRegistration | None = None, settle: bool = True) -> OffloadedModel:
     """Load a diffusers transformer folder for layerwise offload, as `settings` say.
 
     Builds the model on `meta`, validates the checkpoint against it (`CheckpointError` naming file
@@ -209,15 +201,7 @@ def load(
     assert_nothing_on_meta(meta.module, {k for b in offloaded for k in b.keys})
     prefetcher, hooks = stream if stream is not None else (None, HookSet())
     _attach_host_lookups(meta, device, hooks)
-    report = LoadReport(
-        mode=settings.mode, weights_source=host.source if host else "resident", blocks=len(offloaded),
-        largest_block_bytes=max((lay.nbytes for lay in layouts), default=0),
-        host_pinned_bytes=host.pinned_bytes if host else 0, slot_bytes=prefetcher.device_bytes if prefetcher else 0,
-        resident_bytes=placed.nbytes, load_seconds=time.perf_counter() - t0, shard_group_size=g, rank=r,
-        resident_blocks=len(keep), pinned=bool(host and host.pinned),
-        transfer=prefetcher.transfer.name if prefetcher else "none", model_bytes=ckpt.nbytes,
-        host_only_bytes=host_only_bytes,
-    )
+    report = _load_report(settings, ckpt, placed, host, prefetcher, layouts, len(keep), (g, r), host_only_bytes, t0)
     log.info("dlo loaded %s phases=%s", " ".join(f"{k}={v}" for k, v in report.to_dict().items()), laps.rounded())
     # what no host weights adopted stays registered until the copies that read it have landed
     model = OffloadedModel(meta.module, report, prefetcher, host, ckpt, platform, device, hooks,
@@ -225,6 +209,22 @@ def load(
     if settle:
         model.settle()
     return model
+
+
+def _load_report(settings: OffloadSettings, ckpt: Checkpoint, placed: Placement, host: HostWeights | None,
+                 prefetcher: SlotPrefetcher | None, layouts: list[Any], resident_blocks: int, group_rank: tuple[int, int],
+                 host_only_bytes: int, t0: float) -> LoadReport:
+    """Step 4: what the load did (the `dlo loaded` line and `OffloadedModel.report`)."""
+    g, r = group_rank
+    return LoadReport(
+        mode=settings.mode, weights_source=host.source if host else "resident", blocks=len(layouts),
+        largest_block_bytes=max((lay.nbytes for lay in layouts), default=0),
+        host_pinned_bytes=host.pinned_bytes if host else 0, slot_bytes=prefetcher.device_bytes if prefetcher else 0,
+        resident_bytes=placed.nbytes, load_seconds=time.perf_counter() - t0, shard_group_size=g, rank=r,
+        resident_blocks=resident_blocks, pinned=bool(host and host.pinned),
+        transfer=prefetcher.transfer.name if prefetcher else "none", model_bytes=ckpt.nbytes,
+        host_only_bytes=host_only_bytes,
+    )
 
 
 def _release_logged(registration: EarlyRegistration) -> None:

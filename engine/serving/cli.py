@@ -195,10 +195,6 @@ def _layout(args: argparse.Namespace, start: _Start) -> None:
     sp = args.sp
     devices = device_count(device) if device != "cpu" else None
     start.dp = args.dp or max(1, (devices or 1) // max(1, sp))
-    if device == "cuda":  # rank 0's (this process's) device libraries load beside the steps after this one
-        from dlo.engine.serving.prewarm import start_early_library_warmup
-
-        start_early_library_warmup(f"{device}:0")
     try:
         check_layout(start.dp, sp, devices, _attention_heads(start.model_dir), args.sp_kind)
         if sp > 1 and start.facts.no_sp:
@@ -218,6 +214,14 @@ def _layout(args: argparse.Namespace, start: _Start) -> None:
         raise StartError("--max-connections must be >= 1 and --idle-timeout > 0")
     if args.max_device_memory and device not in ("cuda", "npu"):
         raise StartError(f"--max-device-memory needs a cuda or npu device; --device resolved to {device}")
+
+
+def _library_warmup(args: argparse.Namespace, start: _Start) -> None:
+    """On cuda, rank 0's (this process's) device libraries load beside the steps after this one."""
+    if start.device == "cuda":
+        from dlo.engine.serving.prewarm import start_early_library_warmup
+
+        start_early_library_warmup("cuda:0")
 
 
 def _video_store(args: argparse.Namespace, start: _Start) -> None:
@@ -269,7 +273,7 @@ def _prepare(args: argparse.Namespace) -> _Start:
     start = _Start(model_dir=args.model_dir.resolve(), laps=start_laps())
     start.laps.lap("before_checks")  # the interpreter, the imports of `dlo`, the arguments, a --fetch
     start.api_key = read_api_key(args.api_key_file)
-    for step in (_model_and_limits, _layout, _budget, _video_store, _listen):
+    for step in (_model_and_limits, _layout, _library_warmup, _budget, _video_store, _listen):
         step(args, start)
         start.laps.lap(step.__name__.lstrip("_"))
     return start
