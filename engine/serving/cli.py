@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 from dlo.engine.facts import DeviceKind, Mode
 from dlo.engine.serving.mode_choice import resolve_mode
 from dlo.engine.serving.options import add_arguments, engine_settings
+from dlo.engine.serving.switch_interval import StartSwitchInterval
 from dlo.engine.settings import ConfigError, from_environment
 from dlo.engine.timing import Laps, start_laps
 
@@ -137,6 +138,7 @@ class _Start:
 
     model_dir: Path
     laps: Laps  # from the process's start: the interpreter and this module's imports, then each step
+    interval: StartSwitchInterval  # rank 0's thread switch interval until the engine leaves `loading`
     facts: Any = None
     limits: Any = None
     warmup_size: tuple[int, int] | None = None
@@ -270,7 +272,8 @@ def _budget(args: argparse.Namespace, start: _Start) -> None:
 def _prepare(args: argparse.Namespace) -> _Start:
     """Every check that needs no rank, in order; `StartError` names the first problem. Each step's
     seconds are a lap of `start.laps` (the `before_load_phases` of `/ready`)."""
-    start = _Start(model_dir=args.model_dir.resolve(), laps=start_laps())
+    start = _Start(model_dir=args.model_dir.resolve(), laps=start_laps(),
+                   interval=StartSwitchInterval(args.start_switch_interval).begin())
     start.laps.lap("before_checks")  # the interpreter, the imports of `dlo`, the arguments, a --fetch
     start.api_key = read_api_key(args.api_key_file)
     for step in (_model_and_limits, _layout, _library_warmup, _budget, _video_store, _listen):
@@ -297,12 +300,13 @@ def _engine(args: argparse.Namespace, start: _Start) -> Any:
         model_dir=str(start.model_dir), settings=settings, master_port=free_port(), control_port=free_port(),
         max_sequence_length=start.limits.max_sequence_length,
         collective_timeout_s=max(1800.0, 4 * args.progress_timeout),
+        start_switch_interval_s=args.start_switch_interval,
     )
     options = EngineOptions(progress_timeout_s=args.progress_timeout, max_queue=args.max_queue,
                             wave_window_ms=args.wave_window_ms, warmup=args.warmup, warmup_size=start.warmup_size,
                             warmup_steps=args.warmup_steps,
                             shutdown_grace_s=args.shutdown_grace, startup_timeout_s=args.startup_timeout,
-                            adapters=start.adapters, start_laps=start.laps)
+                            adapters=start.adapters, start_laps=start.laps, start_interval=start.interval)
     return Engine(cfg, limits=start.limits, facts=start.facts, model_id=args.served_model_name or start.model_dir.name,
                   videos=start.videos, options=options)
 

@@ -34,6 +34,7 @@ from dlo.engine.serving.control import (
 )
 from dlo.engine.serving.distmap import start_distribution_map
 from dlo.engine.serving.faults import InjectedFault, install_rank_faults
+from dlo.engine.serving.switch_interval import StartSwitchInterval
 from dlo.engine.serving.warm_run import run_warm_up
 from dlo.engine.timing import Laps
 from dlo.engine.request import Generation
@@ -181,6 +182,7 @@ def main() -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"rank{rank} %(levelname)s %(name)s %(message)s")
+    interval = StartSwitchInterval(cfg.start_switch_interval_s).begin()  # until the warm-up is done
     start_distribution_map()  # beside torch's import in init_rank (distmap.py)
     conn = Client(("127.0.0.1", cfg.control_port), authkey=authkey)
     lock = threading.Lock()
@@ -228,7 +230,10 @@ def main() -> int:
                 return 0
             if isinstance(msg, WaveAssignment):
                 progress.tick()
+                if msg.mine is None or not msg.mine.warmup:
+                    interval.end()  # no warm-up wave: the start ended with `Ready`
                 send(run_assignment(pipe, cfg, msg.wave, msg.mine, msg.wave_gen))
+                interval.end()
     except Exception as e:
         log.exception("rank %d failed", rank)
         try:

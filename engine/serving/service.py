@@ -39,6 +39,7 @@ from dlo.engine.serving.limits import Limits
 from dlo.engine.serving.metrics import EngineMetrics
 from dlo.engine.serving.ranks import RankGroup
 from dlo.engine.serving.startup import WarmUp, startup_phases, warn_about_start_costs
+from dlo.engine.serving.switch_interval import StartSwitchInterval
 from dlo.engine.serving.threads import WaveThread, in_daemon_thread
 from dlo.engine.timing import Laps, process_age_seconds
 from dlo.engine.serving.video_jobs import VideoJobs
@@ -70,6 +71,7 @@ class EngineOptions:
     startup_timeout_s: float = 900.0
     adapters: Mapping[str, str] = field(default_factory=dict)  # --lora-dir: name -> its file or folder
     start_laps: Laps | None = None  # `dlo serve`'s steps before the load, from the process's start
+    start_interval: StartSwitchInterval | None = None  # rank 0's start switch interval, ended with `loading`
 
 
 class Engine:
@@ -173,6 +175,8 @@ class Engine:
         if self.state == "failed" or self.state == state:
             return
         log.info("engine state %s -> %s", self.state, state)
+        if self.state == "loading" and self.options.start_interval is not None:
+            self.options.start_interval.end()  # the start is over (ready or failed): serving's own interval
         self.state = state
         self.metrics.ready.set(1 if state == "ready" else 0)
 
