@@ -71,10 +71,9 @@ MODES: dict[str, tuple[str, ...]] = {
     # one step leaves the first client a first-call cost)
     "resident-warmup1": ("--mode", "resident", "--warmup-steps", "1"),
     "rank-local-warmup1": ("--mode", "rank-local", "--resident-blocks", "{partial}", "--warmup-steps", "1"),
-    # the start at the interpreter's own thread switch interval (A/B of `--start-switch-interval`)
-    "resident-switch5ms": ("--mode", "resident", "--start-switch-interval", "0.005"),
-    "rank-local-switch5ms": ("--mode", "rank-local", "--resident-blocks", "{partial}",
-                             "--start-switch-interval", "0.005"),
+    # the start with the garbage collector on throughout (A/B of `--pause-gc-at-start`)
+    "resident-gc-on": ("--mode", "resident", "--no-pause-gc-at-start"),
+    "rank-local-gc-on": ("--mode", "rank-local", "--resident-blocks", "{partial}", "--no-pause-gc-at-start"),
     # the resident load as it was: pageable copies, the text encoder through diffusers
     "resident-pageable": ("--mode", "resident", "--no-register-early", "--no-stream-text-encoders"),
 }

@@ -26,7 +26,6 @@ from dlo.cli.args import (
 from dlo.delivery.uri import model_argument
 from dlo.engine.facts import MODES_OR_AUTO, DeviceKind, Mode
 from dlo.engine.families.pipelines import WARMUP_STEPS
-from dlo.engine.serving.switch_interval import START_SWITCH_INTERVAL_S
 from dlo.engine.settings import (
     LORA_APPLIES,
     LORA_MERGE_ABOVE_TOKENS,
@@ -143,11 +142,10 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a network whose clients (the kubelet's node address, Prometheus) keep "
                              f"a reserve of connections beyond --max-connections for GET/HEAD /health, /ready and "
                              "/metrics (repeatable; loopback always does)")
-    parser.add_argument("--start-switch-interval", type=positive_seconds, default=START_SWITCH_INTERVAL_S,
-                        metavar="SECONDS",
-                        help="the interpreter's thread switch interval while a rank starts (its load and warm-up), "
-                             "so threads beside the load (copies, the warm-up's decode, probes) wait less for "
-                             "the GIL; serving runs at the interpreter's own (0.005; default %(default)s)")
+    parser.add_argument("--pause-gc-at-start", action=argparse.BooleanOptionalAction, default=True,
+                        help="keep Python's garbage collector off while a rank starts (its imports and load), then "
+                             "collect once, freeze what is left and turn it back on: a start's ~1,000 collections "
+                             "of a growing heap of modules cost more than the start's garbage (default: on)")
     parser.add_argument("--startup-timeout", type=positive_seconds, default=900.0,
                         help="seconds the engine may spend loading: after that /health answers 503 unhealthy "
                              "(so a liveness probe restarts a start that hangs); /ready stays 503 until ready")

@@ -79,12 +79,11 @@ def test_idle_server_warms_up_then_exits_zero_on_sigterm(tmp_path_factory, tmp_p
     assert exited <= EXIT_WITHIN_S, f"{mode} dp{dp} took {exited:.1f} s to exit after SIGTERM"
     text = log.read_text()
     assert "warmup_seconds=" in text
-    # every rank started at the start's switch interval and got the interpreter's back once its start
-    # was over (switch_interval.py): rank 0 when it turned ready, the child after its warm-up wave
-    ends = [ln.split()[0] for ln in text.splitlines()
-            if "start over: thread switch interval back to 5.0 ms (the start ran at 0.50 ms)" in ln]
+    # every rank started with the garbage collector off and turned it back on once its start was over
+    # (start_gc.py): rank 0 as it turned ready, the child after its warm-up wave
+    ends = [ln.split()[0] for ln in text.splitlines() if "start over: garbage collector back on" in ln]
     assert sorted(ends) == [f"rank{r}" for r in range(dp)], text[-3000:]
-    assert text.index("engine state loading -> ready") < text.index("rank0 INFO dlo.engine.serving.switch_interval")
+    assert text.index("engine state loading -> ready") < text.index("rank0 INFO dlo.engine.serving.start_gc")
 
 
 def test_no_warmup_flag_reports_none(tmp_path_factory, tmp_path):
