@@ -71,9 +71,6 @@ MODES: dict[str, tuple[str, ...]] = {
     # one step leaves the first client a first-call cost)
     "resident-warmup1": ("--mode", "resident", "--warmup-steps", "1"),
     "rank-local-warmup1": ("--mode", "rank-local", "--resident-blocks", "{partial}", "--warmup-steps", "1"),
-    # the start with the garbage collector on throughout (A/B of `--pause-gc-at-start`)
-    "resident-gc-on": ("--mode", "resident", "--no-pause-gc-at-start"),
-    "rank-local-gc-on": ("--mode", "rank-local", "--resident-blocks", "{partial}", "--no-pause-gc-at-start"),
     # the resident load as it was: pageable copies, the text encoder through diffusers
     "resident-pageable": ("--mode", "resident", "--no-register-early", "--no-stream-text-encoders"),
 }

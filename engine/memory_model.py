@@ -215,27 +215,34 @@ class PipelineMemory:
                 if name.startswith("text_encoder"):
                     yield name, shape
             tiled = decoded_pixels(shape) > self.tile_above_pixels
-            plain = self._largest_plain(shape) if tiled else shape
+            plain = self._largest_plain(shape) if tiled else None
             if self.geometry.image_input:
                 yield "image_encoder", shape
                 yield "vae_encode_tiled" if tiled else "vae_encode", shape
-                if plain is not None and plain is not shape:
+                if plain is not None:
                     yield "vae_encode", plain
             yield "transformer", shape
             yield "vae_decode_tiled" if tiled else "vae_decode", shape
-            if plain is not None and plain is not shape:
+            if plain is not None:
                 yield "vae_decode", plain
 
     def _largest_plain(self, shape: Shape) -> Shape | None:
-        """The largest request below `shape` that the threshold leaves plain (fewer frames, or
-        fewer images, at the largest size; None when not one frame or image of it is plain)."""
+        """The largest plain decode the threshold leaves below `shape`: a video, fewer frames at its
+        size (the VAE decodes frames in chunks: its size sets the peak); images, the most of their
+        area the threshold allows, whatever sizes make it up (4 x 1024x1024 decode more than
+        1 x 1920x1920 under a threshold of two of those), as images of `shape`'s width, one pixel row
+        short of it at most (requests come in rows of the size multiple). None when not one frame or
+        pixel row of it is plain."""
         area = shape.width * shape.height
         if self.geometry.temporal_factor and shape.frames > 1:
             t = self.geometry.temporal_factor
             frames = (self.tile_above_pixels // (area * shape.batch) - 1) // t * t + 1
             return Shape(shape.width, shape.height, frames, shape.batch) if frames >= 1 else None
-        n = self.tile_above_pixels // area
-        return Shape(shape.width, shape.height, 1, min(n, shape.batch)) if n >= 1 else None
+        pixels = min(self.tile_above_pixels, area * shape.batch)
+        if pixels < shape.width:
+            return None
+        n = -(-pixels // area)
+        return Shape(shape.width, pixels // (n * shape.width), 1, n)
 
 
 def decoded_pixels(shape: Shape) -> int:

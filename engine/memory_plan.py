@@ -19,7 +19,12 @@ Within a model the kept blocks are spread through the order (`dlo.engine.offload
 each resident block hides the next streamed block's copy; measured better than the first k).
 
 The tiling rule: the plain decode unless (a) it does not fit the budget beside the leanest placement
-(rank-local, no resident block: the mode-independent reference), or (b) the family decodes images
+(rank-local, no resident block: the mode-independent reference) - then requests stay plain up to
+the largest threshold at which no plain decode needs more than the largest request does with every
+decode tiled (`plain_below`: the peak, and so the mode and the resident blocks, are what all tiled
+gives; on one H200 with Wan2.1-14B and the default limits, 2,891,519 decoded pixels: images up to
+two of 1024x1024 decode in one pass, not in tiles; videos, whose decoded pixels count every frame,
+still tile) - or (b) the family decodes images
 only, a tiled decode has a lower peak, and the budget cannot hold every block resident with the
 plain one: image requests are copy-bound (measured on one H200 at 1024x1024: Qwen-Image 15.8 s
 against a 14.9 s copy bound, Flux.1-dev ~0.18 s of compute per step against ~0.46 s of copies), so
@@ -63,6 +68,11 @@ def tiling_for_budget(memory: PipelineMemory, budget: int) -> tuple[int, str]:
         if tiled.request_bytes >= lean.request_bytes:
             return VAE_TILE_ABOVE_PIXELS, (f"the fixed rule: the plain decode does not fit the budget of "
                                            f"{format_gb(budget)} and a tiled one needs no less")
+        below = plain_below(memory, tiled.request_bytes)
+        if below:
+            return below, (f"plain up to {below} decoded pixels, tiled above: the plain decode of the largest "
+                           f"request does not fit the budget of {format_gb(budget)} ({lean.describe()} + margin); "
+                           f"below that none outgrows the largest request tiled ({tiled.describe()})")
         return 0, (f"every decode tiled: the plain decode does not fit the budget of {format_gb(budget)} "
                    f"({lean.describe()} + margin)")
     streamed = sum(m.blocks * m.largest_block_bytes for m in memory.transformers.values())
@@ -72,6 +82,22 @@ def tiling_for_budget(memory: PipelineMemory, budget: int) -> tuple[int, str]:
                    f"({format_gb(lean.request_bytes)}) would displace resident blocks "
                    f"(tiled: {format_gb(tiled.request_bytes)})")
     return VAE_TILE_ABOVE_PIXELS, "the plain decode fits the budget"
+
+
+def plain_below(memory: PipelineMemory, request_bytes: int) -> int:
+    """The largest threshold (decoded pixels, below the fixed rule's) at which no plain decode it
+    leaves needs more than `request_bytes`, the largest request's peak with every decode tiled: so
+    the deployment's peak, and the resident blocks planned beside it, are what every decode tiled
+    gives, in every mode (the request's needs do not depend on the mode). 0: none is plain."""
+    def fits(threshold: int) -> bool:
+        need = dataclasses.replace(memory, tile_above_pixels=threshold).rank("rank-local").request_bytes
+        return need is not None and need <= request_bytes
+
+    low, high = 0, VAE_TILE_ABOVE_PIXELS  # fits(low); the search keeps it so (the bound grows with it)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
 
 
 def resident_plan(memory: PipelineMemory, mode: str, g: int, budget: int) -> tuple[ResidentPlan, str]:

@@ -29,7 +29,6 @@ log = logging.getLogger(__name__)
 from dlo.engine.facts import DeviceKind, Mode
 from dlo.engine.serving.mode_choice import resolve_mode
 from dlo.engine.serving.options import add_arguments, engine_settings
-from dlo.engine.serving.start_gc import StartGC
 from dlo.engine.settings import ConfigError, from_environment
 from dlo.engine.timing import Laps, start_laps
 
@@ -138,7 +137,6 @@ class _Start:
 
     model_dir: Path
     laps: Laps  # from the process's start: the interpreter and this module's imports, then each step
-    gc: StartGC  # rank 0's garbage collector, off until the engine leaves `loading` (start_gc.py)
     facts: Any = None
     limits: Any = None
     warmup_size: tuple[int, int] | None = None
@@ -216,7 +214,6 @@ def _layout(args: argparse.Namespace, start: _Start) -> None:
         raise StartError("--max-connections must be >= 1 and --idle-timeout > 0")
     if args.max_device_memory and device not in ("cuda", "npu"):
         raise StartError(f"--max-device-memory needs a cuda or npu device; --device resolved to {device}")
-    start.gc.freeze_imports()  # torch imported, no device memory yet (start_gc.py)
 
 
 def _library_warmup(args: argparse.Namespace, start: _Start) -> None:
@@ -273,8 +270,7 @@ def _budget(args: argparse.Namespace, start: _Start) -> None:
 def _prepare(args: argparse.Namespace) -> _Start:
     """Every check that needs no rank, in order; `StartError` names the first problem. Each step's
     seconds are a lap of `start.laps` (the `before_load_phases` of `/ready`)."""
-    start = _Start(model_dir=args.model_dir.resolve(), laps=start_laps(),
-                   gc=StartGC(args.pause_gc_at_start).begin())
+    start = _Start(model_dir=args.model_dir.resolve(), laps=start_laps())
     start.laps.lap("before_checks")  # the interpreter, the imports of `dlo`, the arguments, a --fetch
     start.api_key = read_api_key(args.api_key_file)
     for step in (_model_and_limits, _layout, _library_warmup, _budget, _video_store, _listen):
@@ -301,13 +297,12 @@ def _engine(args: argparse.Namespace, start: _Start) -> Any:
         model_dir=str(start.model_dir), settings=settings, master_port=free_port(), control_port=free_port(),
         max_sequence_length=start.limits.max_sequence_length,
         collective_timeout_s=max(1800.0, 4 * args.progress_timeout),
-        pause_gc_at_start=args.pause_gc_at_start,
     )
     options = EngineOptions(progress_timeout_s=args.progress_timeout, max_queue=args.max_queue,
                             wave_window_ms=args.wave_window_ms, warmup=args.warmup, warmup_size=start.warmup_size,
                             warmup_steps=args.warmup_steps,
                             shutdown_grace_s=args.shutdown_grace, startup_timeout_s=args.startup_timeout,
-                            adapters=start.adapters, start_laps=start.laps, start_gc=start.gc)
+                            adapters=start.adapters, start_laps=start.laps)
     return Engine(cfg, limits=start.limits, facts=start.facts, model_id=args.served_model_name or start.model_dir.name,
                   videos=start.videos, options=options)
 

@@ -37,7 +37,6 @@ class RankConfig:
     control_port: int
     max_sequence_length: int = 512  # the limits' text-encoder sequence length
     collective_timeout_s: float = 1800.0
-    pause_gc_at_start: bool = False  # ranks 1..: the collector off until their start is over (`start_gc`)
 
     @property
     def mode(self) -> Mode:

@@ -142,10 +142,6 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a network whose clients (the kubelet's node address, Prometheus) keep "
                              f"a reserve of connections beyond --max-connections for GET/HEAD /health, /ready and "
                              "/metrics (repeatable; loopback always does)")
-    parser.add_argument("--pause-gc-at-start", action=argparse.BooleanOptionalAction, default=True,
-                        help="keep Python's garbage collector off while a rank starts (its imports and load), then "
-                             "collect once, freeze what is left and turn it back on: a start's ~1,000 collections "
-                             "of a growing heap of modules cost more than the start's garbage (default: on)")
     parser.add_argument("--startup-timeout", type=positive_seconds, default=900.0,
                         help="seconds the engine may spend loading: after that /health answers 503 unhealthy "
                              "(so a liveness probe restarts a start that hangs); /ready stays 503 until ready")

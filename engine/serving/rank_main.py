@@ -34,7 +34,6 @@ from dlo.engine.serving.control import (
 )
 from dlo.engine.serving.distmap import start_distribution_map
 from dlo.engine.serving.faults import InjectedFault, install_rank_faults
-from dlo.engine.serving.start_gc import StartGC
 from dlo.engine.serving.warm_run import run_warm_up
 from dlo.engine.timing import Laps
 from dlo.engine.request import Generation
@@ -182,7 +181,6 @@ def main() -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"rank{rank} %(levelname)s %(name)s %(message)s")
-    start_gc = StartGC(cfg.pause_gc_at_start).begin()  # until the warm-up is done (start_gc.py)
     start_distribution_map()  # beside torch's import in init_rank (distmap.py)
     conn = Client(("127.0.0.1", cfg.control_port), authkey=authkey)
     lock = threading.Lock()
@@ -192,9 +190,6 @@ def main() -> int:
             conn.send(msg)
 
     send(Hello(rank, os.getpid()))
-    import torch  # noqa: F401  (init_rank's first import, before any device memory: frozen as imported)
-
-    start_gc.freeze_imports()
     pipe = None
     clean = False
     try:
@@ -233,11 +228,7 @@ def main() -> int:
                 return 0
             if isinstance(msg, WaveAssignment):
                 progress.tick()
-                if msg.mine is None or not msg.mine.warmup:
-                    start_gc.end()  # no warm-up wave: the start ended with `Ready`
-                result = run_assignment(pipe, cfg, msg.wave, msg.mine, msg.wave_gen)
-                start_gc.end()  # inside the warm-up's seconds: rank 0 waits for this result
-                send(result)
+                send(run_assignment(pipe, cfg, msg.wave, msg.mine, msg.wave_gen))
     except Exception as e:
         log.exception("rank %d failed", rank)
         try:

@@ -39,7 +39,6 @@ from dlo.engine.serving.limits import Limits
 from dlo.engine.serving.metrics import EngineMetrics
 from dlo.engine.serving.ranks import RankGroup
 from dlo.engine.serving.startup import WarmUp, startup_phases, warn_about_start_costs
-from dlo.engine.serving.start_gc import StartGC
 from dlo.engine.serving.threads import WaveThread, in_daemon_thread
 from dlo.engine.timing import Laps, process_age_seconds
 from dlo.engine.serving.video_jobs import VideoJobs
@@ -71,7 +70,6 @@ class EngineOptions:
     startup_timeout_s: float = 900.0
     adapters: Mapping[str, str] = field(default_factory=dict)  # --lora-dir: name -> its file or folder
     start_laps: Laps | None = None  # `dlo serve`'s steps before the load, from the process's start
-    start_gc: StartGC | None = None  # rank 0's collector during its start, ended as `loading` is left
 
 
 class Engine:
@@ -175,8 +173,6 @@ class Engine:
         if self.state == "failed" or self.state == state:
             return
         log.info("engine state %s -> %s", self.state, state)
-        if self.state == "loading" and self.options.start_gc is not None:
-            self.options.start_gc.end()  # the start is over (ready or failed): inside it, before /ready answers
         self.state = state
         self.metrics.ready.set(1 if state == "ready" else 0)
 

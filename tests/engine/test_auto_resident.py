@@ -124,7 +124,12 @@ def test_the_budget_decides_the_vae_tiling_the_same_for_every_mode():
     fits = lean.weights_bytes + lean.request_bytes + margin_bytes(lean.request_bytes)
     assert tiling_for_budget(video, fits)[0] == VAE_TILE_ABOVE_PIXELS  # a video family: plain while it fits
     tile, why = tiling_for_budget(video, fits - 1)
-    assert tile == 0 and "does not fit" in why
+    # the plain decode of the largest request does not fit: smaller decodes stay plain up to the
+    # threshold where one would outgrow the largest request tiled, so the peak stays what all tiled gives
+    assert 0 < tile < VAE_TILE_ABOVE_PIXELS and "does not fit" in why and f"plain up to {tile} " in why
+    at = {t: dataclasses.replace(video, tile_above_pixels=t).rank("rank-local").request_bytes
+          for t in (0, tile, tile + 1)}
+    assert at[tile] == at[0] < at[tile + 1]
     images = _memory(Geometry(16, 0), RequestBounds(1024, 1024, 1, 2, 512))
     lean = images.rank("rank-local")
     fits = lean.weights_bytes + lean.request_bytes + margin_bytes(lean.request_bytes)

@@ -115,7 +115,7 @@ def test_the_vae_tiles_above_the_threshold_and_the_worst_phase_follows() -> None
     plain = wan(bounds).rank("rank-local")
     assert plain.worst == "vae_decode at 832x480 n=4"
     assert plain.request_bytes == 200_000_000 + 3000 * area + 40 * area
-    tiled = wan(bounds, tile_above=832 * 480 - 1).rank("rank-local")  # the engine's rule: tiles above it
+    tiled = wan(bounds, tile_above=0).rank("rank-local")  # the engine's rule: tiles above it
     assert tiled.worst == "transformer at 832x480 n=4"  # tiled decode (0.96 GB) is below the call (1.4 GB)
     assert tiled.request_bytes < plain.request_bytes
     assert plain.extrapolated  # four images' area lies beyond the measured decodes: the model says so
@@ -133,6 +133,17 @@ def test_a_threshold_below_the_largest_request_bounds_the_plain_decode_it_leaves
     tiled_4 = 100_000_000 + 500 * 4 * area + 40 * 4 * area
     assert max(tiled_4, 100_000_000 + 200_000 * 4 * 52 * 30 + 50_000_000) < plain_2
     assert wan(bounds, tile_above=0).rank("rank-local").request_bytes < plain_2  # every decode tiled
+
+
+@pytest.mark.parametrize("tile_above,worst,area", [
+    (832 * 480 - 1, "vae_decode at 832x479", 832 * 479),  # one image tiles, a smaller one (832x464) plain
+    (5 * 832 * 480 // 2, "vae_decode at 832x400 n=3", 3 * 832 * 400),  # 2.5 images' area: three smaller ones
+])
+def test_the_plain_decodes_under_a_threshold_are_bounded_by_its_area_not_by_whole_largest_images(tile_above, worst,
+                                                                                               area):
+    rank = wan(RequestBounds(832, 480, 1, 4, 512), tile_above=tile_above).rank("rank-local")
+    assert rank.worst == worst and area <= tile_above < area + 3 * 832  # within a pixel row per image
+    assert rank.request_bytes == 200_000_000 + 3000 * area + 40 * area
 
 
 def test_an_unmeasured_family_or_part_says_so() -> None:

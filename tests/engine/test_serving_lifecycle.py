@@ -77,13 +77,7 @@ def test_idle_server_warms_up_then_exits_zero_on_sigterm(tmp_path_factory, tmp_p
     print(json.dumps({"mode": mode, "dp": dp, "exit_seconds": round(exited, 2),
                       "warmup_seconds": round(ready["warmup_seconds"], 3)}))
     assert exited <= EXIT_WITHIN_S, f"{mode} dp{dp} took {exited:.1f} s to exit after SIGTERM"
-    text = log.read_text()
-    assert "warmup_seconds=" in text
-    # every rank started with the garbage collector off and turned it back on once its start was over
-    # (start_gc.py): rank 0 as it turned ready, the child after its warm-up wave
-    ends = [ln.split()[0] for ln in text.splitlines() if "start over: garbage collector back on" in ln]
-    assert sorted(ends) == [f"rank{r}" for r in range(dp)], text[-3000:]
-    assert text.index("engine state loading -> ready") < text.index("rank0 INFO dlo.engine.serving.start_gc")
+    assert "warmup_seconds=" in log.read_text()
 
 
 def test_no_warmup_flag_reports_none(tmp_path_factory, tmp_path):
