@@ -104,13 +104,7 @@ def resident_plan(memory: PipelineMemory, mode: str, g: int, budget: int) -> tup
     """The blocks `--resident-blocks auto` keeps per streamed model under `budget`, and the arithmetic
     as one log line (module docstring)."""
     base = memory.rank(mode, g, {})
-    if base.request_bytes is not None:
-        request, margin = base.request_bytes, margin_bytes(base.request_bytes)
-        why = f"the largest accepted request {format_gb(request)} ({base.worst}) + margin {format_gb(margin)}"
-    else:
-        request, margin = 0, math.ceil(UNMEASURED_RESERVE_RATIO * budget)
-        why = f"{UNMEASURED_RESERVE_RATIO:.0%} of the budget kept for the request ({base.unmeasured})"
-    fixed = request + margin
+    fixed, why = request_reserve(memory, mode, g, budget)
 
     def peak(counts: Mapping[str, int]) -> int:
         return memory.rank(mode, g, counts).weights_bytes + fixed
@@ -130,6 +124,25 @@ def resident_plan(memory: PipelineMemory, mode: str, g: int, budget: int) -> tup
             f"{format_gb(base.weights_bytes + fixed)} with no resident block; kept {kept}; predicted peak "
             f"{format_gb(placed)}, {format_gb(plan.spare_bytes)} spare")
     return plan, line
+
+
+def request_reserve(memory: PipelineMemory, mode: str, g: int, budget: int) -> tuple[int, str]:
+    """(bytes a rank keeps free beside its weights for the largest accepted request and its margin,
+    what they are), the same in every plan of the budget."""
+    base = memory.rank(mode, g, {})
+    if base.request_bytes is not None:
+        request, margin = base.request_bytes, margin_bytes(base.request_bytes)
+        return request + margin, (f"the largest accepted request {format_gb(request)} ({base.worst}) + margin "
+                                  f"{format_gb(margin)}")
+    return (math.ceil(UNMEASURED_RESERVE_RATIO * budget),
+            f"{UNMEASURED_RESERVE_RATIO:.0%} of the budget kept for the request ({base.unmeasured})")
+
+
+def spare_bytes(memory: PipelineMemory, mode: str, g: int, blocks: int | Mapping[str, int], budget: int) -> int:
+    """What `budget` leaves after a rank's weights with `blocks` resident and `request_reserve`: the
+    room an auto merge cache of LoRA adapters gets (`dlo.engine.serving.budget.plan_settings`)."""
+    fixed, _ = request_reserve(memory, mode, g, budget)
+    return max(0, budget - memory.rank(mode, g, blocks).weights_bytes - fixed)
 
 
 def _block_bytes(memory: PipelineMemory, block: int) -> int:

@@ -135,13 +135,20 @@ LORA_LOADS: tuple[LoraLoad, ...] = get_args(LoraLoad)
 # bit), never into the weight or the slot. The merge costs a pass over the weight where the branch
 # costs passes over the layer's input and output: cheaper where tokens outnumber a layer's width.
 # "auto" (the default) merges for a request whose transformer calls hold more than
-# `merge_above_tokens` tokens, else adds the branch: decided per request from its shape alone, so a
-# request's bytes are the same in every mode, dp and sp. Measured on one H200 (Wan2.1-14B, a rank-64
-# adapter, per block, `bench/results/lora-h200-2026-12-02.md`): merge over branch 1.053 at 4,096
-# tokens, 0.998 at 7,800, 0.974 at 32,760; Flux.1-dev 1.072 at 4,096.
+# `merge_above_tokens` tokens, else adds the branch: decided per request from its shape and the
+# deployment's flags alone, so a request's bytes are the same in every mode, dp and sp. Measured on
+# one H200 (Wan2.1-14B, a rank-64 adapter, per block, `bench/results/lora-h200-2026-12-02.md`): merge
+# over branch 1.053 at 4,096 tokens, 0.998 at 7,800, 0.974 at 32,760; Flux.1-dev 1.072 at 4,096.
+# With a merge cache (`merge_cache_bytes`: "auto", the default, is what the device budget has spare
+# once `dlo serve` has planned the mode; none on cpu) a resident layer's merge is made once per
+# adapter and scale, so auto merges every call there (`merge_above_tokens` None resolves to 0: a
+# cached adapter costs what the base model costs, 0.997-1.002x end to end measured); without one,
+# above LORA_MERGE_ABOVE_TOKENS. The choice depends on the flags and the device kind, never on how
+# much the cache got, so it is the same in every mode.
 LoraApply = Literal["auto", "branch", "merge"]
 LORA_APPLIES: tuple[LoraApply, ...] = get_args(LoraApply)
-LORA_MERGE_ABOVE_TOKENS = 8000  # `--lora-merge-above`: the measured crossover, just above Wan2.1's 7,800
+LORA_MERGE_ABOVE_TOKENS = 8000  # `--lora-merge-above` without a merge cache: the measured crossover, above Wan2.1's 7,800
+LoraMergeCache = int | Literal["auto"]
 
 
 @dataclass(frozen=True)
@@ -151,25 +158,41 @@ class LoraSettings:
     directory: str | None = None  # `dlo serve --lora-dir`; None: no adapters
     load: LoraLoad = "start"
     apply: LoraApply = "auto"  # `dlo serve --lora-apply`
-    merge_cache_bytes: int = 0  # `--lora-merge-cache`: device bytes of resident layers' merges kept (merge, auto)
-    merge_above_tokens: int = LORA_MERGE_ABOVE_TOKENS  # `--lora-merge-above`: auto merges calls of more tokens
+    # `--lora-merge-cache`: device bytes of resident layers' merges kept (merge, auto); "auto": what the
+    # budget has spare, sized by `dlo serve`'s plan (`dlo.engine.serving.budget.plan_settings`), none
+    # where nothing sized it (cpu)
+    merge_cache_bytes: LoraMergeCache = "auto"
+    # `--lora-merge-above`: auto merges calls of more tokens; None: 0 with a merge cache, else
+    # LORA_MERGE_ABOVE_TOKENS (`merge_above`)
+    merge_above_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.directory is not None and (not isinstance(self.directory, str) or not self.directory):
             raise ConfigError(f"lora directory must be a folder path or unset, got {self.directory!r}")
         _one_of("lora load", self.load, LORA_LOADS)
         _one_of("lora apply", self.apply, LORA_APPLIES)
-        _whole("lora merge_cache_bytes", self.merge_cache_bytes, 0)
-        _whole("lora merge_above_tokens", self.merge_above_tokens, 0)
-        if self.merge_cache_bytes and self.apply == "branch":
+        if self.merge_cache_bytes != "auto":
+            _whole("lora merge_cache_bytes", self.merge_cache_bytes, 0)
+        if self.merge_above_tokens is not None:
+            _whole("lora merge_above_tokens", self.merge_above_tokens, 0)
+        if self.cache_capacity and self.apply == "branch":
             raise ConfigError("lora merge_cache_bytes (--lora-merge-cache) keeps merged weights: it needs lora apply "
                               "'merge' or 'auto' (--lora-apply), not 'branch'")
+
+    @property
+    def cache_capacity(self) -> int:
+        """Device bytes the merge cache may keep (an unsized "auto": none)."""
+        return 0 if self.merge_cache_bytes == "auto" else self.merge_cache_bytes
 
     @property
     def merge_above(self) -> int:
         """Tokens per transformer call above which a request's adapter is merged; -1: always (merge),
         and for branch never (no scratch is made)."""
-        return -1 if self.apply == "merge" else self.merge_above_tokens
+        if self.apply == "merge":
+            return -1
+        if self.merge_above_tokens is not None:
+            return self.merge_above_tokens
+        return 0 if self.cache_capacity else LORA_MERGE_ABOVE_TOKENS
 
 
 @dataclass(frozen=True)

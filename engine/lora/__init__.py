@@ -17,6 +17,13 @@ write into a model weight or a slot, keep a hook after the request that installe
 torch at package import (`dlo serve` checks adapters before any rank starts).
 """
 
-from dlo.engine.lora.adapters import AdapterError, AdapterPlan, check_adapters, find_adapters, rank_device_bytes
+from dlo.engine.lora.adapters import (
+    AdapterError,
+    AdapterPlan,
+    all_merges_bytes,
+    check_adapters,
+    find_adapters,
+    rank_device_bytes,
+)
 
-__all__ = ["AdapterError", "AdapterPlan", "check_adapters", "find_adapters", "rank_device_bytes"]
+__all__ = ["AdapterError", "AdapterPlan", "all_merges_bytes", "check_adapters", "find_adapters", "rank_device_bytes"]

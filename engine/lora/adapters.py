@@ -316,10 +316,15 @@ def rank_device_bytes(plans: Iterable[AdapterPlan], apply: str = "branch", merge
     if apply == "branch" or not plans:
         return total
     modules = [m for p in plans for m in p.modules]
-    merges = sum(merge_bytes(m.out_features, m.in_features, m.bias, m.itemsize) for m in modules)
     weights, biases = merge_scratch_elements((m.itemsize, m.out_features, m.in_features, m.bias) for m in modules)
-    return total + min(merge_cache_bytes, merges) + sum(n * size for part in (weights, biases)
-                                                        for size, n in part.items())
+    return total + min(merge_cache_bytes, all_merges_bytes(plans)) + sum(n * size for part in (weights, biases)
+                                                                         for size, n in part.items())
+
+
+def all_merges_bytes(plans: Iterable[AdapterPlan]) -> int:
+    """Bytes of every layer's merge for every adapter of `plans` at one scale: the most a merge cache
+    could hold (an auto cache is sized up to it)."""
+    return sum(merge_bytes(m.out_features, m.in_features, m.bias, m.itemsize) for p in plans for m in p.modules)
 
 
 def merge_bytes(out: int, inp: int, bias: bool, itemsize: int) -> int:

@@ -97,7 +97,7 @@ class LoraBank:
              device: torch.device) -> "LoraBank":
         """Read, check and place every adapter of `settings.directory` (None: none) for the transformer
         `model` (an `OffloadedModel`, any mode) loaded from `transformer_dir`, applied as
-        `settings.apply` says (with up to `settings.merge_cache_bytes` of resident merges kept)."""
+        `settings.apply` says (with up to `settings.cache_capacity` bytes of resident merges kept)."""
         if settings.directory is None:
             return cls({})
         from dlo.engine.checkpoint import cached_checkpoint
@@ -110,7 +110,7 @@ class LoraBank:
         scratch, cache = None, None
         if settings.apply != "branch" and adapters:
             scratch = MergeScratch((b for br in adapters.values() for b in br.values()), torch.device(device))
-            cache = MergeCache(settings.merge_cache_bytes) if settings.merge_cache_bytes else None
+            cache = MergeCache(settings.cache_capacity) if settings.cache_capacity else None
         bank = cls(adapters, add_in_gemm=torch.device(device).type in ADD_IN_GEMM, scratch=scratch, cache=cache,
                    streamed=model.streamed_modules(), merge_above=settings.merge_above)
         log.info("lora adapters loaded count=%d device=%s apply=%s device_bytes=%d (merge scratch %d, merge cache "

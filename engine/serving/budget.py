@@ -91,19 +91,51 @@ def budget_inputs(args: Any, dep: Deployment) -> dict[str, Any]:
             "memory": dep.memory, "stream_dtype": args.stream_dtype}
 
 
-def plan_settings(settings: EngineSettings, dep: Deployment) -> tuple[EngineSettings, list[str]]:
-    """The settings every rank starts with, with what the budget decides: the VAE tiling rule and,
-    for `--resident-blocks auto` in an offloaded mode, the plan of resident blocks; and the log lines
-    that state the arithmetic."""
+def plan_settings(settings: EngineSettings, dep: Deployment,
+                  merges_bytes: int = 0) -> tuple[EngineSettings, list[str]]:
+    """The settings every rank starts with, with what the budget decides: the VAE tiling rule, for
+    `--resident-blocks auto` in an offloaded mode the plan of resident blocks, and an auto LoRA merge
+    cache (`merges_bytes`: every adapter's merges, its cap); and the log lines that state the arithmetic."""
     from dlo.engine.memory_plan import resident_plan
 
     lines = [f"vae tiling above {dep.memory.tile_above_pixels} decoded pixels: {dep.tiling}"]
     plan = None
+    g = settings.parallel.world if settings.mode == "allgather" else 1
     if settings.offload.resident_blocks == "auto" and settings.mode != "resident" and dep.budget is not None:
-        g = settings.parallel.world if settings.mode == "allgather" else 1
         plan, line = resident_plan(dep.memory, settings.mode, g, dep.budget)
         lines.append(line)
-    return dataclasses.replace(settings, resident_plan=plan, vae_tile_above_pixels=dep.memory.tile_above_pixels), lines
+    settings = dataclasses.replace(settings, resident_plan=plan, vae_tile_above_pixels=dep.memory.tile_above_pixels)
+    if settings.lora.merge_cache_bytes == "auto" and settings.lora.directory is not None:
+        lora, line = _auto_merge_cache(settings, dep, g, merges_bytes)
+        settings = dataclasses.replace(settings, lora=lora)
+        lines.append(line)
+    return settings, lines
+
+
+def _auto_merge_cache(settings: EngineSettings, dep: Deployment, g: int, merges_bytes: int) -> tuple[Any, str]:
+    """`--lora-merge-cache auto` sized: what the budget has spare after the mode's predicted peak (with
+    its resident blocks) and margin, up to every adapter's merges; on cpu (no budget) none. With a
+    budget auto merges every request, whatever the cache got (`LoraSettings.merge_above`: the same
+    numbers in every mode, whose spares differ)."""
+    from dlo.engine.memory_model import format_gb
+    from dlo.engine.memory_plan import spare_bytes
+
+    lora = settings.lora
+    if dep.budget is None or lora.apply == "branch":
+        why = "no device budget (cpu)" if dep.budget is None else "--lora-apply branch merges nothing"
+        return dataclasses.replace(lora, merge_cache_bytes=0), f"lora merge cache auto: none ({why})"
+    plan = settings.resident_plan
+    if plan is not None:
+        spare = plan.spare_bytes
+    else:
+        kept = settings.offload.resident_blocks if isinstance(settings.offload.resident_blocks, int) else 0
+        spare = spare_bytes(dep.memory, settings.mode, g, kept, dep.budget)
+    size = min(spare, merges_bytes)
+    above = 0 if lora.merge_above_tokens is None else lora.merge_above_tokens
+    line = (f"lora merge cache auto: {format_gb(size)} per rank for resident layers' merges (the budget's spare "
+            f"after the mode's predicted peak and margin {format_gb(spare)}, every adapter's merges "
+            f"{format_gb(merges_bytes)}); auto merges requests of more than {above} tokens a call")
+    return dataclasses.replace(lora, merge_cache_bytes=size, merge_above_tokens=above), line
 
 
 def local_budget(device_memory: int, max_device_memory: int, memory: PipelineMemory) -> int:

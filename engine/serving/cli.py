@@ -108,7 +108,7 @@ def _check_adapters(lora_dir: Path, model_dir: Path, facts: Any, sp: int) -> lis
 
 def _adapters(args: argparse.Namespace, start: "_Start") -> None:
     """The LoRA flags agreeing, the adapters checked, what every rank holds for them (the budget's)."""
-    from dlo.engine.lora import rank_device_bytes
+    from dlo.engine.lora import all_merges_bytes, rank_device_bytes
     from dlo.engine.serving.options import lora_settings
 
     lora = lora_settings(args)
@@ -117,7 +117,8 @@ def _adapters(args: argparse.Namespace, start: "_Start") -> None:
     lora_dir = Path(lora.directory)  # resolved
     plans = _check_adapters(lora_dir, start.model_dir, start.facts, args.sp)
     start.adapters = {plan.name: plan.path.relative_to(lora_dir).parts[0] for plan in plans}
-    start.adapter_bytes = rank_device_bytes(plans, lora.apply, lora.merge_cache_bytes)
+    start.adapter_bytes = rank_device_bytes(plans, lora.apply, lora.cache_capacity)  # an auto cache: sized later
+    start.adapter_merges_bytes = all_merges_bytes(plans) if lora.apply != "branch" else 0
 
 
 def _attention_heads(model_dir: Path) -> int | None:
@@ -150,6 +151,7 @@ class _Start:
     deployment: Any = None  # the pipeline at its limits on this device (dlo.engine.serving.budget)
     adapters: dict[str, str] = field(default_factory=dict)  # --lora-dir: name -> file or folder
     adapter_bytes: int = 0  # what every rank holds for them (`dlo.engine.lora.rank_device_bytes`)
+    adapter_merges_bytes: int = 0  # the most a merge cache could hold (an auto cache's cap)
 
 
 def _model_and_limits(args: argparse.Namespace, start: _Start) -> None:
@@ -288,7 +290,7 @@ def _engine(args: argparse.Namespace, start: _Start) -> Any:
 
     try:  # resident blocks and VAE tiling from the budget, each decision logged with its arithmetic
         settings, lines = plan_settings(engine_settings(args, start.mode, start.device, start.dp, os.environ),
-                                        start.deployment)
+                                        start.deployment, start.adapter_merges_bytes)
     except ConfigError as e:
         raise StartError(str(e)) from None
     for line in lines:

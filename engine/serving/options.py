@@ -54,6 +54,16 @@ def _resident_blocks(value: str) -> int | str:
     return n
 
 
+def _merge_cache(value: str) -> int | str:
+    """`--lora-merge-cache`: 'auto', 0 (none) or a byte count."""
+    if value.strip() in ("auto", "0"):
+        return "auto" if value.strip() == "auto" else 0
+    try:
+        return byte_size(value)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"expected 'auto', 0 or {e}") from None
+
+
 def _network(text: str) -> object:
     import ipaddress
 
@@ -189,19 +199,22 @@ def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
                              "the weight or the shared slot), bit for bit what diffusers' fuse_lora gives, cheaper "
                              "where a call's tokens outnumber a layer's width (video); auto (default): merge for a "
                              "request of more than --lora-merge-above tokens a transformer call, else branch (decided "
-                             "by the request's shape: its bytes are the same in every mode, dp and sp); merge and auto "
-                             "cost the largest adapted weight once per rank (~142 MB for Wan2.1-14B)")
-    parser.add_argument("--lora-merge-above", type=non_negative_int, default=LORA_MERGE_ABOVE_TOKENS, metavar="TOKENS",
+                             "by the request's shape and these flags: its bytes are the same in every mode, dp and sp); "
+                             "merge and auto cost the largest adapted weight once per rank (~142 MB for Wan2.1-14B)")
+    parser.add_argument("--lora-merge-above", type=non_negative_int, default=None, metavar="TOKENS",
                         help="with --lora-apply auto: latent tokens per transformer call above which a request's "
-                             f"adapter is merged (default {LORA_MERGE_ABOVE_TOKENS}: measured on an H200, merging a "
-                             "rank-64 adapter costs a Wan2.1-14B block what the branch costs at ~7,800 tokens; a "
-                             "832x480 frame is 1,560 tokens, an 81-frame clip 32,760)")
-    parser.add_argument("--lora-merge-cache", type=byte_size, default=None, metavar="BYTES",
+                             "adapter is merged (default: 0 with a merge cache, so every request merges and a cached "
+                             f"adapter costs nothing; {LORA_MERGE_ABOVE_TOKENS} without one: measured on an H200, "
+                             "merging a rank-64 adapter costs a Wan2.1-14B block what the branch costs at ~7,800 "
+                             "tokens; a 832x480 frame is 1,560 tokens, an 81-frame clip 32,760)")
+    parser.add_argument("--lora-merge-cache", type=_merge_cache, default="auto", metavar="BYTES|auto|0",
                         help="with --lora-apply merge or auto: device bytes per rank (an integer or 48GiB, 48GB) that keep "
                              "resident layers' merges per adapter and scale, so a request whose adapter is cached "
                              "runs at the base model's cost (the least recently used adapter is dropped first; "
-                             "streamed layers always merge per call); the device budget counts it all as taken; "
-                             "default: none kept")
+                             "streamed layers always merge per call); the device budget counts it all as taken. "
+                             "auto (default): what the device budget has spare after the mode's predicted peak and "
+                             "its margin, up to every adapter's merges (logged at start; none on cpu); 0: none, and "
+                             "auto merges only above --lora-merge-above's default")
 
 
 def _add_weights_arguments(parser: argparse.ArgumentParser) -> None:
@@ -279,7 +292,7 @@ def lora_settings(args: argparse.Namespace) -> LoraSettings:
     """`--lora-dir`, `--lora-apply`, `--lora-merge-cache` and `--lora-merge-above` as settings
     (ConfigError when they disagree)."""
     return LoraSettings(directory=str(args.lora_dir.resolve()) if args.lora_dir else None, apply=args.lora_apply,
-                        merge_cache_bytes=args.lora_merge_cache or 0, merge_above_tokens=args.lora_merge_above)
+                        merge_cache_bytes=args.lora_merge_cache, merge_above_tokens=args.lora_merge_above)
 
 
 def engine_settings(args: argparse.Namespace, mode: Mode, device: DeviceKind, dp: int,

@@ -20,11 +20,11 @@ pytestmark = pytest.mark.slow
 
 
 # `auto` (the default): the tiny requests hold 4 tokens a call, so the default threshold (8,000) adds the
-# branch and a threshold of 3 merges
+# branch and a threshold of 3 merges; with a merge cache auto merges every request
 @pytest.mark.parametrize("family,mode,apply,cache,above", [
     ("wan", "resident", "branch", 0, None), ("flux", "rank-local", "auto", 0, None),
     ("wan", "rank-local", "merge", 0, None), ("flux", "resident", "merge", 10**9, None),
-    ("wan", "resident", "auto", 0, 3)])
+    ("wan", "resident", "auto", 0, 3), ("flux", "resident", "auto", 10**9, None)])
 def test_every_adapter_equals_diffusers_load_lora_weights_bit_for_bit(lora_setups, family, mode, apply, cache, above,
                                                                     monkeypatch):
     from dlo.engine.serving.pipeline import ServingPipeline
@@ -37,7 +37,7 @@ def test_every_adapter_equals_diffusers_load_lora_weights_bit_for_bit(lora_setup
     tokens = pipe.facts.call_tokens(s.gen(0))
     assert tokens == 4
     merged = pipe.lora.merges(tokens)
-    assert merged == (apply == "merge" or (apply == "auto" and above is not None))
+    assert merged == (apply == "merge" or (apply == "auto" and (above is not None or cache > 0)))
     kind = "merge" if merged else "branch"  # which diffusers reference the bytes equal
     linears = [m for m in pipe.model.module.modules() if isinstance(m, torch.nn.Linear)]
     own = {m: m._parameters["weight"] for m in linears}
