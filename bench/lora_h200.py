@@ -6,8 +6,8 @@ Wan2.1-T2V-14B and Flux.1-dev at full size, resident and streamed, and its host 
     # `.ffm` beside the tree, at most 540 s; one full pipeline on the 64 GiB disk at a time, deleted after its runs):
     set -o pipefail; [ -d /tmp/site/diffusers ] || python3 -m pip install -q --no-index --no-deps --no-compile \
       --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-    [ -x .ffm/imageio_ffmpeg/binaries/ffmpeg-linux-x86_64-v9.0.2 ] || { xz -dc .ffm/ffmpeg.xz > \
-      .ffm/imageio_ffmpeg/binaries/ffmpeg-linux-x86_64-v9.0.2 && chmod +x .ffm/imageio_ffmpeg/binaries/*; }
+    [ -x .ffm/imageio_ffmpeg/binaries/ffmpeg-linux64-v4.2.2 ] || { xz -dc .ffm/ffmpeg.xz > \
+      .ffm/imageio_ffmpeg/binaries/ffmpeg-linux64-v4.2.2 && chmod +x .ffm/imageio_ffmpeg/binaries/*; }
     export PYTHONPATH=/tmp/site:$PWD/.ffm PYTHONUNBUFFERED=1
     [ -f /tmp/compiled ] || { python3 -m compileall -q -j 16 /tmp/site /opt/torch/.venv/lib/python3.12/site-packages \
       >/dev/null 2>&1; touch /tmp/compiled; }

@@ -5,7 +5,7 @@ Owns: `merge_weight` (W + scaling * B A in peft's merge order, written into a gi
 weight, and its views as parameters, made once per shape) and `MergeCache` (merged weights of
 resident layers kept per adapter and scale, up to a byte budget, the least recently used dropped
 first). `LoraBank` swaps a cached merge, else a scratch view, in as the layer's weight before the
-layer runs and its own weight back after (`dlo serve --lora-apply merge [--lora-merge-cache BYTES]`).
+layer runs and its own weight back after (`dlo serve --lora-apply merge|auto [--lora-merge-cache BYTES|auto]`).
 Must never: write into a layer's weight or bias (a resident weight is every later request's base; a
 streamed one is the slot the next copy fills and, in allgather mode, the wave's shared gather), or
 import peft.
@@ -29,7 +29,8 @@ call's tokens outnumber the layer's width (Wan2.1 video: 15,600 tokens a CFG cal
 Memory: the largest targeted weight once per rank (Wan2.1-14B's FFN: 141.6 MB in bfloat16).
 
 [Note: the merge cache] A resident layer's weight never changes, so its merge for one adapter and
-scale is the same tensor every call: with `--lora-merge-cache BYTES` the first call's merge is kept
+scale is the same tensor every call: with a `--lora-merge-cache` (BYTES, or the default auto: the
+device budget's spare, sized by `budget.plan_settings`) the first call's merge is kept
 (its own device tensor, the same bytes the scratch would hold) and later calls swap it in with no
 work, so a request with a cached adapter costs what the base model costs. A streamed layer's weight
 is the slot of this call only: it always merges into the scratch. The cache fills in the order the
