@@ -96,12 +96,13 @@ class OffloadedModel:
                         return torch_dtype(t.dtype)
         return self.module.get_parameter(name).dtype
 
-    def streamed_modules(self) -> frozenset[nn.Module]:
-        """Every module inside a streamed block: its weights are slot views while it runs (rebound each
-        forward), placeholders between; every other module's weights stay where they were placed."""
+    def streamed_modules(self) -> dict[nn.Module, int]:
+        """Every module inside a streamed block, with the index of its block: its weights are slot views
+        while that block runs (rebound each forward), placeholders between; every other module's
+        weights stay where they were placed."""
         if self.prefetcher is None:
-            return frozenset()
-        return frozenset(m for b in self.prefetcher.blocks for m in b.module.modules())
+            return {}
+        return {m: i for i, b in enumerate(self.prefetcher.blocks) for m in b.module.modules()}
 
     def stats(self) -> GatherStats:
         """The cumulative counters now (gathers, H2D bytes, collective bytes, gather wait seconds)."""

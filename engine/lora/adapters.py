@@ -308,17 +308,18 @@ def parse_metadata(path: Path, header_metadata: Mapping[str, str]) -> dict[str, 
 
 def rank_device_bytes(plans: Iterable[AdapterPlan], apply: str = "branch", merge_cache_bytes: int = 0) -> int:
     """Device bytes every rank holds for `plans`: the adapters' tensors and, with `--lora-apply merge|auto`,
-    the merge scratch (`dlo.engine.lora.merge.MergeScratch`: the largest targeted weight and lora bias
-    per element size) and the merge cache, up to what every adapter's merges would fill (a larger
-    cache could never be used). What the device budget counts as a whole component (`lora_adapters`)."""
+    the merge scratch twice (`dlo.engine.lora.merge.MergeScratch`: the largest targeted weight and lora
+    bias per element size; the second is the look-ahead's, `ahead.MergeAhead`, made where blocks stream
+    on cuda) and the merge cache, up to what every adapter's merges would fill (a larger cache could
+    never be used). What the device budget counts as a whole component (`lora_adapters`)."""
     plans = list(plans)
     total = sum(p.device_bytes for p in plans)
     if apply == "branch" or not plans:
         return total
     modules = [m for p in plans for m in p.modules]
     weights, biases = merge_scratch_elements((m.itemsize, m.out_features, m.in_features, m.bias) for m in modules)
-    return total + min(merge_cache_bytes, all_merges_bytes(plans)) + sum(n * size for part in (weights, biases)
-                                                                         for size, n in part.items())
+    scratch = sum(n * size for part in (weights, biases) for size, n in part.items())
+    return total + min(merge_cache_bytes, all_merges_bytes(plans)) + 2 * scratch
 
 
 def all_merges_bytes(plans: Iterable[AdapterPlan]) -> int:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,7 @@ from torch import nn
 
 from dlo.engine.hooks import HookSet
 from dlo.engine.lora.adapters import AdapterError, find_adapters, merge_bytes
+from dlo.engine.lora.ahead import MergeAhead
 from dlo.engine.lora.merge import (
     MergeCache,
     Merged,
@@ -78,14 +79,16 @@ class LoraBank:
 
     def __init__(self, adapters: dict[str, dict[nn.Module, Branch]], add_in_gemm: bool = False,
                  scratch: MergeScratch | None = None, cache: MergeCache | None = None,
-                 streamed: frozenset[nn.Module] = frozenset(), merge_in_gemm: bool = False, merge_above: int = -1):
+                 streamed: Mapping[nn.Module, int] | None = None, merge_in_gemm: bool = False, merge_above: int = -1,
+                 ahead: MergeAhead | None = None):
         self.adapters = adapters
         self.add_in_gemm = add_in_gemm  # [Note: the add in B's product]
         self.merge_in_gemm = merge_in_gemm  # the bench's one-GEMM merge ([Note: LoRA merge order])
         self.scratch = scratch  # `--lora-apply merge|auto`: where each layer's merged weight is written
         self.merge_above = merge_above  # with a scratch: a request merges above these tokens a call (-1: always)
         self.cache = cache  # `--lora-merge-cache`: resident layers' merges kept ([Note: the merge cache])
-        self.streamed = streamed  # layers whose weight is this call's slot view: never cached
+        self.streamed = dict(streamed or {})  # layer -> its block, where its weight is this call's slot view: never cached
+        self.ahead = ahead  # the next streamed layer's merge on a side stream ([Note: merging ahead])
         self._cached: dict[nn.Module, Merged] | None = None  # the running request's cache entries
         self._key: tuple[str, float] = ("", 0.0)
         self._active: dict[nn.Module, tuple[Branch, Any]] = {}
@@ -107,12 +110,15 @@ class LoraBank:
         for entry in find_adapters(settings.directory):
             adapters[entry.name] = branches(read_adapter(entry, pipeline_class, weights), model.module, device,
                                             model.dtype_of)
-        scratch, cache = None, None
+        scratch, cache, ahead = None, None, None
+        streamed = model.streamed_modules()
         if settings.apply != "branch" and adapters:
-            scratch = MergeScratch((b for br in adapters.values() for b in br.values()), torch.device(device))
+            every = [b for br in adapters.values() for b in br.values()]
+            scratch = MergeScratch(every, torch.device(device))
             cache = MergeCache(settings.cache_capacity) if settings.cache_capacity else None
+            ahead = MergeAhead.on(every, torch.device(device)) if streamed else None
         bank = cls(adapters, add_in_gemm=torch.device(device).type in ADD_IN_GEMM, scratch=scratch, cache=cache,
-                   streamed=model.streamed_modules(), merge_above=settings.merge_above)
+                   streamed=streamed, merge_above=settings.merge_above, ahead=ahead)
         log.info("lora adapters loaded count=%d device=%s apply=%s device_bytes=%d (merge scratch %d, merge cache "
                  "up to %d) per_adapter=%s", len(adapters), device, settings.apply, bank.device_bytes,
                  scratch.nbytes if scratch else 0, cache.capacity if cache else 0,
@@ -129,6 +135,7 @@ class LoraBank:
         host memory of this rank)."""
         return (sum(b.nbytes for br in self.adapters.values() for b in br.values())
                 + (self.scratch.nbytes if self.scratch is not None else 0)
+                + (self.ahead.scratch.nbytes if self.ahead is not None else 0)
                 + (self.cache.used if self.cache is not None else 0))
 
     @contextmanager
@@ -163,6 +170,8 @@ class LoraBank:
                 self._restore(layer)
             self._active.clear()
             self._cached = None
+            if self.ahead is not None:
+                self.ahead.end_request()
 
     def merges(self, tokens: int) -> bool:
         """Whether a request of `tokens` per transformer call runs its adapter merged."""
@@ -179,12 +188,25 @@ class LoraBank:
         # forward) is still swapped, and a merge of the scratch into itself would lose W
         weight, bias = self._swapped.get(layer) or (layer._parameters["weight"], layer._parameters.get("bias"))
         merged = self._cached.get(layer) if self._cached is not None else None
+        if merged is None and self.ahead is not None:  # nothing else in flight past this
+            merged = self.ahead.take(layer, weight, bias)
         if merged is None:
             merged = self._merge(layer, weight, bias)
         self._swapped[layer] = (weight, bias)
         layer._parameters["weight"] = merged[0]
         if merged[1] is not None:
             layer._parameters["bias"] = merged[1]
+        if self.ahead is not None and layer in self.streamed:
+            self._merge_next(layer, merged)
+
+    def _merge_next(self, layer: nn.Module, merged: Merged) -> None:
+        """Queue the merge of the streamed layer that ran after `layer` last time, where it is in the
+        same block (its weight is this call's slot view already) and the request targets it."""
+        nxt = self.ahead.learn(layer, self.streamed[layer])
+        if nxt is None or nxt not in self._active or nxt in self._swapped:
+            return
+        b, factor = self._active[nxt]
+        self.ahead.queue(nxt, b, factor, nxt._parameters["weight"], nxt._parameters.get("bias"), merged, self.scratch)
 
     def _merge(self, layer: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> Merged:
         """`layer`'s merge for the running request, in new tensors kept by the cache where the layer
@@ -235,6 +257,9 @@ class LoraBank:
         if self.scratch is not None:
             self.scratch.close()
             self.scratch = None
+        if self.ahead is not None:
+            self.ahead.close()
+            self.ahead = None
         if self.cache is not None:
             self.cache.close()
             self.cache = None

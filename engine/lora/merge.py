@@ -94,6 +94,10 @@ class MergeScratch:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self._weights.values(), *self._biases.values()))
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether `t` is one of this scratch's views (they all start at their buffer's start)."""
+        return any(t.data_ptr() == buf.data_ptr() for buf in (*self._weights.values(), *self._biases.values()))
+
     def weight_for(self, b: Branch, like: torch.Tensor) -> nn.Parameter:
         """The scratch as the (out, in) weight of `b`'s layer, flagged as the layer's own weight `like`
         is (`requires_grad` steers ATen's kernel choice: see `weights._trainable`)."""

@@ -39,13 +39,13 @@ def test_a_fitting_adapter_is_planned_with_its_bytes_in_the_layers_dtype():
     assert plan.rule.scaling("blocks.0.proj") == 1.0  # no metadata, no alphas: alpha = r
 
 
-def test_what_every_rank_holds_counts_the_merge_scratch_once():
+def test_what_every_rank_holds_counts_the_merge_scratch_and_its_look_ahead():
     from dlo.engine.lora import rank_device_bytes
 
     plans = [_plan(_pair(r=2)), _plan(_pair(r=3))]
     assert rank_device_bytes(plans) == sum(p.device_bytes for p in plans) == (2 + 3) * (6 + 8) * 2
-    # merge: one scratch of the largest targeted weight (8 x 6 bf16) for all adapters and layers
-    assert rank_device_bytes(plans, "merge") == rank_device_bytes(plans) + 8 * 6 * 2
+    # merge: a scratch of the largest targeted weight (8 x 6 bf16) for all adapters and layers, twice
+    assert rank_device_bytes(plans, "merge") == rank_device_bytes(plans) + 2 * 8 * 6 * 2  # scratch and look-ahead
     assert rank_device_bytes([], "merge") == 0
     assert rank_device_bytes(plans, "auto") == rank_device_bytes(plans, "merge")  # auto merges large requests
     assert rank_device_bytes(plans, "merge", 100) == rank_device_bytes(plans, "merge") + 100  # the cache asked

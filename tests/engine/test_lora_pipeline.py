@@ -125,7 +125,7 @@ def test_the_merge_cache_keeps_what_fits_drops_the_least_recently_used_and_chang
     model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 6), torch.nn.Linear(6, 4))
     for p in model.parameters():
         p.requires_grad_(False)
-    streamed = frozenset({model[2]})
+    streamed = {model[2]: 0}
     adapters = {name: {layer: Branch(torch.randn(2, layer.in_features), torch.randn(layer.out_features, 2), None, 0.5)
                        for layer in model} for name in ("a", "b")}
     one_adapter = sum(layer.weight.numel() * 4 for layer in model[:2])  # float32 weights of the resident two
