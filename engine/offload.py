@@ -97,9 +97,8 @@ class OffloadedModel:
         return self.module.get_parameter(name).dtype
 
     def streamed_modules(self) -> dict[nn.Module, int]:
-        """Every module inside a streamed block, with the index of its block: its weights are slot views
-        while that block runs (rebound each forward), placeholders between; every other module's
-        weights stay where they were placed."""
+        """Every module inside a streamed block, by its block's index: its weights are slot views while it
+        runs (rebound each forward), placeholders between; the others' stay where they were placed."""
         if self.prefetcher is None:
             return {}
         return {m: i for i, b in enumerate(self.prefetcher.blocks) for m in b.module.modules()}

@@ -27,7 +27,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from dlo.engine.lora.merge import Merged, MergeScratch, merge_bias, merge_weight
+from dlo.engine.lora.merge import Merged, MergeScratch, merge_layer
 from dlo.engine.lora.weights import Branch
 
 
@@ -37,10 +37,12 @@ class MergeAhead:
     def __init__(self, scratch: MergeScratch, stream: Any = None):
         self.scratch = scratch  # the second buffer: the bank's own scratch is the first
         self.stream = stream  # a cuda stream, None to merge at once
-        self.hits = 0  # merges taken as queued (the bench and tests read it)
+        self.hits = 0  # merges taken as queued (the tests read it)
         self._next: dict[nn.Module, nn.Module] = {}  # layer -> the layer that ran after it, same block
         self._last: tuple[nn.Module, int] | None = None
         self._pending: tuple[nn.Module, Any, Any, Merged, Any] | None = None  # layer, weight, bias, merge, event
+        # made once, recorded per merge: the side stream's wait and the merge's own (one in flight at a time)
+        self._queued, self._done = (torch.cuda.Event(), torch.cuda.Event()) if stream is not None else (None, None)
 
     @classmethod
     def on(cls, branches: Iterable[Branch], device: torch.device) -> "MergeAhead | None":
@@ -57,26 +59,20 @@ class MergeAhead:
         return self._next.get(layer)
 
     def queue(self, layer: nn.Module, b: Branch, factor: Any, weight: Any, bias: Any, running: Merged,
-              main: MergeScratch) -> None:
+              main: MergeScratch, in_gemm: bool = False) -> None:
         """Merge `layer`'s bound `weight` (and `bias`) with `b` into the buffer `running` is not in."""
         self.drop()
         target = main if self.scratch.holds(running[0]) else self.scratch
+        into = target.views_for(b, weight, bias)
         if self.stream is None:
-            self._pending = (layer, weight, bias, self._merge(target, b, factor, weight, bias), None)
+            self._pending = (layer, weight, bias, merge_layer(into, weight, bias, b, factor, in_gemm), None)
             return
-        queued = torch.cuda.Event()
-        queued.record()
+        self._queued.record()
         with torch.cuda.stream(self.stream):
-            self.stream.wait_event(queued)
-            merged = self._merge(target, b, factor, weight, bias)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        self._pending = (layer, weight, bias, merged, done)
-
-    @staticmethod
-    def _merge(target: MergeScratch, b: Branch, factor: Any, weight: Any, bias: Any) -> Merged:
-        merged_bias = None if b.bias is None else merge_bias(target.bias_for(b, bias), bias, b, factor)
-        return merge_weight(target.weight_for(b, weight), weight, b, factor), merged_bias
+            self.stream.wait_event(self._queued)
+            merged = merge_layer(into, weight, bias, b, factor, in_gemm)
+            self._done.record(self.stream)
+        self._pending = (layer, weight, bias, merged, self._done)
 
     def take(self, layer: nn.Module, weight: Any, bias: Any) -> Merged | None:
         """The merge queued for `layer` from exactly this `weight` and `bias`, ordered before what the

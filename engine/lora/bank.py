@@ -43,8 +43,7 @@ from dlo.engine.lora.merge import (
     MergeCache,
     Merged,
     MergeScratch,
-    merge_bias,
-    merge_weight,
+    merge_layer,
     new_parameter,
 )
 from dlo.engine.lora.weights import Branch, branches, read_adapter
@@ -206,7 +205,8 @@ class LoraBank:
         if nxt is None or nxt not in self._active or nxt in self._swapped:
             return
         b, factor = self._active[nxt]
-        self.ahead.queue(nxt, b, factor, nxt._parameters["weight"], nxt._parameters.get("bias"), merged, self.scratch)
+        self.ahead.queue(nxt, b, factor, nxt._parameters["weight"], nxt._parameters.get("bias"), merged, self.scratch,
+                         self.merge_in_gemm)
 
     def _merge(self, layer: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> Merged:
         """`layer`'s merge for the running request, in new tensors kept by the cache where the layer
@@ -214,12 +214,8 @@ class LoraBank:
         assert self.scratch is not None
         b, factor = self._active[layer]
         kept = self._cache_room(layer, weight, bias, b)
-        merged_bias = None
-        if b.bias is not None:
-            into = kept[1] if kept is not None else self.scratch.bias_for(b, bias)
-            merged_bias = merge_bias(into, bias, b, factor)
-        into_w = kept[0] if kept is not None else self.scratch.weight_for(b, weight)
-        merged = (merge_weight(into_w, weight, b, factor, self.merge_in_gemm), merged_bias)
+        into = kept if kept is not None else self.scratch.views_for(b, weight, bias)
+        merged = merge_layer(into, weight, bias, b, factor, self.merge_in_gemm)
         if kept is not None and self.cache is not None:
             self.cache.keep(self._key, layer, merged)
         return merged

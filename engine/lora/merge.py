@@ -70,6 +70,14 @@ def merge_weight(out: torch.Tensor, weight: torch.Tensor, b: Branch, factor: Any
     return out.add_(weight)
 
 
+def merge_layer(into: tuple, weight: torch.Tensor, bias: torch.Tensor | None, b: Branch, factor: Any,
+                in_gemm: bool = False) -> "Merged":
+    """A layer's (weight, bias) merged with `b` into `into` (its weight and, with a lora bias, its
+    bias tensor: a scratch's views or a cache's new tensors); the bias None where `b` has none."""
+    merged_bias = None if b.bias is None else merge_bias(into[1], bias, b, factor)
+    return merge_weight(into[0], weight, b, factor, in_gemm), merged_bias
+
+
 def merge_bias(out: torch.Tensor, bias: torch.Tensor | None, b: Branch, factor: Any) -> torch.Tensor:
     """`out` = `bias` + round(lora bias * factor): peft's bias merge (a layer without a bias of its own,
     which peft refuses to merge, gets the lora bias alone: the branch's sum)."""
@@ -97,6 +105,10 @@ class MergeScratch:
     def holds(self, t: torch.Tensor) -> bool:
         """Whether `t` is one of this scratch's views (they all start at their buffer's start)."""
         return any(t.data_ptr() == buf.data_ptr() for buf in (*self._weights.values(), *self._biases.values()))
+
+    def views_for(self, b: Branch, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+        """The scratch as (weight, lora bias or None) of `b`'s layer, to merge into (`merge_layer`)."""
+        return self.weight_for(b, weight), None if b.bias is None else self.bias_for(b, bias)
 
     def weight_for(self, b: Branch, like: torch.Tensor) -> nn.Parameter:
         """The scratch as the (out, in) weight of `b`'s layer, flagged as the layer's own weight `like`

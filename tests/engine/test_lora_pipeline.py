@@ -60,7 +60,7 @@ def test_every_adapter_equals_diffusers_load_lora_weights_bit_for_bit(lora_setup
     if cache:  # every (adapter, scale) asked kept its merges: the request below swaps them in, no merge
         assert set(pipe.lora.cache.keys) == {(a, sc) for a, sc, _ in s.cases if a is not None}
         assert 0 < pipe.lora.cache.used <= cache
-        monkeypatch.setattr("dlo.engine.lora.bank.merge_weight", _no_merge)
+        monkeypatch.setattr("dlo.engine.lora.merge.merge_weight", _no_merge)
     # the request path (`run`): the served bytes of the reference, and scale 0 the base model's
     first = next(i for i, c in enumerate(s.cases) if c[0] is not None and c[1] == 1.0)
     assert pipe.run(s.gen(first)).outputs[0] == s.ref_bytes(first, kind)
@@ -158,7 +158,7 @@ def test_the_merge_cache_keeps_what_fits_drops_the_least_recently_used_and_chang
         real = merge_weight_spy(calls)
         expected = run(plain, "b")
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr("dlo.engine.lora.bank.merge_weight", real)
+            mp.setattr("dlo.engine.lora.merge.merge_weight", real)
             assert torch.equal(run(cached, "b"), expected)
         assert calls == [model[2].out_features], calls
     assert all(layer._parameters["weight"] is not None and not layer._forward_pre_hooks for layer in model)
