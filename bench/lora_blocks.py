@@ -120,12 +120,14 @@ def unfolded(bank: Any, name: str) -> Any:
 
 
 def merged(bank: Any, in_gemm: bool, device: Any) -> Any:
-    """The same adapters merged per call into a scratch (`--lora-apply merge`), in one GEMM or two steps."""
+    """The same adapters merged per call into a scratch (`--lora-apply merge`), in one GEMM or in two
+    steps over the engine's default row steps."""
     from dlo.engine.lora.bank import LoraBank
-    from dlo.engine.lora.merge import MergeScratch
+    from dlo.engine.lora.merge import MergeScratch, MergeSteps
+    from dlo.engine.settings import LORA_MERGE_CHUNK_BYTES
 
     scratch = MergeScratch((b for br in bank.adapters.values() for b in br.values()), device)
-    return LoraBank(bank.adapters, scratch=scratch, merge_in_gemm=in_gemm)
+    return LoraBank(bank.adapters, scratch=scratch, steps=MergeSteps(LORA_MERGE_CHUNK_BYTES, in_gemm))
 
 
 def measure(args: argparse.Namespace) -> dict:

@@ -149,6 +149,9 @@ LoraApply = Literal["auto", "branch", "merge"]
 LORA_APPLIES: tuple[LoraApply, ...] = get_args(LoraApply)
 LORA_MERGE_ABOVE_TOKENS = 8000  # `--lora-merge-above` without a merge cache: the measured crossover, above Wan2.1's 7,800
 LoraMergeCache = int | Literal["auto"]
+# `--lora-merge-chunk`: bytes of a merged weight per step of its merge (`dlo.engine.lora.merge`,
+# [Note: merging in steps]): small enough that B A is still in the device's L2 when the add reads it
+LORA_MERGE_CHUNK_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -165,6 +168,7 @@ class LoraSettings:
     # `--lora-merge-above`: auto merges calls of more tokens; None: 0 with a merge cache, else
     # LORA_MERGE_ABOVE_TOKENS (`merge_above`)
     merge_above_tokens: int | None = None
+    merge_chunk_bytes: int = LORA_MERGE_CHUNK_BYTES  # `--lora-merge-chunk`; 0: each weight in one step
 
     def __post_init__(self) -> None:
         if self.directory is not None and (not isinstance(self.directory, str) or not self.directory):
@@ -175,6 +179,7 @@ class LoraSettings:
             _whole("lora merge_cache_bytes", self.merge_cache_bytes, 0)
         if self.merge_above_tokens is not None:
             _whole("lora merge_above_tokens", self.merge_above_tokens, 0)
+        _whole("lora merge_chunk_bytes", self.merge_chunk_bytes, 0)
         if self.cache_capacity and self.apply == "branch":
             raise ConfigError("lora merge_cache_bytes (--lora-merge-cache) keeps merged weights: it needs lora apply "
                               "'merge' or 'auto' (--lora-apply), not 'branch'")

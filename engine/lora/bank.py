@@ -43,6 +43,7 @@ from dlo.engine.lora.merge import (
     MergeCache,
     Merged,
     MergeScratch,
+    MergeSteps,
     merge_layer,
     new_parameter,
 )
@@ -78,11 +79,11 @@ class LoraBank:
 
     def __init__(self, adapters: dict[str, dict[nn.Module, Branch]], add_in_gemm: bool = False,
                  scratch: MergeScratch | None = None, cache: MergeCache | None = None,
-                 streamed: Mapping[nn.Module, int] | None = None, merge_in_gemm: bool = False, merge_above: int = -1,
-                 ahead: MergeAhead | None = None):
+                 streamed: Mapping[nn.Module, int] | None = None, steps: MergeSteps = MergeSteps(),
+                 merge_above: int = -1, ahead: MergeAhead | None = None):
         self.adapters = adapters
         self.add_in_gemm = add_in_gemm  # [Note: the add in B's product]
-        self.merge_in_gemm = merge_in_gemm  # the bench's one-GEMM merge ([Note: LoRA merge order])
+        self.steps = steps  # how a merge runs ([Note: merging in steps]; the bench's one-GEMM merge)
         self.scratch = scratch  # `--lora-apply merge|auto`: where each layer's merged weight is written
         self.merge_above = merge_above  # with a scratch: a request merges above these tokens a call (-1: always)
         self.cache = cache  # `--lora-merge-cache`: resident layers' merges kept ([Note: the merge cache])
@@ -117,7 +118,8 @@ class LoraBank:
             cache = MergeCache(settings.cache_capacity) if settings.cache_capacity else None
             ahead = MergeAhead.on(every, torch.device(device)) if streamed else None
         bank = cls(adapters, add_in_gemm=torch.device(device).type in ADD_IN_GEMM, scratch=scratch, cache=cache,
-                   streamed=streamed, merge_above=settings.merge_above, ahead=ahead)
+                   streamed=streamed, steps=MergeSteps(settings.merge_chunk_bytes), merge_above=settings.merge_above,
+                   ahead=ahead)
         log.info("lora adapters loaded count=%d device=%s apply=%s device_bytes=%d (merge scratch %d, merge cache "
                  "up to %d) per_adapter=%s", len(adapters), device, settings.apply, bank.device_bytes,
                  scratch.nbytes if scratch else 0, cache.capacity if cache else 0,
@@ -206,7 +208,7 @@ class LoraBank:
             return
         b, factor = self._active[nxt]
         self.ahead.queue(nxt, b, factor, nxt._parameters["weight"], nxt._parameters.get("bias"), merged, self.scratch,
-                         self.merge_in_gemm)
+                         self.steps)
 
     def _merge(self, layer: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> Merged:
         """`layer`'s merge for the running request, in new tensors kept by the cache where the layer
@@ -215,7 +217,7 @@ class LoraBank:
         b, factor = self._active[layer]
         kept = self._cache_room(layer, weight, bias, b)
         into = kept if kept is not None else self.scratch.views_for(b, weight, bias)
-        merged = merge_layer(into, weight, bias, b, factor, self.merge_in_gemm)
+        merged = merge_layer(into, weight, bias, b, factor, self.steps)
         if kept is not None and self.cache is not None:
             self.cache.keep(self._key, layer, merged)
         return merged

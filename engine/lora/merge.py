@@ -28,6 +28,17 @@ the branch reads the layer's input once more and its output twice, so the merge 
 call's tokens outnumber the layer's width (Wan2.1 video: 15,600 tokens a CFG call against 5,120).
 Memory: the largest targeted weight once per rank (Wan2.1-14B's FFN: 141.6 MB in bfloat16).
 
+[Note: merging in steps] peft's two steps over a whole weight move ~8 bytes of HBM an element in
+bfloat16 (B A written, read back beside W, the sum written): a Wan2.1-14B block's ten adapted layers
+hold 351M elements, ~2.8 GB a block a call where every block streams. `merge_weight` runs the two
+steps over row steps of about `--lora-merge-chunk` bytes of the merged weight (LORA_MERGE_CHUNK_BYTES
+by default, a fraction of the H200's 50 MB L2 beside the compute's working set), so each step's B A
+is still in L2 when the add reads it back and HBM sees W read and the sum written: ~4 bytes an
+element. An element's value is the dot product of its row of B and its column of A (K = the rank),
+rounded once, plus its W, rounded once: whatever rows share its step, the same bytes (the tests check
+it on cpu, `bench/lora_merge_steps.py` for every adapted layer shape on the device). Cost: two
+launches a step (~90 a Wan2.1 block), mostly on the look-ahead's stream beside the compute.
+
 [Note: the merge cache] A resident layer's weight never changes, so its merge for one adapter and
 scale is the same tensor every call: with a `--lora-merge-cache` (BYTES, or the default auto: the
 device budget's spare, sized by `budget.plan_settings`) the first call's merge is kept
@@ -42,6 +53,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
@@ -53,29 +65,67 @@ from dlo.engine.lora.weights import Branch
 HALF_ON_CPU = (torch.float16, torch.bfloat16)  # what peft merges in float32 on cpu
 
 
+# Rows a step of a merge in steps holds a multiple of (0 in `MergeSteps.align_rows` reads it): whole
+# tiles of the GEMM, and never the matrix-vector path a one-row product takes (on cpu its sums are
+# ordered otherwise: not the bytes of one step)
+STEP_ALIGN_ROWS = 128
+
+
+@dataclass(frozen=True)
+class MergeSteps:
+    """How `merge_weight` runs: in row steps of about `chunk_bytes` of the merged weight each (0: one
+    step; [Note: merging in steps]), or as one addmm (`in_gemm`: the bench's variant, see the note)."""
+
+    chunk_bytes: int = 0
+    in_gemm: bool = False
+    align_rows: int = 0  # rows a step holds a multiple of (0: STEP_ALIGN_ROWS)
+
+    def rows(self, out: torch.Tensor) -> int:
+        """Rows of `out` (out x in) merged per step: the steps of about `chunk_bytes` each, made even
+        (no short last step) and rounded up to whole `align_rows`."""
+        total = out.shape[0]
+        if self.chunk_bytes <= 0:
+            return total
+        align = self.align_rows or STEP_ALIGN_ROWS
+        fit = max(1, self.chunk_bytes // max(1, out.shape[1] * out.element_size()))
+        even = -(-total // -(-total // fit))
+        return min(total, -(-even // align) * align)
+
+
+ONE_STEP = MergeSteps()
+
+
 def merge_weight(out: torch.Tensor, weight: torch.Tensor, b: Branch, factor: Any,
-                 in_gemm: bool = False) -> torch.Tensor:
-    """`out` = `weight` + `factor` (None: 1) * B A, rounded as peft merges ([Note: LoRA merge order]);
-    `in_gemm`: as one addmm (the bench's variant: it rounds once, see the note)."""
+                 steps: MergeSteps = ONE_STEP) -> torch.Tensor:
+    """`out` = `weight` + `factor` (None: 1) * B A, rounded as peft merges ([Note: LoRA merge order]),
+    in `steps.rows(out)` rows at a time (each row's values do not depend on the steps)."""
     assert out.data_ptr() != weight.data_ptr(), "a merge never writes into the weight it reads"
-    if in_gemm and factor is None:
+    if steps.in_gemm and factor is None:
         return torch.addmm(weight, b.B, b.A, out=out)
-    if out.device.type == "cpu" and b.B.dtype in HALF_ON_CPU:
-        delta = b.B.float() @ b.A.float()
+    n = steps.rows(out)
+    for r in range(0, out.shape[0], n):
+        _merge_rows(out[r:r + n], weight[r:r + n], b.B[r:r + n], b.A, factor)
+    return out
+
+
+def _merge_rows(out: torch.Tensor, weight: torch.Tensor, B: torch.Tensor, A: torch.Tensor, factor: Any) -> None:
+    """Rows of `out` = the same rows of `weight` + factor * (the same rows of B) A, in peft's two steps."""
+    if out.device.type == "cpu" and B.dtype in HALF_ON_CPU:
+        delta = B.float() @ A.float()
         out.copy_(delta if factor is None else delta * factor)
     else:
-        torch.mm(b.B, b.A, out=out)
+        torch.mm(B, A, out=out)
         if factor is not None:
             out.mul_(factor)
-    return out.add_(weight)
+    out.add_(weight)
 
 
 def merge_layer(into: tuple, weight: torch.Tensor, bias: torch.Tensor | None, b: Branch, factor: Any,
-                in_gemm: bool = False) -> "Merged":
+                steps: MergeSteps = ONE_STEP) -> "Merged":
     """A layer's (weight, bias) merged with `b` into `into` (its weight and, with a lora bias, its
     bias tensor: a scratch's views or a cache's new tensors); the bias None where `b` has none."""
     merged_bias = None if b.bias is None else merge_bias(into[1], bias, b, factor)
-    return merge_weight(into[0], weight, b, factor, in_gemm), merged_bias
+    return merge_weight(into[0], weight, b, factor, steps), merged_bias
 
 
 def merge_bias(out: torch.Tensor, bias: torch.Tensor | None, b: Branch, factor: Any) -> torch.Tensor:

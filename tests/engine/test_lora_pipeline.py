@@ -20,18 +20,22 @@ pytestmark = pytest.mark.slow
 
 
 # `auto` (the default): the tiny requests hold 4 tokens a call, so the default threshold (8,000) adds the
-# branch and a threshold of 3 merges; with a merge cache auto merges every request
-@pytest.mark.parametrize("family,mode,apply,cache,above", [
-    ("wan", "resident", "branch", 0, None), ("flux", "rank-local", "auto", 0, None),
-    ("wan", "rank-local", "merge", 0, None), ("flux", "resident", "merge", 10**9, None),
-    ("wan", "resident", "auto", 0, 3), ("flux", "resident", "auto", 10**9, None)])
+# branch and a threshold of 3 merges; with a merge cache auto merges every request. `chunk`: bytes per
+# step of a merge (1: the fewest rows a step, 8 here, [Note: merging in steps]; None: the default, one step
+# at these sizes)
+@pytest.mark.parametrize("family,mode,apply,cache,above,chunk", [
+    ("wan", "resident", "branch", 0, None, None), ("flux", "rank-local", "auto", 0, None, None),
+    ("wan", "rank-local", "merge", 0, None, 1), ("flux", "resident", "merge", 10**9, None, 1),
+    ("wan", "resident", "auto", 0, 3, None), ("flux", "resident", "auto", 10**9, None, None)])
 def test_every_adapter_equals_diffusers_load_lora_weights_bit_for_bit(lora_setups, family, mode, apply, cache, above,
-                                                                    monkeypatch):
+                                                                    chunk, monkeypatch):
     from dlo.engine.serving.pipeline import ServingPipeline
 
     s = lora_setups[family]
     lora = LoraSettings(str(s.lora_dir), apply=apply, merge_cache_bytes=cache,
-                        **({} if above is None else {"merge_above_tokens": above}))
+                        **({} if above is None else {"merge_above_tokens": above}),
+                        **({} if chunk is None else {"merge_chunk_bytes": chunk}))
+    step_rows = _step_rows(monkeypatch) if chunk else []
     pipe = ServingPipeline(s.model, EngineSettings(OffloadSettings(mode), lora=lora), max_sequence_length=SEQ)
     assert sorted(pipe.lora.names) == sorted(s.adapters)
     tokens = pipe.facts.call_tokens(s.gen(0))
@@ -57,6 +61,7 @@ def test_every_adapter_equals_diffusers_load_lora_weights_bit_for_bit(lora_setup
         streamed = pipe.model.streamed_modules()
         assert all(m._parameters["weight"] is w for m, w in own.items() if m not in streamed), \
             "a merged weight outlived its request"
+    assert not chunk or (step_rows and max(step_rows) == 8), f"merged in steps of {sorted(set(step_rows))} rows"
     if cache:  # every (adapter, scale) asked kept its merges: the request below swaps them in, no merge
         assert set(pipe.lora.cache.keys) == {(a, sc) for a, sc, _ in s.cases if a is not None}
         assert 0 < pipe.lora.cache.used <= cache
@@ -69,6 +74,18 @@ def test_every_adapter_equals_diffusers_load_lora_weights_bit_for_bit(lora_setup
     assert pipe.component_reports()["lora"]["device_bytes"] == pipe.lora.device_bytes > 0
     assert (pipe.lora.scratch is not None) == (apply != "branch")
     pipe.close()
+
+
+def _step_rows(monkeypatch) -> list[int]:
+    """Steps of 8 rows at the least (the tiny layers' widths hold several), and the rows of every step
+    merged from now on."""
+    from dlo.engine.lora import merge
+
+    seen: list[int] = []
+    real = merge._merge_rows
+    monkeypatch.setattr(merge, "STEP_ALIGN_ROWS", 8)
+    monkeypatch.setattr(merge, "_merge_rows", lambda out, *a: (seen.append(out.shape[0]), real(out, *a)))
+    return seen
 
 
 def _no_merge(*_args, **_kw):
