@@ -181,12 +181,17 @@ class Kube:
         return self.request("PATCH", path, body=patch, content_type="application/merge-patch+json")
 
     def delete(self, api_version: str, kind: str, namespace: str | None, name: str,
-               propagation: str | None = None) -> bool:
-        body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": propagation} if propagation else None
+               propagation: str | None = None, uid: str | None = None) -> bool:
+        """Delete the object; False where it is gone already, or (`uid` given: a precondition) where
+        the object of that name is another one now (the server answers 409: a stale read never
+        deletes the object that replaced the one it saw)."""
+        options = {**({"propagationPolicy": propagation} if propagation else {}),
+                   **({"preconditions": {"uid": uid}} if uid else {})}
+        body = {"kind": "DeleteOptions", "apiVersion": "v1", **options} if options else None
         try:
             self.request("DELETE", _path(api_version, kind, namespace, name), body=body)
         except KubeError as e:
-            if e.status == 404:
+            if e.status == 404 or (uid and e.status == 409):
                 return False
             raise
         return True

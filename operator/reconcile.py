@@ -228,12 +228,14 @@ def _resolve(body: dict[str, Any], spec: DLODeploymentSpec, nodes: list[dict[str
 
 
 def _delete_old_pods(kube: Kube, body: dict[str, Any], pods: list[dict[str, Any]], template_hash: str) -> list[dict[str, Any]]:
-    """Recreate rollout (StatefulSet OnDelete): delete every pod on an old template; return the rest."""
+    """Recreate rollout (StatefulSet OnDelete): delete every pod on an old template; return the rest.
+    Each delete names the uid read (a precondition): a pod the StatefulSet re-created under the same
+    name since the list is never deleted for its predecessor's template."""
     kept = []
     for pod in pods:
         meta = pod["metadata"]
         if meta.get("deletionTimestamp") or meta.get("annotations", {}).get(builders.TEMPLATE_HASH) == template_hash:
             kept.append(pod)
-        elif kube.delete("v1", "Pod", meta["namespace"], meta["name"]):
+        elif kube.delete("v1", "Pod", meta["namespace"], meta["name"], uid=meta.get("uid")):
             kopf.info(body, reason="PodRecreated", message=f"deleted pod {meta['name']} (old template)")
     return kept

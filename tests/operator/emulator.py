@@ -9,7 +9,9 @@
 - merge patches that change nothing are no writes either;
 - pod logs (`pods/NAME/log`): served from what `logs` holds for the pod (the local kubelet
   registers its containers' log files);
-- a stale JSON-patch test answers 422 (kmock: 500).
+- a stale JSON-patch test answers 422 (kmock: 500);
+- a DELETE whose `preconditions.uid` is not the object's answers 409 and deletes nothing (kmock
+  ignores the body).
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ class Emulator(kmock.KubernetesEmulator):
             tail = int(request.params.get("tailLines") or 0)
             lines = source().splitlines(keepends=True)
             return aiohttp.web.Response(text="".join(lines[-tail:] if tail else lines))
+        if request.action == kmock.action.DELETE and request.name:
+            self._check_preconditions(request)
         if request.action == kmock.action.UPDATE and request.headers.get("Content-Type", "").startswith(APPLY):
             answer = await self._apply(request)
             if answer is not None:
@@ -94,6 +98,13 @@ class Emulator(kmock.KubernetesEmulator):
         except jsonpatch.JsonPatchTestFailed as e:
             # A stale resourceVersion: a real API server answers 422 and the client re-reads.
             raise kmock.KubernetesError(status=422, reason="Invalid", message=str(e)) from None
+
+    def _check_preconditions(self, request: Any) -> None:
+        uid = ((request.data if isinstance(request.data, dict) else {}).get("preconditions") or {}).get("uid")
+        current = self.current(request)
+        if uid and current is not None and current["metadata"].get("uid") != uid:
+            raise kmock.KubernetesError(status=409, reason="Conflict", message=(
+                f"Precondition failed: UID in precondition: {uid}, UID in object meta: {current['metadata'].get('uid')}"))
 
     async def _apply(self, request: Any) -> Any:
         """Server-side apply: None when it became an ordinary merge patch (handled on)."""

@@ -96,3 +96,29 @@ async def test_has_resource_uses_discovery(emulator):
     kube = Kube.for_url(str(emulator.url))
     assert await asyncio.to_thread(kube.has_resource, "apps/v1", "statefulsets")
     assert not await asyncio.to_thread(kube.has_resource, "monitoring.coreos.com/v1", "podmonitors")
+
+
+async def test_delete_with_a_uid_precondition_spares_the_object_that_replaced_the_one_read(emulator):
+    kube = Kube.for_url(str(emulator.url))
+    read = await asyncio.to_thread(kube.create, service())
+    await asyncio.to_thread(kube.delete, "v1", "Service", "ns", "s")
+    replaced = await asyncio.to_thread(kube.create, service(81))  # the same name, another object
+    assert replaced["metadata"]["uid"] != read["metadata"]["uid"]
+    assert await asyncio.to_thread(kube.delete, "v1", "Service", "ns", "s", uid=read["metadata"]["uid"]) is False
+    assert (await asyncio.to_thread(kube.get, "v1", "Service", "ns", "s"))["spec"]["ports"] == [{"port": 81}]
+    assert await asyncio.to_thread(kube.delete, "v1", "Service", "ns", "s", uid=replaced["metadata"]["uid"]) is True
+    assert await asyncio.to_thread(kube.get, "v1", "Service", "ns", "s") is None
+
+
+async def test_the_recreate_rollout_never_deletes_a_pod_recreated_since_its_list(emulator):
+    from dlo.operator.names import TEMPLATE_HASH
+    from dlo.operator.reconcile import _delete_old_pods
+
+    kube = Kube.for_url(str(emulator.url))
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "wan-0", "namespace": "ns",
+                                                          "annotations": {TEMPLATE_HASH: "old"}}}
+    listed = await asyncio.to_thread(kube.create, pod)  # the list the rollout acts on
+    await asyncio.to_thread(kube.delete, "v1", "Pod", "ns", "wan-0")
+    await asyncio.to_thread(kube.create, pod)  # the StatefulSet re-created it meanwhile
+    assert await asyncio.to_thread(_delete_old_pods, kube, {}, [listed], "new") == []
+    assert await asyncio.to_thread(kube.get, "v1", "Pod", "ns", "wan-0") is not None  # no restart for a stale read
