@@ -21,6 +21,7 @@ import datetime
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -60,8 +61,6 @@ def merge_block(layers: list[tuple], out: torch.Tensor, factor, steps: MergeStep
 def time_block(layers: list[tuple], out: torch.Tensor, factor, steps: MergeSteps, reps: int,
                device: torch.device) -> float:
     """Median milliseconds of one block's merges."""
-    import time
-
     for _ in range(3):
         merge_block(layers, out, factor, steps)
     times = []
@@ -80,7 +79,7 @@ def time_block(layers: list[tuple], out: torch.Tensor, factor, steps: MergeSteps
     return statistics.median(times)
 
 
-def same_bytes(layers: list[tuple], factor, steps: MergeSteps) -> list[str]:
+def differing_layers(layers: list[tuple], factor, steps: MergeSteps) -> list[str]:
     """The layers (as "OUTxIN") whose merge in `steps` differs from their merge in one step."""
     bad = []
     for w, b in layers:
@@ -107,7 +106,7 @@ def measure(name: str, shapes: list[tuple[int, int]], args: argparse.Namespace, 
                 "rows_per_step": {s: steps.rows(w) for s, (w, _) in zip(rec["shapes"], layers)},
                 # the HBM bandwidth a block's merges would need at 4 (W read, sum written) and 8 bytes an element
                 "gb_s_at_4_bytes": round(4 * elements / ms / 1e6, 1), "gb_s_at_8_bytes": round(8 * elements / ms / 1e6, 1),
-                "differs_from_one_step": same_bytes(layers, factor, steps) if chunk else [],
+                "differs_from_one_step": differing_layers(layers, factor, steps) if chunk else [],
             }
             print(f"{name:20s} {key:26s} {ms:8.3f} ms/block  at 4 B/el {4 * elements / ms / 1e6:7.1f} GB/s  "
                   f"differs: {rec['variants'][key]['differs_from_one_step']}", flush=True)

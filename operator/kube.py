@@ -185,8 +185,11 @@ class Kube:
         """Delete the object; False where it is gone already, or (`uid` given: a precondition) where
         the object of that name is another one now (the server answers 409: a stale read never
         deletes the object that replaced the one it saw)."""
-        options = {**({"propagationPolicy": propagation} if propagation else {}),
-                   **({"preconditions": {"uid": uid}} if uid else {})}
+        options: dict[str, Any] = {}
+        if propagation:
+            options["propagationPolicy"] = propagation
+        if uid:
+            options["preconditions"] = {"uid": uid}
         body = {"kind": "DeleteOptions", "apiVersion": "v1", **options} if options else None
         try:
             self.request("DELETE", _path(api_version, kind, namespace, name), body=body)

@@ -43,6 +43,7 @@ from dlo.engine.lora.merge import (
     MergeCache,
     Merged,
     MergeScratch,
+    ONE_STEP,
     MergeSteps,
     merge_layer,
     new_parameter,
@@ -79,7 +80,7 @@ class LoraBank:
 
     def __init__(self, adapters: dict[str, dict[nn.Module, Branch]], add_in_gemm: bool = False,
                  scratch: MergeScratch | None = None, cache: MergeCache | None = None,
-                 streamed: Mapping[nn.Module, int] | None = None, steps: MergeSteps = MergeSteps(),
+                 streamed: Mapping[nn.Module, int] | None = None, steps: MergeSteps = ONE_STEP,
                  merge_above: int = -1, ahead: MergeAhead | None = None):
         self.adapters = adapters
         self.add_in_gemm = add_in_gemm  # [Note: the add in B's product]

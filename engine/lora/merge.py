@@ -65,9 +65,9 @@ from dlo.engine.lora.weights import Branch
 HALF_ON_CPU = (torch.float16, torch.bfloat16)  # what peft merges in float32 on cpu
 
 
-# Rows a step of a merge in steps holds a multiple of (0 in `MergeSteps.align_rows` reads it): whole
-# tiles of the GEMM, and never the matrix-vector path a one-row product takes (on cpu its sums are
-# ordered otherwise: not the bytes of one step)
+# Rows a step of a merge in steps holds a multiple of: whole tiles of the GEMM, and never the
+# matrix-vector path a one-row product takes (on cpu its sums are ordered otherwise: not the bytes
+# of one step)
 STEP_ALIGN_ROWS = 128
 
 
@@ -78,18 +78,16 @@ class MergeSteps:
 
     chunk_bytes: int = 0
     in_gemm: bool = False
-    align_rows: int = 0  # rows a step holds a multiple of (0: STEP_ALIGN_ROWS)
 
     def rows(self, out: torch.Tensor) -> int:
         """Rows of `out` (out x in) merged per step: the steps of about `chunk_bytes` each, made even
-        (no short last step) and rounded up to whole `align_rows`."""
+        (no short last step) and rounded up to whole STEP_ALIGN_ROWS."""
         total = out.shape[0]
         if self.chunk_bytes <= 0:
             return total
-        align = self.align_rows or STEP_ALIGN_ROWS
         fit = max(1, self.chunk_bytes // max(1, out.shape[1] * out.element_size()))
         even = -(-total // -(-total // fit))
-        return min(total, -(-even // align) * align)
+        return min(total, -(-even // STEP_ALIGN_ROWS) * STEP_ALIGN_ROWS)
 
 
 ONE_STEP = MergeSteps()

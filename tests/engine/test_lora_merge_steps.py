@@ -24,13 +24,14 @@ def test_a_merge_in_steps_equals_one_step_and_runs_the_steps_asked(dtype, factor
     seen = []
     real = merge._merge_rows
     monkeypatch.setattr(merge, "_merge_rows", lambda out, *a: (seen.append(out.shape[0]), real(out, *a)))
+    monkeypatch.setattr(merge, "STEP_ALIGN_ROWS", 8)
     row_bytes = cols * weight.element_size()
     # (bytes a step, the rows of each step at 8 rows' alignment): even steps, rounded up to whole 8s
     for step_bytes, expect in ((100 * row_bytes, [104, 104, 92]), (100 * row_bytes + 1, [104, 104, 92]),
                                (5 * row_bytes, [8] * 37 + [4]), (1, [8] * 37 + [4]), (0, [rows]),
                                (10**9, [rows]), (150 * row_bytes, [152, 148])):
         seen.clear()
-        got = merge_weight(torch.empty_like(weight), weight, b, factor, MergeSteps(step_bytes, align_rows=8))
+        got = merge_weight(torch.empty_like(weight), weight, b, factor, MergeSteps(step_bytes))
         assert seen == expect, step_bytes
         assert torch.equal(got, whole), f"{dtype} factor {factor}: {step_bytes} bytes a step changed the merge"
 
