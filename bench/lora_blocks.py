@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import json
 import statistics
@@ -120,14 +121,15 @@ def unfolded(bank: Any, name: str) -> Any:
 
 
 def merged(bank: Any, in_gemm: bool, device: Any) -> Any:
-    """The same adapters merged per call into a scratch (`--lora-apply merge`), in one GEMM or in two
-    steps over the engine's default row steps."""
-    from dlo.engine.lora.bank import LoraBank
-    from dlo.engine.lora.merge import MergeScratch, MergeSteps
-    from dlo.engine.settings import LORA_MERGE_CHUNK_BYTES
+    """The same adapters merged per call into a scratch (`--lora-apply merge`), in one GEMM or as the
+    engine merges by default (in one pass where the kernel runs)."""
+    from dlo.engine.lora.bank import LoraBank, merge_way
+    from dlo.engine.lora.merge import MergeScratch
+    from dlo.engine.settings import LoraSettings
 
     scratch = MergeScratch((b for br in bank.adapters.values() for b in br.values()), device)
-    return LoraBank(bank.adapters, scratch=scratch, steps=MergeSteps(LORA_MERGE_CHUNK_BYTES, in_gemm))
+    way = dataclasses.replace(merge_way(LoraSettings(), device), in_gemm=in_gemm)
+    return LoraBank(bank.adapters, scratch=scratch, way=way)
 
 
 def measure(args: argparse.Namespace) -> dict:

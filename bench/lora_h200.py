@@ -31,8 +31,8 @@ measured; a step the `--budget-s` left no time for is recorded as skipped):
 3. `serve_resident`, `serve_rank_local_partial` (the headline streamed run: a quarter of Wan's blocks,
    three quarters of Flux's resident), `serve_rank_local` (every block streamed), each with
    `--lora-apply branch`, again with `--lora-apply merge` (`*_merge`) and with the default flags
-   (`*_auto`: merged above `--lora-merge-above` tokens a call; `*_one_step_auto` the same with every merge in one
-   step, `--lora-merge-chunk 0`: the control of the merge in steps): `dlo serve --lora-dir` over HTTP with the official SDK, the same
+   (`*_auto`: merged above `--lora-merge-above` tokens a call; `*_torch_merge_auto` the same with every merge in
+   peft's two torch steps, `--lora-merge-kernel torch`: the control of the merge in one pass): `dlo serve --lora-dir` over HTTP with the official SDK, the same
    request without and with `"lora": "r64"` alternately, `--requests` times each; the fastest of
    each, their ratio, the bytes (the same across modes, per way of applying?), the adapter's device
    bytes per rank from /ready, peak device and host memory; and `serve_resident_merge_cached`
@@ -86,7 +86,7 @@ TINY = {
 # seconds a step needs at full size (the budget skips what would not fit; the dry run ignores them)
 NEEDS = {"per_block": {"wan21": 170, "flux": 50}, "serve": {"wan21": 90, "flux": 60}}
 MERGE_SUFFIX = "_merge"  # a serve run with `--lora-apply merge` (its bytes are fuse_lora's, not the branch's)
-ONE_STEP_INFIX = "_one_step"  # `--lora-merge-chunk 0`: each weight merged in one step (the default before steps)
+TORCH_MERGE_INFIX = "_torch_merge"  # `--lora-merge-kernel torch`: peft's two steps as torch ops (the default before the kernel)
 AUTO_SUFFIX = "_auto"  # a serve run with the default `--lora-apply auto` (merged above --lora-merge-above tokens)
 
 
@@ -245,8 +245,8 @@ def run_model(base: str, key: str, spec: dict, args: argparse.Namespace, budget:
     runs = {n: (*f, "--lora-apply", "branch") for n, f in base_runs}
     runs.update({f"{n}{MERGE_SUFFIX}": (*f, "--lora-apply", "merge") for n, f in base_runs})
     runs.update({f"{n}{AUTO_SUFFIX}": f for n, f in base_runs})  # the default flags
-    # the default flags with each merge in one step: the control of the merge in steps ([Note: merging in steps])
-    runs.update({f"{n}{ONE_STEP_INFIX}{AUTO_SUFFIX}": (*f, "--lora-merge-chunk", "0") for n, f in base_runs})
+    # the default flags with each merge in two torch steps: the control of the merge in one pass
+    runs.update({f"{n}{TORCH_MERGE_INFIX}{AUTO_SUFFIX}": (*f, "--lora-merge-kernel", "torch") for n, f in base_runs})
     # every resident layer's merge kept after the first request with the adapter ([Note: the merge cache])
     runs["serve_resident_merge_cached"] = (*runs["serve_resident_merge"], "--lora-merge-cache", spec["merge_cache"])
     for name, flags in runs.items():
@@ -385,7 +385,7 @@ def main() -> int:
     ap.add_argument("--only", default="wan21,flux")
     ap.add_argument("--runs", default="", help="serve runs to keep, comma-separated (default: all thirteen: "
                                                "serve_resident, serve_rank_local_partial, serve_rank_local, each "
-                                               f"also with {MERGE_SUFFIX}, {AUTO_SUFFIX} and {ONE_STEP_INFIX}{AUTO_SUFFIX}, "
+                                               f"also with {MERGE_SUFFIX}, {AUTO_SUFFIX} and {TORCH_MERGE_INFIX}{AUTO_SUFFIX}, "
                                                "and serve_resident_merge_cached)")
     ap.add_argument("--per-block", action=argparse.BooleanOptionalAction, default=True,
                     help="run the per-block step (--no-per-block: the serve runs only, for a second call)")

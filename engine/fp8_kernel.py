@@ -24,6 +24,7 @@ import torch
 
 from dlo.engine.checkpoint import DTYPE_SIZES
 from dlo.engine.fp8 import DequantPiece
+from dlo.engine.platform import triton_modules
 
 ROWS = 8  # rows of one weight a program dequantizes
 COLS = 1024  # columns a program reads at once (1 KiB of FP8 values)
@@ -34,11 +35,10 @@ MAX_ROWS = 65_535 * ROWS  # a grid's second dimension holds 65,535 programs
 @functools.cache
 def block_kernel() -> Any:
     """The Triton kernel (one per process; None where Triton is not importable)."""
-    try:
-        import triton
-        import triton.language as tl
-    except Exception:  # not installed, or an install that does not import (a version mismatch)
+    modules = triton_modules()
+    if modules is None:
         return None
+    triton, tl = modules
 
     @triton.jit
     def dequantize_block(q_ptr, s_ptr, o_ptr, table_ptr, WIDTH: tl.constexpr, ROWS: tl.constexpr,

@@ -9,6 +9,7 @@ Must never: be imported without torch (it is engine-only), hide a failed pin (ca
 from __future__ import annotations
 
 import ctypes
+import functools
 import ctypes.util
 import logging
 from typing import Any
@@ -318,3 +319,15 @@ def cap_device_memory(device: torch.device | str, nbytes: int) -> float:
     fraction = nbytes / total
     mod.set_per_process_memory_fraction(fraction, index)
     return fraction
+
+
+@functools.cache
+def triton_modules() -> tuple[Any, Any] | None:
+    """Triton and `triton.language` (one import per process; None where Triton does not import: not
+    installed, or an install that does not match this torch), for the engine's own kernels."""
+    try:
+        import triton
+        import triton.language as tl
+    except Exception:
+        return None
+    return triton, tl

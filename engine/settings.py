@@ -149,9 +149,10 @@ LoraApply = Literal["auto", "branch", "merge"]
 LORA_APPLIES: tuple[LoraApply, ...] = get_args(LoraApply)
 LORA_MERGE_ABOVE_TOKENS = 8000  # `--lora-merge-above` without a merge cache: the measured crossover, above Wan2.1's 7,800
 LoraMergeCache = int | Literal["auto"]
-# `--lora-merge-chunk`: bytes of a merged weight per step of its merge (`dlo.engine.lora.merge`,
-# [Note: merging in steps]): small enough that B A is still in the device's L2 when the add reads it
-LORA_MERGE_CHUNK_BYTES = 8 << 20
+# `--lora-merge-kernel`: "auto" merges in one pass on cuda where Triton runs and the kernel gives the
+# two steps' bytes (`dlo.engine.lora.merge_kernel`); "torch": peft's two steps as two torch ops
+LoraMergeKernel = Literal["auto", "torch"]
+LORA_MERGE_KERNELS: tuple[LoraMergeKernel, ...] = get_args(LoraMergeKernel)
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,7 @@ class LoraSettings:
     # `--lora-merge-above`: auto merges calls of more tokens; None: 0 with a merge cache, else
     # LORA_MERGE_ABOVE_TOKENS (`merge_above`)
     merge_above_tokens: int | None = None
-    merge_chunk_bytes: int = LORA_MERGE_CHUNK_BYTES  # `--lora-merge-chunk`; 0: each weight in one step
+    merge_kernel: LoraMergeKernel = "auto"  # `--lora-merge-kernel`
 
     def __post_init__(self) -> None:
         if self.directory is not None and (not isinstance(self.directory, str) or not self.directory):
@@ -179,7 +180,7 @@ class LoraSettings:
             _whole("lora merge_cache_bytes", self.merge_cache_bytes, 0)
         if self.merge_above_tokens is not None:
             _whole("lora merge_above_tokens", self.merge_above_tokens, 0)
-        _whole("lora merge_chunk_bytes", self.merge_chunk_bytes, 0)
+        _one_of("lora merge_kernel", self.merge_kernel, LORA_MERGE_KERNELS)
         if self.cache_capacity and self.apply == "branch":
             raise ConfigError("lora merge_cache_bytes (--lora-merge-cache) keeps merged weights: it needs lora apply "
                               "'merge' or 'auto' (--lora-apply), not 'branch'")

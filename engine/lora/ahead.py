@@ -27,7 +27,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from dlo.engine.lora.merge import ONE_STEP, Merged, MergeScratch, MergeSteps, merge_layer
+from dlo.engine.lora.merge import TWO_STEPS, Merged, MergeScratch, MergeWay, merge_layer
 from dlo.engine.lora.weights import Branch
 
 
@@ -59,18 +59,18 @@ class MergeAhead:
         return self._next.get(layer)
 
     def queue(self, layer: nn.Module, b: Branch, factor: Any, weight: Any, bias: Any, running: Merged,
-              main: MergeScratch, steps: MergeSteps = ONE_STEP) -> None:
+              main: MergeScratch, way: MergeWay = TWO_STEPS) -> None:
         """Merge `layer`'s bound `weight` (and `bias`) with `b` into the buffer `running` is not in."""
         self.drop()
         target = main if self.scratch.holds(running[0]) else self.scratch
         into = target.views_for(b, weight, bias)
         if self.stream is None:
-            self._pending = (layer, weight, bias, merge_layer(into, weight, bias, b, factor, steps), None)
+            self._pending = (layer, weight, bias, merge_layer(into, weight, bias, b, factor, way), None)
             return
         self._queued.record()
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(self._queued)
-            merged = merge_layer(into, weight, bias, b, factor, steps)
+            merged = merge_layer(into, weight, bias, b, factor, way)
             self._done.record(self.stream)
         self._pending = (layer, weight, bias, merged, self._done)
 

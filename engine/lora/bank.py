@@ -43,11 +43,11 @@ from dlo.engine.lora.merge import (
     MergeCache,
     Merged,
     MergeScratch,
-    ONE_STEP,
-    MergeSteps,
+    TWO_STEPS,
+    MergeWay,
     merge_layer,
-    new_parameter,
 )
+from dlo.engine.lora.merge_kernel import FusedMerge
 from dlo.engine.lora.weights import Branch, branches, read_adapter
 from dlo.engine.settings import LoraSettings
 
@@ -75,16 +75,22 @@ def add_branch(out: torch.Tensor, x: torch.Tensor, b: Branch, factor: Any, add_i
     return (out + t).to(out.dtype)
 
 
+def merge_way(settings: LoraSettings, device: torch.device) -> MergeWay:
+    """How this rank's merges run: in one pass where `--lora-merge-kernel auto` and the device runs the
+    kernel ([Note: merging in one pass]), else in peft's two steps."""
+    return MergeWay(fused=FusedMerge.on(device) if settings.merge_kernel == "auto" else None)
+
+
 class LoraBank:
     """Every adapter of one rank by name (`{layer: Branch}` each) on the rank's device."""
 
     def __init__(self, adapters: dict[str, dict[nn.Module, Branch]], add_in_gemm: bool = False,
                  scratch: MergeScratch | None = None, cache: MergeCache | None = None,
-                 streamed: Mapping[nn.Module, int] | None = None, steps: MergeSteps = ONE_STEP,
+                 streamed: Mapping[nn.Module, int] | None = None, way: MergeWay = TWO_STEPS,
                  merge_above: int = -1, ahead: MergeAhead | None = None):
         self.adapters = adapters
         self.add_in_gemm = add_in_gemm  # [Note: the add in B's product]
-        self.steps = steps  # how a merge runs ([Note: merging in steps]; the bench's one-GEMM merge)
+        self.way = way  # how a merge runs ([Note: merging in one pass]; the bench's one-GEMM merge)
         self.scratch = scratch  # `--lora-apply merge|auto`: where each layer's merged weight is written
         self.merge_above = merge_above  # with a scratch: a request merges above these tokens a call (-1: always)
         self.cache = cache  # `--lora-merge-cache`: resident layers' merges kept ([Note: the merge cache])
@@ -116,10 +122,10 @@ class LoraBank:
         if settings.apply != "branch" and adapters:
             every = [b for br in adapters.values() for b in br.values()]
             scratch = MergeScratch(every, torch.device(device))
-            cache = MergeCache(settings.cache_capacity) if settings.cache_capacity else None
+            cache = MergeCache(settings.cache_capacity, device) if settings.cache_capacity else None
             ahead = MergeAhead.on(every, torch.device(device)) if streamed else None
         bank = cls(adapters, add_in_gemm=torch.device(device).type in ADD_IN_GEMM, scratch=scratch, cache=cache,
-                   streamed=streamed, steps=MergeSteps(settings.merge_chunk_bytes), merge_above=settings.merge_above,
+                   streamed=streamed, way=merge_way(settings, device), merge_above=settings.merge_above,
                    ahead=ahead)
         log.info("lora adapters loaded count=%d device=%s apply=%s device_bytes=%d (merge scratch %d, merge cache "
                  "up to %d) per_adapter=%s", len(adapters), device, settings.apply, bank.device_bytes,
@@ -209,7 +215,7 @@ class LoraBank:
             return
         b, factor = self._active[nxt]
         self.ahead.queue(nxt, b, factor, nxt._parameters["weight"], nxt._parameters.get("bias"), merged, self.scratch,
-                         self.steps)
+                         self.way)
 
     def _merge(self, layer: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> Merged:
         """`layer`'s merge for the running request, in new tensors kept by the cache where the layer
@@ -218,7 +224,7 @@ class LoraBank:
         b, factor = self._active[layer]
         kept = self._cache_room(layer, weight, bias, b)
         into = kept if kept is not None else self.scratch.views_for(b, weight, bias)
-        merged = merge_layer(into, weight, bias, b, factor, self.steps)
+        merged = merge_layer(into, weight, bias, b, factor, self.way)
         if kept is not None and self.cache is not None:
             self.cache.keep(self._key, layer, merged)
         return merged
@@ -234,9 +240,9 @@ class LoraBank:
         if not self.cache.room_for(self._key, nbytes):
             return None
         device = weight.device
-        kept_bias = None if b.bias is None else new_parameter((out,), dtype, device,
-                                                              bias is not None and bias.requires_grad)
-        return new_parameter((out, b.A.shape[1]), dtype, device, weight.requires_grad), kept_bias
+        kept_bias = None if b.bias is None else self.cache.new_parameter((out,), dtype, device,
+                                                                         bias is not None and bias.requires_grad)
+        return self.cache.new_parameter((out, b.A.shape[1]), dtype, device, weight.requires_grad), kept_bias
 
     def _merge_out(self, layer: nn.Module, _args: tuple, _out: Any) -> None:
         self._restore(layer)

@@ -21,23 +21,17 @@ same. A scaling folded into B (a power of two, `weights._fold`) gives the same d
 rounds once where peft rounds twice: on CPU they differ (bf16: 350,703 of 4.19M elements at LoRA-like
 sizes); on the H200 the LoRA bench's `merge_in_gemm` variant gave the same bytes for Wan2.1 and Flux
 and no gain (13.650 against 13.639 ms a Wan2.1 block at 7,800 tokens, 2026-12-02), so the engine
-always takes peft's two steps and only the bench runs the one GEMM.
+always gives the bytes of peft's two steps and only the bench runs the one GEMM.
 
 Cost, against the branch: a pass that reads W and writes the scratch (plus the K = r product), where
 the branch reads the layer's input once more and its output twice, so the merge is cheaper where a
 call's tokens outnumber the layer's width (Wan2.1 video: 15,600 tokens a CFG call against 5,120).
 Memory: the largest targeted weight once per rank (Wan2.1-14B's FFN: 141.6 MB in bfloat16).
 
-[Note: merging in steps] peft's two steps over a whole weight move ~8 bytes of HBM an element in
-bfloat16 (B A written, read back beside W, the sum written): a Wan2.1-14B block's ten adapted layers
-hold 351M elements, ~2.8 GB a block a call where every block streams. `merge_weight` runs the two
-steps over row steps of about `--lora-merge-chunk` bytes of the merged weight (LORA_MERGE_CHUNK_BYTES
-by default, a fraction of the H200's 50 MB L2 beside the compute's working set), so each step's B A
-is still in L2 when the add reads it back and HBM sees W read and the sum written: ~4 bytes an
-element. An element's value is the dot product of its row of B and its column of A (K = the rank),
-rounded once, plus its W, rounded once: whatever rows share its step, the same bytes (the tests check
-it on cpu, `bench/lora_merge_steps.py` for every adapted layer shape on the device). Cost: two
-launches a step (~90 a Wan2.1 block), mostly on the look-ahead's stream beside the compute.
+[Note: merging in one pass] On cuda, `merge_weight` runs the two steps as one Triton kernel where
+it takes the merge and has given the two steps' bytes (`dlo.engine.lora.merge_kernel`, [Note: the
+fused merge]): W read and the sum written, ~4 bytes of HBM an element where the two steps move ~8
+(Wan2.1-14B: 1.40 GB a block instead of 2.81). `--lora-merge-kernel torch` keeps the two steps.
 
 [Note: the merge cache] A resident layer's weight never changes, so its merge for one adapter and
 scale is the same tensor every call: with a `--lora-merge-cache` (BYTES, or the default auto: the
@@ -47,11 +41,16 @@ work, so a request with a cached adapter costs what the base model costs. A stre
 is the slot of this call only: it always merges into the scratch. The cache fills in the order the
 layers run; an (adapter, scale) that does not fit whole keeps what fits, after the least recently
 used others are dropped (never the request's own). The budget counts the whole cache as taken.
+On cuda the kept merges come from a memory pool of their own: made during a request, from the
+allocator's shared pool they were cut out of the large blocks its activations had freed, and a
+later large allocation found no block whole (an 80 GB card, Wan2.1 resident with 28 GB of merges:
+the VAE decode's 884 MiB refused with 7.5 GiB free in pieces, 2026-12-06).
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -60,54 +59,37 @@ import torch
 from torch import nn
 
 from dlo.engine.lora.adapters import merge_scratch_elements
+from dlo.engine.lora.merge_kernel import FusedMerge
 from dlo.engine.lora.weights import Branch
 
 HALF_ON_CPU = (torch.float16, torch.bfloat16)  # what peft merges in float32 on cpu
 
 
-# Rows a step of a merge in steps holds a multiple of: whole tiles of the GEMM, and never the
-# matrix-vector path a one-row product takes (on cpu its sums are ordered otherwise: not the bytes
-# of one step)
-STEP_ALIGN_ROWS = 128
-
-
 @dataclass(frozen=True)
-class MergeSteps:
-    """How `merge_weight` runs: in row steps of about `chunk_bytes` of the merged weight each (0: one
-    step; [Note: merging in steps]), or as one addmm (`in_gemm`: the bench's variant, see the note)."""
+class MergeWay:
+    """How `merge_weight` runs: in one pass where `fused` takes the merge ([Note: merging in one
+    pass]), else peft's two steps, or as one addmm (`in_gemm`: the bench's variant, see the note)."""
 
-    chunk_bytes: int = 0
+    fused: FusedMerge | None = None
     in_gemm: bool = False
 
-    def rows(self, out: torch.Tensor) -> int:
-        """Rows of `out` (out x in) merged per step: the steps of about `chunk_bytes` each, made even
-        (no short last step) and rounded up to whole STEP_ALIGN_ROWS."""
-        total = out.shape[0]
-        if self.chunk_bytes <= 0:
-            return total
-        fit = max(1, self.chunk_bytes // max(1, out.shape[1] * out.element_size()))
-        even = -(-total // -(-total // fit))
-        return min(total, -(-even // STEP_ALIGN_ROWS) * STEP_ALIGN_ROWS)
 
-
-ONE_STEP = MergeSteps()
+TWO_STEPS = MergeWay()
 
 
 def merge_weight(out: torch.Tensor, weight: torch.Tensor, b: Branch, factor: Any,
-                 steps: MergeSteps = ONE_STEP) -> torch.Tensor:
-    """`out` = `weight` + `factor` (None: 1) * B A, rounded as peft merges ([Note: LoRA merge order]),
-    in `steps.rows(out)` rows at a time (each row's values do not depend on the steps)."""
+                 way: MergeWay = TWO_STEPS) -> torch.Tensor:
+    """`out` = `weight` + `factor` (None: 1) * B A, rounded as peft merges ([Note: LoRA merge order])."""
     assert out.data_ptr() != weight.data_ptr(), "a merge never writes into the weight it reads"
-    if steps.in_gemm and factor is None:
+    if way.in_gemm and factor is None:
         return torch.addmm(weight, b.B, b.A, out=out)
-    n = steps.rows(out)
-    for r in range(0, out.shape[0], n):
-        _merge_rows(out[r:r + n], weight[r:r + n], b.B[r:r + n], b.A, factor)
+    if way.fused is None or not way.fused.merge(out, weight, b.B, b.A, factor, two_steps):
+        two_steps(out, weight, b.B, b.A, factor)
     return out
 
 
-def _merge_rows(out: torch.Tensor, weight: torch.Tensor, B: torch.Tensor, A: torch.Tensor, factor: Any) -> None:
-    """Rows of `out` = the same rows of `weight` + factor * (the same rows of B) A, in peft's two steps."""
+def two_steps(out: torch.Tensor, weight: torch.Tensor, B: torch.Tensor, A: torch.Tensor, factor: Any) -> None:
+    """`out` = `weight` + factor * (B A), in peft's two steps."""
     if out.device.type == "cpu" and B.dtype in HALF_ON_CPU:
         delta = B.float() @ A.float()
         out.copy_(delta if factor is None else delta * factor)
@@ -119,11 +101,11 @@ def _merge_rows(out: torch.Tensor, weight: torch.Tensor, B: torch.Tensor, A: tor
 
 
 def merge_layer(into: tuple, weight: torch.Tensor, bias: torch.Tensor | None, b: Branch, factor: Any,
-                steps: MergeSteps = ONE_STEP) -> "Merged":
+                way: MergeWay = TWO_STEPS) -> "Merged":
     """A layer's (weight, bias) merged with `b` into `into` (its weight and, with a lora bias, its
     bias tensor: a scratch's views or a cache's new tensors); the bias None where `b` has none."""
     merged_bias = None if b.bias is None else merge_bias(into[1], bias, b, factor)
-    return merge_weight(into[0], weight, b, factor, steps), merged_bias
+    return merge_weight(into[0], weight, b, factor, way), merged_bias
 
 
 def merge_bias(out: torch.Tensor, bias: torch.Tensor | None, b: Branch, factor: Any) -> torch.Tensor:
@@ -186,10 +168,18 @@ class MergeCache:
     """Merged weights of resident layers on the device, per (adapter, scale), up to `capacity` bytes
     ([Note: the merge cache])."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, device: torch.device | str = "cpu"):
         self.capacity, self.used = capacity, 0
+        # the kept merges' own memory on cuda ([Note: the merge cache])
+        self._pool = torch.cuda.MemPool() if torch.device(device).type == "cuda" else None
         self._entries: OrderedDict[tuple[str, float], dict[nn.Module, Merged]] = OrderedDict()
         self._bytes: dict[tuple[str, float], int] = {}
+
+    def new_parameter(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                      grad: bool) -> nn.Parameter:
+        """A tensor to keep a merge in, from the cache's own pool where it has one."""
+        with torch.cuda.use_mem_pool(self._pool, device) if self._pool is not None else nullcontext():
+            return new_parameter(shape, dtype, device, grad)
 
     def entries(self, key: tuple[str, float]) -> dict[nn.Module, Merged]:
         """The layers merged for `key` so far (the most recently used key from now on)."""
@@ -224,6 +214,7 @@ class MergeCache:
         self._entries.clear()
         self._bytes.clear()
         self.used = 0
+        self._pool = None
 
 
 def new_parameter(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, grad: bool) -> nn.Parameter:

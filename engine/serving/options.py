@@ -29,7 +29,7 @@ from dlo.engine.families.pipelines import WARMUP_STEPS
 from dlo.engine.settings import (
     LORA_APPLIES,
     LORA_MERGE_ABOVE_TOKENS,
-    LORA_MERGE_CHUNK_BYTES,
+    LORA_MERGE_KERNELS,
     MAX_GATHER_CTAS,
     STREAM_DTYPES,
     TRANSFERS,
@@ -221,11 +221,11 @@ def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
                              "auto (default): what the device budget has spare after the mode's predicted peak and "
                              "its margin, up to every adapter's merges (logged at start; none on cpu); 0: none, and "
                              "auto merges only above --lora-merge-above's default")
-    parser.add_argument("--lora-merge-chunk", type=_bytes_or_zero, default=LORA_MERGE_CHUNK_BYTES, metavar="BYTES|0",
-                        help="bytes of a merged weight per step of its merge (default 8MiB; rows in whole 128s, the "
-                             "steps made even): small enough that the adapter's product is still in the device's L2 "
-                             "cache when the weight is added to it, which halves a merge's memory traffic (the same "
-                             "bytes out in every step size); 0: each weight in one step")
+    parser.add_argument("--lora-merge-kernel", choices=LORA_MERGE_KERNELS, default="auto",
+                        help="with a merge: auto (default) merges a weight in one pass on cuda (a Triton kernel: the "
+                             "weight read and the sum written, half the memory traffic of two steps), checked "
+                             "against the two steps on its first merge of every shape and falling back to them "
+                             "where the bytes differ or Triton is missing; torch: peft's two steps as torch ops")
 
 
 def _add_weights_arguments(parser: argparse.ArgumentParser) -> None:
@@ -300,11 +300,11 @@ def _add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def lora_settings(args: argparse.Namespace) -> LoraSettings:
-    """`--lora-dir`, `--lora-apply`, `--lora-merge-cache`, `--lora-merge-above` and `--lora-merge-chunk` as settings
+    """`--lora-dir`, `--lora-apply`, `--lora-merge-cache`, `--lora-merge-above` and `--lora-merge-kernel` as settings
     (ConfigError when they disagree)."""
     return LoraSettings(directory=str(args.lora_dir.resolve()) if args.lora_dir else None, apply=args.lora_apply,
                         merge_cache_bytes=args.lora_merge_cache, merge_above_tokens=args.lora_merge_above,
-                        merge_chunk_bytes=args.lora_merge_chunk)
+                        merge_kernel=args.lora_merge_kernel)
 
 
 def engine_settings(args: argparse.Namespace, mode: Mode, device: DeviceKind, dp: int,

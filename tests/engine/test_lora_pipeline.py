@@ -20,22 +20,21 @@ pytestmark = pytest.mark.slow
 
 
 # `auto` (the default): the tiny requests hold 4 tokens a call, so the default threshold (8,000) adds the
-# branch and a threshold of 3 merges; with a merge cache auto merges every request. `chunk`: bytes per
-# step of a merge (1: the fewest rows a step, 8 here, [Note: merging in steps]; None: the default, one step
-# at these sizes)
-@pytest.mark.parametrize("family,mode,apply,cache,above,chunk", [
+# branch and a threshold of 3 merges; with a merge cache auto merges every request. `fused`: the merge in
+# one pass ([Note: merging in one pass]) with a stand-in for the kernel on cpu: one that gives the two
+# steps' bytes ("agrees"), one that does not ("differs": checked, and never seen in a merge)
+@pytest.mark.parametrize("family,mode,apply,cache,above,fused", [
     ("wan", "resident", "branch", 0, None, None), ("flux", "rank-local", "auto", 0, None, None),
-    ("wan", "rank-local", "merge", 0, None, 1), ("flux", "resident", "merge", 10**9, None, 1),
+    ("wan", "rank-local", "merge", 0, None, "agrees"), ("flux", "resident", "merge", 10**9, None, "differs"),
     ("wan", "resident", "auto", 0, 3, None), ("flux", "resident", "auto", 10**9, None, None)])
 def test_every_adapter_equals_diffusers_load_lora_weights_bit_for_bit(lora_setups, family, mode, apply, cache, above,
-                                                                    chunk, monkeypatch):
+                                                                    fused, monkeypatch):
     from dlo.engine.serving.pipeline import ServingPipeline
 
     s = lora_setups[family]
     lora = LoraSettings(str(s.lora_dir), apply=apply, merge_cache_bytes=cache,
-                        **({} if above is None else {"merge_above_tokens": above}),
-                        **({} if chunk is None else {"merge_chunk_bytes": chunk}))
-    step_rows = _step_rows(monkeypatch) if chunk else []
+                        **({} if above is None else {"merge_above_tokens": above}))
+    kernel = _stand_in_kernel(monkeypatch, fused) if fused else None
     pipe = ServingPipeline(s.model, EngineSettings(OffloadSettings(mode), lora=lora), max_sequence_length=SEQ)
     assert sorted(pipe.lora.names) == sorted(s.adapters)
     tokens = pipe.facts.call_tokens(s.gen(0))
@@ -61,7 +60,10 @@ def test_every_adapter_equals_diffusers_load_lora_weights_bit_for_bit(lora_setup
         streamed = pipe.model.streamed_modules()
         assert all(m._parameters["weight"] is w for m, w in own.items() if m not in streamed), \
             "a merged weight outlived its request"
-    assert not chunk or (step_rows and max(step_rows) == 8), f"merged in steps of {sorted(set(step_rows))} rows"
+    if kernel is not None:  # every merge went through the kernel's way: each kind checked once, kept as checked
+        assert pipe.lora.way.fused is kernel and kernel.verdicts
+        assert set(kernel.verdicts.values()) == {fused == "agrees"}
+        assert kernel.launches >= len(kernel.verdicts) if fused == "agrees" else kernel.launches == len(kernel.verdicts)
     if cache:  # every (adapter, scale) asked kept its merges: the request below swaps them in, no merge
         assert set(pipe.lora.cache.keys) == {(a, sc) for a, sc, _ in s.cases if a is not None}
         assert 0 < pipe.lora.cache.used <= cache
@@ -76,16 +78,21 @@ def test_every_adapter_equals_diffusers_load_lora_weights_bit_for_bit(lora_setup
     pipe.close()
 
 
-def _step_rows(monkeypatch) -> list[int]:
-    """Steps of 8 rows at the least (the tiny layers' widths hold several), and the rows of every step
-    merged from now on."""
-    from dlo.engine.lora import merge
+def _stand_in_kernel(monkeypatch, how: str):
+    """The bank's fused merge, on cpu for any dtype and rank: the two steps (`agrees`), or the two steps
+    plus one (`differs`: a kernel whose sums were ordered otherwise, made obvious)."""
+    from dlo.engine.lora import bank
+    from dlo.engine.lora.merge import two_steps
+    from dlo.engine.lora.merge_kernel import FusedMerge
 
-    seen: list[int] = []
-    real = merge._merge_rows
-    monkeypatch.setattr(merge, "STEP_ALIGN_ROWS", 8)
-    monkeypatch.setattr(merge, "_merge_rows", lambda out, *a: (seen.append(out.shape[0]), real(out, *a)))
-    return seen
+    def launch(out, w, B, A, f):
+        two_steps(out, w, B, A, f)
+        if how == "differs":
+            out.add_(1)
+
+    kernel = FusedMerge(launch, device_type="cpu", dtypes=(torch.float32, torch.bfloat16), ranks=None)
+    monkeypatch.setattr(bank.FusedMerge, "on", classmethod(lambda cls, device: kernel))
+    return kernel
 
 
 def _no_merge(*_args, **_kw):

@@ -1,0 +1,133 @@
+"""A LoRA merge in one pass on cuda: W + factor * (B A), rounded as peft's two steps, in one Triton kernel.
+
+Owns: `merge_kernel` (the Triton kernel, compiled on first launch; None where Triton is not
+importable) and `FusedMerge` (which merges it may run, its launch, and its check against the two
+torch steps on the first merge of every kind).
+Must never: give other bytes than the two torch steps of `dlo.engine.lora.merge` (the first merge of
+each (shape, dtype, rank, factor or none) is made both ways and compared; a kind that differs is
+merged by the torch steps from then on, with a warning), or write into the weight it reads.
+
+[Note: the fused merge] peft's two steps over a whole weight move ~8 bytes of HBM an element in
+bfloat16: B A written by the GEMM, read back beside W, the sum written. Row steps small enough for
+the L2 (`bench/lora_merge_steps.py`, 2026-12-06, H100) did not help: a dirty line of B A is written
+back to HBM all the same, only its read is saved, and the steps' launches (~90 a Wan2.1 block) cost
+more than that (1.10 ms a block in 8 MiB steps against 1.03 in one, device time alone). This kernel
+computes each tile of B A in registers (K = the rank, accumulated in float32 by the tensor cores and
+rounded once, as the GEMM's epilogue rounds), multiplies and rounds it as `mul_` does, adds W's tile
+and rounds once more as `add_` does: W read and the sum written, ~4 bytes an element, one launch a
+layer. Whether the float32 sums equal cuBLAS's is the hardware's order of accumulation, not a
+promise: hence the check (`bench/lora_merge_kernel.py` compares every adapted shape of Wan2.1 and
+Flux.1-dev on the device).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable
+
+import torch
+
+from dlo.engine.platform import triton_modules
+
+log = logging.getLogger(__name__)
+
+TILE_ROWS, TILE_COLS = 64, 128  # a program's tile of the merged weight
+RANKS = (16, 32, 64, 128)  # adapter ranks the kernel takes (tl.dot: a power of two, at least 16)
+DTYPES = (torch.bfloat16, torch.float16)  # a float32 dot would round its inputs to TF32
+Launch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "float | None"], None]
+TwoSteps = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any], None]
+
+
+@functools.cache
+def merge_kernel() -> Any:
+    """The Triton kernel (one per process; None where Triton is not importable)."""
+    modules = triton_modules()
+    if modules is None:
+        return None
+    triton, tl = modules
+
+    @triton.jit
+    def merge_lora(out_ptr, w_ptr, b_ptr, a_ptr, M, N, factor, R: tl.constexpr, HAS_FACTOR: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr):
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        ks = tl.arange(0, R)
+        row_ok, col_ok = rows < M, cols < N
+        b = tl.load(b_ptr + rows[:, None].to(tl.int64) * R + ks[None, :], mask=row_ok[:, None], other=0.0)
+        a = tl.load(a_ptr + ks[:, None].to(tl.int64) * N + cols[None, :], mask=col_ok[None, :], other=0.0)
+        delta = tl.dot(b, a, out_dtype=tl.float32).to(out_ptr.dtype.element_ty)  # round(B A), as torch.mm
+        if HAS_FACTOR:
+            delta = (delta.to(tl.float32) * factor).to(out_ptr.dtype.element_ty)  # as mul_ by a float
+        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+        ok = row_ok[:, None] & col_ok[None, :]
+        w = tl.load(w_ptr + offs, mask=ok)
+        tl.store(out_ptr + offs, (delta.to(tl.float32) + w.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok)
+
+    return triton, merge_lora
+
+
+def launch_triton(out: torch.Tensor, weight: torch.Tensor, B: torch.Tensor, A: torch.Tensor,
+                  factor: float | None) -> None:
+    """`out` = `weight` + `factor` * (B A) by the Triton kernel (contiguous, one dtype, on cuda)."""
+    triton, kernel = merge_kernel()
+    m, n = out.shape
+    grid = (triton.cdiv(m, TILE_ROWS), triton.cdiv(n, TILE_COLS))
+    kernel[grid](out, weight, B, A, m, n, 1.0 if factor is None else float(factor), R=A.shape[0],
+                 HAS_FACTOR=factor is not None, BM=TILE_ROWS, BN=TILE_COLS, num_warps=4)
+
+
+class FusedMerge:
+    """The merges one rank runs in one pass ([Note: the fused merge]), each kind checked on first use."""
+
+    def __init__(self, launch: Launch = launch_triton, device_type: str = "cuda",
+                 dtypes: tuple[torch.dtype, ...] = DTYPES, ranks: tuple[int, ...] | None = RANKS):
+        """`launch`: the kernel's launch, on `device_type`, for `dtypes` and `ranks` (None: any; tests
+        pass stand-ins that run on cpu)."""
+        self.launch = launch
+        self.device_type, self.dtypes, self.ranks = device_type, dtypes, ranks
+        self.verdicts: dict[tuple, bool] = {}  # kind -> whether the kernel gave the two steps' bytes
+        self.launches = 0  # merges made by the kernel (the tests and the bench read it)
+
+    @classmethod
+    def on(cls, device: torch.device) -> "FusedMerge | None":
+        """The fused merge for `device`, None where it cannot run (not cuda, or no Triton)."""
+        if torch.device(device).type != "cuda" or merge_kernel() is None:
+            return None
+        return cls()
+
+    def kind(self, out: torch.Tensor, weight: torch.Tensor, B: torch.Tensor, A: torch.Tensor, factor: Any) -> tuple | None:
+        """What a merge's check is keyed on; None where the kernel does not take it."""
+        tensors = (out, weight, B, A)
+        if (out.device.type != self.device_type or out.dtype not in self.dtypes
+                or (self.ranks is not None and A.shape[0] not in self.ranks)
+                or any(t.dtype != out.dtype or not t.is_contiguous() for t in tensors)
+                or not (factor is None or isinstance(factor, float))):
+            return None
+        return tuple(out.shape), out.dtype, A.shape[0], factor is not None
+
+    def merge(self, out: torch.Tensor, weight: torch.Tensor, B: torch.Tensor, A: torch.Tensor, factor: Any,
+              two_steps: TwoSteps) -> bool:
+        """`out` = `weight` + `factor` * (B A) in one pass; False (nothing written) where this kind is
+        not the kernel's or gave other bytes than `two_steps` when first checked."""
+        kind = self.kind(out, weight, B, A, factor)
+        if kind is None or self.verdicts.get(kind) is False:
+            return False
+        self.launch(out, weight, B, A, factor)
+        self.launches += 1
+        if kind not in self.verdicts:
+            self.verdicts[kind] = self._check(kind, out, weight, B, A, factor, two_steps)
+        return True
+
+    def _check(self, kind: tuple, out: torch.Tensor, weight: torch.Tensor, B: torch.Tensor, A: torch.Tensor,
+               factor: Any, two_steps: TwoSteps) -> bool:
+        """Whether the kernel's `out` is the two steps' bytes; where not, `out` gets those."""
+        want = torch.empty_like(out)
+        two_steps(want, weight, B, A, factor)
+        same = torch.equal(out, want)
+        if same:
+            log.info("lora fused merge gives the two-step merge's bytes for %s: that kind merges in one pass", kind)
+        else:
+            out.copy_(want)
+            log.warning("lora fused merge differs from the two-step merge for %s: that kind merges in two steps", kind)
+        return same

@@ -1,0 +1,99 @@
+"""The merge in one pass (`dlo.engine.lora.merge_kernel.FusedMerge`, [Note: the fused merge]): the
+first merge of every kind checked against peft's two steps, a kernel that differs never seen in a
+merge, the kinds the Triton kernel takes, and the flag that reaches it. The kernel's own bytes are
+the device's (bench/lora_merge_kernel.py); here its launch is a stand-in on cpu."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from dlo.engine.lora.bank import LoraBank, merge_way
+from dlo.engine.lora.merge import MergeCache, MergeWay, merge_weight, two_steps
+from dlo.engine.lora.merge_kernel import FusedMerge
+from dlo.engine.lora.weights import Branch
+from dlo.engine.serving.options import add_arguments, lora_settings
+from dlo.engine.settings import ConfigError, LoraSettings
+
+
+def _layer(rows: int, cols: int, rank: int, dtype=torch.bfloat16, seed: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(rows, cols, generator=g).to(dtype)
+    return weight, Branch(torch.randn(rank, cols, generator=g).to(dtype), torch.randn(rows, rank, generator=g).to(dtype),
+                          None, 1.0)
+
+
+def _counting(launch):
+    calls = []
+    return calls, lambda out, w, B, A, f: (calls.append(tuple(out.shape)), launch(out, w, B, A, f))
+
+
+@pytest.mark.parametrize("factor", [None, 0.8])
+def test_a_kernel_that_agrees_merges_every_call_after_one_check_per_kind(factor):
+    calls, launch = _counting(two_steps)
+    fused = FusedMerge(launch, device_type="cpu")
+    layers = [_layer(64, 32, 16, seed=1), _layer(64, 32, 16, seed=2), _layer(96, 32, 16, seed=3)]
+    for weight, b in layers * 2:
+        got = merge_weight(torch.full_like(weight, float("nan")), weight, b, factor, MergeWay(fused))
+        assert torch.equal(got, merge_weight(torch.empty_like(weight), weight, b, factor))
+    assert len(calls) == fused.launches == 6  # every merge by the kernel
+    assert fused.verdicts == {((64, 32), torch.bfloat16, 16, factor is not None): True,
+                              ((96, 32), torch.bfloat16, 16, factor is not None): True}
+
+
+def test_a_kernel_that_differs_never_reaches_a_merge_and_is_not_launched_again(caplog):
+    calls, launch = _counting(lambda out, w, B, A, f: (two_steps(out, w, B, A, f), out.add_(1)))
+    fused = FusedMerge(launch, device_type="cpu")
+    weight, b = _layer(64, 32, 16)
+    want = merge_weight(torch.empty_like(weight), weight, b, None)
+    for _ in range(3):
+        assert torch.equal(merge_weight(torch.empty_like(weight), weight, b, None, MergeWay(fused)), want)
+    assert len(calls) == 1 and fused.verdicts == {((64, 32), torch.bfloat16, 16, False): False}
+    assert "differs from the two-step merge" in caplog.text
+    # another kind is checked on its own
+    other, ob = _layer(128, 32, 16)
+    merge_weight(torch.empty_like(other), other, ob, None, MergeWay(fused))
+    assert len(calls) == 2
+
+
+def test_the_kinds_the_kernel_takes():
+    fused = FusedMerge(lambda *a: None, device_type="cpu")
+    weight, b = _layer(64, 32, 64)
+    out = torch.empty_like(weight)
+    assert fused.kind(out, weight, b.B, b.A, None) == ((64, 32), torch.bfloat16, 64, False)
+    assert fused.kind(out, weight, b.B, b.A, 0.5)[3] is True
+    assert fused.kind(out, weight, b.B, b.A, torch.tensor(0.5)) is None  # a tensor factor: two steps
+    w32, b32 = _layer(64, 32, 64, torch.float32)
+    assert fused.kind(torch.empty_like(w32), w32, b32.B, b32.A, None) is None  # TF32 would round the dot's inputs
+    w8, b8 = _layer(64, 32, 8)
+    assert fused.kind(out, w8, b8.B, b8.A, None) is None  # tl.dot: K of at least 16
+    wt = weight.t().contiguous().t()
+    assert fused.kind(out, wt, b.B, b.A, None) is None  # not contiguous
+    assert FusedMerge(lambda *a: None).kind(out, weight, b.B, b.A, None) is None  # cuda's kernel, cpu tensors
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(["/m", *argv])
+
+
+def test_the_flag_reaches_the_bank_s_way(tmp_path, capsys):
+    assert lora_settings(_args("--lora-merge-kernel", "torch")).merge_kernel == "torch"
+    assert _args().lora_merge_kernel == "auto" == LoraSettings("/l").merge_kernel
+    with pytest.raises(SystemExit) as exit_:
+        _args("--lora-merge-kernel", "cuda")
+    assert exit_.value.code == 2 and "--lora-merge-kernel: invalid choice: 'cuda'" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="lora merge_kernel must be one of"):
+        LoraSettings("/l", merge_kernel="cuda")
+    assert FusedMerge.on(torch.device("cpu")) is None
+    assert merge_way(LoraSettings("/l"), torch.device("cpu")) == MergeWay()
+    assert LoraBank.load(LoraSettings(None), "WanPipeline", tmp_path, None, torch.device("cpu")).way == MergeWay()
+
+
+def test_the_merge_cache_keeps_merges_in_new_tensors_on_cpu():
+    cache = MergeCache(1 << 20)
+    p = cache.new_parameter((4, 8), torch.bfloat16, torch.device("cpu"), False)
+    assert p.shape == (4, 8) and p.dtype == torch.bfloat16 and not p.requires_grad
