@@ -31,8 +31,9 @@ measured; a step the `--budget-s` left no time for is recorded as skipped):
 3. `serve_resident`, `serve_rank_local_partial` (the headline streamed run: a quarter of Wan's blocks,
    three quarters of Flux's resident), `serve_rank_local` (every block streamed), each with
    `--lora-apply branch`, again with `--lora-apply merge` (`*_merge`) and with the default flags
-   (`*_auto`: merged above `--lora-merge-above` tokens a call; `*_torch_merge_auto` the same with every merge in
-   peft's two torch steps, `--lora-merge-kernel torch`: the control of the merge in one pass): `dlo serve --lora-dir` over HTTP with the official SDK, the same
+   (`*_auto`: merged above `--lora-merge-above` tokens a call; `*_fused_auto` the same with every merge in
+   one pass, `--lora-merge-kernel triton`, and `*_torch_merge_auto` in peft's two torch steps, `--lora-merge-kernel
+   torch`, its control, whatever the default): `dlo serve --lora-dir` over HTTP with the official SDK, the same
    request without and with `"lora": "r64"` alternately, `--requests` times each; the fastest of
    each, their ratio, the bytes (the same across modes, per way of applying?), the adapter's device
    bytes per rank from /ready, peak device and host memory; and `serve_resident_merge_cached`
@@ -86,7 +87,8 @@ TINY = {
 # seconds a step needs at full size (the budget skips what would not fit; the dry run ignores them)
 NEEDS = {"per_block": {"wan21": 170, "flux": 50}, "serve": {"wan21": 90, "flux": 60}}
 MERGE_SUFFIX = "_merge"  # a serve run with `--lora-apply merge` (its bytes are fuse_lora's, not the branch's)
-TORCH_MERGE_INFIX = "_torch_merge"  # `--lora-merge-kernel torch`: peft's two steps as torch ops (the default before the kernel)
+FUSED_INFIX = "_fused"  # `--lora-merge-kernel triton`: each merge in one pass
+TORCH_MERGE_INFIX = "_torch_merge"  # `--lora-merge-kernel torch`: peft's two steps as torch ops
 AUTO_SUFFIX = "_auto"  # a serve run with the default `--lora-apply auto` (merged above --lora-merge-above tokens)
 
 
@@ -245,7 +247,8 @@ def run_model(base: str, key: str, spec: dict, args: argparse.Namespace, budget:
     runs = {n: (*f, "--lora-apply", "branch") for n, f in base_runs}
     runs.update({f"{n}{MERGE_SUFFIX}": (*f, "--lora-apply", "merge") for n, f in base_runs})
     runs.update({f"{n}{AUTO_SUFFIX}": f for n, f in base_runs})  # the default flags
-    # the default flags with each merge in two torch steps: the control of the merge in one pass
+    # the default flags with each merge in one pass, and in two torch steps (its control)
+    runs.update({f"{n}{FUSED_INFIX}{AUTO_SUFFIX}": (*f, "--lora-merge-kernel", "triton") for n, f in base_runs})
     runs.update({f"{n}{TORCH_MERGE_INFIX}{AUTO_SUFFIX}": (*f, "--lora-merge-kernel", "torch") for n, f in base_runs})
     # every resident layer's merge kept after the first request with the adapter ([Note: the merge cache])
     runs["serve_resident_merge_cached"] = (*runs["serve_resident_merge"], "--lora-merge-cache", spec["merge_cache"])
@@ -383,9 +386,10 @@ def main() -> int:
     ap.add_argument("--logs", type=Path, default=None)
     ap.add_argument("--stem", default=None)
     ap.add_argument("--only", default="wan21,flux")
-    ap.add_argument("--runs", default="", help="serve runs to keep, comma-separated (default: all thirteen: "
+    ap.add_argument("--runs", default="", help="serve runs to keep, comma-separated (default: all sixteen: "
                                                "serve_resident, serve_rank_local_partial, serve_rank_local, each "
-                                               f"also with {MERGE_SUFFIX}, {AUTO_SUFFIX} and {TORCH_MERGE_INFIX}{AUTO_SUFFIX}, "
+                                               f"also with {MERGE_SUFFIX}, {AUTO_SUFFIX}, {FUSED_INFIX}{AUTO_SUFFIX} and "
+                                               f"{TORCH_MERGE_INFIX}{AUTO_SUFFIX}, "
                                                "and serve_resident_merge_cached)")
     ap.add_argument("--per-block", action=argparse.BooleanOptionalAction, default=True,
                     help="run the per-block step (--no-per-block: the serve runs only, for a second call)")

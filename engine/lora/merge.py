@@ -31,7 +31,8 @@ Memory: the largest targeted weight once per rank (Wan2.1-14B's FFN: 141.6 MB in
 [Note: merging in one pass] On cuda, `merge_weight` runs the two steps as one Triton kernel where
 it takes the merge and has given the two steps' bytes (`dlo.engine.lora.merge_kernel`, [Note: the
 fused merge]): W read and the sum written, ~4 bytes of HBM an element where the two steps move ~8
-(Wan2.1-14B: 1.40 GB a block instead of 2.81). `--lora-merge-kernel torch` keeps the two steps.
+(Wan2.1-14B: 1.40 GB a block instead of 2.81). `--lora-merge-kernel triton` turns it on (`torch`, the
+two steps, is the default until the kernel is measured on a device).
 
 [Note: the merge cache] A resident layer's weight never changes, so its merge for one adapter and
 scale is the same tensor every call: with a `--lora-merge-cache` (BYTES, or the default auto: the
@@ -44,14 +45,16 @@ used others are dropped (never the request's own). The budget counts the whole c
 On cuda the kept merges come from a memory pool of their own: made during a request, from the
 allocator's shared pool they were cut out of the large blocks its activations had freed, and a
 later large allocation found no block whole (an 80 GB card, Wan2.1 resident with 28 GB of merges:
-the VAE decode's 884 MiB refused with 7.5 GiB free in pieces, 2026-12-06).
+the VAE decode's 884 MiB refused with 7.5 GiB free in pieces, 2026-12-06; the pool is not yet
+measured on a device).
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from contextlib import nullcontext
 from collections import OrderedDict
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -61,6 +64,8 @@ from torch import nn
 from dlo.engine.lora.adapters import merge_scratch_elements
 from dlo.engine.lora.merge_kernel import FusedMerge
 from dlo.engine.lora.weights import Branch
+
+log = logging.getLogger(__name__)
 
 HALF_ON_CPU = (torch.float16, torch.bfloat16)  # what peft merges in float32 on cpu
 
@@ -171,7 +176,7 @@ class MergeCache:
     def __init__(self, capacity: int, device: torch.device | str = "cpu"):
         self.capacity, self.used = capacity, 0
         # the kept merges' own memory on cuda ([Note: the merge cache])
-        self._pool = torch.cuda.MemPool() if torch.device(device).type == "cuda" else None
+        self._pool = _own_pool() if torch.device(device).type == "cuda" else None
         self._entries: OrderedDict[tuple[str, float], dict[nn.Module, Merged]] = OrderedDict()
         self._bytes: dict[tuple[str, float], int] = {}
 
@@ -215,6 +220,15 @@ class MergeCache:
         self._bytes.clear()
         self.used = 0
         self._pool = None
+
+
+def _own_pool() -> Any:
+    """A cuda memory pool of its own, None where this torch has none (the shared pool then)."""
+    try:
+        return torch.cuda.MemPool()
+    except (AttributeError, RuntimeError) as e:
+        log.warning("lora merge cache without a memory pool of its own (%s): its merges share the allocator's", e)
+        return None
 
 
 def new_parameter(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, grad: bool) -> nn.Parameter:

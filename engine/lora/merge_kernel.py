@@ -5,7 +5,8 @@ importable) and `FusedMerge` (which merges it may run, its launch, and its check
 torch steps on the first merge of every kind).
 Must never: give other bytes than the two torch steps of `dlo.engine.lora.merge` (the first merge of
 each (shape, dtype, rank, factor or none) is made both ways and compared; a kind that differs is
-merged by the torch steps from then on, with a warning), or write into the weight it reads.
+merged by the torch steps from then on, with a warning), fail a request (a kernel that does not
+compile or launch leaves every merge to the torch steps), or write into the weight it reads.
 
 [Note: the fused merge] peft's two steps over a whole weight move ~8 bytes of HBM an element in
 bfloat16: B A written by the GEMM, read back beside W, the sum written. Row steps small enough for
@@ -88,6 +89,7 @@ class FusedMerge:
         self.device_type, self.dtypes, self.ranks = device_type, dtypes, ranks
         self.verdicts: dict[tuple, bool] = {}  # kind -> whether the kernel gave the two steps' bytes
         self.launches = 0  # merges made by the kernel (the tests and the bench read it)
+        self.failed: str | None = None  # why the kernel could not run here (then: two steps for every kind)
 
     @classmethod
     def on(cls, device: torch.device) -> "FusedMerge | None":
@@ -111,9 +113,14 @@ class FusedMerge:
         """`out` = `weight` + `factor` * (B A) in one pass; False (nothing written) where this kind is
         not the kernel's or gave other bytes than `two_steps` when first checked."""
         kind = self.kind(out, weight, B, A, factor)
-        if kind is None or self.verdicts.get(kind) is False:
+        if kind is None or self.failed is not None or self.verdicts.get(kind) is False:
             return False
-        self.launch(out, weight, B, A, factor)
+        try:
+            self.launch(out, weight, B, A, factor)
+        except Exception as e:  # it did not compile or launch on this machine: never a failed request
+            self.failed = f"{type(e).__name__}: {e}"
+            log.warning("lora fused merge cannot run here (%s): every merge in two steps", self.failed)
+            return False
         self.launches += 1
         if kind not in self.verdicts:
             self.verdicts[kind] = self._check(kind, out, weight, B, A, factor, two_steps)

@@ -58,6 +58,23 @@ def test_a_kernel_that_differs_never_reaches_a_merge_and_is_not_launched_again(c
     assert len(calls) == 2
 
 
+def test_a_kernel_that_cannot_launch_leaves_every_merge_to_the_two_steps(caplog):
+    calls = []
+
+    def broken(*_args):
+        calls.append(1)
+        raise RuntimeError("PTX for this card failed to compile")
+
+    fused = FusedMerge(broken, device_type="cpu")
+    for rows in (64, 128, 64):
+        weight, b = _layer(rows, 32, 16)
+        got = merge_weight(torch.full_like(weight, float("nan")), weight, b, 0.8, MergeWay(fused))
+        assert torch.equal(got, merge_weight(torch.empty_like(weight), weight, b, 0.8))
+    assert len(calls) == 1 and fused.launches == 0 and not fused.verdicts
+    assert fused.failed == "RuntimeError: PTX for this card failed to compile"
+    assert "cannot run here (RuntimeError: PTX for this card failed to compile)" in caplog.text
+
+
 def test_the_kinds_the_kernel_takes():
     fused = FusedMerge(lambda *a: None, device_type="cpu")
     weight, b = _layer(64, 32, 64)
@@ -81,15 +98,15 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def test_the_flag_reaches_the_bank_s_way(tmp_path, capsys):
-    assert lora_settings(_args("--lora-merge-kernel", "torch")).merge_kernel == "torch"
-    assert _args().lora_merge_kernel == "auto" == LoraSettings("/l").merge_kernel
+    assert lora_settings(_args("--lora-merge-kernel", "triton")).merge_kernel == "triton"
+    assert _args().lora_merge_kernel == "torch" == LoraSettings("/l").merge_kernel
     with pytest.raises(SystemExit) as exit_:
         _args("--lora-merge-kernel", "cuda")
     assert exit_.value.code == 2 and "--lora-merge-kernel: invalid choice: 'cuda'" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="lora merge_kernel must be one of"):
         LoraSettings("/l", merge_kernel="cuda")
     assert FusedMerge.on(torch.device("cpu")) is None
-    assert merge_way(LoraSettings("/l"), torch.device("cpu")) == MergeWay()
+    assert merge_way(LoraSettings("/l", merge_kernel="triton"), torch.device("cpu")) == MergeWay()
     assert LoraBank.load(LoraSettings(None), "WanPipeline", tmp_path, None, torch.device("cpu")).way == MergeWay()
 
 
@@ -97,3 +114,10 @@ def test_the_merge_cache_keeps_merges_in_new_tensors_on_cpu():
     cache = MergeCache(1 << 20)
     p = cache.new_parameter((4, 8), torch.bfloat16, torch.device("cpu"), False)
     assert p.shape == (4, 8) and p.dtype == torch.bfloat16 and not p.requires_grad
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a torch with cuda makes the pool")
+def test_a_torch_without_memory_pools_keeps_merges_in_the_shared_pool(caplog):
+    cache = MergeCache(1 << 20, "cuda")  # this cpu build's MemPool is a stand-in that refuses to be made
+    assert cache._pool is None
+    assert "without a memory pool of its own" in caplog.text

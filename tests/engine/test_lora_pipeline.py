@@ -33,7 +33,8 @@ def test_every_adapter_equals_diffusers_load_lora_weights_bit_for_bit(lora_setup
 
     s = lora_setups[family]
     lora = LoraSettings(str(s.lora_dir), apply=apply, merge_cache_bytes=cache,
-                        **({} if above is None else {"merge_above_tokens": above}))
+                        **({} if above is None else {"merge_above_tokens": above}),
+                        **({} if fused is None else {"merge_kernel": "triton"}))
     kernel = _stand_in_kernel(monkeypatch, fused) if fused else None
     pipe = ServingPipeline(s.model, EngineSettings(OffloadSettings(mode), lora=lora), max_sequence_length=SEQ)
     assert sorted(pipe.lora.names) == sorted(s.adapters)
