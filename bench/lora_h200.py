@@ -346,6 +346,10 @@ def markdown(rec: dict) -> str:
             denoise = (ms.get("denoise_ratio") or {}).get(n)
             lines.append(f"| {n} | {r['seconds']['base']} | {r['seconds']['lora']} | {ratio}x | "
                          f"{ms['end_to_end_meets_goal'][n]} | {f'{denoise}x' if denoise else ''} |")
+        for n, r in m.items():  # a run that failed or was skipped says so here too, not only in the raw
+            if n.startswith("serve") and isinstance(r, dict) and ("error" in r or "skipped" in r):
+                lines.append(f"| {n} | {'failed: ' + r['error'] if 'error' in r else 'skipped: ' + r['skipped']} "
+                             "| | | | |")
         lines += ["", f"LoRA bytes identical across modes: {ms['lora_bytes_identical_across_modes']} (branch), "
                       f"{ms.get('lora_bytes_identical_across_modes_merged')} (merge), "
                       f"{ms.get('lora_bytes_identical_across_modes_auto')} (auto); the adapter changes the "

@@ -99,3 +99,16 @@ def test_merge_takes_each_step_of_a_model_from_the_call_that_ran_it(tmp_path: Pa
     assert flux["make"] == {"bytes": 5} and flux["per_block"] == {"workloads": {}}
     assert {n: flux[n]["ratio"] for n in ("serve_resident", "serve_rank_local")} == {"serve_resident": 1.01,
                                                                                     "serve_rank_local": 0.99}
+
+
+def test_a_failed_run_is_in_the_record_s_table(tmp_path: Path) -> None:
+    """A serve run that failed on the device (an H100's resident run, 2026-12-06) is a row of the
+    markdown too, with its error, not only a key of the raw."""
+    sys.path.insert(0, str(BENCH.parent))
+    import lora_h200
+
+    raw = ROOT / "bench" / "results" / "raw-lora-h200-2026-12-06-wan21-steps.json"
+    lora_h200.merge([raw], tmp_path, "lora-failed")
+    md = (tmp_path / "lora-failed.md").read_text()
+    assert "| serve_resident_auto | failed: RuntimeError: video failed:" in md
+    assert "| serve_rank_local_auto | 12.143 | 12.876 | 1.0604x | False |" in md
