@@ -122,7 +122,7 @@ def unfolded(bank: Any, name: str) -> Any:
 
 def merged(bank: Any, in_gemm: bool, device: Any) -> Any:
     """The same adapters merged per call into a scratch (`--lora-apply merge`), in one GEMM or as the
-    engine merges by default (in one pass where the kernel runs)."""
+    engine merges by default (`--lora-merge-kernel`'s default)."""
     from dlo.engine.lora.bank import LoraBank, merge_way
     from dlo.engine.lora.merge import MergeScratch
     from dlo.engine.settings import LoraSettings

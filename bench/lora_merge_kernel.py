@@ -3,7 +3,8 @@
 a rank-64 adapter merged by peft's two steps (two torch ops, `two_steps`) and by the Triton kernel
 (`FusedMerge`'s launch): the milliseconds a block's merges take, the HBM bytes an element they imply,
 and whether the kernel gives the two steps' bytes for every shape (what the engine's bit-identity
-rests on; the engine checks the first merge of each kind all the same), also at ranks 16, 32 and 128.
+rests on; the engine checks every kind at load all the same), also at ranks 16, 32 and 128 and on shapes
+no tile fits (bit for bit: `same_bits`, where `torch.equal` holds -0 equal to 0).
 
     python3 bench/lora_merge_kernel.py --out $OUT/raw-lora-merge-kernel.json      # one GPU, ~40 s
     python3 bench/lora_merge_kernel.py --dry-run --out /tmp/merge-kernel.json     # cpu, tiny shapes, a stand-in kernel
@@ -36,7 +37,7 @@ wb.ensure_dlo_importable()
 import torch  # noqa: E402
 
 from dlo.engine.lora.merge import two_steps  # noqa: E402
-from dlo.engine.lora.merge_kernel import FusedMerge, merge_kernel  # noqa: E402
+from dlo.engine.lora.merge_kernel import FusedMerge, merge_kernel, same_bits  # noqa: E402
 from dlo.engine.lora.weights import Branch  # noqa: E402
 
 RANK = 64
@@ -47,6 +48,7 @@ BLOCKS = {
 }
 TINY = {"tiny": [(64, 32)] * 4 + [(256, 64), (64, 256)]}
 OTHER_RANKS = (16, 32, 128)  # the kernel's other ranks: bytes only, on the block's shapes
+ODD_SHAPES = [(100, 200), (1, 64), (4097, 130), (63, 5121)]  # edges no tile fits: bytes only, rank 64
 
 
 def block_layers(shapes: list[tuple[int, int]], device: torch.device, gen: torch.Generator,
@@ -133,7 +135,7 @@ def differing_layers(layers: list[tuple], factor, launch: Merge) -> list[str]:
         two_steps(want, w, b.B, b.A, factor)
         got = torch.full_like(w, float("nan"))
         launch(got, w, b.B, b.A, factor)
-        if not torch.equal(want, got):
+        if not same_bits(want, got):
             bad.append("x".join(map(str, w.shape)))
     return bad
 
@@ -174,6 +176,12 @@ def measure(name: str, shapes: list[tuple[int, int]], args: argparse.Namespace, 
     return rec
 
 
+def odd_shapes(device: torch.device, launch: Merge) -> dict:
+    """The layers (as "OUTxIN") of shapes no tile fits whose merge by `launch` differs from the two steps'."""
+    layers = block_layers(ODD_SHAPES, device, torch.Generator(device=device).manual_seed(7))
+    return {str(f): differing_layers(layers, f, launch) for f in (None, 0.8)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="the raw record (JSON)")
@@ -193,6 +201,9 @@ def main() -> int:
         rec["blocks"][name] = measure(name, shapes, args, device, launch)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(rec, indent=2) + "\n")
+    rec["odd_shapes_differ"] = odd_shapes(device, launch)
+    print(f"odd shapes {ODD_SHAPES}: differ {rec['odd_shapes_differ']}", flush=True)
+    args.out.write_text(json.dumps(rec, indent=2) + "\n")
     return 0
 
 

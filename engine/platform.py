@@ -9,8 +9,8 @@ Must never: be imported without torch (it is engine-only), hide a failed pin (ca
 from __future__ import annotations
 
 import ctypes
-import functools
 import ctypes.util
+import functools
 import logging
 from typing import Any
 

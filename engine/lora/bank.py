@@ -46,6 +46,7 @@ from dlo.engine.lora.merge import (
     TWO_STEPS,
     MergeWay,
     merge_layer,
+    two_steps,
 )
 from dlo.engine.lora.merge_kernel import FusedMerge
 from dlo.engine.lora.weights import Branch, branches, read_adapter
@@ -124,8 +125,11 @@ class LoraBank:
             scratch = MergeScratch(every, torch.device(device))
             cache = MergeCache(settings.cache_capacity, device) if settings.cache_capacity else None
             ahead = MergeAhead.on(every, torch.device(device)) if streamed else None
+        way = merge_way(settings, device)
+        if way.fused is not None and scratch is not None:  # every kind compiled and checked before a request
+            way.fused.prepare((b for br in adapters.values() for b in br.values()), torch.device(device), two_steps)
         bank = cls(adapters, add_in_gemm=torch.device(device).type in ADD_IN_GEMM, scratch=scratch, cache=cache,
-                   streamed=streamed, way=merge_way(settings, device), merge_above=settings.merge_above,
+                   streamed=streamed, way=way, merge_above=settings.merge_above,
                    ahead=ahead)
         log.info("lora adapters loaded count=%d device=%s apply=%s device_bytes=%d (merge scratch %d, merge cache "
                  "up to %d) per_adapter=%s", len(adapters), device, settings.apply, bank.device_bytes,
@@ -240,9 +244,11 @@ class LoraBank:
         if not self.cache.room_for(self._key, nbytes):
             return None
         device = weight.device
-        kept_bias = None if b.bias is None else self.cache.new_parameter((out,), dtype, device,
-                                                                         bias is not None and bias.requires_grad)
-        return self.cache.new_parameter((out, b.A.shape[1]), dtype, device, weight.requires_grad), kept_bias
+        kept = self.cache.new_parameter((out, b.A.shape[1]), dtype, device, weight.requires_grad)
+        if kept is None or b.bias is None:
+            return None if kept is None else (kept, None)
+        kept_bias = self.cache.new_parameter((out,), dtype, device, bias is not None and bias.requires_grad)
+        return None if kept_bias is None else (kept, kept_bias)
 
     def _merge_out(self, layer: nn.Module, _args: tuple, _out: Any) -> None:
         self._restore(layer)

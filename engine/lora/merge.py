@@ -54,7 +54,6 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -181,10 +180,22 @@ class MergeCache:
         self._bytes: dict[tuple[str, float], int] = {}
 
     def new_parameter(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                      grad: bool) -> nn.Parameter:
-        """A tensor to keep a merge in, from the cache's own pool where it has one."""
-        with torch.cuda.use_mem_pool(self._pool, device) if self._pool is not None else nullcontext():
+                      grad: bool) -> nn.Parameter | None:
+        """A tensor to keep a merge in, from the cache's own pool where it has one; None where the
+        device has no room for it (the layer then merges into the scratch, uncached)."""
+        if self._pool is None:
             return new_parameter(shape, dtype, device, grad)
+        for attempt in range(2):
+            try:
+                with torch.cuda.use_mem_pool(self._pool, device):
+                    return new_parameter(shape, dtype, device, grad)
+            except torch.OutOfMemoryError:
+                if attempt:
+                    return None
+                # the shared pool's cached blocks: an allocation into a pool of its own does not take
+                # them back before it fails (pytorch/pytorch#159674)
+                torch.cuda.empty_cache()
+        return None
 
     def entries(self, key: tuple[str, float]) -> dict[nn.Module, Merged]:
         """The layers merged for `key` so far (the most recently used key from now on)."""

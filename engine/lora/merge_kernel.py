@@ -1,8 +1,9 @@
 """A LoRA merge in one pass on cuda: W + factor * (B A), rounded as peft's two steps, in one Triton kernel.
 
 Owns: `merge_kernel` (the Triton kernel, compiled on first launch; None where Triton is not
-importable) and `FusedMerge` (which merges it may run, its launch, and its check against the two
-torch steps on the first merge of every kind).
+importable), `FusedMerge` (which merges it may run, its launch, and its check against the two torch
+steps: every kind an adapter merges as, at load, `prepare`; any other on its first merge) and
+`same_bits`.
 Must never: give other bytes than the two torch steps of `dlo.engine.lora.merge` (the first merge of
 each (shape, dtype, rank, factor or none) is made both ways and compared; a kind that differs is
 merged by the torch steps from then on, with a warning), fail a request (a kernel that does not
@@ -10,7 +11,7 @@ compile or launch leaves every merge to the torch steps), or write into the weig
 
 [Note: the fused merge] peft's two steps over a whole weight move ~8 bytes of HBM an element in
 bfloat16: B A written by the GEMM, read back beside W, the sum written. Row steps small enough for
-the L2 (`bench/lora_merge_steps.py`, 2026-12-06, H100) did not help: a dirty line of B A is written
+the L2 (`bench/lora_merge_steps.py` at f2f7834, 2026-12-06, one H100) did not help: a dirty line of B A is written
 back to HBM all the same, only its read is saved, and the steps' launches (~90 a Wan2.1 block) cost
 more than that (1.10 ms a block in 8 MiB steps against 1.03 in one, device time alone). This kernel
 computes each tile of B A in registers (K = the rank, accumulated in float32 by the tensor cores and
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -78,6 +79,11 @@ def launch_triton(out: torch.Tensor, weight: torch.Tensor, B: torch.Tensor, A: t
                  HAS_FACTOR=factor is not None, BM=TILE_ROWS, BN=TILE_COLS, num_warps=4)
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors hold the same bytes (`torch.equal` holds -0 == 0 and NaN != NaN)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
 class FusedMerge:
     """The merges one rank runs in one pass ([Note: the fused merge]), each kind checked on first use."""
 
@@ -101,7 +107,9 @@ class FusedMerge:
     def kind(self, out: torch.Tensor, weight: torch.Tensor, B: torch.Tensor, A: torch.Tensor, factor: Any) -> tuple | None:
         """What a merge's check is keyed on; None where the kernel does not take it."""
         tensors = (out, weight, B, A)
-        if (out.device.type != self.device_type or out.dtype not in self.dtypes
+        if (out.dim() != 2 or out.shape != weight.shape or out.shape != (B.shape[0], A.shape[-1])
+                or B.dim() != 2 or A.dim() != 2 or B.shape[1] != A.shape[0]
+                or out.device.type != self.device_type or out.dtype not in self.dtypes
                 or (self.ranks is not None and A.shape[0] not in self.ranks)
                 or any(t.dtype != out.dtype or not t.is_contiguous() for t in tensors)
                 or not (factor is None or isinstance(factor, float))):
@@ -123,15 +131,37 @@ class FusedMerge:
             return False
         self.launches += 1
         if kind not in self.verdicts:
-            self.verdicts[kind] = self._check(kind, out, weight, B, A, factor, two_steps)
+            verdict = self._check(kind, out, weight, B, A, factor, two_steps)
+            if verdict is not None:
+                self.verdicts[kind] = verdict
         return True
 
+    def prepare(self, branches: Iterable[Any], device: torch.device, two_steps: TwoSteps) -> None:
+        """Compile and check, before any request, every kind `branches` (`Branch`es: B, A) merge as,
+        with and without a factor, on random weights of their shapes: a request then never waits for
+        a compile or a check."""
+        gen = torch.Generator(device=device).manual_seed(29)
+        shapes = sorted({(b.B.shape[0], b.A.shape[1], b.B.dtype, b.A.shape[0]) for b in branches}, key=str)
+        for rows, cols, dtype, rank in shapes:
+            def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+                return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
+
+            weight, B, A = rand(rows, cols), rand(rows, rank, scale=0.05), rand(rank, cols, scale=0.05)
+            for factor in (None, 0.8):
+                self.merge(torch.empty_like(weight), weight, B, A, factor, two_steps)
+            del weight, B, A
+
     def _check(self, kind: tuple, out: torch.Tensor, weight: torch.Tensor, B: torch.Tensor, A: torch.Tensor,
-               factor: Any, two_steps: TwoSteps) -> bool:
-        """Whether the kernel's `out` is the two steps' bytes; where not, `out` gets those."""
-        want = torch.empty_like(out)
+               factor: Any, two_steps: TwoSteps) -> bool | None:
+        """Whether the kernel's `out` is the two steps' bytes, bit for bit; where not, `out` gets those.
+        None (no verdict yet: a later merge checks) where the device has no room to compare."""
+        try:
+            want = torch.empty_like(out)
+        except torch.OutOfMemoryError:
+            two_steps(out, weight, B, A, factor)  # the bytes the check would keep, unchecked
+            return None
         two_steps(want, weight, B, A, factor)
-        same = torch.equal(out, want)
+        same = same_bits(out, want)
         if same:
             log.info("lora fused merge gives the two-step merge's bytes for %s: that kind merges in one pass", kind)
         else:

@@ -12,7 +12,7 @@ import torch
 
 from dlo.engine.lora.bank import LoraBank, merge_way
 from dlo.engine.lora.merge import MergeCache, MergeWay, merge_weight, two_steps
-from dlo.engine.lora.merge_kernel import FusedMerge
+from dlo.engine.lora.merge_kernel import FusedMerge, same_bits
 from dlo.engine.lora.weights import Branch
 from dlo.engine.serving.options import add_arguments, lora_settings
 from dlo.engine.settings import ConfigError, LoraSettings
@@ -75,6 +75,44 @@ def test_a_kernel_that_cannot_launch_leaves_every_merge_to_the_two_steps(caplog)
     assert "cannot run here (RuntimeError: PTX for this card failed to compile)" in caplog.text
 
 
+def test_prepare_judges_every_kind_of_the_adapters_before_any_merge():
+    calls, launch = _counting(two_steps)
+    fused = FusedMerge(launch, device_type="cpu")
+    branches = [_layer(64, 32, 16, seed=s)[1] for s in (1, 2)] + [_layer(96, 32, 16)[1], _layer(96, 32, 8)[1]]
+    fused.prepare(branches, torch.device("cpu"), two_steps)
+    kinds = {((64, 32), torch.bfloat16, 16), ((96, 32), torch.bfloat16, 16)}  # rank 8: not the kernel's
+    assert fused.verdicts == {(*k, f): True for k in kinds for f in (False, True)} and len(calls) == 4
+    # a kind judged wrong at load is never launched for a request
+    wrong = FusedMerge(lambda out, w, B, A, f: (two_steps(out, w, B, A, f), out.add_(1)), device_type="cpu")
+    wrong.prepare(branches[:1], torch.device("cpu"), two_steps)
+    assert set(wrong.verdicts.values()) == {False} and wrong.launches == 2
+    weight, b = _layer(64, 32, 16)
+    merge_weight(torch.empty_like(weight), weight, b, 0.3, MergeWay(wrong))
+    assert wrong.launches == 2
+
+
+def test_no_room_to_compare_gives_the_two_steps_bytes_and_no_verdict(monkeypatch):
+    fused = FusedMerge(lambda out, w, B, A, f: out.fill_(7), device_type="cpu")  # a kernel of other bytes
+    weight, b = _layer(64, 32, 16)
+
+    def full(*_a, **_k):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "empty_like", full)
+        got = merge_weight(weight.clone(), weight, b, None, MergeWay(fused))
+    assert torch.equal(got, merge_weight(torch.empty_like(weight), weight, b, None)) and not fused.verdicts
+    merge_weight(torch.empty_like(weight), weight, b, None, MergeWay(fused))  # room now: checked, and refused
+    assert fused.verdicts == {((64, 32), torch.bfloat16, 16, False): False}
+
+
+def test_same_bits_is_bytes_not_values():
+    z = torch.zeros(4, dtype=torch.bfloat16)
+    assert not same_bits(z, -z) and torch.equal(z, -z)
+    nan = torch.full((4,), float("nan"), dtype=torch.bfloat16)
+    assert same_bits(nan, nan.clone()) and not torch.equal(nan, nan)
+
+
 def test_the_kinds_the_kernel_takes():
     fused = FusedMerge(lambda *a: None, device_type="cpu")
     weight, b = _layer(64, 32, 64)
@@ -89,6 +127,9 @@ def test_the_kinds_the_kernel_takes():
     wt = weight.t().contiguous().t()
     assert fused.kind(out, wt, b.B, b.A, None) is None  # not contiguous
     assert FusedMerge(lambda *a: None).kind(out, weight, b.B, b.A, None) is None  # cuda's kernel, cpu tensors
+    other, ob = _layer(64, 48, 64)  # shapes that do not make out: the torch steps raise, the kernel would read past
+    assert fused.kind(out, other, b.B, b.A, None) is None and fused.kind(out, weight, ob.B, ob.A, None) is None
+    assert fused.kind(out, weight, b.B, ob.A[:32], None) is None
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -114,6 +155,26 @@ def test_the_merge_cache_keeps_merges_in_new_tensors_on_cpu():
     cache = MergeCache(1 << 20)
     p = cache.new_parameter((4, 8), torch.bfloat16, torch.device("cpu"), False)
     assert p.shape == (4, 8) and p.dtype == torch.bfloat16 and not p.requires_grad
+
+
+def test_a_kept_merge_the_pool_has_no_room_for_takes_the_shared_pool_s_cache_back_then_gives_up(monkeypatch):
+    import contextlib
+
+    cache, emptied = MergeCache(1 << 20), []
+    cache._pool = object()  # a pool of its own (cuda's; this cpu build cannot make one)
+    fails = iter([True, False, True, True])  # each try into the pool: out of memory, or not
+
+    @contextlib.contextmanager
+    def pool(_pool, _device):
+        if next(fails):
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        yield
+
+    monkeypatch.setattr(torch.cuda, "use_mem_pool", pool)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    kept = cache.new_parameter((4, 8), torch.bfloat16, torch.device("cpu"), False)
+    assert kept is not None and kept.shape == (4, 8) and emptied == [1]  # the second try, after the cache went back
+    assert cache.new_parameter((4, 8), torch.bfloat16, torch.device("cpu"), False) is None and emptied == [1, 1]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a torch with cuda makes the pool")

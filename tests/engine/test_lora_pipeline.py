@@ -37,6 +37,10 @@ def test_every_adapter_equals_diffusers_load_lora_weights_bit_for_bit(lora_setup
                         **({} if fused is None else {"merge_kernel": "triton"}))
     kernel = _stand_in_kernel(monkeypatch, fused) if fused else None
     pipe = ServingPipeline(s.model, EngineSettings(OffloadSettings(mode), lora=lora), max_sequence_length=SEQ)
+    if kernel is not None:  # every kind judged at load, before any request
+        at_load, judged = kernel.launches, dict(kernel.verdicts)
+        assert judged and set(judged.values()) == {fused == "agrees"} and at_load == len(judged)
+        merges = _count_merges(monkeypatch)
     assert sorted(pipe.lora.names) == sorted(s.adapters)
     tokens = pipe.facts.call_tokens(s.gen(0))
     assert tokens == 4
@@ -61,10 +65,9 @@ def test_every_adapter_equals_diffusers_load_lora_weights_bit_for_bit(lora_setup
         streamed = pipe.model.streamed_modules()
         assert all(m._parameters["weight"] is w for m, w in own.items() if m not in streamed), \
             "a merged weight outlived its request"
-    if kernel is not None:  # every merge went through the kernel's way: each kind checked once, kept as checked
-        assert pipe.lora.way.fused is kernel and kernel.verdicts
-        assert set(kernel.verdicts.values()) == {fused == "agrees"}
-        assert kernel.launches >= len(kernel.verdicts) if fused == "agrees" else kernel.launches == len(kernel.verdicts)
+    if kernel is not None:  # the kernel made every request's merge where it agrees, none where it differs
+        assert pipe.lora.way.fused is kernel and kernel.verdicts == judged and merges
+        assert kernel.launches - at_load == (len(merges) if fused == "agrees" else 0)
     if cache:  # every (adapter, scale) asked kept its merges: the request below swaps them in, no merge
         assert set(pipe.lora.cache.keys) == {(a, sc) for a, sc, _ in s.cases if a is not None}
         assert 0 < pipe.lora.cache.used <= cache
@@ -77,6 +80,16 @@ def test_every_adapter_equals_diffusers_load_lora_weights_bit_for_bit(lora_setup
     assert pipe.component_reports()["lora"]["device_bytes"] == pipe.lora.device_bytes > 0
     assert (pipe.lora.scratch is not None) == (apply != "branch")
     pipe.close()
+
+
+def _count_merges(monkeypatch) -> list[int]:
+    """Every weight merged from now on (one entry each)."""
+    from dlo.engine.lora import merge
+
+    seen: list[int] = []
+    real = merge.merge_weight
+    monkeypatch.setattr(merge, "merge_weight", lambda *a, **k: (seen.append(1), real(*a, **k))[1])
+    return seen
 
 
 def _stand_in_kernel(monkeypatch, how: str):
