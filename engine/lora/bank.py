@@ -46,7 +46,6 @@ from dlo.engine.lora.merge import (
     TWO_STEPS,
     MergeWay,
     merge_layer,
-    two_steps,
 )
 from dlo.engine.lora.merge_kernel import FusedMerge
 from dlo.engine.lora.weights import Branch, branches, read_adapter
@@ -119,18 +118,16 @@ class LoraBank:
             adapters[entry.name] = branches(read_adapter(entry, pipeline_class, weights), model.module, device,
                                             model.dtype_of)
         scratch, cache, ahead = None, None, None
-        streamed = model.streamed_modules()
+        streamed, way = model.streamed_modules(), merge_way(settings, device)
         if settings.apply != "branch" and adapters:
             every = [b for br in adapters.values() for b in br.values()]
             scratch = MergeScratch(every, torch.device(device))
             cache = MergeCache(settings.cache_capacity, device) if settings.cache_capacity else None
             ahead = MergeAhead.on(every, torch.device(device)) if streamed else None
-        way = merge_way(settings, device)
-        if way.fused is not None and scratch is not None:  # every kind compiled and checked before a request
-            way.fused.prepare((b for br in adapters.values() for b in br.values()), torch.device(device), two_steps)
+            if way.fused is not None:  # every kind compiled and checked before a request
+                way.fused.prepare(every, torch.device(device))
         bank = cls(adapters, add_in_gemm=torch.device(device).type in ADD_IN_GEMM, scratch=scratch, cache=cache,
-                   streamed=streamed, way=way, merge_above=settings.merge_above,
-                   ahead=ahead)
+                   streamed=streamed, way=way, merge_above=settings.merge_above, ahead=ahead)
         log.info("lora adapters loaded count=%d device=%s apply=%s device_bytes=%d (merge scratch %d, merge cache "
                  "up to %d) per_adapter=%s", len(adapters), device, settings.apply, bank.device_bytes,
                  scratch.nbytes if scratch else 0, cache.capacity if cache else 0,
@@ -245,8 +242,10 @@ class LoraBank:
             return None
         device = weight.device
         kept = self.cache.new_parameter((out, b.A.shape[1]), dtype, device, weight.requires_grad)
-        if kept is None or b.bias is None:
-            return None if kept is None else (kept, None)
+        if kept is None:
+            return None
+        if b.bias is None:
+            return kept, None
         kept_bias = self.cache.new_parameter((out,), dtype, device, bias is not None and bias.requires_grad)
         return None if kept_bias is None else (kept, kept_bias)
 

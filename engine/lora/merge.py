@@ -55,14 +55,16 @@ import logging
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 from torch import nn
 
 from dlo.engine.lora.adapters import merge_scratch_elements
-from dlo.engine.lora.merge_kernel import FusedMerge
 from dlo.engine.lora.weights import Branch
+
+if TYPE_CHECKING:
+    from dlo.engine.lora.merge_kernel import FusedMerge
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +89,7 @@ def merge_weight(out: torch.Tensor, weight: torch.Tensor, b: Branch, factor: Any
     assert out.data_ptr() != weight.data_ptr(), "a merge never writes into the weight it reads"
     if way.in_gemm and factor is None:
         return torch.addmm(weight, b.B, b.A, out=out)
-    if way.fused is None or not way.fused.merge(out, weight, b.B, b.A, factor, two_steps):
+    if way.fused is None or not way.fused.merge(out, weight, b.B, b.A, factor):
         two_steps(out, weight, b.B, b.A, factor)
     return out
 
@@ -185,17 +187,20 @@ class MergeCache:
         device has no room for it (the layer then merges into the scratch, uncached)."""
         if self._pool is None:
             return new_parameter(shape, dtype, device, grad)
-        for attempt in range(2):
-            try:
-                with torch.cuda.use_mem_pool(self._pool, device):
-                    return new_parameter(shape, dtype, device, grad)
-            except torch.OutOfMemoryError:
-                if attempt:
-                    return None
-                # the shared pool's cached blocks: an allocation into a pool of its own does not take
-                # them back before it fails (pytorch/pytorch#159674)
-                torch.cuda.empty_cache()
-        return None
+        try:
+            return self._in_pool(shape, dtype, device, grad)
+        except torch.OutOfMemoryError:
+            # the shared pool's cached blocks: an allocation into a pool of its own does not take them
+            # back before it fails (pytorch/pytorch#159674)
+            torch.cuda.empty_cache()
+        try:
+            return self._in_pool(shape, dtype, device, grad)
+        except torch.OutOfMemoryError:
+            return None
+
+    def _in_pool(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, grad: bool) -> nn.Parameter:
+        with torch.cuda.use_mem_pool(self._pool, device):
+            return new_parameter(shape, dtype, device, grad)
 
     def entries(self, key: tuple[str, float]) -> dict[nn.Module, Merged]:
         """The layers merged for `key` so far (the most recently used key from now on)."""

@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from dlo.engine.lora.merge import two_steps
 from dlo.engine.platform import triton_modules
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,6 @@ TILE_ROWS, TILE_COLS = 64, 128  # a program's tile of the merged weight
 RANKS = (16, 32, 64, 128)  # adapter ranks the kernel takes (tl.dot: a power of two, at least 16)
 DTYPES = (torch.bfloat16, torch.float16)  # a float32 dot would round its inputs to TF32
 Launch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "float | None"], None]
-TwoSteps = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any], None]
 
 
 @functools.cache
@@ -116,10 +116,9 @@ class FusedMerge:
             return None
         return tuple(out.shape), out.dtype, A.shape[0], factor is not None
 
-    def merge(self, out: torch.Tensor, weight: torch.Tensor, B: torch.Tensor, A: torch.Tensor, factor: Any,
-              two_steps: TwoSteps) -> bool:
+    def merge(self, out: torch.Tensor, weight: torch.Tensor, B: torch.Tensor, A: torch.Tensor, factor: Any) -> bool:
         """`out` = `weight` + `factor` * (B A) in one pass; False (nothing written) where this kind is
-        not the kernel's or gave other bytes than `two_steps` when first checked."""
+        not the kernel's or gave other bytes than the two steps when checked."""
         kind = self.kind(out, weight, B, A, factor)
         if kind is None or self.failed is not None or self.verdicts.get(kind) is False:
             return False
@@ -131,28 +130,28 @@ class FusedMerge:
             return False
         self.launches += 1
         if kind not in self.verdicts:
-            verdict = self._check(kind, out, weight, B, A, factor, two_steps)
+            verdict = self._check(kind, out, weight, B, A, factor)
             if verdict is not None:
                 self.verdicts[kind] = verdict
         return True
 
-    def prepare(self, branches: Iterable[Any], device: torch.device, two_steps: TwoSteps) -> None:
+    def prepare(self, branches: Iterable[Any], device: torch.device) -> None:
         """Compile and check, before any request, every kind `branches` (`Branch`es: B, A) merge as,
         with and without a factor, on random weights of their shapes: a request then never waits for
         a compile or a check."""
         gen = torch.Generator(device=device).manual_seed(29)
-        shapes = sorted({(b.B.shape[0], b.A.shape[1], b.B.dtype, b.A.shape[0]) for b in branches}, key=str)
-        for rows, cols, dtype, rank in shapes:
-            def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
-                return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
 
-            weight, B, A = rand(rows, cols), rand(rows, rank, scale=0.05), rand(rank, cols, scale=0.05)
+        def rand(rows: int, cols: int, dtype: torch.dtype, scale: float) -> torch.Tensor:
+            return (torch.randn(rows, cols, generator=gen, device=device) * scale).to(dtype)
+
+        for rows, cols, dtype, rank in sorted({(b.B.shape[0], b.A.shape[1], b.B.dtype, b.A.shape[0])
+                                               for b in branches}, key=str):
+            weight, B, A = rand(rows, cols, dtype, 1.0), rand(rows, rank, dtype, 0.05), rand(rank, cols, dtype, 0.05)
             for factor in (None, 0.8):
-                self.merge(torch.empty_like(weight), weight, B, A, factor, two_steps)
-            del weight, B, A
+                self.merge(torch.empty_like(weight), weight, B, A, factor)
 
     def _check(self, kind: tuple, out: torch.Tensor, weight: torch.Tensor, B: torch.Tensor, A: torch.Tensor,
-               factor: Any, two_steps: TwoSteps) -> bool | None:
+               factor: Any) -> bool | None:
         """Whether the kernel's `out` is the two steps' bytes, bit for bit; where not, `out` gets those.
         None (no verdict yet: a later merge checks) where the device has no room to compare."""
         try:

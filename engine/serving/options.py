@@ -55,17 +55,12 @@ def _resident_blocks(value: str) -> int | str:
     return n
 
 
-def _bytes_or_zero(value: str) -> int:
-    """A byte count, or 0."""
-    return 0 if value.strip() == "0" else byte_size(value)
-
-
 def _merge_cache(value: str) -> int | str:
     """`--lora-merge-cache`: 'auto', 0 (none) or a byte count."""
-    if value.strip() == "auto":
-        return "auto"
+    if value.strip() in ("auto", "0"):
+        return "auto" if value.strip() == "auto" else 0
     try:
-        return _bytes_or_zero(value)
+        return byte_size(value)
     except argparse.ArgumentTypeError as e:
         raise argparse.ArgumentTypeError(f"expected 'auto', 0 or {e}") from None
 

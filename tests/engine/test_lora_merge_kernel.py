@@ -79,12 +79,12 @@ def test_prepare_judges_every_kind_of_the_adapters_before_any_merge():
     calls, launch = _counting(two_steps)
     fused = FusedMerge(launch, device_type="cpu")
     branches = [_layer(64, 32, 16, seed=s)[1] for s in (1, 2)] + [_layer(96, 32, 16)[1], _layer(96, 32, 8)[1]]
-    fused.prepare(branches, torch.device("cpu"), two_steps)
+    fused.prepare(branches, torch.device("cpu"))
     kinds = {((64, 32), torch.bfloat16, 16), ((96, 32), torch.bfloat16, 16)}  # rank 8: not the kernel's
     assert fused.verdicts == {(*k, f): True for k in kinds for f in (False, True)} and len(calls) == 4
     # a kind judged wrong at load is never launched for a request
     wrong = FusedMerge(lambda out, w, B, A, f: (two_steps(out, w, B, A, f), out.add_(1)), device_type="cpu")
-    wrong.prepare(branches[:1], torch.device("cpu"), two_steps)
+    wrong.prepare(branches[:1], torch.device("cpu"))
     assert set(wrong.verdicts.values()) == {False} and wrong.launches == 2
     weight, b = _layer(64, 32, 16)
     merge_weight(torch.empty_like(weight), weight, b, 0.3, MergeWay(wrong))
