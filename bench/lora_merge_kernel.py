@@ -8,6 +8,7 @@ no tile fits (bit for bit: `same_bits`, where `torch.equal` holds -0 equal to 0)
 
     python3 bench/lora_merge_kernel.py --out $OUT/raw-lora-merge-kernel.json      # one GPU, ~40 s
     python3 bench/lora_merge_kernel.py --dry-run --out /tmp/merge-kernel.json     # cpu, tiny shapes, a stand-in kernel
+    python3 bench/lora_merge_kernel.py --sweep --out $OUT/raw-lora-merge-sweep.json   # the kernel's shapes, ~40 s
 
 Each variant: the block's layers merged in turn into one scratch (as the bank does), 3 warm-ups, then
 `--reps` timed blocks between CUDA events, the median kept, three ways: launched eagerly (the host's
@@ -37,7 +38,7 @@ wb.ensure_dlo_importable()
 import torch  # noqa: E402
 
 from dlo.engine.lora.merge import two_steps  # noqa: E402
-from dlo.engine.lora.merge_kernel import FusedMerge, merge_kernel, same_bits  # noqa: E402
+from dlo.engine.lora.merge_kernel import FusedMerge, KernelShape, launch_triton, merge_kernel, same_bits  # noqa: E402
 from dlo.engine.lora.weights import Branch  # noqa: E402
 
 RANK = 64
@@ -49,6 +50,16 @@ BLOCKS = {
 TINY = {"tiny": [(64, 32)] * 4 + [(256, 64), (64, 256)]}
 OTHER_RANKS = (16, 32, 128)  # the kernel's other ranks: bytes only, on the block's shapes
 ODD_SHAPES = [(100, 200), (1, 64), (4097, 130), (63, 5121)]  # edges no tile fits: bytes only, rank 64
+# `--sweep`: the kernel's tiles, warps and grids tried on a Wan2.1 block (the first: the engine's default);
+# programs as multiples of the SMs (`sm_programs`): a persistent grid leaving SMs to the GEMMs beside it
+SWEEP = [KernelShape(), KernelShape(64, 128, 8), KernelShape(128, 128, 4), KernelShape(128, 128, 8),
+         KernelShape(64, 256, 4), KernelShape(64, 256, 8), KernelShape(128, 256, 8), KernelShape(32, 128, 4)]
+SWEEP_SM_FRACTIONS = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0)
+
+
+def sm_programs(device: torch.device) -> list[KernelShape]:
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return [KernelShape(programs=max(1, round(sms * f))) for f in SWEEP_SM_FRACTIONS]
 
 
 def block_layers(shapes: list[tuple[int, int]], device: torch.device, gen: torch.Generator,
@@ -176,6 +187,27 @@ def measure(name: str, shapes: list[tuple[int, int]], args: argparse.Namespace, 
     return rec
 
 
+def sweep(shapes: list[tuple[int, int]], args: argparse.Namespace, device: torch.device) -> dict:
+    """Each kernel shape's device time for one block's merges (CUDA graph) and its bytes against the
+    two steps'; `launch` on cpu (the dry run: the two steps stand in, every shape the same)."""
+    layers = block_layers(shapes, device, torch.Generator(device=device).manual_seed(31))
+    out = torch.empty(max(o * i for o, i in shapes), dtype=torch.bfloat16, device=device)
+    elements = sum(o * i for o, i in shapes)
+    rec = {}
+    for shape in SWEEP + (sm_programs(device) if device.type == "cuda" else []):
+        launch = (lambda o, w, B, A, f, s=shape: launch_triton(o, w, B, A, f, s)) if device.type == "cuda" else two_steps
+        key = f"{shape.rows}x{shape.cols}_w{shape.warps}_p{shape.programs or 'tiles'}"
+        try:
+            ms = (time_block_graph(layers, out, None, launch, args.reps) if device.type == "cuda"
+                  else time_block(layers, out, None, launch, args.reps, device))
+            rec[key] = {"ms_per_block": round(ms, 4), "gb_s_at_4_bytes": round(4 * elements / ms / 1e6, 1),
+                        "differs_from_two_steps": {str(f): differing_layers(layers, f, launch) for f in (None, 0.8)}}
+        except Exception as e:  # a shape that does not compile (registers, shared memory) is a row too
+            rec[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        print(f"sweep {key:24s} {rec[key]}", flush=True)
+    return rec
+
+
 def odd_shapes(device: torch.device, launch: Merge) -> dict:
     """The layers (as "OUTxIN") of shapes no tile fits whose merge by `launch` differs from the two steps'."""
     layers = block_layers(ODD_SHAPES, device, torch.Generator(device=device).manual_seed(7))
@@ -187,6 +219,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True, help="the raw record (JSON)")
     ap.add_argument("--reps", type=int, default=20, help="timed blocks per variant (the median counts)")
     ap.add_argument("--dry-run", action="store_true", help="cpu, tiny shapes, the two steps as a stand-in kernel")
+    ap.add_argument("--sweep", action="store_true",
+                    help="only the kernel's tiles, warps and grids on a Wan2.1 block (device time and bytes)")
     args = ap.parse_args()
     device = torch.device("cpu" if args.dry_run else "cuda")
     if device.type == "cuda" and FusedMerge.on(device) is None:
@@ -197,6 +231,12 @@ def main() -> int:
                  "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "rank": RANK,
                  "torch": torch.__version__, "triton": getattr(merge_kernel()[0], "__version__", None)
                  if merge_kernel() else None, "blocks": {}}
+    if args.sweep:
+        name, shapes = next(iter((TINY if args.dry_run else BLOCKS).items()))
+        rec["sweep"] = {"block": name, "shapes": sweep(shapes, args, device)}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(rec, indent=2) + "\n")
+        return 0
     for name, shapes in (TINY if args.dry_run else BLOCKS).items():
         rec["blocks"][name] = measure(name, shapes, args, device, launch)
         args.out.parent.mkdir(parents=True, exist_ok=True)

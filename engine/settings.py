@@ -149,9 +149,10 @@ LoraApply = Literal["auto", "branch", "merge"]
 LORA_APPLIES: tuple[LoraApply, ...] = get_args(LoraApply)
 LORA_MERGE_ABOVE_TOKENS = 8000  # `--lora-merge-above` without a merge cache: the measured crossover, above Wan2.1's 7,800
 LoraMergeCache = int | Literal["auto"]
-# `--lora-merge-kernel`: "triton" merges in one pass on cuda where Triton runs and the kernel gives the
-# two steps' bytes (`dlo.engine.lora.merge_kernel`); "torch": peft's two steps as two torch ops, the
-# default until the kernel is measured on a device (bench/NOTES.md section 23)
+# `--lora-merge-kernel`: "triton" (default) merges in one pass on cuda where Triton runs and the kernel
+# gives the two steps' bytes (`dlo.engine.lora.merge_kernel`; measured bit-identical on every Wan2.1 and
+# Flux.1-dev shape, 0.56 ms a Wan2.1 block against 1.03: bench/NOTES.md section 23); "torch": peft's two
+# steps as two torch ops (where the kernel cannot run or differs, "triton" gives these too)
 LoraMergeKernel = Literal["torch", "triton"]
 LORA_MERGE_KERNELS: tuple[LoraMergeKernel, ...] = get_args(LoraMergeKernel)
 
@@ -170,7 +171,7 @@ class LoraSettings:
     # `--lora-merge-above`: auto merges calls of more tokens; None: 0 with a merge cache, else
     # LORA_MERGE_ABOVE_TOKENS (`merge_above`)
     merge_above_tokens: int | None = None
-    merge_kernel: LoraMergeKernel = "torch"  # `--lora-merge-kernel`
+    merge_kernel: LoraMergeKernel = "triton"  # `--lora-merge-kernel`
 
     def __post_init__(self) -> None:
         if self.directory is not None and (not isinstance(self.directory, str) or not self.directory):

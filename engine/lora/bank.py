@@ -76,7 +76,7 @@ def add_branch(out: torch.Tensor, x: torch.Tensor, b: Branch, factor: Any, add_i
 
 
 def merge_way(settings: LoraSettings, device: torch.device) -> MergeWay:
-    """How this rank's merges run: in one pass where `--lora-merge-kernel triton` and the device runs the
+    """How this rank's merges run: in one pass where `--lora-merge-kernel triton` (the default) and the device runs the
     kernel ([Note: merging in one pass]), else in peft's two steps."""
     return MergeWay(fused=FusedMerge.on(device) if settings.merge_kernel == "triton" else None)
 

@@ -1,7 +1,7 @@
 """A LoRA merge in one pass on cuda: W + factor * (B A), rounded as peft's two steps, in one Triton kernel.
 
 Owns: `merge_kernel` (the Triton kernel, compiled on first launch; None where Triton is not
-importable), `FusedMerge` (which merges it may run, its launch, and its check against the two torch
+importable), `KernelShape` (its tiles, warps and grid), `FusedMerge` (which merges it may run, its launch, and its check against the two torch
 steps: every kind an adapter merges as, at load, `prepare`; any other on its first merge) and
 `same_bits`.
 Must never: give other bytes than the two torch steps of `dlo.engine.lora.merge` (the first merge of
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
@@ -35,10 +36,31 @@ from dlo.engine.platform import triton_modules
 
 log = logging.getLogger(__name__)
 
-TILE_ROWS, TILE_COLS = 64, 128  # a program's tile of the merged weight
 RANKS = (16, 32, 64, 128)  # adapter ranks the kernel takes (tl.dot: a power of two, at least 16)
 DTYPES = (torch.bfloat16, torch.float16)  # a float32 dot would round its inputs to TF32
 Launch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "float | None"], None]
+
+
+@dataclass(frozen=True)
+class KernelShape:
+    """How the kernel splits a weight: a program's tile (`rows` x `cols` of the merged weight), its
+    warps, and how many programs (None: one a tile; N: N programs, each looping over every Nth tile,
+    a persistent grid that leaves the other SMs to whatever runs beside it). Any shape gives the same
+    bytes: a tile's element is its own row of B times A, in the same K order."""
+
+    rows: int = 64
+    cols: int = 128
+    warps: int = 4
+    programs: int | None = None
+
+    def grid(self, m: int, n: int) -> tuple[int, int]:
+        """(programs, tiles each program merges at most) for an m x n weight."""
+        tiles = -(-m // self.rows) * -(-n // self.cols)
+        programs = tiles if self.programs is None else max(1, min(self.programs, tiles))
+        return programs, -(-tiles // programs)
+
+
+DEFAULT_SHAPE = KernelShape()  # measured: 0.56 ms a Wan2.1 block on an H100 (bench/NOTES.md section 23)
 
 
 @functools.cache
@@ -50,33 +72,38 @@ def merge_kernel() -> Any:
     triton, tl = modules
 
     @triton.jit
-    def merge_lora(out_ptr, w_ptr, b_ptr, a_ptr, M, N, factor, R: tl.constexpr, HAS_FACTOR: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr):
-        rows = tl.program_id(0) * BM + tl.arange(0, BM)
-        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    def merge_lora(out_ptr, w_ptr, b_ptr, a_ptr, M, N, factor, programs, R: tl.constexpr, HAS_FACTOR: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, ITERS: tl.constexpr):
+        tiles_m = tl.cdiv(M, BM)
+        tiles = tiles_m * tl.cdiv(N, BN)
         ks = tl.arange(0, R)
-        row_ok, col_ok = rows < M, cols < N
-        b = tl.load(b_ptr + rows[:, None].to(tl.int64) * R + ks[None, :], mask=row_ok[:, None], other=0.0)
-        a = tl.load(a_ptr + ks[:, None].to(tl.int64) * N + cols[None, :], mask=col_ok[None, :], other=0.0)
-        delta = tl.dot(b, a, out_dtype=tl.float32).to(out_ptr.dtype.element_ty)  # round(B A), as torch.mm
-        if HAS_FACTOR:
-            delta = (delta.to(tl.float32) * factor).to(out_ptr.dtype.element_ty)  # as mul_ by a float
-        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-        ok = row_ok[:, None] & col_ok[None, :]
-        w = tl.load(w_ptr + offs, mask=ok)
-        tl.store(out_ptr + offs, (delta.to(tl.float32) + w.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok)
+        for i in range(ITERS):  # tiles pid, pid + programs, ...: row tiles vary fastest
+            tile = tl.program_id(0) + i * programs
+            rows = (tile % tiles_m) * BM + tl.arange(0, BM)
+            cols = (tile // tiles_m) * BN + tl.arange(0, BN)
+            row_ok, col_ok = (rows < M) & (tile < tiles), cols < N
+            b = tl.load(b_ptr + rows[:, None].to(tl.int64) * R + ks[None, :], mask=row_ok[:, None], other=0.0)
+            a = tl.load(a_ptr + ks[:, None].to(tl.int64) * N + cols[None, :], mask=col_ok[None, :], other=0.0)
+            delta = tl.dot(b, a, out_dtype=tl.float32).to(out_ptr.dtype.element_ty)  # round(B A), as torch.mm
+            if HAS_FACTOR:
+                delta = (delta.to(tl.float32) * factor).to(out_ptr.dtype.element_ty)  # as mul_ by a float
+            offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+            ok = row_ok[:, None] & col_ok[None, :]
+            w = tl.load(w_ptr + offs, mask=ok)
+            tl.store(out_ptr + offs, (delta.to(tl.float32) + w.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok)
 
     return triton, merge_lora
 
 
 def launch_triton(out: torch.Tensor, weight: torch.Tensor, B: torch.Tensor, A: torch.Tensor,
-                  factor: float | None) -> None:
+                  factor: float | None, shape: KernelShape = DEFAULT_SHAPE) -> None:
     """`out` = `weight` + `factor` * (B A) by the Triton kernel (contiguous, one dtype, on cuda)."""
-    triton, kernel = merge_kernel()
+    _, kernel = merge_kernel()
     m, n = out.shape
-    grid = (triton.cdiv(m, TILE_ROWS), triton.cdiv(n, TILE_COLS))
-    kernel[grid](out, weight, B, A, m, n, 1.0 if factor is None else float(factor), R=A.shape[0],
-                 HAS_FACTOR=factor is not None, BM=TILE_ROWS, BN=TILE_COLS, num_warps=4)
+    programs, iters = shape.grid(m, n)
+    kernel[(programs,)](out, weight, B, A, m, n, 1.0 if factor is None else float(factor), programs, R=A.shape[0],
+                        HAS_FACTOR=factor is not None, BM=shape.rows, BN=shape.cols, ITERS=iters,
+                        num_warps=shape.warps)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -216,11 +216,12 @@ def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
                              "auto (default): what the device budget has spare after the mode's predicted peak and "
                              "its margin, up to every adapter's merges (logged at start; none on cpu); 0: none, and "
                              "auto merges only above --lora-merge-above's default")
-    parser.add_argument("--lora-merge-kernel", choices=LORA_MERGE_KERNELS, default="torch",
-                        help="with a merge: torch (default) runs peft's two steps as torch ops; triton merges a "
-                             "weight in one pass on a GPU (the weight read and the sum written, half the memory "
-                             "traffic of two steps), checked against the two steps on its first merge of every "
-                             "shape, and the two steps wherever the bytes differ or the kernel cannot run")
+    parser.add_argument("--lora-merge-kernel", choices=LORA_MERGE_KERNELS, default=LoraSettings.merge_kernel,
+                        help="with a merge: triton (default) merges a weight in one pass on a GPU (the weight "
+                             "read and the sum written, half the memory traffic of two steps), checked against "
+                             "the two steps at load for every shape an adapter merges as, and the two steps "
+                             "wherever the bytes differ or the kernel cannot run (cpu, no Triton); torch runs "
+                             "peft's two steps as torch ops")
 
 
 def _add_weights_arguments(parser: argparse.ArgumentParser) -> None:

@@ -12,7 +12,7 @@ import torch
 
 from dlo.engine.lora.bank import LoraBank, merge_way
 from dlo.engine.lora.merge import MergeCache, MergeWay, merge_weight, two_steps
-from dlo.engine.lora.merge_kernel import FusedMerge, same_bits
+from dlo.engine.lora.merge_kernel import DEFAULT_SHAPE, FusedMerge, KernelShape, same_bits
 from dlo.engine.lora.weights import Branch
 from dlo.engine.serving.options import add_arguments, lora_settings
 from dlo.engine.settings import ConfigError, LoraSettings
@@ -140,7 +140,8 @@ def _args(*argv: str) -> argparse.Namespace:
 
 def test_the_flag_reaches_the_bank_s_way(tmp_path, capsys):
     assert lora_settings(_args("--lora-merge-kernel", "triton")).merge_kernel == "triton"
-    assert _args().lora_merge_kernel == "torch" == LoraSettings("/l").merge_kernel
+    assert lora_settings(_args("--lora-merge-kernel", "torch")).merge_kernel == "torch"
+    assert _args().lora_merge_kernel == "triton" == LoraSettings("/l").merge_kernel
     with pytest.raises(SystemExit) as exit_:
         _args("--lora-merge-kernel", "cuda")
     assert exit_.value.code == 2 and "--lora-merge-kernel: invalid choice: 'cuda'" in capsys.readouterr().err
@@ -182,3 +183,18 @@ def test_a_torch_without_memory_pools_keeps_merges_in_the_shared_pool(caplog):
     cache = MergeCache(1 << 20, "cuda")  # this cpu build's MemPool is a stand-in that refuses to be made
     assert cache._pool is None
     assert "without a memory pool of its own" in caplog.text
+
+
+@pytest.mark.parametrize("shape, m, n, want", [
+    (DEFAULT_SHAPE, 5120, 5120, (80 * 40, 1)),  # one program a tile, each merging one
+    (DEFAULT_SHAPE, 63, 5121, (1 * 41, 1)),  # partial tiles count whole
+    (KernelShape(programs=132), 13824, 5120, (132, 66)),  # 216 x 40 tiles over 132 programs: 65.45 -> 66
+    (KernelShape(programs=132), 100, 200, (4, 1)),  # never more programs than tiles (2 x 2)
+    (KernelShape(128, 256, 8, 16), 5120, 13824, (16, 135)),  # 40 x 54 tiles
+])
+def test_a_kernel_shape_covers_every_tile_once(shape, m, n, want):
+    programs, iters = shape.grid(m, n)
+    assert (programs, iters) == want
+    tiles = -(-m // shape.rows) * -(-n // shape.cols)
+    covered = sorted(p + i * programs for p in range(programs) for i in range(iters) if p + i * programs < tiles)
+    assert covered == list(range(tiles))  # the kernel's tile = program + i * programs, masked past the last
