@@ -90,6 +90,7 @@ MERGE_SUFFIX = "_merge"  # a serve run with `--lora-apply merge` (its bytes are 
 FUSED_INFIX = "_fused"  # `--lora-merge-kernel triton`: each merge in one pass
 TORCH_MERGE_INFIX = "_torch_merge"  # `--lora-merge-kernel torch`: peft's two steps as torch ops
 AUTO_SUFFIX = "_auto"  # a serve run with the default `--lora-apply auto` (merged above --lora-merge-above tokens)
+PAIRS_INFIX = "_pairs"  # `--cfg-pairs`: a step's cond and uncond calls walk the streamed blocks together
 
 
 def apply_of(flags: list[str] | tuple[str, ...], name: str = "") -> str:
@@ -250,6 +251,8 @@ def run_model(base: str, key: str, spec: dict, args: argparse.Namespace, budget:
     # the default flags with each merge in one pass, and in two torch steps (its control)
     runs.update({f"{n}{FUSED_INFIX}{AUTO_SUFFIX}": (*f, "--lora-merge-kernel", "triton") for n, f in base_runs})
     runs.update({f"{n}{TORCH_MERGE_INFIX}{AUTO_SUFFIX}": (*f, "--lora-merge-kernel", "torch") for n, f in base_runs})
+    # the default flags with CFG pairs: one gather (and one merge) a block a step; base and lora both paired
+    runs.update({f"{n}{PAIRS_INFIX}{AUTO_SUFFIX}": (*f, "--cfg-pairs") for n, f in base_runs})
     # every resident layer's merge kept after the first request with the adapter ([Note: the merge cache])
     runs["serve_resident_merge_cached"] = (*runs["serve_resident_merge"], "--lora-merge-cache", spec["merge_cache"])
     for name, flags in runs.items():
@@ -390,10 +393,10 @@ def main() -> int:
     ap.add_argument("--logs", type=Path, default=None)
     ap.add_argument("--stem", default=None)
     ap.add_argument("--only", default="wan21,flux")
-    ap.add_argument("--runs", default="", help="serve runs to keep, comma-separated (default: all sixteen: "
+    ap.add_argument("--runs", default="", help="serve runs to keep, comma-separated (default: all nineteen: "
                                                "serve_resident, serve_rank_local_partial, serve_rank_local, each "
-                                               f"also with {MERGE_SUFFIX}, {AUTO_SUFFIX}, {FUSED_INFIX}{AUTO_SUFFIX} and "
-                                               f"{TORCH_MERGE_INFIX}{AUTO_SUFFIX}, "
+                                               f"also with {MERGE_SUFFIX}, {AUTO_SUFFIX}, {FUSED_INFIX}{AUTO_SUFFIX}, "
+                                               f"{TORCH_MERGE_INFIX}{AUTO_SUFFIX} and {PAIRS_INFIX}{AUTO_SUFFIX}, "
                                                "and serve_resident_merge_cached)")
     ap.add_argument("--per-block", action=argparse.BooleanOptionalAction, default=True,
                     help="run the per-block step (--no-per-block: the serve runs only, for a second call)")

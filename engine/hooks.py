@@ -54,7 +54,8 @@ def attach_prefetcher(prefetcher: SlotPrefetcher, hooks: HookSet) -> None:
     The pre-hook waits for block i's slot, binds its parameters to the slot views and issues the
     next block's gather ([Note: stream lifetimes] rule 3, then rule 1 and 2 for the next slot); the
     post-hook records that the slot is free. A forward that raises skips the post-hook, and the next
-    block out of order raises `PrefetchOrderError` ([Note: collective order]).
+    block out of order raises `PrefetchOrderError` ([Note: collective order]). Under CFG pairs the
+    first lane waits, binds and gathers, the second frees (`SlotPrefetcher.lane`).
     """
     for i, blk in enumerate(prefetcher.blocks):
         ranges: list[Any] = []  # the open `dlo::block` range of this block (profiling only)
@@ -64,10 +65,12 @@ def attach_prefetcher(prefetcher: SlotPrefetcher, hooks: HookSet) -> None:
                 rf = record_function("dlo::block")
                 rf.__enter__()
                 ranges.append(rf)
-            prefetcher.before_block(i)
+            if prefetcher.lane != 1:  # CFG pairs' second lane runs the block the first one bound
+                prefetcher.before_block(i)
 
         def after(_module: nn.Module, _args: Any, _output: Any, ranges: list = ranges) -> None:
-            prefetcher.after_block()
+            if prefetcher.lane != 0:  # ... and frees its slot after it
+                prefetcher.after_block()
             while ranges:
                 ranges.pop().__exit__(None, None, None)
 

@@ -130,6 +130,10 @@ class SlotPrefetcher:
         self._cur = 0  # slot holding (or receiving) that block
         self._running = 0
         self.broken: str | None = None
+        # CFG pairs ([Note: CFG pairs] in dlo.engine.cfg_pairs): the lane running now, None unpaired.
+        # Lane 0 waits for a block's slot, binds it and gathers the next; lane 1 runs the same
+        # block from the slot lane 0 bound, then frees it.
+        self.lane: int | None = None
         # Block 0 is gathered eagerly first whatever the transfer: NCCL must set up its communicator
         # outside graph capture, and the next call starts from it. Then the transfer every later
         # gather uses (transfer graphs are captured here), fixed for the model's life.

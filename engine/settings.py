@@ -246,6 +246,10 @@ class EngineSettings:
     # the pipeline's own safety checker where it has one (Cosmos3's cosmos_guardrail, which needs its
     # package and models in the image); off by default
     safety_checker: bool = False
+    # `--cfg-pairs`: a step's cond and uncond calls walk the streamed blocks together (one gather a
+    # block a step; `dlo.engine.cfg_pairs`); where the deployment cannot pair, unpaired (logged).
+    # Off until measured on a device (bench/NOTES.md section 25)
+    cfg_pairs: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.offload, OffloadSettings) or not isinstance(self.parallel, ParallelSettings):
@@ -262,6 +266,7 @@ class EngineSettings:
         if self.resident_plan is not None and not isinstance(self.resident_plan, ResidentPlan):
             raise ConfigError("resident_plan must be a ResidentPlan")
         _flag("safety_checker", self.safety_checker)
+        _flag("cfg_pairs", self.cfg_pairs)
 
     @property
     def mode(self) -> Mode:

@@ -179,6 +179,10 @@ class PipelineFamily:
     # `warm_decode` is the call's own decode: the warm-up runs it beside its denoising
     # ([Note: the warm-up's decode beside its denoising] in `dlo.engine.serving.warm_run`)
     decode_beside_warmup: bool = False
+    # The pipeline calls the transformer cond then uncond each step, with the same objects but for
+    # the arguments that carry the negative prompt: `--cfg-pairs` may pair them ([Note: CFG pairs] in
+    # `dlo.engine.cfg_pairs`; a family is marked once a test shows paired bytes equal unpaired ones)
+    cfg_pairs: bool = False
 
     def __repr__(self) -> str:
         return f"PipelineFamily({self.name!r})"

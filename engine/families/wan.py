@@ -26,6 +26,7 @@ class WanFamily(PipelineFamily):
     pipeline_class = "WanPipeline"
     streamable_encoders = ("text_encoder",)  # UMT5-XXL
     decode_beside_warmup = True
+    cfg_pairs = True  # WanPipeline: cond, then uncond with `negative_prompt_embeds` (tests/engine/test_cfg_pairs.py)
 
     def pipeline_facts(self, root: Path, index: dict, transformer: dict, vae: dict) -> PipelineFacts:
         if (index.get("transformer_2") or [None])[0] is not None:

@@ -23,6 +23,7 @@ from dlo.engine.request import Generation
 
 class Wan22Family(WanFamily):
     name = "wan2.2"  # both experts have Wan's blocks (`WAN_BLOCKS`)
+    cfg_pairs = False  # not yet shown (two experts, each its own streamed model)
 
     def matches(self, index: dict) -> bool:
         return (index.get("_class_name") == self.pipeline_class

@@ -22,6 +22,7 @@ class WanI2VFamily(WanFamily):
     name = "wan-i2v"  # the transformer is Wan's (`WAN_BLOCKS`)
     pipeline_class = "WanImageToVideoPipeline"
     decode_beside_warmup = False  # its call encodes the input image with the VAE the decode would use
+    cfg_pairs = False  # not yet shown (its calls add the image's states)
 
     def matches(self, index: dict) -> bool:
         return (index.get("_class_name") == self.pipeline_class

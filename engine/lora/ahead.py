@@ -55,6 +55,8 @@ class MergeAhead:
         """Note that `layer` of `block` runs now; the layer that followed it last time, if any."""
         if self._last is not None and self._last[1] == block:
             self._next[self._last[0]] = layer
+        elif self._last is not None:  # the block ended after it this time: nothing to merge ahead of it
+            self._next.pop(self._last[0], None)
         self._last = (layer, block)
         return self._next.get(layer)
 

@@ -39,6 +39,7 @@ from torch import nn
 from dlo.engine.hooks import HookSet
 from dlo.engine.lora.adapters import AdapterError, find_adapters, merge_bytes
 from dlo.engine.lora.ahead import MergeAhead
+from dlo.engine.lora.block_merges import BlockMerges
 from dlo.engine.lora.merge import (
     MergeCache,
     Merged,
@@ -96,6 +97,7 @@ class LoraBank:
         self.cache = cache  # `--lora-merge-cache`: resident layers' merges kept ([Note: the merge cache])
         self.streamed = dict(streamed or {})  # layer -> its block, where its weight is this call's slot view: never cached
         self.ahead = ahead  # the next streamed layer's merge on a side stream ([Note: merging ahead])
+        self.block_merges: BlockMerges | None = None  # CFG pairs: a block's merges kept ([Note: a block's merges kept])
         self._cached: dict[nn.Module, Merged] | None = None  # the running request's cache entries
         self._key: tuple[str, float] = ("", 0.0)
         self._active: dict[nn.Module, tuple[Branch, Any]] = {}
@@ -138,6 +140,18 @@ class LoraBank:
     def names(self) -> tuple[str, ...]:
         return tuple(self.adapters)
 
+    def keep_block_merges(self, device: torch.device) -> None:
+        """Keep each streamed block's merges for the call that runs the block again next (CFG pairs'
+        uncond lane, [Note: a block's merges kept]), in place of the look-ahead; nothing where this
+        bank merges no streamed layer."""
+        if self.scratch is None or not any(layer in self.streamed for br in self.adapters.values() for layer in br):
+            return
+        self.block_merges = BlockMerges(self.streamed, self.adapters, torch.device(device))
+        if self.ahead is not None:
+            self.ahead.close()
+            self.ahead = None
+        log.info("lora: streamed blocks' merges kept for the paired call, %d device bytes", self.block_merges.nbytes)
+
     @property
     def device_bytes(self) -> int:
         """Device bytes of every adapter's tensors, the merge scratch and the merges cached now (on cpu:
@@ -145,6 +159,7 @@ class LoraBank:
         return (sum(b.nbytes for br in self.adapters.values() for b in br.values())
                 + (self.scratch.nbytes if self.scratch is not None else 0)
                 + (self.ahead.scratch.nbytes if self.ahead is not None else 0)
+                + (self.block_merges.nbytes if self.block_merges is not None else 0)
                 + (self.cache.used if self.cache is not None else 0))
 
     @contextmanager
@@ -181,6 +196,8 @@ class LoraBank:
             self._cached = None
             if self.ahead is not None:
                 self.ahead.end_request()
+            if self.block_merges is not None:
+                self.block_merges.forget()
 
     def merges(self, tokens: int) -> bool:
         """Whether a request of `tokens` per transformer call runs its adapter merged."""
@@ -197,6 +214,8 @@ class LoraBank:
         # forward) is still swapped, and a merge of the scratch into itself would lose W
         weight, bias = self._swapped.get(layer) or (layer._parameters["weight"], layer._parameters.get("bias"))
         merged = self._cached.get(layer) if self._cached is not None else None
+        if merged is None and self.block_merges is not None:
+            merged = self.block_merges.take(layer, weight, bias)
         if merged is None and self.ahead is not None:  # nothing else in flight past this
             merged = self.ahead.take(layer, weight, bias)
         if merged is None:
@@ -223,6 +242,10 @@ class LoraBank:
         is resident and the cache has room, else in the scratch."""
         assert self.scratch is not None
         b, factor = self._active[layer]
+        if self.block_merges is not None and self.block_merges.holds(layer):
+            merged = merge_layer(self.block_merges.views_for(layer, b, weight, bias), weight, bias, b, factor, self.way)
+            self.block_merges.keep(layer, weight, bias, merged)
+            return merged
         kept = self._cache_room(layer, weight, bias, b)
         into = kept if kept is not None else self.scratch.views_for(b, weight, bias)
         merged = merge_layer(into, weight, bias, b, factor, self.way)
@@ -270,6 +293,9 @@ class LoraBank:
         if self.ahead is not None:
             self.ahead.close()
             self.ahead = None
+        if self.block_merges is not None:
+            self.block_merges.close()
+            self.block_merges = None
         if self.cache is not None:
             self.cache.close()
             self.cache = None

@@ -258,6 +258,12 @@ def _add_weights_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run the pipeline's own safety checker where it has one (Cosmos3: NVIDIA's "
                              "cosmos_guardrail on the prompt and the video; its package and models must be in the "
                              "image); default: off (docs/serving.md)")
+    parser.add_argument("--cfg-pairs", action=argparse.BooleanOptionalAction, default=EngineSettings.cfg_pairs,
+                        help="a step's cond and uncond transformer calls walk the streamed blocks together: each "
+                             "block is gathered (and a per-request LoRA merged) once a step instead of twice, the "
+                             "same bytes out; rank-local mode, sp 1, families whose pipeline calls cond then uncond "
+                             "with the same inputs (Wan2.1 T2V); elsewhere unpaired, logged at start (default: off "
+                             "until measured on a device; docs/serving.md)")
     parser.add_argument("--stream-text-encoders", action=argparse.BooleanOptionalAction, default=True,
                         help="in the offloaded modes, the large text encoder (Wan's UMT5-XXL, Flux's T5-XXL, "
                              "Qwen-Image's Qwen2.5-VL) streams through the engine block by block in the same mode as "
@@ -318,5 +324,5 @@ def engine_settings(args: argparse.Namespace, mode: Mode, device: DeviceKind, dp
         parallel=ParallelSettings(dp=dp, sp=args.sp, sp_kind=args.sp_kind, **parallel),
         device=device, max_device_memory=args.max_device_memory,
         stream_encoders=args.stream_text_encoders, cpu_threads=args.cpu_threads, safety_checker=args.safety_checker,
-        lora=lora_settings(args),
+        lora=lora_settings(args), cfg_pairs=args.cfg_pairs,
     )

@@ -95,6 +95,7 @@ class ServingPipeline:
             laps.lap("settle")
             self.lora = self._load_lora()
             laps.lap("lora")
+            self.pairs = self._cfg_pairs()
         except BaseException:
             self.close()  # nothing stays registered, pinned or in flight
             raise
@@ -252,6 +253,28 @@ class ServingPipeline:
         return LoraBank.load(self.settings.lora, self.facts.pipeline_class, self.model_dir / first,
                              self.models[first], self.device)
 
+    def _cfg_pairs(self) -> Any:
+        """`--cfg-pairs` on the first transformer where this deployment can pair its calls
+        (`dlo.engine.cfg_pairs`), else None (the reason logged)."""
+        if not self.settings.cfg_pairs:
+            return None
+        from dlo.engine.cfg_pairs import CfgPairs, pairs_unavailable
+
+        why = pairs_unavailable(self.mode, self.settings.parallel.sp, self.device.type, self.adapter.cfg_pairs,
+                                self.model.prefetcher is not None)
+        if why is not None:
+            log.info("cfg pairs off: %s", why)
+            return None
+        log.info("cfg pairs on: a step's cond and uncond calls walk the streamed blocks together")
+        self.lora.keep_block_merges(self.device)  # the uncond lane takes the cond lane's merges
+        return CfgPairs(self.model.module, self.model.prefetcher, self.device)
+
+    def paired(self, gen: Generation) -> Any:
+        """The context `gen`'s transformer calls run in: paired where `--cfg-pairs` took."""
+        from contextlib import nullcontext
+
+        return self.pairs.request(self.adapter.uses_cfg(gen)) if self.pairs is not None else nullcontext()
+
     def _resident_blocks(self, streamed: tuple[str, ...], group: Any) -> dict[str, int]:
         """Blocks each streamed model keeps on the device: as given, or `--resident-blocks auto`'s plan
         (`dlo.engine.memory_plan`) within this rank's device room, the shard group agreeing on the
@@ -360,7 +383,8 @@ class ServingPipeline:
         self.phase = "prepare"  # text encoding, scheduler set-up, latents
         self.tick()
         self._vae_tiling(gen)
-        with torch.inference_mode(), self.lora.applied(gen.lora_id, gen.lora_scale, self.facts.call_tokens(gen)):
+        with torch.inference_mode(), self.lora.applied(gen.lora_id, gen.lora_scale, self.facts.call_tokens(gen)), \
+                self.paired(gen):
             out = self.adapter.run(self.pipe, self._call_kwargs(gen), on_step)
         self.tick()
         self.phase = "encode_output"
@@ -394,6 +418,8 @@ class ServingPipeline:
         failed start)."""
         if hasattr(self, "hooks"):  # attached by a late step of __init__
             self.hooks.remove()
+        if getattr(self, "pairs", None) is not None:
+            self.pairs.close()
         if hasattr(self, "lora"):
             self.lora.close()
         for m in self.models.values():

@@ -1,0 +1,251 @@
+"""CFG pairs: a step's cond and uncond transformer calls walk the streamed blocks together.
+
+Owns: `CfgPairs` (one streamed transformer's pairing: the calls of a request counted, the uncond
+call's inputs predicted, the two lanes run in lockstep, the stash), `Turns` (whose lane runs) and
+`pairs_unavailable` (why a deployment cannot pair, or None).
+Must never: let two lanes run at once (the block hooks, the LoRA bank and the prefetcher keep state
+per call), hand out a stashed output for other inputs than it was made from, or leave a lane's
+thread behind (a lane that raises ends the other; the call raises).
+
+[Note: CFG pairs] diffusers' `WanPipeline` runs classifier-free guidance as two transformer calls a
+step: cond, then uncond, with the same latents and timestep objects and the negative prompt's
+embeddings. Streamed, each call gathers every block: twice the host-to-device bytes a step needs,
+and with a LoRA adapter merged per call twice the merges (`bench/NOTES.md` section 24). With pairs
+on, the cond call also runs the uncond call, on a second thread, block by block: the threads take
+turns at every streamed block's end (`Turns`: one runs at a time, so every hook sees the calls one
+after the other, as without pairs). The cond lane's pre-hook waits for block i's slot, binds it and
+gathers block i+1 as always; the uncond lane runs block i from the same bound slot and frees it
+(`SlotPrefetcher.lane`). Each lane runs exactly its own call's kernels, so the bytes do not change.
+The uncond call's inputs are predicted from the step before: which keyword arguments its uncond call
+passed other objects for than its cond call (Wan: `encoder_hidden_states`); at the uncond call the
+stash is returned where every argument is the object predicted (values compared where plain),
+else the call runs as always (a miss: pairs off for the rest of the request, a warning). The first
+step runs unpaired: it teaches the prediction. Memory: the waiting lane's state between blocks (its
+hidden states, the text states, the timestep projection: ~0.2 GB for Wan2.1 at 832x480x17).
+
+The transformer's `forward` is overridden on the instance (removed by `close`): a forward hook can
+change a call's output but cannot skip the call, and the uncond call must not run again. This is the
+one exception to `dlo.engine.hooks`' rule.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from contextlib import ExitStack, contextmanager
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from dlo.engine.hooks import HookSet
+
+log = logging.getLogger(__name__)
+
+PLAIN = (bool, int, float, str, bytes, type(None))  # arguments compared by value; others by identity
+WAIT_S = 1.0  # a waiting lane rechecks whether the other ended this often
+
+
+class LaneEnded(RuntimeError):
+    """The other lane raised: this one stops where it waits."""
+
+
+def pairs_unavailable(mode: str, sp: int, device_type: str, family_pairs: bool, streamed: bool) -> str | None:
+    """Why a deployment cannot pair its CFG calls ([Note: CFG pairs]); None where it can."""
+    if not family_pairs:
+        return "the family's pipeline is not known to call cond then uncond with the same inputs"
+    if mode != "rank-local":
+        return f"mode {mode}: pairs need rank-local (allgather's gathers are collective; resident streams nothing)"
+    if sp != 1:
+        return "sp > 1: the lanes' exchanges would interleave across ranks"
+    if device_type not in ("cpu", "cuda"):
+        return f"device {device_type}"
+    if not streamed:
+        return "no block streams"
+    return None
+
+
+class Turns:
+    """Which of two lanes runs; a lane waits for its turn, hands it over, or ends."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self.holder = 0
+        self.ended = [False, False]
+        self.error: BaseException | None = None
+
+    def wait(self, lane: int) -> None:
+        with self._cv:
+            while self.holder != lane and self.error is None and not self.ended[1 - lane]:
+                self._cv.wait(WAIT_S)
+            if self.error is not None:
+                raise LaneEnded(f"the other lane raised: {type(self.error).__name__}: {self.error}") from self.error
+            self.holder = lane
+
+    def hand(self, lane: int) -> None:
+        """Lane `lane` hands the turn to the other and waits for it back (at once where the other ended)."""
+        with self._cv:
+            if self.ended[1 - lane]:
+                return
+            self.holder = 1 - lane
+            self._cv.notify_all()
+        self.wait(lane)
+
+    def end(self, lane: int, error: BaseException | None = None) -> None:
+        with self._cv:
+            self.ended[lane] = True
+            if error is not None and self.error is None:
+                self.error = error
+            self.holder = 1 - lane
+            self._cv.notify_all()
+
+
+def same_inputs(args: tuple, kwargs: dict, want_args: tuple, want_kwargs: dict) -> bool:
+    """Whether a call's arguments are the objects (plain values: the values) predicted."""
+    if len(args) != len(want_args) or kwargs.keys() != want_kwargs.keys():
+        return False
+    pairs = [*zip(args, want_args), *((kwargs[k], want_kwargs[k]) for k in kwargs)]
+    return all(a is b or (isinstance(a, PLAIN) and type(a) is type(b) and a == b) for a, b in pairs)
+
+
+class CfgPairs:
+    """A streamed transformer's cond and uncond calls of each step, walked together ([Note: CFG pairs])."""
+
+    def __init__(self, module: nn.Module, prefetcher: Any, device: torch.device):
+        self.module, self.prefetcher, self.device = module, prefetcher, device
+        self._original = module.forward
+        module.forward = self._forward  # the instance's: `close` removes it
+        self.hooks = HookSet()
+        for blk in prefetcher.blocks:  # after the prefetcher's own post-hook: the slot is freed first
+            self.hooks.add_post(blk.module, self._block_done)
+        self.pairs = self.misses = 0  # uncond calls answered from the stash, and predictions missed
+        self._turns: Turns | None = None
+        self._lanes: dict[int, int] = {}  # thread ident -> lane, while a pair runs
+        self._reset(False)
+
+    def _reset(self, cfg: bool) -> None:
+        self._cfg, self._calls, self._off = cfg, 0, False
+        self._cond: tuple[tuple, dict] | None = None  # the last unpaired cond call's arguments
+        self._uncond: dict | None = None  # what the uncond call passes other objects for
+        self._stash: tuple[tuple, dict, Any] | None = None  # the predicted uncond arguments, its output
+
+    @contextmanager
+    def request(self, cfg: bool) -> Iterator[None]:
+        """The transformer calls inside are one request's; `cfg`: it runs cond and uncond calls."""
+        self._reset(cfg)
+        try:
+            yield
+        finally:
+            self._reset(False)
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._cfg or self._off:
+            return self._original(*args, **kwargs)
+        call, self._calls = self._calls, self._calls + 1
+        return self._cond_call(args, kwargs) if call % 2 == 0 else self._uncond_call(args, kwargs)
+
+    def _cond_call(self, args: tuple, kwargs: dict) -> Any:
+        if self._uncond is None:  # the first step: unpaired, it teaches the prediction
+            self._cond = (args, kwargs)
+            return self._original(*args, **kwargs)
+        want = {**kwargs, **self._uncond}
+        out, stashed = self._run_pair(args, kwargs, want)
+        self._stash = (args, want, stashed)
+        return out
+
+    def _uncond_call(self, args: tuple, kwargs: dict) -> Any:
+        stash, self._stash = self._stash, None
+        if stash is not None:
+            if same_inputs(args, kwargs, stash[0], stash[1]):
+                self.pairs += 1
+                return stash[2]
+            self._miss("the uncond call's arguments are not the ones predicted")
+            return self._original(*args, **kwargs)
+        if self._cond is not None:
+            self._learn(args, kwargs)
+        return self._original(*args, **kwargs)
+
+    def _learn(self, args: tuple, kwargs: dict) -> None:
+        cond_args, cond_kwargs = self._cond
+        self._cond = None
+        if len(args) != len(cond_args) or any(a is not b for a, b in zip(args, cond_args)) \
+                or kwargs.keys() != cond_kwargs.keys():
+            self._miss("the uncond call's positional arguments or keys differ from the cond call's")
+            return
+        self._uncond = {k: v for k, v in kwargs.items() if not same_inputs((), {k: v}, (), {k: cond_kwargs[k]})}
+
+    def _miss(self, why: str) -> None:
+        self.misses += 1
+        self._off = True
+        log.warning("cfg pairs: %s; the rest of this request runs unpaired", why)
+
+    # ---- the two lanes -------------------------------------------------------------------------
+    def _run_pair(self, args: tuple, kwargs: dict, uncond: dict) -> tuple[Any, Any]:
+        """The cond call here (lane 0) and the uncond call on a thread (lane 1), taking turns at every
+        streamed block's end; both outputs."""
+        turns, result = Turns(), {}
+        thread = threading.Thread(target=self._lane_one, args=(turns, args, uncond, result, self._thread_state()),
+                                  name="dlo-cfg-uncond", daemon=True)
+        self._turns, self._lanes = turns, {threading.get_ident(): 0}
+        self.prefetcher.lane = 0
+        thread.start()
+        try:
+            out = self._original(*args, **kwargs)
+        except BaseException as e:
+            turns.end(0, e)
+            thread.join()
+            if "error" in result:  # the uncond lane raised first: the cond lane stopped for it
+                raise result["error"] from e
+            raise
+        else:
+            turns.end(0)
+            thread.join()
+        finally:
+            self._turns, self._lanes = None, {}
+            self.prefetcher.lane = None
+        if "error" in result:
+            raise result["error"]
+        return out, result["out"]
+
+    def _lane_one(self, turns: Turns, args: tuple, kwargs: dict, result: dict, state: tuple) -> None:
+        self._lanes[threading.get_ident()] = 1
+        error = None
+        try:
+            with self._entered(state):
+                turns.wait(1)
+                self.prefetcher.lane = 1
+                result["out"] = self._original(*args, **kwargs)
+        except LaneEnded:
+            pass  # the cond lane raised: its error is the call's
+        except BaseException as e:
+            result["error"] = error = e
+        finally:
+            turns.end(1, error)
+
+    def _block_done(self, _module: nn.Module, _args: Any, _out: Any) -> None:
+        turns = self._turns
+        if turns is None:
+            return
+        lane = self._lanes[threading.get_ident()]
+        turns.hand(lane)
+        self.prefetcher.lane = lane
+
+    def _thread_state(self) -> tuple:
+        """What a thread inherits of torch's per-thread state for this call: grad and inference
+        mode, the device and its current stream."""
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        return torch.is_grad_enabled(), torch.is_inference_mode_enabled(), stream
+
+    def _entered(self, state: tuple) -> ExitStack:
+        grad, inference, stream = state
+        stack = ExitStack()
+        stack.enter_context(torch.inference_mode() if inference else torch.set_grad_enabled(grad))
+        if stream is not None:
+            stack.enter_context(torch.cuda.device(self.device))
+            stack.enter_context(torch.cuda.stream(stream))
+        return stack
+
+    def close(self) -> None:
+        self.hooks.remove()
+        if self.module.__dict__.get("forward") == self._forward:
+            del self.module.forward

@@ -1,0 +1,242 @@
+"""CFG pairs ([Note: CFG pairs] in `dlo.engine.cfg_pairs`): a step's cond and uncond calls walk the
+streamed blocks together. With a recording stand-in prefetcher: the turns the lanes take, one gather a
+block a paired step, the stash handed out only for the inputs predicted, a lane that raises ending the
+call without a thread left. Through the served tiny Wan2.1 pipeline (rank-local, cpu): the same bytes
+as unpaired, with and without a LoRA adapter merged per call, for half the gathers."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from dlo.engine.cfg_pairs import CfgPairs, Turns, pairs_unavailable, same_inputs
+from dlo.engine.hooks import HookSet, attach_prefetcher
+
+
+class Recorder:
+    """A prefetcher's schedule, recorded: which block each lane bound, gathered and freed."""
+
+    def __init__(self, blocks: list[nn.Module]):
+        self.blocks = [type("Blk", (), {"module": b})() for b in blocks]
+        self.lane: int | None = None
+        self.events: list[tuple[str, int | None, int | None]] = []
+        self._running: int | None = None
+
+    def before_block(self, i: int) -> None:
+        self.events.append(("bind", i, self.lane))
+        self._running = i
+
+    def after_block(self) -> None:
+        self.events.append(("free", self._running, self.lane))
+
+
+class Toy(nn.Module):
+    """A transformer's shape: an embedding, blocks, an output layer; text enters every block."""
+
+    def __init__(self, n: int = 3):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.embed = nn.Linear(4, 4)
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(n))
+        self.out = nn.Linear(4, 4)
+        for p in self.parameters():
+            p.data = torch.randn(p.shape, generator=g)
+
+    def forward(self, hidden_states, timestep, encoder_hidden_states, return_dict=False):
+        h = self.embed(hidden_states) + timestep
+        for b in self.blocks:
+            h = torch.tanh(b(h) + encoder_hidden_states)
+        return (self.out(h),)
+
+
+def _paired_toy(n: int = 3):
+    toy = Toy(n)
+    rec = Recorder(list(toy.blocks))
+    hooks = HookSet()
+    attach_prefetcher(rec, hooks)
+    return toy, rec, CfgPairs(toy, rec, torch.device("cpu"))
+
+
+def _steps(model, steps: int, cond, uncond, *, other_uncond=None):
+    """A CFG loop as WanPipeline runs it: the same latents and timestep objects to both calls."""
+    x = torch.ones(2, 4)
+    for i in range(steps):
+        t = torch.full((1,), float(i))
+        c = model(hidden_states=x, timestep=t, encoder_hidden_states=cond, return_dict=False)[0]
+        neg = other_uncond if other_uncond is not None and i == steps - 1 else uncond
+        u = model(hidden_states=x, timestep=t, encoder_hidden_states=neg, return_dict=False)[0]
+        x = x - 0.1 * (u + 5.0 * (c - u))
+    return x
+
+
+def test_paired_steps_give_the_unpaired_bytes_for_one_gather_a_block_a_step():
+    cond, uncond = torch.randn(4), torch.randn(4)
+    toy, rec, pairs = _paired_toy()
+    want = _steps(toy, 3, cond, uncond)  # no request: unpaired
+    unpaired = list(rec.events)
+    assert [e[0] for e in unpaired].count("bind") == 3 * 2 * 3
+    rec.events.clear()
+    with pairs.request(cfg=True):
+        got = _steps(toy, 3, cond, uncond)
+    assert torch.equal(got, want)
+    assert pairs.pairs == 2 and pairs.misses == 0  # the first step teaches, the two after it pair
+    binds = [e for e in rec.events if e[0] == "bind"]
+    assert len(binds) == 3 * (2 + 1 + 1)
+    # a paired walk: lane 0 binds (and gathers the next), lane 1 runs that block and frees it
+    paired = rec.events[-6:]
+    assert paired == [("bind", 0, 0), ("free", 0, 1), ("bind", 1, 0), ("free", 1, 1), ("bind", 2, 0), ("free", 2, 1)]
+    assert rec.lane is None and not [t for t in threading.enumerate() if t.name == "dlo-cfg-uncond"]
+
+
+def test_an_uncond_call_with_other_inputs_than_predicted_runs_itself_and_ends_pairing():
+    cond, uncond, other = torch.randn(4), torch.randn(4), torch.randn(4)
+    toy, _rec, pairs = _paired_toy()
+    want = _steps(toy, 4, cond, uncond, other_uncond=other)
+    with pairs.request(cfg=True):
+        got = _steps(toy, 4, cond, uncond, other_uncond=other)
+    assert torch.equal(got, want)  # the stash made from `uncond` was not handed out for `other`
+    assert pairs.pairs == 2 and pairs.misses == 1
+
+
+def test_a_request_without_cfg_and_after_close_runs_as_diffusers_built_it():
+    toy, rec, pairs = _paired_toy()
+    x, t, c = torch.ones(2, 4), torch.zeros(1), torch.randn(4)
+    with pairs.request(cfg=False):
+        for _ in range(3):
+            toy(hidden_states=x, timestep=t, encoder_hidden_states=c)
+    assert pairs.pairs == 0 and {e[2] for e in rec.events} == {None}
+    pairs.close()
+    assert "forward" not in toy.__dict__  # the class's forward again
+    assert all(len(b._forward_hooks) == 1 for b in toy.blocks)  # the prefetcher's own post-hook, no pairs
+
+
+@pytest.mark.parametrize("lane", [0, 1])
+def test_a_lane_that_raises_fails_the_call_and_leaves_no_thread(lane):
+    cond, uncond = torch.randn(4), torch.randn(4)
+    toy, _rec, pairs = _paired_toy()
+
+    def boom(_m, args):
+        if (threading.current_thread().name == "dlo-cfg-uncond") == (lane == 1) and pairs._turns is not None:
+            raise RuntimeError(f"lane {lane} failed")
+
+    toy.blocks[1].register_forward_pre_hook(boom)
+    t0 = time.monotonic()
+    with pairs.request(cfg=True), pytest.raises(RuntimeError, match=f"lane {lane} failed"):
+        _steps(toy, 3, cond, uncond)
+    assert time.monotonic() - t0 < 5  # no lane waited for a turn that never came
+    assert pairs._turns is None and not [t for t in threading.enumerate() if t.name == "dlo-cfg-uncond"]
+
+
+def test_turns_alternate_and_a_finished_lane_hands_nothing():
+    turns, order = Turns(), []
+
+    def lane_one():
+        turns.wait(1)
+        for i in range(3):
+            order.append((1, i))
+            turns.hand(1)
+        turns.end(1)
+
+    th = threading.Thread(target=lane_one)
+    th.start()
+    for i in range(3):
+        order.append((0, i))
+        turns.hand(0)
+    turns.hand(0)  # lane 1 ended: nothing to wait for
+    turns.end(0)
+    th.join(5)
+    assert order == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)] and not th.is_alive()
+
+
+def test_inputs_are_the_objects_predicted_or_equal_plain_values():
+    a, b = torch.ones(2), torch.ones(2)
+    assert same_inputs((a,), {"x": None, "d": False, "s": 1.5}, (a,), {"x": None, "d": False, "s": 1.5})
+    assert not same_inputs((a,), {}, (b,), {})  # equal values, another tensor: not predicted
+    assert not same_inputs((), {"d": 1}, (), {"d": True})  # 1 == True, but not the same argument
+    assert not same_inputs((), {"x": a}, (), {"y": a})
+
+
+def test_only_a_streamed_rank_local_deployment_of_a_pairing_family_pairs():
+    assert pairs_unavailable("rank-local", 1, "cuda", True, True) is None
+    assert "rank-local" in pairs_unavailable("allgather", 1, "cuda", True, True)
+    assert "sp" in pairs_unavailable("rank-local", 2, "cuda", True, True)
+    assert "family" in pairs_unavailable("rank-local", 1, "cuda", False, True)
+    assert "streams" in pairs_unavailable("rank-local", 1, "cpu", True, False)
+    assert "npu" in pairs_unavailable("rank-local", 1, "npu", True, True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [None, "merge", "branch"])
+def test_a_served_wan_request_paired_gives_the_unpaired_bytes_for_fewer_gathers(tmp_path_factory, lora):
+    from dlo.engine.random_lora import write_adapter
+    from dlo.engine.request import Generation
+    from dlo.engine.serving.pipeline import ServingPipeline
+    from dlo.engine.settings import EngineSettings, LoraSettings, OffloadSettings
+    from tests.engine.lora_helpers import SEQ
+    from tests.engine.serving_helpers import tiny_pipeline
+
+    model = tiny_pipeline(tmp_path_factory, "wan")
+    settings = LoraSettings()
+    if lora is not None:  # merged per call on the streamed layers, or the branch: either, twice a step unpaired
+        adapters = tmp_path_factory.mktemp("pairs-lora")
+        write_adapter(model, adapters / "style", rank=4, alpha=2.0, seed=1)
+        settings = LoraSettings(str(adapters), apply=lora)
+    gen = Generation(kind="video", prompt="a lighthouse", negative_prompt="blur", seed=5, width=32, height=32,
+                     steps=3, guidance_scale=5.0, frames=5, fps=2, lora_id="style" if lora else None)
+    out, gathers = {}, {}
+    for pairs in (False, True):
+        pipe = ServingPipeline(model, EngineSettings(OffloadSettings("rank-local"), lora=settings, cfg_pairs=pairs),
+                               max_sequence_length=SEQ)
+        try:
+            assert (pipe.pairs is not None) == pairs
+            before = pipe.model.stats().gathers
+            out[pairs] = pipe.run(gen).outputs[0]
+            gathers[pairs] = pipe.model.stats().gathers - before
+            if pairs:
+                assert pipe.pairs.pairs == gen.steps - 1 and pipe.pairs.misses == 0
+            kept = pipe.lora.block_merges
+            assert (kept is not None) == (pairs and lora == "merge")
+            if kept is not None:  # every paired step's uncond lane took the cond lane's merges, none made
+                assert kept.taken == (gen.steps - 1) * len(kept.position) > 0 and pipe.lora.ahead is None
+        finally:
+            pipe.close()
+    assert out[True] == out[False]
+    blocks = gathers[False] // (2 * gen.steps)
+    assert blocks > 0 and gathers[True] == blocks * (gen.steps + 1)  # the first step's two walks, then one a step
+
+
+def test_the_flag_reaches_the_engine_settings_and_the_ranks():
+    import argparse
+
+    from dlo.engine.serving.options import add_arguments, engine_settings
+    from dlo.engine.settings import EngineSettings
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    on = engine_settings(parser.parse_args(["/m", "--cfg-pairs"]), "rank-local", "cpu", 1, {})
+    off = engine_settings(parser.parse_args(["/m"]), "rank-local", "cpu", 1, {})
+    assert on.cfg_pairs and not off.cfg_pairs  # off until measured on a device
+    assert EngineSettings.from_dict(on.to_dict()).cfg_pairs  # what every rank is started with
+
+
+def test_a_block_s_merge_is_handed_out_only_for_its_layer_and_bound_weight():
+    from dlo.engine.lora.block_merges import BlockMerges
+    from dlo.engine.lora.weights import Branch
+
+    layers = [nn.Linear(4, 3, bias=False) for _ in range(4)]  # two blocks of two adapted layers
+    b = {m: Branch(torch.ones(2, 4), torch.ones(3, 2), None, 1.0) for m in layers}
+    kept = BlockMerges({m: i // 2 for i, m in enumerate(layers)}, {"a": b}, torch.device("cpu"))
+    assert [kept.position[m] for m in layers] == [0, 1, 0, 1] and len(kept.buffers) == 2
+    w = layers[0].weight
+    merged = (kept.views_for(layers[0], b[layers[0]], w, None)[0], None)
+    kept.keep(layers[0], w, None, merged)
+    assert kept.take(layers[0], w, None) is merged
+    assert kept.take(layers[0], w.detach().clone(), None) is None  # another weight: not its merge
+    kept.keep(layers[2], layers[2].weight, None, merged)  # the next block's layer at that position
+    assert kept.take(layers[0], w, None) is None and kept.take(layers[2], layers[2].weight, None) is merged
+    kept.forget()
+    assert kept.take(layers[2], layers[2].weight, None) is None and kept.taken == 2
