@@ -20,8 +20,12 @@ The uncond call's inputs are predicted from the step before: which keyword argum
 passed other objects for than its cond call (Wan: `encoder_hidden_states`); at the uncond call the
 stash is returned where every argument is the object predicted (values compared where plain),
 else the call runs as always (a miss: pairs off for the rest of the request, a warning). The first
-step runs unpaired: it teaches the prediction. Memory: the waiting lane's state between blocks (its
-hidden states, the text states, the timestep projection: ~0.2 GB for Wan2.1 at 832x480x17).
+step runs unpaired: it teaches the prediction. Not detected: a tensor changed in place between the two
+calls (inference tensors keep no version counter; a family is marked `cfg_pairs` only where its
+pipeline makes no such change, WanPipeline's loop checked). The uncond lane runs under the cond
+call's diffusers cache context ("cond"): nothing without diffusers' cache hooks, which the engine
+does not enable. Memory: the waiting lane's state between blocks (its hidden states, the text
+states, the timestep projection: ~0.2 GB for Wan2.1 at 832x480x17), not yet in the device budget.
 
 The transformer's `forward` is overridden on the instance (removed by `close`): a forward hook can
 change a call's output but cannot skip the call, and the uncond call must not run again. This is the
@@ -31,6 +35,7 @@ one exception to `dlo.engine.hooks`' rule.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from contextlib import ExitStack, contextmanager
 from typing import Any, Iterator
@@ -82,14 +87,18 @@ class Turns:
                 raise LaneEnded(f"the other lane raised: {type(self.error).__name__}: {self.error}") from self.error
             self.holder = lane
 
-    def hand(self, lane: int) -> None:
-        """Lane `lane` hands the turn to the other and waits for it back (at once where the other ended)."""
+    def hand(self, lane: int) -> bool:
+        """Lane `lane` hands the turn to the other and waits for it back; False (at once) where the
+        other has ended, `LaneEnded` where it raised."""
         with self._cv:
+            if self.error is not None:
+                raise LaneEnded(f"the other lane raised: {type(self.error).__name__}: {self.error}") from self.error
             if self.ended[1 - lane]:
-                return
+                return False
             self.holder = 1 - lane
             self._cv.notify_all()
         self.wait(lane)
+        return True
 
     def end(self, lane: int, error: BaseException | None = None) -> None:
         with self._cv:
@@ -108,6 +117,39 @@ def same_inputs(args: tuple, kwargs: dict, want_args: tuple, want_kwargs: dict) 
     return all(a is b or (isinstance(a, PLAIN) and type(a) is type(b) and a == b) for a, b in pairs)
 
 
+class LaneThread:
+    """The uncond lane's thread, one for the pairs' life: torch keeps cuDNN's execution plans per
+    thread, so a fresh thread every step would plan Wan's patch-embedding convolution again every
+    step (`dlo.engine.serving.threads.WaveThread` keeps rank 0's waves on one thread for the same reason)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn: Any) -> threading.Event:
+        """Run `fn` (which handles its own errors) on the thread; the event is set once it returned."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="dlo-cfg-uncond", daemon=True)
+            self._thread.start()
+        done = threading.Event()
+        self._jobs.put((fn, done))
+        return done
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, done = job
+            try:
+                fn()
+            finally:
+                done.set()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(timeout=5)
+            self._thread = None
+
+
 class CfgPairs:
     """A streamed transformer's cond and uncond calls of each step, walked together ([Note: CFG pairs])."""
 
@@ -121,6 +163,7 @@ class CfgPairs:
         self.pairs = self.misses = 0  # uncond calls answered from the stash, and predictions missed
         self._turns: Turns | None = None
         self._lanes: dict[int, int] = {}  # thread ident -> lane, while a pair runs
+        self._thread = LaneThread()
         self._reset(False)
 
     def _reset(self, cfg: bool) -> None:
@@ -184,22 +227,23 @@ class CfgPairs:
         """The cond call here (lane 0) and the uncond call on a thread (lane 1), taking turns at every
         streamed block's end; both outputs."""
         turns, result = Turns(), {}
-        thread = threading.Thread(target=self._lane_one, args=(turns, args, uncond, result, self._thread_state()),
-                                  name="dlo-cfg-uncond", daemon=True)
-        self._turns, self._lanes = turns, {threading.get_ident(): 0}
-        self.prefetcher.lane = 0
-        thread.start()
+        state = self._thread_state()
+        done = None
         try:
+            self._turns, self._lanes = turns, {threading.get_ident(): 0}
+            self.prefetcher.lane = 0
+            done = self._thread.submit(lambda: self._lane_one(turns, args, uncond, result, state))
             out = self._original(*args, **kwargs)
         except BaseException as e:
             turns.end(0, e)
-            thread.join()
+            if done is not None:
+                done.wait()
             if "error" in result:  # the uncond lane raised first: the cond lane stopped for it
                 raise result["error"] from e
             raise
         else:
             turns.end(0)
-            thread.join()
+            done.wait()
         finally:
             self._turns, self._lanes = None, {}
             self.prefetcher.lane = None
@@ -227,25 +271,37 @@ class CfgPairs:
         if turns is None:
             return
         lane = self._lanes[threading.get_ident()]
-        turns.hand(lane)
-        self.prefetcher.lane = lane
+        if turns.hand(lane):
+            self.prefetcher.lane = lane
+            return
+        # the other lane ended with blocks left to this one (never in lockstep): this lane frees the
+        # slot it ran from and runs on unpaired (an order the prefetcher refuses fails the call loudly)
+        if lane == 0:
+            self.prefetcher.after_block()
+        self.prefetcher.lane = None
 
     def _thread_state(self) -> tuple:
-        """What a thread inherits of torch's per-thread state for this call: grad and inference
-        mode, the device and its current stream."""
-        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        return torch.is_grad_enabled(), torch.is_inference_mode_enabled(), stream
+        """What the uncond lane takes of torch's per-thread state for this call: grad and inference
+        mode, autocast, and on cuda the device and the prefetcher's compute stream (the stream the
+        slots' events order: [Note: stream lifetimes] in `dlo.engine.prefetch`)."""
+        kind = self.device.type
+        autocast = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+        stream = self.prefetcher.compute_stream if kind == "cuda" else None
+        return torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast, stream
 
     def _entered(self, state: tuple) -> ExitStack:
-        grad, inference, stream = state
+        grad, inference, autocast, stream = state
         stack = ExitStack()
         stack.enter_context(torch.inference_mode() if inference else torch.set_grad_enabled(grad))
+        if autocast is not None:
+            stack.enter_context(torch.autocast(self.device.type, dtype=autocast))
         if stream is not None:
             stack.enter_context(torch.cuda.device(self.device))
             stack.enter_context(torch.cuda.stream(stream))
         return stack
 
     def close(self) -> None:
+        self._thread.close()
         self.hooks.remove()
         if self.module.__dict__.get("forward") == self._forward:
             del self.module.forward

@@ -61,6 +61,12 @@ def _paired_toy(n: int = 3):
     return toy, rec, CfgPairs(toy, rec, torch.device("cpu"))
 
 
+def _closed_leaves_no_thread(pairs: CfgPairs) -> None:
+    thread = pairs._thread._thread
+    pairs.close()
+    assert thread is None or not thread.is_alive()
+
+
 def _steps(model, steps: int, cond, uncond, *, other_uncond=None):
     """A CFG loop as WanPipeline runs it: the same latents and timestep objects to both calls."""
     x = torch.ones(2, 4)
@@ -80,6 +86,10 @@ def test_paired_steps_give_the_unpaired_bytes_for_one_gather_a_block_a_step():
     unpaired = list(rec.events)
     assert [e[0] for e in unpaired].count("bind") == 3 * 2 * 3
     rec.events.clear()
+    lane_threads = set()
+    toy.blocks[0].register_forward_pre_hook(
+        lambda *_: lane_threads.add(threading.get_ident()) if threading.current_thread().name == "dlo-cfg-uncond"
+        else None)
     with pairs.request(cfg=True):
         got = _steps(toy, 3, cond, uncond)
     assert torch.equal(got, want)
@@ -89,7 +99,8 @@ def test_paired_steps_give_the_unpaired_bytes_for_one_gather_a_block_a_step():
     # a paired walk: lane 0 binds (and gathers the next), lane 1 runs that block and frees it
     paired = rec.events[-6:]
     assert paired == [("bind", 0, 0), ("free", 0, 1), ("bind", 1, 0), ("free", 1, 1), ("bind", 2, 0), ("free", 2, 1)]
-    assert rec.lane is None and not [t for t in threading.enumerate() if t.name == "dlo-cfg-uncond"]
+    assert rec.lane is None and len(lane_threads) == 1  # one uncond thread for every step (cuDNN's plans)
+    _closed_leaves_no_thread(pairs)
 
 
 def test_an_uncond_call_with_other_inputs_than_predicted_runs_itself_and_ends_pairing():
@@ -100,6 +111,7 @@ def test_an_uncond_call_with_other_inputs_than_predicted_runs_itself_and_ends_pa
         got = _steps(toy, 4, cond, uncond, other_uncond=other)
     assert torch.equal(got, want)  # the stash made from `uncond` was not handed out for `other`
     assert pairs.pairs == 2 and pairs.misses == 1
+    _closed_leaves_no_thread(pairs)
 
 
 def test_a_request_without_cfg_and_after_close_runs_as_diffusers_built_it():
@@ -115,9 +127,9 @@ def test_a_request_without_cfg_and_after_close_runs_as_diffusers_built_it():
 
 
 @pytest.mark.parametrize("lane", [0, 1])
-def test_a_lane_that_raises_fails_the_call_and_leaves_no_thread(lane):
+def test_a_lane_that_raises_fails_the_call_and_leaves_no_state(lane):
     cond, uncond = torch.randn(4), torch.randn(4)
-    toy, _rec, pairs = _paired_toy()
+    toy, rec, pairs = _paired_toy()
 
     def boom(_m, args):
         if (threading.current_thread().name == "dlo-cfg-uncond") == (lane == 1) and pairs._turns is not None:
@@ -128,7 +140,8 @@ def test_a_lane_that_raises_fails_the_call_and_leaves_no_thread(lane):
     with pairs.request(cfg=True), pytest.raises(RuntimeError, match=f"lane {lane} failed"):
         _steps(toy, 3, cond, uncond)
     assert time.monotonic() - t0 < 5  # no lane waited for a turn that never came
-    assert pairs._turns is None and not [t for t in threading.enumerate() if t.name == "dlo-cfg-uncond"]
+    assert pairs._turns is None and rec.lane is None
+    _closed_leaves_no_thread(pairs)
 
 
 def test_turns_alternate_and_a_finished_lane_hands_nothing():
@@ -240,3 +253,24 @@ def test_a_block_s_merge_is_handed_out_only_for_its_layer_and_bound_weight():
     assert kept.take(layers[0], w, None) is None and kept.take(layers[2], layers[2].weight, None) is merged
     kept.forget()
     assert kept.take(layers[2], layers[2].weight, None) is None and kept.taken == 2
+
+
+def test_a_lane_thread_that_cannot_start_fails_one_call_and_leaves_the_next_request_whole():
+    cond, uncond = torch.randn(4), torch.randn(4)
+    toy, rec, pairs = _paired_toy()
+    want = _steps(toy, 3, cond, uncond)
+    submit = pairs._thread.submit
+
+    def no_thread(fn):
+        raise RuntimeError("can't start new thread")
+
+    pairs._thread.submit = no_thread
+    with pairs.request(cfg=True), pytest.raises(RuntimeError, match="can't start new thread"):
+        _steps(toy, 3, cond, uncond)
+    assert pairs._turns is None and rec.lane is None  # no turn left for a lane that never ran
+    pairs._thread.submit = submit
+    t0 = time.monotonic()
+    with pairs.request(cfg=True):
+        assert torch.equal(_steps(toy, 3, cond, uncond), want)
+    assert time.monotonic() - t0 < 5 and pairs.pairs == 2
+    _closed_leaves_no_thread(pairs)
