@@ -306,12 +306,15 @@ def parse_metadata(path: Path, header_metadata: Mapping[str, str]) -> dict[str, 
     return {k[len(PREFIX):]: v for k, v in meta.items() if k.startswith(PREFIX)} or None
 
 
-def rank_device_bytes(plans: Iterable[AdapterPlan], apply: str = "branch", merge_cache_bytes: int = 0) -> int:
+def rank_device_bytes(plans: Iterable[AdapterPlan], apply: str = "branch", merge_cache_bytes: int = 0,
+                      kept_blocks: tuple[str, ...] = ()) -> int:
     """Device bytes every rank holds for `plans`: the adapters' tensors and, with `--lora-apply merge|auto`,
     the merge scratch twice (`dlo.engine.lora.merge.MergeScratch`: the largest targeted weight and lora
     bias per element size; the second is the look-ahead's, `ahead.MergeAhead`, made where blocks stream
     on cuda) and the merge cache, up to what every adapter's merges would fill (a larger cache could
-    never be used). What the device budget counts as a whole component (`lora_adapters`)."""
+    never be used). With `kept_blocks` (CFG pairs: the model's block lists) the look-ahead's scratch
+    gives way to a block's merges kept (`block_merges_bytes`). What the device budget counts as a
+    whole component (`lora_adapters`)."""
     plans = list(plans)
     total = sum(p.device_bytes for p in plans)
     if apply == "branch" or not plans:
@@ -319,7 +322,24 @@ def rank_device_bytes(plans: Iterable[AdapterPlan], apply: str = "branch", merge
     modules = [m for p in plans for m in p.modules]
     weights, biases = merge_scratch_elements((m.itemsize, m.out_features, m.in_features, m.bias) for m in modules)
     scratch = sum(n * size for part in (weights, biases) for size, n in part.items())
-    return total + min(merge_cache_bytes, all_merges_bytes(plans)) + 2 * scratch
+    second = block_merges_bytes(plans, kept_blocks) if kept_blocks else scratch
+    return total + min(merge_cache_bytes, all_merges_bytes(plans)) + scratch + second
+
+
+def block_merges_bytes(plans: Iterable[AdapterPlan], block_lists: tuple[str, ...]) -> int:
+    """Bytes of one block's merges kept for CFG pairs' second lane (`block_merges.BlockMerges`): per
+    layer of a block (its path below the block: `attn1.to_q`), the largest merge any adapter makes
+    there. Layers outside `block_lists` are resident and merge into the scratch."""
+    largest: dict[str, int] = {}
+    for m in (m for p in plans for m in p.modules):
+        for name in block_lists:
+            head, _, rest = m.module.partition(name + ".")
+            index, _, layer = rest.partition(".")
+            if head == "" and index.isdigit() and layer:
+                size = merge_bytes(m.out_features, m.in_features, m.bias, m.itemsize)
+                largest[f"{name}:{layer}"] = max(largest.get(f"{name}:{layer}", 0), size)
+                break
+    return sum(largest.values())
 
 
 def all_merges_bytes(plans: Iterable[AdapterPlan]) -> int:

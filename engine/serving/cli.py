@@ -117,7 +117,9 @@ def _adapters(args: argparse.Namespace, start: "_Start") -> None:
     lora_dir = Path(lora.directory)  # resolved
     plans = _check_adapters(lora_dir, start.model_dir, start.facts, args.sp)
     start.adapters = {plan.name: plan.path.relative_to(lora_dir).parts[0] for plan in plans}
-    start.adapter_bytes = rank_device_bytes(plans, lora.apply, lora.cache_capacity)  # an auto cache: sized later
+    # with CFG pairs a streamed block's merges are kept for the second lane (counted wherever the family pairs)
+    kept = start.facts.adapter.blocks.block_lists if args.cfg_pairs and start.facts.adapter.cfg_pairs else ()
+    start.adapter_bytes = rank_device_bytes(plans, lora.apply, lora.cache_capacity, kept)  # an auto cache: sized later
     start.adapter_merges_bytes = all_merges_bytes(plans) if lora.apply != "branch" else 0
 
 

@@ -274,3 +274,28 @@ def test_a_lane_thread_that_cannot_start_fails_one_call_and_leaves_the_next_requ
         assert torch.equal(_steps(toy, 3, cond, uncond), want)
     assert time.monotonic() - t0 < 5 and pairs.pairs == 2
     _closed_leaves_no_thread(pairs)
+
+
+def test_dlo_serve_counts_a_block_s_kept_merges_in_the_budget_only_with_pairs(tmp_path_factory):
+    import argparse
+
+    from dlo.engine.families import pipeline_facts
+    from dlo.engine.random_lora import write_adapter
+    from dlo.engine.serving.cli import _Start, _adapters
+    from dlo.engine.serving.options import add_arguments
+    from dlo.engine.timing import Laps
+    from tests.engine.serving_helpers import tiny_pipeline
+
+    model = tiny_pipeline(tmp_path_factory, "wan")
+    adapters = tmp_path_factory.mktemp("budget-lora")
+    write_adapter(model, adapters / "style", rank=4, alpha=2.0, seed=1)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    held = {}
+    for pairs in (False, True):
+        args = parser.parse_args([str(model), "--lora-dir", str(adapters), "--lora-apply", "merge",
+                                  *(["--cfg-pairs"] if pairs else [])])
+        start = _Start(model, Laps(0.0), facts=pipeline_facts(model))
+        _adapters(args, start)
+        held[pairs] = start.adapter_bytes
+    assert held[True] > held[False] > 0  # a block's merges in place of the look-ahead's one layer

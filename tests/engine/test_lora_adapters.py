@@ -54,6 +54,27 @@ def test_what_every_rank_holds_counts_the_merge_scratch_and_its_look_ahead():
     assert rank_device_bytes([], "merge", 10**6) == 0  # no adapter: nothing kept
 
 
+def test_cfg_pairs_count_a_block_s_merges_in_place_of_the_look_ahead():
+    from dlo.engine.lora import rank_device_bytes
+    from dlo.engine.lora.adapters import block_merges_bytes
+
+    # two blocks of the same two layers (8 x 6 and 4 x 6, bf16), one resident layer outside them
+    shapes = {"blocks.0.proj": 8, "blocks.1.proj": 8, "blocks.0.ff": 4, "blocks.1.ff": 4, "proj_out": 8}
+    weights, off = {}, 0
+    for name, o in shapes.items():
+        weights[f"{name}.weight"] = TensorInfo(f"{name}.weight", "BF16", (o, 6), Path("m"), off, off + o * 12)
+        off += o * 12
+    pairs = {k: v for name, o in shapes.items() for k, v in _pair(name, o=o).items()}
+    plans = [plan_adapter(ENTRY, pairs, {k: "F32" for k in pairs}, None, None, weights)]
+    assert block_merges_bytes(plans, ("blocks",)) == (8 * 6 + 4 * 6) * 2  # per layer of a block, once
+    assert block_merges_bytes(plans, ("other",)) == 0
+    scratch = 8 * 6 * 2
+    base = sum(p.device_bytes for p in plans)
+    assert rank_device_bytes(plans, "merge") == base + 2 * scratch
+    assert rank_device_bytes(plans, "merge", kept_blocks=("blocks",)) == base + scratch + (8 * 6 + 4 * 6) * 2
+    assert rank_device_bytes(plans, "branch", kept_blocks=("blocks",)) == base  # nothing merges
+
+
 @pytest.mark.parametrize("shapes, metadata, fragment", [
     (_pair(i=5), None, "do not fit the layer's 6 inputs and 8 outputs"),
     (_pair(o=9), None, "do not fit the layer's 6 inputs and 8 outputs"),
