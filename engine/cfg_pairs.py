@@ -24,7 +24,8 @@ step runs unpaired: it teaches the prediction. Not detected: a tensor changed in
 calls (inference tensors keep no version counter; a family is marked `cfg_pairs` only where its
 pipeline makes no such change, WanPipeline's loop checked). The uncond lane runs under the cond
 call's diffusers cache context ("cond"): nothing without diffusers' cache hooks, which the engine
-does not enable. Memory: the waiting lane's state between blocks (its hidden states, the text
+does not enable. The warm-up's denoising runs paired too, but at its default one step (unpaired: the
+first step teaches) the first paired request's uncond thread makes its cuDNN plans. Memory: the waiting lane's state between blocks (its hidden states, the text
 states, the timestep projection: ~0.2 GB for Wan2.1 at 832x480x17), not yet in the device budget.
 
 The transformer's `forward` is overridden on the instance (removed by `close`): a forward hook can
