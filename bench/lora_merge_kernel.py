@@ -38,7 +38,8 @@ wb.ensure_dlo_importable()
 import torch  # noqa: E402
 
 from dlo.engine.lora.merge import two_steps  # noqa: E402
-from dlo.engine.lora.merge_kernel import FusedMerge, KernelShape, launch_triton, merge_kernel, same_bits  # noqa: E402
+from dlo.engine.lora.merge_kernel import FusedMerge, KernelShape, launch_triton, same_bits  # noqa: E402
+from dlo.engine.platform import triton_modules  # noqa: E402
 from dlo.engine.lora.weights import Branch  # noqa: E402
 
 RANK = 64
@@ -229,8 +230,8 @@ def main() -> int:
     launch = FusedMerge.on(device).launch if device.type == "cuda" else two_steps
     rec: dict = {"date": datetime.date.today().isoformat(), "command": " ".join(["python3", *sys.argv]),
                  "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "rank": RANK,
-                 "torch": torch.__version__, "triton": getattr(merge_kernel()[0], "__version__", None)
-                 if merge_kernel() else None, "blocks": {}}
+                 "torch": torch.__version__, "triton": getattr((triton_modules() or [None])[0], "__version__", None),
+                 "blocks": {}}
     if args.sweep:
         name, shapes = next(iter((TINY if args.dry_run else BLOCKS).items()))
         rec["sweep"] = {"block": name, "shapes": sweep(shapes, args, device)}

@@ -12,8 +12,8 @@ Served through `dlo serve` (every block streamed, 2026-12-06, one H100) a rank-6
 - `base`: the block alone, no adapter;
 - `serial`: each layer's merge on the compute stream right before the layer (no overlap: the merge's
   device time plus nothing);
-- `ahead`: the engine's `MergeAhead`, as `LoraBank` drives it: the next layer's merge on a side stream
-  while the current layer computes (what `dlo serve` runs);
+- `ahead`: the engine's `LoraBank` with its `MergeAhead`: the next layer's merge on a side stream
+  while the current layer computes (what `dlo serve` runs; `serial` is the same bank without it);
 - `upfront`: the block's ten merges on the compute stream at the block's start, into a scratch the
   size of the block (one burst at full bandwidth, then the block's compute undisturbed);
 - `ahead_priority`: `ahead` with the compute on a stream of the highest priority, so the side
@@ -35,7 +35,7 @@ import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import wan_bench as wb  # noqa: E402
@@ -47,6 +47,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from dlo.engine.lora.ahead import MergeAhead  # noqa: E402
+from dlo.engine.lora.bank import LoraBank  # noqa: E402
 from dlo.engine.lora.merge import TWO_STEPS, MergeScratch, MergeWay, merge_layer  # noqa: E402
 from dlo.engine.lora.merge_kernel import FusedMerge, KernelShape, launch_triton, same_bits  # noqa: E402
 from dlo.engine.lora.weights import Branch  # noqa: E402
@@ -66,14 +67,14 @@ def layer_shapes(c: dict) -> dict[str, tuple[int, int]]:
 
 
 class Block:
-    """One slot's weights of a block, and the layers (`nn.Module`s: the bank's keys) bound to them."""
+    """One streamed block's linear layers (the bank's keys), with their own weights."""
 
     def __init__(self, c: dict, index: int, device: torch.device, gen: torch.Generator, dtype: torch.dtype):
         self.index = index
-        self.layers: dict[str, nn.Module] = {}
+        self.layers: dict[str, nn.Linear] = {}
         for name, (o, i) in layer_shapes(c).items():
-            layer = nn.Module()
-            layer.weight = (torch.randn(o, i, generator=gen, device=device) * i ** -0.5).to(dtype)
+            layer = nn.Linear(i, o, bias=False, device=device, dtype=dtype).requires_grad_(False)
+            layer.weight.copy_(torch.randn(o, i, generator=gen, device=device) * i ** -0.5)
             self.layers[name] = layer
 
 
@@ -91,50 +92,48 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: dict) -> tor
     return F.scaled_dot_product_attention(split(q), split(k), split(v)).transpose(1, 2).reshape(q.shape)
 
 
-def forward(x: torch.Tensor, text: torch.Tensor, w: Callable[[str], torch.Tensor], c: dict) -> torch.Tensor:
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+def forward(x: torch.Tensor, text: torch.Tensor, lin: Callable[[str], Linear], c: dict) -> torch.Tensor:
     """A Wan block's work (norms and modulation left out: they are the same with and without)."""
     h = F.layer_norm(x, x.shape[-1:])
-    x = x + F.linear(attention(F.linear(h, w("q1")), F.linear(h, w("k1")), F.linear(h, w("v1")), c), w("o1"))
+    x = x + lin("o1")(attention(lin("q1")(h), lin("k1")(h), lin("v1")(h), c))
     h = F.layer_norm(x, x.shape[-1:])
-    x = x + F.linear(attention(F.linear(h, w("q2")), F.linear(text, w("k2")), F.linear(text, w("v2")), c), w("o2"))
+    x = x + lin("o2")(attention(lin("q2")(h), lin("k2")(text), lin("v2")(text), c))
     h = F.layer_norm(x, x.shape[-1:])
-    return x + F.linear(F.gelu(F.linear(h, w("up")), approximate="tanh"), w("down"))
+    return x + lin("down")(F.gelu(lin("up")(h), approximate="tanh"))
 
 
 class Way:
-    """How one block call gets its merged weights."""
+    """How one block call gets its merged weights: the block's own layers, with the engine's bank
+    hooked on them (`serial`, `ahead*`: installed by `time_way` for the whole run, as for a request)
+    or none (`base`), or the ten merges made up front into buffers of their own (`upfront`)."""
 
-    def __init__(self, name: str, adapter: dict[str, Branch], scratch: MergeScratch, ahead: MergeAhead | None,
+    def __init__(self, name: str, adapter: dict[str, Branch], blocks: list[Block], device: torch.device,
                  upfront: dict[str, torch.Tensor], way: MergeWay):
-        self.name, self.adapter, self.scratch, self.ahead, self.upfront, self.way = name, adapter, scratch, ahead, upfront, way
+        self.name, self.adapter, self.upfront, self.way = name, adapter, upfront, way
+        self.bank = bank(adapter, blocks, device, way, name.startswith("ahead")) if name in (
+            "serial", "ahead", "ahead_priority") else None
 
     def run(self, block: Block, x: torch.Tensor, text: torch.Tensor, c: dict) -> torch.Tensor:
-        if self.name == "base":
-            return forward(x, text, lambda n: block.layers[n].weight, c)
-        if self.name == "upfront":
-            for n, layer in block.layers.items():
-                merge_layer((self.upfront[n], None), layer.weight, None, self.adapter[n], None, self.way)
-            return forward(x, text, lambda n: self.upfront[n], c)
-        if self.name == "serial":
-            return forward(x, text, lambda n: self._merge_now(block, n), c)
-        return forward(x, text, lambda n: self._merge_ahead(block, n), c)
+        if self.name != "upfront":
+            return forward(x, text, lambda n: block.layers[n], c)
+        for n, layer in block.layers.items():
+            merge_layer((self.upfront[n], None), layer.weight, None, self.adapter[n], None, self.way)
+        return forward(x, text, lambda n: lambda t: F.linear(t, self.upfront[n]), c)
 
-    def _merge_now(self, block: Block, name: str) -> torch.Tensor:
-        layer, b = block.layers[name], self.adapter[name]
-        return merge_layer(self.scratch.views_for(b, layer.weight, None), layer.weight, None, b, None, self.way)[0]
 
-    def _merge_ahead(self, block: Block, name: str) -> torch.Tensor:
-        """What `LoraBank._merge_in` and `_merge_next` do for a streamed layer."""
-        layer = block.layers[name]
-        merged = self.ahead.take(layer, layer.weight, None)
-        if merged is None:
-            merged = merge_layer(self.scratch.views_for(self.adapter[name], layer.weight, None), layer.weight, None,
-                                 self.adapter[name], None, self.way)
-        nxt = self.ahead.learn(layer, block.index)
-        if nxt is not None:
-            nxt_name = next(n for n, m in block.layers.items() if m is nxt)
-            self.ahead.queue(nxt, self.adapter[nxt_name], None, nxt.weight, None, merged, self.scratch, self.way)
-        return merged[0]
+def bank(adapter: dict[str, Branch], blocks: list[Block], device: torch.device, way: MergeWay,
+         ahead: bool) -> LoraBank:
+    """The engine's bank for adapter "a" on every block's layers, each block streamed, merging every
+    call; with `ahead`, its look-ahead on a side stream (cuda; at once on cpu)."""
+    layers = {blk.layers[n]: adapter[n] for blk in blocks for n in blk.layers}
+    streamed = {m: blk.index for blk in blocks for m in blk.layers.values()}
+    look = MergeAhead(MergeScratch(adapter.values(), device),
+                      torch.cuda.Stream(device) if device.type == "cuda" else None) if ahead else None
+    return LoraBank({"a": layers}, add_in_gemm=device.type == "cuda", scratch=MergeScratch(adapter.values(), device),
+                    streamed=streamed, way=way, ahead=look)
 
 
 def time_way(way: Way, blocks: list[Block], x: torch.Tensor, text: torch.Tensor, c: dict, reps: int,
@@ -142,7 +141,8 @@ def time_way(way: Way, blocks: list[Block], x: torch.Tensor, text: torch.Tensor,
     """Median milliseconds a block, and the output of the last block call (from `blocks[0]`)."""
     stream = torch.cuda.Stream(device, priority=-1) if way.name == "ahead_priority" else None
     ctx = torch.cuda.stream(stream) if stream is not None else nullcontext()
-    with ctx:
+    hooked = way.bank.applied("a", 1.0) if way.bank is not None else nullcontext()
+    with ctx, hooked, torch.inference_mode():
         if stream is not None:
             stream.wait_stream(torch.cuda.default_stream(device))
         for i in range(3):
@@ -163,8 +163,6 @@ def time_way(way: Way, blocks: list[Block], x: torch.Tensor, text: torch.Tensor,
             events[-1][1].synchronize()
             times = [start.elapsed_time(end) for start, end in events]
         out = way.run(blocks[0], x, text, c)
-        if way.ahead is not None:
-            way.ahead.end_request()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     return statistics.median(times), out
@@ -195,11 +193,8 @@ def measure(c: dict, args: argparse.Namespace, device: torch.device, fused: Fuse
         for name in ways if device.type == "cuda" else ways[:-1]:  # no stream priorities on cpu
             if name == "base" and base_ms is not None:
                 continue
-            scratch = MergeScratch(adapter.values(), device)
-            ahead = MergeAhead(MergeScratch(adapter.values(), device), torch.cuda.Stream(device)
-                               if device.type == "cuda" else None) if name.startswith("ahead") else None
-            ms, out = time_way(Way(name, adapter, scratch, ahead, upfront, merge_way), blocks, x, text, c, args.reps,
-                               device)
+            way = Way(name, adapter, blocks, device, upfront, merge_way)
+            ms, out = time_way(way, blocks, x, text, c, args.reps, device)
             if name == "base":
                 base_ms, base_out = ms, out
                 rec["ways"]["base"] = {"ms_per_block": round(ms, 4)}
@@ -210,10 +205,12 @@ def measure(c: dict, args: argparse.Namespace, device: torch.device, fused: Fuse
             rec["ways"][key] = {"ms_per_block": round(ms, 4), "cost_ms": round(ms - base_ms, 4),
                                 "ratio": round(ms / base_ms, 4), "same_bytes_as_serial": same_bits(out, ref),
                                 "differs_from_base": not same_bits(out, base_out),
-                                "ahead_hits": ahead.hits if ahead is not None else None}
+                                "ahead_hits": way.bank.ahead.hits if way.bank and way.bank.ahead else None}
             print(f"{key:24s} {ms:8.3f} ms/block  cost {ms - base_ms:7.3f} ms  x{ms / base_ms:.4f}  same bytes as "
                   f"serial: {rec['ways'][key]['same_bytes_as_serial']}", flush=True)
-            del scratch, ahead
+            if way.bank is not None:
+                way.bank.close()
+            del way
     return rec
 
 

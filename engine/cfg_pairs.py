@@ -1,8 +1,9 @@
 """CFG pairs: a step's cond and uncond transformer calls walk the streamed blocks together.
 
 Owns: `CfgPairs` (one streamed transformer's pairing: the calls of a request counted, the uncond
-call's inputs predicted, the two lanes run in lockstep, the stash), `Turns` (whose lane runs) and
-`pairs_unavailable` (why a deployment cannot pair, or None).
+call's inputs predicted, the two lanes run in lockstep, the stash), `Turns` (whose lane runs),
+`pairs_unavailable` (why a deployment cannot pair, or None), `pairing_on` (that, logged) and
+`NO_PAIRS` (what a deployment without pairs holds in their place).
 Must never: let two lanes run at once (the block hooks, the LoRA bank and the prefetcher keep state
 per call), hand out a stashed output for other inputs than it was made from, or leave a lane's
 thread behind (a lane that raises ends the other; the call raises).
@@ -38,7 +39,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any, Iterator
 
 import torch
@@ -71,6 +72,18 @@ def pairs_unavailable(mode: str, sp: int, device_type: str, family_pairs: bool, 
     return None
 
 
+def pairing_on(asked: bool, mode: str, sp: int, device_type: str, family_pairs: bool, streamed: bool) -> bool:
+    """Whether `--cfg-pairs` takes on this deployment; where asked, the start log says so or why not."""
+    if not asked:
+        return False
+    why = pairs_unavailable(mode, sp, device_type, family_pairs, streamed)
+    if why is not None:
+        log.info("cfg pairs off: %s", why)
+        return False
+    log.info("cfg pairs on: a step's cond and uncond calls walk the streamed blocks together")
+    return True
+
+
 class Turns:
     """Which of two lanes runs; a lane waits for its turn, hands it over, or ends."""
 
@@ -84,22 +97,24 @@ class Turns:
         with self._cv:
             while self.holder != lane and self.error is None and not self.ended[1 - lane]:
                 self._cv.wait(WAIT_S)
-            if self.error is not None:
-                raise LaneEnded(f"the other lane raised: {type(self.error).__name__}: {self.error}") from self.error
+            self._raise_if_failed()
             self.holder = lane
 
     def hand(self, lane: int) -> bool:
         """Lane `lane` hands the turn to the other and waits for it back; False (at once) where the
         other has ended, `LaneEnded` where it raised."""
         with self._cv:
-            if self.error is not None:
-                raise LaneEnded(f"the other lane raised: {type(self.error).__name__}: {self.error}") from self.error
+            self._raise_if_failed()
             if self.ended[1 - lane]:
                 return False
             self.holder = 1 - lane
             self._cv.notify_all()
         self.wait(lane)
         return True
+
+    def _raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise LaneEnded(f"the other lane raised: {type(self.error).__name__}: {self.error}") from self.error
 
     def end(self, lane: int, error: BaseException | None = None) -> None:
         with self._cv:
@@ -110,12 +125,16 @@ class Turns:
             self._cv.notify_all()
 
 
+def same_argument(a: Any, b: Any) -> bool:
+    """The same object, or for plain values the same type and value."""
+    return a is b or (isinstance(a, PLAIN) and type(a) is type(b) and a == b)
+
+
 def same_inputs(args: tuple, kwargs: dict, want_args: tuple, want_kwargs: dict) -> bool:
     """Whether a call's arguments are the objects (plain values: the values) predicted."""
     if len(args) != len(want_args) or kwargs.keys() != want_kwargs.keys():
         return False
-    pairs = [*zip(args, want_args), *((kwargs[k], want_kwargs[k]) for k in kwargs)]
-    return all(a is b or (isinstance(a, PLAIN) and type(a) is type(b) and a == b) for a, b in pairs)
+    return all(same_argument(a, b) for a, b in (*zip(args, want_args), *((kwargs[k], want_kwargs[k]) for k in kwargs)))
 
 
 class LaneThread:
@@ -149,6 +168,19 @@ class LaneThread:
             self._jobs.put(None)
             self._thread.join(timeout=5)
             self._thread = None
+
+
+class NoPairs:
+    """Where `--cfg-pairs` did not take: every request's calls run as diffusers makes them."""
+
+    def request(self, cfg: bool) -> Any:
+        return nullcontext()
+
+    def close(self) -> None:
+        pass
+
+
+NO_PAIRS = NoPairs()
 
 
 class CfgPairs:
@@ -216,7 +248,7 @@ class CfgPairs:
                 or kwargs.keys() != cond_kwargs.keys():
             self._miss("the uncond call's positional arguments or keys differ from the cond call's")
             return
-        self._uncond = {k: v for k, v in kwargs.items() if not same_inputs((), {k: v}, (), {k: cond_kwargs[k]})}
+        self._uncond = {k: v for k, v in kwargs.items() if not same_argument(v, cond_kwargs[k])}
 
     def _miss(self, why: str) -> None:
         self.misses += 1

@@ -88,7 +88,7 @@ class LoraBank:
     def __init__(self, adapters: dict[str, dict[nn.Module, Branch]], add_in_gemm: bool = False,
                  scratch: MergeScratch | None = None, cache: MergeCache | None = None,
                  streamed: Mapping[nn.Module, int] | None = None, way: MergeWay = TWO_STEPS,
-                 merge_above: int = -1, ahead: MergeAhead | None = None):
+                 merge_above: int = -1, ahead: MergeAhead | None = None, block_merges: BlockMerges | None = None):
         self.adapters = adapters
         self.add_in_gemm = add_in_gemm  # [Note: the add in B's product]
         self.way = way  # how a merge runs ([Note: merging in one pass]; the bench's one-GEMM merge)
@@ -97,7 +97,7 @@ class LoraBank:
         self.cache = cache  # `--lora-merge-cache`: resident layers' merges kept ([Note: the merge cache])
         self.streamed = dict(streamed or {})  # layer -> its block, where its weight is this call's slot view: never cached
         self.ahead = ahead  # the next streamed layer's merge on a side stream ([Note: merging ahead])
-        self.block_merges: BlockMerges | None = None  # CFG pairs: a block's merges kept ([Note: a block's merges kept])
+        self.block_merges = block_merges  # CFG pairs: a block's merges kept ([Note: a block's merges kept])
         self._cached: dict[nn.Module, Merged] | None = None  # the running request's cache entries
         self._key: tuple[str, float] = ("", 0.0)
         self._active: dict[nn.Module, tuple[Branch, Any]] = {}
@@ -106,10 +106,12 @@ class LoraBank:
 
     @classmethod
     def load(cls, settings: LoraSettings, pipeline_class: str, transformer_dir: Path, model: Any,
-             device: torch.device) -> "LoraBank":
+             device: torch.device, keep_blocks: bool = False) -> "LoraBank":
         """Read, check and place every adapter of `settings.directory` (None: none) for the transformer
         `model` (an `OffloadedModel`, any mode) loaded from `transformer_dir`, applied as
-        `settings.apply` says (with up to `settings.cache_capacity` bytes of resident merges kept)."""
+        `settings.apply` says (with up to `settings.cache_capacity` bytes of resident merges kept);
+        `keep_blocks` (CFG pairs): a streamed block's merges kept for the call that runs it next, in
+        place of the look-ahead ([Note: a block's merges kept])."""
         if settings.directory is None:
             return cls({})
         from dlo.engine.checkpoint import cached_checkpoint
@@ -119,38 +121,30 @@ class LoraBank:
         for entry in find_adapters(settings.directory):
             adapters[entry.name] = branches(read_adapter(entry, pipeline_class, weights), model.module, device,
                                             model.dtype_of)
-        scratch, cache, ahead = None, None, None
+        scratch, cache, ahead, kept = None, None, None, None
         streamed, way = model.streamed_modules(), merge_way(settings, device)
         if settings.apply != "branch" and adapters:
             every = [b for br in adapters.values() for b in br.values()]
             scratch = MergeScratch(every, torch.device(device))
             cache = MergeCache(settings.cache_capacity, device) if settings.cache_capacity else None
-            ahead = MergeAhead.on(every, torch.device(device)) if streamed else None
+            if streamed and keep_blocks:
+                kept = BlockMerges(streamed, adapters, torch.device(device))
+            elif streamed:
+                ahead = MergeAhead.on(every, torch.device(device))
             if way.fused is not None:  # every kind compiled and checked before a request
                 way.fused.prepare(every, torch.device(device))
         bank = cls(adapters, add_in_gemm=torch.device(device).type in ADD_IN_GEMM, scratch=scratch, cache=cache,
-                   streamed=streamed, way=way, merge_above=settings.merge_above, ahead=ahead)
+                   streamed=streamed, way=way, merge_above=settings.merge_above, ahead=ahead, block_merges=kept)
         log.info("lora adapters loaded count=%d device=%s apply=%s device_bytes=%d (merge scratch %d, merge cache "
-                 "up to %d) per_adapter=%s", len(adapters), device, settings.apply, bank.device_bytes,
-                 scratch.nbytes if scratch else 0, cache.capacity if cache else 0,
+                 "up to %d, a block's merges kept %d) per_adapter=%s", len(adapters), device, settings.apply,
+                 bank.device_bytes, scratch.nbytes if scratch else 0, cache.capacity if cache else 0,
+                 kept.nbytes if kept else 0,
                  {n: sum(b.nbytes for b in br.values()) for n, br in adapters.items()})
         return bank
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(self.adapters)
-
-    def keep_block_merges(self, device: torch.device) -> None:
-        """Keep each streamed block's merges for the call that runs the block again next (CFG pairs'
-        uncond lane, [Note: a block's merges kept]), in place of the look-ahead; nothing where this
-        bank merges no streamed layer."""
-        if self.scratch is None or not any(layer in self.streamed for br in self.adapters.values() for layer in br):
-            return
-        self.block_merges = BlockMerges(self.streamed, self.adapters, torch.device(device))
-        if self.ahead is not None:
-            self.ahead.close()
-            self.ahead = None
-        log.info("lora: streamed blocks' merges kept for the paired call, %d device bytes", self.block_merges.nbytes)
 
     @property
     def device_bytes(self) -> int:
@@ -242,15 +236,15 @@ class LoraBank:
         is resident and the cache has room, else in the scratch."""
         assert self.scratch is not None
         b, factor = self._active[layer]
-        if self.block_merges is not None and self.block_merges.holds(layer):
-            merged = merge_layer(self.block_merges.views_for(layer, b, weight, bias), weight, bias, b, factor, self.way)
-            self.block_merges.keep(layer, weight, bias, merged)
-            return merged
-        kept = self._cache_room(layer, weight, bias, b)
-        into = kept if kept is not None else self.scratch.views_for(b, weight, bias)
+        blocks = self.block_merges if self.block_merges is not None and self.block_merges.holds(layer) else None
+        kept = self._cache_room(layer, weight, bias, b)  # None for a streamed layer
+        into = (kept if kept is not None else blocks.views_for(layer, b, weight, bias) if blocks is not None
+                else self.scratch.views_for(b, weight, bias))
         merged = merge_layer(into, weight, bias, b, factor, self.way)
         if kept is not None and self.cache is not None:
             self.cache.keep(self._key, layer, merged)
+        elif blocks is not None:
+            blocks.keep(layer, weight, bias, merged)
         return merged
 
     def _cache_room(self, layer: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -92,18 +92,17 @@ def merge_kernel() -> Any:
             w = tl.load(w_ptr + offs, mask=ok)
             tl.store(out_ptr + offs, (delta.to(tl.float32) + w.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok)
 
-    return triton, merge_lora
+    return merge_lora
 
 
 def launch_triton(out: torch.Tensor, weight: torch.Tensor, B: torch.Tensor, A: torch.Tensor,
                   factor: float | None, shape: KernelShape = DEFAULT_SHAPE) -> None:
     """`out` = `weight` + `factor` * (B A) by the Triton kernel (contiguous, one dtype, on cuda)."""
-    _, kernel = merge_kernel()
     m, n = out.shape
     programs, iters = shape.grid(m, n)
-    kernel[(programs,)](out, weight, B, A, m, n, 1.0 if factor is None else float(factor), programs, R=A.shape[0],
-                        HAS_FACTOR=factor is not None, BM=shape.rows, BN=shape.cols, ITERS=iters,
-                        num_warps=shape.warps)
+    merge_kernel()[(programs,)](out, weight, B, A, m, n, 1.0 if factor is None else float(factor), programs,
+                                R=A.shape[0], HAS_FACTOR=factor is not None, BM=shape.rows, BN=shape.cols, ITERS=iters,
+                                num_warps=shape.warps)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

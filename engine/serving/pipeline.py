@@ -93,9 +93,8 @@ class ServingPipeline:
             for m in self.models.values():  # the resident copies issued beside the steps above: the
                 m.settle()                  # compute stream waits for them (the LoRA bank reads them)
             laps.lap("settle")
-            self.lora = self._load_lora()
+            self.lora, self.pairs = self._adapters_and_pairs()
             laps.lap("lora")
-            self.pairs = self._cfg_pairs()
         except BaseException:
             self.close()  # nothing stays registered, pinned or in flight
             raise
@@ -244,36 +243,19 @@ class ServingPipeline:
     def phase(self, name: str) -> None:
         self.clock.enter(name)
 
-    def _load_lora(self) -> Any:
-        """The `--lora-dir` adapters on the first transformer, where diffusers' load_lora_weights puts
-        them (Wan2.2's second expert gets none), on this rank's device (`dlo.engine.lora.LoraBank`)."""
+    def _adapters_and_pairs(self) -> tuple[Any, Any]:
+        """`--lora-dir`'s adapters (`LoraBank`) and `--cfg-pairs` (`CfgPairs`, else `NO_PAIRS`) on the first
+        transformer, where diffusers' load_lora_weights puts them; pairing first: with it the adapters
+        keep a block's merges for the second lane."""
+        from dlo.engine.cfg_pairs import NO_PAIRS, CfgPairs, pairing_on
         from dlo.engine.lora.bank import LoraBank
 
+        on = pairing_on(self.settings.cfg_pairs, self.mode, self.settings.parallel.sp, self.device.type,
+                        self.adapter.cfg_pairs, self.model.prefetcher is not None)
         first = self.facts.transformers[0]
-        return LoraBank.load(self.settings.lora, self.facts.pipeline_class, self.model_dir / first,
-                             self.models[first], self.device)
-
-    def _cfg_pairs(self) -> Any:
-        """`--cfg-pairs` on the first transformer where this deployment can pair its calls
-        (`dlo.engine.cfg_pairs`), else None (the reason logged)."""
-        if not self.settings.cfg_pairs:
-            return None
-        from dlo.engine.cfg_pairs import CfgPairs, pairs_unavailable
-
-        why = pairs_unavailable(self.mode, self.settings.parallel.sp, self.device.type, self.adapter.cfg_pairs,
-                                self.model.prefetcher is not None)
-        if why is not None:
-            log.info("cfg pairs off: %s", why)
-            return None
-        log.info("cfg pairs on: a step's cond and uncond calls walk the streamed blocks together")
-        self.lora.keep_block_merges(self.device)  # the uncond lane takes the cond lane's merges
-        return CfgPairs(self.model.module, self.model.prefetcher, self.device)
-
-    def paired(self, gen: Generation) -> Any:
-        """The context `gen`'s transformer calls run in: paired where `--cfg-pairs` took."""
-        from contextlib import nullcontext
-
-        return self.pairs.request(self.adapter.uses_cfg(gen)) if self.pairs is not None else nullcontext()
+        lora = LoraBank.load(self.settings.lora, self.facts.pipeline_class, self.model_dir / first,
+                             self.models[first], self.device, keep_blocks=on)
+        return lora, CfgPairs(self.model.module, self.model.prefetcher, self.device) if on else NO_PAIRS
 
     def _resident_blocks(self, streamed: tuple[str, ...], group: Any) -> dict[str, int]:
         """Blocks each streamed model keeps on the device: as given, or `--resident-blocks auto`'s plan
@@ -384,7 +366,7 @@ class ServingPipeline:
         self.tick()
         self._vae_tiling(gen)
         with torch.inference_mode(), self.lora.applied(gen.lora_id, gen.lora_scale, self.facts.call_tokens(gen)), \
-                self.paired(gen):
+                self.pairs.request(self.adapter.uses_cfg(gen)):
             out = self.adapter.run(self.pipe, self._call_kwargs(gen), on_step)
         self.tick()
         self.phase = "encode_output"
@@ -418,7 +400,7 @@ class ServingPipeline:
         failed start)."""
         if hasattr(self, "hooks"):  # attached by a late step of __init__
             self.hooks.remove()
-        if getattr(self, "pairs", None) is not None:
+        if hasattr(self, "pairs"):
             self.pairs.close()
         if hasattr(self, "lora"):
             self.lora.close()

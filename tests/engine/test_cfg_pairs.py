@@ -205,7 +205,7 @@ def test_a_served_wan_request_paired_gives_the_unpaired_bytes_for_fewer_gathers(
         pipe = ServingPipeline(model, EngineSettings(OffloadSettings("rank-local"), lora=settings, cfg_pairs=pairs),
                                max_sequence_length=SEQ)
         try:
-            assert (pipe.pairs is not None) == pairs
+            assert isinstance(pipe.pairs, CfgPairs) == pairs
             before = pipe.model.stats().gathers
             out[pairs] = pipe.run(gen).outputs[0]
             gathers[pairs] = pipe.model.stats().gathers - before
