@@ -199,7 +199,7 @@ def _plan_pipeline(args: argparse.Namespace) -> PipelineMemory | None:
         return None
     from dlo.engine.memory_model import RequestBounds, pipeline_memory
     from dlo.engine.serving.limits import Limits
-    from dlo.engine.settings import VAE_TILE_ABOVE_PIXELS
+    from dlo.engine.settings import VAE_TILE_ABOVE_PIXELS, EngineSettings
 
     try:
         limits = Limits.load(args.limits, max_width=args.max_size, max_height=args.max_size)
@@ -207,7 +207,9 @@ def _plan_pipeline(args: argparse.Namespace) -> PipelineMemory | None:
         raise ValueError(f"--limits {args.limits}: {e}") from None
     bounds = RequestBounds(limits.max_width, limits.max_height, limits.max_frames, limits.max_n,
                            limits.max_sequence_length)
-    return pipeline_memory(args.model, bounds, tile_above_pixels=VAE_TILE_ABOVE_PIXELS)
+    # as `dlo serve` runs by default: CFG pairs where the family pairs (counted in rank-local mode)
+    return pipeline_memory(args.model, bounds, tile_above_pixels=VAE_TILE_ABOVE_PIXELS,
+                           cfg_pairs=EngineSettings.cfg_pairs)
 
 
 def _print_plan_table(estimates: dict[str, ModeEstimate], model: ModelFacts, profile: NodeProfile, g: int,

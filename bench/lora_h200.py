@@ -91,6 +91,7 @@ FUSED_INFIX = "_fused"  # `--lora-merge-kernel triton`: each merge in one pass
 TORCH_MERGE_INFIX = "_torch_merge"  # `--lora-merge-kernel torch`: peft's two steps as torch ops
 AUTO_SUFFIX = "_auto"  # a serve run with the default `--lora-apply auto` (merged above --lora-merge-above tokens)
 PAIRS_INFIX = "_pairs"  # `--cfg-pairs`: a step's cond and uncond calls walk the streamed blocks together
+UNPAIRED_INFIX = "_unpaired"  # `--no-cfg-pairs` (pairs are the default from 2026-12-06 on)
 
 
 def apply_of(flags: list[str] | tuple[str, ...], name: str = "") -> str:
@@ -253,6 +254,7 @@ def run_model(base: str, key: str, spec: dict, args: argparse.Namespace, budget:
     runs.update({f"{n}{TORCH_MERGE_INFIX}{AUTO_SUFFIX}": (*f, "--lora-merge-kernel", "torch") for n, f in base_runs})
     # the default flags with CFG pairs: one gather (and one merge) a block a step; base and lora both paired
     runs.update({f"{n}{PAIRS_INFIX}{AUTO_SUFFIX}": (*f, "--cfg-pairs") for n, f in base_runs})
+    runs.update({f"{n}{UNPAIRED_INFIX}{AUTO_SUFFIX}": (*f, "--no-cfg-pairs") for n, f in base_runs})
     # every resident layer's merge kept after the first request with the adapter ([Note: the merge cache])
     runs["serve_resident_merge_cached"] = (*runs["serve_resident_merge"], "--lora-merge-cache", spec["merge_cache"])
     for name, flags in runs.items():
@@ -330,42 +332,62 @@ def markdown(rec: dict) -> str:
     lines += [f"Goal: <= {GOAL}x the same request without the adapter. Rank {RANK}, from `dlo make-random-lora`. "
               f"Commands: {'; '.join(rec.get('commands', []))}", ""]
     for key, m in rec["models"].items():
-        ms = s[key]
         req = m.get("request") or {}
         shape = f"{req.get('size')}" + (f"x{req['frames']}" if req.get("frames") else "") + f", {req.get('steps')} steps"
-        lines += [f"## {key} ({m.get('preset')}, {m.get('transformer_blocks')} blocks; request {shape})", "",
-                  "| tokens | " + " | ".join(next(iter(ms["per_block_ratio"].values()), {}).keys()) + " |",
-                  "|---|" + "---|" * len(next(iter(ms["per_block_ratio"].values()), {}))]
-        for t, row in ms["per_block_ratio"].items():
-            base = m["per_block"]["workloads"][t]["base"]["block_ms"]
-            lines.append(f"| {t} (base {base} ms/block) | " + " | ".join(f"{v}x" for v in row.values()) + " |")
-        lines += ["", f"Power-of-two fold bit-identical on the device: {ms['fold_bit_identical']}; B's product "
-                      f"added in its GEMM and separately give the same bytes ({ms['add_in_gemm_control']} "
-                      f"control): {ms['add_in_gemm_bit_identical']}.", "",
-                  "| end to end | base s | lora s | ratio | meets goal | denoising steps only |",
-                  "|---|---|---|---|---|---|"]
-        for n, ratio in ms["end_to_end_ratio"].items():
-            r = m[n]
-            denoise = (ms.get("denoise_ratio") or {}).get(n)
-            lines.append(f"| {n} | {r['seconds']['base']} | {r['seconds']['lora']} | {ratio}x | "
-                         f"{ms['end_to_end_meets_goal'][n]} | {f'{denoise}x' if denoise else ''} |")
-        for n, r in m.items():  # a run that failed or was skipped says so here too, not only in the raw
-            if n.startswith("serve") and isinstance(r, dict) and ("error" in r or "skipped" in r):
-                lines.append(f"| {n} | {'failed: ' + r['error'] if 'error' in r else 'skipped: ' + r['skipped']} "
-                             "| | | | |")
-        lines += ["", f"LoRA bytes identical across modes: {ms['lora_bytes_identical_across_modes']} (branch), "
-                      f"{ms.get('lora_bytes_identical_across_modes_merged')} (merge), "
-                      f"{ms.get('lora_bytes_identical_across_modes_auto')} (auto); the adapter changes the "
-                      f"output: {ms['lora_changes_output']}. Merged in one GEMM and in peft's two steps give the same "
-                      f"bytes: {ms.get('merge_in_gemm_bit_identical')}; merge over branch per block: "
-                      f"{ms.get('merge_over_branch_per_block')}.", "",
-                  "| adapter | device bytes | allocator delta | host anon after | host anon peak | file bytes | layers |",
-                  "|---|---|---|---|---|---|---|"]
-        for n, a in ms["adapter_bytes"].items():
-            lines.append(f"| {n} | " + " | ".join(str(a.get(k)) for k in ("device_bytes", "allocated_bytes",
-                         "host_anon_bytes_after", "host_anon_bytes_peak", "file_bytes", "layers")) + " |")
-        lines.append("")
+        lines += [f"## {key} ({m.get('preset')}, {m.get('transformer_blocks')} blocks; request {shape})", ""]
+        lines += _per_block_lines(m, s[key]) + _serve_lines(m, s[key]) + _adapter_lines(s[key])
     return "\n".join(lines) + "\n"
+
+
+def _per_block_lines(m: dict, ms: dict) -> list[str]:
+    """The per-block table and the device's bit-identity checks, or why they were not run."""
+    if not ms["per_block_ratio"]:
+        why = (m.get("per_block") or {}).get("skipped", "not run")
+        return [f"Per block: skipped ({why}); see the earlier records in this folder.", ""]
+    head = next(iter(ms["per_block_ratio"].values()))
+    lines = ["| tokens | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]
+    for t, row in ms["per_block_ratio"].items():
+        base = m["per_block"]["workloads"][t]["base"]["block_ms"]
+        lines.append(f"| {t} (base {base} ms/block) | " + " | ".join(f"{v}x" for v in row.values()) + " |")
+    return lines + ["", f"Power-of-two fold bit-identical on the device: {ms['fold_bit_identical']}; B's product "
+                        f"added in its GEMM and separately give the same bytes ({ms['add_in_gemm_control']} "
+                        f"control): {ms['add_in_gemm_bit_identical']}.", ""]
+
+
+def _serve_lines(m: dict, ms: dict) -> list[str]:
+    """End to end: each served run's seconds, ratio, the adapters' device bytes and the peak."""
+    lines = ["| end to end | base s | lora s | ratio | meets goal | denoising steps only | lora device bytes "
+             "| peak device bytes |", "|---|---|---|---|---|---|---|---|"]
+    for n, ratio in ms["end_to_end_ratio"].items():
+        r = m[n]
+        denoise = (ms.get("denoise_ratio") or {}).get(n)
+        held = (r.get("lora_device_bytes") or {}).get("0")
+        peak = (r.get("peak_device_bytes") or {}).get("0")
+        lines.append(f"| {n} | {r['seconds']['base']} | {r['seconds']['lora']} | {ratio}x | "
+                     f"{ms['end_to_end_meets_goal'][n]} | {f'{denoise}x' if denoise else ''} | {held or ''} "
+                     f"| {int(peak) if peak else ''} |")
+    for n, r in m.items():  # a run that failed or was skipped says so here too, not only in the raw
+        if n.startswith("serve") and isinstance(r, dict) and ("error" in r or "skipped" in r):
+            lines.append(f"| {n} | {'failed: ' + r['error'] if 'error' in r else 'skipped: ' + r['skipped']} "
+                         "| | | | | | |")
+    return lines + ["", f"LoRA bytes identical across modes: {ms['lora_bytes_identical_across_modes']} (branch), "
+                        f"{ms.get('lora_bytes_identical_across_modes_merged')} (merge), "
+                        f"{ms.get('lora_bytes_identical_across_modes_auto')} (auto); the adapter changes the "
+                        f"output: {ms['lora_changes_output']}. Merged in one GEMM and in peft's two steps give the "
+                        f"same bytes: {ms.get('merge_in_gemm_bit_identical')}; merge over branch per block: "
+                        f"{ms.get('merge_over_branch_per_block')}.", ""]
+
+
+def _adapter_lines(ms: dict) -> list[str]:
+    """Host and device bytes per loaded adapter (the per-block step measures them)."""
+    if not ms["adapter_bytes"]:
+        return []
+    lines = ["| adapter | device bytes | allocator delta | host anon after | host anon peak | file bytes | layers |",
+             "|---|---|---|---|---|---|---|"]
+    for n, a in ms["adapter_bytes"].items():
+        lines.append(f"| {n} | " + " | ".join(str(a.get(k)) for k in ("device_bytes", "allocated_bytes",
+                     "host_anon_bytes_after", "host_anon_bytes_peak", "file_bytes", "layers")) + " |")
+    return lines + [""]
 
 
 def merge(paths: list[Path], out: Path, stem: str) -> dict:

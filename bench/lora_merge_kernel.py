@@ -53,7 +53,7 @@ OTHER_RANKS = (16, 32, 128)  # the kernel's other ranks: bytes only, on the bloc
 ODD_SHAPES = [(100, 200), (1, 64), (4097, 130), (63, 5121)]  # edges no tile fits: bytes only, rank 64
 # `--sweep`: the kernel's tiles, warps and grids tried on a Wan2.1 block (the first: the engine's default);
 # programs as multiples of the SMs (`sm_programs`): a persistent grid leaving SMs to the GEMMs beside it
-SWEEP = [KernelShape(), KernelShape(64, 128, 8), KernelShape(128, 128, 4), KernelShape(128, 128, 8),
+SWEEP = [KernelShape(), KernelShape(64, 128, 4), KernelShape(64, 128, 8), KernelShape(128, 128, 4),
          KernelShape(64, 256, 4), KernelShape(64, 256, 8), KernelShape(128, 256, 8), KernelShape(32, 128, 4)]
 SWEEP_SM_FRACTIONS = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0)
 

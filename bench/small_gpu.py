@@ -25,9 +25,11 @@ SMALL_GPU_RUNS: dict[str, tuple[str, ...]] = {
     # diffusers' group offloading under the same cap; defect 3 (12 GiB, 832x480x17); diffusers resident
     "wan21": ("serve_default_capped_24gib", "diffusers_group_offload_capped_24gib", "serve_default",
               "serve_default_capped_12gib", "diffusers_resident"),
-    # auto resident blocks against none, both under 24 GiB; diffusers' group offloading; resident
-    "qwen": ("serve_default_capped_24gib", "serve_capped_24gib_zero_resident", "diffusers_group_offload_capped_24gib",
-             "diffusers_resident"),
+    # auto resident blocks against none, both under 24 GiB (CFG pairs, the default, against none:
+    # `_unpaired`); diffusers' group offloading; resident
+    "qwen": ("serve_default_capped_24gib", "serve_capped_24gib_zero_resident",
+             "serve_capped_24gib_zero_resident_unpaired", "serve_default_capped_24gib_unpaired",
+             "diffusers_group_offload_capped_24gib", "diffusers_resident"),
     # FP8 streaming against bfloat16, both with no resident block under 24 GiB; the default under the
     # cap against diffusers' group offloading; resident
     "flux": ("serve_capped_24gib_zero_resident", "serve_capped_24gib_zero_resident_fp8",
@@ -40,6 +42,9 @@ _SERVE: dict[str, tuple[str, ...]] = {
     "serve_default_capped_24gib": ("--dp", "1", "--max-device-memory", "24GiB"),
     "serve_default_capped_12gib": ("--dp", "1", "--max-device-memory", "12GiB"),
     "serve_capped_24gib_zero_resident": ("--dp", "1", "--max-device-memory", "24GiB", "--resident-blocks", "0"),
+    "serve_default_capped_24gib_unpaired": ("--dp", "1", "--max-device-memory", "24GiB", "--no-cfg-pairs"),
+    "serve_capped_24gib_zero_resident_unpaired": ("--dp", "1", "--max-device-memory", "24GiB", "--resident-blocks",
+                                                  "0", "--no-cfg-pairs"),
     "serve_capped_24gib_zero_resident_fp8": ("--dp", "1", "--max-device-memory", "24GiB", "--resident-blocks", "0",
                                              "--stream-dtype", "fp8", QUANTIZED),
 }

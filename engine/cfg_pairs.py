@@ -18,16 +18,21 @@ after the other, as without pairs). The cond lane's pre-hook waits for block i's
 gathers block i+1 as always; the uncond lane runs block i from the same bound slot and frees it
 (`SlotPrefetcher.lane`). Each lane runs exactly its own call's kernels, so the bytes do not change.
 The uncond call's inputs are predicted from the step before: which keyword arguments its uncond call
-passed other objects for than its cond call (Wan: `encoder_hidden_states`); at the uncond call the
-stash is returned where every argument is the object predicted (values compared where plain),
-else the call runs as always (a miss: pairs off for the rest of the request, a warning). The first
-step runs unpaired: it teaches the prediction. Not detected: a tensor changed in place between the two
-calls (inference tensors keep no version counter; a family is marked `cfg_pairs` only where its
-pipeline makes no such change, WanPipeline's loop checked). The uncond lane runs under the cond
+passed other objects for than its cond call (Wan: `encoder_hidden_states`), and of those which were
+new tensors of the cond call's values (Qwen-Image: `timestep / 1000`, made for each call: the uncond
+lane takes the cond call's, and the uncond call's is compared by value, dtype, shape and strides:
+one host sync a step); at the uncond call the stash is returned where every argument is the object
+predicted (values compared where plain or so learned), else the call runs as always (a miss: pairs
+off for the rest of the request, a warning). The first step runs unpaired: it teaches the prediction.
+Not detected: a tensor changed in place between the two calls (inference tensors keep no version
+counter; a family is marked `cfg_pairs` only where its pipeline makes no such change: WanPipeline's
+and QwenImagePipeline's loops checked). The uncond lane runs under the cond
 call's diffusers cache context ("cond"): nothing without diffusers' cache hooks, which the engine
 does not enable. The warm-up's denoising runs paired too, but at its default one step (unpaired: the
-first step teaches) the first paired request's uncond thread makes its cuDNN plans. Memory: the waiting lane's state between blocks (its hidden states, the text
-states, the timestep projection: ~0.2 GB for Wan2.1 at 832x480x17), not yet in the device budget.
+first step teaches) the first paired request's uncond thread makes its cuDNN plans. Memory: the
+waiting lane's state between blocks (its hidden states, rotary tables and text states), which the
+memory model adds to a rank-local transformer call (`PipelineFamily.paired_lane_bytes`; Wan2.1-14B:
+0.10 GB at 832x480x17).
 
 The transformer's `forward` is overridden on the instance (removed by `close`): a forward hook can
 change a call's output but cannot skip the call, and the uncond call must not run again. This is the
@@ -130,11 +135,22 @@ def same_argument(a: Any, b: Any) -> bool:
     return a is b or (isinstance(a, PLAIN) and type(a) is type(b) and a == b)
 
 
-def same_inputs(args: tuple, kwargs: dict, want_args: tuple, want_kwargs: dict) -> bool:
-    """Whether a call's arguments are the objects (plain values: the values) predicted."""
+def same_tensor_value(a: Any, b: Any) -> bool:
+    """Two tensors that compute alike: the same device, dtype, shape, strides and values (on a device,
+    one host sync)."""
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.device == b.device
+            and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b))
+
+
+def same_inputs(args: tuple, kwargs: dict, want_args: tuple, want_kwargs: dict,
+                by_value: frozenset = frozenset()) -> bool:
+    """Whether a call's arguments are the objects (plain values: the values) predicted; the keywords
+    in `by_value` are tensors compared by value (`same_tensor_value`)."""
     if len(args) != len(want_args) or kwargs.keys() != want_kwargs.keys():
         return False
-    return all(same_argument(a, b) for a, b in (*zip(args, want_args), *((kwargs[k], want_kwargs[k]) for k in kwargs)))
+    same = {k: same_tensor_value if k in by_value else same_argument for k in kwargs}
+    return (all(same_argument(a, b) for a, b in zip(args, want_args))
+            and all(same[k](kwargs[k], want_kwargs[k]) for k in kwargs))
 
 
 class LaneThread:
@@ -203,6 +219,7 @@ class CfgPairs:
         self._cfg, self._calls, self._off = cfg, 0, False
         self._cond: tuple[tuple, dict] | None = None  # the last unpaired cond call's arguments
         self._uncond: dict | None = None  # what the uncond call passes other objects for
+        self._by_value: frozenset = frozenset()  # new tensors a call, equal to the cond call's: checked by value
         self._stash: tuple[tuple, dict, Any] | None = None  # the predicted uncond arguments, its output
 
     @contextmanager
@@ -232,7 +249,7 @@ class CfgPairs:
     def _uncond_call(self, args: tuple, kwargs: dict) -> Any:
         stash, self._stash = self._stash, None
         if stash is not None:
-            if same_inputs(args, kwargs, stash[0], stash[1]):
+            if same_inputs(args, kwargs, stash[0], stash[1], self._by_value):
                 self.pairs += 1
                 return stash[2]
             self._miss("the uncond call's arguments are not the ones predicted")
@@ -248,7 +265,11 @@ class CfgPairs:
                 or kwargs.keys() != cond_kwargs.keys():
             self._miss("the uncond call's positional arguments or keys differ from the cond call's")
             return
-        self._uncond = {k: v for k, v in kwargs.items() if not same_argument(v, cond_kwargs[k])}
+        other = {k for k, v in kwargs.items() if not same_argument(v, cond_kwargs[k])}
+        # a tensor made anew for each call with the cond call's values (QwenImagePipeline's
+        # `timestep / 1000`): the uncond lane takes the cond call's, the uncond call is checked by value
+        self._by_value = frozenset(k for k in other if same_tensor_value(kwargs[k], cond_kwargs[k]))
+        self._uncond = {k: kwargs[k] for k in other - self._by_value}
 
     def _miss(self, why: str) -> None:
         self.misses += 1

@@ -15,7 +15,9 @@ A rank's peak (bytes):
                image encoder and VAE encode for image-to-video, each transformer call, the VAE
                decode: plain, or tiled above `tile_above_pixels`; with a threshold below the
                largest request, also the plain decode of the largest request at the threshold) of
-               the part's fit: the allocator's reserved growth, fragmentation included
+               the part's fit: the allocator's reserved growth, fragmentation included; with CFG
+               pairs in rank-local mode a transformer call adds the waiting lane's carried state
+               (`PipelineFamily.paired_lane_bytes`: per latent token and per text token)
     peak     = weights + request
 The phases run one after another and free their activations; the weights and slots stay. Placed
 weights per model with `S` its largest block, `N` its non-block bytes, `k` resident blocks and
@@ -159,6 +161,9 @@ class PipelineMemory:
     tile_above_pixels: int  # decoded pixels above which the VAE decodes in tiles (the engine's rule)
     table: MemoryTable = field(default_factory=MemoryTable)
     stream_encoders: bool = True
+    # CFG pairs (`dlo.engine.cfg_pairs`): the waiting lane's bytes per latent token and per text token
+    # (`PipelineFamily.paired_lane_bytes`), added to the transformer's need in rank-local mode; (0, 0): unpaired
+    paired_lane: tuple[int, int] = (0, 0)
 
     @property
     def family_table(self) -> FamilyTable | None:
@@ -184,9 +189,16 @@ class PipelineMemory:
                         for name, m in self.encoders.items()})
         weights.update(self.whole)
         weights = {name: b + self.table.overhead(b) for name, b in weights.items()}
-        return self._with_request(weights)
+        return self._with_request(weights, paired=mode == "rank-local")
 
-    def _with_request(self, weights: dict[str, int]) -> RankMemory:
+    def lane_bytes(self, shape: Shape) -> int:
+        """What the waiting CFG-pairs lane holds at `shape` (0 unpaired): its call's carried state."""
+        per_token, per_text = self.paired_lane
+        tokens = latent_tokens(shape.width, shape.height, shape.frames, shape.batch, self.geometry.size_multiple,
+                               self.geometry.temporal_factor)
+        return tokens * per_token + shape.batch * self.bounds.max_sequence_length * per_text
+
+    def _with_request(self, weights: dict[str, int], paired: bool = False) -> RankMemory:
         fam = self.family_table
         if fam is None:
             return RankMemory(weights, None, unmeasured=f"family {self.family!r} is not in the memory table "
@@ -197,7 +209,7 @@ class PipelineMemory:
             if fit is None:
                 return RankMemory(weights, None, unmeasured=f"family {self.family!r} has no measured {part}")
             x = features(part, shape, self.geometry, self.bounds.max_sequence_length)
-            need = fit.predict(x)
+            need = fit.predict(x) + (self.lane_bytes(shape) if paired and part == "transformer" else 0)
             if worst is None or need > worst[0]:
                 label = part if part.startswith(("text", "image")) else f"{part} at {shape}"
                 worst = (need, label, fit.extrapolated(x))
@@ -269,10 +281,11 @@ def largest_fitting_size(memory: PipelineMemory, mode: str, g: int, budget: int)
 
 def pipeline_memory(model_dir: Path | str, bounds: RequestBounds, *, tile_above_pixels: int,
                     stream_encoders: bool = True, table: MemoryTable | None = None,
-                    stream_dtype: str = "bfloat16") -> PipelineMemory:
+                    stream_dtype: str = "bfloat16", cfg_pairs: bool = False) -> PipelineMemory:
     """The `PipelineMemory` of a pipeline folder (its configs and safetensors headers; torch-free),
-    its transformers streamed as `stream_dtype`; `table` defaults to the committed one. A folder
-    that is no pipeline raises ValueError."""
+    its transformers streamed as `stream_dtype`, with CFG pairs' waiting lane where `cfg_pairs` and
+    the family pairs; `table` defaults to the committed one. A folder that is no pipeline raises
+    ValueError."""
     from dlo.engine.checkpoint import cached_checkpoint, read_json_config
     from dlo.engine.blocks import describe
     from dlo.engine.families import pipeline_facts, pipeline_index
@@ -292,8 +305,10 @@ def pipeline_memory(model_dir: Path | str, bounds: RequestBounds, *, tile_above_
         whole[name] = cached_checkpoint(folder).nbytes
     geometry = Geometry(facts.size_multiple, facts.temporal_factor, facts.image_input, facts.smallest_side)
     loaded = table if table is not None else MemoryTable.load()  # TableError names a broken file
+    lane = (facts.adapter.paired_lane_bytes(read_json_config(root / facts.transformers[0] / "config.json"))
+            if cfg_pairs and facts.adapter.cfg_pairs else (0, 0))
     return PipelineMemory(facts.family, geometry, transformers, encoders, whole, bounds, tile_above_pixels,
-                          loaded, stream_encoders)
+                          loaded, stream_encoders, lane)
 
 
 def format_gb(n: int | float | None) -> str:

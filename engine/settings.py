@@ -248,8 +248,9 @@ class EngineSettings:
     safety_checker: bool = False
     # `--cfg-pairs`: a step's cond and uncond calls walk the streamed blocks together (one gather a
     # block a step; `dlo.engine.cfg_pairs`); where the deployment cannot pair, unpaired (logged).
-    # Off until measured on a device (bench/NOTES.md section 25)
-    cfg_pairs: bool = False
+    # On: the same bytes; Wan2.1-14B's request 0.7-1.0% faster and a rank-64 LoRA's cost 1.036x to
+    # 1.021x, Qwen-Image-20B streamed under a 24 GiB cap 16.07 s to 9.67 s (bench/NOTES.md sections 25-26)
+    cfg_pairs: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.offload, OffloadSettings) or not isinstance(self.parallel, ParallelSettings):

@@ -3,7 +3,8 @@
 Owns: `PipelineFamily` (a pipeline family's adapter: the diffusers pipeline class, the transformer's
 `BlockFamily`, the text encoders that may stream, which folders it serves, their `PipelineFacts`,
 the call plan a request implies, the pipeline call's keyword arguments and non-JSON inputs, and how
-its output decodes into frames), `PipelineFacts` (what a request is validated against) and `Decoded`.
+its output decodes into frames), `PipelineFacts` (what a request is validated against), `Decoded`
+and `decode_in_own_dtype` (a built pipeline's VAE takes its latents in its own dtype).
 The offload half (block lists) is `dlo.engine.families.base`.
 Must never: import torch, diffusers, numpy or PIL at import time (adapters import them inside
 methods), import `dlo.engine.serving`, or know about HTTP, queues or ranks.
@@ -25,6 +26,17 @@ from dlo.engine.request import Generation
 # first request within 1.6% of the second (two steps: within 10.6%), and starts 0-0.6 s sooner
 # (`ready-h200-2026-12-01-b`; bench/NOTES.md section 20): a later step adds only elementwise kernels
 WARMUP_STEPS = 1
+
+
+def decode_in_own_dtype(vae: Any) -> None:
+    """Cast the latents to the VAE's dtype on the way in: the VAE runs in float32 (its output becomes
+    the bytes) while Flux and QwenImage hand it latents in the transformer's dtype (bfloat16)."""
+    inner = vae.decode
+
+    def decode(z: Any, *args: Any, **kwargs: Any) -> Any:
+        return inner(z.to(vae.dtype), *args, **kwargs)
+
+    vae.decode = decode  # type: ignore[method-assign]
 
 
 @dataclass(frozen=True)
@@ -193,6 +205,12 @@ class PipelineFamily:
 
     def pipeline_facts(self, root: Path, index: dict, transformer: dict, vae: dict) -> PipelineFacts:
         raise NotImplementedError
+
+    def paired_lane_bytes(self, transformer: dict) -> tuple[int, int]:
+        """What the waiting lane of CFG pairs holds between two blocks, in device bytes per latent
+        token and per text token, from the transformer's config (`dlo.engine.memory_model` adds it to a
+        paired call's peak). Only families marked `cfg_pairs` say; (0, 0) for the rest."""
+        return (0, 0)
 
     def build_pipeline(self, model_dir: Path, modules: dict[str, Any], compute_dtype: Any, device: Any, *,
                        safety_checker: bool = False) -> Any:

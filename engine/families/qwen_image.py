@@ -24,10 +24,20 @@ class QwenImageFamily(PipelineFamily):
     blocks = QWEN_IMAGE_BLOCKS
     pipeline_class = "QwenImagePipeline"
     streamable_encoders = ("text_encoder",)  # Qwen2.5-VL-7B's language model layers
+    # QwenImagePipeline: cond, then uncond with the negative embeddings and mask; its `timestep / 1000`
+    # is a new tensor a call, checked by value (tests/engine/test_cfg_pairs.py)
+    cfg_pairs = True
 
     def pipeline_facts(self, root: Path, index: dict, transformer: dict, vae: dict) -> PipelineFacts:
         scale = 2 ** len(vae.get("temperal_downsample", [False, True, True]))
         return PipelineFacts(self.name, self.pipeline_class, scale * 2, 0, 4.0, transformer["_class_name"])
+
+    def paired_lane_bytes(self, transformer: dict) -> tuple[int, int]:
+        # QwenImageTransformer2DModel between two blocks: the image and the text streams' states (dim,
+        # bfloat16) and their rotary tables (head_dim / 2 complex values, counted at 16 bytes)
+        head_dim = int(transformer["attention_head_dim"])
+        per = int(transformer["num_attention_heads"]) * head_dim * 2 + head_dim * 8
+        return (per, per)
 
     def uses_cfg(self, gen: Generation) -> bool:
         return gen.negative_prompt is not None and gen.guidance_scale > 1.0

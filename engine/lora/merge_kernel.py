@@ -48,9 +48,9 @@ class KernelShape:
     a persistent grid that leaves the other SMs to whatever runs beside it). Any shape gives the same
     bytes: a tile's element is its own row of B times A, in the same K order."""
 
-    rows: int = 64
+    rows: int = 128
     cols: int = 128
-    warps: int = 4
+    warps: int = 8
     programs: int | None = None
 
     def grid(self, m: int, n: int) -> tuple[int, int]:
@@ -60,7 +60,9 @@ class KernelShape:
         return programs, -(-tiles // programs)
 
 
-DEFAULT_SHAPE = KernelShape()  # measured: 0.56 ms a Wan2.1 block on an H100 (bench/NOTES.md section 23)
+# measured (bench/NOTES.md section 25): the fastest of the sweep on an H100 and an H200, a Wan2.1 block's
+# merges 0.539 and 0.426 ms against 0.575 and 0.469 for 64x128 with 4 warps (section 23's), the same bytes
+DEFAULT_SHAPE = KernelShape()
 
 
 @functools.cache

@@ -36,9 +36,10 @@ class DeviceBudgetError(ConfigError):
 
 
 def deployment_memory(model_dir: Path, limits: Limits, *, stream_encoders: bool = True,
-                      stream_dtype: str = "bfloat16") -> PipelineMemory:
-    """The pipeline's memory at `limits` (`dlo.engine.memory_model.pipeline_memory`); a memory table
-    or a component header that does not parse is a `DeviceBudgetError` naming it."""
+                      stream_dtype: str = "bfloat16", cfg_pairs: bool = False) -> PipelineMemory:
+    """The pipeline's memory at `limits` (`dlo.engine.memory_model.pipeline_memory`; `cfg_pairs`: with
+    the waiting lane where the family pairs); a memory table or a component header that does not
+    parse is a `DeviceBudgetError` naming it."""
     from dlo.engine.memory_model import RequestBounds, pipeline_memory
     from dlo.engine.memory_table import TableError
     from dlo.engine.settings import VAE_TILE_ABOVE_PIXELS
@@ -47,7 +48,7 @@ def deployment_memory(model_dir: Path, limits: Limits, *, stream_encoders: bool 
                            limits.max_sequence_length)
     try:
         return pipeline_memory(model_dir, bounds, tile_above_pixels=VAE_TILE_ABOVE_PIXELS,
-                               stream_encoders=stream_encoders, stream_dtype=stream_dtype)
+                               stream_encoders=stream_encoders, stream_dtype=stream_dtype, cfg_pairs=cfg_pairs)
     except TableError as e:
         raise DeviceBudgetError(str(e)) from None
     except ConfigError as e:  # an FP8 folder (dlo quantize) without --stream-dtype fp8
@@ -66,12 +67,12 @@ class Deployment:
 
 
 def deployment(args: Any, model_dir: Path, limits: Limits, device: str, adapter_bytes: int = 0) -> Deployment:
-    """`deployment_memory` for `dlo serve`'s options, with `--lora-dir`'s adapters as a whole
-    component of every rank (`lora_adapters`: `adapter_bytes`, their tensors and any merge scratch),
-    this host's budget (`local_budget`) and the tiling rule it implies
-    (`dlo.engine.memory_plan.tiling_for_budget`)."""
+    """`deployment_memory` for `dlo serve`'s options (`--cfg-pairs` at sp 1: the waiting lane), with
+    `--lora-dir`'s adapters as a whole component of every rank (`lora_adapters`: `adapter_bytes`,
+    their tensors and any merge scratch), this host's budget (`local_budget`) and the tiling rule it
+    implies (`dlo.engine.memory_plan.tiling_for_budget`)."""
     memory = deployment_memory(model_dir, limits, stream_encoders=args.stream_text_encoders,
-                               stream_dtype=args.stream_dtype)
+                               stream_dtype=args.stream_dtype, cfg_pairs=args.cfg_pairs and args.sp == 1)
     if adapter_bytes:
         memory = dataclasses.replace(memory, whole={**memory.whole, LORA_COMPONENT: adapter_bytes})
     if device not in ("cuda", "npu"):

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from dlo.engine.energy import rank_meter
 from dlo.engine.families import Decoded, pipeline_facts
+from dlo.engine.families.pipelines import decode_in_own_dtype
 from dlo.engine.report import GatherStats
 from dlo.engine.serving import distmap
 from dlo.engine.serving.control import RankStats
@@ -34,7 +35,7 @@ from dlo.engine.timing import Laps, PhaseClock
 from dlo.engine.request import Generation
 
 log = logging.getLogger(__name__)
-__all__ = ["ServingPipeline", "RunResult", "VAE_TILE_ABOVE_PIXELS", "decode_in_own_dtype"]
+__all__ = ["ServingPipeline", "RunResult", "VAE_TILE_ABOVE_PIXELS"]
 
 
 @dataclass
@@ -44,17 +45,6 @@ class RunResult:
     step_seconds: list[float] = field(default_factory=list)
     seconds: float = 0.0
     phase_seconds: dict[str, float] = field(default_factory=dict)  # prepare, denoise, decode, encode_output
-
-
-def decode_in_own_dtype(vae: Any) -> None:
-    """Cast the latents to the VAE's dtype on the way in: the VAE runs in float32 (its output becomes
-    the bytes) while Flux and QwenImage hand it latents in the transformer's dtype (bfloat16)."""
-    inner = vae.decode
-
-    def decode(z: Any, *args: Any, **kwargs: Any) -> Any:
-        return inner(z.to(vae.dtype), *args, **kwargs)
-
-    vae.decode = decode  # type: ignore[method-assign]
 
 
 class ServingPipeline:

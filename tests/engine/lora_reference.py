@@ -40,7 +40,8 @@ def run(spec_path: str, out_dir: str) -> None:
     from dlo.engine.families import pipeline_facts
     from dlo.engine.request import Generation
     from dlo.engine.serving.encode import encode
-    from dlo.engine.serving.pipeline import ServingPipeline, decode_in_own_dtype
+    from dlo.engine.families.pipelines import decode_in_own_dtype
+    from dlo.engine.serving.pipeline import ServingPipeline
 
     torch.set_num_threads(1)
     spec = json.loads(Path(spec_path).read_text())

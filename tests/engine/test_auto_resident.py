@@ -158,8 +158,13 @@ def test_lora_adapters_count_against_the_budget_as_a_whole_component(tmp_path_fa
     from dlo.engine.serving.budget import LORA_COMPONENT, check_mode, deployment
 
     model = preset_pipeline(tmp_path_factory, "tiny-wan2.1-t2v")
-    args = argparse.Namespace(stream_text_encoders=True, stream_dtype="bfloat16", max_device_memory=0)
+    args = argparse.Namespace(stream_text_encoders=True, stream_dtype="bfloat16", max_device_memory=0,
+                              cfg_pairs=True, sp=1)
     assert LORA_COMPONENT not in deployment(args, model, SMALL, "cpu").memory.whole
+    # CFG pairs' waiting lane: counted where they may run (sp 1), not otherwise
+    assert deployment(args, model, SMALL, "cpu").memory.paired_lane != (0, 0)
+    for off in ({"cfg_pairs": False}, {"sp": 2}):
+        assert deployment(argparse.Namespace(**{**vars(args), **off}), model, SMALL, "cpu").memory.paired_lane == (0, 0)
     assert deployment(args, model, SMALL, "cpu", adapter_bytes=12345).memory.whole[LORA_COMPONENT] == 12345
 
     plain = _memory(Geometry(16, 4), RequestBounds(832, 480, 17, 1, 512))  # Wan2.1-14B's 40 blocks

@@ -67,14 +67,18 @@ def _closed_leaves_no_thread(pairs: CfgPairs) -> None:
     assert thread is None or not thread.is_alive()
 
 
-def _steps(model, steps: int, cond, uncond, *, other_uncond=None):
-    """A CFG loop as WanPipeline runs it: the same latents and timestep objects to both calls."""
+def _steps(model, steps: int, cond, uncond, *, other_uncond=None, fresh_timestep=False, other_t_at=None):
+    """A CFG loop as WanPipeline runs it: the same latents and timestep objects to both calls; with
+    `fresh_timestep` as QwenImagePipeline does, `t / 1000` made anew for each call (at step
+    `other_t_at` the uncond call's of another value)."""
     x = torch.ones(2, 4)
     for i in range(steps):
         t = torch.full((1,), float(i))
-        c = model(hidden_states=x, timestep=t, encoder_hidden_states=cond, return_dict=False)[0]
+        t_c = t / 1000 if fresh_timestep else t
+        c = model(hidden_states=x, timestep=t_c, encoder_hidden_states=cond, return_dict=False)[0]
         neg = other_uncond if other_uncond is not None and i == steps - 1 else uncond
-        u = model(hidden_states=x, timestep=t, encoder_hidden_states=neg, return_dict=False)[0]
+        t_u = (t + (i == other_t_at)) / 1000 if fresh_timestep else t
+        u = model(hidden_states=x, timestep=t_u, encoder_hidden_states=neg, return_dict=False)[0]
         x = x - 0.1 * (u + 5.0 * (c - u))
     return x
 
@@ -111,6 +115,24 @@ def test_an_uncond_call_with_other_inputs_than_predicted_runs_itself_and_ends_pa
         got = _steps(toy, 4, cond, uncond, other_uncond=other)
     assert torch.equal(got, want)  # the stash made from `uncond` was not handed out for `other`
     assert pairs.pairs == 2 and pairs.misses == 1
+    _closed_leaves_no_thread(pairs)
+
+
+def test_a_timestep_made_anew_for_each_call_is_checked_by_value():
+    """QwenImagePipeline passes `timestep / 1000`, a new tensor a call: the uncond lane takes the
+    cond call's, and each uncond call's is compared by value: equal, the stash; other, a miss."""
+    cond, uncond = torch.randn(4), torch.randn(4)
+    toy, _rec, pairs = _paired_toy()
+    want = _steps(toy, 4, cond, uncond, fresh_timestep=True)
+    with pairs.request(cfg=True):
+        got = _steps(toy, 4, cond, uncond, fresh_timestep=True)
+        assert pairs._by_value == {"timestep"} and set(pairs._uncond) == {"encoder_hidden_states"}
+    assert torch.equal(got, want) and pairs.pairs == 3 and pairs.misses == 0
+    want = _steps(toy, 4, cond, uncond, fresh_timestep=True, other_t_at=2)
+    with pairs.request(cfg=True):
+        got = _steps(toy, 4, cond, uncond, fresh_timestep=True, other_t_at=2)
+    assert torch.equal(got, want)  # the stash made with the cond call's timestep was not handed out
+    assert pairs.pairs == 3 + 1 and pairs.misses == 1  # (counted over the pairs' life) step 1 paired, 2 missed
     _closed_leaves_no_thread(pairs)
 
 
@@ -171,6 +193,12 @@ def test_inputs_are_the_objects_predicted_or_equal_plain_values():
     assert not same_inputs((a,), {}, (b,), {})  # equal values, another tensor: not predicted
     assert not same_inputs((), {"d": 1}, (), {"d": True})  # 1 == True, but not the same argument
     assert not same_inputs((), {"x": a}, (), {"y": a})
+    # learned by value: the values, dtype, shape and strides must match, not the object
+    assert same_inputs((), {"t": a}, (), {"t": b}, frozenset({"t"}))
+    assert not same_inputs((), {"t": a}, (), {"t": b + 1}, frozenset({"t"}))
+    assert not same_inputs((), {"t": a}, (), {"t": b.double()}, frozenset({"t"}))
+    m = torch.arange(4.0).reshape(2, 2)
+    assert not same_inputs((), {"t": m.t().contiguous()}, (), {"t": m.t()}, frozenset({"t"}))  # other strides
 
 
 def test_only_a_streamed_rank_local_deployment_of_a_pairing_family_pairs():
@@ -183,27 +211,34 @@ def test_only_a_streamed_rank_local_deployment_of_a_pairing_family_pairs():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lora", [None, "merge", "branch"])
-def test_a_served_wan_request_paired_gives_the_unpaired_bytes_for_fewer_gathers(tmp_path_factory, lora):
+@pytest.mark.parametrize("family, lora", [("wan", None), ("wan", "merge"), ("wan", "branch"),
+                                          ("qwen-image", None), ("qwen-image", "merge")])
+def test_a_served_request_paired_gives_the_unpaired_bytes_for_fewer_gathers(tmp_path_factory, family, lora):
     from dlo.engine.random_lora import write_adapter
     from dlo.engine.request import Generation
     from dlo.engine.serving.pipeline import ServingPipeline
     from dlo.engine.settings import EngineSettings, LoraSettings, OffloadSettings
     from tests.engine.lora_helpers import SEQ
     from tests.engine.serving_helpers import tiny_pipeline
+    from tests.engine.test_family_pipelines import preset_pipeline
 
-    model = tiny_pipeline(tmp_path_factory, "wan")
+    if family == "wan":
+        model, seq = tiny_pipeline(tmp_path_factory, "wan"), SEQ
+        gen = Generation(kind="video", prompt="a lighthouse", negative_prompt="blur", seed=5, width=32, height=32,
+                         steps=3, guidance_scale=5.0, frames=5, fps=2, lora_id="style" if lora else None)
+    else:  # its template fills the first 32 tokens of the tiny tokenizer's: the prompts differ only beyond
+        model, seq = preset_pipeline(tmp_path_factory, "tiny-qwen-image"), 512
+        gen = Generation(kind="image", prompt="a lighthouse", negative_prompt="blur", seed=5, width=32, height=32,
+                         steps=3, guidance_scale=4.0, lora_id="style" if lora else None)
     settings = LoraSettings()
     if lora is not None:  # merged per call on the streamed layers, or the branch: either, twice a step unpaired
         adapters = tmp_path_factory.mktemp("pairs-lora")
         write_adapter(model, adapters / "style", rank=4, alpha=2.0, seed=1)
         settings = LoraSettings(str(adapters), apply=lora)
-    gen = Generation(kind="video", prompt="a lighthouse", negative_prompt="blur", seed=5, width=32, height=32,
-                     steps=3, guidance_scale=5.0, frames=5, fps=2, lora_id="style" if lora else None)
     out, gathers = {}, {}
     for pairs in (False, True):
         pipe = ServingPipeline(model, EngineSettings(OffloadSettings("rank-local"), lora=settings, cfg_pairs=pairs),
-                               max_sequence_length=SEQ)
+                               max_sequence_length=seq)
         try:
             assert isinstance(pipe.pairs, CfgPairs) == pairs
             before = pipe.model.stats().gathers
@@ -230,10 +265,11 @@ def test_the_flag_reaches_the_engine_settings_and_the_ranks():
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    on = engine_settings(parser.parse_args(["/m", "--cfg-pairs"]), "rank-local", "cpu", 1, {})
-    off = engine_settings(parser.parse_args(["/m"]), "rank-local", "cpu", 1, {})
-    assert on.cfg_pairs and not off.cfg_pairs  # off until measured on a device
+    on = engine_settings(parser.parse_args(["/m"]), "rank-local", "cpu", 1, {})
+    off = engine_settings(parser.parse_args(["/m", "--no-cfg-pairs"]), "rank-local", "cpu", 1, {})
+    assert on.cfg_pairs and not off.cfg_pairs  # on by default (measured: bench/NOTES.md section 25)
     assert EngineSettings.from_dict(on.to_dict()).cfg_pairs  # what every rank is started with
+    assert not EngineSettings.from_dict(off.to_dict()).cfg_pairs
 
 
 def test_a_block_s_merge_is_handed_out_only_for_its_layer_and_bound_weight():
@@ -294,7 +330,7 @@ def test_dlo_serve_counts_a_block_s_kept_merges_in_the_budget_only_with_pairs(tm
     held = {}
     for pairs in (False, True):
         args = parser.parse_args([str(model), "--lora-dir", str(adapters), "--lora-apply", "merge",
-                                  *(["--cfg-pairs"] if pairs else [])])
+                                  "--cfg-pairs" if pairs else "--no-cfg-pairs"])
         start = _Start(model, Laps(0.0), facts=pipeline_facts(model))
         _adapters(args, start)
         held[pairs] = start.adapter_bytes

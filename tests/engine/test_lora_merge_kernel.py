@@ -186,10 +186,10 @@ def test_a_torch_without_memory_pools_keeps_merges_in_the_shared_pool(caplog):
 
 
 @pytest.mark.parametrize("shape, m, n, want", [
-    (DEFAULT_SHAPE, 5120, 5120, (80 * 40, 1)),  # one program a tile, each merging one
+    (DEFAULT_SHAPE, 5120, 5120, (40 * 40, 1)),  # 128 x 128 tiles: one program a tile, each merging one
     (DEFAULT_SHAPE, 63, 5121, (1 * 41, 1)),  # partial tiles count whole
-    (KernelShape(programs=132), 13824, 5120, (132, 66)),  # 216 x 40 tiles over 132 programs: 65.45 -> 66
-    (KernelShape(programs=132), 100, 200, (4, 1)),  # never more programs than tiles (2 x 2)
+    (KernelShape(64, 128, 4, 132), 13824, 5120, (132, 66)),  # 216 x 40 tiles over 132 programs: 65.45 -> 66
+    (KernelShape(64, 128, 4, 132), 100, 200, (4, 1)),  # never more programs than tiles (2 x 2)
     (KernelShape(128, 256, 8, 16), 5120, 13824, (16, 135)),  # 40 x 54 tiles
 ])
 def test_a_kernel_shape_covers_every_tile_once(shape, m, n, want):

@@ -184,3 +184,29 @@ def test_pipeline_memory_reads_a_pipeline_folder(tmp_path_factory: pytest.TempPa
 
     assert set(m.whole) == {"vae"} and m.whole["vae"] == cached_checkpoint(folder / "vae").nbytes
     assert m.geometry == Geometry(16, 4, False, smallest_side=16)
+
+
+def test_cfg_pairs_add_the_waiting_lane_to_a_rank_local_transformer_call_only() -> None:
+    """[Note: CFG pairs]: while one lane runs a block the other holds its call's state (per latent
+    token and per text token); counted in rank-local mode, where pairs run, on the transformer's
+    phase alone."""
+    bounds = RequestBounds(832, 480, 17, 1, 512)
+    plain, paired = wan(bounds), dataclasses.replace(wan(bounds), paired_lane=(12_288, 10_240))
+    lane = 7800 * 12_288 + 512 * 10_240  # 5 x 52 x 30 tokens
+    assert paired.rank("rank-local").request_bytes == plain.rank("rank-local").request_bytes + lane
+    assert paired.rank("allgather", 2).request_bytes == plain.rank("allgather", 2).request_bytes
+    assert paired.rank("resident").request_bytes == plain.rank("resident").request_bytes
+    assert paired.rank("rank-local").weights == plain.rank("rank-local").weights
+
+
+def test_pipeline_memory_counts_the_lane_where_asked_and_the_family_pairs(tmp_path_factory) -> None:
+    from tests.engine.serving_helpers import tiny_pipeline
+
+    bounds = RequestBounds(64, 64, 9)
+    wan_dir = tiny_pipeline(tmp_path_factory, "wan")  # 2 heads of 16: dim 32
+    assert pipeline_memory(wan_dir, bounds, tile_above_pixels=10**9, table=MemoryTable()).paired_lane == (0, 0)
+    on = pipeline_memory(wan_dir, bounds, tile_above_pixels=10**9, table=MemoryTable(), cfg_pairs=True)
+    assert on.paired_lane == (32 * 2 + 2 * 16 * 8, 32 * 2)
+    flux = pipeline_memory(tiny_pipeline(tmp_path_factory, "flux"), RequestBounds(64, 64), tile_above_pixels=10**9,
+                           table=MemoryTable(), cfg_pairs=True)
+    assert flux.paired_lane == (0, 0)  # its pipeline does not pair
