@@ -207,9 +207,9 @@ def _plan_pipeline(args: argparse.Namespace) -> PipelineMemory | None:
         raise ValueError(f"--limits {args.limits}: {e}") from None
     bounds = RequestBounds(limits.max_width, limits.max_height, limits.max_frames, limits.max_n,
                            limits.max_sequence_length)
-    # as `dlo serve` runs by default: CFG pairs where the family pairs (counted in rank-local mode)
+    # as `dlo serve` runs by default: CFG pairs where the family pairs at sp 1 (counted in rank-local mode)
     return pipeline_memory(args.model, bounds, tile_above_pixels=VAE_TILE_ABOVE_PIXELS,
-                           cfg_pairs=EngineSettings.cfg_pairs)
+                           cfg_pairs=EngineSettings.cfg_pairs and args.sp == 1)
 
 
 def _print_plan_table(estimates: dict[str, ModeEstimate], model: ModelFacts, profile: NodeProfile, g: int,

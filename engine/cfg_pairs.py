@@ -31,8 +31,9 @@ call's diffusers cache context ("cond"): nothing without diffusers' cache hooks,
 does not enable. The warm-up's denoising runs paired too, but at its default one step (unpaired: the
 first step teaches) the first paired request's uncond thread makes its cuDNN plans. Memory: the
 waiting lane's state between blocks (its hidden states, rotary tables and text states), which the
-memory model adds to a rank-local transformer call (`PipelineFamily.paired_lane_bytes`; Wan2.1-14B:
-0.10 GB at 832x480x17).
+memory model adds to a rank-local transformer call (`PipelineFamily.paired_lane_bytes`: the lane hands
+over in a block's forward hook, so it holds that block's input and output; Wan2.1-14B: 0.18 GB at
+832x480x17).
 
 The transformer's `forward` is overridden on the instance (removed by `close`): a forward hook can
 change a call's output but cannot skip the call, and the uncond call must not run again. This is the
@@ -136,10 +137,13 @@ def same_argument(a: Any, b: Any) -> bool:
 
 
 def same_tensor_value(a: Any, b: Any) -> bool:
-    """Two tensors that compute alike: the same device, dtype, shape, strides and values (on a device,
-    one host sync)."""
-    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.device == b.device
-            and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b))
+    """Two tensors that compute alike: the same device, dtype, shape, strides, storage offset and
+    bytes (`torch.equal` holds -0 equal to 0; on a device, one host sync)."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.device == b.device
+            and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            and a.storage_offset() == b.storage_offset()):
+        return False
+    return torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
 
 
 def same_inputs(args: tuple, kwargs: dict, want_args: tuple, want_kwargs: dict,

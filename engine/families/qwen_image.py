@@ -33,10 +33,11 @@ class QwenImageFamily(PipelineFamily):
         return PipelineFacts(self.name, self.pipeline_class, scale * 2, 0, 4.0, transformer["_class_name"])
 
     def paired_lane_bytes(self, transformer: dict) -> tuple[int, int]:
-        # QwenImageTransformer2DModel between two blocks: the image and the text streams' states (dim,
-        # bfloat16) and their rotary tables (head_dim / 2 complex values, counted at 16 bytes)
+        # QwenImageTransformer2DModel waiting in a block's forward hook: each stream's input and output
+        # states (dim, bfloat16: the blocks replace both streams) and rotary tables (head_dim / 2
+        # complex values, counted at 16 bytes) a token of each stream
         head_dim = int(transformer["attention_head_dim"])
-        per = int(transformer["num_attention_heads"]) * head_dim * 2 + head_dim * 8
+        per = 2 * int(transformer["num_attention_heads"]) * head_dim * 2 + head_dim * 8
         return (per, per)
 
     def uses_cfg(self, gen: Generation) -> bool:

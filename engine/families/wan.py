@@ -37,12 +37,13 @@ class WanFamily(PipelineFamily):
                              int(vae.get("scale_factor_temporal") or 4), 5.0, transformer["_class_name"])
 
     def paired_lane_bytes(self, transformer: dict) -> tuple[int, int]:
-        # WanTransformer3DModel's forward between two blocks: the hidden states (dim, bfloat16) and the
-        # rotary tables (cos and sin of head_dim, at most float64) a latent token; the projected text
-        # states (dim, bfloat16) a text token (its time projections: a few dim-wide rows, left out)
+        # WanTransformer3DModel's forward waiting in a block's forward hook: the block's input and output
+        # hidden states (dim, bfloat16) and the rotary tables (cos and sin of head_dim, at most float64)
+        # a latent token; the projected text states (dim, bfloat16; the blocks do not replace them) a
+        # text token (its time projections: a few dim-wide rows, left out)
         head_dim = int(transformer["attention_head_dim"])
         dim = int(transformer["num_attention_heads"]) * head_dim
-        return (dim * 2 + 2 * head_dim * 8, dim * 2)
+        return (2 * dim * 2 + 2 * head_dim * 8, dim * 2)
 
     def call_kwargs(self, gen: Generation) -> dict[str, Any]:
         return {"num_frames": gen.frames, "num_videos_per_prompt": gen.n}

@@ -263,7 +263,7 @@ def _add_weights_arguments(parser: argparse.ArgumentParser) -> None:
                              "block is gathered (and a per-request LoRA merged) once a step instead of twice, the "
                              "same bytes out; rank-local mode, sp 1, families whose pipeline calls cond then uncond "
                              "with the same inputs (Wan2.1 T2V, Qwen-Image); elsewhere unpaired, logged at start. Costs the "
-                             "waiting call's state (~12 KB a latent token for Wan2.1-14B) and, with a merged LoRA, "
+                             "waiting call's state (~22 KB a latent token for Wan2.1-14B) and, with a merged LoRA, "
                              "a block's merges; default: on (docs/serving.md)")
     parser.add_argument("--stream-text-encoders", action=argparse.BooleanOptionalAction, default=True,
                         help="in the offloaded modes, the large text encoder (Wan's UMT5-XXL, Flux's T5-XXL, "

@@ -199,6 +199,8 @@ def test_inputs_are_the_objects_predicted_or_equal_plain_values():
     assert not same_inputs((), {"t": a}, (), {"t": b.double()}, frozenset({"t"}))
     m = torch.arange(4.0).reshape(2, 2)
     assert not same_inputs((), {"t": m.t().contiguous()}, (), {"t": m.t()}, frozenset({"t"}))  # other strides
+    assert not same_inputs((), {"t": torch.zeros(1)}, (), {"t": -torch.zeros(1)}, frozenset({"t"}))  # -0 is not 0
+    assert not same_inputs((), {"t": torch.ones(3)[1:]}, (), {"t": torch.ones(2)}, frozenset({"t"}))  # offset
 
 
 def test_only_a_streamed_rank_local_deployment_of_a_pairing_family_pairs():
@@ -241,11 +243,17 @@ def test_a_served_request_paired_gives_the_unpaired_bytes_for_fewer_gathers(tmp_
                                max_sequence_length=seq)
         try:
             assert isinstance(pipe.pairs, CfgPairs) == pairs
+            learned = []
+            if pairs:  # what the first step taught: the negative prompt's embeddings by object
+                learn = pipe.pairs._learn
+                pipe.pairs._learn = lambda a, k: (learn(a, k), learned.append((set(pipe.pairs._uncond),
+                                                                                 set(pipe.pairs._by_value))))
             before = pipe.model.stats().gathers
             out[pairs] = pipe.run(gen).outputs[0]
             gathers[pairs] = pipe.model.stats().gathers - before
             if pairs:
                 assert pipe.pairs.pairs == gen.steps - 1 and pipe.pairs.misses == 0
+                assert learned == [({"encoder_hidden_states"}, {"timestep"} if family == "qwen-image" else set())]
             kept = pipe.lora.block_merges
             assert (kept is not None) == (pairs and lora == "merge")
             if kept is not None:  # every paired step's uncond lane took the cond lane's merges, none made

@@ -197,6 +197,11 @@ def test_cfg_pairs_add_the_waiting_lane_to_a_rank_local_transformer_call_only() 
     assert paired.rank("allgather", 2).request_bytes == plain.rank("allgather", 2).request_bytes
     assert paired.rank("resident").request_bytes == plain.rank("resident").request_bytes
     assert paired.rank("rank-local").weights == plain.rank("rank-local").weights
+    # images up to 1280x720: the VAE decode is the worst phase; the lane adds to the transformer's alone
+    images = RequestBounds(1280, 720, 1, 1, 512)
+    plain, paired = wan(images), dataclasses.replace(wan(images), paired_lane=(12_288, 10_240))
+    assert plain.rank("rank-local").worst == paired.rank("rank-local").worst == "vae_decode at 1280x720"
+    assert paired.rank("rank-local").request_bytes == plain.rank("rank-local").request_bytes
 
 
 def test_pipeline_memory_counts_the_lane_where_asked_and_the_family_pairs(tmp_path_factory) -> None:
@@ -206,7 +211,15 @@ def test_pipeline_memory_counts_the_lane_where_asked_and_the_family_pairs(tmp_pa
     wan_dir = tiny_pipeline(tmp_path_factory, "wan")  # 2 heads of 16: dim 32
     assert pipeline_memory(wan_dir, bounds, tile_above_pixels=10**9, table=MemoryTable()).paired_lane == (0, 0)
     on = pipeline_memory(wan_dir, bounds, tile_above_pixels=10**9, table=MemoryTable(), cfg_pairs=True)
-    assert on.paired_lane == (32 * 2 + 2 * 16 * 8, 32 * 2)
+    # a latent token: a block's input and output (dim 32, bfloat16) and rotary cos and sin (head_dim 16,
+    # float64 at most); a text token: its projected states
+    assert on.paired_lane == (2 * 32 * 2 + 2 * 16 * 8, 32 * 2)
     flux = pipeline_memory(tiny_pipeline(tmp_path_factory, "flux"), RequestBounds(64, 64), tile_above_pixels=10**9,
                            table=MemoryTable(), cfg_pairs=True)
     assert flux.paired_lane == (0, 0)  # its pipeline does not pair
+    from tests.engine.test_family_pipelines import preset_pipeline
+
+    qwen = pipeline_memory(preset_pipeline(tmp_path_factory, "tiny-qwen-image"), RequestBounds(64, 64),
+                           tile_above_pixels=10**9, table=MemoryTable(), cfg_pairs=True)
+    # either stream's token: its input and output states (2 heads of 16) and a rotary table of 8 complex values
+    assert qwen.paired_lane == (2 * 32 * 2 + 16 * 8,) * 2
