@@ -177,11 +177,15 @@ class LaneThread:
 
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
-            fn, done = job
-            try:
-                fn()
-            finally:
-                done.set()
+            self._run(*job)
+            del job  # waiting for the next, the thread holds nothing of this one (its call's tensors, the model)
+
+    @staticmethod
+    def _run(fn: Any, done: threading.Event) -> None:
+        try:
+            fn()
+        finally:
+            done.set()
 
     def close(self) -> None:
         if self._thread is not None:

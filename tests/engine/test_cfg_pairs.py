@@ -118,6 +118,23 @@ def test_an_uncond_call_with_other_inputs_than_predicted_runs_itself_and_ends_pa
     _closed_leaves_no_thread(pairs)
 
 
+def test_the_waiting_lane_thread_holds_nothing_of_the_last_request():
+    """Between requests the uncond thread waits for its next job: it must not keep the last one's
+    call (its inputs and output, the transformer and through it the mapped weights) alive."""
+    import gc
+    import weakref
+
+    cond, uncond = torch.randn(4), torch.randn(4)
+    toy, _rec, pairs = _paired_toy()
+    with pairs.request(cfg=True):
+        _steps(toy, 3, cond, uncond)
+    thread, gone = pairs._thread._thread, weakref.ref(toy)
+    assert thread.is_alive()
+    del toy, _rec, pairs  # never closed: a pipeline a failed test left behind
+    gc.collect()
+    assert gone() is None
+
+
 def test_a_timestep_made_anew_for_each_call_is_checked_by_value():
     """QwenImagePipeline passes `timestep / 1000`, a new tensor a call: the uncond lane takes the
     cond call's, and each uncond call's is compared by value: equal, the stash; other, a miss."""
