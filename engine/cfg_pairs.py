@@ -1,7 +1,8 @@
 """CFG pairs: a step's cond and uncond transformer calls walk the streamed blocks together.
 
 Owns: `CfgPairs` (one streamed transformer's pairing: the calls of a request counted, the uncond
-call's inputs predicted, the two lanes run in lockstep, the stash), `Turns` (whose lane runs),
+call's inputs predicted, the two lanes run in lockstep, the stash), `ModelPairs` (a pipeline's: one
+`CfgPairs` on each streamed transformer), `Turns` (whose lane runs),
 `pairs_unavailable` (why a deployment cannot pair, or None), `pairing_on` (that, logged) and
 `NO_PAIRS` (what a deployment without pairs holds in their place).
 Must never: let two lanes run at once (the block hooks, the LoRA bank and the prefetcher keep state
@@ -25,8 +26,8 @@ one host sync a step); at the uncond call the stash is returned where every argu
 predicted (values compared where plain or so learned), else the call runs as always (a miss: pairs
 off for the rest of the request, a warning). The first step runs unpaired: it teaches the prediction.
 Not detected: a tensor changed in place between the two calls (inference tensors keep no version
-counter; a family is marked `cfg_pairs` only where its pipeline makes no such change: WanPipeline's
-and QwenImagePipeline's loops checked). The uncond lane runs under the cond
+counter; a family is marked `cfg_pairs` only where its pipeline makes no such change: WanPipeline's,
+WanImageToVideoPipeline's and QwenImagePipeline's loops checked). The uncond lane runs under the cond
 call's diffusers cache context ("cond"): nothing without diffusers' cache hooks, which the engine
 does not enable. The warm-up's denoising runs paired too, but at its default one step (unpaired: the
 first step teaches) the first paired request's uncond thread makes its cuDNN plans. Memory: the
@@ -205,6 +206,33 @@ class NoPairs:
 
 
 NO_PAIRS = NoPairs()
+
+
+class ModelPairs:
+    """CFG pairs on each streamed transformer of a pipeline: Wan2.2's two experts each pair their own
+    calls (one `CfgPairs` each, one uncond thread each; the experts run one after the other)."""
+
+    def __init__(self, each: list["CfgPairs"]):
+        self.each = each
+
+    @property
+    def pairs(self) -> int:
+        return sum(p.pairs for p in self.each)
+
+    @property
+    def misses(self) -> int:
+        return sum(p.misses for p in self.each)
+
+    @contextmanager
+    def request(self, cfg: bool) -> Iterator[None]:
+        with ExitStack() as stack:
+            for p in self.each:
+                stack.enter_context(p.request(cfg))
+            yield
+
+    def close(self) -> None:
+        for p in self.each:
+            p.close()
 
 
 class CfgPairs:

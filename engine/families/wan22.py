@@ -23,7 +23,7 @@ from dlo.engine.request import Generation
 
 class Wan22Family(WanFamily):
     name = "wan2.2"  # both experts have Wan's blocks (`WAN_BLOCKS`)
-    cfg_pairs = False  # not yet shown (two experts, each its own streamed model)
+    cfg_pairs = True  # each expert pairs its own steps (`ModelPairs`; tests/engine/test_cfg_pairs.py)
 
     def matches(self, index: dict) -> bool:
         return (index.get("_class_name") == self.pipeline_class

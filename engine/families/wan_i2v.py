@@ -22,7 +22,7 @@ class WanI2VFamily(WanFamily):
     name = "wan-i2v"  # the transformer is Wan's (`WAN_BLOCKS`)
     pipeline_class = "WanImageToVideoPipeline"
     decode_beside_warmup = False  # its call encodes the input image with the VAE the decode would use
-    cfg_pairs = False  # not yet shown (its calls add the image's states)
+    cfg_pairs = True  # its calls add the image's embeddings, the same object to both (tests/engine/test_cfg_pairs.py)
 
     def matches(self, index: dict) -> bool:
         return (index.get("_class_name") == self.pipeline_class

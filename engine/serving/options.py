@@ -262,7 +262,7 @@ def _add_weights_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a step's cond and uncond transformer calls walk the streamed blocks together: each "
                              "block is gathered (and a per-request LoRA merged) once a step instead of twice, the "
                              "same bytes out; rank-local mode, sp 1, families whose pipeline calls cond then uncond "
-                             "with the same inputs (Wan2.1 T2V, Qwen-Image); elsewhere unpaired, logged at start. Costs the "
+                             "with the same inputs (Wan2.1, Wan2.2, Qwen-Image); elsewhere unpaired, logged at start. Costs the "
                              "waiting call's state (~22 KB a latent token for Wan2.1-14B) and, with a merged LoRA, "
                              "a block's merges; default: on (docs/serving.md)")
     parser.add_argument("--stream-text-encoders", action=argparse.BooleanOptionalAction, default=True,

@@ -234,10 +234,10 @@ class ServingPipeline:
         self.clock.enter(name)
 
     def _adapters_and_pairs(self) -> tuple[Any, Any]:
-        """`--lora-dir`'s adapters (`LoraBank`) and `--cfg-pairs` (`CfgPairs`, else `NO_PAIRS`) on the first
-        transformer, where diffusers' load_lora_weights puts them; pairing first: with it the adapters
-        keep a block's merges for the second lane."""
-        from dlo.engine.cfg_pairs import NO_PAIRS, CfgPairs, pairing_on
+        """`--lora-dir`'s adapters (`LoraBank`) on the first transformer, where diffusers'
+        load_lora_weights puts them, and `--cfg-pairs` (`ModelPairs` over every streamed transformer,
+        else `NO_PAIRS`); pairing first: with it the adapters keep a block's merges for the second lane."""
+        from dlo.engine.cfg_pairs import NO_PAIRS, CfgPairs, ModelPairs, pairing_on
         from dlo.engine.lora.bank import LoraBank
 
         on = pairing_on(self.settings.cfg_pairs, self.mode, self.settings.parallel.sp, self.device.type,
@@ -245,7 +245,8 @@ class ServingPipeline:
         first = self.facts.transformers[0]
         lora = LoraBank.load(self.settings.lora, self.facts.pipeline_class, self.model_dir / first,
                              self.models[first], self.device, keep_blocks=on)
-        return lora, CfgPairs(self.model.module, self.model.prefetcher, self.device) if on else NO_PAIRS
+        streamed = [self.models[n] for n in self.facts.transformers if self.models[n].prefetcher is not None]
+        return lora, ModelPairs([CfgPairs(m.module, m.prefetcher, self.device) for m in streamed]) if on else NO_PAIRS
 
     def _resident_blocks(self, streamed: tuple[str, ...], group: Any) -> dict[str, int]:
         """Blocks each streamed model keeps on the device: as given, or `--resident-blocks auto`'s plan

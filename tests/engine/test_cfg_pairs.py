@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from dlo.engine.cfg_pairs import CfgPairs, Turns, pairs_unavailable, same_inputs
+from dlo.engine.cfg_pairs import CfgPairs, ModelPairs, Turns, pairs_unavailable, same_inputs
 from dlo.engine.hooks import HookSet, attach_prefetcher
 
 
@@ -229,26 +229,37 @@ def test_only_a_streamed_rank_local_deployment_of_a_pairing_family_pairs():
     assert "npu" in pairs_unavailable("rank-local", 1, "npu", True, True)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("family, lora", [("wan", None), ("wan", "merge"), ("wan", "branch"),
-                                          ("qwen-image", None), ("qwen-image", "merge")])
-def test_a_served_request_paired_gives_the_unpaired_bytes_for_fewer_gathers(tmp_path_factory, family, lora):
-    from dlo.engine.random_lora import write_adapter
+def _paired_request(tmp_path_factory, family: str, lora: str | None):
+    """(pipeline folder, max_sequence_length, request) of a family's tiny pipeline with CFG."""
+    import dataclasses
+
     from dlo.engine.request import Generation
-    from dlo.engine.serving.pipeline import ServingPipeline
-    from dlo.engine.settings import EngineSettings, LoraSettings, OffloadSettings
     from tests.engine.lora_helpers import SEQ
     from tests.engine.serving_helpers import tiny_pipeline
-    from tests.engine.test_family_pipelines import preset_pipeline
+    from tests.engine.test_family_pipelines import png, preset_pipeline
 
+    video = Generation(kind="video", prompt="a lighthouse", negative_prompt="blur", seed=5, width=32, height=32,
+                       steps=3, guidance_scale=5.0, frames=5, fps=2, lora_id="style" if lora else None)
     if family == "wan":
-        model, seq = tiny_pipeline(tmp_path_factory, "wan"), SEQ
-        gen = Generation(kind="video", prompt="a lighthouse", negative_prompt="blur", seed=5, width=32, height=32,
-                         steps=3, guidance_scale=5.0, frames=5, fps=2, lora_id="style" if lora else None)
-    else:  # its template fills the first 32 tokens of the tiny tokenizer's: the prompts differ only beyond
-        model, seq = preset_pipeline(tmp_path_factory, "tiny-qwen-image"), 512
-        gen = Generation(kind="image", prompt="a lighthouse", negative_prompt="blur", seed=5, width=32, height=32,
-                         steps=3, guidance_scale=4.0, lora_id="style" if lora else None)
+        return tiny_pipeline(tmp_path_factory, "wan"), SEQ, video
+    if family == "wan-i2v":  # its calls add the image's embeddings (the same object to both)
+        return preset_pipeline(tmp_path_factory, "tiny-wan2.1-i2v"), SEQ, dataclasses.replace(video, image=png())
+    if family == "wan2.2":  # two experts: each pairs its own steps (4 steps reach both)
+        return preset_pipeline(tmp_path_factory, "tiny-wan2.2-t2v-a14b"), SEQ, dataclasses.replace(video, steps=4)
+    # Qwen-Image: its template fills the first 32 tokens of the tiny tokenizer's: the prompts differ only beyond
+    return preset_pipeline(tmp_path_factory, "tiny-qwen-image"), 512, dataclasses.replace(
+        video, kind="image", frames=1, fps=0, guidance_scale=4.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, lora", [("wan", None), ("wan", "merge"), ("wan", "branch"), ("wan-i2v", None),
+                                          ("wan2.2", None), ("qwen-image", None), ("qwen-image", "merge")])
+def test_a_served_request_paired_gives_the_unpaired_bytes_for_fewer_gathers(tmp_path_factory, family, lora):
+    from dlo.engine.random_lora import write_adapter
+    from dlo.engine.serving.pipeline import ServingPipeline
+    from dlo.engine.settings import EngineSettings, LoraSettings, OffloadSettings
+
+    model, seq, gen = _paired_request(tmp_path_factory, family, lora)
     settings = LoraSettings()
     if lora is not None:  # merged per call on the streamed layers, or the branch: either, twice a step unpaired
         adapters = tmp_path_factory.mktemp("pairs-lora")
@@ -259,18 +270,22 @@ def test_a_served_request_paired_gives_the_unpaired_bytes_for_fewer_gathers(tmp_
         pipe = ServingPipeline(model, EngineSettings(OffloadSettings("rank-local"), lora=settings, cfg_pairs=pairs),
                                max_sequence_length=seq)
         try:
-            assert isinstance(pipe.pairs, CfgPairs) == pairs
+            assert isinstance(pipe.pairs, ModelPairs) == pairs
+            steps = {name: calls // 2 for name, calls in pipe.call_plan(gen) if calls}  # each transformer's
             learned = []
-            if pairs:  # what the first step taught: the negative prompt's embeddings by object
-                learn = pipe.pairs._learn
-                pipe.pairs._learn = lambda a, k: (learn(a, k), learned.append((set(pipe.pairs._uncond),
-                                                                                 set(pipe.pairs._by_value))))
-            before = pipe.model.stats().gathers
+            if pairs:  # what each transformer's first step taught: the negative prompt's embeddings by object
+                assert len(pipe.pairs.each) == len(pipe.facts.transformers)
+                for one in pipe.pairs.each:
+                    learn = one._learn
+                    one._learn = lambda a, k, one=one, learn=learn: (
+                        learn(a, k), learned.append((set(one._uncond), set(one._by_value))))
+            before = {name: pipe.models[name].stats().gathers for name in steps}
             out[pairs] = pipe.run(gen).outputs[0]
-            gathers[pairs] = pipe.model.stats().gathers - before
+            gathers[pairs] = {name: pipe.models[name].stats().gathers - before[name] for name in steps}
             if pairs:
-                assert pipe.pairs.pairs == gen.steps - 1 and pipe.pairs.misses == 0
-                assert learned == [({"encoder_hidden_states"}, {"timestep"} if family == "qwen-image" else set())]
+                assert pipe.pairs.pairs == gen.steps - len(steps) and pipe.pairs.misses == 0
+                by_value = {"timestep"} if family == "qwen-image" else set()
+                assert learned == [({"encoder_hidden_states"}, by_value)] * len(steps)
             kept = pipe.lora.block_merges
             assert (kept is not None) == (pairs and lora == "merge")
             if kept is not None:  # every paired step's uncond lane took the cond lane's merges, none made
@@ -278,8 +293,9 @@ def test_a_served_request_paired_gives_the_unpaired_bytes_for_fewer_gathers(tmp_
         finally:
             pipe.close()
     assert out[True] == out[False]
-    blocks = gathers[False] // (2 * gen.steps)
-    assert blocks > 0 and gathers[True] == blocks * (gen.steps + 1)  # the first step's two walks, then one a step
+    for name, n in steps.items():  # each transformer's first step: two walks, then one a step
+        blocks = gathers[False][name] // (2 * n)
+        assert blocks > 0 and gathers[True][name] == blocks * (n + 1)
 
 
 def test_the_flag_reaches_the_engine_settings_and_the_ranks():
