@@ -196,7 +196,8 @@ def sweep(shapes: list[tuple[int, int]], args: argparse.Namespace, device: torch
     elements = sum(o * i for o, i in shapes)
     rec = {}
     for shape in SWEEP + (sm_programs(device) if device.type == "cuda" else []):
-        launch = (lambda o, w, B, A, f, s=shape: launch_triton(o, w, B, A, f, s)) if device.type == "cuda" else two_steps
+        launch = ((lambda o, w, B, A, f, s=shape: launch_triton(o, w, B, A, f, s)) if device.type == "cuda"
+                  else two_steps)
         key = f"{shape.rows}x{shape.cols}_w{shape.warps}_p{shape.programs or 'tiles'}"
         try:
             ms = (time_block_graph(layers, out, None, launch, args.reps) if device.type == "cuda"

@@ -21,8 +21,8 @@ gathers block i+1 as always; the uncond lane runs block i from the same bound sl
 The uncond call's inputs are predicted from the step before: which keyword arguments its uncond call
 passed other objects for than its cond call (Wan: `encoder_hidden_states`), and of those which were
 new tensors of the cond call's values (Qwen-Image: `timestep / 1000`, made for each call: the uncond
-lane takes the cond call's, and the uncond call's is compared by value, dtype, shape and strides:
-one host sync a step); at the uncond call the stash is returned where every argument is the object
+lane takes the cond call's, and the uncond call's is compared by its bytes, dtype, shape, strides
+and storage offset: one host sync a step); at the uncond call the stash is returned where every argument is the object
 predicted (values compared where plain or so learned), else the call runs as always (a miss: pairs
 off for the rest of the request, a warning). The first step runs unpaired: it teaches the prediction.
 Not detected: a tensor changed in place between the two calls (inference tensors keep no version

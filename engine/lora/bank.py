@@ -238,8 +238,12 @@ class LoraBank:
         b, factor = self._active[layer]
         blocks = self.block_merges if self.block_merges is not None and self.block_merges.holds(layer) else None
         kept = self._cache_room(layer, weight, bias, b)  # None for a streamed layer
-        into = (kept if kept is not None else blocks.views_for(layer, b, weight, bias) if blocks is not None
-                else self.scratch.views_for(b, weight, bias))
+        if kept is not None:
+            into = kept
+        elif blocks is not None:
+            into = blocks.views_for(layer, b, weight, bias)
+        else:
+            into = self.scratch.views_for(b, weight, bias)
         merged = merge_layer(into, weight, bias, b, factor, self.way)
         if kept is not None and self.cache is not None:
             self.cache.keep(self._key, layer, merged)

@@ -1,9 +1,9 @@
 """A LoRA merge in one pass on cuda: W + factor * (B A), rounded as peft's two steps, in one Triton kernel.
 
 Owns: `merge_kernel` (the Triton kernel, compiled on first launch; None where Triton is not
-importable), `KernelShape` (its tiles, warps and grid), `FusedMerge` (which merges it may run, its launch, and its check against the two torch
-steps: every kind an adapter merges as, at load, `prepare`; any other on its first merge) and
-`same_bits`.
+importable), `KernelShape` (its tiles, warps and grid), `FusedMerge` (which merges it may run, its
+launch, and its check against the two torch steps: every kind an adapter merges as, at load,
+`prepare`; any other on its first merge) and `same_bits`.
 Must never: give other bytes than the two torch steps of `dlo.engine.lora.merge` (the first merge of
 each (shape, dtype, rank, factor or none) is made both ways and compared; a kind that differs is
 merged by the torch steps from then on, with a warning), fail a request (a kernel that does not

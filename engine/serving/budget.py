@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dlo.engine.serving.options import cfg_pairs_asked
 from dlo.engine.settings import ConfigError, EngineSettings
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ def deployment(args: Any, model_dir: Path, limits: Limits, device: str, adapter_
     their tensors and any merge scratch), this host's budget (`local_budget`) and the tiling rule it
     implies (`dlo.engine.memory_plan.tiling_for_budget`)."""
     memory = deployment_memory(model_dir, limits, stream_encoders=args.stream_text_encoders,
-                               stream_dtype=args.stream_dtype, cfg_pairs=args.cfg_pairs and args.sp == 1)
+                               stream_dtype=args.stream_dtype, cfg_pairs=cfg_pairs_asked(args))
     if adapter_bytes:
         memory = dataclasses.replace(memory, whole={**memory.whole, LORA_COMPONENT: adapter_bytes})
     if device not in ("cuda", "npu"):

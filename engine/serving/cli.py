@@ -109,7 +109,7 @@ def _check_adapters(lora_dir: Path, model_dir: Path, facts: Any, sp: int) -> lis
 def _adapters(args: argparse.Namespace, start: "_Start") -> None:
     """The LoRA flags agreeing, the adapters checked, what every rank holds for them (the budget's)."""
     from dlo.engine.lora import all_merges_bytes, rank_device_bytes
-    from dlo.engine.serving.options import lora_settings
+    from dlo.engine.serving.options import cfg_pairs_asked, lora_settings
 
     lora = lora_settings(args)
     if lora.directory is None:
@@ -117,8 +117,8 @@ def _adapters(args: argparse.Namespace, start: "_Start") -> None:
     lora_dir = Path(lora.directory)  # resolved
     plans = _check_adapters(lora_dir, start.model_dir, start.facts, args.sp)
     start.adapters = {plan.name: plan.path.relative_to(lora_dir).parts[0] for plan in plans}
-    # with CFG pairs a streamed block's merges are kept for the second lane (counted wherever the family pairs)
-    kept = start.facts.adapter.blocks.block_lists if args.cfg_pairs and start.facts.adapter.cfg_pairs else ()
+    # with CFG pairs a streamed block's merges are kept for the second lane (counted wherever they may run)
+    kept = start.facts.adapter.blocks.block_lists if cfg_pairs_asked(args) and start.facts.adapter.cfg_pairs else ()
     start.adapter_bytes = rank_device_bytes(plans, lora.apply, lora.cache_capacity, kept)  # an auto cache: sized later
     start.adapter_merges_bytes = all_merges_bytes(plans) if lora.apply != "branch" else 0
 

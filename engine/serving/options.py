@@ -262,8 +262,8 @@ def _add_weights_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a step's cond and uncond transformer calls walk the streamed blocks together: each "
                              "block is gathered (and a per-request LoRA merged) once a step instead of twice, the "
                              "same bytes out; rank-local mode, sp 1, families whose pipeline calls cond then uncond "
-                             "with the same inputs (Wan2.1, Wan2.2, Qwen-Image); elsewhere unpaired, logged at start. Costs the "
-                             "waiting call's state (~22 KB a latent token for Wan2.1-14B) and, with a merged LoRA, "
+                             "with the same inputs (Wan2.1, Wan2.2, Qwen-Image); elsewhere unpaired, logged at "
+                             "start. Costs the waiting call's state (~22 KB a latent token for Wan2.1-14B) and, with a merged LoRA, "
                              "a block's merges; default: on (docs/serving.md)")
     parser.add_argument("--stream-text-encoders", action=argparse.BooleanOptionalAction, default=True,
                         help="in the offloaded modes, the large text encoder (Wan's UMT5-XXL, Flux's T5-XXL, "
@@ -300,6 +300,12 @@ def _add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
                         help="register the engine's models' page cache for DMA on a thread while the pipeline is "
                              "built, in every mode; the resident copies read it (off: pageable copies; default: on; "
                              "cuda). Env: DLO_REGISTER_EARLY=0|1")
+
+
+def cfg_pairs_asked(args: argparse.Namespace) -> bool:
+    """`--cfg-pairs` where they may run at all (sp 1): what the budget counts before any rank loads;
+    the family, mode and device decide the rest (`dlo.engine.cfg_pairs.pairing_on`)."""
+    return args.cfg_pairs and args.sp == 1
 
 
 def lora_settings(args: argparse.Namespace) -> LoraSettings:

@@ -240,12 +240,12 @@ class ServingPipeline:
         from dlo.engine.cfg_pairs import NO_PAIRS, CfgPairs, ModelPairs, pairing_on
         from dlo.engine.lora.bank import LoraBank
 
+        streamed = [self.models[n] for n in self.facts.transformers if self.models[n].prefetcher is not None]
         on = pairing_on(self.settings.cfg_pairs, self.mode, self.settings.parallel.sp, self.device.type,
-                        self.adapter.cfg_pairs, self.model.prefetcher is not None)
+                        self.adapter.cfg_pairs, bool(streamed))
         first = self.facts.transformers[0]
         lora = LoraBank.load(self.settings.lora, self.facts.pipeline_class, self.model_dir / first,
                              self.models[first], self.device, keep_blocks=on)
-        streamed = [self.models[n] for n in self.facts.transformers if self.models[n].prefetcher is not None]
         return lora, ModelPairs([CfgPairs(m.module, m.prefetcher, self.device) for m in streamed]) if on else NO_PAIRS
 
     def _resident_blocks(self, streamed: tuple[str, ...], group: Any) -> dict[str, int]:

@@ -75,7 +75,8 @@ def _denoise_only(pipe: Any, gen: Generation) -> None:
     if pipe.device.type == "cuda":  # a new thread starts on device 0: this rank's device, as the caller's
         torch.cuda.set_device(pipe.device)
     pipe.steps_done = 0
-    with torch.inference_mode(), pipe.pairs.request(pipe.adapter.uses_cfg(gen)):  # CFG pairs' uncond thread makes its plans here too
+    # paired as a request is: CFG pairs' uncond thread makes its plans here too
+    with torch.inference_mode(), pipe.pairs.request(pipe.adapter.uses_cfg(gen)):
         pipe.adapter.run(pipe.pipe, {**pipe._call_kwargs(gen), "output_type": "latent"}, on_step)
 
 

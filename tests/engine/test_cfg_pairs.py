@@ -369,10 +369,11 @@ def test_dlo_serve_counts_a_block_s_kept_merges_in_the_budget_only_with_pairs(tm
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     held = {}
-    for pairs in (False, True):
+    for pairs, more in ((False, ()), (True, ()), ("sp 2", ("--sp", "2"))):
         args = parser.parse_args([str(model), "--lora-dir", str(adapters), "--lora-apply", "merge",
-                                  "--cfg-pairs" if pairs else "--no-cfg-pairs"])
+                                  "--cfg-pairs" if pairs else "--no-cfg-pairs", *more])
         start = _Start(model, Laps(0.0), facts=pipeline_facts(model))
         _adapters(args, start)
         held[pairs] = start.adapter_bytes
     assert held[True] > held[False] > 0  # a block's merges in place of the look-ahead's one layer
+    assert held["sp 2"] == held[False]  # pairs never run at sp > 1: nothing kept for them
