@@ -14,7 +14,10 @@ FROM ${PYTHON_IMAGE} AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY cli ./cli
+COPY plan ./plan
+COPY pagecache ./pagecache
 COPY engine ./engine
+COPY serving ./serving
 COPY agent ./agent
 COPY operator ./operator
 COPY delivery ./delivery

@@ -1,4 +1,5 @@
 """dlo.agent: the node agent (memory truth, page-cache warmer, topology, policy, exporter).
 
-Never imports torch. May import the torch-free `dlo.engine.checkpoint`, `dlo.engine.families` and `dlo.engine.blocks`.
+Never imports torch or `dlo.engine`: model folders are read through `dlo.plan.folder`, page-cache residency
+through `dlo.pagecache`.
 """

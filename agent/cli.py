@@ -3,7 +3,7 @@
 Owns: argument parsing, human output (progress bars) and exit codes of `dlo agent` and `dlo warm`,
 and the dispatch to `dlo plan` (dlo.agent.plan_cli). Bad input is one line on stderr and exit 2
 (`dlo.cli.args`). The work lives in dlo.agent.node (with dlo.agent.pods, dlo.agent.collector,
-dlo.agent.server) and dlo.agent.warm.
+dlo.agent.server) and dlo.pagecache.warm.
 Must never: import torch.
 """
 
@@ -126,9 +126,9 @@ def run_warm(argv: list[str]) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
-    from dlo.agent.residency import ResidencyError, model_files
-    from dlo.agent.tree import FolderTooDeep
-    from dlo.agent.warm import warm
+    from dlo.pagecache.residency import ResidencyError, model_files
+    from dlo.pagecache.tree import FolderTooDeep
+    from dlo.pagecache.warm import warm
 
     err = Console(stderr=True)
     try:

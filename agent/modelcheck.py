@@ -31,9 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from dlo.agent.tree import FolderTooDeep, walk_files
-from dlo.engine.checkpoint import INDEX_SUFFIX, MAX_HEADER_BYTES, CheckpointError, read_header
-from dlo.engine.families import pipeline_index
+from dlo.pagecache.tree import FolderTooDeep, walk_files
+from dlo.plan.folder import INDEX_SUFFIX, MAX_HEADER_BYTES, CheckpointError, pipeline_index, read_header
 
 Reason = Literal["unreadable", "missing_shard", "bad_index", "truncated", "bad_header", "no_config", "bad_config",
                  "scan_error"]
@@ -141,7 +140,7 @@ def _config_error(root: Path) -> ModelError | None:
 
 def _config_shape_error(config: Path, doc: object) -> ModelError | None:
     """The fields the model's class is read from must have their types (the engine's own rule)."""
-    from dlo.engine.families.base import class_fields_error
+    from dlo.plan.folder import class_fields_error
 
     if not isinstance(doc, dict):
         return ModelError.of("bad_config", f"{config}: a JSON object is expected, got {type(doc).__name__}")

@@ -25,9 +25,9 @@ from typing import Callable
 from dlo.agent.memory import CgroupFS, MemorySnapshot, ProcFS, snapshot
 from dlo.agent.modelcheck import ModelError
 from dlo.agent.pods import EngineTarget, PodInfo, PodSource, engine_targets
-from dlo.agent.profile import CalibrationFragment, NodeProfile, apply_calibration, parse_file
+from dlo.plan.profile import CalibrationFragment, NodeProfile, apply_calibration, parse_file
 from dlo.agent.topology import Devices, ModelFolder, build_profile, detect_devices, model_folders
-from dlo.agent.warm import warm
+from dlo.pagecache.warm import warm
 
 log = logging.getLogger(__name__)
 

@@ -4,9 +4,9 @@ Owns: the arguments of `dlo plan` (every count, ratio and path checked up front:
 line on stderr and exit 2), reading the node (`--profile`, strict keys, else this machine), the
 device budget (`--max-device-memory`, parsed as `dlo serve` parses it) and the model (`--model`
 folder or byte counts; a pipeline folder adds its text encoders, VAE and the largest request its
-limits accept, from `dlo.engine.memory_model`), the table (mode names never cut, at 80 columns or
+limits accept, from `dlo.plan.memory_model`), the table (mode names never cut, at 80 columns or
 piped) and the exit codes: 0 with a choice, 1 only when no mode fits, 2 for bad input.
-Must never: import torch, or compute an estimate itself (dlo.agent.policy does, with
+Must never: import torch, or compute an estimate itself (dlo.plan.policy does, with
 `require_bandwidth=False`: memory and fit are answered without a bandwidth, the time is n/a).
 """
 
@@ -31,10 +31,12 @@ from dlo.cli.args import (
 )
 
 if TYPE_CHECKING:
-    from dlo.agent.policy import ModeEstimate
-    from dlo.agent.profile import NodeProfile
-    from dlo.engine.facts import ModelFacts
-    from dlo.engine.memory_model import PipelineMemory
+    from dlo.plan.deployment import DeploymentPlan
+    from dlo.plan.limits import Limits
+    from dlo.plan.policy import ModeEstimate
+    from dlo.plan.profile import NodeProfile
+    from dlo.plan.facts import ModelFacts
+    from dlo.plan.memory_model import PipelineMemory
 
 MAX_RANKS = 1024  # ranks on one node: more is no deployment (and overflows the time model)
 
@@ -105,9 +107,11 @@ def plan_parser() -> argparse.ArgumentParser:
 def run_plan(argv: list[str]) -> int:
     parser = plan_parser()
     args = parser.parse_args(argv)
-    from dlo.agent.policy import NoModeFits, PolicyError, choose_mode, device_budget
-    from dlo.agent.profile import CalibrationFragment, NodeProfile, apply_calibration, parse_file
     from dlo.agent.topology import local_profile
+    from dlo.plan.budget import DeviceBudgetError
+    from dlo.plan.deployment import PlanAsk, Workload, device_of, plan
+    from dlo.plan.policy import PolicyError, device_budget
+    from dlo.plan.profile import CalibrationFragment, NodeProfile, apply_calibration, parse_file
 
     if args.model_bytes is not None and args.max_block_bytes is None:
         parser.error("--model-bytes needs --max-block-bytes")
@@ -119,7 +123,7 @@ def run_plan(argv: list[str]) -> int:
         parser.error(f"--dp x --sp is {(args.dp or 1) * args.sp} ranks; at most {MAX_RANKS} on one node")
     try:
         model = _plan_model(args)
-        pipeline = _plan_pipeline(args)
+        pipeline, limits = _plan_pipeline(args)
         if args.profile is not None:
             profile = parse_file(NodeProfile, args.profile.read_text(), str(args.profile))
         else:
@@ -142,52 +146,58 @@ def run_plan(argv: list[str]) -> int:
     if args.max_device_memory is not None and not profile.accelerator.memory_bytes:
         return fail("dlo plan", "--max-device-memory needs a node with accelerators (this one has none; give "
                     "--profile FILE of one)")
-    budget = None if not profile.accelerator.memory_bytes else device_budget(
-        profile, args.max_device_memory, pipeline.context_bytes if pipeline else 0)
-    if pipeline is not None and budget is not None:  # the VAE tiling the budget implies, as dlo serve decides it
-        from dlo.engine.memory_plan import tiling_for_budget
-
-        pipeline = dataclasses.replace(pipeline, tile_above_pixels=tiling_for_budget(pipeline, budget)[0])
+    ask = PlanAsk(dp=dp, sp=args.sp, mode="auto", device=device_of(profile),
+                  max_device_memory=args.max_device_memory or 0, resident_blocks="auto",
+                  workload=Workload(tokens_per_rank=args.tokens, block_compute_seconds=args.block_compute_seconds,
+                                    host_headroom_bytes=args.host_headroom_bytes, require_bandwidth=False))
     try:
-        decision = choose_mode(
-            profile, model, dp=dp, sp=args.sp, tokens_per_rank=args.tokens,
-            host_headroom_bytes=args.host_headroom_bytes, block_compute_seconds=args.block_compute_seconds,
-            require_bandwidth=False, device_budget_bytes=args.max_device_memory, pipeline=pipeline,
-        )
-    except NoModeFits as e:
+        chosen = plan(ask, profile=profile, transformer=model, pipeline=pipeline, limits=limits)
+    except DeviceBudgetError as e:
+        budget = None if not profile.accelerator.memory_bytes else device_budget(
+            profile, args.max_device_memory, pipeline.context_bytes if pipeline else 0)
+        message = str(e).removeprefix("--mode auto: ")
         if args.json:
-            print(json.dumps({"choice": None, "error": str(e), "device_budget_bytes": budget,
+            print(json.dumps({"choice": None, "error": message, "device_budget_bytes": budget, "plan": None,
                               "modes": {k: v.model_dump() for k, v in e.estimates.items()}}, indent=1))
         else:
             _print_plan_table(e.estimates, model, profile, dp * args.sp, budget, pipeline)
-            print(f"dlo plan: {e}", file=sys.stderr)
+            print(f"dlo plan: {message}", file=sys.stderr)
         return 1
     except PolicyError as e:  # inputs that describe no deployment
         return fail("dlo plan", e)
     if args.json:
-        print(json.dumps(decision.plan_json(), indent=1))
+        print(json.dumps(plan_json(chosen), indent=1))
     else:
-        _print_plan_table(decision.estimates, model, profile, dp * args.sp, budget, pipeline)
+        tiled = dataclasses.replace(pipeline, tile_above_pixels=chosen.vae_tile_above_pixels) if pipeline else None
+        _print_plan_table(chosen.estimates, model, profile, dp * args.sp, chosen.budget_bytes, tiled)
         from rich.console import Console
 
-        Console().print(f"[bold]choice: {decision.engine_mode}[/bold] - {decision.reason}", markup=True,
-                        highlight=False)
+        reason = chosen.mode_reason.removeprefix("policy: ")
+        Console().print(f"[bold]choice: {chosen.mode}[/bold] - {reason}", markup=True, highlight=False)
     return 0
 
 
+def plan_json(chosen: DeploymentPlan) -> dict:
+    """The `dlo plan --json` document: the policy's choice, device budget and estimates per mode
+    (`Decision.plan_json`), and the whole deployment plan (`DeploymentPlan.to_dict`)."""
+    assert chosen.decision is not None  # dlo plan asks for auto
+    return {**chosen.decision.plan_json(), "plan": chosen.to_dict()}
+
+
 def _plan_model(args: argparse.Namespace) -> ModelFacts:
-    from dlo.engine.facts import ModelFacts
+    from dlo.plan.facts import ModelFacts
 
     if args.model is not None:
-        from dlo.engine.blocks import describe
+        from dlo.plan.folder import describe
 
         return describe(args.model)
     return ModelFacts(bytes=args.model_bytes, largest_block_bytes=args.max_block_bytes, blocks=args.blocks)
 
 
-def _plan_pipeline(args: argparse.Namespace) -> PipelineMemory | None:
-    """A pipeline folder's memory at its limits (None for a transformer folder or byte counts)."""
-    from dlo.engine.families import pipeline_facts
+def _plan_pipeline(args: argparse.Namespace) -> tuple[PipelineMemory | None, Limits | None]:
+    """A pipeline folder's memory at its limits, and the limits (None, None for a transformer folder
+    or byte counts)."""
+    from dlo.plan.folder import pipeline_facts
 
     try:
         if args.model is None:
@@ -196,20 +206,17 @@ def _plan_pipeline(args: argparse.Namespace) -> PipelineMemory | None:
     except ValueError:  # a transformer folder, or byte counts: the transformer alone
         if args.limits is not None or args.max_size is not None:
             raise ValueError("--limits and --max-size need --model PIPELINE_DIR (a diffusers pipeline folder)") from None
-        return None
-    from dlo.engine.memory_model import RequestBounds, pipeline_memory
-    from dlo.engine.serving.limits import Limits
-    from dlo.engine.settings import VAE_TILE_ABOVE_PIXELS, EngineSettings
+        return None, None
+    from dlo.plan.budget import deployment_memory
+    from dlo.plan.deployment import PlanAsk
+    from dlo.plan.limits import Limits
 
     try:
         limits = Limits.load(args.limits, max_width=args.max_size, max_height=args.max_size)
     except Exception as e:  # pydantic's ValidationError, YAML and JSON errors: one line naming the file
         raise ValueError(f"--limits {args.limits}: {e}") from None
-    bounds = RequestBounds(limits.max_width, limits.max_height, limits.max_frames, limits.max_n,
-                           limits.max_sequence_length)
     # as `dlo serve` runs by default: CFG pairs where the family pairs at sp 1 (counted in rank-local mode)
-    return pipeline_memory(args.model, bounds, tile_above_pixels=VAE_TILE_ABOVE_PIXELS,
-                           cfg_pairs=EngineSettings.cfg_pairs and args.sp == 1)
+    return deployment_memory(args.model, limits, cfg_pairs=PlanAsk(sp=args.sp).pairs_counted), limits
 
 
 def _print_plan_table(estimates: dict[str, ModeEstimate], model: ModelFacts, profile: NodeProfile, g: int,
@@ -219,7 +226,7 @@ def _print_plan_table(estimates: dict[str, ModeEstimate], model: ModelFacts, pro
     from rich.measure import Measurement
     from rich.table import Table
 
-    from dlo.engine.facts import MODE_KEYS, mode_of_key
+    from dlo.plan.facts import MODE_KEYS, mode_of_key
 
     def gb(n: int) -> str:
         return f"{n / 1e9:,.1f}"
@@ -260,7 +267,7 @@ def _why_no_peak(estimates: dict[str, ModeEstimate], pipeline: PipelineMemory | 
     """Why the device peak is n/a (its device fit then keeps 15% of the budget for the rest)."""
     if any(e.device_peak_bytes is not None for e in estimates.values()):
         return None
-    from dlo.agent.policy import DEVICE_RESERVE_RATIO
+    from dlo.plan.policy import DEVICE_RESERVE_RATIO
 
     why = ("give --model PIPELINE_DIR to count the text encoders, VAE and requests" if pipeline is None
            else pipeline.rank("rank-local").unmeasured)

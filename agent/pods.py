@@ -17,7 +17,7 @@ from typing import Protocol
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from dlo.agent.profile import ANNOTATION
+from dlo.plan.profile import ANNOTATION
 
 PART_OF_DLO = ("app.kubernetes.io/part-of", "dlo")
 ENGINE_COMPONENT = ("app.kubernetes.io/component", "engine")

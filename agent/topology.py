@@ -1,10 +1,10 @@
 """Topology: read this node's accelerators, interconnect, PCIe link, NUMA, RAM and model folders.
 
-Owns: building the `NodeProfile` (dlo.agent.profile) from the host - NVML (nvidia-ml-py) for NVIDIA
+Owns: building the `NodeProfile` (dlo.plan.profile) from the host - NVML (nvidia-ml-py) for NVIDIA
 devices, `npu-smi info` text for Ascend devices, sysfs for PCIe links and NUMA nodes,
 `/proc/meminfo` for RAM - plus the facts of each model folder under a models root
 (`dlo.engine.blocks.describe`, page-cache residency). Nominal bandwidths come from
-dlo.agent.profile unless a `dlo calibrate` fragment is applied.
+dlo.plan.profile unless a `dlo calibrate` fragment is applied.
 Must never: import torch, fail because a device library or tool is missing (no accelerator is a
 valid answer), or write to the host.
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from dlo.agent.memory import ProcFS
 from dlo.agent.modelcheck import ModelError, check_folder, describe_error, is_model_folder, scan_error
-from dlo.agent.profile import (
+from dlo.plan.profile import (
     Accelerator,
     Interconnect,
     InterconnectKind,
@@ -36,9 +36,9 @@ from dlo.agent.profile import (
     nominal_collective_bps,
     nominal_h2d_bps,
 )
-from dlo.agent.residency import Residency, ResidencyError, folder_residency, model_files
-from dlo.agent.tree import walk_files
-from dlo.engine.facts import ModelFacts
+from dlo.pagecache.residency import Residency, ResidencyError, folder_residency, model_files
+from dlo.pagecache.tree import walk_files
+from dlo.plan.facts import ModelFacts
 
 log = logging.getLogger(__name__)
 
@@ -259,8 +259,7 @@ def _folder_signature(folder: Path) -> tuple:
 
 def _check_and_describe(folder: Path) -> tuple[ModelError | None, ModelFacts | None]:
     """(why the folder is broken or None, its transformer's facts or None); cached per signature."""
-    from dlo.engine.checkpoint import CheckpointError
-    from dlo.engine.blocks import describe
+    from dlo.plan.folder import CheckpointError, describe
 
     try:
         sig = _folder_signature(folder)

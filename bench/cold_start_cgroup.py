@@ -11,7 +11,7 @@ it, and at `/ready` (load and warm-up done) the group's peak (`memory.max_usage_
 `memory.peak`) and `memory.stat` are read; the server is stopped and the group removed. Against:
 the checkpoint bytes (every safetensors file of the folder), dp x the checkpoint (what private
 copies per rank would cost: the published 132 GB term) and the policy's predicted cold-start
-peak (`dlo.agent.policy.estimate_modes`, CONTRACTS.md section 7, for this host's profile).
+peak (`dlo.plan.policy.estimate_modes`, CONTRACTS.md section 7, for this host's profile).
 
 The model: Cosmos3-Nano's transformer at its real shape with `--layers` layers (its 2.5 GB token
 embedding and unused LM head are host-only page-cache views in the engine), with a small VAE and
@@ -86,10 +86,10 @@ def _get(url: str) -> tuple[int, dict]:
 
 def predicted(model: Path, dp: int, device: str) -> dict:
     """The policy's cold-start peaks (every mode) for this host's profile, as `dlo serve` builds it."""
-    from dlo.agent.policy import estimate_modes
+    from dlo.plan.policy import estimate_modes
     from dlo.engine.blocks import describe
-    from dlo.engine.facts import key_of_mode
-    from dlo.engine.serving.cli import local_profile
+    from dlo.plan.facts import key_of_mode
+    from dlo.serving.host import local_profile
 
     est = estimate_modes(local_profile(device), describe(model), dp, require_bandwidth=False)
     return {k: v.cold_start_peak_bytes for k, v in est.items()}

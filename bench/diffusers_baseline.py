@@ -34,7 +34,7 @@ def _transformer(folder: Path, device: str) -> Any:
     import diffusers
     from safetensors.torch import load_file
 
-    from dlo.engine.model import parameters_on_meta
+    from dlo.engine.meta import parameters_on_meta
 
     config = json.loads((folder / "config.json").read_text())
     cls = getattr(diffusers, config["_class_name"])
@@ -53,7 +53,7 @@ def load_pipeline(model: Path | str, device: str, placement: str = "resident", *
     import diffusers
     import torch
 
-    from dlo.engine.serving.pipeline import decode_in_own_dtype
+    from dlo.serving.pipeline import decode_in_own_dtype
 
     model = Path(model)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -79,7 +79,7 @@ def load_pipeline(model: Path | str, device: str, placement: str = "resident", *
 
 def pipeline_call(pipe: Any, facts: Any, shape: Any, *, steps: int, guidance: float | None = None,
                   negative: bool = False, max_sequence_length: int = 512, image: Any = None) -> Any:
-    """One call at `shape` (`dlo.engine.memory_model.Shape`), as `dlo serve` would make it."""
+    """One call at `shape` (`dlo.plan.memory_model.Shape`), as `dlo serve` would make it."""
     import torch
 
     g = facts.default_guidance if guidance is None else guidance
@@ -140,8 +140,8 @@ def baseline_child(model: str, request: dict, device: str) -> dict:
     import torch
 
     from dlo.engine.families import pipeline_facts
-    from dlo.engine.memory_model import Shape
-    from dlo.engine.serving.encode import encode_mp4, encode_png
+    from dlo.plan.memory_model import Shape
+    from dlo.serving.encode import encode_mp4, encode_png
     from host_memory import tree_memory
 
     if request.get("cap_bytes") and device.startswith("cuda"):

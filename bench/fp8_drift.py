@@ -53,7 +53,7 @@ def _frames(pipe: Any, gen: Any) -> Any:
     import torch
 
     with torch.inference_mode():
-        out = pipe.pipe(**pipe._call_kwargs(gen))
+        out = pipe.pipe(**pipe.pipeline_kwargs(gen))
     decoded = pipe.adapter.decode(out, gen)
     frames = decoded.video if decoded.video is not None else np.stack(decoded.images)
     return torch.from_numpy(np.asarray(frames, dtype=np.float32))
@@ -64,7 +64,7 @@ def _transformer_output(pipe: Any, device: str) -> Any:
     import torch
     from memory_probe import transformer_inputs
 
-    from dlo.engine.memory_model import Shape
+    from dlo.plan.memory_model import Shape
 
     module = pipe.model.module
     cfg = dict(module.config)
@@ -78,7 +78,7 @@ def _transformer_output(pipe: Any, device: str) -> Any:
 
 def measure(folder: Path, device: str, tiny: bool) -> dict:
     from dlo.engine.settings import EngineSettings, OffloadSettings
-    from dlo.engine.serving.pipeline import ServingPipeline
+    from dlo.serving.pipeline import ServingPipeline
 
     runs: dict[str, Any] = {}
     for label, mode, dtype in (("bfloat16", "rank-local", "bfloat16"), ("fp8", "rank-local", "fp8"),

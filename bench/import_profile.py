@@ -27,7 +27,7 @@ wb.ensure_dlo_importable()  # the subprocesses inherit its PYTHONPATH
 
 IMPORTS = """
 import dlo.cli.main
-import dlo.engine.serving.service, dlo.engine.serving.server
+import dlo.serving.service, dlo.serving.server
 import torch
 import diffusers
 from diffusers import WanPipeline, WanTransformer3DModel, AutoencoderKLWan

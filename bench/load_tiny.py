@@ -29,7 +29,7 @@ from pathlib import Path
 import psutil
 import requests
 
-from dlo.engine.serving.launch import ServerProcess
+from dlo.serving.launch import ServerProcess
 
 MIB = 1024 * 1024
 ENDPOINT = "/v1/images/generations"

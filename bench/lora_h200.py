@@ -149,7 +149,7 @@ def serve(model: Path, loras: Path, spec: dict, args: argparse.Namespace, name: 
     """One `dlo serve --lora-dir` run: the request without and with the adapter, alternately."""
     from openai import OpenAI
 
-    from dlo.engine.serving.launch import ServerProcess
+    from dlo.serving.launch import ServerProcess
 
     request = spec["request"]
     limits = server_limits(request, args.dry_run)

@@ -37,7 +37,7 @@ wb.ensure_dlo_importable()
 
 import torch  # noqa: E402
 
-from dlo.engine.lora.merge import two_steps  # noqa: E402
+from dlo.engine.lora.merge_steps import two_steps  # noqa: E402
 from dlo.engine.lora.merge_kernel import FusedMerge, KernelShape, launch_triton, same_bits  # noqa: E402
 from dlo.engine.platform import triton_modules  # noqa: E402
 from dlo.engine.lora.weights import Branch  # noqa: E402

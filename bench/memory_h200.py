@@ -1,5 +1,5 @@
 """Device-memory calibration (issue 27): what a request needs beyond the weights, per family and
-shape, measured on the GPU; `merge` fits the table the memory model reads (`engine/memory_table.json`).
+shape, measured on the GPU; `merge` fits the table the memory model reads (`plan/memory_table.json`).
 
     # on the GPU host (one H200, ONE call of at most 8 minutes: about 5 min measured + start-up).
     # Here first: mkdir -p .whl && cp /tmp/whl/*.whl .whl/ && rm -f .whl/imageio_ffmpeg-*.whl
@@ -14,7 +14,7 @@ shape, measured on the GPU; `merge` fits the table the memory model reads (`engi
       --total-s 420 2>&1 | tee $OUT/memory-bench.txt | tail -30
     # comes back: raw-memory-h200-DATE-{wan,wan-i2v,flux,qwen-image}.json and memory-bench.txt
     # here, no device: the table and the record beside the raws
-    python bench/memory_h200.py merge bench/results/raw-memory-h200-DATE-*.json --table engine/memory_table.json \
+    python bench/memory_h200.py merge bench/results/raw-memory-h200-DATE-*.json --table plan/memory_table.json \
       --out bench/results --stem memory-h200-DATE
     # CPU dry run of every step with the tiny presets (CI: tests/bench/test_memory_h200.py); no figure
     # of it is a result, and merge refuses it
@@ -53,8 +53,8 @@ import wan_bench as wb  # noqa: E402
 
 wb.ensure_dlo_importable()
 
-from dlo.engine.memory_model import Geometry, Shape, features  # noqa: E402
-from dlo.engine.memory_table import TABLE_PATH, FamilyTable, MemoryTable, TableError, fit_linear, part_features  # noqa: E402
+from dlo.plan.memory_model import Geometry, Shape, features  # noqa: E402
+from dlo.plan.memory_table import TABLE_PATH, FamilyTable, MemoryTable, TableError, fit_linear, part_features  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -283,7 +283,7 @@ def markdown(out: dict) -> str:
     lines = ["# Device-memory calibration", "", "Generated from the JSON beside it (`bench/memory_h200.py merge`).", "",
              f"Device: {t['device']}; memory outside the allocator: {t['context_bytes']} bytes.", "",
              "Each part: the allocator's reserved growth from an emptied cache (what the table predicts with; "
-             "engine/memory_table.py says why), then the allocated growth (the activations) as a check.", "",
+             "plan/memory_table.py says why), then the allocated growth (the activations) as a check.", "",
              "| family | part | features | reserved: coef (intercept first) | margin | allocated: coef | margin "
              "| points |", "|---|---|---|---|---|---|---|---|"]
     for fam, f in t["families"].items():

@@ -22,7 +22,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from dlo.engine.memory_model import Shape
+from dlo.plan.memory_model import Shape
 
 SEED = 0
 CLIP_MAX_TOKENS = 77
@@ -96,7 +96,7 @@ class Probe:
         """A component through `dlo.engine.load`, rank-local, every block streamed (what serves)."""
         import dlo.engine
         from dlo.engine.blocks import describe
-        from dlo.engine.memory_model import placed_weight_bytes
+        from dlo.plan.memory_model import placed_weight_bytes
         from dlo.engine.settings import OffloadSettings
 
         before = self.stats()

@@ -160,7 +160,7 @@ def plan_profiles(device: str, tmp: Path) -> tuple[dict, dict[str, Path]]:
     bandwidths (`node`) and the same node with a 24 GiB device (`24GiB`, where a 40-layer Wan2.1-14B
     cannot be resident, so the plan chooses between the offload modes). Returns (the calibration
     fragment, {name: profile file}); RuntimeError when calibrate fails."""
-    from dlo.agent.profile import CalibrationFragment, apply_calibration
+    from dlo.plan.profile import CalibrationFragment, apply_calibration
     from dlo.agent.topology import local_profile
 
     tmp.mkdir(parents=True, exist_ok=True)

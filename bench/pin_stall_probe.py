@@ -70,7 +70,7 @@ def main() -> int:
     out = {"file": str(args.file), "bytes": args.file.stat().st_size}
     evict(args.file.parent)  # the file's folder: the file among them
     out["cold"] = probe_while_registering(args.file)
-    from dlo.agent.warm import warm
+    from dlo.pagecache.warm import warm
 
     warm([args.file])  # read into the page cache, as `dlo warm` does
     out["read_first"] = probe_while_registering(args.file)

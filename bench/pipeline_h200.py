@@ -119,7 +119,7 @@ def diffusers_run(model: Path, request: dict, device: str, **extra: Any) -> dict
 
 # ---- dlo serve over HTTP -------------------------------------------------------------------------
 def serve(model: Path, request: dict, args: argparse.Namespace, name: str, *flags: str) -> dict:
-    from dlo.engine.serving.launch import ServerProcess
+    from dlo.serving.launch import ServerProcess
 
     flags, model = served_folder(flags, model)
     limits = server_limits(request, args.tiny, args.limits_json)

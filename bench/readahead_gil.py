@@ -1,12 +1,12 @@
 """What a cold checkpoint's readahead costs the imports beside it: threads in the rank's process
-against a child process (`dlo.engine.serving.readahead`), each round in a fresh interpreter.
+against a child process (`dlo.serving.readahead`), each round in a fresh interpreter.
 
     python bench/readahead_gil.py --file /tmp/gil/model.safetensors --gib 4 --rounds 3
 
 Per round and mode the file is dropped from the page cache (POSIX_FADV_DONTNEED), the readahead
 starts, and the interpreter imports diffusers' Wan pipeline (the GIL-bound work of a rank's start)
 while it runs; the import seconds are printed, then the readahead joined. Modes: `none` (no
-readahead), `threads` (`dlo.agent.warm`'s pool on a thread of this process: the code before
+readahead), `threads` (`dlo.pagecache.warm`'s pool on a thread of this process: the code before
 2026-12-01), `child` (`start_readahead` as shipped: the pool in a child process).
 """
 
@@ -27,11 +27,11 @@ from pathlib import Path
 f, mode = Path(sys.argv[1]), sys.argv[2]
 fd = os.open(f, os.O_RDONLY); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED); os.close(fd)
 if mode == "threads":
-    from dlo.agent.warm import warm
-    from dlo.engine.serving.prewarm import Background
+    from dlo.pagecache.warm import warm
+    from dlo.serving.prewarm import Background
     job = Background("readahead", lambda: warm([f], threads=8))
 elif mode == "child":
-    from dlo.engine.serving.prewarm import start_readahead
+    from dlo.serving.prewarm import start_readahead
     job = start_readahead(f.parent, ())
 t0 = time.perf_counter()
 import diffusers, transformers  # noqa: E401

@@ -17,7 +17,7 @@ evicting it), `MODE@profile` one warm start under py-spy (attached by pid at spa
 seconds; its raw stacks beside the logs and a summary in the record, not in the figures; py-spy
 needs ptrace rights over a sibling process, and a failed attach is only an `error` in the record), `MODE@cold[:N]` N
 starts each after evicting the checkpoint (`os.sync`, `posix_fadvise(POSIX_FADV_DONTNEED)` per
-file: no privilege needed; the residency left checked by `dlo.agent.residency`): what issue 34's
+file: no privilege needed; the residency left checked by `dlo.pagecache.residency`): what issue 34's
 goal compares with one read of the folder, and `MODE@cold-node[:N]` N starts after dropping the
 whole page cache as well (`drop_caches`, where allowed: a node whose Python libraries are cold
 too, which a cold start reads besides the folder; a start where the drop was refused counts as a
@@ -85,7 +85,7 @@ def model_files(model: Path) -> list[Path]:
 def evict(model: Path, whole_cache: bool = False) -> dict[str, Any]:
     """The checkpoint out of the page cache (no server maps it now: DONTNEED skips mapped pages);
     `whole_cache`: every other file's pages too, where the host allows it (`drop_caches`)."""
-    from dlo.agent.residency import folder_residency
+    from dlo.pagecache.residency import folder_residency
 
     os.sync()
     for f in model_files(model):
@@ -107,7 +107,7 @@ def evict(model: Path, whole_cache: bool = False) -> dict[str, Any]:
 def disk_read(model: Path) -> dict[str, Any]:
     """Seconds to read the whole folder once from the disk (evicted first), with `dlo warm`'s
     parallel reader, then evicted again."""
-    from dlo.agent.warm import warm
+    from dlo.pagecache.warm import warm
 
     before = evict(model)
     session = warm(model_files(model))
@@ -121,7 +121,7 @@ def start_once(model: Path, flags: list[str], args: argparse.Namespace, label: s
                check: dict | None, spy: Path | None = None) -> dict[str, Any]:
     """One `dlo serve` start to `/ready`, its startup figures, an optional request, SIGTERM; with
     `spy`, py-spy samples the server from its first milliseconds to PROFILE_S (raw stacks there)."""
-    from dlo.engine.serving.launch import ServerProcess
+    from dlo.serving.launch import ServerProcess
 
     log = args.logs / f"serve-{label}.log"
     srv = ServerProcess(model, "--device", args.device, *flags, log_path=log)
@@ -208,7 +208,7 @@ def _profile_from_spawn(srv: Any, out: Path) -> Any:
     """Attach py-spy to `srv`'s process as soon as it is spawned, on a thread (`Background`): its
     `join()` is the summary once written, or `{"error": ...}` naming why there is none (every wait
     in it is bounded: the spawn, each attach, py-spy's run)."""
-    from dlo.engine.serving.prewarm import Background
+    from dlo.serving.prewarm import Background
     from spy_profile import attach, summarize
 
     def work() -> dict[str, Any]:
@@ -275,8 +275,8 @@ def parse_plan(text: str) -> list[tuple[str, str, int]]:
 def ensure_warm(model: Path) -> float:
     """The folder whole in the page cache before a warm start (`dlo warm`'s parallel reader); the
     seconds it took (0 when it was)."""
-    from dlo.agent.residency import folder_residency
-    from dlo.agent.warm import warm
+    from dlo.pagecache.residency import folder_residency
+    from dlo.pagecache.warm import warm
 
     return 0.0 if folder_residency(model).ratio >= 0.999 else warm(model_files(model)).seconds
 

@@ -117,7 +117,7 @@ def port_in_use(root: Path, model: Path) -> dict:
 
 def job_cap() -> dict:
     """Item 9: at the store's cap, does another client's new job evict a finished job within its TTL?"""
-    from dlo.engine.serving.videos import VideoJob, VideoStore
+    from dlo.serving.videos import VideoJob, VideoStore
 
     with tempfile.TemporaryDirectory() as d:
         store = VideoStore(d, max_jobs=8)

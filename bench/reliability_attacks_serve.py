@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 
-from dlo.engine.serving.launch import ServerProcess
+from dlo.serving.launch import ServerProcess
 from reliability_probe import Prober, close_all, get, metric, open_sockets, raw, samples, status_of, still_open, \
     wait_for
 

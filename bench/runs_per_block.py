@@ -25,7 +25,7 @@ def main() -> None:
     from dlo.engine.dtypes import safetensors_name
     from dlo.engine.blocks import block_layout, group_keys
     from dlo.engine.families import BLOCK_FAMILIES
-    from dlo.engine.model import parameters_on_meta
+    from dlo.engine.meta import parameters_on_meta
     from dlo.engine.weights import page_cache_runs
 
     config = {**wb.WAN14B, "num_layers": 40}

@@ -105,7 +105,7 @@ def call(pipe: Any, folder: Path, req: dict) -> dict:
 
 def encoded(result: dict) -> bytes:
     """What `dlo serve` answers for these frames: a PNG for one frame, else the MP4 with its sound."""
-    from dlo.engine.serving.encode import encode_mp4, encode_png
+    from dlo.serving.encode import encode_mp4, encode_png
 
     if len(result["frames"]) == 1 and result["audio"] is None:
         return encode_png(result["frames"][0])

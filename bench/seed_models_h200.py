@@ -143,7 +143,7 @@ def make(name: str, args: argparse.Namespace) -> tuple[Path, dict]:
 
 def warm(model: Path) -> dict:
     """The page cache warm before the runs, by the product's own warmer (`dlo warm`)."""
-    from dlo.agent.warm import warm as warm_files
+    from dlo.pagecache.warm import warm as warm_files
 
     session = warm_files([model])
     session.close()
@@ -168,7 +168,7 @@ def serve_run(model: Path, requests: list[dict], args: argparse.Namespace, name:
     from openai import OpenAI
 
     from dlo.engine.energy import EnergyMeter
-    from dlo.engine.serving.launch import ServerProcess
+    from dlo.serving.launch import ServerProcess
     from pipeline_requests import generate
 
     limits = logs / f"{name}-limits.json"

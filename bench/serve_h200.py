@@ -66,7 +66,7 @@ def _exit_seconds(srv) -> tuple[float, int | None]:
 
 
 def run_config(args: argparse.Namespace, model: Path, mode: str, dp: int, log: Path) -> dict:
-    from dlo.engine.serving.launch import ServerProcess
+    from dlo.serving.launch import ServerProcess
 
     extra = ["--dp", str(dp), "--mode", mode, "--device", args.device]
     if args.warmup_size:

@@ -282,7 +282,7 @@ def run_serve(args: argparse.Namespace) -> dict:
     import base64
     import hashlib
 
-    from dlo.engine.serving.launch import ServerProcess
+    from dlo.serving.launch import ServerProcess
 
     model = Path(f"/tmp/sp-serve-wan-{args.serve_layers}-{args.serve_dim}")
     if not (model / "model_index.json").exists():

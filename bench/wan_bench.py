@@ -76,7 +76,7 @@ def write_wan_checkpoint(out: Path, layers: int, device: str, tiny: bool = False
     import diffusers
     import torch
 
-    from dlo.engine.model import parameters_on_meta
+    from dlo.engine.meta import parameters_on_meta
 
     config = {**(TINY if tiny else WAN14B), "num_layers": layers}
     with parameters_on_meta():

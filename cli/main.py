@@ -12,12 +12,12 @@ import sys
 
 # subcommand -> (owning part, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("engine", "run the engine: rank processes, HTTP API, wave scheduler"),
+    "serve": ("serving", "run the engine: rank processes, HTTP API, wave scheduler"),
     "make-tiny-model": ("engine", "write a small random diffusers-format pipeline (tests, demo)"),
     "make-random-model": ("engine", "write a full-size pipeline folder (real configs and shapes, random weights)"),
     "make-random-lora": ("engine", "write a LoRA adapter with random weights for a model folder (--rank R)"),
     "quantize": ("engine", "write a pipeline folder whose transformers stream FP8 weights (dlo serve --stream-dtype fp8)"),
-    "demo": ("engine", "the README's main job: tiny model, 2 CPU ranks, one wave, PNGs"),
+    "demo": ("serving", "the README's main job: tiny model, 2 CPU ranks, one wave, PNGs"),
     "calibrate": ("engine", "measure H2D and collective bandwidth; write a profile fragment"),
     "agent": ("agent", "node agent: /metrics, /profile, /health"),
     "warm": ("agent", "page-cache warmer for model files"),

@@ -14,7 +14,7 @@ blocks in blocks.py); one adapter per model family in `families/`; the server in
 docs/engine.md).
 
 Owns: the public API names (`load`, `early_registration`, `OffloadedModel`, `PrefetchOrderError`,
-`LoadReport`, `GatherStats`, the settings): what `dlo.engine.serving` and the benchmarks use.
+`LoadReport`, `GatherStats`, the settings): what `dlo.serving` and the benchmarks use.
 Must never: import torch at package import.
 """
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Mapping
 
 from dlo.engine.checkpoint import Checkpoint, cached_checkpoint
-from dlo.engine.facts import ModelFacts
+from dlo.plan.facts import ModelFacts
 from dlo.engine.families import BlockFamily, family_of, pipeline_index, read_config
 from dlo.engine.layout import BlockLayout, build_layout
 

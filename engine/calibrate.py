@@ -6,7 +6,7 @@ nccl/hccl/gloo backend the engine uses); the agent marks bandwidths from it as m
 CPU-only host the copy is host-to-host and the collective runs over gloo.
 
 Owns: the `dlo calibrate` subcommand and its two measurements.
-Must never: import the serving side (`dlo.engine.serving`), or report a bandwidth it did not measure.
+Must never: import the serving side (`dlo.serving`), or report a bandwidth it did not measure.
 """
 
 from __future__ import annotations

@@ -161,7 +161,7 @@ def same_inputs(args: tuple, kwargs: dict, want_args: tuple, want_kwargs: dict,
 class LaneThread:
     """The uncond lane's thread, one for the pairs' life: torch keeps cuDNN's execution plans per
     thread, so a fresh thread every step would plan Wan's patch-embedding convolution again every
-    step (`dlo.engine.serving.threads.WaveThread` keeps rank 0's waves on one thread for the same reason)."""
+    step (`dlo.serving.threads.WaveThread` keeps rank 0's waves on one thread for the same reason)."""
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()

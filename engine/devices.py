@@ -15,7 +15,7 @@ from typing import get_args
 
 import torch
 
-from dlo.engine.facts import DeviceKind, InterconnectKind, Vendor
+from dlo.plan.facts import DeviceKind, InterconnectKind, Vendor
 
 
 def detect_device() -> DeviceKind:

@@ -1,8 +1,9 @@
 """Build a diffusers model without materialising its weights, and decide each tensor's dtype.
 
 Owns: constructing the model named in `config.json` with every *parameter* on the `meta` device
-while buffers are computed for real (so non-persistent buffers such as Wan's `rope.freqs_cos/sin`,
-which are not in the checkpoint, come out right instead of staying on `meta`), the dtype policy
+while buffers are computed for real (`dlo.engine.meta.parameters_on_meta`: so non-persistent
+buffers such as Wan's `rope.freqs_cos/sin`, which are not in the checkpoint, come out right
+instead of staying on `meta`), the dtype policy
 (the checkpoint's compute dtype, float32 for the class's `_keep_in_fp32_modules`), and the map from
 checkpoint names to the module slots that hold them.
 Must never: allocate or initialise a parameter's data (a 14B model is built in seconds, in no memory).
@@ -10,11 +11,9 @@ Must never: allocate or initialise a parameter's data (a 14B model is built in s
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from torch import nn
@@ -23,27 +22,7 @@ from dlo.engine.checkpoint import FLOAT_DTYPES, Checkpoint, CheckpointError
 from dlo.engine.dtypes import safetensors_name
 from dlo.engine.blocks import BlockKeys, group_keys
 from dlo.engine.families import BlockFamily, family_of, read_config
-
-
-@contextlib.contextmanager
-def parameters_on_meta() -> Iterator[None]:
-    """Every parameter registered inside the block lands on `meta`; buffers stay real.
-
-    Module constructors then run their own `reset_parameters` on meta tensors (no compute), while
-    buffers a constructor computes (RoPE tables) keep their values.
-    """
-    original = nn.Module.register_parameter
-
-    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(module, name, param)
-        if param is not None and param.device.type != "meta":
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
+from dlo.engine.meta import parameters_on_meta
 
 
 @dataclass

@@ -5,7 +5,7 @@ weights, prepare the host weights, start the `SlotPrefetcher`, attach its hooks,
 `OffloadedModel` (what callers hold: the module, the report, `gather_only`, `stats`, `close`),
 which blocks stay resident (`spread_resident`), and the shard group's agreement on how many
 (`agree_on_resident_blocks`; `--resident-blocks auto` itself is sized from the device budget and
-the memory table before any load: `dlo.engine.memory_plan`).
+the memory table before any load: `dlo.plan.memory_plan`).
 Must never: run the hot path itself (`dlo.engine.prefetch` does, under its `[Note: stream
 lifetimes]` and `[Note: collective order]`), or modify a module other than through `dlo.engine.hooks`.
 
@@ -31,7 +31,7 @@ from torch import nn
 
 from dlo.engine.checkpoint import Checkpoint, cached_checkpoint
 from dlo.engine.dtypes import torch_dtype
-from dlo.engine.facts import MODES, Mode
+from dlo.plan.facts import MODES, Mode
 from dlo.engine.blocks import block_layout
 from dlo.engine.fp8 import Fp8Plan, fp8_plan, wire_layout
 from dlo.engine.hooks import HookSet, attach_prefetcher
@@ -158,7 +158,7 @@ def load(component_dir: Path | str, *, settings: OffloadSettings, device: torch.
     (registered where the platform allows it, else the arena; the report says which and the log
     says why). Resident blocks are spread evenly through the execution order (`spread_resident`);
     `settings.resident_blocks` is a number here ("auto" is sized by the caller, who knows the
-    requests: `dlo.engine.memory_plan`). `early`: the registration of this folder's files already started by the
+    requests: `dlo.plan.memory_plan`). `early`: the registration of this folder's files already started by the
     caller (`early_registration`, to overlap it with the caller's own imports); else one starts here
     where it can help, so that the driver pins the page cache while the model is built and the
     resident copies run at DMA speed ([Note: resident copies] in `dlo.engine.placement`).
@@ -315,7 +315,7 @@ def _resident_count(settings: OffloadSettings, n_blocks: int) -> int:
         return n_blocks
     if settings.resident_blocks == "auto":
         raise ConfigError("resident_blocks 'auto' is sized from the device budget and the largest accepted request "
-                          "(dlo serve does it: dlo.engine.memory_plan); dlo.engine.load takes a number of blocks")
+                          "(dlo serve does it: dlo.plan.memory_plan); dlo.engine.load takes a number of blocks")
     return min(settings.resident_blocks, n_blocks)
 
 

@@ -10,12 +10,13 @@ is its transformer (15.17 B parameters, 36 layers of two pathways each, which vL
 blocks" likewise (64.02 B, 64 layers). MiniMax-H3's transformer is 33.12 B (61.7 GiB), its
 Qwen3-VL-32B text encoder 33.36 B.
 Owns: `omni_presets()` (the five presets, keyed by name).
-Must never: import torch, diffusers or transformers (plain data, as `dlo.engine.presets`).
+Must never: import torch, diffusers or transformers (plain data, as `dlo.engine.presets`), or import
+`dlo.engine.presets` (the registry gathers these; the shared types are `dlo.engine.presets_base`'s).
 """
 
 from __future__ import annotations
 
-from dlo.engine.presets import GB, QWEN_SPECIALS, WAN_UNIPC, Component, Preset, TokenizerSpec
+from dlo.engine.presets_base import GB, QWEN_SPECIALS, WAN_UNIPC, Component, Preset, TokenizerSpec
 
 GIB = 1 << 30
 

@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from dlo.cli.args import new_folder, positive_int
-from dlo.engine.presets import PRESETS, Component, Preset, TokenizerSpec, preset
+from dlo.engine.presets import PRESETS, preset
+from dlo.engine.presets_base import Component, Preset, TokenizerSpec
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +139,7 @@ def build_on_meta(c: Component) -> Any:
     import diffusers
     import transformers
 
-    from dlo.engine.model import parameters_on_meta
+    from dlo.engine.meta import parameters_on_meta
 
     with parameters_on_meta():
         if c.library == "diffusers":

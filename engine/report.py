@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Iterable
 
-from dlo.engine.facts import Mode
+from dlo.plan.facts import Mode
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,9 @@
 
 Owns: `Generation`, the plain data a family adapter reads to plan and run a request (its call plan,
 keyword arguments, inputs and decoding) and that the control plane pickles to the ranks.
-Must never: import torch or anything of `dlo.engine.serving` (the family adapters import it: the
+Must never: import torch or anything of `dlo.serving` (the family adapters import it: the
 core does not reach up into serving), or know how requests are grouped into waves (the
-compatibility key and the queue are `dlo.engine.serving.waves`).
+compatibility key and the queue are `dlo.serving.waves`).
 """
 
 from __future__ import annotations
@@ -34,5 +34,5 @@ class Generation:
     # image-to-video: the uploaded first frame (encoded bytes, decoded on the rank); not part of the
     # wave's compatibility key: every image of a wave is resized to the wave's size
     image: bytes | None = field(default=None, repr=False)
-    # the start's warm-up request, every rank's, its output discarded (`dlo.engine.serving.warm_run`)
+    # the start's warm-up request, every rank's, its output discarded (`dlo.serving.warm_run`)
     warmup: bool = False

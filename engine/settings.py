@@ -9,7 +9,7 @@ prints it in one line and exits 2), and `from_environment`: the one reader of th
 switches (vLLM's `envs.py` pattern), called only by `dlo serve` and the benchmarks, so that the
 variables keep working beside the flags named after them.
 Must never: import torch, read the environment anywhere but `from_environment`, or hold process
-plumbing (a rank's number, ports, the control key: `engine/serving/rank_main.py` reads those).
+plumbing (a rank's number, ports, the control key: `serving/rank_main.py` reads those).
 
 Settings are frozen and checked in `__post_init__`: an object that exists is valid, and a rank
 receives exactly what rank 0 validated (`EngineSettings.to_dict` / `from_dict` inside `RankConfig`).
@@ -20,7 +20,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable, Literal, Mapping, get_args
 
-from dlo.engine.facts import MODES, DeviceKind, Mode
+from dlo.plan.errors import ConfigError, flag as _flag, one_of as _one_of, whole as _whole
+from dlo.plan.facts import MODES, DeviceKind, Mode
+from dlo.plan.resident import VAE_TILE_ABOVE_PIXELS, ResidentPlan
 
 Weights = Literal["auto", "arena", "registered"]
 WEIGHTS: tuple[Weights, ...] = get_args(Weights)
@@ -39,29 +41,6 @@ SpKind = Literal["ulysses", "ring"]
 SP_KINDS: tuple[SpKind, ...] = get_args(SpKind)
 DEVICES: tuple[DeviceKind, ...] = get_args(DeviceKind)
 MAX_GATHER_CTAS = 64
-# Decoded pixels (width x height x frames x images) above which the VAE decodes in tiles, unless the
-# device budget decides otherwise (dlo.engine.memory_plan.tiling_for_budget): 1280x720 x 81 frames.
-VAE_TILE_ABOVE_PIXELS = 1280 * 720 * 81
-
-
-class ConfigError(ValueError):
-    """A setting that describes no valid engine; the message names the setting and what it accepts."""
-
-
-def _one_of(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{name} must be one of {', '.join(map(str, allowed))}, got {value!r}")
-
-
-def _whole(name: str, value: Any, low: int, high: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-        span = f"from {low} to {high}" if high is not None else f">= {low}"
-        raise ConfigError(f"{name} must be an integer {span}, got {value!r}")
-
-
-def _flag(name: str, value: Any, *, optional: bool = False) -> None:
-    if not (isinstance(value, bool) or (optional and value is None)):
-        raise ConfigError(f"{name} must be true or false{' (or unset)' if optional else ''}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -165,7 +144,7 @@ class LoraSettings:
     load: LoraLoad = "start"
     apply: LoraApply = "auto"  # `dlo serve --lora-apply`
     # `--lora-merge-cache`: device bytes of resident layers' merges kept (merge, auto); "auto": what the
-    # budget has spare, sized by `dlo serve`'s plan (`dlo.engine.serving.budget.plan_settings`), none
+    # budget has spare, sized by `dlo serve`'s plan (`dlo.plan.deployment.auto_merge_cache`), none
     # where nothing sized it (cpu)
     merge_cache_bytes: LoraMergeCache = "auto"
     # `--lora-merge-above`: auto merges calls of more tokens; None: 0 with a merge cache, else
@@ -204,27 +183,6 @@ class LoraSettings:
 
 
 @dataclass(frozen=True)
-class ResidentPlan:
-    """`--resident-blocks auto` as `dlo serve` resolved it for the deployment's budget and limits
-    (`dlo.engine.memory_plan.resident_plan`); each rank applies it at load (`within` its own room)."""
-
-    blocks: Mapping[str, int]  # per streamed model: blocks kept on the device at the budget
-    block_bytes: Mapping[str, int]  # per model: what one more resident block places
-    budget_bytes: int  # the budget the plan was made for
-    spare_bytes: int  # the budget less the predicted peak with these blocks and the margin
-    encoders: tuple[str, ...] = ()  # the streamed text encoders among them (their blocks go first)
-
-    def __post_init__(self) -> None:
-        for name, n in {**self.blocks, **self.block_bytes}.items():
-            _whole(f"resident plan {name}", n, 0)
-        if set(self.blocks) != set(self.block_bytes):
-            raise ConfigError("a resident plan needs block bytes for every model it keeps blocks of")
-        _whole("resident plan budget_bytes", self.budget_bytes, 1)
-        _whole("resident plan spare_bytes", self.spare_bytes, 0)
-        object.__setattr__(self, "encoders", tuple(self.encoders))
-
-
-@dataclass(frozen=True)
 class EngineSettings:
     """What every rank of an engine is started with, carried whole from `dlo serve` to the prefetcher."""
 
@@ -232,7 +190,7 @@ class EngineSettings:
     parallel: ParallelSettings = field(default_factory=ParallelSettings)
     device: DeviceKind = "cpu"
     # The device budget per rank (0: the device's memory): the allocator's cap, and what the mode
-    # policy and the memory model plan with (`dlo.engine.serving.budget`); one number for both, so
+    # policy and the memory model plan with (`dlo.plan.budget`); one number for both, so
     # that a plan never assumes memory the allocator may not take, nor a cap go unplanned.
     max_device_memory: int = 0
     # the family's large text encoders stream like the transformers (offloaded modes only)

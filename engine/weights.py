@@ -70,7 +70,7 @@ class Run:
 
 class ReadFront(Protocol):
     """A cold start's readahead as an early registration waits for it
-    (`dlo.engine.serving.prewarm.Readahead`): `until_resident(path, stop)` returns once `path` is in
+    (`dlo.serving.prewarm.Readahead`): `until_resident(path, stop)` returns once `path` is in
     the page cache (or the readahead ended, or `stop` is set), with the seconds it waited. The child
     reads the start's other files before any weights file, so waiting for each file also keeps the
     pinning behind those."""

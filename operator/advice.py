@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dlo.operator.models import DLODeploymentSpec
 
-DEFAULT_MAX_STEPS = 100  # dlo.engine.serving.limits.Limits().max_steps
-SMALL_MAX_STEPS = 4  # dlo.engine.serving.limits.SMALL.max_steps
+DEFAULT_MAX_STEPS = 100  # dlo.plan.limits.Limits().max_steps
+SMALL_MAX_STEPS = 4  # dlo.plan.limits.SMALL.max_steps
 
 
 def longest_steps(args: list[str]) -> tuple[int, str]:

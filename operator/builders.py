@@ -13,7 +13,7 @@ import json
 import re
 from typing import Any
 
-from dlo.engine.facts import Mode
+from dlo.plan.facts import Mode
 from dlo.operator.autoscale_builder import build_autoscaler
 from dlo.operator.models import DLODeploymentSpec
 from dlo.operator.names import (COMPONENT, HTTP_PORT_NAME, INSTANCE, MANAGED_BY, MODE_ANNOTATION,

@@ -77,7 +77,7 @@ def profile_node(path: Path, spec: Any) -> dict[str, Any]:
 
     The user names the nodes the pods may land on, so the node matches the spec's placement.
     """
-    from dlo.agent.profile import ANNOTATION, NodeProfile, parse_file
+    from dlo.plan.profile import ANNOTATION, NodeProfile, parse_file
 
     profile = parse_file(NodeProfile, path.read_text(), str(path))  # a typo'd key is an error
     name = profile.node or path.stem

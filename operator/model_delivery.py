@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dlo.agent.profile import NodeProfile
+from dlo.plan.profile import NodeProfile
 from dlo.operator import modes
 from dlo.operator.model_spec import ModelSource
 from dlo.operator.models import DLODeploymentSpec

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pydantic import ConfigDict, Field, model_validator
 
 from dlo.delivery.uri import URI_PATTERN, ModelURI, cache_key, parse_uri
-from dlo.engine.facts import ModelFacts
+from dlo.plan.facts import ModelFacts
 from dlo.operator.k8s_schemas import cel_rules
 from dlo.operator.spec_base import SpecModel as _Model
 
@@ -20,7 +20,7 @@ from dlo.operator.spec_base import SpecModel as _Model
 class ModelFactsOverride(_Model):
     """`spec.model.facts`: model facts that override what node profiles report (bytes in base units).
 
-    The user-facing form of `dlo.engine.facts.ModelFacts` (camelCase, `blocks` optional);
+    The user-facing form of `dlo.plan.facts.ModelFacts` (camelCase, `blocks` optional);
     `facts()` is the one conversion.
     """
 

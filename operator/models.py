@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 
-from dlo.engine.facts import ModeOrAuto
+from dlo.plan.facts import ModeOrAuto
 from dlo.operator.engine_spec import (
     API_KEY_ENV,
     ENGINE_SWITCH_ENV,

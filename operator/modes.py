@@ -2,7 +2,7 @@
 
 Owns: which nodes a DLODeployment's pods may land on (`eligible_nodes`), the model facts per node
 (spec override, else the node profile's entry for the model folder), and `resolve_mode`, which asks
-`dlo.agent.policy.choose_mode` per node and keeps the decision of the most constrained node (the
+`dlo.plan.policy.choose_mode` per node and keeps the decision of the most constrained node (the
 node where the fewest modes fit). Without any usable profile, `auto` falls back to allgather (the
 mode with the least host and device memory per node) and says why.
 Must never: talk to the API server or import torch; it is pure over the node objects it is given.
@@ -13,11 +13,15 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dlo.agent.profile import ANNOTATION as PROFILE_ANNOTATION  # the agent writes it; one key
-from dlo.engine.facts import MODES, Mode, ModelFacts, key_of_mode
+from dlo.plan.profile import ANNOTATION as PROFILE_ANNOTATION  # the agent writes it; one key
+from dlo.plan.facts import MODES, Mode, ModelFacts, key_of_mode
 from dlo.operator.models import DLODeploymentSpec
+from dlo.plan.budget import DeviceBudgetError
+
+if TYPE_CHECKING:
+    from dlo.plan.deployment import DeploymentPlan
 
 
 @dataclass(frozen=True)
@@ -64,8 +68,8 @@ def inputs_digest(spec: DLODeploymentSpec, nodes: list[dict[str, Any]]) -> str:
 
 
 def _policy() -> Any:
-    """The agent's policy module (imported lazily: `dlo.agent.policy` is pure and torch-free)."""
-    from dlo.agent import policy
+    """The agent's policy module (imported lazily: `dlo.plan.policy` is pure and torch-free)."""
+    from dlo.plan import policy
 
     return policy
 
@@ -87,7 +91,7 @@ def resolve_mode(spec: DLODeploymentSpec, nodes: list[dict[str, Any]], previous:
 
 def model_residency(nodes: list[dict[str, Any]], spec: DLODeploymentSpec) -> dict[str, float | None]:
     """node name -> page-cache residency of the spec's model, as each node's profile reports it."""
-    from dlo.agent.profile import NodeProfile
+    from dlo.plan.profile import NodeProfile
 
     out: dict[str, float | None] = {}
     for node in nodes:
@@ -103,7 +107,7 @@ def model_residency(nodes: list[dict[str, Any]], spec: DLODeploymentSpec) -> dic
 
 
 def _resolve_with_policy(policy: Any, spec: DLODeploymentSpec, eligible: list[dict[str, Any]], digest: str) -> Resolution:
-    from dlo.agent.profile import NodeProfile
+    from dlo.plan.profile import NodeProfile
 
     # (modes that fit on the node, node name, decision): the node where the fewest modes fit is
     # the most constrained; its decision is the one every node can run.
@@ -125,13 +129,15 @@ def _resolve_with_policy(policy: Any, spec: DLODeploymentSpec, eligible: list[di
             skipped.append(f"{name}: no facts for model {spec.model.folder_name!r}")
             continue
         try:
-            decision = policy.choose_mode(profile, facts, spec.dp, sp=spec.sp,
-                                          device_budget_bytes=spec.engine.device_budget_bytes())
-        except policy.PolicyError as e:
-            skipped.append(f"{name}: {e}")
+            decision = node_plan(spec, profile, facts)
+        except (policy.PolicyError, DeviceBudgetError) as e:
+            skipped.append(f"{name}: {str(e).removeprefix('--mode auto: ')}")
+            continue
+        if decision.decision is None:  # the policy gave no answer: the plan's fixed rule is no node's
+            skipped.append(f"{name}: {decision.policy_error}")
             continue
         fitting = sum(1 for est in decision.estimates.values() if est.fits)
-        decisions.append((fitting, name, decision))
+        decisions.append((fitting, name, decision.decision))
     if not decisions:
         why = "; ".join(skipped) if skipped else "no eligible node"
         return Resolution("allgather", f"auto resolved to allgather (the frugal default): {why}", digest)
@@ -141,6 +147,17 @@ def _resolve_with_policy(policy: Any, spec: DLODeploymentSpec, eligible: list[di
         raise ValueError(f"the policy chose an unknown mode {decision.mode!r}")
     suffix = f" (most constrained of {len(decisions)} nodes)" if len(decisions) > 1 else ""
     return Resolution(mode, f"node {name}: {decision.reason}{suffix}", digest)
+
+
+def node_plan(spec: DLODeploymentSpec, profile: Any, facts: ModelFacts) -> DeploymentPlan:
+    """The deployment plan for `spec` on one node (`dlo.plan.deployment.plan`, the one `dlo serve` and
+    `dlo plan` make; the operator knows the transformer's facts, not the pipeline's memory)."""
+    from dlo.plan.deployment import PlanAsk, device_of, plan
+
+    device = device_of(profile) if spec.engine.device == "auto" else spec.engine.device
+    ask = PlanAsk(dp=spec.dp, sp=spec.sp, mode="auto", device=device,
+                  max_device_memory=spec.engine.device_budget_bytes() or 0)
+    return plan(ask, profile=profile, transformer=facts)
 
 
 def model_facts(spec: DLODeploymentSpec, profile: Any) -> ModelFacts | None:
@@ -155,7 +172,7 @@ def pod_memory_bytes(spec: DLODeploymentSpec, nodes: list[dict[str, Any]], mode:
     """What the engine pod's cgroup is charged at its cold-start peak in `mode` (the policy's
     `cold_start_peak_bytes`; CPU ranks add their "device" weights, which live in host memory), the
     largest over the eligible nodes with a usable profile and model facts; None without any."""
-    from dlo.agent.profile import NodeProfile
+    from dlo.plan.profile import NodeProfile
 
     policy = _policy()
     key = key_of_mode(mode)

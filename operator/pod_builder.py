@@ -14,7 +14,7 @@ import hashlib
 import json
 from typing import Any
 
-from dlo.engine.facts import Mode
+from dlo.plan.facts import Mode
 from dlo.operator.fetch_builder import cache_volume, fetch_container
 from dlo.operator.models import API_KEY_ENV, DEFAULT_IMAGE, VLLM_API_KEY_ENV, DLODeploymentSpec
 from dlo.operator.names import (HTTP_PORT_NAME, MODE_ANNOTATION, MODEL_KEY_ANNOTATION, MODEL_MOUNT, NON_ROOT_UID,

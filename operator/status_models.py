@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field
 
-from dlo.engine.facts import Mode
+from dlo.plan.facts import Mode
 from dlo.operator.spec_base import SpecModel as _Model
 
 

@@ -58,19 +58,19 @@ def imported(path: Path) -> list[tuple[str, int]]:
 
 
 def test_the_core_never_imports_serving():
-    """The core (engine/*.py, engine/families/) imports nothing of dlo.engine.serving, anywhere in a
+    """The core (engine/*.py, engine/families/) imports nothing of dlo.serving, anywhere in a
     module: not at the top, not in a function, not for type checking (layers point down)."""
     offenders = []
     for path in sorted([*(ROOT / "engine").glob("*.py"), *(ROOT / "engine" / "families").glob("*.py")]):
         for name, line in imported(path):
-            if name == "dlo.engine.serving" or name.startswith("dlo.engine.serving."):
+            if name == "dlo.serving" or name.startswith("dlo.serving."):
                 offenders.append(f"{path.relative_to(ROOT)}:{line}")
     assert not offenders, offenders
 
 
 # CONTRACTS.md section 1: what of the agent the engine may import (all torch-free): the pure policy
 # and profile, and the page-cache readers the start-up readahead shares with `dlo warm`
-AGENT_FOR_ENGINE = {"dlo.agent.policy", "dlo.agent.profile", "dlo.agent.residency", "dlo.agent.tree", "dlo.agent.warm"}
+AGENT_FOR_ENGINE = {"dlo.plan.policy", "dlo.plan.profile", "dlo.pagecache.residency", "dlo.pagecache.tree", "dlo.pagecache.warm"}
 
 
 def test_the_engine_imports_only_the_agent_modules_the_contract_allows():

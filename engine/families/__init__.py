@@ -9,7 +9,7 @@ offload streams, every pipeline's transformer and the streamed text encoders of
 a checkpoint splits into blocks and the model facts of a folder are `dlo.engine.blocks`. Adding a
 family is one module here (its `BlockFamily` and `PipelineFamily`), its entry below and its tests.
 Must never: import torch or diffusers (the agent and operator import this package; adapters
-import them inside the functions that need them), or import `dlo.engine.serving`.
+import them inside the functions that need them), or import `dlo.serving`.
 """
 
 from __future__ import annotations

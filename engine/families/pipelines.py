@@ -7,7 +7,7 @@ its output decodes into frames), `PipelineFacts` (what a request is validated ag
 and `decode_in_own_dtype` (a built pipeline's VAE takes its latents in its own dtype).
 The offload half (block lists) is `dlo.engine.families.base`.
 Must never: import torch, diffusers, numpy or PIL at import time (adapters import them inside
-methods), import `dlo.engine.serving`, or know about HTTP, queues or ranks.
+methods), import `dlo.serving`, or know about HTTP, queues or ranks.
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ class PipelineFamily:
     # differs); else tiles only above `ServingPipeline.vae_tile_above_pixels`.
     vae_always_tiled: bool = False
     # `warm_decode` is the call's own decode: the warm-up runs it beside its denoising
-    # ([Note: the warm-up's decode beside its denoising] in `dlo.engine.serving.warm_run`)
+    # ([Note: the warm-up's decode beside its denoising] in `dlo.serving.warm_run`)
     decode_beside_warmup: bool = False
     # The pipeline calls the transformer cond then uncond each step, with the same objects but for
     # the arguments that carry the negative prompt: `--cfg-pairs` may pair them ([Note: CFG pairs] in
@@ -208,7 +208,7 @@ class PipelineFamily:
 
     def paired_lane_bytes(self, transformer: dict) -> tuple[int, int]:
         """What the waiting lane of CFG pairs holds between two blocks, in device bytes per latent
-        token and per text token, from the transformer's config (`dlo.engine.memory_model` adds it to a
+        token and per text token, from the transformer's config (`dlo.plan.memory_model` adds it to a
         paired call's peak). Only families marked `cfg_pairs` say; (0, 0) for the rest."""
         return (0, 0)
 

@@ -23,7 +23,7 @@ def load_whole(folder: Path | str, cls: Any = None) -> Any:
     from safetensors.torch import load_file
 
     from dlo.engine.checkpoint import read_json_config
-    from dlo.engine.model import parameters_on_meta
+    from dlo.engine.meta import parameters_on_meta
 
     folder = Path(folder)
     config = read_json_config(folder / "config.json")

@@ -5,14 +5,16 @@ chosen as diffusers' loader chooses it, `pytorch_lora_weights.safetensors` first
 diffusers 0.42 + peft 0.21 apply (`PeftRule`: the file's `lora_adapter_metadata`, else Flux's
 `.alpha` keys, else alpha = rank, i.e. scale 1.0), the check of one adapter's keys and shapes
 against the transformer's checkpoint (`plan_adapter`: every refusal an `AdapterError` naming the
-file and the key), and `check_adapters`, what `dlo serve` runs before any rank starts.
+file and the key), and what the memory plan counts for them (`rank_device_bytes`, the merges'
+bytes). `check_adapters`, what `dlo serve` runs before any rank starts, is `dlo.engine.lora.check`'s.
 Must never: import torch at module import, or accept what diffusers + peft would load differently
 (a peft folder, DoRA/LoKr, text-encoder keys, a metadata rank that disagrees with the tensors, bias
 keys peft would drop): those are refused, never approximated.
 
 A diffusers-format file (every key `transformer.<module>.lora_A.weight`, `.lora_B.weight` or
-`.lora_B.bias`) is checked from its header alone; any other file goes through the family's diffusers
-converter (`dlo.engine.lora.weights.read_adapter`, torch) and its output is checked the same way.
+`.lora_B.bias`: `passes_through`) is checked from its header alone; any other file goes through the
+family's diffusers converter (`dlo.engine.lora.weights.read_adapter`, torch) and its output is
+checked the same way (`plan_adapter` both).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from dlo.engine.checkpoint import CheckpointError, TensorInfo, cached_checkpoint, read_header
+from dlo.engine.checkpoint import TensorInfo
 
 PREFIX = "transformer."  # diffusers' `transformer_name` for every family
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
@@ -366,29 +368,3 @@ def merge_scratch_elements(layers: Iterable[tuple[Any, int, int, bool]]) -> tupl
         if bias:
             biases[kind] = max(biases.get(kind, 0), out)
     return weights, biases
-
-
-def check_adapters(lora_dir: Path | str, model_dir: Path | str, pipeline_class: str) -> list[AdapterPlan]:
-    """Every adapter of `lora_dir` checked against the pipeline's transformer (`model_dir/transformer`);
-    the first that does not fit raises `AdapterError` naming its file. Diffusers-format files are
-    read as headers only; other formats through the family's diffusers converter (imports torch)."""
-    try:
-        weights = cached_checkpoint(Path(model_dir) / "transformer").tensors
-    except CheckpointError as e:
-        raise AdapterError(model_dir, f"cannot read the transformer to check adapters against: {e}") from None
-    plans = []
-    for entry in find_adapters(lora_dir):
-        try:
-            tensors, header_metadata = read_header(entry.path)
-        except CheckpointError as e:
-            raise AdapterError(entry.path, f"not a readable safetensors file: {e}") from None
-        if passes_through(tensors):
-            shapes = {k: t.shape for k, t in tensors.items()}
-            dtypes = {k: t.dtype for k, t in tensors.items()}
-            plans.append(plan_adapter(entry, shapes, dtypes, parse_metadata(entry.path, header_metadata), None,
-                                      weights))
-        else:
-            from dlo.engine.lora.weights import read_adapter
-
-            plans.append(read_adapter(entry, pipeline_class, weights).plan)
-    return plans

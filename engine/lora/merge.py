@@ -38,7 +38,7 @@ H100; `torch` keeps the two steps).
 
 [Note: the merge cache] A resident layer's weight never changes, so its merge for one adapter and
 scale is the same tensor every call: with a `--lora-merge-cache` (BYTES, or the default auto: the
-device budget's spare, sized by `budget.plan_settings`) the first call's merge is kept
+device budget's spare, sized by `dlo.plan.deployment.auto_merge_cache`) the first call's merge is kept
 (its own device tensor, the same bytes the scratch would hold) and later calls swap it in with no
 work, so a request with a cached adapter costs what the base model costs. A streamed layer's weight
 is the slot of this call only: it always merges into the scratch. The cache fills in the order the
@@ -57,20 +57,17 @@ import logging
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import nn
 
 from dlo.engine.lora.adapters import merge_scratch_elements
+from dlo.engine.lora.merge_kernel import FusedMerge
+from dlo.engine.lora.merge_steps import two_steps
 from dlo.engine.lora.weights import Branch
 
-if TYPE_CHECKING:
-    from dlo.engine.lora.merge_kernel import FusedMerge
-
 log = logging.getLogger(__name__)
-
-HALF_ON_CPU = (torch.float16, torch.bfloat16)  # what peft merges in float32 on cpu
 
 
 @dataclass(frozen=True)
@@ -94,18 +91,6 @@ def merge_weight(out: torch.Tensor, weight: torch.Tensor, b: Branch, factor: Any
     if way.fused is None or not way.fused.merge(out, weight, b.B, b.A, factor):
         two_steps(out, weight, b.B, b.A, factor)
     return out
-
-
-def two_steps(out: torch.Tensor, weight: torch.Tensor, B: torch.Tensor, A: torch.Tensor, factor: Any) -> None:
-    """`out` = `weight` + factor * (B A), in peft's two steps."""
-    if out.device.type == "cpu" and B.dtype in HALF_ON_CPU:
-        delta = B.float() @ A.float()
-        out.copy_(delta if factor is None else delta * factor)
-    else:
-        torch.mm(B, A, out=out)
-        if factor is not None:
-            out.mul_(factor)
-    out.add_(weight)
 
 
 def merge_layer(into: tuple, weight: torch.Tensor, bias: torch.Tensor | None, b: Branch, factor: Any,

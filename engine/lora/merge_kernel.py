@@ -4,10 +4,10 @@ Owns: `merge_kernel` (the Triton kernel, compiled on first launch; None where Tr
 importable), `KernelShape` (its tiles, warps and grid), `FusedMerge` (which merges it may run, its
 launch, and its check against the two torch steps: every kind an adapter merges as, at load,
 `prepare`; any other on its first merge) and `same_bits`.
-Must never: give other bytes than the two torch steps of `dlo.engine.lora.merge` (the first merge of
-each (shape, dtype, rank, factor or none) is made both ways and compared; a kind that differs is
-merged by the torch steps from then on, with a warning), fail a request (a kernel that does not
-compile or launch leaves every merge to the torch steps), or write into the weight it reads.
+Must never: give other bytes than the two torch steps of `dlo.engine.lora.merge_steps` (the first
+merge of each (shape, dtype, rank, factor or none) is made both ways and compared; a kind that
+differs is merged by the torch steps from then on, with a warning), fail a request (a kernel that
+does not compile or launch leaves every merge to the torch steps), or write into the weight it reads.
 
 [Note: the fused merge] peft's two steps over a whole weight move ~8 bytes of HBM an element in
 bfloat16: B A written by the GEMM, read back beside W, the sum written. Row steps small enough for
@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from dlo.engine.lora.merge import two_steps
+from dlo.engine.lora.merge_steps import two_steps
 from dlo.engine.platform import triton_modules
 
 log = logging.getLogger(__name__)

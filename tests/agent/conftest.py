@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dlo.agent.node import Agent, AgentConfig
 from dlo.agent.pods import PodInfo
-from dlo.agent.profile import Accelerator
+from dlo.plan.profile import Accelerator
 from dlo.agent.topology import Devices
 
 
@@ -105,8 +105,8 @@ RANK_FACTS = {
 
 @pytest.fixture
 def engine_url() -> Iterator[str]:
-    """A real HTTP endpoint serving the engine's own exposition (dlo.engine.serving.metrics) for 3 ranks."""
-    from dlo.engine.serving.metrics import EngineMetrics
+    """A real HTTP endpoint serving the engine's own exposition (dlo.serving.metrics) for 3 ranks."""
+    from dlo.serving.metrics import EngineMetrics
 
     body = EngineMetrics(dp=3, rank_facts=lambda: RANK_FACTS).exposition()
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from dlo.agent.policy import choose_mode
-from dlo.agent.profile import NodeProfile
+from dlo.plan.policy import choose_mode
+from dlo.plan.profile import NodeProfile
 from dlo.engine.blocks import describe
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,8 +48,12 @@ def test_plan_json_shape_for_byte_counts(profile_file: Path) -> None:
             "--block-compute-seconds", "0.003", "--profile", str(profile_file), "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
-    assert set(doc) == {"choice", "modes", "device_budget_bytes"}
+    assert set(doc) == {"choice", "modes", "device_budget_bytes", "plan"}
     assert doc["choice"]["mode"] == "allgather" and doc["choice"]["reason"]
+    plan = doc["plan"]  # the deployment plan `dlo serve` would run on this node (dlo.plan.deployment)
+    assert plan["mode"] == "allgather" and plan["dp"] == 8 and plan["budget_bytes"] == doc["device_budget_bytes"]
+    assert plan["limits"] is None and plan["predicted_peak_bytes"] == {}  # byte counts: no pipeline
+    assert any(r.startswith("mode allgather: policy: ") for r in plan["reasons"])
     assert set(doc["modes"]) == {"allgather", "rank_local", "resident"}
     assert all(set(v) == ESTIMATE_KEYS for v in doc["modes"].values())
     assert doc["modes"]["rank_local"]["pinned_host_bytes"] == 8 * 60 * GB
@@ -61,7 +65,9 @@ def test_plan_of_a_model_folder_uses_its_facts(models_root: Path, profile_file: 
     assert r.returncode == 0, r.stderr
     facts = describe(folder)
     expected = choose_mode(NodeProfile.model_validate(PROFILE), facts, dp=2)
-    assert json.loads(r.stdout) == json.loads(json.dumps(expected.plan_json()))
+    doc = json.loads(r.stdout)
+    assert {k: v for k, v in doc.items() if k != "plan"} == json.loads(json.dumps(expected.plan_json()))
+    assert doc["plan"]["mode"] == expected.engine_mode  # a transformer folder: no limits, no pipeline
     assert json.loads(r.stdout)["modes"]["resident"]["device_weight_bytes"] == facts.bytes
 
 

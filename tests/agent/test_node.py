@@ -12,7 +12,7 @@ import pytest
 
 from dlo.agent.node import publish_loop
 from dlo.agent.pods import PodInfo
-from dlo.agent.profile import NodeProfile
+from dlo.plan.profile import NodeProfile
 
 from .conftest import V2_POD_A, make_agent, write_wan_folder
 

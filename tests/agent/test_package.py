@@ -1,4 +1,5 @@
-"""The dlo.agent package: never imports torch; policy and profile stay free of I/O libraries."""
+"""The dlo.agent, dlo.plan and dlo.pagecache packages: never import torch; policy and profile stay
+free of I/O libraries; the agent never imports the engine (it reads folders through dlo.plan.folder)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,8 @@ from pathlib import Path
 from .conftest import write_wan_folder
 
 ROOT = Path(__file__).resolve().parents[2]
-MODULES = [
-    "cli", "collector", "memory", "modelcheck", "node", "plan_cli", "pods", "policy", "profile", "residency", "server",
-    "topology", "warm",
-]
+TORCH_FREE = sorted(f"dlo.{pkg}.{f.stem}" for pkg in ("agent", "plan", "pagecache")
+                    for f in (ROOT / pkg).glob("*.py") if f.stem != "__init__")
 
 
 def loaded_after(code: str) -> set[str]:
@@ -23,10 +22,28 @@ def loaded_after(code: str) -> set[str]:
     return set(out.split())
 
 
-def test_no_agent_module_imports_torch() -> None:
-    mods = loaded_after("import " + ", ".join(f"dlo.agent.{m}" for m in MODULES))
-    assert {f"dlo.agent.{m}" for m in MODULES} <= mods
+def test_no_agent_plan_or_pagecache_module_imports_torch() -> None:
+    assert "dlo.plan.deployment" in TORCH_FREE and "dlo.agent.plan_cli" in TORCH_FREE
+    mods = loaded_after("import " + ", ".join(TORCH_FREE))
+    assert set(TORCH_FREE) <= mods
     assert "torch" not in mods
+
+
+def test_no_agent_module_imports_the_engine_and_no_engine_module_the_agent() -> None:
+    import ast
+
+    def imports(pkg: str) -> set[str]:
+        out = set()
+        for f in (ROOT / pkg).rglob("*.py"):
+            for n in ast.walk(ast.parse(f.read_text())):
+                if isinstance(n, ast.ImportFrom) and n.module:
+                    out.add(f"{f.relative_to(ROOT)}: {n.module}")
+                elif isinstance(n, ast.Import):
+                    out.update(f"{f.relative_to(ROOT)}: {a.name}" for a in n.names)
+        return out
+
+    assert not [i for i in imports("agent") if i.split(": ")[1].startswith("dlo.engine")]
+    assert not [i for pkg in ("engine", "serving") for i in imports(pkg) if i.split(": ")[1].startswith("dlo.agent")]
 
 
 def test_reading_model_facts_and_building_a_profile_stays_torch_free(tmp_path: Path) -> None:
@@ -44,7 +61,7 @@ def test_reading_model_facts_and_building_a_profile_stays_torch_free(tmp_path: P
 
 
 def test_policy_and_profile_load_no_io_libraries() -> None:
-    mods = loaded_after("import dlo.agent.policy, dlo.agent.profile")
+    mods = loaded_after("import dlo.plan.policy, dlo.plan.profile")
     assert not {"torch", "kubernetes", "prometheus_client", "urllib.request", "subprocess"} & mods
 
 

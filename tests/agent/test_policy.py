@@ -1,4 +1,4 @@
-"""dlo.agent.policy: the issue's decision vectors, the memory model and the time formulas."""
+"""dlo.plan.policy: the issue's decision vectors, the memory model and the time formulas."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlo.agent.policy import (
+from dlo.plan.policy import (
     FRAMEWORK_BASE_BYTES,
     FRAMEWORK_MODEL_RATIO,
     Decision,
@@ -19,8 +19,8 @@ from dlo.agent.policy import (
     framework_bytes,
     padded_shard_bytes,
 )
-from dlo.agent.profile import Accelerator, Interconnect, NodeProfile
-from dlo.engine.facts import ModelFacts
+from dlo.plan.profile import Accelerator, Interconnect, NodeProfile
+from dlo.plan.facts import ModelFacts
 
 GB = 1_000_000_000
 MODEL_60 = ModelFacts(bytes=60 * GB, largest_block_bytes=1_200_000_000, blocks=50)
@@ -275,8 +275,8 @@ def test_cpu_node_uses_host_memory_as_device_memory() -> None:
 
 
 def test_the_policy_takes_model_facts_and_names_modes_from_the_shared_vocabulary() -> None:
-    from dlo.agent.profile import ModelProfile
-    from dlo.engine.facts import MODE_KEYS, MODES
+    from dlo.plan.profile import ModelProfile
+    from dlo.plan.facts import MODE_KEYS, MODES
 
     entry = ModelProfile(bytes=60 * GB, largest_block_bytes=1_200_000_000, blocks=50)
     with pytest.raises(TypeError, match="ModelFacts"):
@@ -286,7 +286,7 @@ def test_the_policy_takes_model_facts_and_names_modes_from_the_shared_vocabulary
 
 
 def test_without_bandwidth_memory_and_fit_are_answered_and_times_are_unknown() -> None:
-    from dlo.agent.policy import NoModeFits
+    from dlo.plan.policy import NoModeFits
 
     no_bw = node(h2d=0)
     with pytest.raises(PolicyError, match="h2d_bandwidth_bps"):
@@ -309,7 +309,7 @@ def test_without_bandwidth_memory_and_fit_are_answered_and_times_are_unknown() -
 
 
 def test_nothing_fits_is_no_mode_fits_and_bad_input_is_not() -> None:
-    from dlo.agent.policy import NoModeFits
+    from dlo.plan.policy import NoModeFits
 
     with pytest.raises(NoModeFits) as err:
         choose_mode(node(ram=100 * GB), MODEL_60, dp=8)

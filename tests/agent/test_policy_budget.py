@@ -1,4 +1,4 @@
-"""dlo.agent.policy with the device budget (issue 27): a cap or a stated budget is a smaller device,
+"""dlo.plan.policy with the device budget (issue 27): a cap or a stated budget is a smaller device,
 the whole pipeline's weights and the largest accepted request count, and nothing fitting names the
 smallest budget that would."""
 
@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlo.agent.policy import NoModeFits, choose_mode
-from dlo.agent.profile import Accelerator, NodeProfile
-from dlo.engine.facts import ModelFacts
-from dlo.engine.memory_model import Geometry, PipelineMemory, RequestBounds
-from dlo.engine.memory_table import MemoryTable
+from dlo.plan.policy import NoModeFits, choose_mode
+from dlo.plan.profile import Accelerator, NodeProfile
+from dlo.plan.facts import ModelFacts
+from dlo.plan.memory_model import Geometry, PipelineMemory, RequestBounds
+from dlo.plan.memory_table import MemoryTable
 from tests.agent.test_policy import GB, node
 
 

@@ -1,4 +1,4 @@
-"""dlo.agent.profile: the contract JSON, annotation round trip, calibration and nominal figures."""
+"""dlo.plan.profile: the contract JSON, annotation round trip, calibration and nominal figures."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from dlo.agent.profile import (
+from dlo.plan.profile import (
     DEFAULT_H2D_BPS,
     CalibrationFragment,
     NodeProfile,
@@ -88,8 +88,8 @@ def test_compute_rate_prefers_the_profile_figure() -> None:
 
 
 def test_model_profile_is_the_wire_form_of_model_facts() -> None:
-    from dlo.agent.profile import ModelProfile
-    from dlo.engine.facts import ModelFacts
+    from dlo.plan.profile import ModelProfile
+    from dlo.plan.facts import ModelFacts
 
     facts = ModelFacts(bytes=28_600_000_000, largest_block_bytes=703_000_000, blocks=40, nonblock_bytes=5_000_000)
     entry = ModelProfile.of(facts, resident_ratio=0.5)
@@ -106,7 +106,7 @@ def test_model_profile_is_the_wire_form_of_model_facts() -> None:
 
 
 def test_parse_file_rejects_unknown_keys_by_name_at_any_depth() -> None:
-    from dlo.agent.profile import ModelProfile, ProfileError, parse_file
+    from dlo.plan.profile import ModelProfile, ProfileError, parse_file
 
     good = parse_file(NodeProfile, CONTRACT_EXAMPLE, "node.json")
     assert good == NodeProfile.from_annotation(CONTRACT_EXAMPLE)

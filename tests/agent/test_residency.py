@@ -1,4 +1,4 @@
-"""dlo.agent.residency: cachestat and mincore agree with what the page cache really holds."""
+"""dlo.pagecache.residency: cachestat and mincore agree with what the page cache really holds."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dlo.agent.residency import (
+from dlo.pagecache.residency import (
     PAGE,
     Mapping,
     ResidencyError,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dlo.agent.modelcheck import REASONS
-from dlo.agent.profile import NodeProfile
+from dlo.plan.profile import NodeProfile
 from dlo.agent.server import serve
 
 from .conftest import AGENT_METRICS, MiB, get, make_agent, pods_for, samples, write_wan_folder
@@ -140,7 +140,7 @@ def test_metrics_answer_within_a_second_whatever_the_models_root_holds(
     """Many folders, huge sparse files (`truncate -s`) and broken files; the scan made slow on purpose
     (mincore instead of cachestat: it walks every page of a 128 GiB file). Scrapes during the first
     scan and after it answer within 1 s: the node loop scans, never the scrape."""
-    import dlo.agent.residency as residency
+    import dlo.pagecache.residency as residency
 
     monkeypatch.setattr(residency, "_cachestat_works", False)
     root = tmp_path / "models"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dlo.agent.memory import ProcFS
-from dlo.agent.profile import Accelerator, NodeProfile, PcieLink
+from dlo.plan.profile import Accelerator, NodeProfile, PcieLink
 from dlo.agent.topology import (
     NO_DEVICES,
     Devices,

@@ -1,4 +1,4 @@
-"""agent/tree.py: a model folder's files with a bounded walk, whatever the recursion limit."""
+"""pagecache/tree.py: a model folder's files with a bounded walk, whatever the recursion limit."""
 
 import sys
 from pathlib import Path
@@ -7,7 +7,7 @@ import pytest
 from tests.agent.conftest import write_wan_folder
 
 from dlo.agent.topology import model_folders
-from dlo.agent.tree import FolderTooDeep, walk_files
+from dlo.pagecache.tree import FolderTooDeep, walk_files
 
 
 def test_the_files_of_a_pipeline_folder_are_those_rglob_lists(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""dlo.agent.warm: real files go to ~100% residency, drop after DONTNEED, and who is charged."""
+"""dlo.pagecache.warm: real files go to ~100% residency, drop after DONTNEED, and who is charged."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dlo.agent.residency import FileResidency, Residency, file_residency
-from dlo.agent.warm import WarmSession, warm
+from dlo.pagecache.residency import FileResidency, Residency, file_residency
+from dlo.pagecache.warm import WarmSession, warm
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[2]
@@ -112,7 +112,7 @@ def test_page_cache_is_charged_to_the_warmer_not_to_a_later_reader(tmp_path: Pat
     # pages DONTNEED could not drop at that moment (a loaded machine) stay charged to the writer
     left_cached = file_residency(f).resident_bytes
     try:
-        _run_in(warmer, f"from dlo.agent.warm import warm; assert warm([{str(f)!r}]).ok")
+        _run_in(warmer, f"from dlo.pagecache.warm import warm; assert warm([{str(f)!r}]).ok")
         _run_in(
             engine,
             f"import mmap; fh = open({str(f)!r}, 'rb'); m = mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ);"

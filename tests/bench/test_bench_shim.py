@@ -12,8 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_shim_makes_every_dlo_package_importable_without_an_install(tmp_path: Path) -> None:
     # -S: no site-packages, so the installed (editable) dlo is not found and the shim is used
     code = ("import sys; sys.path.insert(0, 'bench'); import wan_bench; wan_bench.ensure_dlo_importable(); "
-            "import dlo.engine.serving.options, dlo.delivery.uri, dlo.operator, dlo.cli.args, dlo.agent; "
-            "print(dlo.engine.serving.options.__file__)")
+            "import dlo.serving.options, dlo.delivery.uri, dlo.operator, dlo.cli.args, dlo.agent; "
+            "print(dlo.serving.options.__file__)")
     r = subprocess.run([sys.executable, "-S", "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
                        env={**os.environ, "TMPDIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-2000:]

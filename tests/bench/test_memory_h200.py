@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dlo.engine.memory_model import Geometry, PipelineMemory, RequestBounds, Shape, features
-from dlo.engine.memory_table import MemoryTable
+from dlo.plan.memory_model import Geometry, PipelineMemory, RequestBounds, Shape, features
+from dlo.plan.memory_table import MemoryTable
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench" / "memory_h200.py"
@@ -95,7 +95,7 @@ def test_merge_fits_the_table_the_memory_model_reads(tmp_path: Path) -> None:
     assert record["report"]["wan"]["activation_fits"]["transformer"]["coef"] == pytest.approx([1e8, 2e5], rel=1e-6)
     assert record["report"]["wan"]["errors"][0]["error"].startswith("OutOfMemoryError")
     assert (tmp_path / "memory-test.md").read_text().count("| wan |") == 4
-    from dlo.engine.facts import ModelFacts
+    from dlo.plan.facts import ModelFacts
 
     t = ModelFacts(bytes=28_640_000_000, largest_block_bytes=703_000_000, blocks=40, nonblock_bytes=500_000_000)
     memory = PipelineMemory("wan", geometry, {"transformer": t}, {"text_encoder": t}, {}, RequestBounds(832, 480, 17),

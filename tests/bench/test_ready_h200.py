@@ -23,7 +23,7 @@ def test_rank_zeros_log_gives_the_cold_starts_reads() -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     import ready_h200
 
-    log = ("rank0 INFO dlo.engine.serving.prewarm readahead of 12 files not in the page cache (40 bytes) adopted "
+    log = ("rank0 INFO dlo.serving.prewarm readahead of 12 files not in the page cache (40 bytes) adopted "
            "(started with dlo serve's checks, 3.5 s before this load)\n"
            "rank0 INFO dlo.engine.weights early registration of transformer: 6 of 6 files, 28635462504 bytes, 21.40 s "
            "(4.10 s of it waiting for the start's other files)\n"
@@ -31,7 +31,7 @@ def test_rank_zeros_log_gives_the_cold_starts_reads() -> None:
            "(1.20 s of it waiting for the start's other files, 18.30 s for the readahead to read the weights)\n"
            "rank0 INFO dlo.engine.weights early registration of text_encoder_2: 1 of 1 files, 5 bytes, 2.00 s "
            "(1.50 s of it waiting for the readahead to read the weights)\n"  # today's: one wait
-           "rank0 INFO dlo.engine.serving.prewarm readahead done seconds=30.10 result={'files': 12, 'bytes': 40, "
+           "rank0 INFO dlo.serving.prewarm readahead done seconds=30.10 result={'files': 12, 'bytes': 40, "
            "'seconds': 25.0, 'pid': 7, 'first': {'files': 21803, 'bytes': 5000, 'seconds': 3.9}} (beside the imports)\n"
            "rank1 INFO dlo.engine.weights early registration of transformer: 6 of 6 files, 1 bytes, 9.00 s "
            "(9.00 s of it waiting for the start's other files)\n")  # another rank's: not rank 0's figures
@@ -67,10 +67,10 @@ def test_a_profiled_start_is_summarized_by_frame_and_left_out_of_the_figures(tmp
     raw = tmp_path / "spy.txt"
     raw.write_text("thread (1): MainThread;<module> (a.py:1);load (dlo/engine/load.py:10);f (torch/x.py:3) 30\n"
                    "thread (1): MainThread;<module> (a.py:1);_find_and_load (<frozen importlib._bootstrap>:1) 20\n"
-                   "thread (2): dlo-readahead;run (dlo/engine/serving/prewarm.py:40) 50\n")
+                   "thread (2): dlo-readahead;run (dlo/serving/prewarm.py:40) 50\n")
     got = summarize(raw, rate=100)
     assert got["threads_seconds"] == {"MainThread": 0.5, "dlo-readahead": 0.5}
-    assert got["module_imports"] == [["a.py", 0.5]] and got["self"][0] == ["run (dlo/engine/serving/prewarm.py)", 0.5]
+    assert got["module_imports"] == [["a.py", 0.5]] and got["self"][0] == ["run (dlo/serving/prewarm.py)", 0.5]
     assert ["load (dlo/engine/load.py)", 0.3] in got["dlo_inclusive"]
     assert not any("<frozen" in name for name, _ in got["inclusive"])
     starts = [{"mode": "resident", "cold": False, "ready_seconds": 11.0},

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from dlo.delivery.uri import cache_key, parse_uri
-from dlo.engine.serving.launch import ServerProcess
+from dlo.serving.launch import ServerProcess
 from tests.delivery.conftest import files_of, upload
 
 pytestmark = pytest.mark.slow

@@ -39,9 +39,9 @@ def run(spec_path: str, out_dir: str) -> None:
 
     from dlo.engine.families import pipeline_facts
     from dlo.engine.request import Generation
-    from dlo.engine.serving.encode import encode
+    from dlo.serving.encode import encode
     from dlo.engine.families.pipelines import decode_in_own_dtype
-    from dlo.engine.serving.pipeline import ServingPipeline
+    from dlo.serving.pipeline import ServingPipeline
 
     torch.set_num_threads(1)
     spec = json.loads(Path(spec_path).read_text())
@@ -52,7 +52,7 @@ def run(spec_path: str, out_dir: str) -> None:
     decode_in_own_dtype(pipe.vae)  # as ServingPipeline runs it
     for name, path in spec["adapters"].items():
         pipe.load_lora_weights(path, adapter_name=name)
-    # the same pipeline call as a served request (`ServingPipeline._call_kwargs`, on plain diffusers)
+    # the same pipeline call as a served request (`ServingPipeline.pipeline_kwargs`, on plain diffusers)
     serving = types.SimpleNamespace(adapter=facts.adapter, max_sequence_length=spec.get("max_sequence_length", 16))
     def save(name: str, out, gen) -> None:
         frames = out.frames if hasattr(out, "frames") else out.images
@@ -66,13 +66,13 @@ def run(spec_path: str, out_dir: str) -> None:
             pipe.enable_lora()
             pipe.set_adapters([case["adapter"]])
         gen = Generation(**case["gen"])
-        kwargs = ServingPipeline._call_kwargs(serving, gen)  # type: ignore[arg-type]
+        kwargs = ServingPipeline.pipeline_kwargs(serving, gen)  # type: ignore[arg-type]
         kwargs[SCALE_KWARG[facts.family]] = {"scale": case["scale"]}
         with torch.inference_mode():
             out = pipe(**kwargs)
         save(f"case-{i}", out, gen)
         if case["adapter"] is not None:
-            kwargs = ServingPipeline._call_kwargs(serving, gen)  # type: ignore[arg-type]  (a fresh generator)
+            kwargs = ServingPipeline.pipeline_kwargs(serving, gen)  # type: ignore[arg-type]  (a fresh generator)
             with fused(pipe, case["adapter"], case["scale"]), torch.inference_mode():
                 save(f"case-{i}-merged", pipe(**kwargs), gen)  # a fused layer runs its base only: no scale kwarg
 

@@ -55,3 +55,40 @@ def submit_in_order(url: str, fns: list[Callable[[], Any]], seconds: float = 60)
             futures.append(pool.submit(fn))
             wait_until(lambda: held(futures), seconds, f"the server holds request {len(futures)}")
         return [f.result() for f in futures]
+
+
+def plan_mode(mode, model_dir, dp=1, device="cpu", profile_path=None, sp=1, stream_dtype="bfloat16"):
+    """(mode, reason) of `dlo serve`'s deployment plan for a folder, as its `_plan` step asks it."""
+    from dlo.plan.deployment import PlanAsk, plan_folder
+    from dlo.plan.limits import SMALL
+    from dlo.plan.profile import profile_from_file
+    from dlo.serving.host import local_profile
+
+    host = local_profile(device)
+    profile = profile_from_file(host, profile_path) if profile_path is not None else host
+    ask = PlanAsk(dp=dp, sp=sp, mode=mode, device=device, stream_dtype=stream_dtype)
+    p = plan_folder(model_dir, ask, profile=profile, limits=SMALL, device_memory=host.accelerator.memory_bytes)
+    return p.mode, p.mode_reason
+
+
+def serve_settings(argv: list[str], mode: str | None = None, device: str = "cpu", dp: int = 1,
+                   env: dict | None = None):
+    """`dlo serve`'s engine settings for `argv` (after MODEL) under a plan on `device` with `dp`
+    ranks (`mode`: as `--mode`, else the flags'), for a transformer of no particular size."""
+    import argparse
+    import dataclasses
+
+    from dlo.plan.deployment import plan
+    from dlo.plan.facts import ModelFacts
+    from dlo.plan.profile import NodeProfile
+    from dlo.serving.options import add_arguments, engine_settings, serve_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cfg = serve_config(parser.parse_args(["/m", *argv]))
+    ask = cfg.plan_ask(device, dp)
+    if mode is not None:
+        ask = dataclasses.replace(ask, mode=mode)
+    p = plan(ask, profile=NodeProfile(), transformer=ModelFacts(bytes=10**9, largest_block_bytes=10**7, blocks=40),
+             device_memory=10**11)
+    return engine_settings(cfg, p, env or {})

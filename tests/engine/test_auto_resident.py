@@ -1,7 +1,7 @@
 """`--resident-blocks auto` against an emulated device budget, and the VAE tiling rule of a budget.
 
-The emulation (CPU has no device budget): `dlo serve`'s own planning (`dlo.engine.serving.budget.
-plan_settings` over the committed memory table) is given a budget B, and the real load and request
+The emulation (CPU has no device budget): `dlo serve`'s own planning (`dlo.plan.deployment.plan`
+over the committed memory table, for a cuda device capped at B) is given a budget B, and the real load and request
 path run with the plan it makes. Proved: what the engine itself accounts as placed on the device
 (each streamed model's slots and resident bytes, every whole component's parameters), with the
 table's overhead, plus the table's peak of the largest request the limits accept and the stated
@@ -11,21 +11,22 @@ table's peaks are right on a device (the GPU record's capped runs send the large
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 import pytest
 import torch
 
-from dlo.engine.facts import ModelFacts
-from dlo.engine.memory_model import Geometry, PipelineMemory, RequestBounds, placed_weight_bytes
-from dlo.engine.memory_plan import margin_bytes, resident_plan, tiling_for_budget, within
-from dlo.engine.memory_table import Fit, MemoryTable
+from dlo.plan.facts import ModelFacts
+from dlo.plan.memory_model import Geometry, PipelineMemory, RequestBounds, placed_weight_bytes
+from dlo.plan.memory_plan import margin_bytes, resident_plan, tiling_for_budget, within
+from dlo.plan.memory_table import Fit, MemoryTable
 from dlo.engine.request import Generation
-from dlo.engine.serving.budget import Deployment, deployment_memory, plan_settings
-from dlo.engine.serving.limits import SMALL
-from dlo.engine.serving.options import add_arguments, engine_settings
-from dlo.engine.settings import VAE_TILE_ABOVE_PIXELS, EngineSettings, OffloadSettings, ResidentPlan
+from dlo.plan.budget import deployment_memory
+from dlo.plan.deployment import LoraAsk, PlanAsk, plan
+from dlo.plan.limits import SMALL
+from dlo.plan.profile import NodeProfile
+from dlo.engine.settings import EngineSettings, OffloadSettings
+from dlo.plan.resident import VAE_TILE_ABOVE_PIXELS, ResidentPlan
 from tests.engine.dist_utils import run_ranks
 from tests.engine.test_family_pipelines import preset_pipeline
 from tests.engine.test_memory_model import SMALL_TABLE
@@ -40,7 +41,7 @@ def _largest_video(limits) -> Generation:
 
 
 def test_auto_resident_blocks_fill_an_emulated_budget_and_the_largest_request_is_served(tmp_path_factory):
-    from dlo.engine.serving.pipeline import ServingPipeline
+    from dlo.serving.pipeline import ServingPipeline
 
     model = preset_pipeline(tmp_path_factory, "tiny-wan2.1-t2v")
     memory = deployment_memory(model, SMALL)  # the committed table's Wan rows
@@ -49,18 +50,22 @@ def test_auto_resident_blocks_fill_an_emulated_budget_and_the_largest_request_is
     block = memory.transformers["transformer"].largest_block_bytes
     fixed = lean.request_bytes + margin_bytes(lean.request_bytes)
     budget = lean.weights_bytes + fixed + int(2.5 * block)  # room for two of the transformer's blocks
-    tile, why = tiling_for_budget(memory, budget)
-    dep = Deployment(dataclasses.replace(memory, tile_above_pixels=tile), budget, why)
+    ask = PlanAsk(mode="rank-local", device="cuda", max_device_memory=budget, resident_blocks="auto")
+    p = plan(ask, profile=NodeProfile(), transformer=memory.transformers["transformer"], pipeline=memory,
+             limits=SMALL, device_memory=10**15)
+    assert p.budget_bytes == budget and p.vae_tile_above_pixels == tiling_for_budget(memory, budget)[0]
     base = EngineSettings(OffloadSettings("rank-local", resident_blocks="auto"), stream_encoders=True)
-    settings, lines = plan_settings(base, dep)
-    assert settings.resident_plan is not None and "resident_blocks=auto budget=" in lines[-1]
+    settings = dataclasses.replace(base, resident_plan=p.resident, vae_tile_above_pixels=p.vae_tile_above_pixels)
+    assert settings.resident_plan is not None and any("resident_blocks=auto budget=" in r for r in p.reasons)
+    assert p.resident_blocks == dict(p.resident.blocks)
+    dep_memory = dataclasses.replace(memory, tile_above_pixels=p.vae_tile_above_pixels)
 
     pipe = ServingPipeline(model, settings, max_sequence_length=SMALL.max_sequence_length)
     try:
         reports = {name: m.report for name, m in pipe.models.items()}
         kept = {name: r.resident_blocks for name, r in reports.items()}
         assert kept == dict(settings.resident_plan.blocks) and kept["transformer"] >= 2
-        predicted = dep.memory.rank("rank-local", 1, kept)
+        predicted = dep_memory.rank("rank-local", 1, kept)
         # the engine's own accounting of what it placed: within the memory model's weights (which count
         # each kept block at the largest block's size), less the buffers a model computes at build (not
         # in its checkpoint: the table's overhead, measured on loads, bounds them) ...
@@ -68,7 +73,7 @@ def test_auto_resident_blocks_fill_an_emulated_budget_and_the_largest_request_is
             r = m.report
             built = sum(b.numel() * b.element_size() for n, b in m.module.named_buffers() if n not in m._ckpt.tensors)
             assert r.slot_bytes + r.resident_bytes - built <= placed_weight_bytes(
-                dep.memory.transformers.get(name) or dep.memory.encoders[name], "rank-local", 1, kept[name]), name
+                dep_memory.transformers.get(name) or dep_memory.encoders[name], "rank-local", 1, kept[name]), name
             assert r.slot_bytes + r.resident_bytes <= predicted.weights[name]
         assert all(pipe.component_bytes[n] <= predicted.weights[n] for n in pipe.component_bytes)
         # ... and with the largest accepted request's peak and the margin they stay within the budget
@@ -155,17 +160,22 @@ def test_lora_adapters_count_against_the_budget_as_a_whole_component(tmp_path_fa
     """`--lora-dir`'s adapters (and a merge scratch) live on every rank: `dlo serve`'s deployment
     holds them as a whole component, the plan keeps fewer blocks for them, and a given mode's verdict
     names them."""
-    from dlo.engine.serving.budget import LORA_COMPONENT, check_mode, deployment
+    from dlo.plan.budget import LORA_COMPONENT, check_mode
 
     model = preset_pipeline(tmp_path_factory, "tiny-wan2.1-t2v")
-    args = argparse.Namespace(stream_text_encoders=True, stream_dtype="bfloat16", max_device_memory=0,
-                              cfg_pairs=True, sp=1)
-    assert LORA_COMPONENT not in deployment(args, model, SMALL, "cpu").memory.whole
+    memory = deployment_memory(model, SMALL)
+    assert LORA_COMPONENT not in memory.whole
     # CFG pairs' waiting lane: counted where they may run (sp 1), not otherwise
-    assert deployment(args, model, SMALL, "cpu").memory.paired_lane != (0, 0)
-    for off in ({"cfg_pairs": False}, {"sp": 2}):
-        assert deployment(argparse.Namespace(**{**vars(args), **off}), model, SMALL, "cpu").memory.paired_lane == (0, 0)
-    assert deployment(args, model, SMALL, "cpu", adapter_bytes=12345).memory.whole[LORA_COMPONENT] == 12345
+    assert PlanAsk().pairs_counted and deployment_memory(model, SMALL, cfg_pairs=True).paired_lane != (0, 0)
+    assert not PlanAsk(cfg_pairs=False).pairs_counted and not PlanAsk(sp=2).pairs_counted
+    assert memory.paired_lane == (0, 0)
+
+    def weights(adapter_bytes: int) -> int | None:
+        ask = PlanAsk(mode="rank-local", lora=LoraAsk(adapter_bytes=adapter_bytes))
+        return plan(ask, profile=NodeProfile(), transformer=memory.transformers["transformer"],
+                    pipeline=memory).weights_bytes
+
+    assert weights(12345) - weights(0) >= 12345  # the plan holds them as a whole component
 
     plain = _memory(Geometry(16, 4), RequestBounds(832, 480, 17, 1, 512))  # Wan2.1-14B's 40 blocks
     block = plain.transformers["transformer"].largest_block_bytes
@@ -179,16 +189,14 @@ def test_lora_adapters_count_against_the_budget_as_a_whole_component(tmp_path_fa
         return resident_plan(memory, "rank-local", 1, budget)[0].blocks["transformer"]
 
     assert kept(with_lora, budget) == kept(plain, budget) - 2 == 5  # the adapters take two blocks' room
-    plan = resident_plan(with_lora, "rank-local", 1, budget)[0]
-    assert with_lora.rank("rank-local", 1, dict(plan.blocks)).weights_bytes <= budget - plan.spare_bytes
+    kept_plan = resident_plan(with_lora, "rank-local", 1, budget)[0]
+    assert with_lora.rank("rank-local", 1, dict(kept_plan.blocks)).weights_bytes <= budget - kept_plan.spare_bytes
     assert LORA_COMPONENT in check_mode("rank-local", with_lora, budget, 1)
 
 
 def test_dlo_serve_defaults_to_auto_resident_blocks_where_a_budget_is_known():
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args(["/m"])
-    assert engine_settings(args, "rank-local", "cuda", 1, {}).offload.resident_blocks == "auto"
-    assert engine_settings(args, "rank-local", "cpu", 1, {}).offload.resident_blocks == 0
-    given = parser.parse_args(["/m", "--resident-blocks", "3"])
-    assert engine_settings(given, "rank-local", "cuda", 1, {}).offload.resident_blocks == 3
+    from tests.engine.serving_helpers import serve_settings
+
+    assert serve_settings([], "rank-local", "cuda").offload.resident_blocks == "auto"
+    assert serve_settings([], "rank-local", "cpu").offload.resident_blocks == 0
+    assert serve_settings(["--resident-blocks", "3"], "rank-local", "cuda").offload.resident_blocks == 3

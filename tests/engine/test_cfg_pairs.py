@@ -256,7 +256,7 @@ def _paired_request(tmp_path_factory, family: str, lora: str | None):
                                           ("wan2.2", None), ("qwen-image", None), ("qwen-image", "merge")])
 def test_a_served_request_paired_gives_the_unpaired_bytes_for_fewer_gathers(tmp_path_factory, family, lora):
     from dlo.engine.random_lora import write_adapter
-    from dlo.engine.serving.pipeline import ServingPipeline
+    from dlo.serving.pipeline import ServingPipeline
     from dlo.engine.settings import EngineSettings, LoraSettings, OffloadSettings
 
     model, seq, gen = _paired_request(tmp_path_factory, family, lora)
@@ -299,15 +299,11 @@ def test_a_served_request_paired_gives_the_unpaired_bytes_for_fewer_gathers(tmp_
 
 
 def test_the_flag_reaches_the_engine_settings_and_the_ranks():
-    import argparse
-
-    from dlo.engine.serving.options import add_arguments, engine_settings
     from dlo.engine.settings import EngineSettings
+    from tests.engine.serving_helpers import serve_settings
 
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    on = engine_settings(parser.parse_args(["/m"]), "rank-local", "cpu", 1, {})
-    off = engine_settings(parser.parse_args(["/m", "--no-cfg-pairs"]), "rank-local", "cpu", 1, {})
+    on = serve_settings([], "rank-local")
+    off = serve_settings(["--no-cfg-pairs"], "rank-local")
     assert on.cfg_pairs and not off.cfg_pairs  # on by default (measured: bench/NOTES.md section 25)
     assert EngineSettings.from_dict(on.to_dict()).cfg_pairs  # what every rank is started with
     assert not EngineSettings.from_dict(off.to_dict()).cfg_pairs
@@ -358,8 +354,8 @@ def test_dlo_serve_counts_a_block_s_kept_merges_in_the_budget_only_with_pairs(tm
 
     from dlo.engine.families import pipeline_facts
     from dlo.engine.random_lora import write_adapter
-    from dlo.engine.serving.cli import _Start, _adapters
-    from dlo.engine.serving.options import add_arguments
+    from dlo.serving.serve import _Start, _adapters
+    from dlo.serving.options import add_arguments, serve_config
     from dlo.engine.timing import Laps
     from tests.engine.serving_helpers import tiny_pipeline
 
@@ -373,7 +369,7 @@ def test_dlo_serve_counts_a_block_s_kept_merges_in_the_budget_only_with_pairs(tm
         args = parser.parse_args([str(model), "--lora-dir", str(adapters), "--lora-apply", "merge",
                                   "--cfg-pairs" if pairs else "--no-cfg-pairs", *more])
         start = _Start(model, Laps(0.0), facts=pipeline_facts(model))
-        _adapters(args, start)
+        _adapters(serve_config(args), start)
         held[pairs] = start.adapter_bytes
     assert held[True] > held[False] > 0  # a block's merges in place of the look-ahead's one layer
     assert held["sp 2"] == held[False]  # pairs never run at sp > 1: nothing kept for them

@@ -10,10 +10,10 @@ import sys
 import pytest
 
 from dlo.engine.report import LoadReport
-from dlo.engine.serving import control
-from dlo.engine.serving.control import RankConfig, RankStats, summary
+from dlo.serving import control
+from dlo.serving.control import RankConfig, RankStats, summary
 from dlo.engine.settings import EngineSettings, OffloadSettings, ParallelSettings
-from dlo.engine.serving.errors import (
+from dlo.serving.errors import (
     EngineFailed,
     EngineUnavailable,
     InvalidInput,
@@ -79,11 +79,11 @@ def test_rank_stats_are_the_gather_counters_plus_the_peak_with_the_same_json():
 
 
 def test_control_and_errors_import_neither_torch_nor_fastapi():
-    code = ("import sys, dlo.engine.serving.control, dlo.engine.serving.errors, dlo.engine.report; "
+    code = ("import sys, dlo.serving.control, dlo.serving.errors, dlo.engine.report; "
             "bad = [m for m in ('torch', 'fastapi') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert control.WaveError.__module__ == "dlo.engine.serving.control"
+    assert control.WaveError.__module__ == "dlo.serving.control"
 
 
 @pytest.mark.parametrize("err,status,code", [
@@ -96,7 +96,7 @@ def test_control_and_errors_import_neither_torch_nor_fastapi():
     (InvalidInput("bad text"), 400, "invalid_input"),
 ])
 def test_the_server_maps_each_domain_error_to_one_status(err, status, code):
-    from dlo.engine.serving.server import api_error, status_of
+    from dlo.serving.server import api_error, status_of
 
     assert status_of(err) == status
     api = api_error(err)
@@ -106,7 +106,7 @@ def test_the_server_maps_each_domain_error_to_one_status(err, status, code):
 def test_the_service_speaks_no_http():
     from pathlib import Path
 
-    import dlo.engine.serving.service as service
+    import dlo.serving.service as service
 
     text = Path(service.__file__).read_text()
     assert "ApiError" not in text and "fastapi" not in text.lower()

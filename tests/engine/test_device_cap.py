@@ -41,8 +41,8 @@ def test_serve_refuses_the_cap_on_cpu_before_any_rank_starts(tmp_path_factory):
 
 
 def test_every_component_is_reported(tmp_path_factory):
-    from dlo.engine.serving.pipeline import ServingPipeline
-    from dlo.engine.serving.rank_main import ready_message
+    from dlo.serving.pipeline import ServingPipeline
+    from dlo.serving.rank_main import ready_message
 
     for name, comps in [("tiny-wan2.2-t2v-a14b", {"transformer", "transformer_2", "text_encoder", "vae"}),
                         ("tiny-flux.1-dev", {"transformer", "text_encoder", "text_encoder_2", "vae"})]:

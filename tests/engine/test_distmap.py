@@ -1,4 +1,4 @@
-"""The distribution map a rank's start computes beside its imports (`dlo.engine.serving.distmap`):
+"""The distribution map a rank's start computes beside its imports (`dlo.serving.distmap`):
 the same map `importlib.metadata` gives, served only while the rank loads, and a start that goes on
 without it."""
 
@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-from dlo.engine.serving import distmap
+from dlo.serving import distmap
 
 
 def test_the_childs_map_is_importlibs_own_and_is_served_only_while_the_rank_loads(monkeypatch):
@@ -51,7 +51,7 @@ def test_a_child_that_fails_costs_only_what_it_would_have_saved(monkeypatch, cap
     monkeypatch.setattr(distmap, "_CHILD", "import sys; sys.exit(3)")
     distmap.start_distribution_map()
     expected = importlib.metadata.packages_distributions()
-    with caplog.at_level("WARNING", logger="dlo.engine.serving.distmap"), distmap.installed():
+    with caplog.at_level("WARNING", logger="dlo.serving.distmap"), distmap.installed():
         assert importlib.metadata.packages_distributions() == expected  # computed here instead
     assert "exited with code 3" in caplog.text
 
@@ -78,7 +78,7 @@ def test_the_child_sees_the_paths_of_this_process(tmp_path):
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: only-here\nVersion: 1.0\n")
     (info / "top_level.txt").write_text("only_here\n")
-    code = ("import sys, importlib.metadata; sys.path.insert(0, sys.argv[1]); from dlo.engine.serving import distmap; "
+    code = ("import sys, importlib.metadata; sys.path.insert(0, sys.argv[1]); from dlo.serving import distmap; "
             "distmap.start_distribution_map()\nwith distmap.installed(): "
             "print(importlib.metadata.packages_distributions().get('only_here'))")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)

@@ -44,7 +44,7 @@ def test_no_counter_no_meter() -> None:
 
 @pytest.mark.parametrize("joules", [12.5, None])
 def test_energy_metric_only_for_ranks_with_a_counter(joules) -> None:
-    from dlo.engine.serving.metrics import EngineMetrics
+    from dlo.serving.metrics import EngineMetrics
 
     stats = {"gathers": 1, "h2d_bytes": 2, "collective_bytes": 0, "gather_wait_seconds": 0.0,
              "device_memory_peak_bytes": 0, "device_energy_joules": joules}

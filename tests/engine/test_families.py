@@ -85,7 +85,7 @@ def _index(p) -> dict:
 def test_serving_pipeline_has_no_family_branch():
     from pathlib import Path
 
-    import dlo.engine.serving.pipeline as pipeline
+    import dlo.serving.pipeline as pipeline
 
     text = Path(pipeline.__file__).read_text()
     assert not any(f'"{name}"' in text for name in FAMILIES)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dlo.engine.request import Generation
-from dlo.engine.serving.waves import compatibility_key
+from dlo.serving.waves import compatibility_key
 from dlo.engine.settings import EngineSettings, OffloadSettings
 from tests.engine.serving_helpers import sha
 
@@ -52,7 +52,7 @@ def _gen(name: str, **change) -> Generation:
     ("tiny-qwen-image", {"negative_prompt": "blurry"}), ("tiny-flux.1-dev", {"negative_prompt": "blurry"}),
 ])
 def test_calls_per_transformer_match_what_the_pipeline_runs(tmp_path_factory, name, change):
-    from dlo.engine.serving.pipeline import ServingPipeline
+    from dlo.serving.pipeline import ServingPipeline
 
     pipe = ServingPipeline(preset_pipeline(tmp_path_factory, name), EngineSettings(OffloadSettings("resident")),
                            max_sequence_length=16)
@@ -108,8 +108,8 @@ def test_families_are_recognised_from_the_folders(tmp_path_factory):
 
 def test_input_reference_validation():
     from dlo.engine.families import PipelineFacts
-    from dlo.engine.serving.api_models import ApiError, VideoCreateRequest, video_generation
-    from dlo.engine.serving.limits import SMALL
+    from dlo.serving.api_models import ApiError, VideoCreateRequest, video_generation
+    from dlo.plan.limits import SMALL
 
     t2v = PipelineFacts("wan", "WanPipeline", 16, 4, 5.0, "WanTransformer3DModel")
     i2v = dataclasses.replace(t2v, family="wan-i2v", pipeline_class="WanImageToVideoPipeline", image_input=True)
@@ -131,7 +131,7 @@ def test_input_reference_validation():
 def test_streamed_text_encoders_give_the_same_bytes_and_follow_the_call_plan(tmp_path_factory, name):
     """UMT5 / T5 through `dlo.engine.load` (`encoder.block`, tied embedding bound once) in rank-local
     mode: same bytes as the whole encoder, and its forwards (prompt, negative) are in the call plan."""
-    from dlo.engine.serving.pipeline import ServingPipeline
+    from dlo.serving.pipeline import ServingPipeline
 
     model = preset_pipeline(tmp_path_factory, name)
     gen = _gen(name, kind="image", frames=1, fps=0, negative_prompt="blurry", steps=2)
@@ -152,7 +152,7 @@ def test_resident_mode_loads_the_large_text_encoder_through_the_engine_with_the_
     """`stream_encoders` in resident mode: the large encoder is one of the engine's models (its
     copies read the registered page cache on a GPU), resident whole, and the bytes are those of
     diffusers' own load of it."""
-    from dlo.engine.serving.pipeline import ServingPipeline
+    from dlo.serving.pipeline import ServingPipeline
 
     model = preset_pipeline(tmp_path_factory, name)
     gen = _gen(name, kind="image", frames=1, fps=0, negative_prompt="blurry", steps=2)
@@ -180,8 +180,8 @@ def test_served_bytes_equal_resident_in_process_and_idle_ranks_gather_as_often(t
     (dp 1) and every rank's gather counters are equal after them."""
     from openai import OpenAI
 
-    from dlo.engine.serving.launch import ServerProcess
-    from dlo.engine.serving.pipeline import ServingPipeline
+    from dlo.serving.launch import ServerProcess
+    from dlo.serving.pipeline import ServingPipeline
 
     model = preset_pipeline(tmp_path_factory, name)
     srv = ServerProcess(model, "--dp", "2", "--mode", mode, "--device", "cpu", "--small-limits",
@@ -226,13 +226,13 @@ SMALL_SEQ = 32
 
 
 def test_vae_decodes_in_tiles_above_the_size_limit_and_stays_deterministic(tmp_path_factory):
-    from dlo.engine.serving.pipeline import VAE_TILE_ABOVE_PIXELS, ServingPipeline
+    from dlo.serving.pipeline import VAE_TILE_ABOVE_PIXELS, ServingPipeline
 
     pipe = ServingPipeline(preset_pipeline(tmp_path_factory, "tiny-wan2.1-t2v"),
                            EngineSettings(OffloadSettings("resident")), max_sequence_length=16)
     gen = _gen("tiny-wan2.1-t2v", steps=2)
-    assert not pipe._vae_tiling(gen) and not pipe.pipe.vae.use_tiling
-    assert pipe._vae_tiling(dataclasses.replace(gen, width=1280, height=720, frames=81 + 4))
+    assert not pipe.set_vae_tiling(gen) and not pipe.pipe.vae.use_tiling
+    assert pipe.set_vae_tiling(dataclasses.replace(gen, width=1280, height=720, frames=81 + 4))
     assert VAE_TILE_ABOVE_PIXELS == 1280 * 720 * 81
     pipe.vae_tile_above_pixels = 0  # every request tiled: the tiny VAE decodes in tiles of its own size
     pipe.pipe.vae.tile_sample_min_height = pipe.pipe.vae.tile_sample_min_width = 16

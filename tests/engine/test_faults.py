@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 
-from dlo.engine.serving.control import RankConfig
-from dlo.engine.serving.faults import FAULTS_ENV, HOOKS_ENV, FaultPlan, InjectedFault, install_rank_faults
+from dlo.serving.control import RankConfig
+from dlo.serving.faults import FAULTS_ENV, HOOKS_ENV, FaultPlan, InjectedFault, install_rank_faults
 from dlo.engine.request import Generation
 from dlo.engine.settings import EngineSettings, OffloadSettings
 from tests.engine.serving_helpers import tiny_pipeline
@@ -41,8 +41,8 @@ def test_a_malformed_fault_plan_is_refused(text):
 @pytest.mark.parametrize("mode", ["rank-local", "resident"])
 def test_each_phase_fails_its_request_alone_and_a_mid_forward_fault_is_fatal_only_with_offload(
         tmp_path_factory, mode):
-    from dlo.engine.serving.pipeline import ServingPipeline
-    from dlo.engine.serving.rank_main import run_assignment
+    from dlo.serving.pipeline import ServingPipeline
+    from dlo.serving.rank_main import run_assignment
 
     model = tiny_pipeline(tmp_path_factory, "wan")
     settings = EngineSettings(OffloadSettings(mode))

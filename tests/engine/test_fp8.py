@@ -127,8 +127,8 @@ def test_dlo_quantize_writes_an_fp8_folder_beside_the_untouched_components(tmp_p
                            capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "already holds FP8 weights" in again.stderr
     assert not (dst.parent / "twice").exists() and not (dst.parent / "twice.partial").exists()
-    from dlo.engine.serving.budget import DeviceBudgetError, deployment_memory
-    from dlo.engine.serving.limits import SMALL
+    from dlo.plan.budget import DeviceBudgetError, deployment_memory
+    from dlo.plan.limits import SMALL
 
     with pytest.raises(DeviceBudgetError, match="--stream-dtype fp8"):  # dlo serve refuses it before loading
         deployment_memory(dst, SMALL)
@@ -179,7 +179,7 @@ def test_fp8_outputs_are_bit_identical_across_modes_and_dp(tmp_path_factory):
 
 
 def test_a_tiny_pipeline_serves_the_same_fp8_bytes_resident_and_streamed(tmp_path_factory):
-    from dlo.engine.serving.pipeline import ServingPipeline
+    from dlo.serving.pipeline import ServingPipeline
 
     src, dst = _quantized(tmp_path_factory, "tiny-flux.1-dev")
     gen = Generation(kind="image", prompt="a lighthouse", seed=3, width=32, height=32, steps=2, guidance_scale=3.5)
@@ -278,7 +278,7 @@ def test_a_block_dequantized_in_one_launch_gives_dequantize_intos_bytes_and_a_ba
 def test_mode_auto_asks_the_policy_about_an_fp8_folder_streamed_as_fp8(tmp_path_factory, tmp_path, caplog):
     """`dlo serve FP8_FOLDER --stream-dtype fp8` with the default `--mode auto`: the policy plans with
     the FP8 blocks (it once read the folder as bfloat16, failed, and fell back to the fixed rule)."""
-    from dlo.engine.serving.mode_choice import resolve_mode
+    from tests.engine.serving_helpers import plan_mode as resolve_mode
 
     _, dst = _quantized(tmp_path_factory, "tiny-wan2.1-t2v")
     frag = tmp_path / "fragment.json"

@@ -13,7 +13,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from dlo.engine.serving.launch import ServerProcess
+from dlo.serving.launch import ServerProcess
 from tests.engine.serving_helpers import tiny_pipeline, wait_until
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""`dlo serve`'s connection rules over raw sockets (engine/serving/http_protocol.py, connections.py):
+"""`dlo serve`'s connection rules over raw sockets (serving/http_protocol.py, connections.py):
 request heads of at most 16 KiB (431 in OpenAI's JSON beyond, whole or trickled), Content-Length
 with Transfer-Encoding closes the connection after its answer (RFC 9112 6.3), HEAD /health, a body
 that stops or trickles gets 408 within the body timeout, and the connection cap keeps a reserve for
@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from dlo.engine.serving.launch import ServerProcess
+from dlo.serving.launch import ServerProcess
 from tests.engine.serving_helpers import tiny_pipeline, wait_until
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""A client that closes its connection withdraws its request (engine/serving/server.py,
+"""A client that closes its connection withdraws its request (serving/server.py,
 service.withdraw): while it waits in the queue it is dropped and never reaches the ranks; while
 its wave runs, the wave finishes (the collective schedule is never broken) and the result is
 dropped. Both are counted as dlo_requests_total{code="499"}; the server serves on."""
@@ -11,7 +11,7 @@ import socket
 import pytest
 import requests
 
-from dlo.engine.serving.launch import ServerProcess
+from dlo.serving.launch import ServerProcess
 from tests.engine.serving_helpers import tiny_pipeline, wait_until
 
 pytestmark = pytest.mark.slow

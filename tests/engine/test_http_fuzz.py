@@ -14,7 +14,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from dlo.engine.serving.launch import ServerProcess
+from dlo.serving.launch import ServerProcess
 from tests.engine.serving_helpers import tiny_pipeline
 from tests.reliability.figures import record
 

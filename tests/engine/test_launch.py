@@ -4,7 +4,7 @@ one server, never a second one beside an orphaned first."""
 import subprocess
 import sys
 
-from dlo.engine.serving.launch import ServerProcess
+from dlo.serving.launch import ServerProcess
 
 
 def test_with_after_start_keeps_the_one_process_and_stops_it(tmp_path):

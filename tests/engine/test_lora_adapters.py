@@ -238,8 +238,8 @@ def test_hooks_live_for_one_request_even_when_it_fails():
 # ---- requests and settings ---------------------------------------------------------------------
 def _request(**fields):
     from dlo.engine.families.pipelines import PipelineFacts
-    from dlo.engine.serving.api_models import ImageGenerationRequest, image_generation
-    from dlo.engine.serving.limits import SMALL
+    from dlo.serving.api_models import ImageGenerationRequest, image_generation
+    from dlo.plan.limits import SMALL
 
     facts = PipelineFacts("wan", "WanPipeline", 16, 4, 5.0, "WanTransformer3DModel")
     body = ImageGenerationRequest(prompt="a cat", size="32x32", seed=1, **fields)
@@ -247,7 +247,7 @@ def _request(**fields):
 
 
 def test_a_request_chooses_its_adapter_by_model_id_or_lora_and_bad_choices_are_4xx():
-    from dlo.engine.serving.api_models import ApiError
+    from dlo.serving.api_models import ApiError
 
     assert (_request().lora_id, _request().lora_scale) == (None, 1.0)
     assert _request(model="tiny:style-a").lora_id == "style-a"

@@ -9,10 +9,12 @@ import dataclasses
 
 import pytest
 
-from dlo.engine.memory_plan import margin_bytes
-from dlo.engine.serving.budget import Deployment, deployment_memory, plan_settings
-from dlo.engine.serving.limits import SMALL
-from dlo.engine.serving.options import add_arguments, lora_settings
+from dlo.plan.memory_plan import margin_bytes
+from dlo.plan.budget import deployment_memory
+from dlo.plan.deployment import LoraAsk, auto_merge_cache
+from dlo.plan.limits import SMALL
+from dlo.plan.memory_plan import resident_plan
+from dlo.serving.options import add_arguments, serve_config
 from dlo.engine.settings import (
     LORA_MERGE_ABOVE_TOKENS,
     ConfigError,
@@ -47,6 +49,10 @@ def _args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(["/m", *argv])
 
 
+def lora_settings(args: argparse.Namespace) -> LoraSettings:
+    return serve_config(args).lora
+
+
 def test_the_flag_takes_auto_zero_or_a_byte_count():
     assert lora_settings(_args()).merge_cache_bytes == "auto"
     assert lora_settings(_args("--lora-merge-cache", "0")).merge_cache_bytes == 0
@@ -66,9 +72,20 @@ def _fixed(memory, mode: str) -> int:
 
 
 def _plan(memory, budget, mode="resident", blocks=0, merges=10 * GB, **lora):
-    settings = EngineSettings(OffloadSettings(mode, resident_blocks=blocks), stream_encoders=True,
-                              lora=LoraSettings("/loras", **lora))
-    return plan_settings(settings, Deployment(memory, budget, "test"), merges)
+    """The settings the plan's steps give (`dlo.plan.deployment`: resident blocks, then the cache)."""
+    given = LoraSettings("/loras", **lora)
+    settings = EngineSettings(OffloadSettings(mode, resident_blocks=blocks), stream_encoders=True, lora=given)
+    resident = (resident_plan(memory, mode, 1, budget)[0]
+                if blocks == "auto" and mode != "resident" and budget is not None else None)
+    if given.merge_cache_bytes != "auto":
+        return settings, []
+    kept = dict(resident.blocks) if resident else {n: blocks for n in memory.transformers} if mode != "resident" else {}
+    ask = LoraAsk(merges_bytes=merges, apply=given.apply, merge_cache="auto",
+                  merge_above_tokens=given.merge_above_tokens, served=True)
+    size, above, line = auto_merge_cache(ask, memory, mode, 1, budget, kept, resident)
+    lora = dataclasses.replace(given, merge_cache_bytes=size,
+                               merge_above_tokens=given.merge_above_tokens if above is None else above)
+    return dataclasses.replace(settings, lora=lora, resident_plan=resident), [line]
 
 
 def test_an_auto_cache_gets_the_spare_of_the_mode_up_to_every_merge(memory):
@@ -100,6 +117,5 @@ def test_without_a_budget_branch_or_a_given_size_nothing_is_sized(memory):
     assert settings.lora.merge_cache_bytes == 0 and settings.lora.merge_above == LORA_MERGE_ABOVE_TOKENS
     assert not any("merge cache" in line for line in lines)
     given = dataclasses.replace(LoraSettings("/loras", merge_cache_bytes=GB))
-    settings, _ = plan_settings(EngineSettings(OffloadSettings("resident"), lora=given),
-                                Deployment(memory, 500 * GB, "test"), 10 * GB)
+    settings, _ = _plan(memory, 500 * GB, merge_cache_bytes=GB)
     assert settings.lora == given

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from dlo.engine.lora.bank import LoraBank, merge_way
-from dlo.engine.lora.merge import MergeCache, MergeWay, merge_weight, two_steps
+from dlo.engine.lora.merge import MergeCache, MergeWay, merge_weight
 from dlo.engine.lora.merge_kernel import DEFAULT_SHAPE, FusedMerge, KernelShape, same_bits
+from dlo.engine.lora.merge_steps import two_steps
 from dlo.engine.lora.weights import Branch
-from dlo.engine.serving.options import add_arguments, lora_settings
+from dlo.serving.options import add_arguments, serve_config
 from dlo.engine.settings import ConfigError, LoraSettings
 
 
@@ -139,8 +140,8 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def test_the_flag_reaches_the_bank_s_way(tmp_path, capsys):
-    assert lora_settings(_args("--lora-merge-kernel", "triton")).merge_kernel == "triton"
-    assert lora_settings(_args("--lora-merge-kernel", "torch")).merge_kernel == "torch"
+    assert serve_config(_args("--lora-merge-kernel", "triton")).lora.merge_kernel == "triton"
+    assert serve_config(_args("--lora-merge-kernel", "torch")).lora.merge_kernel == "torch"
     assert _args().lora_merge_kernel == "triton" == LoraSettings("/l").merge_kernel
     with pytest.raises(SystemExit) as exit_:
         _args("--lora-merge-kernel", "cuda")

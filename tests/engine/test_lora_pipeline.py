@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
     ("wan", "resident", "auto", 0, 3, None), ("flux", "resident", "auto", 10**9, None, None)])
 def test_every_adapter_equals_diffusers_load_lora_weights_bit_for_bit(lora_setups, family, mode, apply, cache, above,
                                                                     fused, monkeypatch):
-    from dlo.engine.serving.pipeline import ServingPipeline
+    from dlo.serving.pipeline import ServingPipeline
 
     s = lora_setups[family]
     lora = LoraSettings(str(s.lora_dir), apply=apply, merge_cache_bytes=cache,
@@ -53,7 +53,7 @@ def test_every_adapter_equals_diffusers_load_lora_weights_bit_for_bit(lora_setup
     for i, (adapter, scale, seed) in enumerate(s.cases):
         gen = s.gen(i)
         with torch.inference_mode(), pipe.lora.applied(gen.lora_id, gen.lora_scale, tokens):
-            out = pipe.pipe(**pipe._call_kwargs(gen))
+            out = pipe.pipe(**pipe.pipeline_kwargs(gen))
         got = np.asarray(out.frames if family == "wan" else out.images)
         ref = s.ref_array(i, kind)
         assert np.array_equal(got, ref), (f"{family} {mode} {apply} case {i} {adapter}@{scale}: max difference "
@@ -96,7 +96,7 @@ def _stand_in_kernel(monkeypatch, how: str):
     """The bank's fused merge, on cpu for any dtype and rank: the two steps (`agrees`), or the two steps
     plus one (`differs`: a kernel whose sums were ordered otherwise, made obvious)."""
     from dlo.engine.lora import bank
-    from dlo.engine.lora.merge import two_steps
+    from dlo.engine.lora.merge_steps import two_steps
     from dlo.engine.lora.merge_kernel import FusedMerge
 
     def launch(out, w, B, A, f):

@@ -17,7 +17,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from dlo.engine.serving.launch import ServerProcess
+from dlo.serving.launch import ServerProcess
 from tests.engine.lora_helpers import SIZE, STEPS, LoraSetup
 from tests.engine.serving_helpers import offline_env, submit_in_order
 

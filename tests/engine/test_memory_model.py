@@ -1,4 +1,4 @@
-"""dlo.engine.memory_model and memory_table: the fits, a rank's peak over a small committed test
+"""dlo.plan.memory_model and memory_table: the fits, a rank's peak over a small committed test
 table, the largest requests of the limits, and the committed table holding nothing unmeasured."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dlo.engine.facts import ModelFacts
-from dlo.engine.memory_model import (
+from dlo.plan.facts import ModelFacts
+from dlo.plan.memory_model import (
     Geometry,
     PipelineMemory,
     RequestBounds,
@@ -20,7 +20,7 @@ from dlo.engine.memory_model import (
     pipeline_memory,
     placed_weight_bytes,
 )
-from dlo.engine.memory_table import TABLE_PATH, MemoryTable, TableError, fit_linear
+from dlo.plan.memory_table import TABLE_PATH, MemoryTable, TableError, fit_linear
 
 SMALL_TABLE = Path(__file__).parent / "fixtures" / "memory_table_small.json"
 GB = 10**9

@@ -185,6 +185,6 @@ def test_load_takes_a_number_of_resident_blocks_auto_is_sized_by_the_caller(mode
     from dlo.engine import OffloadSettings, load
     from dlo.engine.settings import ConfigError
 
-    # "auto" needs the largest request's peak (dlo serve: dlo.engine.memory_plan); load has no such request
+    # "auto" needs the largest request's peak (dlo serve: dlo.plan.memory_plan); load has no such request
     with pytest.raises(ConfigError, match="resident_blocks 'auto' is sized from the device budget"):
         load(models[("wan", "bf16")], settings=OffloadSettings("rank-local", resident_blocks="auto"), device="cpu")

@@ -25,7 +25,7 @@ def flux(tmp_path_factory):
 
 
 def _serving(model_dir):
-    from dlo.engine.serving.pipeline import ServingPipeline
+    from dlo.serving.pipeline import ServingPipeline
 
     return ServingPipeline(model_dir, EngineSettings(OffloadSettings("resident")), max_sequence_length=16)
 

@@ -31,7 +31,7 @@ def bf16_twin(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
 
 @pytest.mark.parametrize("name", ["tiny-flux.1-dev", "tiny-wan2.1-t2v"])
 def test_bf16_pipeline_serves_in_every_mode_with_its_encoders_in_bf16(tmp_path_factory, name):
-    from dlo.engine.serving.pipeline import ServingPipeline
+    from dlo.serving.pipeline import ServingPipeline
 
     model = bf16_twin(tmp_path_factory, name)
     video = "wan" in name

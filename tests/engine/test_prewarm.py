@@ -1,4 +1,4 @@
-"""What a rank's start runs beside its imports (`dlo.engine.serving.prewarm`): a cold checkpoint
+"""What a rank's start runs beside its imports (`dlo.serving.prewarm`): a cold checkpoint
 read ahead into the page cache, and the device libraries' first calls."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dlo.agent.residency import folder_residency, model_files
-from dlo.engine.serving.prewarm import start_library_warmup, start_readahead, warm_libraries
+from dlo.pagecache.residency import folder_residency, model_files
+from dlo.serving.prewarm import start_library_warmup, start_readahead, warm_libraries
 from tests.agent.test_warm import drop  # fsync, then POSIX_FADV_DONTNEED
 from tests.engine.serving_helpers import tiny_pipeline
 
@@ -34,8 +34,8 @@ def test_a_registration_waits_until_the_readahead_has_read_its_file(tmp_path):
     import threading
     import time
 
-    from dlo.agent.residency import file_residency
-    from dlo.engine.serving.prewarm import RESIDENT_ENOUGH, Readahead
+    from dlo.pagecache.residency import file_residency
+    from dlo.serving.prewarm import RESIDENT_ENOUGH, Readahead
 
     weights = tmp_path / "w.safetensors"
     weights.write_bytes(os.urandom(8 << 20))
@@ -73,9 +73,9 @@ def test_a_registration_waits_until_the_readahead_has_read_its_file(tmp_path):
 
 
 def test_the_readahead_reads_the_starts_code_and_small_files_before_the_weights(tmp_path_factory, tmp_path):
-    from dlo.agent.residency import file_residency
-    from dlo.engine.serving.prewarm import package_folders
-    from dlo.engine.serving.readahead import read_in_child, startup_files
+    from dlo.pagecache.residency import file_residency
+    from dlo.serving.prewarm import package_folders
+    from dlo.serving.readahead import read_in_child, startup_files
 
     pkg = tmp_path / "pkg"
     (pkg / "__pycache__").mkdir(parents=True)
@@ -108,8 +108,8 @@ def test_the_readahead_reads_the_starts_code_and_small_files_before_the_weights(
 def test_the_distributions_a_start_imports_are_read_with_what_they_require(tmp_path_factory, tmp_path, monkeypatch):
     """`--distribution`: a distribution's installed files (its RECORD) and those of its requirements,
     transitively; a requirement of an extra or for another platform, and a file gone, are left out."""
-    from dlo.engine.serving.prewarm import START_DISTRIBUTIONS
-    from dlo.engine.serving.readahead import distribution_files, read_in_child, startup_files
+    from dlo.serving.prewarm import START_DISTRIBUTIONS
+    from dlo.serving.readahead import distribution_files, read_in_child, startup_files
 
     site = tmp_path / "site"
 
@@ -155,16 +155,18 @@ def test_a_starts_readahead_reads_the_interpreters_modules_the_metadata_and_the_
     import sysconfig
     from importlib.util import cache_from_source
 
-    import dlo.engine.serving.readahead as ra
-    from dlo.agent.residency import file_residency
+    import dlo.serving.readahead as ra
+    from dlo.pagecache.residency import file_residency
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     tabnanny = Path(cache_from_source(str(stdlib / "tabnanny.py")))  # a module no start imports
     tabnanny = tabnanny if tabnanny.is_file() else stdlib / "tabnanny.py"
     metadata = Path(str(importlib.metadata.distribution("kopf").locate_file(
         next(f for f in importlib.metadata.distribution("kopf").files if f.name == "METADATA"))))
-    own = Path(ra.__file__).parent.parent / "families" / "__init__.py"  # dlo.engine's, no RECORD lists it
-    from dlo.engine.serving.prewarm import START_DISTRIBUTIONS, START_FOLDERS, package_folders
+    import dlo.engine.families as families
+
+    own = Path(families.__file__)  # dlo.engine's, no RECORD lists it
+    from dlo.serving.prewarm import START_DISTRIBUTIONS, START_FOLDERS, package_folders
 
     first = set(ra.startup_files(package_folders(START_FOLDERS), (), START_DISTRIBUTIONS, python=True))
     assert {tabnanny, metadata, own} <= first  # what a start reads first, whatever the page cache holds
@@ -213,9 +215,9 @@ def test_code_a_start_ran_counts_as_cached_and_only_the_folders_files_are_read_b
     none of the code no start read. A page cache dropped since is cold: everything is read first."""
     import shutil
 
-    from dlo.agent.residency import file_residency
-    from dlo.engine.serving.first_cached import USED_SHARE, looks_cached
-    from dlo.engine.serving.readahead import read_in_child
+    from dlo.pagecache.residency import file_residency
+    from dlo.serving.first_cached import USED_SHARE, looks_cached
+    from dlo.serving.readahead import read_in_child
 
     code, lib = _package(tmp_path / "pkg", 40)
     assert not looks_cached([*code, lib])  # a dropped page cache
@@ -242,7 +244,7 @@ def test_code_a_start_ran_counts_as_cached_and_only_the_folders_files_are_read_b
 
 def test_python_files_cached_with_no_library_touched_are_cold(tmp_path):
     """The libraries dropped while the Python files stayed: the code is not all there, read first."""
-    from dlo.engine.serving.first_cached import looks_cached, sample_facts
+    from dlo.serving.first_cached import looks_cached, sample_facts
 
     code, lib = _package(tmp_path / "pkg", 20)
     for f in code:
@@ -262,7 +264,7 @@ def test_rank_zeros_load_adopts_the_library_warmup_dlo_serve_started(tmp_path, m
     """`dlo serve` starts rank 0's library warm-up with its checks (`start_early_library_warmup`);
     the load on that device adopts it once, any other device's load, or a later one, starts its own.
     (The warm-up starts only on cuda: here it runs its calls on cpu.)"""
-    from dlo.engine.serving import prewarm
+    from dlo.serving import prewarm
 
     started: list[str] = []
 
@@ -292,13 +294,13 @@ def test_a_readahead_that_cannot_read_says_why_and_an_orphan_reads_nothing(tmp_p
 
     import pytest
 
-    from dlo.engine.serving.readahead import ReadaheadError, read_in_child
+    from dlo.serving.readahead import ReadaheadError, read_in_child
 
     with pytest.raises(ReadaheadError, match="the readahead process failed: .*no such file"):
         read_in_child([tmp_path / "gone.safetensors"])
     # a child whose parent is not the one named (it went before the death signal was armed) exits
     # at once, torch never imported
-    code = ("import sys; from dlo.engine.serving.readahead import main; "
+    code = ("import sys; from dlo.serving.readahead import main; "
             "rc = main(['--parent-pid', '1', '/nonexistent.safetensors']); print(rc, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["1", "False"], out.stderr[-2000:]
@@ -307,7 +309,7 @@ def test_a_readahead_that_cannot_read_says_why_and_an_orphan_reads_nothing(tmp_p
 def test_dlo_serve_reads_a_cold_folder_ahead_from_its_first_checks_and_the_load_adopts_that_read(tmp_path_factory, tmp_path):
     """The readahead starts with `dlo serve`'s checks, before the device (and torch) is touched: the
     mode line comes after it, and rank 0's load joins that same read instead of starting another."""
-    from dlo.engine.serving.launch import ServerProcess
+    from dlo.serving.launch import ServerProcess
     from tests.engine.serving_helpers import offline_env
 
     model = tiny_pipeline(tmp_path_factory, "wan")
@@ -327,8 +329,8 @@ def test_dlo_serve_reads_a_cold_folder_ahead_from_its_first_checks_and_the_load_
 
 def test_a_first_file_that_cannot_be_read_leaves_the_rest_to_be_read(tmp_path, monkeypatch, capsys):
     """The first phase is best effort: one file's read error is reported, the others are read."""
-    import dlo.agent.warm as warm
-    from dlo.engine.serving.readahead import read_first
+    import dlo.pagecache.warm as warm
+    from dlo.serving.readahead import read_first
 
     good, bad = tmp_path / "good.py", tmp_path / "bad.py"
     good.write_bytes(b"g" * 5000)

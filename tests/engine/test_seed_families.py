@@ -69,7 +69,7 @@ def minimax(tmp_path_factory):
 
 
 def _resident(model: Path):
-    from dlo.engine.serving.pipeline import ServingPipeline
+    from dlo.serving.pipeline import ServingPipeline
 
     return ServingPipeline(model, EngineSettings(OffloadSettings("resident")))
 
@@ -119,7 +119,7 @@ def test_cosmos3_calls_match_what_the_pipeline_runs(cosmos_pipe, change):
 
 def test_minimax_calls_match_what_the_pipeline_runs(minimax):
     """N steps are N - 1 transformer forwards; the streamed Qwen3-VL runs once (no negative prompt)."""
-    from dlo.engine.serving.pipeline import ServingPipeline
+    from dlo.serving.pipeline import ServingPipeline
 
     pipe = ServingPipeline(minimax, EngineSettings(OffloadSettings("rank-local"), stream_encoders=True))
     for gen in (MINIMAX_T2VA, dataclasses.replace(MINIMAX_T2VA, steps=2),
@@ -148,8 +148,8 @@ def _plain(model: Path, gen: Generation) -> bytes:
 def test_minimax_vae_decodes_in_tiles_as_released_at_every_size(minimax_pipe, cosmos_pipe):
     """MiniMax-H3's VAE tiles by default (untiled, its output differs): the engine's size rule for
     tiling must not turn it off; Cosmos3's Wan VAE keeps the rule (untiled below it)."""
-    assert minimax_pipe._vae_tiling(MINIMAX_T2VA) and minimax_pipe.pipe.vae.use_tiling
-    assert not cosmos_pipe._vae_tiling(COSMOS_T2V) and not cosmos_pipe.pipe.vae.use_tiling
+    assert minimax_pipe.set_vae_tiling(MINIMAX_T2VA) and minimax_pipe.pipe.vae.use_tiling
+    assert not cosmos_pipe.set_vae_tiling(COSMOS_T2V) and not cosmos_pipe.pipe.vae.use_tiling
 
 
 def test_resident_bytes_equal_plain_diffusers_with_the_sound_track(cosmos, minimax, cosmos_pipe, minimax_pipe):
@@ -177,7 +177,7 @@ def _moved(srv) -> tuple[dict[str, float], dict[str, float]]:
 
 
 def _serve(model: Path, mode: str, tmp_path: Path, *limits: str):
-    from dlo.engine.serving.launch import ServerProcess
+    from dlo.serving.launch import ServerProcess
 
     return ServerProcess(model, "--dp", "2", "--mode", mode, "--device", "cpu", "--progress-timeout", "60",
                          *limits, log_path=tmp_path / f"{model.name}-{mode}.log")
@@ -235,9 +235,9 @@ def test_served_bytes_equal_resident_in_every_mode_and_idle_ranks_move_what_busy
 
 def test_api_takes_each_familys_frame_rules(cosmos, minimax):
     from dlo.engine.families import PipelineFacts
-    from dlo.engine.serving.api_models import (ApiError, ImageGenerationRequest, VideoCreateRequest,
+    from dlo.serving.api_models import (ApiError, ImageGenerationRequest, VideoCreateRequest,
                                                image_generation, video_generation)
-    from dlo.engine.serving.limits import Limits
+    from dlo.plan.limits import Limits
 
     limits = Limits(**MINIMAX_LIMITS, video_fps=2)
     h3, c3 = PipelineFacts.from_dir(minimax), PipelineFacts.from_dir(cosmos)
@@ -257,7 +257,7 @@ def test_api_takes_each_familys_frame_rules(cosmos, minimax):
                            limits, "m")
     assert gen.image == png() and (gen.frames, gen.fps) == (9, 24)  # text- or image-to-video, one family
     # one latent pixel per side is refused (the VAE's attention fails there on cuda), and the warm-up skips it
-    from dlo.engine.serving.startup import warmup_generation
+    from dlo.serving.startup import warmup_generation
 
     one = f"{c3.size_multiple}x{c3.size_multiple}"
     with pytest.raises(ApiError, match=f"at least {2 * c3.size_multiple}") as e:
@@ -279,7 +279,7 @@ def test_safety_checker_is_off_unless_asked_and_sp_is_refused(cosmos, minimax):
     import subprocess
     import sys
 
-    from dlo.engine.serving.pipeline import ServingPipeline
+    from dlo.serving.pipeline import ServingPipeline
 
     with pytest.raises(ImportError, match="cosmos_guardrail"):
         ServingPipeline(cosmos, EngineSettings(OffloadSettings("resident"), safety_checker=True))

@@ -12,7 +12,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from dlo.engine.serving.launch import ServerProcess
+from dlo.serving.launch import ServerProcess
 from tests.engine.serving_helpers import offline_env, sha, submit_in_order, tiny_pipeline
 
 

@@ -1,4 +1,4 @@
-"""engine/serving/service.py's video side, without ranks: a job is recorded before it is queued, a
+"""serving/service.py's video side, without ranks: a job is recorded before it is queued, a
 refused one leaves nothing behind (and its 429 carries a Retry-After hint), and every way its wave
 can end (result, domain error, unexpected error) finishes the job."""
 
@@ -8,13 +8,13 @@ import asyncio
 
 import pytest
 
-from dlo.engine.serving.control import RankConfig, RankStats, Result
-from dlo.engine.serving.errors import EngineFailed, QueueFull
-from dlo.engine.serving.limits import Limits
-from dlo.engine.serving.service import Engine, EngineOptions
-from dlo.engine.serving.videos import VideoStore
+from dlo.serving.control import RankConfig, RankStats, Result
+from dlo.serving.errors import EngineFailed, QueueFull
+from dlo.plan.limits import Limits
+from dlo.serving.service import Engine, EngineOptions
+from dlo.serving.videos import VideoStore
 from dlo.engine.request import Generation
-from dlo.engine.serving.waves import WaveQueue
+from dlo.serving.waves import WaveQueue
 from dlo.engine.settings import EngineSettings, OffloadSettings
 
 GEN = Generation(kind="video", prompt="waves", seed=1, width=64, height=64, steps=2, guidance_scale=5.0, frames=5,

@@ -19,7 +19,7 @@ def test_calibrate_writes_a_fragment_the_agent_accepts(tmp_path):
     data = json.loads(out.read_text())
     assert set(data) == {"h2d_bandwidth_bps", "collective_bandwidth_bps"}
     assert all(isinstance(v, int) and v > 1_000_000 for v in data.values()), data
-    from dlo.agent.profile import CalibrationFragment, NodeProfile, apply_calibration
+    from dlo.plan.profile import CalibrationFragment, NodeProfile, apply_calibration
 
     profile = apply_calibration(NodeProfile(), CalibrationFragment.model_validate(data))
     assert profile.measured and profile.h2d_bandwidth_bps == data["h2d_bandwidth_bps"]

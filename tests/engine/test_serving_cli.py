@@ -1,4 +1,4 @@
-"""`dlo serve` option handling: mode resolution and the API key source."""
+"""`dlo serve` option handling: the plan's mode resolution and the API key source."""
 
 from __future__ import annotations
 
@@ -6,9 +6,8 @@ import json
 
 import pytest
 
-from dlo.engine.serving.cli import read_api_key
-from dlo.engine.serving.mode_choice import resolve_mode
-from tests.engine.serving_helpers import tiny_pipeline
+from dlo.serving.serve import read_api_key
+from tests.engine.serving_helpers import plan_mode as resolve_mode, tiny_pipeline
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +64,7 @@ def test_unusable_video_options_exit_2_before_any_rank_starts(wan, tmp_path, fla
 def test_auto_counts_dp_x_sp_ranks_and_passes_sp_to_the_policy(wan, tmp_path, monkeypatch):
     chosen, why = resolve_mode("auto", wan, 1, "cpu", sp=2)
     assert (chosen, why) == ("allgather", "fixed rule: dp x sp > 1")
-    from dlo.agent import policy
+    from dlo.plan import policy
 
     seen = {}
     real = policy.choose_mode
@@ -123,10 +122,10 @@ def test_a_device_budget_no_mode_fits_exits_2_before_anything_loads(wan, tmp_pat
 def test_a_given_mode_is_checked_against_the_budget():
     from pathlib import Path
 
-    from dlo.engine.facts import ModelFacts
-    from dlo.engine.memory_model import Geometry, PipelineMemory, RequestBounds
-    from dlo.engine.memory_table import MemoryTable
-    from dlo.engine.serving.budget import DeviceBudgetError, check_mode, local_budget
+    from dlo.plan.facts import ModelFacts
+    from dlo.plan.memory_model import Geometry, PipelineMemory, RequestBounds
+    from dlo.plan.memory_table import MemoryTable
+    from dlo.plan.budget import DeviceBudgetError, check_mode, local_budget
 
     t = ModelFacts(bytes=28_640_000_000, largest_block_bytes=703_000_000, blocks=40, nonblock_bytes=500_000_000)
     table = MemoryTable.load(Path(__file__).parent / "fixtures" / "memory_table_small.json")

@@ -1,4 +1,4 @@
-"""Rank 0's control socket at start (engine/serving/ranks.py), with real sockets and the real
+"""Rank 0's control socket at start (serving/ranks.py), with real sockets and the real
 `multiprocessing.connection` handshake: a local peer that connects first and stays silent, and one
 without the key, never take a child's place; the children are accepted beside them and each
 stranger is dropped at its handshake deadline; children that never come fail the start in time."""
@@ -13,10 +13,10 @@ from multiprocessing.connection import Client
 
 import pytest
 
-import dlo.engine.serving.ranks as ranks
+import dlo.serving.ranks as ranks
 from dlo.engine.ports import free_port
-from dlo.engine.serving.control import Hello, RankConfig, WaveError
-from dlo.engine.serving.ranks import RankGroup
+from dlo.serving.control import Hello, RankConfig, WaveError
+from dlo.serving.ranks import RankGroup
 from dlo.engine.settings import EngineSettings, OffloadSettings, ParallelSettings
 from tests.engine.serving_helpers import wait_until
 

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from openai import OpenAI
 
-from dlo.engine.serving.launch import ServerProcess
+from dlo.serving.launch import ServerProcess
 from tests.engine.serving_helpers import sha, tiny_pipeline
 from dlo.engine.settings import EngineSettings, OffloadSettings
 
@@ -94,7 +94,7 @@ def test_flux_partial_waves_keep_the_gathers_in_step_and_match_in_process_reside
     gather count must follow the key, or the wave stalls (503) instead of answering."""
     import dataclasses
 
-    from dlo.engine.serving.pipeline import ServingPipeline
+    from dlo.serving.pipeline import ServingPipeline
     from dlo.engine.request import Generation
 
     model = tiny_pipeline(tmp_path_factory, "flux")

@@ -13,8 +13,8 @@ import time
 import pytest
 import requests
 
-from dlo.engine.serving.launch import ServerProcess
-from dlo.engine.serving.limits import SMALL
+from dlo.serving.launch import ServerProcess
+from dlo.plan.limits import SMALL
 from tests.engine.serving_helpers import tiny_pipeline
 
 pytestmark = pytest.mark.slow

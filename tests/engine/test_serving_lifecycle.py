@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from dlo.engine.serving.launch import ServerProcess
+from dlo.serving.launch import ServerProcess
 from tests.engine.serving_helpers import tiny_pipeline
 from tests.reliability.procs import survivors
 
@@ -50,9 +50,15 @@ def test_idle_server_warms_up_then_exits_zero_on_sigterm(tmp_path_factory, tmp_p
         assert ready["ranks"][0]["load_phases"] == {k: v for k, v in phases.items() if not k.startswith("warmup_")}
         # and before the load: `dlo serve`'s steps in order, adding up to before_load (each rounded to 10 ms)
         before = st["before_load_phases"]
-        assert list(before) == ["before_checks", "model_and_limits", "layout", "library_warmup", "budget",
+        assert list(before) == ["before_checks", "model_and_limits", "layout", "library_warmup", "plan",
                                 "video_store", "listen", "engine", "rank_spawn_and_http_server"], before
         assert abs(sum(before.values()) - st["before_load"]) <= 0.06 and all(v >= 0 for v in before.values())
+        # the deployment plan the server runs (dlo.plan.deployment), as `dlo plan --json` prints it
+        plan = ready["plan"]
+        assert (plan["mode"], plan["dp"], plan["sp"], plan["device"]) == (mode, dp, 1, "cpu")
+        assert plan["mode_reason"] == "--mode given" and plan["budget_bytes"] is None  # cpu ranks: no budget
+        assert plan["limits"]["max_width"] == 128 and "transformer" in plan["predicted_peak_bytes"]
+        assert plan["vae"]["reason"] == "no device budget on cpu: the fixed rule"
         # Warm-up is not a client request: no wave or request metric counts it.
         metrics = srv.metrics()
         assert not any(v for _, v in metrics.get("dlo_wave_size_count", []))

@@ -7,7 +7,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from dlo.engine.serving.limits import SMALL, Limits
+from dlo.plan.limits import SMALL, Limits
 
 
 def test_file_overrides_base_and_flags_override_file(tmp_path):

@@ -1,4 +1,4 @@
-"""`dlo serve`'s start fails fast and says why (engine/serving/cli.py, service.py, rendezvous.py): a
+"""`dlo serve`'s start fails fast and says why (serving/cli.py, service.py, rendezvous.py): a
 port in use is refused before any rank starts; a key no client could send is refused at start;
 a start that hangs (a rank that never answers) turns /health unhealthy after --startup-timeout;
 and nothing of the weight plane or the control plane listens beyond loopback."""
@@ -14,7 +14,7 @@ import psutil
 import pytest
 import requests
 
-from dlo.engine.serving.launch import ServerProcess
+from dlo.serving.launch import ServerProcess
 from tests.engine.serving_helpers import offline_env, tiny_pipeline, wait_until
 
 pytestmark = pytest.mark.slow

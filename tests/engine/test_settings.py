@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.engine.serving_helpers import serve_settings
+
 from dlo.engine.settings import (
     ENVIRONMENT,
     ConfigError,
@@ -101,7 +103,7 @@ def test_a_bad_variable_is_refused_naming_it(name, raw, fragment):
 
 
 def test_every_variable_names_a_setting_and_a_serve_flag():
-    from dlo.engine.serving.cli import add_arguments
+    from dlo.serving.serve import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -109,14 +111,6 @@ def test_every_variable_names_a_setting_and_a_serve_flag():
     for name, var in ENVIRONMENT.items():
         assert var.flag in flags, (name, var.flag)
         split_overrides({var.setting: None})  # a field of OffloadSettings or ParallelSettings
-
-
-def _serve_args(*argv: str) -> argparse.Namespace:
-    from dlo.engine.serving.cli import add_arguments
-
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    return parser.parse_args(["/m", *argv])
 
 
 @pytest.mark.parametrize("argv, env, transfer, exchange, early", [
@@ -127,19 +121,15 @@ def _serve_args(*argv: str) -> argparse.Namespace:
     (["--no-register-early"], {"DLO_REGISTER_EARLY": "1"}, "collective", "overlap", False),
 ])
 def test_a_serve_flag_wins_over_its_variable_which_wins_over_the_default(argv, env, transfer, exchange, early):
-    from dlo.engine.serving.cli import engine_settings
-
-    s = engine_settings(_serve_args("--sp", "2", *argv), "allgather", "cpu", 1, env)
+    s = serve_settings(["--sp", "2", *argv], "allgather", "cpu", 1, env)
     assert (s.offload.transfer, s.parallel.ulysses_exchange, s.offload.register_early) == (transfer, exchange, early)
     assert (s.parallel.dp, s.parallel.sp, s.offload.mode, s.device) == (1, 2, "allgather", "cpu")
 
 
 def test_cta_cap_flag_over_variable():
-    from dlo.engine.serving.cli import engine_settings
-
-    s = engine_settings(_serve_args(), "allgather", "cuda", 2, {"DLO_GATHER_MAX_CTAS": "4"})
+    s = serve_settings([], "allgather", "cuda", 2, {"DLO_GATHER_MAX_CTAS": "4"})
     assert s.parallel.gather_max_ctas == 4
-    s = engine_settings(_serve_args("--gather-max-ctas", "8"), "allgather", "cuda", 2, {"DLO_GATHER_MAX_CTAS": "4"})
+    s = serve_settings(["--gather-max-ctas", "8"], "allgather", "cuda", 2, {"DLO_GATHER_MAX_CTAS": "4"})
     assert s.parallel.gather_max_ctas == 8
 
 

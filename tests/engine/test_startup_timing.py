@@ -89,7 +89,7 @@ def test_unneeded_optional_imports_are_the_imported_ones(monkeypatch):
 def test_a_server_that_imported_an_unneeded_package_says_so_once_at_ready(tmp_path, tmp_path_factory):
     """`dlo serve` names, at ready, the optional packages it imported only because they are
     installed (here a stand-in onnxruntime that the interpreter imports at start)."""
-    from dlo.engine.serving.launch import ServerProcess
+    from dlo.serving.launch import ServerProcess
     from tests.engine.serving_helpers import tiny_pipeline
 
     site = tmp_path / "site"
@@ -103,4 +103,4 @@ def test_a_server_that_imported_an_unneeded_package_says_so_once_at_ready(tmp_pa
                        log_path=log, env=env):
         pass
     lines = [ln for ln in log.read_text().splitlines() if "imported only because installed" in ln]
-    assert len(lines) == 1 and "WARNING dlo.engine.serving.startup onnxruntime imported only" in lines[0], lines
+    assert len(lines) == 1 and "WARNING dlo.serving.startup onnxruntime imported only" in lines[0], lines

@@ -18,7 +18,7 @@ import pytest
 import requests
 from openai import OpenAI
 
-from dlo.engine.serving.launch import ServerProcess
+from dlo.serving.launch import ServerProcess
 from tests.engine.serving_helpers import tiny_pipeline, wait_until
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""engine/serving/server.py's video routes and error shapes against a stub engine (real HTTP, no ranks):
+"""serving/server.py's video routes and error shapes against a stub engine (real HTTP, no ranks):
 list, delete (409 while unfinished), 404/405 in OpenAI's shape, Retry-After on 429, and forwarding
 to the pod a job id names: its answer passed through, 502 when it cannot be reached, 504 when it
 does not answer in time, no second hop."""
@@ -19,7 +19,7 @@ import uvicorn
 
 from dlo.engine.families import PipelineFacts
 from dlo.engine.ports import free_port
-from dlo.engine.serving.errors import (
+from dlo.serving.errors import (
     QueueFull,
     VideoElsewhere,
     VideoNotFinished,
@@ -27,11 +27,11 @@ from dlo.engine.serving.errors import (
     VideoNotReady,
     VideoStorageError,
 )
-from dlo.engine.serving.limits import Limits
-from dlo.engine.serving.metrics import EngineMetrics
-from dlo.engine.serving.peers import Peers
-from dlo.engine.serving.server import api_error, create_app, status_of
-from dlo.engine.serving.videos import VideoJob, VideoStore
+from dlo.plan.limits import Limits
+from dlo.serving.metrics import EngineMetrics
+from dlo.serving.peers import Peers
+from dlo.serving.server import api_error, create_app, status_of
+from dlo.serving.videos import VideoJob, VideoStore
 
 KEY = "stub-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -293,7 +293,7 @@ def test_the_server_maps_each_video_error_to_one_status(err, status, code):
 
 
 def test_the_video_store_speaks_no_http():
-    import dlo.engine.serving.videos as videos
+    import dlo.serving.videos as videos
 
     text = Path(videos.__file__).read_text()
     assert "ApiError" not in text and "fastapi" not in text.lower() and "aiohttp" not in text

@@ -1,4 +1,4 @@
-"""engine/serving/videos.py: the video job store (ids, lifecycle, listing, deletion, expiry, disk)."""
+"""serving/videos.py: the video job store (ids, lifecycle, listing, deletion, expiry, disk)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dlo.engine.serving.errors import (
+from dlo.serving.errors import (
     VideoElsewhere,
     VideoJobsFull,
     VideoNotFinished,
@@ -15,7 +15,7 @@ from dlo.engine.serving.errors import (
     VideoStorageError,
     VideoStoreReadOnly,
 )
-from dlo.engine.serving.videos import VideoJob, VideoStore, pod_of
+from dlo.serving.videos import VideoJob, VideoStore, pod_of
 
 
 class Clock:

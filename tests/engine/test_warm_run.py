@@ -1,4 +1,4 @@
-"""The start's warm-up on a rank (`dlo.engine.serving.warm_run`): where the family can say what its
+"""The start's warm-up on a rank (`dlo.serving.warm_run`): where the family can say what its
 decode is, the VAE decodes on the calling thread (the one later requests run on) while the text
 encoding and the denoising run beside it; later requests' bytes are those of a rank that never
 warmed up; a failure on either side is raised once both are done."""
@@ -13,15 +13,15 @@ import torch
 
 from dlo.engine.request import Generation
 from dlo.engine.settings import EngineSettings, OffloadSettings
-from dlo.engine.serving.startup import warmup_generation
-from dlo.engine.serving.warm_run import run_warm_up
+from dlo.serving.startup import warmup_generation
+from dlo.serving.warm_run import run_warm_up
 from tests.engine.serving_helpers import tiny_pipeline
 
 pytestmark = pytest.mark.slow
 
 
 def _pipeline(model):
-    from dlo.engine.serving.pipeline import ServingPipeline
+    from dlo.serving.pipeline import ServingPipeline
 
     return ServingPipeline(model, EngineSettings(OffloadSettings("rank-local")), max_sequence_length=16)
 
@@ -38,7 +38,7 @@ def test_the_warm_up_decodes_on_the_calling_thread_beside_its_denoising(tmp_path
     # the call's own decode at the request's shape: the frames the pipeline returns for it
     with torch.inference_mode():
         zero = np.asarray(pipe.adapter.warm_decode(pipe.pipe, warm).frames)
-        real = np.asarray(pipe.pipe(**pipe._call_kwargs(warm)).frames)
+        real = np.asarray(pipe.pipe(**pipe.pipeline_kwargs(warm)).frames)
     assert zero.shape == real.shape and zero.dtype == real.dtype
     decode_threads: set[int] = set()
     denoise_threads: set[int] = set()

@@ -1,4 +1,4 @@
-"""Rank 0's waves on one thread (`dlo.engine.serving.threads.WaveThread`): the libraries' per-thread
+"""Rank 0's waves on one thread (`dlo.serving.threads.WaveThread`): the libraries' per-thread
 state (cuDNN's execution plans per convolution shape) outlives a wave, and a stuck wave holds no
 later one back."""
 
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from dlo.engine.serving.threads import WaveThread
+from dlo.serving.threads import WaveThread
 
 
 def test_waves_run_one_after_another_on_one_thread():

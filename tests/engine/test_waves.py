@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dlo.engine.request import Generation
-from dlo.engine.serving.waves import Pending, QueueFull, WaveQueue, compatibility_key, next_wave
+from dlo.serving.waves import Pending, QueueFull, WaveQueue, compatibility_key, next_wave
 
 BASE = Generation(kind="image", prompt="a cat", seed=1, width=64, height=64, steps=2, guidance_scale=5.0)
 

@@ -259,7 +259,7 @@ def test_vllm_omni_pods_probe_what_vllm_serves_and_get_the_key_as_vllm_reads_it(
 def test_engine_switches_are_typed_fields_passed_as_the_serve_flags_of_their_names():
     """Issue 26: spec.engine.{gather, gatherMaxCtas, ulyssesExchange, registerEarly} become the
     `dlo serve` flags of the same names; unset, the command is what it was; `dlo serve` accepts them."""
-    from dlo.engine.serving.cli import add_arguments
+    from dlo.serving.serve import add_arguments
 
     spec = parse_spec({"model": {"path": "/m"}, "devicesPerNode": 4, "sp": 2, "mode": "allgather",
                        "engine": {"device": "cuda", "gather": "peer", "gatherMaxCtas": 8, "ulyssesExchange": "lean",

@@ -16,7 +16,7 @@ SPEC = {"model": {"path": "/models/wan2.1-14b"}, "devicesPerNode": 8}
 
 
 def test_the_budget_and_stream_dtype_are_the_serve_flags_dlo_serve_parses():
-    from dlo.engine.serving.cli import add_arguments
+    from dlo.serving.serve import add_arguments
 
     spec = parse_spec({**SPEC, "engine": {"maxDeviceMemory": "24GiB", "streamDtype": "bfloat16"}})
     cmd = builders.engine_command(spec, "rank-local")

@@ -216,7 +216,7 @@ def test_defaults_and_folder_name():
 
 
 def test_mode_enums_and_the_facts_override_use_the_shared_vocabulary():
-    from dlo.engine.facts import MODES, MODES_OR_AUTO, ModelFacts
+    from dlo.plan.facts import MODES, MODES_OR_AUTO, ModelFacts
     from dlo.operator.models import ModelFactsOverride
 
     schema = crd_schema()

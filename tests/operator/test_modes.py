@@ -115,7 +115,7 @@ def test_auto_with_sp_asks_the_policy_for_dp_x_sp_and_the_digest_knows_sp():
     """spec.sp (issue 14): the policy sees dp = devicesPerNode / sp and sp; a changed sp is a new input."""
     from unittest import mock
 
-    from dlo.agent import policy
+    from dlo.plan import policy
 
     spec = parse_spec({**SPEC, "sp": 2})
     nodes = [node("a", profile("l4-node.json"))]

@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from dlo.agent.collector import make_registry
 from dlo.agent.memory import CgroupFS, ProcFS, snapshot
 from dlo.agent.node import Agent, AgentConfig
-from dlo.agent.profile import Accelerator
+from dlo.plan.profile import Accelerator
 from dlo.agent.topology import Devices
 
 FIXTURES = Path(__file__).resolve().parents[1] / "agent" / "fixtures"

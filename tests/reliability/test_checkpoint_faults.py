@@ -17,7 +17,7 @@ import psutil
 import pytest
 import requests
 
-from dlo.engine.serving.launch import ServerProcess
+from dlo.serving.launch import ServerProcess
 from tests.engine.serving_helpers import tiny_pipeline
 from tests.reliability.figures import record
 from tests.reliability.procs import survivors
@@ -147,7 +147,7 @@ def test_a_broken_checkpoint_is_refused_at_load_naming_file_and_key(tmp_path_fac
     assert "CheckpointError" in text and where in text, f"expected {where!r} in the log:\n{text[-3000:]}"
     if reason:  # /ready said why while it was still up
         assert where in reason, reason
-    ranks = sum("dlo.engine.serving.rank_main" in cmd for pid, cmd in seen.items() if pid in direct)  # not a helper
+    ranks = sum("dlo.serving.rank_main" in cmd for pid, cmd in seen.items() if pid in direct)  # not a helper
     if fault in REFUSED_BEFORE_RANKS:
         assert not seen and not readies, f"processes {seen} started or HTTP came up for a checkpoint refusable up front"
     else:

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from dlo.engine.serving.connections import PROBE_RESERVE
-from dlo.engine.serving.launch import ServerProcess
+from dlo.serving.connections import PROBE_RESERVE
+from dlo.serving.launch import ServerProcess
 from tests.engine.serving_helpers import tiny_pipeline, wait_until
 from tests.reliability.figures import record
 

@@ -15,7 +15,7 @@ import psutil
 import pytest
 import requests
 
-from dlo.engine.serving.launch import ServerProcess
+from dlo.serving.launch import ServerProcess
 from tests.engine.serving_helpers import tiny_pipeline, wait_until
 from tests.reliability.figures import record
 from tests.reliability.procs import survivors

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from dlo.agent.residency import folder_residency, model_files
-from dlo.engine.serving.launch import ServerProcess
+from dlo.pagecache.residency import folder_residency, model_files
+from dlo.serving.launch import ServerProcess
 from tests.engine.serving_helpers import sha, tiny_pipeline, wait_until
 from tests.reliability.figures import record
 

@@ -32,7 +32,7 @@ from cluster import dlodeployment, live_objects, running_cluster  # noqa: E402
 from dlo.operator import builders  # noqa: E402
 from dlo.operator.builders import Owner  # noqa: E402
 from dlo.operator.kube import USER_AGENT  # noqa: E402
-from dlo.engine.facts import MODES  # noqa: E402
+from dlo.plan.facts import MODES  # noqa: E402
 from dlo.operator.models import SpecError, parse_spec  # noqa: E402
 from test_chart import CHART, VALUES, by_kind, render  # noqa: E402
 from test_cli import dlo  # noqa: E402

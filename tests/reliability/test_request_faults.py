@@ -1,6 +1,6 @@
 """Fault isolation by phase: a request that fails outside the collective schedule fails alone.
 
-One server per (mode, dp), with the test-only fault hook (`dlo.engine.serving.faults`) armed for
+One server per (mode, dp), with the test-only fault hook (`dlo.serving.faults`) armed for
 several phases at once, each matched by its own prompt. For every phase a faulty request runs in
 the same wave as a good one (dp 2; the faulty request lands on rank 0 or rank 1 in turn) or just
 before it (dp 1): the faulty request gets OpenAI's error JSON (500, naming the phase), the good
@@ -15,8 +15,8 @@ import base64
 import pytest
 import requests
 
-from dlo.engine.serving.faults import FAULTS_ENV, HOOKS_ENV
-from dlo.engine.serving.launch import ServerProcess
+from dlo.serving.faults import FAULTS_ENV, HOOKS_ENV
+from dlo.serving.launch import ServerProcess
 from tests.engine.serving_helpers import sha, submit_in_order, tiny_pipeline, wait_until
 from tests.reliability.figures import record
 

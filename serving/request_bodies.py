@@ -1,0 +1,67 @@
+"""The bodies of requests FastAPI does not parse itself: `POST /v1/videos` in JSON or form data.
+
+Owns: `video_body` (the body read, parsed and validated: any malformed input is an `ApiError` 400),
+`closed_multipart` (a multipart body that ends with its closing delimiter) and
+`validation_message` (pydantic's first error as OpenAI's message and `param`).
+Must never: answer malformed input with anything but an `ApiError` 400, or hold a body beyond the
+limit `body_limit.BodyLimit` already enforced.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import Request
+from pydantic import ValidationError
+
+from dlo.serving.api_models import ApiError, VideoCreateRequest, form_field
+
+
+def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """pydantic's first error as OpenAI's message and `param` (the field's dotted path)."""
+    first = errors[0] if errors else {}
+    loc = [str(x) for x in first.get("loc", ()) if x not in ("body",)]
+    param = ".".join(loc) or None
+    return f"{param or 'body'}: {first.get('msg', 'invalid request')}", param
+
+
+def closed_multipart(body: bytes, ctype: str) -> bool:
+    """Whether a multipart body ends with its closing delimiter (`--BOUNDARY--`): without it the
+    last part may be cut, and parsers keep what they got without saying so."""
+    from python_multipart.multipart import parse_options_header
+
+    _, params = parse_options_header(ctype)
+    boundary = params.get(b"boundary")
+    return bool(boundary) and b"--" + boundary + b"--" in body[-(len(boundary) + 256):]
+
+
+async def video_body(request: Request) -> VideoCreateRequest:
+    """`POST /v1/videos`'s body, JSON or form data (as the official SDK sends it), validated; a
+    malformed one is an `ApiError` 400."""
+    ctype = request.headers.get("content-type", "")
+    try:
+        if ctype.startswith("multipart/form-data") or ctype.startswith("application/x-www-form-urlencoded"):
+            if ctype.startswith("multipart/") and not closed_multipart(await request.body(), ctype):
+                raise ApiError(400, "the multipart body has no closing boundary (--BOUNDARY--): it is incomplete",
+                               None, "invalid_json")
+            form = await request.form()
+            data: Any = {}
+            for k, v in form.multi_items():
+                data[k] = form_field(k, v)
+        else:
+            data = await request.json()
+    except ApiError:
+        raise
+    except ValueError as e:  # malformed JSON (the client's fault), or a value Python refuses (5,000 digits)
+        code = "invalid_json" if isinstance(e, json.JSONDecodeError) else "invalid_value"
+        raise ApiError(400, f"could not parse the request body: {e}", None, code) from None
+    except Exception as e:  # a malformed form: the client's fault
+        raise ApiError(400, f"could not parse the request body as JSON or form data: {e}", None, "invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
+    try:
+        return VideoCreateRequest.model_validate(data)
+    except ValidationError as e:
+        message, param = validation_message(list(e.errors()))
+        raise ApiError(400, message, param, "invalid_request") from None

@@ -1,0 +1,117 @@
+"""`dlo.plan.deployment.plan`: the one deployment plan `dlo serve`, `dlo plan` and the operator ask,
+over the committed small memory table (Wan2.1-14B's dimensions: 40 blocks, 28.6 GB)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dlo.plan.budget import LORA_COMPONENT, DeviceBudgetError
+from dlo.plan.deployment import DeploymentPlan, LoraAsk, PlanAsk, plan
+from dlo.plan.facts import ModelFacts
+from dlo.plan.limits import Limits
+from dlo.plan.memory_model import Geometry, PipelineMemory, RequestBounds
+from dlo.plan.memory_plan import margin_bytes, tiling_for_budget
+from dlo.plan.memory_table import MemoryTable
+from dlo.plan.profile import Accelerator, NodeProfile
+
+GB = 10**9
+FIXTURES = Path(__file__).resolve().parents[1] / "engine" / "fixtures"
+WAN = ModelFacts(bytes=28_640_000_000, largest_block_bytes=703_000_000, blocks=40, nonblock_bytes=500_000_000)
+LIMITS = Limits(max_width=832, max_height=480, max_frames=17, max_n=1)
+NODE = NodeProfile(accelerator=Accelerator(vendor="nvidia", model="test", count=1, memory_bytes=80 * GB),
+                   h2d_bandwidth_bps=50 * GB, host_memory_bytes=10**12)
+
+
+@pytest.fixture(scope="module")
+def memory() -> PipelineMemory:
+    table = MemoryTable.load(FIXTURES / "memory_table_small.json")
+    return PipelineMemory("wan", Geometry(16, 4), {"transformer": WAN}, {}, {"vae": 508_000_000},
+                          RequestBounds(832, 480, 17), 1280 * 720 * 81, table)
+
+
+def _plan(memory: PipelineMemory, **ask) -> DeploymentPlan:
+    return plan(PlanAsk(device="cuda", **ask), profile=NODE, transformer=WAN, pipeline=memory, limits=LIMITS,
+                device_memory=80 * GB)
+
+
+def test_a_plan_states_every_decision_and_is_frozen(memory):
+    p = _plan(memory, mode="rank-local", resident_blocks="auto", max_device_memory=24 * 2**30)
+    assert p.mode == "rank-local" and p.mode_reason == "--mode given" and p.budget_bytes == 24 * 2**30
+    assert p.resident is not None and p.resident_blocks == dict(p.resident.blocks)
+    assert 0 < p.resident_blocks["transformer"] < 40
+    # the predicted peak per phase: weights plus each phase's need, within the budget with its margin
+    assert {"transformer", "vae_decode"} <= set(p.peaks) and max(p.peaks.values()) <= p.budget_bytes
+    assert p.weights_bytes is not None and min(p.peaks.values()) > p.weights_bytes
+    doc = json.loads(json.dumps(p.to_dict()))
+    assert doc["limits"]["max_frames"] == 17 and doc["resident_blocks"] == p.resident_blocks
+    assert [r.split(" ")[0] for r in doc["reasons"]] == ["device", "vae", "--mode", "mode", "resident_blocks=auto"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.mode = "resident"  # type: ignore[misc]
+
+
+def test_a_given_mode_that_does_not_fit_is_refused_naming_the_budget_that_would(memory):
+    with pytest.raises(DeviceBudgetError, match="--mode resident does not fit the device budget of 25.8 GB"):
+        _plan(memory, mode="resident", max_device_memory=24 * 2**30)
+
+
+def test_auto_asks_the_policy_with_the_pipeline_and_keeps_its_estimates(memory):
+    roomy = _plan(memory)
+    assert roomy.mode == "resident" and roomy.mode_reason.startswith("policy: ") and roomy.decision is not None
+    assert set(roomy.estimates) == {"allgather", "rank_local", "resident"}
+    capped = _plan(memory, max_device_memory=24 * 2**30)
+    assert capped.mode != "resident" and capped.budget_bytes == 24 * 2**30
+
+
+def test_the_node_profile_s_budget_caps_the_device_as_dlo_plan_did(memory):
+    node = NODE.model_copy(update={"accelerator": NODE.accelerator.model_copy(update={"budget_bytes": 30 * GB})})
+    p = plan(PlanAsk(device="cuda", mode="rank-local"), profile=node, transformer=WAN, pipeline=memory)
+    assert p.budget_bytes == 30 * GB
+
+
+def test_an_auto_merge_cache_takes_what_the_resident_blocks_leave(memory):
+    lora = LoraAsk(adapter_bytes=GB, merges_bytes=50 * GB, served=True)
+    p = _plan(memory, mode="rank-local", resident_blocks="auto", max_device_memory=24 * 2**30, lora=lora)
+    assert p.lora_merge_cache_bytes == p.resident.spare_bytes and p.lora_merge_above_tokens == 0
+    assert "lora merge cache auto" in p.reasons[-1]
+    without = _plan(memory, mode="rank-local", resident_blocks="auto", max_device_memory=24 * 2**30)
+    assert without.resident_blocks["transformer"] > p.resident_blocks["transformer"]  # the adapters take room
+    assert p.weights_bytes - without.weights_bytes < GB + 703_000_000 * 2  # ... their bytes, less blocks
+    assert LORA_COMPONENT not in without.peaks
+    cpu = plan(PlanAsk(device="cpu", lora=lora), profile=NODE, transformer=WAN, pipeline=memory, limits=LIMITS)
+    assert (cpu.lora_merge_cache_bytes, cpu.lora_merge_above_tokens) == (0, None) and cpu.budget_bytes is None
+
+
+@pytest.mark.parametrize("slack", [-1, 0, 10 * GB])
+def test_the_decode_rule_is_the_budget_s_whatever_the_mode(memory, slack):
+    lean = memory.rank("rank-local")
+    budget = lean.weights_bytes + lean.request_bytes + margin_bytes(lean.request_bytes) + slack
+    want = tiling_for_budget(memory, budget)
+    for mode in ("rank-local", "allgather"):
+        p = _plan(memory, mode=mode, max_device_memory=budget)
+        assert (p.vae_tile_above_pixels, p.tiling_reason) == want
+
+
+def test_serve_plan_and_the_operator_give_one_mode_for_one_node(tmp_path):
+    """`dlo plan --json`'s plan and the operator's per-node plan are the same call on the same inputs."""
+    from dlo.operator.models import parse_spec
+    from dlo.operator.modes import node_plan
+
+    profile = tmp_path / "node.json"
+    profile.write_text(NODE.model_dump_json())
+    out = subprocess.run([sys.executable, "-m", "dlo.cli.main", "plan", "--model-bytes", str(WAN.bytes),
+                          "--max-block-bytes", str(WAN.largest_block_bytes), "--dp", "1", "--profile", str(profile),
+                          "--max-device-memory", "24GiB", "--json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    from_cli = json.loads(out.stdout)["plan"]
+    spec = parse_spec({"model": {"path": "/models/wan", "facts": {"bytes": WAN.bytes,
+                                                                  "largestBlockBytes": WAN.largest_block_bytes}},
+                       "devicesPerNode": 1, "engine": {"maxDeviceMemory": "24GiB"}})
+    facts = spec.model.facts.facts()
+    op = node_plan(spec, NODE, facts)
+    assert (op.mode, op.budget_bytes) == (from_cli["mode"], from_cli["budget_bytes"])
