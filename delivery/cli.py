@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from dlo.cli.args import Parser, byte_size, http_url, one_line, positive_int
+from dlo.cli.args import Parser, byte_size, http_url, non_negative_seconds, one_line, positive_int
 
 DESCRIPTION = """Download a diffusers pipeline folder from S3 or the Hugging Face Hub into DEST:
 ranged, parallel and resumable (a rerun after an interruption continues where it stopped), every
@@ -51,6 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "in use are evicted to fit (default: only the free space limits)")
     parser.add_argument("--no-evict", action="store_true",
                         help="never evict a cached model (a fetch that does not know which ones are in use)")
+    parser.add_argument("--lock-wait", type=non_negative_seconds, default=600.0, metavar="SECONDS",
+                        help="how long to wait for another fetch into DEST to end before failing (default 600)")
     parser.add_argument("--progress", choices=("auto", "bar", "plain", "none"), default="auto",
                         help="auto: a bar on a terminal, plain progress lines when piped")
     parser.add_argument("--result-file", type=Path, default=None,
@@ -59,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from dlo.delivery.errors import FetchError
+    from dlo.delivery.errors import FetchError, local_error
     from dlo.delivery.fetch import FetchOptions, FetchResult, fetch
     from dlo.delivery.progress import Progress
     from dlo.delivery.uri import parse_uri
@@ -70,13 +72,14 @@ def main(args: argparse.Namespace) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     options = FetchOptions(endpoint=args.endpoint, concurrency=args.concurrency, part_size=args.part_size,
                            keep=frozenset(args.keep), disk_budget=args.disk_budget,
-                           evict=not args.no_evict)
+                           evict=not args.no_evict, lock_wait_s=args.lock_wait)
     progress = Progress(args.progress)
     try:
         uri = parse_uri(args.uri, args.revision)
         result = fetch(uri, args.dest.absolute(), options, progress)
         code = 0
-    except FetchError as e:
+    except (FetchError, OSError) as error:
+        e = error if isinstance(error, FetchError) else local_error(error, args.dest)
         result = FetchResult("failed", args.uri, str(args.dest), reason=e.reason, message=one_line(str(e)))
         print(f"dlo fetch: {e.reason}: {one_line(str(e))}", file=sys.stderr)
         code = e.exit_code

@@ -1,11 +1,15 @@
 """Errors of a fetch, each with a stable `reason` (the fetch Job's result and the operator's status
 use it) and the exit code `dlo fetch` answers with.
 
-Owns: `FetchError` and `SourceRefused`, and the list of reasons.
+Owns: `FetchError` and `SourceRefused`, the list of reasons, and `local_error` (a disk or file
+error as a FetchError).
 Must never: import anything but the standard library.
 """
 
 from __future__ import annotations
+
+import errno
+from pathlib import Path
 
 # reason -> what it means (docs/operator.md, "Model delivery")
 REASONS = {
@@ -40,3 +44,18 @@ class SourceRefused(FetchError):
 
     def __init__(self, message: str, reason: str = "refused") -> None:
         super().__init__(reason, message)
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def local_error(e: OSError, dest: Path) -> FetchError:
+    """A disk or file error of a fetch into `dest` (no space, a quota, permissions, a read-only or
+    failing file system) as a one-line FetchError: `disk_full` when space ran out, else `invalid`."""
+    where = f"{e.filename}: " if e.filename else ""
+    what = e.strerror or str(e) or type(e).__name__
+    if e.errno in _FULL:
+        return FetchError("disk_full", f"{where}{what} while fetching into {dest}: free space (or raise the "
+                          "quota) and run again; the fetch resumes")
+    return FetchError("invalid", f"{where}{what} while fetching into {dest}: check the permissions and the file "
+                      f"system under {dest.parent}")

@@ -2,9 +2,10 @@
 the disk, download (resuming), check the staged pipeline, publish atomically.
 
 Owns: `FetchOptions`, `FetchResult`, `fetch` (the one implementation behind `dlo fetch`, `dlo serve
-URI` and the operator's node fetch Jobs) and `model_folder` (a URI as a folder `dlo serve` can load).
-Must never: leave anything at DEST but a complete, verified pipeline, evict a model in `keep`, or
-import torch.
+URI` and the operator's node fetch Jobs: one at a time on a DEST, a disk or file error a one-line
+FetchError) and `model_folder` (a URI as a folder `dlo serve` can load).
+Must never: leave anything at DEST but a complete, verified pipeline, evict a model in `keep`, call
+a published folder complete when a file of its manifest has another size, or import torch.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from dlo.delivery.cache import cached_models, make_room, touch_served
-from dlo.delivery.errors import FetchError, SourceRefused
+from dlo.delivery.errors import FetchError, SourceRefused, local_error
+from dlo.delivery.paths import path_under
 from dlo.delivery.pipeline import SourceFile, check_pipeline, index_files, read_json_file
 from dlo.delivery.progress import Progress
-from dlo.delivery.staging import Staging, published_manifest
+from dlo.delivery.staging import Staging, dest_lock, published_manifest
 from dlo.delivery.uri import ModelURI, cache_key, parse_uri
 
 log = logging.getLogger(__name__)
@@ -34,6 +36,7 @@ class FetchOptions:
     disk_budget: int | None = None  # bytes the cache folder's fetched models may take
     evict: bool = True  # False: never evict (a fetch that cannot know which models are in use)
     hf_cache: Path | None = None  # the Hugging Face cache to resolve from (default: the library's)
+    lock_wait_s: float = 600.0  # how long to wait for another fetch into the same DEST
 
 
 @dataclass
@@ -67,16 +70,26 @@ def open_source(uri: ModelURI, options: FetchOptions) -> Any:
 
 
 def fetch(uri: ModelURI, dest: Path, options: FetchOptions, progress: Progress) -> FetchResult:
-    """Fetch `uri` into `dest` (created whole, or left untouched). Raises FetchError."""
+    """Fetch `uri` into `dest` (created whole, or left untouched), holding DEST's lock. Raises
+    FetchError (a disk or file error too)."""
+    try:
+        with dest_lock(dest, options.lock_wait_s):
+            return _fetch(uri, dest, options, progress)
+    except OSError as e:
+        raise local_error(e, dest) from None
+
+
+def _fetch(uri: ModelURI, dest: Path, options: FetchOptions, progress: Progress) -> FetchResult:
     started = time.monotonic()
     source = open_source(uri, options)
     for key in options.keep:
-        if (dest.parent / key).is_dir():
-            touch_served(dest.parent / key)
+        if (folder := path_under(dest.parent, key)).is_dir():
+            touch_served(folder)
     if dest.exists():
         return _already_published(uri, dest, source, started, options)
     files = source.listing()
-    staging = Staging(dest, f"{uri}|{options.endpoint or ''}|{source.describe()['revision'] or ''}")
+    staging = Staging(dest, f"{uri}|{options.endpoint or ''}|{source.describe()['revision'] or ''}",
+                      [f.path for f in files])
     try:
         _refuse_unless_pipeline(uri, source, staging, files, progress)
     except SourceRefused:
@@ -122,10 +135,24 @@ def _already_published(uri: ModelURI, dest: Path, source: Any, started: float, o
         if listed != manifest["files"]:
             raise FetchError("source_changed", f"{uri} changed since it was fetched into {dest}: objects under a "
                              "model prefix are treated as immutable; put the new model under a new prefix")
+    _check_sizes(dest, manifest["files"])
     touch_served(dest)
     files = manifest["files"]
     return FetchResult("complete", str(uri), str(dest), int(manifest.get("bytes") or 0), 0, len(files),
                        already_complete=True, seconds=round(time.monotonic() - started, 3))
+
+
+def _check_sizes(dest: Path, files: dict[str, Any]) -> None:
+    """Each file of a published folder's manifest is there with its size (a file truncated or removed
+    since the fetch is a damaged model, not a complete one)."""
+    for name, entry in sorted(files.items()):
+        path = path_under(dest, name)
+        size = path.stat().st_size if path.is_file() else None
+        published = entry.get("size") if isinstance(entry, dict) else None
+        if size is None or size != published:
+            found = "missing" if size is None else f"{size} bytes"
+            raise FetchError("verify", f"{dest} is damaged: {name} is {found} but was published with {published} "
+                             f"bytes: remove {dest} and fetch again")
 
 
 def model_folder(text: str, cache_root: Path, progress: Progress, options: FetchOptions = FetchOptions()) -> Path:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dlo.delivery.errors import FetchError
+from dlo.delivery.paths import path_under
 from dlo.delivery.pipeline import SourceFile
 from dlo.delivery.progress import Progress
 from dlo.delivery.staging import Staging
@@ -120,7 +121,7 @@ class HFSource:
         todo = [f for f in files if not staging.verified(f)]
         if self.snapshot is not None:
             for f in todo:
-                _link_or_copy(self.snapshot / f.path, staging.path(f.path))
+                _link_or_copy(path_under(self.snapshot, f.path), staging.path(f.path))
                 progress.advance(f.size)
         elif todo:
             self._snapshot_download(staging, todo, progress)

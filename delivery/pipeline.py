@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from dlo.delivery.errors import SourceRefused
+from dlo.delivery.paths import path_under
 
 MODEL_INDEX = "model_index.json"
 WEIGHT_INDEX_SUFFIX = ".safetensors.index.json"
@@ -86,8 +88,8 @@ def _json_object(where: str, path: str, read_json: Callable[[str], object]) -> d
 
 
 def read_json_file(root: str) -> Callable[[str], object]:
-    """A `read_json` over files under `root`."""
+    """A `read_json` over files under `root` (each listed name through `path_under`)."""
     def read(path: str) -> object:
-        with open(f"{root}/{path}", encoding="utf-8") as f:
+        with open(path_under(Path(root), path), encoding="utf-8") as f:
             return json.load(f)
     return read

@@ -6,7 +6,8 @@ conditional on the listed ETag (an object replaced mid-fetch fails as `source_ch
 mixing versions) and written in place (`os.pwrite`); the staging state records each finished part,
 so a killed fetch resumes. Verification re-reads the file: a single-part object's ETag is the MD5
 of its bytes; a multipart object's (`<hex>-N`) is the MD5 of its N parts' MD5s, so the file is
-hashed in the part sizes of the upload (read from HeadObject with PartNumber).
+hashed in the part sizes of the upload (read from HeadObject with PartNumber); an ETag claiming
+more parts than S3 allows (or than the object has bytes) is refused before any HEAD.
 Must never: read credentials itself (boto3's chain reads AWS_* from the environment), or call a
 file complete before its checksum matched.
 """
@@ -33,6 +34,7 @@ _CHUNK = 1 << 20
 _AUTH_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken", "InvalidToken",
                "403", "401"}
 _MISSING_CODES = {"NoSuchBucket", "NoSuchKey", "404"}
+MAX_PARTS = 10_000  # S3's limit on a multipart upload
 
 
 def _client(endpoint: str | None, concurrency: int) -> Any:
@@ -169,9 +171,19 @@ class S3Source:
         digest, _, parts = f.checksum.partition("-")
         if not parts:
             return _md5(path, [f.size]) == [digest]
-        sizes = self._upload_part_sizes(f, int(parts))
+        sizes = self._upload_part_sizes(f, self._part_count(f, parts))
         joined = b"".join(bytes.fromhex(h) for h in _md5(path, sizes))
         return hashlib.md5(joined, usedforsecurity=False).hexdigest() == digest
+
+    def _part_count(self, f: SourceFile, parts: str) -> int:
+        """The part count of a multipart ETag, refused unless S3 could have made it (1 to MAX_PARTS
+        parts, none empty): a store that claims more would be asked one HEAD per claimed part."""
+        count = int(parts) if parts.isdecimal() and len(parts) <= 9 else 0
+        if not 1 <= count <= min(MAX_PARTS, max(f.size, 1)):
+            raise FetchError("verify", f"{self.uri}/{f.path}: its ETag {f.checksum[:64]!r} claims {parts[:12]} parts; "
+                             f"an S3 object of {f.size} bytes has 1 to {min(MAX_PARTS, max(f.size, 1))}: the store "
+                             "is not S3-compatible or lies")
+        return count
 
     def _upload_part_sizes(self, f: SourceFile, count: int) -> list[int]:
         """The part sizes the object was uploaded in: the first part's size (HeadObject PartNumber=1)

@@ -98,9 +98,9 @@ def upload(client, folder: Path, bucket: str, prefix: str, part_size: int = PART
                                          MultipartUpload={"Parts": parts})
 
 
-def dlo_fetch(*argv: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
+def dlo_fetch(*argv: str, env: dict[str, str], timeout: float = 120, **popen: object) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dlo.cli.main", "fetch", *argv], env=env, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, **popen)  # type: ignore[call-overload]
 
 
 def result_of(proc: subprocess.CompletedProcess) -> dict:

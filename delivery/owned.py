@@ -1,0 +1,82 @@
+"""Folders a dlo command made for itself (a fetch's staging folder, `dlo quantize`'s `DST.partial`):
+created with a marker file naming what made them, so that only such a folder is ever resumed or
+removed; a folder of the same name without the marker is someone else's and is left alone.
+
+Owns: `MARKER`, `make_marked`, `marker_of`, `remove_marked`, `NotMarked`, `maker_alive`.
+Must never: remove a folder whose marker names another maker or that has none (an empty folder is
+the one exception: removing it loses nothing), follow a symbolic link, or import beyond the
+standard library (the fetch runs in slim Jobs; `dlo quantize` imports it too).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import socket
+from pathlib import Path
+from typing import Any
+
+MARKER = ".dlo-staging"
+
+
+class NotMarked(Exception):
+    """A folder that this kind of process did not make: the message names it and its marker."""
+
+    def __init__(self, path: Path, maker: str, found: dict[str, Any] | None) -> None:
+        made = f"made by {found.get('made_by')!r}" if found else "no marker of a folder dlo made"
+        super().__init__(f"{path} exists and was not made by {maker} ({made}): remove it yourself or choose "
+                         "another destination")
+        self.path = path
+
+
+def make_marked(path: Path, maker: str, **facts: object) -> None:
+    """Create the folder `path` (which must not exist) and mark it as made by `maker` (this process:
+    its pid and host, so a later run can tell whether the maker is still at work)."""
+    path.mkdir()
+    record = {"made_by": maker, "pid": os.getpid(), "host": socket.gethostname(),
+              "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), **facts}
+    (path / MARKER).write_text(json.dumps(record))
+
+
+def marker_of(path: Path) -> dict[str, Any] | None:
+    """The marker of a folder a dlo command made, or None (no folder, a link, no readable marker)."""
+    if path.is_symlink() or not path.is_dir():
+        return None
+    try:
+        data = json.loads((path / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("made_by"), str) else None
+
+
+def remove_marked(path: Path, maker: str) -> None:
+    """Remove `path` when `maker` made it (or it is an empty folder); else NotMarked. Nothing there:
+    nothing to do."""
+    if not path.exists() and not path.is_symlink():
+        return
+    if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
+        path.rmdir()
+        return
+    found = marker_of(path)
+    if found is None or found["made_by"] != maker:
+        raise NotMarked(path, maker, found)
+    shutil.rmtree(path)
+
+
+def maker_alive(found: dict[str, Any]) -> bool:
+    """True when the process a marker names may still be running: another live process on this
+    host (a marker from another host cannot be checked, so it counts as alive)."""
+    if found.get("host") != socket.gethostname():
+        return True
+    pid = found.get("pid")
+    if not isinstance(pid, int) or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
