@@ -5,10 +5,13 @@ e4m3 with a float32 scale per output row beside each (`dlo.engine.fp8`), served 
 Owns: the subcommand (`add_arguments`, `main`) and `quantize_folder`: the transformers rewritten
 (same files and sharding, each weight the rule picks replaced by its FP8 bytes and its scale added
 beside it; the values from `dlo.engine.quantize`), every other component and file hard-linked
-(copied across filesystems), written into `DST.partial` and renamed when complete.
-Must never: write into SRC, leave a half-written DST, quantize what `dlo.engine.fp8.quantizable`
-leaves out, or import torch before the arguments and SRC's headers are checked (a bad argument is
-a one-line exit 2 at once).
+(copied across filesystems), written into `DST.partial` and renamed when complete. `DST.partial` is
+made with the marker of `dlo.delivery.owned`: a later run removes it only when it carries that
+marker and the run that made it is gone (a killed run's; there is nothing to resume), and refuses
+one without it; SRC and DST (or `DST.partial`) inside one another are refused (`check_paths`).
+Must never: write into or delete SRC, delete a folder it did not make, leave a half-written DST,
+quantize what `dlo.engine.fp8.quantizable` leaves out, or import torch before the arguments and
+SRC's headers are checked (a bad argument is a one-line exit 2 at once).
 """
 
 from __future__ import annotations
@@ -22,15 +25,51 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable
 
+from dlo.delivery.owned import MARKER, NotMarked, make_marked, maker_alive, marker_of, remove_marked
 from dlo.engine.fp8 import CONVERTIBLE, SCALE_SUFFIX, quantizable, stored_weights
+
+MAKER = "dlo quantize"
 
 
 class QuantizeError(ValueError):
     """Input `dlo quantize` refuses: the message names the argument and what to do."""
 
 
+def staging_folder(dst: Path) -> Path:
+    """Where DST is written before its rename: `DST.partial` beside it."""
+    return dst.with_name(dst.name + ".partial")
+
+
+def check_paths(src: Path, dst: Path) -> None:
+    """Refuse SRC and DST (both resolved) that overlap: SRC equal to or inside DST or `DST.partial`
+    (the staging folder is made anew: SRC would be deleted), or DST inside SRC (SRC written into)."""
+    partial = staging_folder(dst)
+    linked = Path(os.path.realpath(partial))  # where a link named DST.partial leads
+    for other, what in ((dst, "DST"), (partial, "DST's staging folder"), (linked, "DST's staging folder")):
+        if src == other or other in src.parents:
+            raise QuantizeError(f"SRC {src} is or lies inside {what} {other}; choose a DST outside SRC")
+    if src in dst.parents:
+        raise QuantizeError(f"DST {dst} lies inside SRC {src}; choose a folder outside it")
+
+
+def _claim(partial: Path, src: Path) -> None:
+    """Make `partial` this run's: an earlier run's (our marker, its process gone) is removed first;
+    one another run is writing, or that dlo quantize did not make, is refused."""
+    found = marker_of(partial)
+    if found is not None and found["made_by"] == MAKER and maker_alive(found):
+        raise QuantizeError(f"{partial} is being written by another dlo quantize (pid {found.get('pid')}); wait for "
+                            "it to end or choose another DST")
+    try:
+        remove_marked(partial, MAKER)
+    except NotMarked as e:
+        raise QuantizeError(str(e)) from None
+    make_marked(partial, MAKER, src=str(src))
+
+
 def quantize_folder(src: Path, dst: Path, *, show_progress: bool = True) -> dict:
     """SRC's pipeline with its transformers' linear weights in FP8, at DST (module docstring)."""
+    src, dst = src.resolve(), dst.resolve()
+    check_paths(src, dst)
     from dlo.engine.checkpoint import CheckpointError, cached_checkpoint
     from dlo.engine.families import pipeline_facts
 
@@ -43,24 +82,24 @@ def quantize_folder(src: Path, dst: Path, *, show_progress: bool = True) -> dict
         if stored_weights(ckpt):
             raise QuantizeError(f"SRC {src}: {name} already holds FP8 weights")
     need = sum(_fp8_bytes(c, src / name) for name, c in ckpts.items())
-    partial = dst.with_name(dst.name + ".partial")
+    partial = staging_folder(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(dst.parent).free
     if need > free:
         raise QuantizeError(f"DST {dst}: the FP8 transformers need {need / 2**30:.2f} GiB and "
                             f"{free / 2**30:.2f} GiB are free on its filesystem")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    _claim(partial, src)
     try:
         bar = _bar(sum(c.nbytes for c in ckpts.values()), show_progress)
         counts = {name: _write_component(ckpt, src / name, partial / name, bar) for name, ckpt in ckpts.items()}
         bar.close()
         linked = _link_rest(src, partial, set(ckpts))
         os.sync()
-        partial.rename(dst)
+        partial.rename(dst)  # an empty DST is replaced
     except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
+        shutil.rmtree(partial, ignore_errors=True)  # made by this run, just above
         raise
+    (dst / MARKER).unlink(missing_ok=True)
     return {"path": str(dst), "dtype": "fp8", "quantized_weights": counts, "bytes": need, "linked": linked}
 
 
@@ -134,7 +173,7 @@ def _link_rest(src: Path, dst: Path, done: set[str]) -> int:
     n = 0
     for path in sorted(src.rglob("*")):
         rel = path.relative_to(src)
-        if rel.parts[0] in done or path.is_dir():
+        if rel.parts[0] in done or path.is_dir() or rel.as_posix() == MARKER:
             continue
         (dst / rel).parent.mkdir(parents=True, exist_ok=True)
         _link_or_copy(path, dst / rel)
@@ -169,14 +208,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    src, dst = args.src.resolve(), args.dst.resolve()
-    if src == dst or src in dst.parents:
-        print(f"dlo quantize: DST {dst} lies inside SRC {src}; choose a folder outside it", file=sys.stderr)
-        return 2
     try:
-        if dst.exists():
-            dst.rmdir()  # new_folder checked it is empty: the rename needs it gone
-        summary = quantize_folder(src, dst, show_progress=not args.no_progress)
+        summary = quantize_folder(args.src, args.dst, show_progress=not args.no_progress)
     except (QuantizeError, OSError) as e:
         print(f"dlo quantize: {e}", file=sys.stderr)
         return 2
