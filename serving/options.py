@@ -95,27 +95,24 @@ def _unset(text: str) -> str:
     return text + "%(default).0s"
 
 
-GROUPS = (
-    ("model and API", "what is served, where, to whom, and the HTTP server's queue, timeouts and video jobs"),
-    ("limits", "what a request may ask for (beyond them: 400)"),
-    ("device and memory", "the device, what a rank keeps on it and where the weights' bytes come from"),
-    ("parallelism", "the ranks (dp x sp of them on this node) and the offload mode"),
-    ("LoRA", 'adapters chosen per request (docs/serving.md, "LoRA adapters")'),
-    ("start-up", "loading and the warm-up before /ready turns 200"),
-    ("tuning: measured defaults, change only to benchmark",
-     "the served bytes do not depend on these; unset, a flag naming a DLO_* variable takes it "
-     "(dlo.engine.settings.ENVIRONMENT), else the measured default; a flag given wins over its variable"),
-)
-"""`dlo serve --help`'s groups, in order: (title, description). Every flag is in exactly one."""
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Every `dlo serve` option, in the groups of `GROUPS` (docs/serving.md, "Options", the same)."""
-    groups = [parser.add_argument_group(title, description) for title, description in GROUPS]
-    for add, group in zip((_add_api_arguments, _add_limits_arguments, _add_device_arguments,
-                           _add_parallel_arguments, _add_lora_arguments, _add_startup_arguments,
-                           _add_tuning_arguments), groups):
-        add(group)
+    """Every `dlo serve` option, in `--help`'s groups, in this order (docs/serving.md, "Options", the same);
+    every flag is in exactly one (tests/engine/test_serve_help.py)."""
+    for title, description, add in (
+        ("model and API", "what is served, where, to whom, and the HTTP server's queue, timeouts and video jobs",
+         _add_api_arguments),
+        ("limits", "what a request may ask for (beyond them: 400)", _add_limits_arguments),
+        ("device and memory", "the device, what a rank keeps on it and where the weights' bytes come from",
+         _add_device_arguments),
+        ("parallelism", "the ranks (dp x sp of them on this node) and the offload mode", _add_parallel_arguments),
+        ("LoRA", 'adapters chosen per request (docs/serving.md, "LoRA adapters")', _add_lora_arguments),
+        ("start-up", "loading and the warm-up before /ready turns 200", _add_startup_arguments),
+        ("tuning: measured defaults, change only to benchmark",
+         "the served bytes do not depend on these. Unset, a flag takes the DLO_* variable it names "
+         "(dlo.engine.settings.ENVIRONMENT), else its measured default; given, it wins over the variable",
+         _add_tuning_arguments),
+    ):
+        add(parser.add_argument_group(title, description))
     parser.epilog = (
         "Example: `dlo make-tiny-model /tmp/tiny --family wan` then `dlo serve /tmp/tiny --dp 2 --mode allgather "
         "--device cpu --small-limits`. API: POST /v1/images/generations, POST|GET /v1/videos, "
@@ -148,7 +145,7 @@ def _add_api_arguments(group: argparse._ArgumentGroup) -> None:
                             "times out")
     group.add_argument("--shutdown-grace", type=float, default=25.0,
                        help="seconds the waves and queue already accepted may run after SIGTERM (below "
-                            "Kubernetes' 30 s; the operator sets terminationGracePeriodSeconds = grace + 5): "
+                            "Kubernetes' usual 30 s; the operator sets terminationGracePeriodSeconds = grace + 5): "
                             "/ready turns 503 at once, new requests get 503 with Retry-After, what is unfinished "
                             "at the end gets 503, then the server exits 0")
     group.add_argument("--max-connections", type=int, default=None,
