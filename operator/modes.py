@@ -1,10 +1,11 @@
 """Resolution of `spec.mode: auto` from the node profiles the agent publishes.
 
 Owns: which nodes a DLODeployment's pods may land on (`eligible_nodes`), the model facts per node
-(spec override, else the node profile's entry for the model folder), and `resolve_mode`, which asks
-`dlo.plan.policy.choose_mode` per node and keeps the decision of the most constrained node (the
-node where the fewest modes fit). Without any usable profile, `auto` falls back to allgather (the
-mode with the least host and device memory per node) and says why.
+(spec override, else the node profile's entry for the model folder), the node types (`node_types`:
+eligible nodes alike in what a plan reads), and `resolve_mode`, which asks `dlo.plan.deployment.plan`
+once per node type (`node_plan`) and keeps the decision of the most constrained one (where the
+fewest modes fit). Without any usable profile, `auto` falls back to allgather (the mode with the
+least host and device memory per node) and says why.
 Must never: talk to the API server or import torch; it is pure over the node objects it is given.
 """
 
@@ -19,6 +20,7 @@ from dlo.plan.profile import ANNOTATION as PROFILE_ANNOTATION  # the agent write
 from dlo.plan.facts import MODES, Mode, ModelFacts, key_of_mode
 from dlo.operator.models import DLODeploymentSpec
 from dlo.plan.budget import DeviceBudgetError
+from dlo.plan.policy import PolicyError
 
 if TYPE_CHECKING:
     from dlo.plan.deployment import DeploymentPlan
@@ -28,8 +30,9 @@ if TYPE_CHECKING:
 class Resolution:
     mode: Mode
     reason: str
-    # Digest of the inputs (spec fields and eligible profiles): re-resolve only when it changes.
+    # Digest of the inputs (spec fields and eligible node types): re-resolve only when it changes.
     inputs: str
+    node_types: tuple[dict[str, Any], ...] = ()  # auto: each node type's nodes, mode and reason
 
 
 def _matches(node: dict[str, Any], spec: DLODeploymentSpec) -> bool:
@@ -56,37 +59,73 @@ def node_profile_json(node: dict[str, Any]) -> str | None:
     return (node.get("metadata", {}).get("annotations", {}) or {}).get(PROFILE_ANNOTATION)
 
 
-def inputs_digest(spec: DLODeploymentSpec, nodes: list[dict[str, Any]]) -> str:
+@dataclass(frozen=True)
+class NodeType:
+    """Eligible nodes alike in everything the plan reads (their profile less the node's name and the
+    page-cache residency, with the spec's model facts): one plan answers for all of them."""
+
+    key: str  # canonical JSON of what the plan reads, or why the nodes have no usable profile
+    profile: Any  # NodeProfile, or None where `key` says why there is none
+    facts: ModelFacts | None
+    nodes: tuple[str, ...]
+
+
+def node_types(spec: DLODeploymentSpec, eligible: list[dict[str, Any]]) -> list[NodeType]:
+    """The eligible nodes grouped by what their plan depends on, in node-name order."""
+    from dlo.plan.profile import NodeProfile
+
+    groups: dict[str, tuple[Any, ModelFacts | None, list[str]]] = {}
+    for node in eligible:
+        name = node["metadata"]["name"]
+        raw = node_profile_json(node)
+        profile, facts = None, None
+        if raw is None:
+            key = "no profile"
+        else:
+            try:
+                profile = NodeProfile.from_annotation(raw)
+            except ValueError as e:
+                key = f"unreadable profile ({str(e).splitlines()[0]})"
+            else:
+                facts = model_facts(spec, profile)
+                key = _type_key(profile, facts) if facts is not None else \
+                    f"no facts for model {spec.model.folder_name!r}"
+        groups.setdefault(key, (profile, facts, []))[2].append(name)
+    return [NodeType(k, p, f, tuple(names)) for k, (p, f, names) in groups.items()]
+
+
+def _type_key(profile: Any, facts: ModelFacts) -> str:
+    plain = profile.model_copy(update={"node": "", "models": {}, "model_errors": None})
+    return json.dumps({"profile": plain.model_dump(mode="json"), "model": facts.__dict__}, sort_keys=True,
+                      default=str)
+
+
+def inputs_digest(spec: DLODeploymentSpec, types: list[NodeType]) -> str:
+    """What a plan is made from: the spec's planned fields and the eligible node types (not their
+    number, names or page-cache residency: another node of a known type changes nothing)."""
     payload = {
         "dp": spec.devices_per_node,
         **({"sp": spec.sp} if spec.sp != 1 else {}),
         **({"budget": spec.engine.device_budget_bytes()} if spec.engine.max_device_memory else {}),
         "model": spec.model.model_dump(mode="json"),
-        "profiles": {n["metadata"]["name"]: node_profile_json(n) for n in nodes},
+        "types": sorted(t.key for t in types),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _policy() -> Any:
-    """The agent's policy module (imported lazily: `dlo.plan.policy` is pure and torch-free)."""
-    from dlo.plan import policy
-
-    return policy
-
-
 def resolve_mode(spec: DLODeploymentSpec, nodes: list[dict[str, Any]], previous: Resolution | None = None) -> Resolution:
-    """The mode for `spec`: an explicit mode as is; `auto` asks the policy per eligible node.
+    """The mode for `spec`: an explicit mode as is; `auto` asks the plan per eligible node type.
 
     `previous` (an earlier `auto` decision) is kept while its inputs are unchanged, so a decision
-    is made once and again only when the eligible nodes or their profiles change.
+    is made once and again only when the eligible node types change.
     """
-    eligible = eligible_nodes(nodes, spec)
-    digest = inputs_digest(spec, eligible)
+    types = node_types(spec, eligible_nodes(nodes, spec))
+    digest = inputs_digest(spec, types)
     if spec.mode != "auto":
         return Resolution(spec.mode, f"spec.mode is {spec.mode}", digest)
     if previous is not None and previous.inputs == digest:
         return previous
-    return _resolve_with_policy(_policy(), spec, eligible, digest)
+    return _resolve_with_plans(spec, types, digest)
 
 
 def model_residency(nodes: list[dict[str, Any]], spec: DLODeploymentSpec) -> dict[str, float | None]:
@@ -106,47 +145,38 @@ def model_residency(nodes: list[dict[str, Any]], spec: DLODeploymentSpec) -> dic
     return out
 
 
-def _resolve_with_policy(policy: Any, spec: DLODeploymentSpec, eligible: list[dict[str, Any]], digest: str) -> Resolution:
-    from dlo.plan.profile import NodeProfile
-
-    # (modes that fit on the node, node name, decision): the node where the fewest modes fit is
-    # the most constrained; its decision is the one every node can run.
-    decisions: list[tuple[int, str, Any]] = []
+def _resolve_with_plans(spec: DLODeploymentSpec, types: list[NodeType], digest: str) -> Resolution:
+    # (modes that fit on the node type, its first node, decision, type): the type where the fewest
+    # modes fit is the most constrained; its decision is the one every node can run.
+    decisions: list[tuple[int, str, Any, NodeType]] = []
     skipped: list[str] = []
-    for node in eligible:
-        name = node["metadata"]["name"]
-        raw = node_profile_json(node)
-        if raw is None:
-            skipped.append(f"{name}: no profile")
+    for nt in types:
+        first = nt.nodes[0] + (f" (and {len(nt.nodes) - 1} more alike)" if len(nt.nodes) > 1 else "")
+        if nt.profile is None or nt.facts is None:
+            skipped.append(f"{first}: {nt.key}")
             continue
         try:
-            profile = NodeProfile.from_annotation(raw)
-        except ValueError as e:
-            skipped.append(f"{name}: unreadable profile ({str(e).splitlines()[0]})")
-            continue
-        facts = model_facts(spec, profile)
-        if facts is None:
-            skipped.append(f"{name}: no facts for model {spec.model.folder_name!r}")
-            continue
-        try:
-            decision = node_plan(spec, profile, facts)
-        except (policy.PolicyError, DeviceBudgetError) as e:
-            skipped.append(f"{name}: {str(e).removeprefix('--mode auto: ')}")
+            decision = node_plan(spec, nt.profile, nt.facts)
+        except (PolicyError, DeviceBudgetError) as e:
+            skipped.append(f"{first}: {str(e).removeprefix('--mode auto: ')}")
             continue
         if decision.decision is None:  # the policy gave no answer: the plan's fixed rule is no node's
-            skipped.append(f"{name}: {decision.policy_error}")
+            skipped.append(f"{first}: {decision.policy_error}")
             continue
         fitting = sum(1 for est in decision.estimates.values() if est.fits)
-        decisions.append((fitting, name, decision.decision))
+        decisions.append((fitting, nt.nodes[0], decision.decision, nt))
+    per_type = tuple({"nodes": list(nt.nodes), "mode": d.engine_mode, "reason": d.reason}
+                     for _, _, d, nt in decisions)
     if not decisions:
         why = "; ".join(skipped) if skipped else "no eligible node"
         return Resolution("allgather", f"auto resolved to allgather (the frugal default): {why}", digest)
-    _, name, decision = min(decisions, key=lambda d: (d[0], d[1]))
+    _, name, decision, _ = min(decisions, key=lambda d: (d[0], d[1]))
     mode = decision.engine_mode
     if mode not in MODES:
         raise ValueError(f"the policy chose an unknown mode {decision.mode!r}")
-    suffix = f" (most constrained of {len(decisions)} nodes)" if len(decisions) > 1 else ""
-    return Resolution(mode, f"node {name}: {decision.reason}{suffix}", digest)
+    nodes = sum(len(nt.nodes) for *_, nt in decisions)
+    suffix = f" (most constrained of {nodes} nodes)" if nodes > 1 else ""
+    return Resolution(mode, f"node {name}: {decision.reason}{suffix}", digest, per_type)
 
 
 def node_plan(spec: DLODeploymentSpec, profile: Any, facts: ModelFacts) -> DeploymentPlan:
@@ -171,31 +201,21 @@ def model_facts(spec: DLODeploymentSpec, profile: Any) -> ModelFacts | None:
 def pod_memory_bytes(spec: DLODeploymentSpec, nodes: list[dict[str, Any]], mode: Mode) -> int | None:
     """What the engine pod's cgroup is charged at its cold-start peak in `mode` (the policy's
     `cold_start_peak_bytes`; CPU ranks add their "device" weights, which live in host memory), the
-    largest over the eligible nodes with a usable profile and model facts; None without any."""
+    largest over the eligible node types with a usable profile and model facts; None without any."""
+    from dlo.plan.policy import estimate_modes
     from dlo.plan.profile import NodeProfile
 
-    policy = _policy()
     key = key_of_mode(mode)
+    pairs = [(nt.profile, nt.facts) for nt in node_types(spec, eligible_nodes(nodes, spec))
+             if nt.profile is not None and nt.facts is not None]
+    if not pairs and spec.model.facts is not None:
+        pairs = [(NodeProfile(), spec.model.facts.facts())]  # no node reports: the spec's facts on a bare node
     out: list[int] = []
-    profiles = []
-    for node in eligible_nodes(nodes, spec):
-        raw = node_profile_json(node)
-        if raw is None:
-            continue
+    for profile, facts in pairs:
         try:
-            profiles.append(NodeProfile.from_annotation(raw))
-        except ValueError:
-            continue
-    if not profiles and spec.model.facts is not None:
-        profiles = [NodeProfile()]  # no node reports: the spec's facts on a node that registers nothing
-    for profile in profiles:
-        facts = model_facts(spec, profile)
-        if facts is None:
-            continue
-        try:
-            est = policy.estimate_modes(profile, facts, spec.dp, sp=spec.sp, require_bandwidth=False,
-                                        device_budget_bytes=spec.engine.device_budget_bytes())[key]
-        except policy.PolicyError:
+            est = estimate_modes(profile, facts, spec.dp, sp=spec.sp, require_bandwidth=False,
+                                 device_budget_bytes=spec.engine.device_budget_bytes())[key]
+        except PolicyError:
             continue
         host_devices = spec.devices_per_node * est.device_weight_bytes if spec.engine.device == "cpu" else 0
         out.append(est.cold_start_peak_bytes + host_devices)

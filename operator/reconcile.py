@@ -1,8 +1,9 @@
 """One reconcile of one DLODeployment, as named steps, over what the watch indexes hold.
 
 Owns: `View` (the nodes, the resource's pods and fetch Jobs, copied from kopf's indexes) and `run`:
-validate the spec (an invalid one sets `Degraded` instead of crash-looping), resolve the mode
-(`auto`: once, again only when the eligible nodes' profiles change), deliver the model (`uri`:
+validate the spec (an invalid one sets `Degraded` instead of crash-looping), pin the deployment
+plan (`pinned_plan`: made when the spec's generation, the pods' model or the replan annotation
+changes; an inventory that would give another plan sets `PlanOutdated`), deliver the model (`uri`:
 fetch Jobs, node labels, which model the pods run), apply the builders' objects with server-side
 apply and owner references, delete pods on an old template when the rollout is Recreate, and write
 status (replica counts, nodes, URL, conditions, observedGeneration). Every decision is an Event on
@@ -21,7 +22,7 @@ from typing import Any
 import kopf
 import urllib3
 
-from dlo.operator import advice, builders, metrics, modes, status
+from dlo.operator import advice, builders, metrics, modes, pinned_plan, status
 from dlo.operator.delivery_run import deliver
 from dlo.operator.pod_reasons import pod_problems
 from dlo.operator.config import OperatorConfig
@@ -97,12 +98,12 @@ def reconcile(kube: Kube, body: dict[str, Any], view: View, config: OperatorConf
     spec = _valid_spec(body, conditions, generation, patch, config)
     if spec is None:
         return "invalid_spec"
-    resolution = _resolve(body, spec, view.nodes)
     plan = deliver(kube, body, owner, spec, view, config)
     pods_spec = spec if plan is None else spec.model_copy(update={"model": plan.pods_model})
-    ctx = _context(kube, spec, pods_spec, view, config, resolution.mode)
+    pinned, outdated = _pin(body, spec, pods_spec, view.nodes, conditions)
+    ctx = _context(kube, spec, config, pinned.memory_bytes)
     monitor_crd = kube.has_resource("monitoring.coreos.com/v1", MONITOR_PLURALS[spec.monitoring.kind])
-    objects = builders.build_all(owner, spec, resolution.mode, monitor_crd, ctx, pods_spec)
+    objects = builders.build_all(owner, spec, pinned.mode, monitor_crd, ctx, pods_spec)
     _apply(kube, body, objects)
     autoscaler = _retire_autoscaler(kube, owner, current, objects)
     (sts,) = [o for o in objects if o["kind"] == "StatefulSet"]
@@ -117,15 +118,16 @@ def reconcile(kube: Kube, body: dict[str, Any], view: View, config: OperatorConf
         model=plan.verdict if plan else None, fetches=plan.fetches if plan else {},
         rolling_for_model=plan.rolling_for_model if plan else "")
     summary = status.summarize(observed)
-    verdicts = {**summary.pop("verdicts"), "Degraded": _health(body, conditions, pods)}
+    verdicts = {**summary.pop("verdicts"), "Degraded": _health(body, conditions, pods), "PlanOutdated": outdated}
     patch.update(summary)
     patch.update({
         "observedGeneration": generation,
         "selector": builders.selector_string(owner.name),
         "url": builders.service_url(owner, spec),
-        "mode": resolution.mode,
-        "modeReason": resolution.reason,
-        "modeInputs": resolution.inputs,
+        "mode": pinned.mode,
+        "modeReason": pinned.reason,
+        "modeInputs": pinned.inputs,
+        "plan": pinned.to_status(),
         "warnings": advice.warnings(spec, ctx.autoscaler),
         "autoscaler": autoscaler,
         "conditions": _conditions(conditions, verdicts, generation),
@@ -133,9 +135,9 @@ def reconcile(kube: Kube, body: dict[str, Any], view: View, config: OperatorConf
     return "success"
 
 
-def _context(kube: Kube, spec: DLODeploymentSpec, pods_spec: DLODeploymentSpec, view: View, config: OperatorConfig,
-             mode: Any) -> builders.BuildContext:
-    """What the builders need beyond the spec: the memory estimate, the autoscaler kind, the config."""
+def _context(kube: Kube, spec: DLODeploymentSpec, config: OperatorConfig, memory_bytes: int | None) -> builders.BuildContext:
+    """What the builders need beyond the spec: the pinned plan's memory request, the autoscaler kind,
+    the config."""
     keda = None
     if spec.autoscaling.enabled:
         installed = kube.has_resource("keda.sh/v1alpha1", "scaledobjects")
@@ -144,7 +146,7 @@ def _context(kube: Kube, spec: DLODeploymentSpec, pods_spec: DLODeploymentSpec, 
         else:
             keda = "keda" if installed and spec.autoscaling.engine == "auto" else "hpa"
     return builders.BuildContext(
-        cache_root=config.cache_root, memory_bytes=modes.pod_memory_bytes(pods_spec, view.nodes, mode),
+        cache_root=config.cache_root, memory_bytes=memory_bytes,
         autoscaler=keda, prometheus_url=config.prometheus_url, monitoring_release=config.monitoring_release)  # type: ignore[arg-type]
 
 
@@ -212,19 +214,23 @@ def _conditions(conditions: list[dict[str, Any]], verdicts: dict[str, Verdict], 
     return conditions
 
 
-def _resolve(body: dict[str, Any], spec: DLODeploymentSpec, nodes: list[dict[str, Any]]) -> modes.Resolution:
-    """The mode, keeping an earlier `auto` decision while its inputs stand; an Event on a change."""
-    current = body.get("status") or {}
-    previous = None
-    if current.get("mode"):
-        previous = modes.Resolution(current["mode"], current.get("modeReason", ""), current.get("modeInputs", ""))
-    resolution = modes.resolve_mode(spec, nodes, previous)
-    if previous is None:
-        kopf.info(body, reason="ModeResolved", message=f"{resolution.mode}: {resolution.reason}")
-    elif previous.mode != resolution.mode:
-        message = f"{previous.mode} -> {resolution.mode}: {resolution.reason}; the pods roll"
-        kopf.info(body, reason="ModeChanged", message=message)
-    return resolution
+def _pin(body: dict[str, Any], spec: DLODeploymentSpec, pods_spec: DLODeploymentSpec, nodes: list[dict[str, Any]],
+         conditions: list[dict[str, Any]]) -> tuple[pinned_plan.PinnedPlan, Verdict]:
+    """The plan the pods run (`pinned_plan.pin`) and the PlanOutdated verdict; an Event when a plan
+    is made, when it changes the mode, and when the inventory first outdates it."""
+    pinned, replaced, outdated = pinned_plan.pin(body, spec, pods_spec, nodes)
+    if replaced is None and pinned.to_status() != (body.get("status") or {}).get("plan"):
+        if (body.get("status") or {}).get("plan") is None:
+            kopf.info(body, reason="ModeResolved", message=f"{pinned.mode}: {pinned.reason}")
+    elif replaced is not None:
+        change = replaced.differs(pinned)
+        kopf.info(body, reason="PlanMade", message=change or f"{pinned.mode}: unchanged")
+        if replaced.mode != pinned.mode:
+            kopf.info(body, reason="ModeChanged", message=f"{replaced.mode} -> {pinned.mode}: {pinned.reason}; the pods roll")
+    previous = status.condition(conditions, "PlanOutdated") or {}
+    if outdated[0] == "True" and previous.get("message") != outdated[2]:
+        kopf.warn(body, reason="PlanOutdated", message=outdated[2])
+    return pinned, outdated
 
 
 def _delete_old_pods(kube: Kube, body: dict[str, Any], pods: list[dict[str, Any]], template_hash: str) -> list[dict[str, Any]]:

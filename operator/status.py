@@ -18,7 +18,7 @@ from dlo.operator.pod_reasons import Problem
 
 ConditionStatus = Literal["True", "False", "Unknown"]
 Verdict = tuple[str, str, str]  # (status, reason, message) of one condition
-CONDITION_TYPES = ("Ready", "Progressing", "CacheWarmed", "ModelReady", "Degraded")
+CONDITION_TYPES = ("Ready", "Progressing", "CacheWarmed", "ModelReady", "Degraded", "PlanOutdated")
 
 
 def now() -> str:

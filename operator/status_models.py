@@ -17,7 +17,7 @@ from dlo.operator.spec_base import SpecModel as _Model
 class Condition(_Model):
     """metav1.Condition."""
 
-    type: str = Field(description="Ready, Progressing, CacheWarmed, ModelReady or Degraded")
+    type: str = Field(description="Ready, Progressing, CacheWarmed, ModelReady, Degraded or PlanOutdated")
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown")
     observed_generation: int | None = Field(None, description="metadata.generation the condition was set for")
     last_transition_time: str = Field(description="when the status last changed (RFC 3339)")
@@ -52,6 +52,29 @@ class NodeStatus(_Model):
     model: NodeModelStatus | None = Field(None, description="model.uri: the fetch of the model on that node")
 
 
+class NodeTypePlan(_Model):
+    """The plan's decision on one type of eligible node (nodes alike in what the plan reads)."""
+
+    nodes: list[str] = Field(default_factory=list, description="the eligible nodes of this type")
+    mode: Mode = Field(description="the mode the plan chose on this node type")
+    reason: str = Field("", description="why, with the policy's estimates")
+
+
+class PlanStatus(_Model):
+    """The deployment plan the pods run, pinned: made again only when the spec's generation, the
+    pods' model or the `dlo.dev/replan` annotation changes (PlanOutdated says when the inventory
+    would give another)."""
+
+    mode: Mode = Field(description="the offload mode the pods run")
+    reason: str = Field("", description="why that mode (auto: the most constrained node type's decision)")
+    memory_bytes: int | None = Field(None, ge=0, description="the engine container's memory request")
+    inputs: str = Field("", description="digest of the spec's planned fields and the eligible node types")
+    generation: int | None = Field(None, description="metadata.generation the plan was made for")
+    model: str = Field("", description="the model the pods run when the plan was made (its spec, JSON)")
+    replan: str = Field("", description="the dlo.dev/replan annotation's value the plan answered")
+    node_types: list[NodeTypePlan] = Field(default_factory=list, description="auto: each node type's decision")
+
+
 class DLODeploymentStatus(_Model):
     """What the operator observed; written by the operator only."""
 
@@ -66,6 +89,7 @@ class DLODeploymentStatus(_Model):
     mode: Mode | None = Field(None, description="the offload mode the pods run")
     mode_reason: str = Field("", description="why that mode (for auto: the deciding node and its estimates)")
     mode_inputs: str = Field("", description="digest of what the mode was decided from")
+    plan: PlanStatus | None = Field(None, description="the deployment plan the pods run, pinned")
     cached_ratio: float | None = Field(None, ge=0, le=1, description="lowest page-cache residency over nodes")
     nodes: list[NodeStatus] = Field(
         default_factory=list, description="the nodes the engine pods run on, and those fetching the model for them"
@@ -77,6 +101,7 @@ class DLODeploymentStatus(_Model):
     )
     conditions: list[Condition] = Field(
         default_factory=list,
-        description="Ready, Progressing, CacheWarmed, ModelReady and Degraded (metav1.Condition, one per type)",
+        description="Ready, Progressing, CacheWarmed, ModelReady, Degraded and PlanOutdated (metav1.Condition, one per "
+                    "type)",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )

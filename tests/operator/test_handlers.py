@@ -86,16 +86,55 @@ async def test_mode_change_rolls_pods_with_recreate():
         assert cluster.events("ModeChanged")
 
 
-async def test_auto_mode_is_re_resolved_when_node_profiles_change():
+async def test_the_plan_is_pinned_an_inventory_change_only_says_so_and_a_replan_applies_it():
+    """A profile change that would give another plan replaces no pod: PlanOutdated names the change
+    and the command; the replan annotation applies it (and the pods roll)."""
     async with running_cluster() as cluster:
         await add_gpu_nodes(cluster)
         await cluster.create(dlodeployment("wan", NS, SPEC))
-        await cluster.wait(lambda: status_of(cluster).get("mode") == "resident", what="resident")
+        await cluster.wait(lambda: (condition(cluster, "Ready") or {}).get("status") == "True", what="Ready")
+        assert status_of(cluster)["plan"]["mode"] == "resident" and status_of(cluster)["plan"]["generation"] == 1
+        pods = {p["metadata"]["name"]: p["metadata"]["uid"] for p in cluster.objects("Pod", NS)}
         await cluster.call(cluster.kube.patch, "v1", "Node", None, "node-1",
                            {"metadata": {"annotations": gpu_node_profile("node-1", "l4-node.json")}})
-        await cluster.wait(lambda: status_of(cluster).get("mode") == "allgather", what="re-resolution")
-        assert "node node-1" in status_of(cluster)["modeReason"]
-        assert cluster.events("ModeChanged")
+        await cluster.wait(lambda: (condition(cluster, "PlanOutdated") or {}).get("status") == "True",
+                           what="PlanOutdated")
+        message = condition(cluster, "PlanOutdated")["message"]
+        assert "mode resident -> allgather" in message and "dlo.dev/replan" in message and "node node-1" in message
+        assert status_of(cluster)["mode"] == "resident" and cluster.events("PlanOutdated")
+        assert {p["metadata"]["name"]: p["metadata"]["uid"] for p in cluster.objects("Pod", NS)} == pods
+        assert not cluster.events("ModeChanged") and not cluster.events("PodRecreated")
+        await cluster.patch_dlod(NS, "wan", {"metadata": {"annotations": {"dlo.dev/replan": "1"}}})
+        await cluster.wait(lambda: status_of(cluster).get("mode") == "allgather", what="the replan applied")
+        assert status_of(cluster)["plan"]["replan"] == "1" and cluster.events("ModeChanged")
+        await cluster.wait(lambda: (condition(cluster, "PlanOutdated") or {}).get("status") == "False",
+                           what="PlanOutdated cleared")
+        await cluster.wait(lambda: len(cluster.events("PodRecreated")) >= 2, what="the pods roll on the new plan")
+
+
+async def test_a_node_of_another_accelerator_joins_no_pod_is_deleted_and_a_spec_edit_rolls():
+    async with running_cluster() as cluster:
+        await add_gpu_nodes(cluster)
+        await cluster.create(dlodeployment("wan", NS, SPEC))
+        await cluster.wait(lambda: (condition(cluster, "Ready") or {}).get("status") == "True", what="Ready")
+        sts_hash = cluster.get("StatefulSet", NS, "wan")["spec"]["template"]["metadata"]["annotations"][
+            builders.TEMPLATE_HASH]
+        pods = {p["metadata"]["name"]: p["metadata"]["uid"] for p in cluster.objects("Pod", NS)}
+        await cluster.add_node("node-l4", annotations=gpu_node_profile("node-l4", "l4-node.json"),
+                               allocatable={"nvidia.com/gpu": "8"})
+        await cluster.wait(lambda: (condition(cluster, "PlanOutdated") or {}).get("status") == "True",
+                           what="PlanOutdated")
+        assert "node node-l4" in condition(cluster, "PlanOutdated")["message"]
+        sts = cluster.get("StatefulSet", NS, "wan")
+        assert sts["spec"]["template"]["metadata"]["annotations"][builders.TEMPLATE_HASH] == sts_hash
+        assert {p["metadata"]["name"]: p["metadata"]["uid"] for p in cluster.objects("Pod", NS)} == pods
+        assert status_of(cluster)["plan"]["mode"] == "resident"
+        # a spec edit plans again from the inventory as it is, and rolls
+        await cluster.patch_dlod(NS, "wan", {"spec": {"engine": {"shutdownGraceSeconds": 30}}})
+        await cluster.wait(lambda: status_of(cluster).get("plan", {}).get("generation") == 2, what="a new plan")
+        assert status_of(cluster)["plan"]["mode"] == "allgather"
+        assert len(status_of(cluster)["plan"]["nodeTypes"]) == 2
+        await cluster.wait(lambda: len(cluster.events("PodRecreated")) >= 2, what="the spec edit rolls")
 
 
 async def test_scale_by_patching_spec_replicas():
@@ -220,7 +259,8 @@ async def test_changes_reach_the_status_through_watches_not_the_resync():
         await cluster.wait(lambda: status_of(cluster).get("readyReplicas") == 1, timeout=10, what="the pod's change")
         await cluster.call(cluster.kube.patch, "v1", "Node", None, "node-1",
                            {"metadata": {"annotations": gpu_node_profile("node-1", "l4-node.json")}})
-        await cluster.wait(lambda: status_of(cluster).get("mode") == "allgather", timeout=10, what="the node's change")
+        await cluster.wait(lambda: (condition(cluster, "PlanOutdated") or {}).get("status") == "True", timeout=10,
+                           what="the node's change")
         await cluster.patch_dlod(NS, "wan", {"spec": {"service": {"port": 8080}}})
         await cluster.wait(lambda: status_of(cluster).get("url", "").endswith(":8080"), timeout=10, what="the spec change")
         nodes_listed = [r for r in cluster.emulator if r.method.value == "GET" and r.resource is not None

@@ -119,7 +119,8 @@ def assert_converged(cluster: Cluster, replicas: int = 2) -> None:
         refs = cluster.get(kind, NS, name)["metadata"]["ownerReferences"]
         assert [r["uid"] for r in refs] == [owner["metadata"]["uid"]], (kind, refs)
     types = [c["type"] for c in status_of(cluster)["conditions"]]
-    assert sorted(types) == sorted(set(types)) == ["CacheWarmed", "Degraded", "ModelReady", "Progressing", "Ready"]
+    assert sorted(types) == sorted(set(types)) == ["CacheWarmed", "Degraded", "ModelReady", "PlanOutdated", "Progressing",
+                                                   "Ready"]
     assert condition(cluster, "Degraded")["status"] == "False"
     sts = cluster.get("StatefulSet", NS, "wan")
     want = sts["spec"]["template"]["metadata"]["annotations"][builders.TEMPLATE_HASH]
