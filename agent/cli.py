@@ -1,4 +1,4 @@
-"""Subcommands owned by the agent: `dlo agent`, `dlo warm`, `dlo plan` (CONTRACTS.md section 2).
+"""Subcommands owned by the agent: `dlo agent`, `dlo warm`, `dlo plan` (docs/contracts.md section 2).
 
 Owns: argument parsing, human output (progress bars) and exit codes of `dlo agent` and `dlo warm`,
 and the dispatch to `dlo plan` (dlo.agent.plan_cli). Bad input is one line on stderr and exit 2

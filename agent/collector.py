@@ -1,4 +1,4 @@
-"""The agent's Prometheus collector: every agent metric of CONTRACTS.md section 5, at scrape time.
+"""The agent's Prometheus collector: every agent metric of docs/contracts.md section 5, at scrape time.
 
 Owns: the metric names, help texts, labels and units of the agent table (a contract; plus
 `dlo_model_transformer_bytes`, see [Note: model bytes], and `dlo_model_error`, see

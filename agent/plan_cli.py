@@ -100,7 +100,7 @@ def plan_parser() -> argparse.ArgumentParser:
                    help="NodeProfile JSON (default: detect this machine); unknown keys are errors")
     p.add_argument("--calibration", type=existing_file, metavar="FILE", help="a `dlo calibrate` fragment to apply")
     p.add_argument("--json", action="store_true",
-                   help='print {"choice": {...}, "modes": {...}} (CONTRACTS.md section 7)')
+                   help='print {"choice": {...}, "modes": {...}} (docs/contracts.md section 7)')
     return p
 
 

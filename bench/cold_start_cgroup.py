@@ -11,7 +11,7 @@ it, and at `/ready` (load and warm-up done) the group's peak (`memory.max_usage_
 `memory.peak`) and `memory.stat` are read; the server is stopped and the group removed. Against:
 the checkpoint bytes (every safetensors file of the folder), dp x the checkpoint (what private
 copies per rank would cost: the published 132 GB term) and the policy's predicted cold-start
-peak (`dlo.plan.policy.estimate_modes`, CONTRACTS.md section 7, for this host's profile).
+peak (`dlo.plan.policy.estimate_modes`, docs/contracts.md section 7, for this host's profile).
 
 The model: Cosmos3-Nano's transformer at its real shape with `--layers` layers (its 2.5 GB token
 embedding and unused LM head are host-only page-cache views in the engine), with a small VAE and

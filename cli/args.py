@@ -1,4 +1,4 @@
-"""The common flag rules of the `dlo` command (CONTRACTS.md section 2), for every part's parsers.
+"""The common flag rules of the `dlo` command (docs/contracts.md section 2), for every part's parsers.
 
 Owns: `Parser`, an `argparse.ArgumentParser` whose errors are one line on stderr and exit 2 (no
 usage block, never a traceback); `fail` for bad input found after parsing (same shape); and the

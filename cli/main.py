@@ -1,6 +1,6 @@
 """`dlo` dispatcher.
 
-Owns only the table of subcommands and which part answers each (CONTRACTS.md section 2). A part's
+Owns only the table of subcommands and which part answers each (docs/contracts.md section 2). A part's
 module `dlo.<part>.cli` is imported only when one of its subcommands runs, so `dlo agent` and
 `dlo operator` never import torch. Each part exposes `run(command: str, argv: list[str]) -> int`.
 """

@@ -2,7 +2,7 @@
 model facts of a folder. Torch-free (the agent and operator read model facts without a weight).
 
 Owns: `BlockKeys` and `group_keys` (checkpoint names into blocks in execution order and non-block
-names, by a `BlockFamily`'s block lists), `block_layout` (a block's slot layout, CONTRACTS.md
+names, by a `BlockFamily`'s block lists), `block_layout` (a block's slot layout, docs/contracts.md
 section 4, over `dlo.engine.layout`), and `describe` (the `ModelFacts` of a transformer folder).
 Must never: import torch, or read more of a checkpoint than its headers (`describe` is called by
 the agent's scans and `dlo plan`).
@@ -56,7 +56,7 @@ def group_keys(names: list[str] | set[str], family: BlockFamily) -> tuple[list[B
 
 
 def block_layout(ckpt: Checkpoint, block: BlockKeys, dtype_of: Mapping[str, str] | None = None) -> BlockLayout:
-    """The block's slot layout (CONTRACTS.md section 4), tensors in file order so that runs stay
+    """The block's slot layout (docs/contracts.md section 4), tensors in file order so that runs stay
     contiguous with the file. `dtype_of` gives the dtype the model computes a tensor in where it
     differs from the stored one (a cast on load)."""
     infos = sorted((ckpt.tensors[k] for k in block.keys), key=lambda i: (str(i.path), i.start))

@@ -1,4 +1,4 @@
-"""Block layout and shard math (CONTRACTS.md section 4). Pure: no torch, no I/O.
+"""Block layout and shard math (docs/contracts.md section 4). Pure: no torch, no I/O.
 
 Per block, every tensor sits at a 256-byte aligned offset of one flat byte buffer (mixed dtypes
 allowed). A shard group of g ranks cuts that buffer into g equal shards of S bytes,

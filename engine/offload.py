@@ -9,7 +9,7 @@ the memory table before any load: `dlo.plan.memory_plan`).
 Must never: run the hot path itself (`dlo.engine.prefetch` does, under its `[Note: stream
 lifetimes]` and `[Note: collective order]`), or modify a module other than through `dlo.engine.hooks`.
 
-Data path, per offloaded block b (CONTRACTS.md sections 3 and 4):
+Data path, per offloaded block b (docs/contracts.md sections 3 and 4):
 
     arena shard (pinned host) --H2D, copy stream--> slot[k].narrow(r*S, S)
                               --in-place AllGather, comm stream--> slot[k][0 : g*S]

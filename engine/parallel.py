@@ -46,7 +46,7 @@ class LayoutError(ConfigError):
 @dataclass(frozen=True)
 class Layout:
     """N = dp x sp ranks of one node. Rank r runs request slot `r // sp` of a wave, as member
-    `r % sp` of its sp group; its shard of every block is shard `r` of N (CONTRACTS.md section 4,
+    `r % sp` of its sp group; its shard of every block is shard `r` of N (docs/contracts.md section 4,
     g = dp x sp)."""
 
     dp: int = 1

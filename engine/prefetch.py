@@ -10,7 +10,7 @@ Must never: synchronise the host in the hot path, branch on the transfer strateg
 to a module (`dlo.engine.hooks` does that), or let a rank issue gathers in a different order from
 its shard group.
 
-Data path, per offloaded block b (CONTRACTS.md sections 3 and 4):
+Data path, per offloaded block b (docs/contracts.md sections 3 and 4):
 
     arena shard (pinned host) --H2D, copy stream--> slot[k].narrow(r*S, S)
                               --in-place AllGather, comm stream--> slot[k][0 : g*S]

@@ -18,7 +18,7 @@ from dlo.plan.facts import Mode
 
 @dataclass(frozen=True)
 class LoadReport:
-    """How `dlo.engine.load` placed the weights (CONTRACTS.md section 3)."""
+    """How `dlo.engine.load` placed the weights (docs/contracts.md section 3)."""
 
     mode: Mode
     weights_source: str  # "registered" | "arena" | "resident"

@@ -50,7 +50,7 @@ class OffloadSettings:
     mode: Mode
     # blocks kept on the device, spread through the order; "auto": as many as the device allows
     resident_blocks: int | Literal["auto"] = 0
-    weights: Weights = "auto"  # host source of block bytes (CONTRACTS.md section 3)
+    weights: Weights = "auto"  # host source of block bytes (docs/contracts.md section 3)
     transfer: Transfer = "collective"  # allgather over > 1 rank: AllGather, or peer copies
     transfer_graphs: bool | None = None  # each block's transfer replayed as CUDA graphs; None: on cuda
     time_waits: bool = True  # time the compute stream's waits for weights (event pairs)

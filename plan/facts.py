@@ -1,7 +1,7 @@
 """The shared vocabulary of every part: offload mode names and the facts of a model.
 
 Owns: the one definition of the mode names (the CLI and CRD spelling `rank-local`, the JSON key
-spelling `rank_local` of CONTRACTS.md section 7, and the map between them) and `ModelFacts`, what
+spelling `rank_local` of docs/contracts.md section 7, and the map between them) and `ModelFacts`, what
 the policy, the agent, the operator and the engine know of a model without loading a weight.
 Must never: import torch, diffusers or anything that does I/O (the agent and the operator import it).
 """
@@ -49,7 +49,7 @@ class ModelFacts:
     """What the policy needs to know of a transformer, read without loading a weight.
 
     `bytes` are the safetensors bytes of the transformer; `largest_block_bytes` the largest block
-    in the slot layout (CONTRACTS.md section 4); `nonblock_bytes` what stays resident on the device.
+    in the slot layout (docs/contracts.md section 4); `nonblock_bytes` what stays resident on the device.
     With FP8 streaming (`dlo.engine.fp8`) the slot layout is the FP8 one, and three more facts say
     what the device holds in the compute dtype: `dequant_bytes` (the buffer one block's weights are
     dequantized into), `compute_block_bytes` (a resident block) and `compute_bytes` (all of it

@@ -3,7 +3,7 @@
 Owns: `estimate_modes` (what `dlo.plan.policy.choose_mode` decides over), `ModeEstimate`, the
 device budget (`device_budget`), the framework-memory fit, the per-block time model, and the
 policy's errors (`PolicyError`, `NoModeFits`). Consumers: `dlo.plan.policy` (which re-exports
-every public name here: CONTRACTS.md section 7 names them there).
+every public name here: docs/contracts.md section 7 names them there).
 Must never: do I/O, log, or import torch. Every input arrives as an argument.
 
 Time model, per block, with `S` the largest block's bytes, `g = dp * sp` ranks sharing the weights
@@ -39,7 +39,7 @@ Memory model (bytes; `M` model bytes, `g` ranks on the node):
 - host RAM needed (physical, whatever the cgroup sees): page cache + pinned not already in the page
   cache + `g * F(M)`; a mode fits the host when that is <= host memory - `host_headroom_bytes`.
 - device weight bytes per rank: resident `M`; allgather two slots of `g * S_pad` (`S_pad` =
-  ceil(S / g) rounded up to 256 B, CONTRACTS.md section 4) plus non-block bytes; rank-local two
+  ceil(S / g) rounded up to 256 B, docs/contracts.md section 4) plus non-block bytes; rank-local two
   slots of `S` plus non-block bytes (`dlo.plan.memory_model.placed_weight_bytes`). With the
   pipeline's memory (`pipeline`: `dlo serve`, `dlo plan --model PIPELINE_DIR`) the weights are the
   whole pipeline's (text encoders streamed or whole, VAE, image encoders) and the device peak adds

@@ -1,6 +1,6 @@
 """The mode policy: allgather, rank-local or resident, with the numbers and a one-line reason.
 
-Owns: `choose_mode` (CONTRACTS.md section 7) over the per-mode estimates of
+Owns: `choose_mode` (docs/contracts.md section 7) over the per-mode estimates of
 `dlo.plan.mode_estimates` (their formulas are in its docstring), and `Decision`. Consumers: the
 operator (`spec.mode: auto`, most constrained node wins), the engine (`dlo serve --mode auto`)
 and `dlo plan`.
@@ -84,7 +84,7 @@ class Decision(BaseModel):
         return mode_of_key(self.mode)
 
     def plan_json(self) -> dict:
-        """The `dlo plan --json` document (CONTRACTS.md section 7)."""
+        """The `dlo plan --json` document (docs/contracts.md section 7)."""
         return {
             "choice": {"mode": self.mode, "reason": self.reason},
             "device_budget_bytes": self.device_budget_bytes,

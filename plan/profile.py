@@ -1,4 +1,4 @@
-"""The node profile: what one node offers DLO (CONTRACTS.md section 6).
+"""The node profile: what one node offers DLO (docs/contracts.md section 6).
 
 Owns: the `NodeProfile` schema (pydantic, `version: "v1"`) that the agent publishes as the JSON value
 of node annotation `dlo.dev/node-profile` and at `/profile`, plus the nominal figures (H2D and
@@ -61,7 +61,7 @@ class ModelProfile(_Model):
     """One entry of `NodeProfile.models` (keyed by the model's folder name under the models root):
     the wire form of `dlo.plan.facts.ModelFacts` plus the folder's page-cache residency.
 
-    The JSON shape is a contract (CONTRACTS.md section 6: flat `bytes`, `largest_block_bytes`,
+    The JSON shape is a contract (docs/contracts.md section 6: flat `bytes`, `largest_block_bytes`,
     `blocks`, `nonblock_bytes`, `resident_ratio`), so the facts are not nested. Convert with
     `ModelProfile.of(facts, resident_ratio)` and `.facts()`; nothing else builds one from the other.
     The model family is not on the wire (`facts().family` is "").
@@ -199,7 +199,7 @@ def _nested_model(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
 
 
 class CalibrationFragment(_Model):
-    """What `dlo calibrate --out FILE` writes (CONTRACTS.md section 2); both fields optional."""
+    """What `dlo calibrate --out FILE` writes (docs/contracts.md section 2); both fields optional."""
 
     h2d_bandwidth_bps: int | None = Field(None, gt=0)
     collective_bandwidth_bps: int | None = Field(None, gt=0)

@@ -34,6 +34,7 @@ Map (which file to open for which concept; every file of the folder):
   distmap.py     the installed distributions' import-name map, computed beside a rank's start
   encode.py      PNG / MP4 encoders
   api_models.py  OpenAI request/response models and their validation into a Generation
+  served_limits.py the limits a server serves: loaded, checked against the family, the request defaults
   metrics.py     Prometheus metrics; launch.py  ServerProcess; demo.py  `dlo demo`
 The deployment plan (mode, budget, resident blocks, decode rule, limits) is `dlo.plan`'s; the
 page-cache readers are `dlo.pagecache`'s.

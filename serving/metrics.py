@@ -1,4 +1,4 @@
-"""Prometheus metrics of `dlo serve` (CONTRACTS.md section 5, engine table; names are a contract).
+"""Prometheus metrics of `dlo serve` (docs/contracts.md section 5, engine table; names are a contract).
 
 Owns: one registry per server; request/wave/step and video-job metrics updated by rank 0 (the jobs
 by state are read from the store at scrape time), and per-rank weight metrics collected at scrape

@@ -333,7 +333,7 @@ def _add_operation_routes(app: FastAPI, engine: Engine) -> None:
                              "startup_seconds": engine.startup_seconds,
                              "ranks": engine.rank_summary(), "plan": engine.options.plan})
 
-    @app.get("/metrics", summary="Prometheus metrics (CONTRACTS.md section 5)")
+    @app.get("/metrics", summary="Prometheus metrics (docs/contracts.md section 5)")
     async def metrics() -> Response:
         return Response(engine.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 

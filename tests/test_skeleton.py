@@ -68,7 +68,7 @@ def test_the_core_never_imports_serving():
     assert not offenders, offenders
 
 
-# CONTRACTS.md section 1: what of the agent the engine may import (all torch-free): the pure policy
+# docs/contracts.md section 1: what of the agent the engine may import (all torch-free): the pure policy
 # and profile, and the page-cache readers the start-up readahead shares with `dlo warm`
 AGENT_FOR_ENGINE = {"dlo.plan.policy", "dlo.plan.profile", "dlo.pagecache.residency", "dlo.pagecache.tree", "dlo.pagecache.warm"}
 

@@ -156,7 +156,7 @@ def test_every_panel_query_uses_the_variables(dashboard: str, panel: str, expr: 
 
 
 def unit_of(expr: str) -> str:
-    """The unit a query's values are in, from the metric names (base units, CONTRACTS.md section 5)."""
+    """The unit a query's values are in, from the metric names (base units, docs/contracts.md section 5)."""
     if "DCGM_FI_DEV_FB_" in expr:
         return "bytes" if "* 1048576" in expr else "MiB"
     if "DCGM_FI_DEV_GPU_UTIL" in expr:

@@ -93,7 +93,7 @@ def test_model_profile_is_the_wire_form_of_model_facts() -> None:
 
     facts = ModelFacts(bytes=28_600_000_000, largest_block_bytes=703_000_000, blocks=40, nonblock_bytes=5_000_000)
     entry = ModelProfile.of(facts, resident_ratio=0.5)
-    # flat on the wire (CONTRACTS.md section 6), facts back out unchanged
+    # flat on the wire (docs/contracts.md section 6), facts back out unchanged
     assert json.loads(entry.model_dump_json()) == {
         "bytes": 28_600_000_000, "largest_block_bytes": 703_000_000, "blocks": 40, "nonblock_bytes": 5_000_000,
         "resident_ratio": 0.5,

@@ -1,4 +1,4 @@
-"""Layout and shard math (CONTRACTS.md section 4), property-tested."""
+"""Layout and shard math (docs/contracts.md section 4), property-tested."""
 
 from __future__ import annotations
 
