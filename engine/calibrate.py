@@ -1,11 +1,16 @@
 """Measure pinned host-to-device and AllGather bandwidth on this node; write a profile fragment.
+With `--peaks MODEL_DIR`: measure the model's decodes on this device instead (`dlo.engine.peaks`).
 
 The fragment is JSON with the `NodeProfile` fields `h2d_bandwidth_bps` (one device's pinned copy
 rate) and `collective_bandwidth_bps` (AllGather bus bandwidth over --ranks local ranks, the
 nccl/hccl/gloo backend the engine uses); the agent marks bandwidths from it as measured. On a
 CPU-only host the copy is host-to-host and the collective runs over gloo.
 
-Owns: the `dlo calibrate` subcommand and its two measurements.
+`--peaks` measures the decodes a deployment of the model plans with (at the limits given as
+`dlo serve` takes them) and writes them where `dlo serve` reads them (`dlo.plan.measured`), with a
+line per shape: measured against what the table predicted.
+
+Owns: the `dlo calibrate` subcommand, its two bandwidth measurements, and `--peaks`' run.
 Must never: import the serving side (`dlo.serving`), or report a bandwidth it did not measure.
 """
 
@@ -19,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dlo.cli.args import positive_int
+from dlo.cli.args import existing_dir, existing_file, positive_int
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +36,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ranks for the AllGather measurement (default: device count, 2 on cpu; 1 skips it)")
     parser.add_argument("--mib", type=positive_int, default=256, help="buffer size per measurement, MiB")
     parser.add_argument("--iters", type=positive_int, default=5, help="timed repetitions (best one counts)")
+    peaks = parser.add_argument_group("peaks", "the decodes of one model measured on this device (cuda)")
+    peaks.add_argument("--peaks", type=existing_dir, default=None, metavar="MODEL_DIR",
+                       help="measure this pipeline's decodes at its limits and cache them for dlo serve "
+                            "(unset: the bandwidths)%(default).0s")
+    peaks.add_argument("--limits", type=existing_file, default=None,
+                       help="the limits file dlo serve gets (unset: its defaults)%(default).0s")
+    peaks.add_argument("--max-size", type=positive_int, default=None,
+                       help="dlo serve's --max-size (unset: the limits')%(default).0s")
+    peaks.add_argument("--deadline", type=positive_int, default=300, help="seconds the measuring may take")
 
 
 def _best(fn: Any, sync: Any, iters: int) -> float:
@@ -117,6 +131,8 @@ def main(args: argparse.Namespace) -> int:
     from dlo.engine.devices import device_count, resolve_device
 
     device = resolve_device(args.device)
+    if args.peaks is not None:
+        return peaks_main(args, device)
     world = args.ranks or (device_count(device) if device != "cpu" else 2)
     nbytes = args.mib * 2**20
     fragment: dict[str, int] = {"h2d_bandwidth_bps": measure_h2d(device, nbytes, args.iters)}
@@ -129,3 +145,39 @@ def main(args: argparse.Namespace) -> int:
     else:
         print(text)
     return 0
+
+
+def peaks_main(args: argparse.Namespace, device: str) -> int:
+    """`dlo calibrate --peaks MODEL_DIR`: measure, cache, and say how the table compared."""
+    from dlo.plan.limits import Limits
+
+    if device != "cuda":
+        print(f"dlo calibrate: --peaks needs a cuda device (--device resolved to {device})", file=sys.stderr)
+        return 2
+    try:
+        limits = Limits.load(args.limits, max_width=args.max_size, max_height=args.max_size)
+    except (OSError, ValueError) as e:
+        print(f"dlo calibrate: --limits {args.limits}: {e}", file=sys.stderr)
+        return 2
+    path, lines = calibrate_peaks(args.peaks.resolve(), limits, args.deadline)
+    for line in lines:
+        print(line)
+    log.info("wrote %s", path)
+    return 0
+
+
+def calibrate_peaks(model_dir: Path, limits: Any, deadline_s: float, device: str = "cuda:0",
+                    stream_dtype: str = "bfloat16") -> tuple[Path, list[str]]:
+    """Measure the decodes `model_dir`'s plan weighs at `limits` on `device`, add them to its cached
+    peaks (`dlo.plan.measured`), and return (the file, a line per measured shape against the table)."""
+    from dlo.engine.peaks import device_name, library_versions, measure_decodes
+    from dlo.plan.budget import deployment_memory
+    from dlo.plan.measured import MeasuredPeaks, describe, load_peaks, model_digest, save_peaks
+
+    memory = deployment_memory(model_dir, limits, stream_dtype=stream_dtype)
+    name, versions = device_name(device), library_versions()
+    points, seconds = measure_decodes(model_dir, memory.calibration_shapes(), device, deadline_s)
+    old = load_peaks(model_dir, name, versions) or MeasuredPeaks(name, versions, model_digest(model_dir))
+    path = save_peaks(model_dir, old.merged(points, seconds))
+    predicted = {key: memory.predicted(*key, table_only=True) for key in points}
+    return path, describe(points, predicted)

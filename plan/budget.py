@@ -75,6 +75,9 @@ def check_mode(mode: str, memory: PipelineMemory, budget: int, g: int, resident_
     peak = rank.peak_bytes
     if peak is not None and peak <= budget:
         return f"--mode {mode} fits the device budget of {_gb(budget)}: {rank.describe()}"
+    if peak is not None and rank.extrapolated and rank.weights_bytes <= budget:  # a guess never refuses
+        return (f"--mode {mode}: {rank.describe()} may not fit the device budget of {_gb(budget)}: the largest "
+                "request's peak is extrapolated beyond the measured shapes (`dlo calibrate --peaks` measures it)")
     if peak is None and rank.weights_bytes <= budget:
         tight = rank.weights_bytes > budget * (1 - DEVICE_RESERVE_RATIO)
         return (f"--mode {mode}: {rank.describe()}; the device budget is {_gb(budget)}"

@@ -27,11 +27,11 @@ from typing import Any, Literal, Mapping
 from dlo.plan.budget import LORA_COMPONENT, DeviceBudgetError, check_mode, deployment_memory, local_budget
 from dlo.plan.facts import DeviceKind, Mode, ModelFacts, ModeOrAuto
 from dlo.plan.limits import Limits
-from dlo.plan.memory_model import PipelineMemory, format_gb
+from dlo.plan.memory_model import PipelineMemory, Shape, format_gb
 from dlo.plan.memory_plan import resident_plan, spare_bytes, tiling_for_budget
 from dlo.plan.policy import Decision, ModeEstimate
 from dlo.plan.profile import NodeProfile
-from dlo.plan.resident import VAE_TILE_ABOVE_PIXELS, ResidentPlan
+from dlo.plan.resident import NO_TILING, VAE_TILE_ABOVE_PIXELS, ResidentPlan, VaeTiling
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,8 @@ class PlanAsk:
     stream_dtype: str = "bfloat16"
     stream_encoders: bool = True
     cfg_pairs: bool = True  # asked; the waiting lane counts only at sp 1, where pairs may run
+    vae_tiling: VaeTiling = "auto"  # `--vae-tiling`: auto (only where plain cannot fit), always, never
+    measured: Mapping[tuple[str, Shape], int] = field(default_factory=dict)  # peaks measured on the device
     lora: LoraAsk = field(default_factory=LoraAsk)
     workload: Workload = field(default_factory=lambda: Workload())
 
@@ -100,6 +102,7 @@ class DeploymentPlan:
     budget_bytes: int | None  # per rank; None: no accelerator budget (cpu ranks)
     vae_tile_above_pixels: int  # decoded pixels above which the VAE decodes in tiles
     tiling_reason: str
+    vae_tiling: VaeTiling  # never: a request above the threshold is refused, not tiled
     resident: ResidentPlan | None  # `--resident-blocks auto` resolved (None: not auto, or no budget)
     resident_blocks: Mapping[str, int]  # per streamed model: blocks kept on the device
     limits: Limits | None  # the largest request accepted (None: a transformer alone, no pipeline)
@@ -120,7 +123,8 @@ class DeploymentPlan:
         return {
             "mode": self.mode, "mode_reason": self.mode_reason, "dp": self.dp, "sp": self.sp, "device": self.device,
             "budget_bytes": self.budget_bytes,
-            "vae": {"tile_above_pixels": self.vae_tile_above_pixels, "reason": self.tiling_reason},
+            "vae": {"tile_above_pixels": self.vae_tile_above_pixels, "reason": self.tiling_reason,
+                    "tiling": self.vae_tiling},
             "resident_blocks": dict(self.resident_blocks),
             "limits": self.limits.model_dump() if self.limits is not None else None,
             "lora": {"merge_cache_bytes": self.lora_merge_cache_bytes,
@@ -134,8 +138,14 @@ class DeploymentPlan:
         """One line for a log: the mode, the budget, the resident blocks and the decode rule."""
         kept = ", ".join(f"{n} {k}" for n, k in self.resident_blocks.items()) or "none"
         budget = format_gb(self.budget_bytes) if self.budget_bytes is not None else "none (cpu)"
+        vae = ("every decode plain" if self.vae_tile_above_pixels >= NO_TILING
+               else f"vae tiled above {self.vae_tile_above_pixels} decoded pixels")
         return (f"plan: mode {self.mode} dp={self.dp} sp={self.sp} device={self.device} budget {budget} per rank; "
-                f"resident blocks {kept}; vae tiled above {self.vae_tile_above_pixels} decoded pixels")
+                f"resident blocks {kept}; {vae} (--vae-tiling {self.vae_tiling})")
+
+    def tiles(self, decoded_pixels: int) -> bool:
+        """Whether a decode of `decoded_pixels` (width x height x frames x images) is tiled."""
+        return decoded_pixels > self.vae_tile_above_pixels
 
 
 @dataclass
@@ -164,6 +174,8 @@ def plan(ask: PlanAsk, *, profile: NodeProfile, transformer: ModelFacts, pipelin
     not fit the budget (the message names the budget that would)."""
     if pipeline is not None and ask.lora.adapter_bytes:
         pipeline = dataclasses.replace(pipeline, whole={**pipeline.whole, LORA_COMPONENT: ask.lora.adapter_bytes})
+    if pipeline is not None and ask.measured:
+        pipeline = dataclasses.replace(pipeline, measured={**pipeline.measured, **ask.measured})
     s = _Steps(memory=pipeline)
     memory_bytes = device_memory if device_memory is not None else profile.accelerator.memory_bytes
     _budget_and_tiling(ask, s, memory_bytes, profile.accelerator.budget_bytes)
@@ -175,7 +187,7 @@ def plan(ask: PlanAsk, *, profile: NodeProfile, transformer: ModelFacts, pipelin
     rank = s.memory.rank(s.mode, g, kept) if s.memory is not None else None
     return DeploymentPlan(
         mode=s.mode, mode_reason=s.why, dp=ask.dp, sp=ask.sp, device=ask.device, budget_bytes=s.budget,
-        vae_tile_above_pixels=s.tile, tiling_reason=s.tiling, resident=s.resident, resident_blocks=kept,
+        vae_tile_above_pixels=s.tile, tiling_reason=s.tiling, vae_tiling=ask.vae_tiling, resident=s.resident, resident_blocks=kept,
         limits=limits, lora_merge_cache_bytes=s.merge_cache, lora_merge_above_tokens=s.merge_above,
         weights_bytes=rank.weights_bytes if rank is not None else None,
         peaks=s.memory.phase_peaks(s.mode, g, kept) if s.memory is not None else {},
@@ -189,10 +201,11 @@ def _budget_and_tiling(ask: PlanAsk, s: _Steps, device_memory: int, node_cap: in
     caps = [c for c in (ask.max_device_memory, node_cap) if c]
     cap = min(caps) if caps else 0
     if ask.device not in ("cuda", "npu"):
-        s.tiling = "no device budget on cpu: the fixed rule"
+        s.tile, s.tiling = (0, "--vae-tiling always") if ask.vae_tiling == "always" else \
+            (VAE_TILE_ABOVE_PIXELS, "no device budget on cpu: the fixed rule")
     elif s.memory is not None:
         s.budget = local_budget(device_memory, cap, s.memory)
-        s.tile, s.tiling = tiling_for_budget(s.memory, s.budget)
+        s.tile, s.tiling = tiling_for_budget(s.memory, s.budget, ask.vae_tiling)
         s.memory = dataclasses.replace(s.memory, tile_above_pixels=s.tile)
     else:
         s.budget = min(device_memory, cap) if cap else device_memory

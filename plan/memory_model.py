@@ -22,7 +22,7 @@ A rank's peak (bytes):
 The phases run one after another and free their activations; the weights and slots stay. Placed
 weights per model with `S` its largest block, `N` its non-block bytes, `k` resident blocks and
 `g` ranks sharing it: resident all bytes; rank-local `N + 2 S + k S`; allgather
-`N + 2 g S_pad + k S` (`S_pad`: CONTRACTS.md section 4). Text encoders stream (as models) in the
+`N + 2 g S_pad + k S` (`S_pad`: docs/contracts.md section 4). Text encoders stream (as models) in the
 offloaded modes when `stream_encoders`, else sit whole; the VAE, CLIP and image encoders are whole.
 With sp > 1 the transformer's activations are counted for the whole sequence (an upper bound: the
 table is measured on one rank).
@@ -38,6 +38,7 @@ from typing import Iterable, Mapping
 from dlo.plan.facts import ModelFacts
 from dlo.engine.layout import latent_tokens
 from dlo.plan.memory_table import FamilyTable, MemoryTable, part_features
+from dlo.plan.resident import VAE_TILE_ABOVE_PIXELS
 
 SLOT_ALIGN = 256
 
@@ -100,7 +101,7 @@ def largest_requests(bounds: RequestBounds, geometry: Geometry) -> list[Shape]:
 
 
 def padded_shard_bytes(block_bytes: int, g: int) -> int:
-    """`S_pad`: ceil(block / g) rounded up to 256 bytes (CONTRACTS.md section 4)."""
+    """`S_pad`: ceil(block / g) rounded up to 256 bytes (docs/contracts.md section 4)."""
     shard = -(-block_bytes // g)
     return -(-shard // SLOT_ALIGN) * SLOT_ALIGN
 
@@ -164,6 +165,9 @@ class PipelineMemory:
     # CFG pairs (`dlo.engine.cfg_pairs`): the waiting lane's bytes per latent token and per text token
     # (`PipelineFamily.paired_lane_bytes`), added to the transformer's need in rank-local mode; (0, 0): unpaired
     paired_lane: tuple[int, int] = (0, 0)
+    # (part, shape) -> reserved growth measured on the serving device (`dlo.plan.measured`): taken
+    # before the table's fit at that very shape
+    measured: Mapping[tuple[str, Shape], int] = field(default_factory=dict)
 
     @property
     def family_table(self) -> FamilyTable | None:
@@ -226,15 +230,41 @@ class PipelineMemory:
             return f"family {self.family!r} is not in the memory table (bench/memory_h200.py calibrates it)"
         out: list[tuple[int, str, bool, str]] = []
         for part, shape in self._phases():
-            fit = fam.parts.get(part)
-            if fit is None:
+            predicted = self.predicted(part, shape)
+            if predicted is None:
                 return f"family {self.family!r} has no measured {part}"
-            x = features(part, shape, self.geometry, self.bounds.max_sequence_length)
-            need = fit.predict(x) + (self.lane_bytes(shape) if paired and part == "transformer" else 0)
+            need, extrapolated = predicted
+            need += self.lane_bytes(shape) if paired and part == "transformer" else 0
             label = part if part.startswith(("text", "image")) else f"{part} at {shape}"
-            out.append((need, label, fit.extrapolated(x), part))
+            out.append((need, label, extrapolated, part))
         assert out  # every pipeline runs a transformer and a decode
         return out
+
+    def predicted(self, part: str, shape: Shape, *, table_only: bool = False) -> tuple[int, bool] | None:
+        """(bytes, extrapolated) `part` needs at `shape`: measured on this device where `measured`
+        has that very shape (never extrapolated), else the table's fit; None where neither has it."""
+        if not table_only and (m := self.measured.get((part, shape))) is not None:
+            return m, False
+        fam = self.family_table
+        fit = fam.parts.get(part) if fam is not None else None
+        if fit is None:
+            return None
+        x = features(part, shape, self.geometry, self.bounds.max_sequence_length)
+        return fit.predict(x), fit.extrapolated(x)
+
+    def calibration_shapes(self) -> list[tuple[str, Shape]]:
+        """The decodes the plan weighs, to measure on the device (`dlo calibrate --peaks`): at each
+        largest accepted request plain and tiled, and the largest plain decode the fixed rule leaves."""
+        out: list[tuple[str, Shape]] = []
+        fixed = dataclasses.replace(self, tile_above_pixels=VAE_TILE_ABOVE_PIXELS)
+        for shape in largest_requests(self.bounds, self.geometry):
+            out += [("vae_decode", shape), ("vae_decode_tiled", shape)]
+            plain = fixed._largest_plain(shape) if decoded_pixels(shape) > VAE_TILE_ABOVE_PIXELS else None
+            if plain is not None:
+                out.append(("vae_decode", plain))
+            if shape.batch > 1:  # one image of the request: what a request of one needs
+                out.append(("vae_decode", dataclasses.replace(shape, batch=1)))
+        return list(dict.fromkeys(out))
 
     def _phases(self) -> Iterable[tuple[str, Shape]]:
         """(part, shape) of every phase the largest accepted requests run; where the tiling threshold

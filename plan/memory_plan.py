@@ -18,20 +18,19 @@ The arithmetic, per deployment (budget B per rank, the memory model's `rank(mode
 Within a model the kept blocks are spread through the order (`dlo.engine.offload.spread_resident`:
 each resident block hides the next streamed block's copy; measured better than the first k).
 
-The tiling rule: the plain decode unless (a) it does not fit the budget beside the leanest placement
-(rank-local, no resident block: the mode-independent reference) - then requests stay plain up to
-the largest threshold at which no plain decode needs more than the largest request does with every
-decode tiled (`plain_below`: the peak, and so the mode and the resident blocks, are what all tiled
-gives; on one H200 with Wan2.1-14B and the default limits, 2,891,519 decoded pixels: images up to
-two of 1024x1024 decode in one pass, not in tiles; videos, whose decoded pixels count every frame,
-still tile) - or (b) the family decodes images
-only, a tiled decode has a lower peak, and the budget cannot hold every block resident with the
-plain one: image requests are copy-bound (measured on one H200 at 1024x1024: Qwen-Image 15.8 s
-against a 14.9 s copy bound, Flux.1-dev ~0.18 s of compute per step against ~0.46 s of copies), so
-every block the plain decode displaces costs a copy on each transformer call, against a decode
-once per request (Qwen-Image 1024x1024, tiled: +0.43 s measured). Video requests are not: Wan2.1
-streams every block at 832x480x17 within 2% of resident (bench/NOTES.md section 9), so a video
-family tiles only when the plain decode does not fit.
+The tiling rule (`--vae-tiling auto`, the default): every decode plain - the bytes of plain
+diffusers - unless the plain decode of the largest accepted request does not fit the budget beside
+the leanest placement (rank-local, no resident block: the mode-independent reference) by a figure
+that is measured (on this device, `dlo.plan.measured`, or within the table's measured shapes): a
+prediction extrapolated beyond the measured shapes never makes a decode lossy (it is stated as a
+warning). Where the plain decode does not fit, requests stay plain up to the largest threshold at
+which no plain decode needs more than the largest request does with every decode tiled
+(`plain_below`: the peak, and so the mode and the resident blocks, are what all tiled gives).
+Tiling for speed (an image request is copy-bound, and a tiled decode leaves room for resident
+blocks: Qwen-Image 1024x1024 +0.43 s measured on one H200 plain) is the user's choice:
+`--vae-tiling always`. `--vae-tiling never` plans as auto and the server refuses (400, naming the
+size) what auto would tile. Without a device budget (cpu ranks) or for a family the table lacks,
+the fixed rule (`VAE_TILE_ABOVE_PIXELS`).
 """
 
 from __future__ import annotations
@@ -40,8 +39,8 @@ import dataclasses
 import math
 from typing import Callable, Mapping
 
-from dlo.plan.memory_model import PipelineMemory, format_gb
-from dlo.plan.resident import VAE_TILE_ABOVE_PIXELS, ResidentPlan
+from dlo.plan.memory_model import PipelineMemory, decoded_pixels, format_gb, largest_requests
+from dlo.plan.resident import NO_TILING, VAE_TILE_ABOVE_PIXELS, ResidentPlan
 
 # The whole-pipeline check of the calibration (bench/results/memory-h200-2026-12-01.md): a whole
 # call, uncapped, reserved up to 1.076x its largest part (the cache keeps what the denoise loop
@@ -55,45 +54,48 @@ def margin_bytes(request_bytes: int) -> int:
     return math.ceil(AUTO_MARGIN_RATIO * request_bytes)
 
 
-def tiling_for_budget(memory: PipelineMemory, budget: int) -> tuple[int, str]:
-    """(decoded pixels above which the VAE tiles, why) for a deployment under `budget`."""
-    plain = dataclasses.replace(memory, tile_above_pixels=VAE_TILE_ABOVE_PIXELS)
+def tiling_for_budget(memory: PipelineMemory, budget: int, tiling: str = "auto") -> tuple[int, str]:
+    """(decoded pixels above which the VAE tiles, why) for a deployment under `budget`; `tiling`:
+    `--vae-tiling` (auto: only where the plain decode cannot fit; always: every decode; never: as
+    auto, and the server refuses what auto would tile)."""
+    if tiling == "always":
+        return 0, "--vae-tiling always: every decode tiled (the user's choice: not the bytes of a plain decode)"
+    plain = dataclasses.replace(memory, tile_above_pixels=NO_TILING)
     lean = plain.rank("rank-local")
     if lean.request_bytes is None:
         return VAE_TILE_ABOVE_PIXELS, f"the fixed rule: {lean.unmeasured}"
     need = lean.weights_bytes + lean.request_bytes + margin_bytes(lean.request_bytes)
+    if need <= budget:
+        return NO_TILING, f"every decode plain: the largest fits the budget of {format_gb(budget)} ({lean.describe()})"
+    if lean.extrapolated:
+        return NO_TILING, (f"every decode plain: the largest request's peak is extrapolated beyond the measured shapes "
+                           f"({lean.describe()}), and a guess never makes a decode lossy (`dlo calibrate --peaks` "
+                           f"measures it on this device); it may not fit the budget of {format_gb(budget)}")
     tiled = dataclasses.replace(memory, tile_above_pixels=0).rank("rank-local")
     assert tiled.request_bytes is not None  # the same table: measured when the plain one is
-    if need > budget:
-        if tiled.request_bytes >= lean.request_bytes:
-            return VAE_TILE_ABOVE_PIXELS, (f"the fixed rule: the plain decode does not fit the budget of "
-                                           f"{format_gb(budget)} and a tiled one needs no less")
-        below = plain_below(memory, tiled.request_bytes)
-        if below:
-            return below, (f"plain up to {below} decoded pixels, tiled above: the plain decode of the largest "
-                           f"request does not fit the budget of {format_gb(budget)} ({lean.describe()} + margin); "
-                           f"below that none outgrows the largest request tiled ({tiled.describe()})")
-        return 0, (f"every decode tiled: the plain decode does not fit the budget of {format_gb(budget)} "
-                   f"({lean.describe()} + margin)")
-    streamed = sum(m.blocks * m.largest_block_bytes for m in memory.transformers.values())
-    if (memory.geometry.temporal_factor == 0 and tiled.request_bytes < lean.request_bytes
-            and budget - need < streamed):
-        return 0, (f"every decode tiled: image requests are copy-bound and the plain decode "
-                   f"({format_gb(lean.request_bytes)}) would displace resident blocks "
-                   f"(tiled: {format_gb(tiled.request_bytes)})")
-    return VAE_TILE_ABOVE_PIXELS, "the plain decode fits the budget"
+    if tiled.request_bytes >= lean.request_bytes:
+        return NO_TILING, (f"every decode plain: the plain decode does not fit the budget of {format_gb(budget)} and "
+                           "a tiled one needs no less")
+    below = plain_below(memory, tiled.request_bytes)
+    if below:
+        return below, (f"plain up to {below} decoded pixels, tiled above: the plain decode of the largest "
+                       f"request does not fit the budget of {format_gb(budget)} ({lean.describe()} + margin); "
+                       f"below that none outgrows the largest request tiled ({tiled.describe()})")
+    return 0, (f"every decode tiled: the plain decode does not fit the budget of {format_gb(budget)} "
+               f"({lean.describe()} + margin)")
 
 
 def plain_below(memory: PipelineMemory, request_bytes: int) -> int:
-    """The largest threshold (decoded pixels, below the fixed rule's) at which no plain decode it
-    leaves needs more than `request_bytes`, the largest request's peak with every decode tiled: so
+    """The largest threshold (decoded pixels, below the largest request's) at which no plain decode
+    it leaves needs more than `request_bytes`, the largest request's peak with every decode tiled: so
     the deployment's peak, and the resident blocks planned beside it, are what every decode tiled
     gives, in every mode (the request's needs do not depend on the mode). 0: none is plain."""
     def fits(threshold: int) -> bool:
         need = dataclasses.replace(memory, tile_above_pixels=threshold).rank("rank-local").request_bytes
         return need is not None and need <= request_bytes
 
-    low, high = 0, VAE_TILE_ABOVE_PIXELS  # fits(low); the search keeps it so (the bound grows with it)
+    low = 0  # fits(low); the search keeps it so (the bound grows with it)
+    high = max(decoded_pixels(s) for s in largest_requests(memory.bounds, memory.geometry))
     while high - low > 1:
         mid = (low + high) // 2
         low, high = (mid, high) if fits(mid) else (low, mid)

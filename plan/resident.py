@@ -1,7 +1,8 @@
 """What the device budget decides for each rank before it loads: the VAE's fixed tiling rule and
 `--resident-blocks auto`'s plan.
 
-Owns: `VAE_TILE_ABOVE_PIXELS` (the fixed rule's threshold) and `ResidentPlan` (made by
+Owns: `VAE_TILE_ABOVE_PIXELS` (the fixed rule's threshold: cpu ranks, families the table lacks),
+`NO_TILING` (every decode plain) and `ResidentPlan` (made by
 `dlo.plan.memory_plan.resident_plan`, carried to every rank inside `dlo.engine.settings.EngineSettings`).
 Must never: import anything of dlo but `dlo.plan.errors` (the engine's settings import it).
 """
@@ -9,13 +10,19 @@ Must never: import anything of dlo but `dlo.plan.errors` (the engine's settings 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Literal, Mapping, get_args
 
 from dlo.plan.errors import ConfigError, whole
 
 # Decoded pixels (width x height x frames x images) above which the VAE decodes in tiles, unless the
 # device budget decides otherwise (dlo.plan.memory_plan.tiling_for_budget): 1280x720 x 81 frames.
 VAE_TILE_ABOVE_PIXELS = 1280 * 720 * 81
+# No decode tiled: the plain decode of every accepted request fits the budget (the bytes of plain diffusers).
+NO_TILING = 2**62
+# `--vae-tiling`: auto (only where the plain decode cannot fit), always (every decode), never (a
+# request auto would tile is refused)
+VaeTiling = Literal["auto", "always", "never"]
+VAE_TILINGS: tuple[VaeTiling, ...] = get_args(VaeTiling)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from ipaddress import IPv4Network, IPv6Network
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 from dlo.engine.settings import LoraSettings, StreamDtype, Transfer, UlyssesExchange, Weights
 from dlo.plan.facts import DeviceKind, ModeOrAuto
@@ -83,6 +83,8 @@ class MemoryConfig:
     stream_dtype: StreamDtype = "bfloat16"
     stream_text_encoders: bool = True
     cfg_pairs: bool = True
+    vae_tiling: Literal["auto", "always", "never"] = "auto"
+    peaks_deadline: float = 300.0  # seconds a first start may measure decode peaks (0: never)
     weights: Weights = "auto"
     cpu_threads: int = 1
     safety_checker: bool = False
@@ -128,7 +130,8 @@ class ServeConfig:
         the family, mode and device decide the rest (`dlo.engine.cfg_pairs.pairing_on`)."""
         return self.memory.cfg_pairs and self.layout.sp == 1
 
-    def plan_ask(self, device: DeviceKind, dp: int, adapter_bytes: int = 0, merges_bytes: int = 0) -> PlanAsk:
+    def plan_ask(self, device: DeviceKind, dp: int, adapter_bytes: int = 0, merges_bytes: int = 0,
+                 measured: Mapping[Any, int] | None = None) -> PlanAsk:
         """What this configuration asks of the deployment plan on `device` with `dp` ranks."""
         from dlo.plan.deployment import LoraAsk, PlanAsk
 
@@ -138,6 +141,7 @@ class ServeConfig:
             max_device_memory=self.memory.max_device_memory,
             resident_blocks=self.memory.resident_blocks_on(device), stream_dtype=self.memory.stream_dtype,
             stream_encoders=self.memory.stream_text_encoders, cfg_pairs=self.memory.cfg_pairs,
+            vae_tiling=self.memory.vae_tiling, measured=dict(measured or {}),
             lora=LoraAsk(adapter_bytes=adapter_bytes, merges_bytes=merges_bytes, apply=lora.apply,
                          merge_cache=lora.merge_cache_bytes, merge_above_tokens=lora.merge_above_tokens,
                          served=lora.directory is not None))

@@ -28,6 +28,7 @@ from dlo.cli.args import (
 )
 from dlo.delivery.uri import model_argument
 from dlo.plan.facts import MODES_OR_AUTO
+from dlo.plan.resident import VAE_TILINGS
 from dlo.engine.families.pipelines import WARMUP_STEPS
 from dlo.engine.settings import (
     LORA_APPLIES,
@@ -241,6 +242,16 @@ def _add_device_arguments(group: argparse._ArgumentGroup) -> None:
                             "with the same inputs (Wan2.1, Wan2.2, Qwen-Image); elsewhere unpaired, logged at "
                             "start. Costs the waiting call's state (~22 KB a latent token for Wan2.1-14B) and, with "
                             "a merged LoRA, a block's merges (docs/serving.md)")
+    group.add_argument("--vae-tiling", choices=VAE_TILINGS, default="auto",
+                       help="auto: every decode plain (the bytes of plain diffusers) unless the plain decode of the "
+                            "largest accepted request does not fit the device budget by a measured peak, then tiled "
+                            "above the size that needs it; always: every decode tiled (faster under a tight budget, "
+                            "not the same bytes); never: as auto, and a request auto would tile gets a 400 naming "
+                            "its size. A tiled response says so (header X-DLO-VAE-Tiled, a video job's vae_tiled)")
+    group.add_argument("--peaks-deadline", type=non_negative_seconds, default=300.0, metavar="SECONDS",
+                       help="on cuda, the first start on a device, model and library versions measures the decodes "
+                            "the plan weighs (cached beside the model, or in ~/.cache/dlo/peaks; `dlo calibrate "
+                            "--peaks` does it ahead); this bounds that measuring (0: never, the table's figures)")
 
 
 def _add_parallel_arguments(group: argparse._ArgumentGroup) -> None:
@@ -366,7 +377,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                             profile=args.profile),
         memory=MemoryConfig(max_device_memory=args.max_device_memory, resident_blocks=args.resident_blocks,
                             stream_dtype=args.stream_dtype, stream_text_encoders=args.stream_text_encoders,
-                            cfg_pairs=args.cfg_pairs, weights=args.weights, cpu_threads=args.cpu_threads,
+                            cfg_pairs=args.cfg_pairs, vae_tiling=args.vae_tiling, peaks_deadline=args.peaks_deadline,
+                            weights=args.weights, cpu_threads=args.cpu_threads,
                             safety_checker=args.safety_checker),
         lora=LoraSettings(directory=str(args.lora_dir.resolve()) if args.lora_dir else None, apply=args.lora_apply,
                           merge_cache_bytes=args.lora_merge_cache, merge_above_tokens=args.lora_merge_above,

@@ -29,7 +29,6 @@ from dlo.serving import distmap
 from dlo.serving.control import RankStats
 from dlo.serving.encode import encode
 from dlo.serving.prewarm import join_logged, start_beside_imports
-from dlo.plan.memory_model import Shape, decoded_pixels
 from dlo.engine.settings import EngineSettings
 from dlo.plan.resident import VAE_TILE_ABOVE_PIXELS
 from dlo.engine.timing import Laps, PhaseClock
@@ -378,8 +377,7 @@ class ServingPipeline:
         """Tiled VAE decoding for requests above `vae_tile_above_pixels` decoded pixels (the same rule
         on every rank and in every mode, so bytes stay identical across them); returns whether on."""
         vae = getattr(self.pipe, "vae", None)
-        tiled = (self.adapter.vae_always_tiled
-                 or decoded_pixels(Shape(gen.width, gen.height, max(1, gen.frames), gen.n)) > self.vae_tile_above_pixels)
+        tiled = self.adapter.decode_tiled(gen, self.vae_tile_above_pixels)
         if vae is not None and hasattr(vae, "enable_tiling"):
             if tiled:
                 vae.enable_tiling()

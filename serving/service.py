@@ -71,6 +71,7 @@ class EngineOptions:
     adapters: Mapping[str, str] = field(default_factory=dict)  # --lora-dir: name -> its file or folder
     start_laps: Laps | None = None  # `dlo serve`'s steps before the load, from the process's start
     plan: Mapping[str, Any] | None = None  # the deployment plan it runs (`DeploymentPlan.to_dict`), for /ready
+    vae_tiling: str = "auto"  # `--vae-tiling`: never refuses a request whose decode the plan tiles
 
 
 class Engine:
@@ -306,7 +307,6 @@ class Engine:
         self.group.kill()
         os._exit(1)
 
-    # -- requests ---------------------------------------------------------------------------------
     def check_available(self) -> None:
         """Raise `EngineFailed`, `ShuttingDown` or `EngineUnavailable` unless requests are taken now."""
         if self.state == "failed":
@@ -324,6 +324,9 @@ class Engine:
                 check_tokens(gen.width, gen.height, self.facts.size_multiple, self.cfg.sp)
         except LayoutError as e:
             raise InvalidRequest(str(e)) from None
+        if self.options.vae_tiling == "never" and self.decode_tiled(gen):  # plain cannot fit: 400, never tiled
+            raise InvalidRequest(f"size {gen.width}x{gen.height} x {max(1, gen.frames)} frames x {gen.n}: its decode "
+                                 "does not fit the device budget plain and this server runs --vae-tiling never")
         assert self._queue is not None and self._loop is not None
         fut = self._loop.create_future()
         try:
@@ -333,6 +336,9 @@ class Engine:
             raise
         self.metrics.queue_depth.set(len(self._queue))
         return fut
+
+    def decode_tiled(self, gen: Generation) -> bool:  # on its rank: the rank's rule, the same settings
+        return self.facts.adapter.decode_tiled(gen, self.cfg.settings.vae_tile_above_pixels)
 
     def withdraw(self, fut: asyncio.Future) -> bool:
         """The client of `fut` left: drop its request while it is queued (True: it never reaches the

@@ -245,6 +245,11 @@ class PipelineFamily:
         """Inputs of the pipeline call that are not plain JSON values (an input image); default none."""
         return {}
 
+    def decode_tiled(self, gen: Generation, tile_above_pixels: int) -> bool:
+        """Whether `gen`'s VAE decode is tiled: always for a family released so, else above the
+        deployment's threshold of decoded pixels (the same rule on every rank and in every mode)."""
+        return self.vae_always_tiled or gen.width * gen.height * max(1, gen.frames) * gen.n > tile_above_pixels
+
     def uses_cfg(self, gen: Generation) -> bool:
         """Whether a request runs a separate unconditional transformer call per step."""
         return gen.guidance_scale > 1.0

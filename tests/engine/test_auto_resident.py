@@ -26,7 +26,7 @@ from dlo.plan.deployment import LoraAsk, PlanAsk, plan
 from dlo.plan.limits import SMALL
 from dlo.plan.profile import NodeProfile
 from dlo.engine.settings import EngineSettings, OffloadSettings
-from dlo.plan.resident import VAE_TILE_ABOVE_PIXELS, ResidentPlan
+from dlo.plan.resident import NO_TILING, VAE_TILE_ABOVE_PIXELS, ResidentPlan
 from tests.engine.dist_utils import run_ranks
 from tests.engine.test_family_pipelines import preset_pipeline
 from tests.engine.test_memory_model import SMALL_TABLE
@@ -123,24 +123,38 @@ def _memory(geometry: Geometry, bounds: RequestBounds) -> PipelineMemory:
                           bounds, VAE_TILE_ABOVE_PIXELS, table)
 
 
-def test_the_budget_decides_the_vae_tiling_the_same_for_every_mode():
+def test_the_budget_decides_the_vae_tiling_only_where_the_plain_decode_cannot_fit():
     video = _memory(Geometry(16, 4), RequestBounds(832, 480, 17, 4, 512))  # four images decode the worst
-    lean = video.rank("rank-local")
+    assert dataclasses.replace(video, tile_above_pixels=NO_TILING).rank("rank-local").extrapolated
+    # the decodes the plan weighs, measured on the device (here: the table's figures, as if measured)
+    video = dataclasses.replace(video, measured={(p, s): video.predicted(p, s)[0] for p, s in video.calibration_shapes()})
+    lean = dataclasses.replace(video, tile_above_pixels=NO_TILING).rank("rank-local")
+    assert not lean.extrapolated
     fits = lean.weights_bytes + lean.request_bytes + margin_bytes(lean.request_bytes)
-    assert tiling_for_budget(video, fits)[0] == VAE_TILE_ABOVE_PIXELS  # a video family: plain while it fits
+    assert tiling_for_budget(video, fits)[0] == NO_TILING  # plain, as plain diffusers decodes, while it fits
     tile, why = tiling_for_budget(video, fits - 1)
     # the plain decode of the largest request does not fit: smaller decodes stay plain up to the
     # threshold where one would outgrow the largest request tiled, so the peak stays what all tiled gives
-    assert 0 < tile < VAE_TILE_ABOVE_PIXELS and "does not fit" in why and f"plain up to {tile} " in why
+    assert 0 < tile < 832 * 480 * 4 and "does not fit" in why and f"plain up to {tile} " in why
     at = {t: dataclasses.replace(video, tile_above_pixels=t).rank("rank-local").request_bytes
           for t in (0, tile, tile + 1)}
     assert at[tile] == at[0] < at[tile + 1]
+    assert tiling_for_budget(video, fits - 1, "always")[0] == 0
     images = _memory(Geometry(16, 0), RequestBounds(1024, 1024, 1, 2, 512))
-    lean = images.rank("rank-local")
+    lean = dataclasses.replace(images, tile_above_pixels=NO_TILING).rank("rank-local")
     fits = lean.weights_bytes + lean.request_bytes + margin_bytes(lean.request_bytes)
-    tile, why = tiling_for_budget(images, fits + GB)  # fits, but would displace resident blocks
-    assert tile == 0 and "copy-bound" in why
-    assert tiling_for_budget(images, 10**12)[0] == VAE_TILE_ABOVE_PIXELS  # every block resident beside it
+    # a tiled decode would leave room for resident blocks (image requests are copy-bound), but trading
+    # exactness for speed is the user's choice: plain unless --vae-tiling always
+    assert tiling_for_budget(images, fits + GB)[0] == NO_TILING
+    assert tiling_for_budget(images, fits + GB, "always") == (0, tiling_for_budget(images, 1, "always")[1])
+
+
+def test_an_extrapolated_peak_never_makes_a_decode_lossy():
+    beyond = _memory(Geometry(16, 4), RequestBounds(1920, 1920, 129, 4, 512))
+    lean = dataclasses.replace(beyond, tile_above_pixels=NO_TILING).rank("rank-local")
+    assert lean.extrapolated
+    tile, why = tiling_for_budget(beyond, lean.weights_bytes + 1)
+    assert tile == NO_TILING and "extrapolated" in why and "dlo calibrate --peaks" in why
 
 
 def test_resident_plan_fills_the_transformer_first_and_states_its_arithmetic():

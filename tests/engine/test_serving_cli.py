@@ -125,12 +125,27 @@ def test_a_given_mode_is_checked_against_the_budget():
     from dlo.plan.facts import ModelFacts
     from dlo.plan.memory_model import Geometry, PipelineMemory, RequestBounds
     from dlo.plan.memory_table import MemoryTable
+    import dataclasses
+
     from dlo.plan.budget import DeviceBudgetError, check_mode, local_budget
+    from dlo.plan.memory_model import largest_requests
 
     t = ModelFacts(bytes=28_640_000_000, largest_block_bytes=703_000_000, blocks=40, nonblock_bytes=500_000_000)
     table = MemoryTable.load(Path(__file__).parent / "fixtures" / "memory_table_small.json")
     memory = PipelineMemory("wan", Geometry(16, 4), {"transformer": t}, {}, {"vae": 508_000_000},
                             RequestBounds(1920, 1920, 129), 1280 * 720 * 81, table)
+    assert memory.rank("rank-local").extrapolated  # beyond the measured shapes: a guess, never a refusal
+    guess = memory.rank("rank-local").peak_bytes
+    assert "extrapolated" in check_mode("rank-local", memory, guess - 1, 1)
+    # measured on this device at the largest request's shapes: the same bytes now refuse
+    measured = {(p, s): memory.predicted(p, s, table_only=True)[0] for p, s in
+                [("transformer", s) for s in largest_requests(memory.bounds, memory.geometry)]
+                + [("vae_decode_tiled", s) for s in largest_requests(memory.bounds, memory.geometry)]
+                + [("vae_decode", s) for s in largest_requests(memory.bounds, memory.geometry)]
+                + [("vae_decode", memory._largest_plain(s)) for s in largest_requests(memory.bounds, memory.geometry)
+                   if memory._largest_plain(s) is not None]}
+    memory = dataclasses.replace(memory, measured=measured)
+    assert not memory.rank("rank-local").extrapolated and memory.rank("rank-local").peak_bytes == guess
     assert local_budget(150 * 10**9, 0, memory) == 150 * 10**9 - 500_000_000  # the context lives outside
     assert local_budget(150 * 10**9, 24 * 2**30, memory) == 24 * 2**30  # a cap is the allocator's own
     peak = memory.rank("rank-local").peak_bytes

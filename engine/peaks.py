@@ -1,0 +1,121 @@
+"""The decodes a deployment plans with, measured on the device that serves (`dlo calibrate --peaks`,
+and `dlo serve`'s first start on an accelerator).
+
+Owns: `library_versions` (what a measurement depends on besides the device and the model: the key
+of `dlo.plan.measured`'s cache), `device_name`, and `measure_decodes`: the pipeline's VAE loaded as
+`dlo serve` loads it (float32, whole on the device), each (part, shape) decoded from an emptied
+cache with the pipelines' own post-processing to numpy, its reserved growth (peak reserved less
+reserved before: what the phase needed the allocator to hold, fragmentation included) recorded;
+smallest first, within a deadline (what is not reached stays the table's).
+Must never: measure on a device other than the one named, keep the VAE after it returns, or record
+a decode that failed for another reason than memory (an out-of-memory decode is recorded as the
+device's whole memory: it does not fit).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+from dlo.plan.memory_model import Shape, decoded_pixels
+
+log = logging.getLogger(__name__)
+
+VERSIONED = ("torch", "diffusers")
+
+
+def library_versions() -> str:
+    """The libraries whose kernels and allocator a measurement depends on (read without importing them)."""
+    out = []
+    for name in VERSIONED:
+        try:
+            out.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            out.append(f"{name} none")
+    return " ".join(out)
+
+
+def device_name(device: Any) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else str(device)
+
+
+def measure_decodes(model_dir: Path, points: list[tuple[str, Shape]], device: Any,
+                    deadline_s: float) -> tuple[dict[tuple[str, Shape], int], float]:
+    """(reserved growth per (part, shape) measured within `deadline_s`, seconds taken)."""
+    import torch
+
+    t0 = time.monotonic()
+    vae, facts = _load_vae(model_dir, device)
+    out: dict[tuple[str, Shape], int] = {}
+    try:
+        for part, shape in sorted(points, key=lambda p: (decoded_pixels(p[1]), p[0])):
+            if time.monotonic() - t0 > deadline_s:
+                log.warning("peaks: the deadline of %.0f s passed before %s at %s (the table's figure stands)",
+                            deadline_s, part, shape)
+                break
+            out[(part, shape)] = _one(torch, vae, facts, part, shape, device)
+            log.info("peaks: %s at %s: %.2f GB reserved", part, shape, out[(part, shape)] / 1e9)
+    finally:
+        del vae
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return out, time.monotonic() - t0
+
+
+def _load_vae(model_dir: Path, device: Any) -> tuple[Any, Any]:
+    import diffusers
+    import torch
+
+    from dlo.engine.checkpoint import read_json_config
+    from dlo.engine.families import pipeline_facts, pipeline_index
+
+    facts = pipeline_facts(model_dir)
+    _, cls = read_json_config(pipeline_index(model_dir))["vae"]
+    vae = getattr(diffusers, cls).from_pretrained(model_dir / "vae", torch_dtype=torch.float32)
+    return vae.to(device).eval(), facts
+
+
+def _one(torch: Any, vae: Any, facts: Any, part: str, shape: Shape, device: Any) -> int:
+    """One decode from an emptied cache: its reserved growth (the device's memory when it does not fit)."""
+    vae.enable_tiling() if part.endswith("_tiled") else vae.disable_tiling()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_reserved(device)
+    try:
+        with torch.inference_mode():
+            decoded = _decode(torch, vae, facts, shape, device)
+            torch.cuda.synchronize(device)
+            del decoded
+    except torch.cuda.OutOfMemoryError:
+        return torch.cuda.get_device_properties(device).total_memory
+    return torch.cuda.max_memory_reserved(device) - before
+
+
+def _decode(torch: Any, vae: Any, facts: Any, shape: Shape, device: Any) -> Any:
+    """The pipeline's decode of random latents of `shape`, and its post-processing to numpy."""
+    from diffusers.image_processor import VaeImageProcessor
+    from diffusers.video_processor import VideoProcessor
+
+    cfg = vae.config
+    channels = cfg.get("z_dim") or cfg.get("latent_channels")
+    scale = 2 ** len(cfg["temperal_downsample"]) if "temperal_downsample" in cfg else 2 ** (
+        len(cfg["block_out_channels"]) - 1)
+    size = (shape.batch, channels, shape.height // scale, shape.width // scale)
+    if "temperal_downsample" in cfg:  # a video VAE (Wan; Qwen-Image decodes one frame of it)
+        t = facts.temporal_factor
+        frames = (shape.frames - 1) // t + 1 if t else 1
+        latents = torch.randn(size[0], size[1], frames, *size[2:], device=device)
+    else:
+        latents = torch.randn(*size, device=device)
+    out = vae.decode(latents, return_dict=False)[0]
+    if facts.temporal_factor:
+        return VideoProcessor(vae_scale_factor=scale).postprocess_video(out, output_type="np")
+    if out.ndim == 5:
+        out = out[:, :, 0]
+    return VaeImageProcessor(vae_scale_factor=scale).postprocess(out, output_type="np")

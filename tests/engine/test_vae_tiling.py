@@ -1,0 +1,81 @@
+"""`--vae-tiling` and the decode peaks measured on the device: a request the plan would tile is
+refused under `never`; the peaks cache is keyed by device, library versions and the model's files."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from dlo.engine.families import pipeline_facts
+from dlo.engine.request import Generation
+from dlo.engine.settings import EngineSettings, OffloadSettings
+from dlo.plan.limits import Limits
+from dlo.plan.measured import MeasuredPeaks, load_peaks, model_digest, peaks_path, save_peaks
+from dlo.plan.memory_model import Shape
+from dlo.serving.control import RankConfig
+from dlo.serving.errors import InvalidRequest
+from dlo.serving.service import Engine, EngineOptions
+from dlo.serving.waves import WaveQueue
+from tests.engine.serving_helpers import tiny_pipeline
+
+GEN = Generation(kind="video", prompt="waves", seed=1, width=64, height=64, steps=2, guidance_scale=5.0, frames=5,
+                 fps=2)
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory):
+    return tiny_pipeline(tmp_path_factory, "wan")
+
+
+def _engine(model, tiling: str, tile_above: int) -> Engine:
+    settings = EngineSettings(OffloadSettings("resident"), vae_tile_above_pixels=tile_above)
+    cfg = RankConfig(model_dir=str(model), settings=settings, master_port=1, control_port=1)
+    engine = Engine(cfg, limits=Limits(), facts=pipeline_facts(model), model_id="tiny",
+                    options=EngineOptions(max_queue=4, wave_window_ms=1, vae_tiling=tiling))
+    engine._loop = asyncio.get_running_loop()
+    engine._queue = WaveQueue(1, 0.001, 4)
+    engine.state = "ready"  # no ranks: the test plays the scheduler
+    return engine
+
+
+async def test_never_refuses_what_the_plan_would_tile_and_auto_queues_it(wan):
+    just_below = 64 * 64 * 5 - 1  # the request decodes 64 x 64 x 5 pixels: one over the threshold
+    never = _engine(wan, "never", just_below)
+    assert never.decode_tiled(GEN)
+    with pytest.raises(InvalidRequest, match=r"size 64x64 x 5 frames x 1: .*--vae-tiling never"):
+        never.submit(GEN)
+    assert len(never._queue) == 0  # type: ignore[arg-type]
+    plain = _engine(wan, "never", 64 * 64 * 5)  # at the threshold: plain, served
+    assert not plain.decode_tiled(GEN) and not plain.submit(GEN).done()
+    auto = _engine(wan, "auto", just_below)  # auto tiles it (the response says so)
+    assert auto.decode_tiled(GEN) and not auto.submit(GEN).done()
+
+
+def test_measured_peaks_are_cached_per_device_versions_and_model_files(wan, tmp_path):
+    shape = Shape(832, 480)
+    peaks = MeasuredPeaks("NVIDIA H100 80GB HBM3", "torch 2.11.0 diffusers 0.42.1", model_digest(wan),
+                          {("vae_decode", shape): 3_380_000_000}, 12.5)
+    path = save_peaks(wan, peaks, cache_root=tmp_path)
+    assert path.is_relative_to(tmp_path) and path.parent.name.endswith(model_digest(wan))
+    again = load_peaks(wan, peaks.device, peaks.versions, cache_root=tmp_path)
+    assert again == peaks and again.get("vae_decode", shape) == 3_380_000_000
+    assert load_peaks(wan, "NVIDIA H200", peaks.versions, cache_root=tmp_path) is None  # another device
+    assert load_peaks(wan, peaks.device, "torch 2.12.0 diffusers 0.42.1", cache_root=tmp_path) is None
+    cfg = wan / "vae" / "config.json"
+    text = cfg.read_text()
+    try:
+        cfg.write_text(text.replace("{", '{"_touched": 1, ', 1))  # the model's files changed
+        assert load_peaks(wan, peaks.device, peaks.versions, cache_root=tmp_path) is None
+    finally:
+        cfg.write_text(text)
+
+
+def test_the_cache_sits_beside_a_writable_model_and_elsewhere_beside_a_read_only_one(wan, tmp_path, monkeypatch):
+    beside = peaks_path(wan, "dev", "v")
+    assert beside.parent == wan / ".dlo-peaks"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # a read-only model folder (a PVC, a hostPath)
+    elsewhere = peaks_path(wan, "dev", "v")
+    assert elsewhere.is_relative_to(tmp_path / "dlo" / "peaks")
