@@ -1,7 +1,7 @@
 """`dlo fetch URI DEST`: a resumable, verified download of a diffusers pipeline folder.
 
-Owns: the flags, the progress renderer choice, the result file (the fetch Job's termination message)
-and the exit codes: 0 complete, 2 bad input or a source that is not a diffusers pipeline (nothing at
+Owns: the flags (the deadline and the stall bound among them), the progress renderer choice, the
+result file (the fetch Job's termination message) and the exit codes: 0 complete, 2 bad input or a source that is not a diffusers pipeline (nothing at
 DEST), 1 any other failure (one line naming the reason; a rerun resumes).
 Must never: import torch, or take a credential from the command line (boto3 reads AWS_*,
 huggingface_hub reads HF_TOKEN).
@@ -16,7 +16,9 @@ import os
 import sys
 from pathlib import Path
 
-from dlo.cli.args import Parser, byte_size, http_url, non_negative_seconds, one_line, positive_int
+from dlo.cli.args import (Parser, byte_size, http_url, non_negative_seconds, one_line, positive_int,
+                          positive_seconds)
+from dlo.delivery.deadline import DEFAULT_DEADLINE_S, DEFAULT_MIN_RATE_BPS, DEFAULT_STALL_WINDOW_S
 
 DESCRIPTION = """Download a diffusers pipeline folder from S3 or the Hugging Face Hub into DEST:
 ranged, parallel and resumable (a rerun after an interruption continues where it stopped), every
@@ -53,6 +55,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="never evict a cached model (a fetch that does not know which ones are in use)")
     parser.add_argument("--lock-wait", type=non_negative_seconds, default=600.0, metavar="SECONDS",
                         help="how long to wait for another fetch into DEST to end before failing (default 600)")
+    parser.add_argument("--deadline", type=positive_seconds, default=DEFAULT_DEADLINE_S, metavar="SECONDS",
+                        help=f"the whole fetch ends by then, failing `timeout` (default {DEFAULT_DEADLINE_S:g}: 6 h); a "
+                             "rerun resumes")
+    parser.add_argument("--min-rate", type=byte_size, default=DEFAULT_MIN_RATE_BPS, metavar="BYTES",
+                        help="bytes a second a transfer must move over --stall-window, else it fails `timeout` "
+                             "(default 16KiB)")
+    parser.add_argument("--stall-window", type=positive_seconds, default=DEFAULT_STALL_WINDOW_S, metavar="SECONDS",
+                        help=f"the window --min-rate is measured over (default {DEFAULT_STALL_WINDOW_S:g})")
     parser.add_argument("--progress", choices=("auto", "bar", "plain", "none"), default="auto",
                         help="auto: a bar on a terminal, plain progress lines when piped")
     parser.add_argument("--result-file", type=Path, default=None,
@@ -72,7 +82,8 @@ def main(args: argparse.Namespace) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     options = FetchOptions(endpoint=args.endpoint, concurrency=args.concurrency, part_size=args.part_size,
                            keep=frozenset(args.keep), disk_budget=args.disk_budget,
-                           evict=not args.no_evict, lock_wait_s=args.lock_wait)
+                           evict=not args.no_evict, lock_wait_s=args.lock_wait, deadline_s=args.deadline,
+                           min_rate_bps=args.min_rate, stall_window_s=args.stall_window)
     progress = Progress(args.progress)
     try:
         uri = parse_uri(args.uri, args.revision)
@@ -86,7 +97,22 @@ def main(args: argparse.Namespace) -> int:
     finally:
         progress.close()
     _report(args, result)
+    if result.already_complete and not args.json:  # a fetch that downloads logs what it fetched; this one says so
+        print(f"dlo fetch: {result.dest} is already complete ({result.files} files, {_size(result.bytes)} of "
+              f"{result.uri}): nothing to download", file=sys.stderr)
+    if result.reason == "timeout":  # a transfer thread may still be blocked in a read: never wait for it
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     return code
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} bytes"
 
 
 def _report(args: argparse.Namespace, result: object) -> None:

@@ -22,6 +22,7 @@ REASONS = {
     "verify": "a downloaded file does not match its size or checksum",
     "source_changed": "the source changed while or since it was fetched",
     "transfer": "the store or the network failed",
+    "timeout": "the fetch ran past --deadline, or a transfer moved less than --min-rate over --stall-window",
 }
 
 

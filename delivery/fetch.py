@@ -2,9 +2,11 @@
 the disk, download (resuming), check the staged pipeline, publish atomically.
 
 Owns: `FetchOptions`, `FetchResult`, `fetch` (the one implementation behind `dlo fetch`, `dlo serve
-URI` and the operator's node fetch Jobs: one at a time on a DEST, a disk or file error a one-line
-FetchError) and `model_folder` (a URI as a folder `dlo serve` can load).
-Must never: leave anything at DEST but a complete, verified pipeline, evict a model in `keep`, call
+URI` and the operator's node fetch Jobs: one at a time on a DEST, within a deadline and a stall
+bound (`dlo.delivery.deadline`), a disk or file error a one-line FetchError; the abandoned staging
+folders of other DESTs reclaimed first) and `model_folder` / `serving_folder` (a URI as a folder
+`dlo serve` can load, leased for as long as the server runs so no fetch evicts it).
+Must never: leave anything at DEST but a complete, verified pipeline, evict a model in `keep` or in use, call
 a published folder complete when a file of its manifest has another size, or import torch.
 """
 
@@ -16,7 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dlo.delivery.cache import cached_models, make_room, touch_served
+from dlo.delivery.cache import cached_models, hold_lease, make_room, reclaim_stale_staging, touch_served
+from dlo.delivery.deadline import DEFAULT_DEADLINE_S, DEFAULT_MIN_RATE_BPS, DEFAULT_STALL_WINDOW_S, Guard
 from dlo.delivery.errors import FetchError, SourceRefused, local_error
 from dlo.delivery.paths import path_under
 from dlo.delivery.pipeline import SourceFile, check_pipeline, index_files, read_json_file
@@ -37,6 +40,10 @@ class FetchOptions:
     evict: bool = True  # False: never evict (a fetch that cannot know which models are in use)
     hf_cache: Path | None = None  # the Hugging Face cache to resolve from (default: the library's)
     lock_wait_s: float = 600.0  # how long to wait for another fetch into the same DEST
+    deadline_s: float = DEFAULT_DEADLINE_S  # the whole fetch, whatever the store does
+    min_rate_bps: int = DEFAULT_MIN_RATE_BPS  # a transfer moving less than this over `stall_window_s`
+    stall_window_s: float = DEFAULT_STALL_WINDOW_S  # ... stalls: the fetch fails `timeout`
+    lease: bool = False  # hold DEST's serving lease for the life of this process (`dlo serve URI`)
 
 
 @dataclass
@@ -59,34 +66,44 @@ class FetchResult:
         return {k: v for k, v in asdict(self).items() if v not in ("", None)}
 
 
-def open_source(uri: ModelURI, options: FetchOptions) -> Any:
+def open_source(uri: ModelURI, options: FetchOptions, guard: Guard | None = None) -> Any:
     if uri.scheme == "s3":
         from dlo.delivery.s3 import S3Source
 
-        return S3Source(uri, options.endpoint, options.concurrency, options.part_size)
+        return S3Source(uri, options.endpoint, options.concurrency, options.part_size, guard)
     from dlo.delivery.hf import HFSource
 
-    return HFSource(uri, options.endpoint, options.concurrency, options.hf_cache)
+    return HFSource(uri, options.endpoint, options.concurrency, options.hf_cache, guard)
 
 
 def fetch(uri: ModelURI, dest: Path, options: FetchOptions, progress: Progress) -> FetchResult:
-    """Fetch `uri` into `dest` (created whole, or left untouched), holding DEST's lock. Raises
-    FetchError (a disk or file error too)."""
-    try:
-        with dest_lock(dest, options.lock_wait_s):
-            return _fetch(uri, dest, options, progress)
-    except OSError as e:
-        raise local_error(e, dest) from None
+    """Fetch `uri` into `dest` (created whole, or left untouched), holding DEST's lock, within
+    `options.deadline_s` and the stall bound. Raises FetchError (a disk or file error too; `timeout`
+    at the deadline, when the fetch may still be blocked in a read: the process should exit)."""
+    guard = Guard(options.deadline_s, options.min_rate_bps, options.stall_window_s, lambda: progress.downloaded)
+
+    def locked() -> FetchResult:
+        try:
+            with dest_lock(dest, options.lock_wait_s):
+                return _fetch(uri, dest, options, progress, guard)
+        except OSError as e:
+            raise local_error(e, dest) from None
+
+    return guard.run(locked)
 
 
-def _fetch(uri: ModelURI, dest: Path, options: FetchOptions, progress: Progress) -> FetchResult:
+def _fetch(uri: ModelURI, dest: Path, options: FetchOptions, progress: Progress, guard: Guard) -> FetchResult:
     started = time.monotonic()
-    source = open_source(uri, options)
+    source = open_source(uri, options, guard)
     for key in options.keep:
         if (folder := path_under(dest.parent, key)).is_dir():
             touch_served(folder)
     if dest.exists():
-        return _already_published(uri, dest, source, started, options)
+        result = _already_published(uri, dest, source, started, options)
+        if options.lease:
+            hold_lease(dest)
+        return result
+    reclaim_stale_staging(dest.parent)
     files = source.listing()
     staging = Staging(dest, f"{uri}|{options.endpoint or ''}|{source.describe()['revision'] or ''}",
                       [f.path for f in files])
@@ -103,7 +120,10 @@ def _fetch(uri: ModelURI, dest: Path, options: FetchOptions, progress: Progress)
     progress.start(total, len(files), staging.done_bytes(files), sum(staging.verified(f) for f in files))
     source.download(staging, files, progress)
     check_pipeline(str(uri), [f.path for f in files], read_json_file(str(staging.root)))
-    staging.publish(files, source.describe())
+    if options.lease:
+        hold_lease(staging.root)  # the lease is on the folder itself: it stays with it when it is renamed
+    with guard.commit():
+        staging.publish(files, source.describe())
     touch_served(dest)
     progress.close()
     log.info("fetched uri=%s dest=%s bytes=%d downloaded=%d files=%d evicted=%s", uri, dest, total,
@@ -180,7 +200,8 @@ def serving_folder(text: str, environ: Any) -> tuple[Path, str]:
     # the SDKs' own endpoint variables: named here too, so another store is another cache folder
     names = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL") if uri.scheme == "s3" else ("HF_ENDPOINT",)
     endpoint = next((environ[n] for n in names if environ.get(n)), None)
-    folder = model_folder(text, default_cache_root(environ), Progress("auto"), FetchOptions(endpoint=endpoint))
+    options = FetchOptions(endpoint=endpoint, lease=True)  # held while this process serves it: never evicted
+    folder = model_folder(text, default_cache_root(environ), Progress("auto"), options)
     return folder, uri.name
 
 

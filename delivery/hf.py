@@ -6,6 +6,8 @@ HF_HUB_OFFLINE itself. Checksums: a cached file is a link to a blob named by its
 for LFS files, the git blob SHA-1 for the others), a listed file carries both in its metadata; each
 staged file is hashed and compared. Files from the cache are hard-linked into the staging folder
 where the file system allows (no second copy), else copied.
+The library's download runs under the fetch's `Guard` (its deadline and stall bound: bytes counted
+as they land in the staging folder).
 Must never: download outside `snapshot_download` (its resumable transfer and auth are the
 library's), or publish a file whose hash differs from the one the cache or the Hub vouches for.
 """
@@ -19,6 +21,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from dlo.delivery.deadline import Guard
 from dlo.delivery.errors import FetchError
 from dlo.delivery.paths import path_under
 from dlo.delivery.pipeline import SourceFile
@@ -75,8 +78,9 @@ class HFSource:
     """One `hf://org/name@revision` model."""
 
     def __init__(self, uri: ModelURI, endpoint: str | None = None, concurrency: int = DEFAULT_CONCURRENCY,
-                 cache_dir: Path | None = None) -> None:
+                 cache_dir: Path | None = None, guard: Guard | None = None) -> None:
         self.uri, self.endpoint, self.concurrency, self.cache_dir = uri, endpoint, concurrency, cache_dir
+        self.guard = guard or Guard(float("inf"), 0, float("inf"), lambda: 0)
         self.snapshot: Path | None = None  # the cached snapshot folder, when the cache holds the revision
         self.commit: str | None = None
 
@@ -138,11 +142,17 @@ class HFSource:
         stop = threading.Event()
         watcher = threading.Thread(target=_watch_bytes, args=(staging.root, progress, stop), daemon=True)
         watcher.start()
+
+        def download(_: threading.Event) -> None:  # the library's own threads: bounded by the Guard's wait
+            try:
+                snapshot_download(self.uri.path, revision=self.commit, local_dir=staging.root,
+                                  endpoint=self.endpoint, allow_patterns=[f.path for f in files],
+                                  max_workers=self.concurrency)
+            except Exception as e:  # noqa: BLE001
+                raise _translate(e, str(self.uri)) from None
+
         try:
-            snapshot_download(self.uri.path, revision=self.commit, local_dir=staging.root, endpoint=self.endpoint,
-                              allow_patterns=[f.path for f in files], max_workers=self.concurrency)
-        except Exception as e:  # noqa: BLE001
-            raise _translate(e, str(self.uri)) from None
+            self.guard.parallel([download], 1)
         finally:
             stop.set()
             watcher.join()

@@ -2,7 +2,8 @@
 created with a marker file naming what made them, so that only such a folder is ever resumed or
 removed; a folder of the same name without the marker is someone else's and is left alone.
 
-Owns: `MARKER`, `make_marked`, `marker_of`, `remove_marked`, `NotMarked`, `maker_alive`.
+Owns: `MARKER`, `make_marked`, `take_over` (a run that resumes a folder names itself in its marker,
+so `maker_alive` speaks of the run at work), `marker_of`, `remove_marked`, `NotMarked`, `maker_alive`.
 Must never: remove a folder whose marker names another maker or that has none (an empty folder is
 the one exception: removing it loses nothing), follow a symbolic link, or import beyond the
 standard library (the fetch runs in slim Jobs; `dlo quantize` imports it too).
@@ -35,9 +36,24 @@ def make_marked(path: Path, maker: str, **facts: object) -> None:
     """Create the folder `path` (which must not exist) and mark it as made by `maker` (this process:
     its pid and host, so a later run can tell whether the maker is still at work)."""
     path.mkdir()
-    record = {"made_by": maker, "pid": os.getpid(), "host": socket.gethostname(),
-              "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), **facts}
-    (path / MARKER).write_text(json.dumps(record))
+    _write_marker(path, {"made_by": maker, "created": _now(), **facts})
+
+
+def take_over(path: Path, found: dict[str, Any]) -> None:
+    """Name this process as the maker of `path` (marked `found`), which it resumes (the caller holds
+    whatever lock makes it the only run at work there)."""
+    _write_marker(path, {**found, "taken_over": _now()})
+
+
+def _write_marker(path: Path, record: dict[str, Any]) -> None:
+    record = {**record, "pid": os.getpid(), "host": socket.gethostname()}
+    tmp = path / f"{MARKER}.tmp"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path / MARKER)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
 def marker_of(path: Path) -> dict[str, Any] | None:

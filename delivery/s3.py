@@ -8,6 +8,8 @@ so a killed fetch resumes. Verification re-reads the file: a single-part object'
 of its bytes; a multipart object's (`<hex>-N`) is the MD5 of its N parts' MD5s, so the file is
 hashed in the part sizes of the upload (read from HeadObject with PartNumber); an ETag claiming
 more parts than S3 allows (or than the object has bytes) is refused before any HEAD.
+Each part is read as its bytes arrive and stops between reads when the fetch's `Guard` says so (a
+failed part, a stall, the deadline); its threads are the Guard's daemons.
 Must never: read credentials itself (boto3's chain reads AWS_* from the environment), or call a
 file complete before its checksum matched.
 """
@@ -17,11 +19,11 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import threading
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from dlo.delivery.deadline import Guard
 from dlo.delivery.errors import FetchError
 from dlo.delivery.pipeline import SourceFile
 from dlo.delivery.progress import Progress
@@ -37,12 +39,16 @@ _MISSING_CODES = {"NoSuchBucket", "NoSuchKey", "404"}
 MAX_PARTS = 10_000  # S3's limit on a multipart upload
 
 
+READ_TIMEOUT_S = 60  # one read of a store's answer; the whole transfer is bounded by the fetch's Guard
+
+
 def _client(endpoint: str | None, concurrency: int) -> Any:
     import boto3
     from botocore.config import Config
 
     session = boto3.session.Session()
     config = Config(retries={"max_attempts": 5, "mode": "standard"}, max_pool_connections=concurrency + 2,
+                    connect_timeout=READ_TIMEOUT_S, read_timeout=READ_TIMEOUT_S,
                     signature_version="s3v4", s3={"addressing_style": "path" if endpoint else "auto"})
     return session.client("s3", endpoint_url=endpoint, region_name=session.region_name or "us-east-1",
                           config=config)
@@ -76,9 +82,10 @@ class S3Source:
     """One `s3://bucket/prefix` model."""
 
     def __init__(self, uri: ModelURI, endpoint: str | None = None, concurrency: int = DEFAULT_CONCURRENCY,
-                 part_size: int = DEFAULT_PART_SIZE) -> None:
+                 part_size: int = DEFAULT_PART_SIZE, guard: Guard | None = None) -> None:
         self.uri, self.endpoint = uri, endpoint
         self.concurrency, self.part_size = concurrency, part_size
+        self.guard = guard or Guard(float("inf"), 0, float("inf"), lambda: 0)
         self.client = _client(endpoint, concurrency)
 
     def describe(self) -> dict[str, Any]:
@@ -125,19 +132,14 @@ class S3Source:
         return max(1, math.ceil(f.size / self.part_size))
 
     def _run(self, staging: Staging, todo: list[tuple[SourceFile, int]], progress: Progress) -> None:
-        stop = threading.Event()
-        with ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="fetch") as pool:
-            futures = [pool.submit(self._part, staging, f, i, progress, stop) for f, i in todo]
-            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-            failed = next((fut for fut in done if fut.exception() is not None), None)
-            if failed is not None:
-                stop.set()  # the parts not started yet return at once; the state keeps what finished
-                for fut in futures:
-                    fut.cancel()
-                raise failed.exception()  # type: ignore[misc]
-        staging.flush(force=True)
+        """The parts `todo`, `concurrency` at a time under the fetch's Guard (a failure, a stall or the
+        deadline stops the others at their next read; the state keeps what finished)."""
+        try:
+            self.guard.parallel([partial(self._part, staging, f, i, progress) for f, i in todo], self.concurrency)
+        finally:
+            staging.flush(force=True)
 
-    def _part(self, staging: Staging, f: SourceFile, index: int, progress: Progress, stop: threading.Event) -> None:
+    def _part(self, staging: Staging, f: SourceFile, index: int, progress: Progress, stop: Any) -> None:
         if stop.is_set():
             return
         start = index * self.part_size
@@ -151,12 +153,16 @@ class S3Source:
                     body = self.client.get_object(Bucket=self.uri.bucket, Key=key, Range=f"bytes={start}-{end}",
                                                   IfMatch=f'"{f.checksum}"')["Body"]
                     offset = start
-                    for chunk in body.iter_chunks(_CHUNK):
+                    for chunk in _chunks(body):
+                        if stop.is_set():
+                            return  # another part failed, or the fetch stalled or ran out of time
                         os.pwrite(fd, chunk, offset)
                         offset += len(chunk)
                         progress.advance(len(chunk))
                 except Exception as e:  # noqa: BLE001
                     raise translate(e, f"{self.uri}/{f.path}") from None
+                finally:
+                    body.close()
                 if offset != end + 1:
                     raise FetchError("transfer", f"{self.uri}/{f.path}: bytes {start}-{end}: the store sent "
                                      f"{offset - start} bytes")
@@ -197,6 +203,17 @@ class S3Source:
                     for n in range(1, count + 1)]
         except Exception as e:  # noqa: BLE001
             raise translate(e, f"{self.uri}/{f.path}") from None
+
+
+def _chunks(body: Any) -> Any:
+    """An object's bytes as they arrive (each read returns what the socket has, up to `_CHUNK`), so a
+    store that trickles is seen between reads rather than after a whole chunk."""
+    raw = getattr(body, "_raw_stream", None)
+    if raw is None or not hasattr(raw, "read1"):
+        yield from body.iter_chunks(_CHUNK)
+        return
+    while chunk := raw.read1(_CHUNK):
+        yield chunk
 
 
 def _md5(path: Path, sizes: list[int]) -> list[str]:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from dlo.delivery.errors import FetchError
-from dlo.delivery.owned import MARKER, NotMarked, make_marked, marker_of, remove_marked
+from dlo.delivery.owned import MARKER, NotMarked, make_marked, marker_of, remove_marked, take_over
 from dlo.delivery.paths import path_under
 from dlo.delivery.pipeline import SourceFile
 
@@ -139,7 +139,9 @@ class Staging:
         state = self._read_state()
         if marker_of(self.root) is None and isinstance(state.get("source"), str) and not self.root.is_symlink():
             (self.root / MARKER).write_text(json.dumps({"made_by": MAKER, "adopted": True}))  # an older dlo's
-        if (marker_of(self.root) or {}).get("made_by") == MAKER and state.get("source") == self.source:
+        found = marker_of(self.root)
+        if found is not None and found["made_by"] == MAKER and state.get("source") == self.source:
+            take_over(self.root, found)  # this run, not the one that died, is at work here now
             self._files = dict(state.get("files") or {})
             return
         if self.root.exists() or self.root.is_symlink():

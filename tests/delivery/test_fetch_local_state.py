@@ -83,12 +83,18 @@ def _limit_file_size() -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (2 * 2**20, 2 * 2**20))
 
 
-def test_a_failed_fetchs_staging_folder_is_reclaimed_by_the_next_fetch_of_another_source(s3, tiny_model, tmp_path):
+def upload_too_big(s3, tiny_model: Path, tmp_path: Path, prefix: str) -> None:
+    """`prefix/big`: the tiny model with a 4 MiB file a fetch under `_limit_file_size` fails on;
+    `prefix/tiny`: the tiny model."""
     big = tmp_path / "big"
     shutil.copytree(tiny_model, big)
     (big / "vae" / "extra.safetensors").write_bytes(os.urandom(4 * 2**20))
-    upload(s3.client(), big, "local", "stale/big", part_size=8 * 2**20)
-    upload(s3.client(), tiny_model, "local", "stale/tiny")
+    upload(s3.client(), big, "local", f"{prefix}/big", part_size=8 * 2**20)
+    upload(s3.client(), tiny_model, "local", f"{prefix}/tiny")
+
+
+def test_a_failed_fetchs_staging_folder_is_reclaimed_by_the_next_fetch_of_another_source(s3, tiny_model, tmp_path):
+    upload_too_big(s3, tiny_model, tmp_path, "stale")
     dest = tmp_path / "cache" / "m"
     first = fetch(s3, "stale/big", dest, "--result-file", str(tmp_path / "r.json"), preexec_fn=_limit_file_size)
     failed(first, tmp_path / "r.json", "disk_full")  # a file over the limit: the fetch fails part way
