@@ -106,19 +106,24 @@ _PERCENT = r"^([1-9][0-9]?|100)%$"
 
 
 class RolloutSpec(_Model):
-    """How pods move to a new template (a new mode, image or spec). Never surges: accelerator
-    nodes have no spare capacity."""
+    """How pods move to a new template (a new plan, image or spec). Never surges: accelerator
+    nodes have no spare capacity. RollingUpdate (the default) keeps every pod but `maxUnavailable`
+    serving; Recreate is an outage: every pod on an old template goes at once."""
 
     model_config = ConfigDict(json_schema_extra=cel_rules(_ROLLOUT_RULE))
 
     type: Literal["Recreate", "RollingUpdate"] = Field(
-        "Recreate",
-        description="Recreate: the operator deletes every pod on an old template at once (StatefulSet "
-        "OnDelete); RollingUpdate: the StatefulSet replaces maxUnavailable pods at a time",
+        "RollingUpdate",
+        description="RollingUpdate (default): the StatefulSet replaces maxUnavailable pods at a time (1 unless "
+        "set), each replacement ready (the engine's /ready) before the next pod goes; Recreate: the operator "
+        "deletes every pod on an old template at once (StatefulSet OnDelete): an outage until the new pods "
+        "are ready",
     )
     max_unavailable: int | str | None = Field(
         None,
-        description="pods (or a percentage) down at once during a RollingUpdate; never surges",
+        description="pods (or a percentage of replicas, rounded up) down at once during a RollingUpdate "
+        "(default 1); the StatefulSet honours more than 1 from Kubernetes 1.35 (MaxUnavailableStatefulSet, "
+        "before that an alpha gate: without it one pod at a time); never surges",
         json_schema_extra={"minimum": 1, "pattern": _PERCENT},
     )
 

@@ -5,7 +5,8 @@ validate the spec (an invalid one sets `Degraded` instead of crash-looping), pin
 plan (`pinned_plan`: made when the spec's generation, the pods' model or the replan annotation
 changes; an inventory that would give another plan sets `PlanOutdated`), deliver the model (`uri`:
 fetch Jobs, node labels, which model the pods run), apply the builders' objects with server-side
-apply and owner references, delete pods on an old template when the rollout is Recreate, and write
+apply and owner references, delete pods on an old template (all of them for a Recreate rollout; for
+RollingUpdate those not ready, which the StatefulSet's rollout would wait on), and write
 status (replica counts, nodes, URL, conditions, observedGeneration). Every decision is an Event on
 the resource; every round is counted and timed in `metrics`.
 Must never: build manifests itself (`builders`), decide a mode itself (`modes`) or where a model is
@@ -109,8 +110,7 @@ def reconcile(kube: Kube, body: dict[str, Any], view: View, config: OperatorConf
     (sts,) = [o for o in objects if o["kind"] == "StatefulSet"]
     template_hash = sts["spec"]["template"]["metadata"]["annotations"][builders.TEMPLATE_HASH]
     pods = view.engine_pods()
-    if spec.rollout.type == "Recreate":
-        pods = _delete_old_pods(kube, body, pods, template_hash)
+    pods = _delete_old_pods(kube, body, pods, template_hash, unready_only=spec.rollout.type == "RollingUpdate")
     observed = status.Observed(
         spec.replicas, template_hash, pods, modes.model_residency(view.nodes, pods_spec), spec.warmer.threshold,
         spec.warmer.enabled, builders.TEMPLATE_HASH,
@@ -233,15 +233,23 @@ def _pin(body: dict[str, Any], spec: DLODeploymentSpec, pods_spec: DLODeployment
     return pinned, outdated
 
 
-def _delete_old_pods(kube: Kube, body: dict[str, Any], pods: list[dict[str, Any]], template_hash: str) -> list[dict[str, Any]]:
-    """Recreate rollout (StatefulSet OnDelete): delete every pod on an old template; return the rest.
+def _delete_old_pods(kube: Kube, body: dict[str, Any], pods: list[dict[str, Any]], template_hash: str,
+                     unready_only: bool) -> list[dict[str, Any]]:
+    """Delete pods on an old template; return the rest. Recreate (StatefulSet OnDelete): every one.
+    RollingUpdate: only those not ready (they serve nothing): the StatefulSet's rollout counts them
+    as unavailable and would wait on them for ever (a pod of a broken template, fixed since).
     Each delete names the uid read (a precondition): a pod the StatefulSet re-created under the same
     name since the list is never deleted for its predecessor's template."""
     kept = []
     for pod in pods:
         meta = pod["metadata"]
-        if meta.get("deletionTimestamp") or meta.get("annotations", {}).get(builders.TEMPLATE_HASH) == template_hash:
+        if (meta.get("deletionTimestamp") or meta.get("annotations", {}).get(builders.TEMPLATE_HASH) == template_hash
+                or (unready_only and status.pod_ready(pod))):
             kept.append(pod)
         elif kube.delete("v1", "Pod", meta["namespace"], meta["name"], uid=meta.get("uid")):
-            kopf.info(body, reason="PodRecreated", message=f"deleted pod {meta['name']} (old template)")
+            if unready_only:
+                kopf.info(body, reason="PodReplaced", message=f"deleted pod {meta['name']} (old template, not ready: "
+                          "the rollout would wait on it)")
+            else:
+                kopf.info(body, reason="PodRecreated", message=f"deleted pod {meta['name']} (old template)")
     return kept

@@ -2,9 +2,11 @@
 the garbage collector, the StatefulSet and Job controllers and the scheduler.
 
 - garbage collection: objects whose owner (by uid) is gone are deleted;
-- StatefulSet: pods from the template, one per ordinal, OnDelete / RollingUpdate by the operator's
-  template hash; they become Running/Ready through `ready_when(pod)` once scheduled (default: at
-  once; the e2e's local kubelet reports readiness itself);
+- StatefulSet: pods from the template, one per ordinal; OnDelete, or RollingUpdate by the operator's
+  template hash as the real controller rolls (highest ordinal first, at most `maxUnavailable` pods
+  unavailable, a replacement Running and Ready before the next stale pod goes); pods become
+  Running/Ready through `ready_when(pod)` once scheduled (default: at once; the e2e's local kubelet
+  reports readiness itself, from the readiness probe's path);
 - Job: one pod at a time from the template, `backoffLimit` retries, `podFailurePolicy` FailJob on
   exit codes, and the Complete/Failed conditions, stamped as the Job controller does (`startTime`,
   the conditions' `lastTransitionTime`, `completionTime` when Complete: how long ago a Job finished
@@ -75,7 +77,27 @@ def new_pod(owner: dict[str, Any], template: dict[str, Any], name: str, labels: 
             "status": {"phase": "Pending", "conditions": [{"type": "Ready", "status": "False"}]}}
 
 
+def healthy(pod: dict[str, Any]) -> bool:
+    """Running and Ready and not terminating: what the StatefulSet controller waits for."""
+    st = pod.get("status") or {}
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or [])
+    return st.get("phase") == "Running" and ready and not pod["metadata"].get("deletionTimestamp")
+
+
+def max_unavailable(sts: dict[str, Any]) -> int:
+    """`rollingUpdate.maxUnavailable` as a pod count: a percentage of replicas rounded up, at least 1."""
+    value = ((sts["spec"]["updateStrategy"].get("rollingUpdate") or {}).get("maxUnavailable", 1))
+    if isinstance(value, str):
+        value = -(-int(value.rstrip("%")) * sts["spec"]["replicas"] // 100)
+    return max(1, int(value))
+
+
 class StatefulSetController:
+    """Pods from the template, one per ordinal (podManagementPolicy Parallel: created and removed
+    together). RollingUpdate as the real controller does it: while fewer than maxUnavailable pods of
+    the range are unavailable (missing, not Running and Ready, or terminating), delete stale pods from
+    the highest ordinal down, up to the difference; a replacement must be ready before the next goes."""
+
     def __init__(self, emulator: Emulator, ready_when: Callable[[dict], bool] | None = None) -> None:
         self.emulator = emulator
         self.ready_when = ready_when or (lambda pod: True)
@@ -83,13 +105,11 @@ class StatefulSetController:
     async def step(self) -> None:
         for sts in _of_kind(self.emulator, "StatefulSet"):
             meta, spec = sts["metadata"], sts["spec"]
-            want = spec["template"]["metadata"]["annotations"][builders.TEMPLATE_HASH]
             pods = {p["metadata"]["name"]: p for p in owned_by(self.emulator, sts)}
             for name, pod in list(pods.items()):
-                ordinal = int(name.rsplit("-", 1)[1])
-                stale = pod["metadata"]["annotations"][builders.TEMPLATE_HASH] != want
-                if ordinal >= spec["replicas"] or (stale and spec["updateStrategy"]["type"] == "RollingUpdate"):
-                    await request(self.emulator, "DELETE", pod_path(pod))
+                if int(name.rsplit("-", 1)[1]) >= spec["replicas"]:
+                    if not pod["metadata"].get("deletionTimestamp"):
+                        await request(self.emulator, "DELETE", pod_path(pod))
                     pods.pop(name)
             for i in range(spec["replicas"]):
                 name = f"{meta['name']}-{i}"
@@ -101,6 +121,25 @@ class StatefulSetController:
                 elif pod["spec"].get("nodeName") and self.ready_when(pod) and pod["status"].get("phase") != "Running":
                     status = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}
                     await request(self.emulator, "PATCH", pod_path(pod), {"status": status})
+            if spec["updateStrategy"]["type"] == "RollingUpdate":
+                await self._roll(sts, pods)
+
+    async def _roll(self, sts: dict[str, Any], pods: dict[str, dict[str, Any]]) -> None:
+        spec = sts["spec"]
+        want = spec["template"]["metadata"]["annotations"][builders.TEMPLATE_HASH]
+        names = [f"{sts['metadata']['name']}-{i}" for i in range(spec["replicas"])]
+        unavailable = sum(1 for n in names if n not in pods or not healthy(pods[n]))
+        budget = max_unavailable(sts) - unavailable
+        partition = (spec["updateStrategy"].get("rollingUpdate") or {}).get("partition", 0)
+        for name in reversed(names[partition:]):
+            if budget <= 0:
+                return
+            pod = pods.get(name)
+            if pod is None or pod["metadata"].get("deletionTimestamp"):
+                continue
+            if pod["metadata"]["annotations"].get(builders.TEMPLATE_HASH) != want:
+                await request(self.emulator, "DELETE", pod_path(pod))
+                budget -= 1
 
     async def run(self) -> None:
         while True:

@@ -131,7 +131,7 @@ CASES: dict[str, list[tuple[dict, bool]]] = {
         ({"type": "RollingUpdate", "maxUnavailable": 2}, True),
         ({"type": "RollingUpdate", "maxUnavailable": "25%"}, True),
         ({"type": "Recreate", "maxUnavailable": 1}, False),
-        ({"maxUnavailable": 1}, False),  # type defaults to Recreate first
+        ({"maxUnavailable": 1}, True),  # type defaults to RollingUpdate first
     ],
     # dp x sp = devicesPerNode (issue 14); rules on the spec itself
     "self.devicesPerNode % self.sp == 0": [

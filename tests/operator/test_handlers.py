@@ -1,15 +1,19 @@
 """operator/handlers.py against the kmock API emulator: real HTTP, real kopf, in its own thread."""
 
+import asyncio
 import json
+import time
 from pathlib import Path
 
 from cluster import dlodeployment, running_cluster
+from controllers import healthy
 from dlo.operator import builders, metrics
 from dlo.operator.models import API_VERSION
 
 ROOT = Path(__file__).resolve().parents[2]
 NS = "serving"
 SPEC = {"model": {"path": "/models/wan2.1-14b"}, "replicas": 2, "devicesPerNode": 8, "mode": "auto"}
+RECREATE = {**SPEC, "rollout": {"type": "Recreate"}}
 CHILDREN = [("Service", "wan-headless"), ("Service", "wan"), ("PodDisruptionBudget", "wan"), ("StatefulSet", "wan")]
 
 
@@ -60,10 +64,88 @@ async def test_create_makes_owned_children_resolves_mode_and_reports_ready():
         assert cluster.events("StatefulSetCreated")
 
 
-async def test_mode_change_rolls_pods_with_recreate():
+def ready_after(seconds: float):
+    """`ready_when` for the emulated StatefulSet: a pod turns ready `seconds` after it is first seen
+    scheduled (an engine loading), so a rollout has replacements that are not ready yet."""
+    seen: dict[str, float] = {}
+
+    def ready(pod: dict) -> bool:
+        return time.monotonic() - seen.setdefault(pod["metadata"]["uid"], time.monotonic()) >= seconds
+
+    return ready
+
+
+def template_hash(cluster, name="wan"):
+    return cluster.get("StatefulSet", NS, name)["spec"]["template"]["metadata"]["annotations"][builders.TEMPLATE_HASH]
+
+
+def rolled(cluster, old_uids: dict[str, str], replicas: int = 2):
+    """Every pod replaced (a new uid) onto the StatefulSet's current template and healthy."""
+    want = template_hash(cluster)
+    pods = cluster.objects("Pod", NS)
+    return len(pods) == replicas and all(
+        p["metadata"]["annotations"][builders.TEMPLATE_HASH] == want and p["metadata"]["uid"] != old_uids.get(
+            p["metadata"]["name"]) and healthy(p) for p in pods)
+
+
+def uids(cluster) -> dict[str, str]:
+    return {p["metadata"]["name"]: p["metadata"]["uid"] for p in cluster.objects("Pod", NS)}
+
+
+async def test_a_spec_edit_on_four_replicas_rolls_one_pod_at_a_time_by_default():
+    """RollingUpdate is the default: a spec edit replaces the pods one by one, each replacement ready
+    before the next pod goes; sampled all along, never more than one of the four pods is down."""
+    async with running_cluster(ready_when=ready_after(0.5)) as cluster:
+        await add_gpu_nodes(cluster, count=4)
+        await cluster.create(dlodeployment("wan", NS, {**SPEC, "replicas": 4}))
+        await cluster.wait(lambda: (condition(cluster, "Ready") or {}).get("status") == "True", what="Ready")
+        sts = cluster.get("StatefulSet", NS, "wan")
+        assert sts["spec"]["updateStrategy"] == {"type": "RollingUpdate",
+                                                 "rollingUpdate": {"partition": 0, "maxUnavailable": 1}}
+        old = uids(cluster)
+        down: list[int] = []
+        sampling = True
+
+        async def sample() -> None:
+            while sampling:
+                down.append(4 - sum(1 for p in cluster.objects("Pod", NS) if healthy(p)))
+                await asyncio.sleep(0.02)
+
+        sampler = asyncio.create_task(sample())
+        await cluster.patch_dlod(NS, "wan", {"spec": {"engine": {"shutdownGraceSeconds": 30}}})
+        try:
+            await cluster.wait(lambda: rolled(cluster, old, replicas=4), timeout=60, what="four pods rolled")
+        finally:
+            sampling = False
+            await sampler
+        assert max(down) == 1, f"pods down at once while rolling: {max(down)}"
+        assert down.count(1) >= 4  # each replaced pod was down a while (not ready at once)
+        assert not cluster.events("PodRecreated")  # the StatefulSet rolled them, not the operator
+
+
+async def test_a_rollout_never_waits_on_a_pod_of_an_old_template_that_is_not_ready():
+    """The StatefulSet's rollout counts an unready pod as unavailable and would wait on it for ever
+    (maxUnavailable 1 used up): the operator deletes stale pods that serve nothing, and the rollout
+    goes on."""
     async with running_cluster() as cluster:
         await add_gpu_nodes(cluster)
         await cluster.create(dlodeployment("wan", NS, SPEC))
+        await cluster.wait(lambda: (condition(cluster, "Ready") or {}).get("status") == "True", what="Ready")
+        old = uids(cluster)
+        await cluster.call(cluster.kube.patch, "v1", "Pod", NS, "wan-0",
+                           {"status": {"conditions": [{"type": "Ready", "status": "False"}]}})
+        await cluster.wait(lambda: status_of(cluster).get("readyReplicas") == 1, what="wan-0 not ready")
+        await cluster.patch_dlod(NS, "wan", {"spec": {"engine": {"shutdownGraceSeconds": 30}}})
+        await cluster.wait(lambda: rolled(cluster, old), what="both pods rolled")
+        (replaced,) = cluster.events("PodReplaced")
+        assert "wan-0" in replaced["message"]
+
+
+async def test_mode_change_rolls_pods_with_recreate():
+    """Recreate (an outage: every pod on an old template goes at once) stays available."""
+    async with running_cluster() as cluster:
+        await add_gpu_nodes(cluster)
+        await cluster.create(dlodeployment("wan", NS, RECREATE))
         await cluster.wait(lambda: (condition(cluster, "Ready") or {}).get("status") == "True", what="Ready")
         old = {p["metadata"]["name"]: p["metadata"]["uid"] for p in cluster.objects("Pod", NS)}
         await cluster.patch_dlod(NS, "wan", {"spec": {"mode": "rank-local"}})
@@ -103,13 +185,13 @@ async def test_the_plan_is_pinned_an_inventory_change_only_says_so_and_a_replan_
         assert "mode resident -> allgather" in message and "dlo.dev/replan" in message and "node node-1" in message
         assert status_of(cluster)["mode"] == "resident" and cluster.events("PlanOutdated")
         assert {p["metadata"]["name"]: p["metadata"]["uid"] for p in cluster.objects("Pod", NS)} == pods
-        assert not cluster.events("ModeChanged") and not cluster.events("PodRecreated")
+        assert not cluster.events("ModeChanged")
         await cluster.patch_dlod(NS, "wan", {"metadata": {"annotations": {"dlo.dev/replan": "1"}}})
         await cluster.wait(lambda: status_of(cluster).get("mode") == "allgather", what="the replan applied")
         assert status_of(cluster)["plan"]["replan"] == "1" and cluster.events("ModeChanged")
         await cluster.wait(lambda: (condition(cluster, "PlanOutdated") or {}).get("status") == "False",
                            what="PlanOutdated cleared")
-        await cluster.wait(lambda: len(cluster.events("PodRecreated")) >= 2, what="the pods roll on the new plan")
+        await cluster.wait(lambda: rolled(cluster, pods), what="the pods roll on the new plan")
 
 
 async def test_a_node_of_another_accelerator_joins_no_pod_is_deleted_and_a_spec_edit_rolls():
@@ -134,7 +216,7 @@ async def test_a_node_of_another_accelerator_joins_no_pod_is_deleted_and_a_spec_
         await cluster.wait(lambda: status_of(cluster).get("plan", {}).get("generation") == 2, what="a new plan")
         assert status_of(cluster)["plan"]["mode"] == "allgather"
         assert len(status_of(cluster)["plan"]["nodeTypes"]) == 2
-        await cluster.wait(lambda: len(cluster.events("PodRecreated")) >= 2, what="the spec edit rolls")
+        await cluster.wait(lambda: rolled(cluster, pods), what="the spec edit rolls")
 
 
 async def test_scale_by_patching_spec_replicas():

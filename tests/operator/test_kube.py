@@ -120,5 +120,5 @@ async def test_the_recreate_rollout_never_deletes_a_pod_recreated_since_its_list
     listed = await asyncio.to_thread(kube.create, pod)  # the list the rollout acts on
     await asyncio.to_thread(kube.delete, "v1", "Pod", "ns", "wan-0")
     await asyncio.to_thread(kube.create, pod)  # the StatefulSet re-created it meanwhile
-    assert await asyncio.to_thread(_delete_old_pods, kube, {}, [listed], "new") == []
+    assert await asyncio.to_thread(_delete_old_pods, kube, {}, [listed], "new", False) == []
     assert await asyncio.to_thread(kube.get, "v1", "Pod", "ns", "wan-0") is not None  # no restart for a stale read

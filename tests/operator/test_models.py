@@ -190,7 +190,8 @@ def test_model_source_needs_exactly_one_of_path_and_claim(model):
 
 def test_max_unavailable_only_with_rolling_update():
     with pytest.raises(SpecError, match="only allowed with rollout.type RollingUpdate"):
-        parse_spec({"model": {"path": "/m"}, "rollout": {"maxUnavailable": 1}})
+        parse_spec({"model": {"path": "/m"}, "rollout": {"type": "Recreate", "maxUnavailable": 1}})
+    assert parse_spec({"model": {"path": "/m"}, "rollout": {"maxUnavailable": 2}}).rollout.type == "RollingUpdate"
     spec = parse_spec({"model": {"path": "/m"}, "rollout": {"type": "RollingUpdate", "maxUnavailable": "50%"}})
     assert spec.rollout.max_unavailable == "50%"
     with pytest.raises(SpecError, match="percentage"):
@@ -211,7 +212,7 @@ def test_unknown_fields_are_rejected():
 def test_defaults_and_folder_name():
     spec = DLODeploymentSpec.model_validate({"model": {"claimName": "models", "subPath": "flux/dev/"}})
     assert spec.mode == "auto" and spec.replicas == 1 and spec.accelerator_resource == "nvidia.com/gpu"
-    assert spec.rollout.type == "Recreate" and spec.service.port == 8000 and spec.warmer.threshold == 0.99
+    assert spec.rollout.type == "RollingUpdate" and spec.service.port == 8000 and spec.warmer.threshold == 0.99
     assert spec.model.folder_name == "dev"
 
 

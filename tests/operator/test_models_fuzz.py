@@ -119,7 +119,7 @@ def valid_specs(draw: st.DrawFn) -> dict:
                         "values": st.lists(names, max_size=2)}), max_size=2)})}), max_size=2)})})}),
         "rollout": st.one_of(
             st.fixed_dictionaries({}, optional={"type": st.just("Recreate")}),
-            st.fixed_dictionaries({"type": st.just("RollingUpdate")}, optional={"maxUnavailable": st.one_of(
+            st.fixed_dictionaries({}, optional={"type": st.just("RollingUpdate"), "maxUnavailable": st.one_of(
                 st.integers(1, 100), st.integers(1, 100).map(lambda n: f"{n}%"))}),
         ),
         "service": st.fixed_dictionaries({}, optional={
@@ -238,9 +238,7 @@ def cel_breaking_specs(draw: st.DrawFn) -> tuple[dict, tuple[str, ...]]:
     if case == "no source":
         spec["model"] = {k: v for k, v in spec["model"].items() if k not in ("path", "claimName")}
         return spec, ("model",)
-    spec["rollout"] = {"maxUnavailable": draw(st.integers(1, 5))}
-    if draw(st.booleans()):
-        spec["rollout"]["type"] = "Recreate"
+    spec["rollout"] = {"maxUnavailable": draw(st.integers(1, 5)), "type": "Recreate"}
     return spec, ("rollout",)
 
 

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 from cluster import TEST_CONFIG, Cluster, Emulator, dlodeployment, running_cluster  # noqa: E402
 from dlo.operator import builders  # noqa: E402
 from dlo.operator.kube import USER_AGENT  # noqa: E402
-from test_handlers import CHILDREN, NS, SPEC, add_gpu_nodes, condition, status_of  # noqa: E402
+from test_handlers import CHILDREN, NS, RECREATE, SPEC, add_gpu_nodes, condition, status_of  # noqa: E402
 
 pytestmark = pytest.mark.slow  # about 55 s of emulator time on 2 cores
 INTERVAL = TEST_CONFIG.status_interval  # 1 s under test
@@ -131,10 +131,10 @@ def figure(name: str, **values: Any) -> None:
     print("FIGURE", name, " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items()))
 
 
-async def create_and_wait_ready(cluster: Cluster, timeout: float = 30.0) -> float:
+async def create_and_wait_ready(cluster: Cluster, timeout: float = 30.0, spec: dict[str, Any] = SPEC) -> float:
     await add_gpu_nodes(cluster)
     started = time.monotonic()
-    await cluster.create(dlodeployment("wan", NS, SPEC))
+    await cluster.create(dlodeployment("wan", NS, spec))
     await cluster.wait(lambda: ready(cluster), timeout=timeout, what="Ready")
     return time.monotonic() - started
 
@@ -163,11 +163,11 @@ async def test_api_errors_on_every_call_kind_then_converges():
         Fault("PATCH", "poddisruptionbudgets", 503),
         Fault("PATCH", "statefulsets", 500, times=2),
         Fault("PATCH", "dlodeployments", 500, subresource="status"),  # the status write
-        Fault("DELETE", "pods", 500),  # Recreate rollout below
+        Fault("DELETE", "pods", 500),  # the Recreate rollout below
         Fault("PATCH", "statefulsets", 409, times=2),  # a conflict
     ]
     async with running_cluster(emulator=make_emulator(*faults)) as cluster:
-        seconds = await create_and_wait_ready(cluster)
+        seconds = await create_and_wait_ready(cluster, spec=RECREATE)
         assert_converged(cluster)
         await cluster.patch_dlod(NS, "wan", {"spec": {"mode": "rank-local"}})
         started = time.monotonic()
@@ -329,7 +329,8 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
     "bad-mode": ({**SPEC, "mode": "fastest"}, "spec.mode"),
     "bad-threshold": ({**SPEC, "warmer": {"threshold": 2}}, "spec.warmer.threshold"),
     "no-model": ({"replicas": 1}, "spec.model"),
-    "cel-rollout": ({**SPEC, "rollout": {"maxUnavailable": 1}}, "only allowed with rollout.type RollingUpdate"),
+    "cel-rollout": ({**SPEC, "rollout": {"type": "Recreate", "maxUnavailable": 1}},
+                    "only allowed with rollout.type RollingUpdate"),
     "cel-model": ({**SPEC, "model": {}}, "exactly one of model.path"),
 }
 

@@ -324,7 +324,8 @@ async def test_operator_lifecycle_stays_inside_its_role_and_never_sees_the_api_k
         secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "wan-api", "namespace": NS},
                   "stringData": {"token": KEY}}
         await cluster.create(secret)
-        spec = {**SPEC, "monitoring": {"enabled": True}, "engine": {"apiKeySecret": {"name": "wan-api", "key": "token"}}}
+        spec = {**SPEC, "monitoring": {"enabled": True}, "engine": {"apiKeySecret": {"name": "wan-api", "key": "token"}},
+                "rollout": {"type": "Recreate"}}
         await cluster.create(dlodeployment("wan", NS, spec))
         await cluster.wait(lambda: cluster.get("PodMonitor", NS, "wan"), what="PodMonitor")
         await cluster.wait(lambda: (condition(cluster, "Ready") or {}).get("status") == "True", what="Ready")
