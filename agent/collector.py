@@ -7,13 +7,13 @@ get per-pod series (DLO pods only in a cluster, every pod by UID outside one), a
 the HTTP server exposes (`make_registry`).
 Must never: import torch, keep state between scrapes (the node agent, `dlo.agent.node`, owns the
 sources and their caches), or let one failing source fail the scrape (an engine that cannot be
-scraped is logged and its series are left out; an unknown value is left out, never reported as 0).
+scraped in time is logged, counted in `dlo_agent_engine_scrapes_skipped_total{reason}` and its
+series are left out; an unknown value is left out, never reported as 0).
 """
 
 from __future__ import annotations
 
 import logging
-import urllib.error
 from typing import Iterable
 
 from prometheus_client import CollectorRegistry
@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from dlo.agent.memory import CGROUP_KINDS, NODE_KINDS, MemorySnapshot
 from dlo.agent.modelcheck import REASONS
 from dlo.agent.node import Agent
-from dlo.agent.pods import EngineTarget, PodInfo, scrape_pinned
+from dlo.agent.pods import EngineTarget, PodInfo
 from dlo.agent.topology import ModelFolder, can_register_page_cache
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class AgentCollector:
         pods = a.pods()
         by_uid = {p.uid: p for p in pods}
         yield from self._memory(a.memory(), by_uid, kubernetes=a.pod_source is not None)
-        yield self._pinned(a.engine_targets(pods))
+        yield from self._pinned(a.engine_targets(pods))
         yield from self._models(a.models())
         yield self._profile_info(a)
 
@@ -82,21 +82,24 @@ class AgentCollector:
             inv.add_metric([], float(snap.cgroup_invisible_bytes))
         yield inv
 
-    def _pinned(self, targets: list[EngineTarget]) -> Metric:
+    def _pinned(self, targets: list[EngineTarget]) -> Iterable[Metric]:
         fam = GaugeMetricFamily(
             "dlo_pod_host_pinned_bytes",
             "host memory the pod's engine made DMA-able (scraped from dlo_host_pinned_bytes)",
             labels=["namespace", "pod", "source"],
         )
-        for t in targets:
-            try:
-                pinned = scrape_pinned(t.url)
-            except (OSError, ValueError, urllib.error.URLError) as e:
-                log.warning("engine scrape failed url=%s error=%s", t.url, e)
-                continue
+        for t, pinned in self.agent.scrape_engines(targets):
             for source, value in sorted(pinned.items()):
                 fam.add_metric([t.namespace, t.pod, source], value)
-        return fam
+        yield fam
+        skipped = CounterMetricFamily(
+            "dlo_agent_engine_scrapes_skipped",
+            "engine /metrics scrapes left out: late past the scrape deadline, too large, or failing",
+            labels=["reason"],
+        )
+        for reason, n in sorted(self.agent.scrapes_skipped.items()):
+            skipped.add_metric([reason], float(n))
+        yield skipped
 
     def _models(self, models: list[ModelFolder]) -> Iterable[Metric]:
         # [Note: model bytes] Two sizes of one model, never to be confused: dlo_model_bytes is every

@@ -3,11 +3,14 @@
 Owns: `AgentConfig` (what `dlo agent` was started with), `Agent` (the sources every scrape and
 `/profile` read: memory snapshot, model folders scanned by the node loop every `models_ttl_s`, pods
 listed at most every `pods_ttl_s` and kept through API outages, the `NodeProfile` with the
-calibration applied, the engines to scrape), the log of broken model folders (one WARNING per change
+calibration applied, the engines to scrape and `scrape_engines`: every engine at once, each within
+the scrape deadline and byte bound of `dlo.agent.pods`, one that is late skipped and counted by
+reason in `scrapes_skipped`), the log of broken model folders (one WARNING per change
 of state), agent-side warming with its per-model records, and the loops `dlo agent` runs in threads:
 `model_loop` (scan the model folders: facts, residency, broken files), `publish_loop` (patch the node
 annotation when the profile changes) and `warm_loop`.
-Must never: import torch, write anything on the host but the page cache it warms, let an API
+Must never: import torch, wait on one engine past the scrape deadline (nor on engines one after
+another), write anything on the host but the page cache it warms, let an API
 error or one unreadable source end a loop (it is logged and the next round retries), or scan the
 models root on a scrape while `model_loop` runs (a scan reads every header and measures every
 file's residency: with many or huge files it takes longer than a scrape may).
@@ -18,18 +21,24 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from dlo.agent.memory import CgroupFS, MemorySnapshot, ProcFS, snapshot
 from dlo.agent.modelcheck import ModelError
-from dlo.agent.pods import EngineTarget, PodInfo, PodSource, engine_targets
+from dlo.agent.pods import SCRAPE_TIMEOUT_S, EngineTarget, PodInfo, PodSource, ScrapeSkipped, engine_targets, \
+    scrape_pinned
 from dlo.plan.profile import CalibrationFragment, NodeProfile, apply_calibration, parse_file
 from dlo.agent.topology import Devices, ModelFolder, build_profile, detect_devices, model_folders
 from dlo.pagecache.warm import warm
 
 log = logging.getLogger(__name__)
+
+SCRAPE_WORKERS = 16  # engines scraped at once (a node runs a handful)
+SCRAPE_SLACK_S = 0.5  # beyond the scrape deadline: a late engine's thread ends at its own deadline
 
 
 @dataclass
@@ -73,6 +82,8 @@ class Agent:
         self._model_loop = False
         self.models_scanned = threading.Event()  # set once the first scan round ended (well or not)
         self.model_errors: dict[str, ModelError] = {}  # broken folders of the last scan
+        self.scrapes_skipped: Counter[str] = Counter()  # engine scrapes skipped, by reason
+        self._scrape_pool = ThreadPoolExecutor(SCRAPE_WORKERS, thread_name_prefix="dlo-agent-scrape")
 
     @staticmethod
     def _load_calibration(path: Path | None) -> CalibrationFragment | None:
@@ -158,6 +169,24 @@ class Agent:
 
     def engine_targets(self, pods: list[PodInfo]) -> list[EngineTarget]:
         return engine_targets(self.cfg.engine_urls, pods)
+
+    def scrape_engines(self, targets: list[EngineTarget]) -> list[tuple[EngineTarget, dict[str, float]]]:
+        """Every target's `dlo_host_pinned_bytes` by source, scraped at once: the whole call takes at
+        most the scrape deadline (and a little slack); a target that is late, too large or failing is
+        left out, logged and counted in `scrapes_skipped`."""
+        futures = {self._scrape_pool.submit(scrape_pinned, t.url): t for t in targets}
+        _, late = wait(futures, timeout=SCRAPE_TIMEOUT_S + SCRAPE_SLACK_S)
+        out = []
+        for fut, t in futures.items():
+            try:
+                if fut in late:
+                    fut.cancel()
+                    raise ScrapeSkipped("timeout", f"{t.url}/metrics did not answer within {SCRAPE_TIMEOUT_S:g} s")
+                out.append((t, fut.result()))
+            except ScrapeSkipped as e:
+                self.scrapes_skipped[e.reason] += 1
+                log.warning("engine scrape skipped url=%s reason=%s error=%s", t.url, e.reason, e)
+        return out
 
     def memory(self) -> MemorySnapshot:
         return snapshot(self.proc, self.cgroups)

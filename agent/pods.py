@@ -4,14 +4,18 @@ Owns: `PodInfo` (what the agent needs of a pod), the `PodSource` interface and i
 implementation (`KubernetesPods`: pods with a `spec.nodeName` field selector, and the patch of this
 node's `dlo.dev/node-profile` annotation), which pods are DLO engines
 (`app.kubernetes.io/part-of=dlo,app.kubernetes.io/component=engine`) and where to scrape them
-(`engine_targets`), and reading an engine's `dlo_host_pinned_bytes` (`scrape_pinned`).
-Must never: import torch, patch any node but its own or any annotation but `dlo.dev/node-profile`,
+(`engine_targets`), and reading an engine's `dlo_host_pinned_bytes` (`scrape_pinned`: one deadline
+for the whole answer, connect included, and a byte bound on its body; an engine that trickles or
+sends too much is `ScrapeSkipped`, never waited for).
+Must never: import torch, wait on an engine past the scrape's deadline or read more than its bound, patch any node but its own or any annotation but `dlo.dev/node-profile`,
 or cache anything (the node agent decides how often to list; `dlo.agent.node`).
 """
 
 from __future__ import annotations
 
-import urllib.request
+import http.client
+import time
+import urllib.parse
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -22,7 +26,16 @@ from dlo.plan.profile import ANNOTATION
 PART_OF_DLO = ("app.kubernetes.io/part-of", "dlo")
 ENGINE_COMPONENT = ("app.kubernetes.io/component", "engine")
 DEFAULT_ENGINE_PORT = 8000
-SCRAPE_TIMEOUT_S = 2.0
+SCRAPE_TIMEOUT_S = 2.0  # the whole scrape of one engine: connect, head and body
+MAX_METRICS_BYTES = 8 * 2**20  # an engine's exposition is tens of KB; past this it is not one
+
+
+class ScrapeSkipped(Exception):
+    """An engine not scraped: `reason` is `timeout`, `too_large`, `status` or `error`."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -114,14 +127,59 @@ class KubernetesPods:
         self.api.patch_node(self.node_name, {"metadata": {"annotations": {ANNOTATION: value}}})
 
 
-def scrape_pinned(url: str, timeout: float = SCRAPE_TIMEOUT_S) -> dict[str, float]:
+def fetch_metrics(url: str, timeout: float = SCRAPE_TIMEOUT_S, max_bytes: int = MAX_METRICS_BYTES) -> str:
+    """The text of `url`/metrics, read within `timeout` seconds in all and at most `max_bytes`;
+    else ScrapeSkipped."""
+    parts = urllib.parse.urlsplit(url.rstrip("/") + "/metrics")
+    if parts.scheme != "http" or not parts.hostname:
+        raise ScrapeSkipped("error", f"{url}: not an http:// URL")
+    ends = time.monotonic() + timeout
+    conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
+    try:
+        conn.request("GET", parts.path, headers={"Accept": "text/plain"})
+        _bound(conn, ends)
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise ScrapeSkipped("status", f"{url}/metrics answered HTTP {resp.status}")
+        body = bytearray()
+        while True:
+            _bound(conn, ends)
+            chunk = resp.read1(65536)
+            if not chunk:
+                break
+            body += chunk
+            if len(body) > max_bytes:
+                raise ScrapeSkipped("too_large", f"{url}/metrics sent more than {max_bytes} bytes")
+        return body.decode("utf-8", "replace")
+    except TimeoutError:
+        raise ScrapeSkipped("timeout", f"{url}/metrics did not answer in full within {timeout:g} s") from None
+    except (OSError, http.client.HTTPException) as e:
+        raise ScrapeSkipped("error", f"{url}/metrics: {e}") from None
+    finally:
+        conn.close()
+
+
+def _bound(conn: http.client.HTTPConnection, ends: float) -> None:
+    """The next read of `conn` may block only until `ends` (TimeoutError once it has passed)."""
+    left = ends - time.monotonic()
+    if left <= 0:
+        raise TimeoutError
+    if conn.sock is not None:
+        conn.sock.settimeout(left)
+
+
+def scrape_pinned(url: str, timeout: float = SCRAPE_TIMEOUT_S, max_bytes: int = MAX_METRICS_BYTES) -> dict[str, float]:
     """An engine's `dlo_host_pinned_bytes` for the whole pod, by `source`: private arenas
     (`shared="false"`) add up over ranks; the registered page cache (`shared="true"`) is one set of
-    pages every rank registers, so it counts once (the largest rank's figure)."""
-    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout) as resp:
-        text = resp.read().decode()
+    pages every rank registers, so it counts once (the largest rank's figure). ScrapeSkipped when
+    the engine does not answer in full within `timeout` or sends more than `max_bytes`."""
+    text = fetch_metrics(url, timeout, max_bytes)
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
+    try:
+        families = list(text_string_to_metric_families(text))
+    except ValueError as e:
+        raise ScrapeSkipped("error", f"{url}/metrics is not Prometheus text: {e}") from None
+    for family in families:
         if family.name != "dlo_host_pinned_bytes":
             continue
         for s in family.samples:
