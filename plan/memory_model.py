@@ -38,7 +38,6 @@ from typing import Iterable, Mapping
 from dlo.plan.facts import ModelFacts
 from dlo.engine.layout import latent_tokens
 from dlo.plan.memory_table import FamilyTable, MemoryTable, part_features
-from dlo.plan.resident import VAE_TILE_ABOVE_PIXELS
 
 SLOT_ALIGN = 256
 
@@ -131,6 +130,9 @@ class RankMemory:
     worst: str = ""  # that phase and shape, e.g. "vae_decode_tiled at 1920x1920x129"
     unmeasured: str = ""  # why request_bytes is None
     extrapolated: bool = False  # the worst phase's shape lies beyond the measured shapes
+    # the worst of the phases whose figure is measured (on this device, or within the table's shapes):
+    # what may decide a lossy decode (an extrapolated figure may only warn); None: unmeasured
+    trusted_bytes: int | None = None
 
     @property
     def weights_bytes(self) -> int:
@@ -207,7 +209,8 @@ class PipelineMemory:
         if isinstance(needs, str):
             return RankMemory(weights, None, unmeasured=needs)
         need, label, extrapolated, _ = max(needs, key=lambda n: n[0])
-        return RankMemory(weights, need, label, extrapolated=extrapolated)
+        trusted = max((n[0] for n in needs if not n[2]), default=0)
+        return RankMemory(weights, need, label, extrapolated=extrapolated, trusted_bytes=trusted)
 
     def phase_peaks(self, mode: str, g: int = 1, resident_blocks: int | Mapping[str, int] = 0) -> dict[str, int]:
         """The rank's predicted peak (its weights + the phase's need) per phase the largest accepted
@@ -256,14 +259,14 @@ class PipelineMemory:
         """The decodes the plan weighs, to measure on the device (`dlo calibrate --peaks`): at each
         largest accepted request plain and tiled, and the largest plain decode the fixed rule leaves."""
         out: list[tuple[str, Shape]] = []
-        fixed = dataclasses.replace(self, tile_above_pixels=VAE_TILE_ABOVE_PIXELS)
         for shape in largest_requests(self.bounds, self.geometry):
             out += [("vae_decode", shape), ("vae_decode_tiled", shape)]
-            plain = fixed._largest_plain(shape) if decoded_pixels(shape) > VAE_TILE_ABOVE_PIXELS else None
-            if plain is not None:
-                out.append(("vae_decode", plain))
-            if shape.batch > 1:  # one image of the request: what a request of one needs
-                out.append(("vae_decode", dataclasses.replace(shape, batch=1)))
+            for n in range(1, shape.batch):  # fewer images of the largest size: where a threshold may fall
+                out.append(("vae_decode", dataclasses.replace(shape, batch=n)))
+            t = self.geometry.temporal_factor
+            for frames in sorted({1 + (shape.frames - 1) // 4 // t * t, 1 + (shape.frames - 1) // 2 // t * t}
+                                 if t and shape.frames > 1 else ()):
+                out.append(("vae_decode", dataclasses.replace(shape, frames=frames)))
         return list(dict.fromkeys(out))
 
     def _phases(self) -> Iterable[tuple[str, Shape]]:

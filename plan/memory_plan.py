@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from dlo.plan.memory_model import PipelineMemory, decoded_pixels, format_gb, largest_requests
 from dlo.plan.resident import NO_TILING, VAE_TILE_ABOVE_PIXELS, ResidentPlan
@@ -60,42 +60,44 @@ def tiling_for_budget(memory: PipelineMemory, budget: int, tiling: str = "auto")
     auto, and the server refuses what auto would tile)."""
     if tiling == "always":
         return 0, "--vae-tiling always: every decode tiled (the user's choice: not the bytes of a plain decode)"
-    plain = dataclasses.replace(memory, tile_above_pixels=NO_TILING)
-    lean = plain.rank("rank-local")
+    lean = dataclasses.replace(memory, tile_above_pixels=NO_TILING).rank("rank-local")
     if lean.request_bytes is None:
         return VAE_TILE_ABOVE_PIXELS, f"the fixed rule: {lean.unmeasured}"
-    need = lean.weights_bytes + lean.request_bytes + margin_bytes(lean.request_bytes)
-    if need <= budget:
+    if _fits(lean, budget):
+        if lean.extrapolated and not _fits(lean, budget, trusted=False):
+            return NO_TILING, (f"every decode plain: the largest request's peak is extrapolated beyond the measured "
+                               f"shapes ({lean.describe()}) and may not fit the budget of {format_gb(budget)}, but a "
+                               "guess never makes a decode lossy (`dlo calibrate --peaks` measures it on this device)")
         return NO_TILING, f"every decode plain: the largest fits the budget of {format_gb(budget)} ({lean.describe()})"
-    if lean.extrapolated:
-        return NO_TILING, (f"every decode plain: the largest request's peak is extrapolated beyond the measured shapes "
-                           f"({lean.describe()}), and a guess never makes a decode lossy (`dlo calibrate --peaks` "
-                           f"measures it on this device); it may not fit the budget of {format_gb(budget)}")
-    tiled = dataclasses.replace(memory, tile_above_pixels=0).rank("rank-local")
-    assert tiled.request_bytes is not None  # the same table: measured when the plain one is
-    if tiled.request_bytes >= lean.request_bytes:
-        return NO_TILING, (f"every decode plain: the plain decode does not fit the budget of {format_gb(budget)} and "
-                           "a tiled one needs no less")
-    below = plain_below(memory, tiled.request_bytes)
+    below = plain_below(memory, budget)
+    tiled = dataclasses.replace(memory, tile_above_pixels=below).rank("rank-local")
     if below:
-        return below, (f"plain up to {below} decoded pixels, tiled above: the plain decode of the largest "
-                       f"request does not fit the budget of {format_gb(budget)} ({lean.describe()} + margin); "
-                       f"below that none outgrows the largest request tiled ({tiled.describe()})")
+        return below, (f"plain up to {below} decoded pixels, tiled above: the plain decode of the largest request "
+                       f"does not fit the budget of {format_gb(budget)} ({lean.describe()} + margin); below that "
+                       f"every plain decode does ({tiled.describe()})")
     return 0, (f"every decode tiled: the plain decode does not fit the budget of {format_gb(budget)} "
                f"({lean.describe()} + margin)")
 
 
-def plain_below(memory: PipelineMemory, request_bytes: int) -> int:
-    """The largest threshold (decoded pixels, below the largest request's) at which no plain decode
-    it leaves needs more than `request_bytes`, the largest request's peak with every decode tiled: so
-    the deployment's peak, and the resident blocks planned beside it, are what every decode tiled
-    gives, in every mode (the request's needs do not depend on the mode). 0: none is plain."""
-    def fits(threshold: int) -> bool:
-        need = dataclasses.replace(memory, tile_above_pixels=threshold).rank("rank-local").request_bytes
-        return need is not None and need <= request_bytes
+def _fits(rank: Any, budget: int, trusted: bool = True) -> bool:
+    """Whether a rank's weights and its largest request's measured (or, `trusted` False, predicted)
+    need and margin fit `budget`."""
+    need = rank.trusted_bytes if trusted else rank.request_bytes
+    return rank.weights_bytes + need + margin_bytes(need) <= budget
 
-    low = 0  # fits(low); the search keeps it so (the bound grows with it)
+
+def plain_below(memory: PipelineMemory, budget: int) -> int:
+    """The largest threshold (decoded pixels, below the largest request's) at which every plain decode
+    it leaves, and every tiled one above it, fits `budget` beside the leanest placement by a measured
+    figure (a decode whose figure is extrapolated stays plain: a guess never makes it lossy). 0:
+    none is plain."""
+    def fits(threshold: int) -> bool:
+        return _fits(dataclasses.replace(memory, tile_above_pixels=threshold).rank("rank-local"), budget)
+
+    low = 0
     high = max(decoded_pixels(s) for s in largest_requests(memory.bounds, memory.geometry))
+    if not fits(low):
+        return 0
     while high - low > 1:
         mid = (low + high) // 2
         low, high = (mid, high) if fits(mid) else (low, mid)
