@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from dlo.plan.limits import Limits
 from dlo.engine.families import PipelineFacts
 from dlo.engine.request import Generation
+from dlo.serving.served_limits import default_frames, default_size, default_steps
 
 MAX_SEED = 2**63 - 1
 MAX_LORA_SCALE = 10.0  # |lora_scale|: peft takes any float; beyond this an adapter only breaks images
@@ -218,7 +219,8 @@ def _common(req: _Extensions, facts: PipelineFacts, limits: Limits, model_id: st
             raise _bad(f"{name} has {len(text)} characters; the limit is {limits.max_prompt_chars}", name)
     if not req.prompt.strip():
         raise _bad("prompt must not be empty", "prompt")
-    steps = req.num_inference_steps if req.num_inference_steps is not None else limits.default_steps
+    # omitted: the default clamped to the limits (`served_limits`), never a 400
+    steps = req.num_inference_steps if req.num_inference_steps is not None else default_steps(facts, limits)
     if not facts.min_steps <= steps <= limits.max_steps:
         raise _bad(f"num_inference_steps must be between {facts.min_steps} and {limits.max_steps} for this model, "
                    f"got {steps}", "num_inference_steps")
@@ -247,7 +249,7 @@ def image_generation(req: ImageGenerationRequest, facts: PipelineFacts, limits: 
     if not 1 <= req.n <= max_n:
         raise _bad(f"n must be between 1 and {max_n}, got {req.n}", "n")
     common = _common(req, facts, limits, model_id, adapters)
-    w, h = parse_size(req.size if req.size is not None else limits.default_size, facts, limits)
+    w, h = parse_size(req.size, facts, limits) if req.size is not None else default_size(facts, limits)
     return Generation(kind="image", width=w, height=h, n=req.n, **common)
 
 
@@ -305,13 +307,16 @@ def video_generation(req: VideoCreateRequest, facts: PipelineFacts, limits: Limi
         raise _bad(f"model {model_id!r} ({facts.pipeline_class}) is image-to-video: input_reference (the first "
                    "frame) is required", "input_reference")
     common = _common(req, facts, limits, model_id, adapters)
-    w, h = parse_size(req.size if req.size is not None else limits.default_video_size, facts, limits)
+    w, h = parse_size(req.size, facts, limits) if req.size is not None else default_size(facts, limits, video=True)
     if req.input_reference is not None:
         common["image"] = reference_image(req.input_reference, limits.max_reference_pixels)
     fps = facts.fps or limits.video_fps  # a model with a rate of its own (MiniMax-H3, Cosmos3) runs at it
-    # without `seconds`: 4, or the model's shortest clip when it makes none that short (MiniMax-H3: 5.2 s)
-    seconds = float(req.seconds) if req.seconds is not None else max(4.0, facts.shortest_seconds(fps))
-    frames = req.num_frames if req.num_frames is not None else facts.valid_frames(seconds, fps)
+    if req.num_frames is not None:
+        frames = req.num_frames
+    elif req.seconds is not None:
+        frames = facts.valid_frames(float(req.seconds), fps)
+    else:  # neither: 4 s (at least the model's shortest clip), within max_frames (`served_limits`)
+        frames = default_frames(facts, limits, fps)
     problem = facts.frames_error(frames)  # the family's rule (Wan 4k+1, MiniMax-H3 17k+5 in 5..15 s)
     if problem:
         raise _bad(problem, "num_frames" if req.num_frames is not None else "seconds")

@@ -12,12 +12,14 @@ from __future__ import annotations
 import argparse
 import base64
 import logging
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from dlo.cli.args import positive_int
 from dlo.plan.facts import MODES
+from dlo.plan.limits import SMALL
 
 log = logging.getLogger(__name__)
 
@@ -26,15 +28,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("demo-output"), help="folder for the model, PNGs and log")
     parser.add_argument("--dp", type=positive_int, default=2, help="CPU ranks (one request each)")
     parser.add_argument("--mode", default="allgather", choices=MODES)
-    parser.add_argument("--steps", type=positive_int, default=4, help="denoising steps per request")
-    parser.add_argument("--size", default="128x128", help="image size WIDTHxHEIGHT (multiple of 16)")
+    parser.add_argument("--steps", type=positive_int, default=4,
+                        help=f"denoising steps per request, 1 to {SMALL.max_steps} (the small limits the demo serves)")
+    parser.add_argument("--size", default="128x128",
+                        help=f"image size WIDTHxHEIGHT, multiples of 16 up to {SMALL.max_width}x{SMALL.max_height}")
 
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
+def _flag_problem(args: argparse.Namespace) -> str | None:
+    """Why the flags ask what the demo's server refuses (the small limits, the tiny Wan model's
+    sizes), or None: checked before anything is made or started."""
+    from dlo.engine.families import FAMILIES
+    from dlo.engine.families.tiny import transformer_config
+    from dlo.serving.api_models import ApiError, parse_size
+
+    if args.steps > SMALL.max_steps:
+        return f"--steps {args.steps}: the demo serves the small limits, at most {SMALL.max_steps} steps"
+    # the facts of the model `main` makes (`make_tiny_transformer`'s defaults; its VAE scales by 8)
+    facts = FAMILIES["wan"].pipeline_facts(Path("tiny-wan"), {}, transformer_config("wan", 3, 32), {})
+    try:
+        parse_size(args.size, facts, SMALL)
+    except ApiError as e:
+        return f"--size: {e.message}"
+    return None
+
+
 def main(args: argparse.Namespace) -> int:
+    if (problem := _flag_problem(args)) is not None:
+        print(f"dlo demo: {problem}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from openai import OpenAI
 

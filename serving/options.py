@@ -187,7 +187,8 @@ def _add_limits_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--max-steps", type=positive_int, default=None,
                        help=_unset("override the limits' max_steps"))
     group.add_argument("--max-size", type=positive_int, default=None,
-                       help=_unset("override the limits' max_width and max_height"))
+                       help=_unset("override the limits' max_width and max_height: a multiple of the model's "
+                                   "size multiple (16 for Wan, Flux, Qwen-Image), else exit 2"))
 
 
 def _add_device_arguments(group: argparse._ArgumentGroup) -> None:
@@ -318,10 +319,10 @@ def _add_startup_arguments(group: argparse._ArgumentGroup) -> None:
                             "turns 200, so the first clients do not pay start-up costs (graph capture, library "
                             "set-up, first text-encoder and VAE calls); its seconds are in the ready log and /ready")
     group.add_argument("--warmup-size", default=None, metavar="WxH|smallest",
-                       help=_unset("size of the warm-up generation; unset: the limits' default_size, what a request "
-                                   "without `size` gets (it also loads the kernels chosen per shape, which a fresh "
-                                   "node otherwise loads on the first such request); `smallest`: the smallest valid "
-                                   "size, the quickest warm-up"))
+                       help=_unset("size of the warm-up generation; unset: what a request without `size` gets (the "
+                                   "limits' default_size, clamped to them; it also loads the kernels chosen per "
+                                   "shape, which a fresh node otherwise loads on the first such request); "
+                                   "`smallest`: the smallest valid size, the quickest warm-up"))
     group.add_argument("--warmup-steps", type=positive_int, default=WARMUP_STEPS, metavar="N",
                        help="denoising steps of the warm-up generation (one step runs every kernel a request does; "
                             "the request limits do not bound it)")

@@ -67,19 +67,16 @@ def read_api_key(path: Path | None, environ: dict[str, str] | os._Environ = os.e
 
 def _warmup_size(flag: str | None, facts: Any, limits: Any) -> tuple[int, int] | None:
     """The warm-up's size: `--warmup-size WxH` (an invalid one is an error: `ApiError`), `smallest`
-    (None), or by default the limits' `default_size` - unless these limits refuse it (a `--max-size`
-    below it, say: then no request without `size` runs either), when the smallest size is used."""
-    from dlo.serving.api_models import ApiError, parse_size
+    (None), or by default what a request without `size` gets: the limits' default clamped to them
+    (`default_video_size` for a model of videos only, whose warm-up is a video)."""
+    from dlo.serving.api_models import parse_size
+    from dlo.serving.served_limits import default_size
 
     if flag == "smallest":
         return None
     if flag:
         return parse_size(flag, facts, limits)
-    try:
-        return parse_size(limits.default_size, facts, limits)
-    except ApiError as e:
-        log.warning("warm-up at the smallest size: the limits' default_size does not fit them (%s)", e.message)
-        return None
+    return default_size(facts, limits, video=not facts.images)
 
 
 def _check_adapters(lora_dir: Path, model_dir: Path, facts: Any, sp: int) -> list[Any]:
@@ -163,8 +160,8 @@ def _model_and_limits(cfg: ServeConfig, start: _Start) -> None:
     from dlo.engine.families import pipeline_facts
     from dlo.engine.lora import AdapterError
     from dlo.serving.api_models import ApiError
-    from dlo.plan.limits import SMALL, Limits
     from dlo.serving.prewarm import start_early_readahead
+    from dlo.serving.served_limits import load_limits
 
     try:
         start.facts = pipeline_facts(start.model_dir)
@@ -173,8 +170,7 @@ def _model_and_limits(cfg: ServeConfig, start: _Start) -> None:
         encoders = start.facts.adapter.streamable_encoders if cfg.memory.stream_text_encoders else ()
         start_early_readahead(start.model_dir, (*start.facts.transformers, *encoders))
         req = cfg.requests
-        start.limits = Limits.load(req.limits, SMALL if req.small_limits else None, max_steps=req.max_steps,
-                                   max_width=req.max_size, max_height=req.max_size)
+        start.limits = load_limits(req.limits, req.small_limits, req.max_steps, req.max_size, start.facts)
         start.warmup_size = _warmup_size(req.warmup_size, start.facts, start.limits)
         _adapters(cfg, start)
     except AdapterError as e:

@@ -159,6 +159,9 @@ ENGINE_ROWS: list[tuple[list[str], str]] = [
     (["calibrate", "--ranks", "0"], "--ranks: must be at least 1 (got 0)"),
     (["calibrate", "--mib", "x"], "--mib: 'x' is not an integer"),
     (["demo", "--dp", "0"], "--dp: must be at least 1 (got 0)"),
+    (["demo", "--steps", "10"], "--steps 10: the demo serves the small limits, at most 4 steps"),
+    (["demo", "--size", "100x100"], "--size: size 100x100: width and height must be multiples of 16"),
+    (["demo", "--size", "256x256"], "--size: size 256x256 exceeds this server's limit of 128x128"),
 ]
 
 DELIVERY_ROWS: list[tuple[list[str], str]] = [
