@@ -1,8 +1,10 @@
 """The bodies of requests FastAPI does not parse itself: `POST /v1/videos` in JSON or form data.
 
 Owns: `video_body` (the body read, parsed and validated: any malformed input is an `ApiError` 400),
-`closed_multipart` (a multipart body that ends with its closing delimiter) and
-`validation_message` (pydantic's first error as OpenAI's message and `param`).
+`closed_multipart` (a multipart body that ends with its closing delimiter),
+`validation_message` (pydantic's first error as OpenAI's message and `param`) and `body_error`
+(a body FastAPI parsed for a route, such as `POST /v1/images/generations`, that is no JSON
+object: said as `video_body` says it, `param` null).
 Must never: answer malformed input with anything but an `ApiError` 400, or hold a body beyond the
 limit `body_limit.BodyLimit` already enforced.
 """
@@ -24,6 +26,32 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     loc = [str(x) for x in first.get("loc", ()) if x not in ("body",)]
     param = ".".join(loc) or None
     return f"{param or 'body'}: {first.get('msg', 'invalid request')}", param
+
+
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "true or false",
+               type(None): "null"}
+
+
+def body_error(errors: list[dict[str, Any]], ctype: str) -> ApiError | None:
+    """The 400 of a body that is not one JSON object (FastAPI's `RequestValidationError` of the
+    whole body), or None when the body parsed and a field is wrong (`validation_message`)."""
+    first = errors[0] if errors else {}
+    loc = tuple(first.get("loc", ()))
+    if first.get("type") == "json_invalid":  # loc: ("body", the character where the parse stopped)
+        error = (first.get("ctx") or {}).get("error") or first.get("msg")
+        where = f" (char {loc[1]})" if len(loc) > 1 else ""
+        return ApiError(400, f"could not parse the request body as JSON: {error}{where}", None, "invalid_json")
+    if loc != ("body",):
+        return None
+    if first.get("type") == "missing":
+        return ApiError(400, "the request body is empty; it must be a JSON object such as {\"prompt\": \"...\"}",
+                        None, "invalid_json")
+    value = first.get("input")
+    if isinstance(value, (bytes, bytearray)):  # not parsed: not sent as JSON
+        return ApiError(400, "the request body must be a JSON object sent with Content-Type: application/json "
+                             f"(got Content-Type: {ctype or 'none'})", None, "invalid_json")
+    kind = _JSON_KINDS.get(type(value), type(value).__name__)
+    return ApiError(400, f"the request body must be a JSON object, got {kind}", None, "invalid_json")
 
 
 def closed_multipart(body: bytes, ctype: str) -> bool:

@@ -55,7 +55,7 @@ from dlo.serving.api_models import (
     video_generation,
 )
 from dlo.serving.body_limit import BodyLimit
-from dlo.serving.request_bodies import validation_message, video_body
+from dlo.serving.request_bodies import body_error, validation_message, video_body
 from dlo.serving.errors import (
     EngineUnavailable,
     InvalidInput,
@@ -170,7 +170,10 @@ def _add_error_handlers(app: FastAPI, peers: Peers | None) -> None:
         return _error(ApiError(CLIENT_CLOSED, "the client closed the connection", code="client_closed_request"))
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_request: Request, e: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        whole = body_error(list(e.errors()), request.headers.get("content-type", ""))  # no JSON object at all
+        if whole is not None:
+            return _error(whole)
         message, param = validation_message(list(e.errors()))
         return _error(ApiError(400, message, param, "invalid_request"))
 
