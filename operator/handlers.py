@@ -20,7 +20,7 @@ from typing import Any
 
 import kopf
 
-from dlo.operator import metrics
+from dlo.operator import metrics, node_loss
 from dlo.operator.builders import COMPONENT, INSTANCE, PART_OF
 from dlo.operator.config import OperatorConfig
 from dlo.operator.kube import Kube
@@ -66,10 +66,16 @@ class Wakeups:
 
 
 def _node_summary(body: Mapping[str, Any]) -> dict[str, Any]:
+    """What the operator reads of a node: labels, annotations, schedulable, allocatable, its Ready
+    condition and taints (`node_loss`); never heartbeat times."""
     meta = body.get("metadata", {})
-    return {"metadata": {"name": meta.get("name"), **{k: plain(meta.get(k) or {}) for k in NODE_FIELDS}},
-            "spec": {"unschedulable": (body.get("spec") or {}).get("unschedulable", False)},
-            "status": {"allocatable": plain((body.get("status") or {}).get("allocatable") or {})}}
+    loss = node_loss.node_summary_fields(body)
+    out = {"metadata": {"name": meta.get("name"), **{k: plain(meta.get(k) or {}) for k in NODE_FIELDS}},
+           "spec": {"unschedulable": (body.get("spec") or {}).get("unschedulable", False), "taints": loss["taints"]},
+           "status": {"allocatable": plain((body.get("status") or {}).get("allocatable") or {})}}
+    if "ready" in loss:
+        out["status"]["ready"] = loss["ready"]
+    return out
 
 
 def _owner_of(labels: Mapping[str, str]) -> str | None:

@@ -181,15 +181,18 @@ class Kube:
         return self.request("PATCH", path, body=patch, content_type="application/merge-patch+json")
 
     def delete(self, api_version: str, kind: str, namespace: str | None, name: str,
-               propagation: str | None = None, uid: str | None = None) -> bool:
+               propagation: str | None = None, uid: str | None = None, grace_seconds: int | None = None) -> bool:
         """Delete the object; False where it is gone already, or (`uid` given: a precondition) where
         the object of that name is another one now (the server answers 409: a stale read never
-        deletes the object that replaced the one it saw)."""
+        deletes the object that replaced the one it saw). `grace_seconds` 0: a force delete (a pod
+        is removed without waiting for its kubelet)."""
         options: dict[str, Any] = {}
         if propagation:
             options["propagationPolicy"] = propagation
         if uid:
             options["preconditions"] = {"uid": uid}
+        if grace_seconds is not None:
+            options["gracePeriodSeconds"] = grace_seconds
         body = {"kind": "DeleteOptions", "apiVersion": "v1", **options} if options else None
         try:
             self.request("DELETE", _path(api_version, kind, namespace, name), body=body)

@@ -127,6 +127,14 @@ class RolloutSpec(_Model):
         json_schema_extra={"minimum": 1, "pattern": _PERCENT},
     )
 
+    node_loss_grace_seconds: int | None = Field(
+        None, ge=0, le=86400,
+        description="opt-in: seconds an engine pod may stay on a NotReady or unreachable node before the operator "
+        "force-deletes it (grace period 0) so the StatefulSet recreates it on another node; unset: never (mark a "
+        "node that is down for good with the node.kubernetes.io/out-of-service taint instead). A node that only "
+        "stopped reporting may still run the pod: set it where such a node is known to be down",
+    )
+
     @model_validator(mode="after")
     def _unavailable_only_rolling(self) -> RolloutSpec:
         if self.max_unavailable is not None and self.type != "RollingUpdate":

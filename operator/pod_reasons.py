@@ -3,8 +3,8 @@
 
 Owns: `Problem`, `pod_problems` (Unschedulable from the PodScheduled condition, ImagePullBackOff from
 a waiting container, FailedMount from the pod's events, Warming while the warmer init container
-runs), in that order of precedence when several pods differ, and `mount_pending` (the pods whose
-events are worth a look).
+runs), the order of precedence when several pods differ (NodeLost, found by `node_loss`, first), and
+`mount_pending` (the pods whose events are worth a look).
 Must never: call the API server itself (the events come through the function it is given).
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 IMAGE_PULL = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
-PRECEDENCE = ("ImagePullBackOff", "FailedMount", "Unschedulable", "Warming")
+PRECEDENCE = ("NodeLost", "ImagePullBackOff", "FailedMount", "Unschedulable", "Warming")
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ plan (`pinned_plan`: made when the spec's generation, the pods' model or the rep
 changes; an inventory that would give another plan sets `PlanOutdated`), deliver the model (`uri`:
 fetch Jobs, node labels, which model the pods run), apply the builders' objects with server-side
 apply and owner references, delete pods on an old template (all of them for a Recreate rollout; for
-RollingUpdate those not ready, which the StatefulSet's rollout would wait on), and write
+RollingUpdate those not ready, which the StatefulSet's rollout would wait on), report pods on lost
+nodes (`node_loss`; force-deleted after the opt-in grace), and write
 status (replica counts, nodes, URL, conditions, observedGeneration). Every decision is an Event on
 the resource; every round is counted and timed in `metrics`.
 Must never: build manifests itself (`builders`), decide a mode itself (`modes`) or where a model is
@@ -23,9 +24,9 @@ from typing import Any
 import kopf
 import urllib3
 
-from dlo.operator import advice, builders, metrics, modes, pinned_plan, status
+from dlo.operator import advice, builders, metrics, modes, node_loss, pinned_plan, status
 from dlo.operator.delivery_run import deliver
-from dlo.operator.pod_reasons import pod_problems
+from dlo.operator.pod_reasons import Problem, pod_problems
 from dlo.operator.config import OperatorConfig
 from dlo.operator.kube import Kube, KubeError
 from dlo.operator.models import API_VERSION, KIND, DLODeploymentSpec, SpecError, parse_spec, with_default_image
@@ -111,14 +112,18 @@ def reconcile(kube: Kube, body: dict[str, Any], view: View, config: OperatorConf
     template_hash = sts["spec"]["template"]["metadata"]["annotations"][builders.TEMPLATE_HASH]
     pods = view.engine_pods()
     pods = _delete_old_pods(kube, body, pods, template_hash, unready_only=spec.rollout.type == "RollingUpdate")
+    grace = spec.rollout.node_loss_grace_seconds
+    lost = _node_loss(kube, body, pods, view.nodes, grace)
     observed = status.Observed(
         spec.replicas, template_hash, pods, modes.model_residency(view.nodes, pods_spec), spec.warmer.threshold,
         spec.warmer.enabled, builders.TEMPLATE_HASH,
-        problems=pod_problems([p for p in pods if not status.pod_ready(p)], _events_of(kube)),
+        problems=[Problem("NodeLost", p.pod, p.message(grace)) for p in lost]
+        + pod_problems([p for p in pods if not status.pod_ready(p)], _events_of(kube)),
         model=plan.verdict if plan else None, fetches=plan.fetches if plan else {},
         rolling_for_model=plan.rolling_for_model if plan else "")
     summary = status.summarize(observed)
-    verdicts = {**summary.pop("verdicts"), "Degraded": _health(body, conditions, pods), "PlanOutdated": outdated}
+    verdicts = {**summary.pop("verdicts"), "Degraded": _health(body, conditions, pods, lost, grace),
+                "PlanOutdated": outdated}
     patch.update(summary)
     patch.update({
         "observedGeneration": generation,
@@ -196,16 +201,32 @@ def _apply(kube: Kube, body: dict[str, Any], objects: list[dict[str, Any]]) -> N
             kopf.info(body, reason=f"{kind}{outcome.capitalize()}", message=f"{kind} {name} {outcome}")
 
 
-def _health(body: dict[str, Any], conditions: list[dict[str, Any]], pods: list[dict[str, Any]]) -> Verdict:
-    """Degraded for a valid spec: True while an engine pod crash-loops (a Warning Event per new
-    finding), False again once every container runs."""
-    crashing = status.crash_looping(pods)
-    if not crashing:
+def _health(body: dict[str, Any], conditions: list[dict[str, Any]], pods: list[dict[str, Any]],
+            lost: list[node_loss.LostPod], grace: int | None) -> Verdict:
+    """Degraded for a valid spec: True while an engine pod's node is lost (NodeLost, naming the
+    node) or an engine pod crash-loops (a Warning Event per new finding), False again once every
+    pod's node is back and every container runs."""
+    found = [f"pod {p.pod}: {p.message(grace)}" for p in lost] + status.crash_looping(pods)
+    if not found:
         return ("False", "SpecValid", "")
-    message = "; ".join(crashing)[:1000]
-    if (status.condition(conditions, "Degraded") or {}).get("reason") != "EngineCrashLooping":
-        kopf.warn(body, reason="EngineCrashLooping", message=message)  # once per episode, not per restart
-    return ("True", "EngineCrashLooping", message)
+    reason = "NodeLost" if lost else "EngineCrashLooping"
+    message = "; ".join(found)[:1000]
+    if (status.condition(conditions, "Degraded") or {}).get("reason") != reason:
+        kopf.warn(body, reason=reason, message=message)  # once per episode, not per restart
+    return ("True", reason, message)
+
+
+def _node_loss(kube: Kube, body: dict[str, Any], pods: list[dict[str, Any]], nodes: list[dict[str, Any]],
+               grace: int | None) -> list[node_loss.LostPod]:
+    """The engine pods on lost nodes; with `spec.rollout.nodeLossGraceSeconds`, those lost for longer
+    are force-deleted (uid precondition), so the StatefulSet recreates them on a node that runs."""
+    by_name = {n["metadata"]["name"]: n for n in nodes}
+    lost = node_loss.lost_pods(pods, by_name, time.time(), grace)
+    for p in lost:
+        if p.force_due and kube.delete("v1", "Pod", body["metadata"]["namespace"], p.pod, uid=p.uid, grace_seconds=0):
+            kopf.warn(body, reason="PodForceDeleted", message=f"force-deleted pod {p.pod}: node {p.node} is {p.why} "
+                      f"for more than {grace}s (spec.rollout.nodeLossGraceSeconds)")
+    return lost
 
 
 def _conditions(conditions: list[dict[str, Any]], verdicts: dict[str, Verdict], generation: int | None) -> list[dict[str, Any]]:

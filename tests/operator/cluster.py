@@ -1,9 +1,10 @@
 """Test harness: the API emulator (`emulator.py`), the controllers a cluster runs (`controllers.py`)
 and the operator running against them in its own thread (real kopf, real HTTP).
 
-`running_cluster()` serves the emulator on this loop with the garbage collector, the scheduler and
-(optionally) the StatefulSet and Job controllers, and starts the operator with `config` (status
-interval 1 s by default: a resync every second; changes are reconciled at once).
+`running_cluster()` serves the emulator on this loop with the garbage collector, the scheduler, what
+happens on lost nodes, the Job and (optionally) the StatefulSet controller, and starts the operator
+with `config` (status interval 1 s by default: a resync every second; changes are reconciled at
+once).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import kmock
 import kopf
 
-from controllers import JobController, Scheduler, StatefulSetController, collect_garbage
+from controllers import JobController, NodeLifecycle, Scheduler, StatefulSetController, collect_garbage
 from dlo.operator import handlers
 from dlo.operator.config import OperatorConfig
 from dlo.operator.kube import Kube
@@ -161,7 +162,7 @@ async def running_cluster(with_statefulset_controller: bool = True, ready_when: 
     async with emulator, kmock.Server(emulator):
         cluster = Cluster(emulator, kube_timeout, config)
         tasks = [asyncio.create_task(collect_garbage(emulator)), asyncio.create_task(Scheduler().run(emulator)),
-                 asyncio.create_task(JobController().run(emulator))]
+                 asyncio.create_task(JobController().run(emulator)), asyncio.create_task(NodeLifecycle().run(emulator))]
         if with_statefulset_controller:
             tasks.append(asyncio.create_task(StatefulSetController(emulator, ready_when).run()))
         if with_operator:

@@ -12,9 +12,15 @@ the garbage collector, the StatefulSet and Job controllers and the scheduler.
   the conditions' `lastTransitionTime`, `completionTime` when Complete: how long ago a Job finished
   is what the operator retries a failed fetch by);
 - scheduler: a pending pod goes to the first node (by name) that matches its nodeSelector and
-  required node affinity (labels and `metadata.name` fields), holds no pod its required
-  anti-affinity excludes, and has the extended resources it requests; else the pod gets
-  `PodScheduled=False` reason Unschedulable with a message in the scheduler's words.
+  required node affinity (labels and `metadata.name` fields), has no NoSchedule/NoExecute taint the
+  pod does not tolerate, holds no pod its required anti-affinity excludes, and has the extended
+  resources it requests; else the pod gets `PodScheduled=False` reason Unschedulable with a message
+  in the scheduler's words;
+- lost nodes (`NodeLifecycle`): the pods of a node whose Ready condition is not True are marked not
+  ready (the node lifecycle controller), a NoExecute taint they do not tolerate deletes them (the
+  taint manager; the emulator keeps them Terminating: no kubelet confirms), the out-of-service taint
+  force-deletes the terminating ones (the pod garbage collector), and once the node is Ready again
+  its kubelet confirms them (force delete).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from typing import Any
 
 from dlo.operator import builders
 from dlo.operator.kube import _path
-from emulator import Emulator, live_objects, now
+from emulator import HELD, Emulator, live_objects, node_ready, now
 
 
 async def request(emulator: Emulator, method: str, path: str, body: Any = None) -> None:
@@ -218,6 +224,53 @@ def _requests(pod: dict[str, Any]) -> dict[str, int]:
     return out
 
 
+def tolerates(pod: dict[str, Any], taint: dict[str, Any]) -> bool:
+    for t in pod["spec"].get("tolerations") or []:
+        if t.get("effect") and t["effect"] != taint.get("effect"):
+            continue
+        if t.get("operator") == "Exists" and (not t.get("key") or t["key"] == taint.get("key")):
+            return True
+        if t.get("key") == taint.get("key") and t.get("value", "") == taint.get("value", ""):
+            return True
+    return False
+
+
+def untolerated(pod: dict[str, Any], node: dict[str, Any], effects: tuple[str, ...]) -> list[dict[str, Any]]:
+    return [t for t in (node.get("spec") or {}).get("taints") or []
+            if t.get("effect") in effects and not tolerates(pod, t)]
+
+
+class NodeLifecycle:
+    """What happens to the pods of a lost node (see the module's notes)."""
+
+    async def step(self, emulator: Emulator) -> None:
+        nodes = {n["metadata"]["name"]: n for n in _of_kind(emulator, "Node")}
+        for pod in _of_kind(emulator, "Pod"):
+            node = nodes.get(pod["spec"].get("nodeName") or "")
+            if node is None:
+                continue
+            held = HELD in (pod["metadata"].get("finalizers") or [])
+            if node_ready(node):
+                if held:  # the kubelet is back and confirms the deletion
+                    await request(emulator, "DELETE", pod_path(pod), {"gracePeriodSeconds": 0})
+                continue
+            if held:
+                if any(t.get("key") == "node.kubernetes.io/out-of-service" for t in untolerated(pod, node, ("NoExecute",))):
+                    await request(emulator, "DELETE", pod_path(pod), {"gracePeriodSeconds": 0})  # pod GC
+                continue
+            ready = next((c for c in pod["status"].get("conditions") or [] if c.get("type") == "Ready"), {})
+            if ready.get("status") == "True":
+                await request(emulator, "PATCH", pod_path(pod), {"status": {"conditions": [
+                    {"type": "Ready", "status": "False", "reason": "NodeLost"}]}})
+            elif untolerated(pod, node, ("NoExecute",)):
+                await request(emulator, "DELETE", pod_path(pod))  # the taint manager evicts: stays Terminating
+
+    async def run(self, emulator: Emulator) -> None:
+        while True:
+            await self.step(emulator)
+            await asyncio.sleep(0.1)
+
+
 class Scheduler:
     def reasons(self, pod: dict[str, Any], node: dict[str, Any], placed: list[dict[str, Any]]) -> str | None:
         """Why `pod` cannot go to `node` (the scheduler's words), or None when it can."""
@@ -229,6 +282,8 @@ class Scheduler:
         if any(labels.get(k) != v for k, v in (spec.get("nodeSelector") or {}).items()) or (
                 required and not any(_term_matches(t, node) for t in required)):
             return "node(s) didn't match Pod's node affinity/selector"
+        if taints := untolerated(pod, node, ("NoSchedule", "NoExecute")):
+            return "node(s) had untolerated taint {" + ", ".join(f"{t['key']}: {t.get('value', '')}" for t in taints) + "}"
         here = [p for p in placed if p["spec"].get("nodeName") == node["metadata"]["name"]]
         for term in (affinity.get("podAntiAffinity") or {}).get("requiredDuringSchedulingIgnoredDuringExecution", []):
             want = term["labelSelector"]["matchLabels"]

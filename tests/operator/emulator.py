@@ -11,7 +11,11 @@
   registers its containers' log files);
 - a stale JSON-patch test answers 422 (kmock: 500);
 - a DELETE whose `preconditions.uid` is not the object's answers 409 and deletes nothing (kmock
-  ignores the body).
+  ignores the body);
+- graceful pod deletion where no kubelet confirms it: a pod bound to a node whose Ready condition
+  is not True is only marked (deletionTimestamp, and a finalizer of the emulator's that stands for
+  the kubelet's confirmation) and stays Terminating; a force delete (`gracePeriodSeconds: 0`) removes
+  it, as the pod garbage collector or a returning kubelet (`controllers.NodeLifecycle`) does.
 """
 
 from __future__ import annotations
@@ -30,6 +34,13 @@ import kmock
 
 _counter = itertools.count(1)
 APPLY = "application/apply-patch+yaml"
+HELD = "emulator.dlo.dev/kubelet"  # a pod deleted on a lost node: its kubelet never confirms
+
+
+def node_ready(node: dict[str, Any]) -> bool:
+    """A node without a Ready condition (the tests' plain nodes) is ready."""
+    ready = next((c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), None)
+    return ready is None or ready.get("status") == "True"
 
 
 def now() -> str:
@@ -84,6 +95,9 @@ class Emulator(kmock.KubernetesEmulator):
             return aiohttp.web.Response(text="".join(lines[-tail:] if tail else lines))
         if request.action == kmock.action.DELETE and request.name:
             self._check_preconditions(request)
+            held = await self._pod_delete(request)
+            if held is not None:
+                return held
         if request.action == kmock.action.UPDATE and request.headers.get("Content-Type", "").startswith(APPLY):
             answer = await self._apply(request)
             if answer is not None:
@@ -98,6 +112,40 @@ class Emulator(kmock.KubernetesEmulator):
         except jsonpatch.JsonPatchTestFailed as e:
             # A stale resourceVersion: a real API server answers 422 and the client re-reads.
             raise kmock.KubernetesError(status=422, reason="Invalid", message=str(e)) from None
+
+    def _node(self, name: str | None) -> dict[str, Any] | None:
+        return next((obj.raw for (resource, _, n), obj in self.objects.items()
+                     if resource.plural == "nodes" and n == name and not obj.deleted), None)
+
+    async def _pod_delete(self, request: Any) -> Any:
+        """A pod's DELETE where no kubelet confirms it (its node is not Ready): marked, kept; a force
+        delete of such a pod removes it. None: an ordinary delete (handled on)."""
+        if request.resource is None or request.resource.plural != "pods":
+            return None
+        current = self.current(request)
+        options = request.data if isinstance(request.data, dict) else {}
+        grace = options.get("gracePeriodSeconds", request.params.get("gracePeriodSeconds"))
+        force = grace is not None and int(grace) == 0
+        if current is None:
+            return None
+        key = (request.resource, request.namespace, request.name)
+        held = HELD in (current["metadata"].get("finalizers") or [])
+        node = self._node((current.get("spec") or {}).get("nodeName"))
+        if force and held:
+            async with self._lock:
+                raw = self.objects[key].raw
+                self.objects[key].delete()
+                await self._buses[request.resource].put({"type": "DELETED", "object": raw})
+            return aiohttp.web.json_response(raw)
+        if force or held or node is None or node_ready(node):
+            return None
+        async with self._lock:
+            self.objects[key].patch({"metadata": {"deletionTimestamp": now(), "finalizers": [HELD],
+                                                  "deletionGracePeriodSeconds": int(grace or 30),
+                                                  "resourceVersion": str(next(_counter))}})
+            raw = self.objects[key].raw
+            await self._buses[request.resource].put({"type": "MODIFIED", "object": raw})
+        return aiohttp.web.json_response(raw)
 
     def _check_preconditions(self, request: Any) -> None:
         uid = ((request.data if isinstance(request.data, dict) else {}).get("preconditions") or {}).get("uid")
