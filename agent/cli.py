@@ -131,6 +131,9 @@ def run_warm(argv: list[str]) -> int:
     from dlo.pagecache.warm import warm
 
     err = Console(stderr=True)
+    for p in args.paths:  # a folder's walk takes only *.safetensors files; a file named must be one too
+        if p.is_file() and not p.name.endswith(".safetensors"):
+            return fail("dlo warm", f"{p}: not a safetensors file (give a model folder or *.safetensors files)")
     try:
         files = [f for p in args.paths for f in model_files(p)]
         total = sum(f.stat().st_size for f in files)

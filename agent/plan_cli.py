@@ -231,10 +231,18 @@ def _print_plan_table(estimates: dict[str, ModeEstimate], model: ModelFacts, pro
     def gb(n: int) -> str:
         return f"{n / 1e9:,.1f}"
 
+    # the figures in GB, or in MB or kB where a model is too small to show in GB (a tiny test model)
+    figures = [model.bytes, *(e.cold_start_peak_bytes or 0 for e in estimates.values())]
+    unit, scale = next(((u, s) for u, s in (("GB", 1e9), ("MB", 1e6)) if max(figures) >= s / 10), ("kB", 1e3))
+
+    def size(n: int) -> str:
+        return f"{n / scale:,.1f}"
+
     title = (
-        f"model {gb(model.bytes)} GB (page cache in every mode), largest block {gb(model.largest_block_bytes)} GB; "
-        f"{g} ranks; "
-        f"host {gb(profile.host_memory_bytes)} GB, device {gb(profile.accelerator.memory_bytes)} GB"
+        f"model {size(model.bytes)} {unit} (page cache in every mode), largest block "
+        f"{size(model.largest_block_bytes)} {unit}; {g} ranks; "
+        f"host {gb(profile.host_memory_bytes)} GB, "
+        + (f"device {gb(profile.accelerator.memory_bytes)} GB" if profile.accelerator.memory_bytes else "no device")
         + (f", budget {gb(budget)} GB" if budget is not None and budget != profile.accelerator.memory_bytes else "")
     )
     # No vertical rules and the units in the headers: the table fits 80 columns (a pipe, a log,
@@ -243,13 +251,13 @@ def _print_plan_table(estimates: dict[str, ModeEstimate], model: ModelFacts, pro
     # The mode is never cut (`rank-loc…`): its column keeps its width whatever the console's.
     t.add_column("mode", justify="left", no_wrap=True, min_width=max(len(mode_of_key(k)) for k in MODE_KEYS))
     # the page cache is the model in every mode: in the title, not a column
-    for col in ("pinned\nhost GB", "cold-start\npeak GB", "device\nweights GB", "device\npeak GB", "fits",
-                "time per\nblock ms"):
+    for col in (f"pinned\nhost {unit}", f"cold-start\npeak {unit}", f"device\nweights {unit}",
+                f"device\npeak {unit}", "fits", "time per\nblock ms"):
         t.add_column(col, justify="right")
     for name, e in estimates.items():
         t.add_row(
-            mode_of_key(name), gb(e.pinned_host_bytes), gb(e.cold_start_peak_bytes),  # type: ignore[arg-type]
-            gb(e.device_weight_bytes), "n/a" if e.device_peak_bytes is None else gb(e.device_peak_bytes),
+            mode_of_key(name), size(e.pinned_host_bytes), size(e.cold_start_peak_bytes),  # type: ignore[arg-type]
+            size(e.device_weight_bytes), "n/a" if e.device_peak_bytes is None else size(e.device_peak_bytes),
             "yes" if e.fits else "no", "n/a" if e.block_seconds is None else f"{e.block_seconds * 1e3:.2f}",
         )
     console = Console(highlight=False)
@@ -258,7 +266,11 @@ def _print_plan_table(estimates: dict[str, ModeEstimate], model: ModelFacts, pro
         console = Console(highlight=False, width=widest)
     console.print(title, markup=False)
     console.print(t)
-    for note in (_why_no_time(profile, g), budget is not None and _why_no_peak(estimates, pipeline)):
+    no_device = budget is None and not profile.accelerator.memory_bytes and all(
+        e.device_peak_bytes is None for e in estimates.values())
+    for note in (_why_no_time(profile, g), budget is not None and _why_no_peak(estimates, pipeline),
+                 no_device and "device peak n/a: the node has no accelerator (the ranks run on the host); give "
+                               "--profile FILE of a GPU node to see the device figures."):
         if note:
             console.print(note, markup=False)
 

@@ -2,6 +2,7 @@
 their model and memory, and how they are linked.
 
 Owns: `detect_device`, `resolve_device` (a `--device` value made concrete), `device_count`,
+`visible_devices` (the count, or why this process sees none of the kind asked),
 `DeviceFacts` / `device_facts` (torch, and NVML for NVLink: what `dlo serve --mode auto` builds its
 local node profile from).
 Must never: allocate on a device or initialise a process group (`dlo.engine.platform` runs things).
@@ -15,6 +16,7 @@ from typing import get_args
 
 import torch
 
+from dlo.plan.errors import ConfigError
 from dlo.plan.facts import DeviceKind, InterconnectKind, Vendor
 
 
@@ -95,6 +97,26 @@ def resolve_device(device: str) -> DeviceKind:
         if device == kind:
             return kind
     raise ValueError(f"--device must be one of auto, {', '.join(get_args(DeviceKind))}; got {device!r}")
+
+
+_VISIBLE_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
+
+
+def visible_devices(kind: str) -> int:
+    """How many devices of `kind` (cuda, npu) this process sees; `ConfigError` naming why when it
+    sees none (no device or driver, the devices hidden by *_VISIBLE_DEVICES, no torch_npu)."""
+    if kind == "npu":
+        try:
+            import torch_npu  # noqa: F401
+        except ImportError:
+            raise ConfigError("--device npu: no npu device is visible: torch_npu is not installed") from None
+    count = device_count(kind)
+    if count == 0:
+        env = _VISIBLE_ENV.get(kind, "")
+        hidden = f"; {env}={os.environ[env]!r}" if env in os.environ else ""
+        raise ConfigError(f"--device {kind}: no {kind} device is visible to this process "
+                          f"(torch.{kind}.device_count() is 0{hidden}); use --device cpu or auto")
+    return count
 
 
 def device_count(kind: str) -> int:

@@ -188,15 +188,15 @@ def _layout(cfg: ServeConfig, start: _Start) -> None:
     from dlo.serving.distmap import start_distribution_map
 
     start_distribution_map()  # once the folder passed its checks; beside torch's import below (distmap.py)
-    from dlo.engine.devices import device_count, resolve_device
+    from dlo.engine.devices import resolve_device, visible_devices
     from dlo.engine.parallel import LayoutError, check_layout, check_tokens
 
     layout, api = cfg.layout, cfg.api
     start.device = device = resolve_device(layout.device)
     sp = layout.sp
-    devices = device_count(device) if device != "cpu" else None
-    start.dp = layout.dp or max(1, (devices or 1) // max(1, sp))
     try:
+        devices = visible_devices(device) if device != "cpu" else None  # none visible: one line, not a count
+        start.dp = layout.dp or max(1, (devices or 1) // max(1, sp))
         check_layout(start.dp, sp, devices, _attention_heads(start.model_dir), layout.sp_kind)
         if sp > 1 and start.facts.no_sp:
             raise LayoutError(f"--sp {sp}: the {start.facts.family} family runs without sequence parallelism: "
@@ -240,7 +240,8 @@ def _video_store(cfg: ServeConfig, start: _Start) -> None:
 
 
 def _listen(cfg: ServeConfig, start: _Start) -> None:
-    """Bind the HTTP port now: a port in use is refused before anything loads, not after."""
+    """Bind the HTTP port first: a port in use is refused at once, before the folder is read or torch
+    is imported (seconds on a loaded node), not after the other checks."""
     host, port = cfg.api.host, cfg.api.port
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -282,7 +283,7 @@ def _prepare(cfg: ServeConfig) -> _Start:
     start = _Start(model_dir=cfg.model_dir.resolve(), laps=start_laps())
     start.laps.lap("before_checks")  # the interpreter, the imports of `dlo`, the arguments, a --fetch
     start.api_key = read_api_key(cfg.api.api_key_file)
-    for step in (_model_and_limits, _layout, _library_warmup, _plan, _video_store, _listen):
+    for step in (_listen, _model_and_limits, _layout, _library_warmup, _plan, _video_store):
         step(cfg, start)
         start.laps.lap(step.__name__.lstrip("_"))
     return start

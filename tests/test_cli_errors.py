@@ -43,6 +43,7 @@ AGENT_ROWS: list[tuple[list[str], str]] = [
     (["warm", "--threshold", "nan", "{tmp}/model"], "'nan' is not a finite number"),
     (["warm", "{tmp}/missing"], "{tmp}/missing: no such file or folder"),
     (["warm", "{tmp}/empty"], "no *.safetensors file under {tmp}/empty"),
+    (["warm", "{tmp}/model/model_index.json"], "{tmp}/model/model_index.json: not a safetensors file"),
     (["warm"], "the following arguments are required: PATH"),
     # dlo plan
     (["plan", "--model-bytes", "0", "--max-block-bytes", "1"], "--model-bytes: must be at least 1 (got 0)"),

@@ -283,6 +283,18 @@ def test_plan_on_a_machine_without_accelerators_gives_a_memory_verdict() -> None
     assert "rank-local" in small.stdout  # the table is still printed
 
 
+def test_plan_of_a_tiny_model_on_a_cpu_node_shows_its_sizes_and_says_why_figures_are_missing(tmp_path: Path) -> None:
+    cpu = tmp_path / "cpu.json"
+    cpu.write_text(json.dumps(CPU_PROFILE))
+    r = dlo("plan", "--model-bytes", "215552", "--max-block-bytes", "54016", "--profile", str(cpu))
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())  # rich wraps the notes at the console's width
+    assert "model 0.2 MB" in text and "largest block 0.1 MB" in text and "no device" in text
+    assert "host MB" in text and " 0.2 " in _plan_rows(r.stdout)[0] and " 0.0 GB" not in text
+    assert "time per block n/a: the profile has no H2D bandwidth" in text
+    assert "device peak n/a: the node has no accelerator" in text
+
+
 def test_plan_with_a_typo_in_the_profile_names_the_key(tmp_path: Path) -> None:
     typo = tmp_path / "p.json"
     typo.write_text(json.dumps({**PROFILE, "can_register_pagecache": True}))

@@ -77,6 +77,16 @@ def test_a_cached_revision_is_fetched_offline_verified_and_byte_identical(hf_cac
     assert again.returncode == 0 and result_of(again)["already_complete"] is True
 
 
+def test_a_fetch_of_a_complete_folder_says_so_in_one_line(hf_cache, tmp_path):
+    dest = tmp_path / "models" / "tiny"
+    assert dlo_fetch(f"hf://{REPO}", str(dest), "--progress", "none", env=offline(hf_cache)).returncode == 0
+    again = dlo_fetch(f"hf://{REPO}", str(dest), env=offline(hf_cache))
+    assert again.returncode == 0 and again.stdout == ""
+    lines = again.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"dlo fetch: {dest} is already complete ("), again.stderr
+    assert f" MB of hf://{REPO}@main): nothing to download" in lines[0], lines[0]
+
+
 def test_serving_a_cached_repo_id_resolves_to_its_snapshot_without_copying(hf_cache, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     from huggingface_hub import constants

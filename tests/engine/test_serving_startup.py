@@ -44,6 +44,33 @@ def test_a_port_in_use_is_refused_before_any_rank_starts(tmp_path_factory):
     assert "cannot listen there" in _one_line(r) and "rank1" not in r.stderr  # no child rank ever ran
 
 
+def test_a_port_in_use_is_refused_at_once_before_the_folder_is_read(tmp_path):
+    """The port is the first thing `dlo serve` takes: with it in use, a folder that is no model is
+    not even read (its error would come first otherwise), and nothing else is printed."""
+    (tmp_path / "not-a-model").mkdir()
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        r = _serve_cli(tmp_path / "not-a-model", "--port", str(taken.getsockname()[1]))
+    finally:
+        taken.close()
+    assert "cannot listen there: Address already in use" in _one_line(r) and r.stderr.count("\n") == 1, r.stderr
+
+
+@pytest.mark.parametrize("flags,env,message", [
+    (["--device", "cuda"], {"CUDA_VISIBLE_DEVICES": ""},
+     "dlo serve: --device cuda: no cuda device is visible to this process (torch.cuda.device_count() is 0; "
+     "CUDA_VISIBLE_DEVICES=''); use --device cpu or auto"),
+    (["--limits", "MISSING"], {}, "dlo serve: --limits MISSING: no such file"),
+])
+def test_a_start_that_cannot_run_says_why_in_one_line(tmp_path_factory, tmp_path, flags, env, message):
+    model = tiny_pipeline(tmp_path_factory, "wan")
+    missing = str(tmp_path / "limits.json")
+    r = _serve_cli(model, *[missing if f == "MISSING" else f for f in flags], "--port", "0", env=env)
+    assert _one_line(r) == message.replace("MISSING", missing)
+
+
 def test_a_key_no_client_can_send_is_refused_at_start(tmp_path_factory):
     model = tiny_pipeline(tmp_path_factory, "wan")
     r = _serve_cli(model, env={"DLO_API_KEY": "cl\u00e9"})
