@@ -220,10 +220,16 @@ def _mode(ask: PlanAsk, s: _Steps, profile: NodeProfile, transformer: ModelFacts
     """The mode: as given (checked against the budget), else the policy's, else the fixed rule."""
     from dlo.plan.policy import NoModeFits, PolicyError, choose_mode
 
+    trusted = s.memory.trusted() if s.memory is not None else None  # a guess never refuses a mode
+    if s.memory is not None and s.budget is not None:
+        full = s.memory.rank("rank-local")
+        if full.extrapolated:
+            s.reasons.append(f"warning: the largest request's peak is extrapolated beyond the measured shapes "
+                             f"({full.describe()}); planned with the measured figures")
     if ask.mode != "auto":
         s.mode, s.why = ask.mode, "--mode given"
-        if s.memory is not None and s.budget is not None:
-            s.reasons.append(check_mode(ask.mode, s.memory, s.budget, ask.world, ask.resident_blocks))
+        if trusted is not None and s.budget is not None:
+            s.reasons.append(check_mode(ask.mode, trusted, s.budget, ask.world, ask.resident_blocks))
     else:
         w = ask.workload
         try:
@@ -231,7 +237,7 @@ def _mode(ask: PlanAsk, s: _Steps, profile: NodeProfile, transformer: ModelFacts
                                    host_headroom_bytes=w.host_headroom_bytes,
                                    block_compute_seconds=w.block_compute_seconds,
                                    require_bandwidth=w.require_bandwidth,
-                                   device_budget_bytes=ask.max_device_memory or None, pipeline=s.memory)
+                                   device_budget_bytes=ask.max_device_memory or None, pipeline=trusted)
             s.mode, s.why = decision.engine_mode, f"policy: {decision.reason}"
             s.decision = decision
         except NoModeFits as e:
@@ -297,13 +303,33 @@ def device_of(profile: NodeProfile) -> DeviceKind:
 
 
 def plan_folder(model_dir: Path, ask: PlanAsk, *, profile: NodeProfile, limits: Limits,
-                device_memory: int | None = None) -> DeploymentPlan:
+                device_memory: int | None = None, derive_limits: bool = False) -> DeploymentPlan:
     """`plan` for a diffusers pipeline folder at `limits`: its transformer's facts and the pipeline's
-    memory read from the checkpoint headers and configs (torch-free) first."""
+    memory read from the checkpoint headers and configs (torch-free) first. Where the limits do not
+    fit the budget: with `derive_limits` (none were given) the first lower limits that fit
+    (`dlo.plan.limits_fit`), else `DeviceBudgetError` naming up to three limit sets that would."""
     from dlo.plan.folder import describe
+    from dlo.plan.limits_fit import describe as limits_text
+    from dlo.plan.limits_fit import first_fitting
 
-    memory = deployment_memory(model_dir, limits, stream_encoders=ask.stream_encoders, stream_dtype=ask.stream_dtype,
-                               cfg_pairs=ask.pairs_counted)
     transformer = describe(model_dir / "transformer", ask.stream_dtype)
-    return plan(ask, profile=profile, transformer=transformer, pipeline=memory, limits=limits,
-                device_memory=device_memory)
+
+    def at(candidate: Limits) -> DeploymentPlan:
+        memory = deployment_memory(model_dir, candidate, stream_encoders=ask.stream_encoders,
+                                   stream_dtype=ask.stream_dtype, cfg_pairs=ask.pairs_counted)
+        return plan(ask, profile=profile, transformer=transformer, pipeline=memory, limits=candidate,
+                    device_memory=device_memory)
+
+    try:
+        return at(limits)
+    except DeviceBudgetError as e:
+        geometry = deployment_memory(model_dir, limits, stream_dtype=ask.stream_dtype).geometry
+        fits = first_fitting(at, limits, geometry, DeviceBudgetError, count=1 if derive_limits else 3)
+        if derive_limits and fits:
+            chosen, p = fits[0]
+            line = (f"limits derived from the device budget: {limits_text(chosen, geometry)} (the defaults "
+                    f"{limits_text(limits, geometry)} do not fit: {e})")
+            return dataclasses.replace(p, reasons=(line, *p.reasons))
+        sets = "; ".join(limits_text(f, geometry) for f, _ in fits)
+        raise DeviceBudgetError(f"{e}" + (f"; limits that fit this budget: {sets}" if sets else ""),
+                                estimates=e.estimates) from None

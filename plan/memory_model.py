@@ -170,6 +170,9 @@ class PipelineMemory:
     # (part, shape) -> reserved growth measured on the serving device (`dlo.plan.measured`): taken
     # before the table's fit at that very shape
     measured: Mapping[tuple[str, Shape], int] = field(default_factory=dict)
+    # a view for decisions that must not rest on a guess (`trusted`): a rank's request is the worst
+    # phase whose figure is measured, an extrapolated one left out
+    trusted_only: bool = False
 
     @property
     def family_table(self) -> FamilyTable | None:
@@ -209,8 +212,14 @@ class PipelineMemory:
         if isinstance(needs, str):
             return RankMemory(weights, None, unmeasured=needs)
         need, label, extrapolated, _ = max(needs, key=lambda n: n[0])
-        trusted = max((n[0] for n in needs if not n[2]), default=0)
-        return RankMemory(weights, need, label, extrapolated=extrapolated, trusted_bytes=trusted)
+        trusted = max((n for n in needs if not n[2]), key=lambda n: n[0], default=(0, "", False, ""))
+        if self.trusted_only:
+            return RankMemory(weights, trusted[0], trusted[1], trusted_bytes=trusted[0])
+        return RankMemory(weights, need, label, extrapolated=extrapolated, trusted_bytes=trusted[0])
+
+    def trusted(self) -> "PipelineMemory":
+        """This memory for decisions a guess must not make (a refusal, a smaller limit, a lossy decode)."""
+        return dataclasses.replace(self, trusted_only=True)
 
     def phase_peaks(self, mode: str, g: int = 1, resident_blocks: int | Mapping[str, int] = 0) -> dict[str, int]:
         """The rank's predicted peak (its weights + the phase's need) per phase the largest accepted
@@ -232,7 +241,7 @@ class PipelineMemory:
         if fam is None:
             return f"family {self.family!r} is not in the memory table (bench/memory_h200.py calibrates it)"
         out: list[tuple[int, str, bool, str]] = []
-        for part, shape in self._phases():
+        for part, shape in self.phases():
             predicted = self.predicted(part, shape)
             if predicted is None:
                 return f"family {self.family!r} has no measured {part}"
@@ -269,7 +278,7 @@ class PipelineMemory:
                 out.append(("vae_decode", dataclasses.replace(shape, frames=frames)))
         return list(dict.fromkeys(out))
 
-    def _phases(self) -> Iterable[tuple[str, Shape]]:
+    def phases(self) -> Iterable[tuple[str, Shape]]:
         """(part, shape) of every phase the largest accepted requests run; where the tiling threshold
         lies below one, the largest request it leaves plain decodes plain too."""
         for shape in largest_requests(self.bounds, self.geometry):

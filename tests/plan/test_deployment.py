@@ -115,3 +115,53 @@ def test_serve_plan_and_the_operator_give_one_mode_for_one_node(tmp_path):
     facts = spec.model.facts.facts()
     op = node_plan(spec, NODE, facts)
     assert (op.mode, op.budget_bytes) == (from_cli["mode"], from_cli["budget_bytes"])
+
+
+@pytest.fixture(scope="module")
+def tiny_wan(tmp_path_factory):
+    from tests.engine.test_family_pipelines import preset_pipeline
+
+    return preset_pipeline(tmp_path_factory, "tiny-wan2.1-t2v")
+
+
+def _as_if_measured(folder, base):
+    """Every phase of every candidate limit set, measured on the device (here: the table's figure)."""
+    from dlo.plan.budget import deployment_memory
+    from dlo.plan.limits_fit import candidates
+
+    out = {}
+    for limits in candidates(base, deployment_memory(folder, base).geometry):
+        memory = deployment_memory(folder, limits)
+        for tile in (0, memory.tile_above_pixels):
+            for part, shape in dataclasses.replace(memory, tile_above_pixels=tile).phases():
+                out[(part, shape)] = memory.predicted(part, shape, table_only=True)[0]
+    return out
+
+
+def _largest_fitting(folder, limits, budget, derive, measured):
+    from dlo.plan.deployment import plan_folder
+
+    ask = PlanAsk(mode="rank-local", device="cuda", max_device_memory=budget, measured=measured)
+    return plan_folder(folder, ask, profile=NODE, limits=limits, device_memory=80 * GB, derive_limits=derive)
+
+
+def test_limits_are_derived_from_the_budget_when_none_are_given(tiny_wan):
+    """Frames first, then images, then size (never below the default sizes); the chosen limits are
+    the plan's, and the reason says so. Given limits that cannot fit are refused naming sets that fit."""
+    from dlo.plan.budget import deployment_memory
+
+    base = Limits(max_width=256, max_height=256, max_frames=33, max_n=4, default_size="64x64",
+                  default_video_size="64x64", max_sequence_length=64)
+    measured = _as_if_measured(tiny_wan, base)
+    smaller = base.model_copy(update={"max_frames": 17})
+    def tiled(limits):  # every decode tiled: what a budget must hold at these limits at the least
+        memory = deployment_memory(tiny_wan, limits)
+        return dataclasses.replace(memory, measured=measured, tile_above_pixels=0).trusted().rank("rank-local")
+
+    budget = tiled(smaller).peak_bytes  # a given mode fits where its peak does (the margin is the tiling rule's)
+    assert tiled(base).peak_bytes > budget  # the given limits do not fit, tiled or not
+    p = _largest_fitting(tiny_wan, base, budget, True, measured)
+    assert p.limits is not None and p.limits.max_frames < base.max_frames
+    assert p.reasons[0].startswith("limits derived from the device budget: ")
+    with pytest.raises(DeviceBudgetError, match="limits that fit this budget: .*x 17 frames"):
+        _largest_fitting(tiny_wan, base, budget, False, measured)

@@ -1,0 +1,67 @@
+"""Limits a device budget fits: derived when a deployment gives none, suggested when the ones it
+gives cannot fit.
+
+Owns: `candidates` (the limits tried, in the order the issue of exactness asks: the family's
+default size kept, fewer frames first, then fewer images per request, then a smaller largest size)
+and `first_fitting` (the first candidates a plan accepts, with their plans).
+Must never: import torch, or decide on a guess: a plan refuses only on measured figures
+(`dlo.plan.deployment.plan` plans with `PipelineMemory.trusted`), so a limit is lowered only where
+a measured figure does not fit.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, TypeVar
+
+from dlo.plan.limits import Limits
+from dlo.plan.memory_model import Geometry
+
+T = TypeVar("T")
+FRAME_STEPS = (129, 81, 49, 33, 17)  # video frame counts tried (4k+1: Wan's temporal factor)
+SIDE_STEP = 128  # the largest size lowered by this many pixels a step
+
+
+def candidates(base: Limits, geometry: Geometry) -> Iterator[Limits]:
+    """`base`, then lower limits: frames, then images per request, then the largest size, never
+    below the default sizes (what a request without `size` gets must stay acceptable)."""
+    yield base
+    frames = base.max_frames
+    if geometry.temporal_factor:
+        for f in (s for s in FRAME_STEPS if s < base.max_frames):
+            frames = f
+            yield base.model_copy(update={"max_frames": f})
+    n = base.max_n
+    while n > 1:
+        n = max(1, n // 2)
+        yield base.model_copy(update={"max_frames": frames, "max_n": n})
+    floor_w, floor_h = _floor(base)
+    side = max(base.max_width, base.max_height)
+    while side - SIDE_STEP >= max(floor_w, floor_h):
+        side -= SIDE_STEP
+        yield base.model_copy(update={"max_frames": frames, "max_n": n, "max_width": max(floor_w, min(side, base.max_width)),
+                                      "max_height": max(floor_h, min(side, base.max_height))})
+
+
+def _floor(limits: Limits) -> tuple[int, int]:
+    sizes = [tuple(int(v) for v in s.split("x")) for s in (limits.default_size, limits.default_video_size)]
+    return max(w for w, _ in sizes), max(h for _, h in sizes)
+
+
+def first_fitting(plan_for: Callable[[Limits], T], base: Limits, geometry: Geometry, refused: type[Exception],
+                  count: int = 1) -> list[tuple[Limits, T]]:
+    """The first `count` candidates whose plan is not `refused`, with their plans."""
+    out: list[tuple[Limits, T]] = []
+    for limits in candidates(base, geometry):
+        try:
+            out.append((limits, plan_for(limits)))
+        except refused:
+            continue
+        if len(out) >= count:
+            break
+    return out
+
+
+def describe(limits: Limits, geometry: Geometry) -> str:
+    """`1920x1920 x 81 frames x 4 images` (frames only for a video family)."""
+    frames = f" x {limits.max_frames} frames" if geometry.temporal_factor else ""
+    return f"{limits.max_width}x{limits.max_height}{frames} x {limits.max_n} images"
