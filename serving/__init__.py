@@ -23,6 +23,7 @@ Map (which file to open for which concept; every file of the folder):
   videos.py      the video job store; video_records.py a job's files; video_jobs.py running jobs
   peers.py       forwarding a video request to the pod whose job it is
   child_env.py   the environment every child process gets (no API key); die_with_parent, its first call
+  library_noise.py third-party warnings and progress bars filtered at every rank's start (not ours to fix)
   ranks.py       rank 0's side: RankGroup (spawn, control socket, start, run_wave, stop, kill), the watchdog
   rendezvous.py  the weight plane's rendezvous, on loopback only
   rank_main.py   a rank's compute side and the children's main (python -m dlo.serving.rank_main)

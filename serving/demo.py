@@ -60,7 +60,12 @@ def main(args: argparse.Namespace) -> int:
     if (problem := _flag_problem(args)) is not None:
         print(f"dlo demo: {problem}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from dlo.serving.library_noise import quiet_libraries
+
+    quiet_libraries()  # the model's writing and the server it starts: progress bars on a terminal only
+    # our lines at INFO, the libraries' at WARNING: the openai SDK's HTTP client (httpx) logs every request
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("dlo").setLevel(logging.INFO)
     from openai import OpenAI
 
     from dlo.serving.launch import ServerProcess

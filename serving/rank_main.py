@@ -34,6 +34,7 @@ from dlo.serving.control import (
 from dlo.serving.child_env import die_with_parent
 from dlo.serving.distmap import start_distribution_map
 from dlo.serving.faults import InjectedFault, install_rank_faults
+from dlo.serving.library_noise import quiet_libraries
 from dlo.serving.pipeline import ServingPipeline
 from dlo.serving.warm_run import run_warm_up
 from dlo.engine.timing import Laps
@@ -172,6 +173,7 @@ def main() -> int:
     # the children in order; a child dying first would look like a rank failure.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+    quiet_libraries()
     logging.basicConfig(level=logging.INFO, format=f"rank{rank} %(levelname)s %(name)s %(message)s")
     start_distribution_map()  # beside torch's import in init_rank (distmap.py)
     conn = Client(("127.0.0.1", cfg.control_port), authkey=authkey)

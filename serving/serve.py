@@ -333,6 +333,9 @@ def _fetch_model(cfg: ServeConfig) -> ServeConfig | int:
 
 
 def main(args: argparse.Namespace) -> int:
+    from dlo.serving.library_noise import quiet_libraries
+
+    quiet_libraries()  # before anything imports tqdm or diffusers (the ranks inherit its TQDM_DISABLE)
     logging.basicConfig(level=args.log_level.upper(), format="rank0 %(levelname)s %(name)s %(message)s")
     try:
         built = serve_config(args)
