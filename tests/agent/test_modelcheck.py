@@ -187,3 +187,11 @@ def test_check_reads_headers_only_whatever_the_file_size(tmp_path: Path) -> None
     assert err is not None and err.reason == "truncated"
     print(f"two checks of a 1 TiB sparse file: {elapsed * 1000:.1f} ms")
     assert elapsed < 1.0
+
+
+def test_every_reason_has_a_row_and_the_rarer_ones_a_section_in_the_runbook() -> None:
+    text = (Path(__file__).resolve().parents[2] / "docs" / "runbooks.md").read_text()
+    broken = text.split("## DLOModelBroken", 1)[1].split("\n## ", 1)[0]
+    missing = [r for r in REASONS if f"| `{r}` |" not in broken]
+    assert not missing, f"docs/runbooks.md's DLOModelBroken table lacks {missing}"
+    assert "### bad_config" in broken and "### scan_error" in broken
