@@ -6,9 +6,12 @@ in older sidecars), and the file operations every store change goes through: `wr
 (temp file + fsync + rename + fsync of the folder: a reader or a restart sees the old file or the
 new one, never half of one, and a rename survives a power cut) and `remove_durably` (unlink, then
 fsync of the folder; an error is raised, never swallowed, so a delete that did not happen is never
-answered as done).
-Must never: trust a file name it did not make (ids are checked before they touch a folder), or
-speak HTTP.
+answered as done); and the folder's safety: `private_folder` (made with mode 0700, refused when
+it is a link, another user's or open to others: the default folder outside a pod), `read_record`
+and `open_regular` (never through a symbolic link, never anything but a regular file, a record
+read up to `MAX_RECORD_BYTES`) and `regular_file`.
+Must never: trust a file name it did not make (ids are checked before they touch a folder), follow
+a link planted in the folder, or speak HTTP.
 """
 
 from __future__ import annotations
@@ -16,14 +19,16 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import stat
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 VideoStatus = Literal["queued", "in_progress", "completed", "failed"]
 FINISHED = ("completed", "failed")
 SIDECAR_VERSION = 1
+MAX_RECORD_BYTES = 1 << 20  # a record is a few hundred bytes (a prompt of at most a few KB)
 # Pod names are DNS labels (RFC 1123): never an underscore, so the id splits unambiguously.
 POD = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 ID = re.compile(r"^video_(?:(?P<pod>[a-z0-9][-a-z0-9]{0,62})_)?(?P<hex>[0-9a-f]{32})$")
@@ -115,3 +120,51 @@ def writable(folder: Path) -> OSError | None:
     with contextlib.suppress(OSError):
         os.unlink(tmp)
     return None
+
+
+def private_folder(path: Path) -> Path:
+    """`path` as a folder only this user reaches: made with mode 0700 when absent; ValueError naming
+    it when it is a link or not a folder, belongs to another user, or others may enter it."""
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"{path} is not a folder (a link or a file): remove it, or pass --video-dir")
+    if st.st_uid != os.geteuid():
+        raise ValueError(f"{path} belongs to user {st.st_uid}, not to this server's user {os.geteuid()}: whoever "
+                         "owns it could plant video records there; remove it, or pass --video-dir")
+    if st.st_mode & 0o077:
+        raise ValueError(f"{path} has mode {stat.S_IMODE(st.st_mode):o}: other users may reach it; "
+                         f"chmod 700 {path}, or pass --video-dir")
+    return path
+
+
+def open_regular(path: Path) -> BinaryIO:
+    """`path` opened for reading, never through a symbolic link (OSError) nor when it is anything but
+    a regular file (a FIFO, a device: OSError, at once)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_record(path: Path) -> bytes:
+    """A record's bytes (`open_regular`; ValueError past `MAX_RECORD_BYTES`)."""
+    with open_regular(path) as f:
+        data = f.read(MAX_RECORD_BYTES + 1)
+    if len(data) > MAX_RECORD_BYTES:
+        raise ValueError(f"{path} is larger than a video record may be ({MAX_RECORD_BYTES} bytes)")
+    return data
+
+
+def regular_file(path: Path) -> bool:
+    """Whether `path` itself (not what a link names) is a regular file."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False

@@ -6,7 +6,9 @@ finish + TTL, then the record and its MP4 go), the job cap, and persistence in t
 (`dlo.serving.video_records`: one `<id>.json` sidecar per job plus `<id>.mp4` once it
 completed, written atomically and removed durably). On start the store reloads the folder: this
 pod's finished jobs come back until they expire, a job that was queued or running when the process
-stopped comes back `failed` with code `server_restarted`.
+stopped comes back `failed` with code `server_restarted` - unless its MP4 is there (written whole,
+then renamed: only the record of its completion was lost, to a full disk say), then it comes back
+`completed`.
 - A shared folder (`--video-dir` on a ReadWriteMany volume, every pod of a deployment the same):
   each pod reloads only the jobs its id names; a finished job of another pod is read from the
   folder (`get`, `content_path`, `delete`: from any pod, also after its pod is gone; a pod forgets a
@@ -16,20 +18,26 @@ stopped comes back `failed` with code `server_restarted`.
   `VideoStoreReadOnly`, deletes answered with `VideoStorageError`; finished jobs are still served.
 - The cap: at most `max_jobs` jobs, `max_jobs_per_client` of one client; beyond, new jobs are
   refused (`VideoJobsFull`) - expired jobs are swept first, an unexpired one is never evicted.
+- The default folder outside a pod (`default_video_dir`) is private: `<tmp>/dlo-<uid>/videos-PORT`,
+  both made with mode 0700 and refused when another user owns them or others may reach them.
 Must never: speak HTTP (refusals are domain errors of `dlo.serving.errors`), hold MP4 bytes
 in memory after they are written, answer a delete that did not happen as done, touch another pod's
-unfinished job, or trust a file name it did not make (ids are checked before they touch the folder).
+unfinished job, trust a file name it did not make (ids are checked, and every record and MP4 path
+is `dlo.delivery.paths.path_under` the folder), or read or serve a record or MP4 through a link.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Literal
+from typing import BinaryIO, Callable, Literal
+
+from dlo.delivery.paths import path_under
 
 from dlo.serving.errors import (
     VideoElsewhere,
@@ -46,7 +54,11 @@ from dlo.serving.video_records import (
     POD,
     VideoJob,
     VideoStatus,
+    open_regular,
     pod_of,
+    private_folder,
+    read_record,
+    regular_file,
     remove_durably,
     writable,
     write_atomically,
@@ -62,9 +74,13 @@ MAX_JOBS_PER_CLIENT = 64
 
 
 def default_video_dir(port: int) -> Path:
-    """Outside a pod: one folder per port under the system temp dir, so that a restart on the same
-    port finds its jobs again and two servers on one host never share a folder."""
-    return Path(tempfile.gettempdir()) / f"dlo-videos-{port}"
+    """Outside a pod: one folder per port in this user's private folder under the system temp dir
+    (`<tmp>/dlo-<uid>/videos-PORT`), so that a restart on the same port finds its jobs again, two
+    servers on one host never share a folder, and no other user can plant a record or a link in it.
+    Both are made with mode 0700; ValueError when either is a link, another user's or open to
+    others."""
+    base = private_folder(Path(tempfile.gettempdir()) / f"dlo-{os.geteuid()}")
+    return private_folder(base / f"videos-{port}")
 
 
 class VideoStore:
@@ -101,12 +117,16 @@ class VideoStore:
         now = int(self.clock())
         restarted = 0
         for job in sorted(jobs, key=lambda j: (j.created_at, j.id)):
-            if job.status not in FINISHED:
+            if job.status not in FINISHED and regular_file(self._mp4(job.id)):
+                # its MP4 is whole (written, then renamed): only the record of its completion was lost
+                self._finish(job, "completed", int(os.lstat(self._mp4(job.id)).st_mtime))
+                log.warning("video store: %s was recorded unfinished but its MP4 is there: completed", job.id)
+            elif job.status not in FINISHED:
                 restarted += 1
                 self._finish(job, "failed", now, error={
                     "code": "server_restarted",
                     "message": "the server restarted while this job was queued or running; create it again"})
-            elif job.status == "completed" and not self._mp4(job.id).exists():
+            elif job.status == "completed" and not regular_file(self._mp4(job.id)):
                 self._finish(job, "failed", now, error={
                     "code": "content_lost", "message": "the video file of this job is gone; create it again"})
             self._jobs[job.id] = job
@@ -118,7 +138,7 @@ class VideoStore:
     def _read(self, path: Path) -> VideoJob | None:
         """A sidecar's job; an unreadable one of this pod is removed (another pod's is left alone)."""
         try:
-            job = VideoJob.from_sidecar(json.loads(path.read_text()))
+            job = VideoJob.from_sidecar(json.loads(read_record(path)))
             if job.id != path.stem or not ID.match(job.id):
                 raise ValueError(f"the sidecar holds id {job.id!r}")
             return job
@@ -149,7 +169,7 @@ class VideoStore:
         if job.client is not None and held >= self.max_jobs_per_client:
             raise VideoJobsFull(f"this client holds {held} video jobs, its maximum here; delete finished ones or "
                                 "retry once some expire")
-        write_atomically(self.folder / f"{job.id}.json", json.dumps(job.sidecar(), sort_keys=True).encode())
+        write_atomically(self._record(job.id), json.dumps(job.sidecar(), sort_keys=True).encode())
         self._jobs[job.id] = job
         return job
 
@@ -179,12 +199,27 @@ class VideoStore:
         return job
 
     def content_path(self, video_id: str) -> Path:
-        """The MP4 of a completed job (`VideoNotReady` before that)."""
+        """The MP4 of a completed job (`VideoNotReady` before that; `VideoNotFound` when the file is
+        not a regular file: a link planted in the folder is never served). Open it with
+        `open_content`, which never follows a link."""
         job = self.get(video_id)
         if job.status != "completed":
             raise VideoNotReady(f"video {video_id} is {job.status}; content is available once it is completed",
                                 failed=job.status == "failed")
-        return self._mp4(job.id)
+        path = self._mp4(job.id)
+        if not regular_file(path):
+            log.error("video store: the MP4 of %s is not a regular file (a link?): refused", job.id)
+            raise VideoNotFound(f"no video file for {video_id!r}")
+        return path
+
+    def open_content(self, video_id: str) -> BinaryIO:
+        """The MP4 of a completed job, opened (never through a link; `VideoNotFound` when it is gone
+        or not a regular file): what is opened streams whole even if the job expires meanwhile."""
+        path = self.content_path(video_id)
+        try:
+            return open_regular(path)
+        except OSError:
+            raise VideoNotFound(f"no video file for {video_id!r}") from None
 
     def list(self, *, limit: int = 20, after: str | None = None,
              order: Literal["asc", "desc"] = "desc") -> tuple[list[VideoJob], bool]:
@@ -206,7 +241,7 @@ class VideoStore:
         if job.status not in FINISHED:
             raise VideoNotFinished(f"video {video_id} is {job.status}; delete it once it is completed or failed")
         try:  # the record first: once it is gone the job is gone, whatever happens to the MP4
-            remove_durably(self.folder / f"{job.id}.json", self._mp4(job.id))
+            remove_durably(self._record(job.id), self._mp4(job.id))
         except OSError as e:
             log.error("video store: could not delete %s: %s", job.id, e)
             raise VideoStorageError(f"the server could not delete video {job.id}: {e.strerror or e}; it is "
@@ -249,7 +284,7 @@ class VideoStore:
         if expired:
             log.info("video store: %d job(s) expired", len(expired))
         for job in [j for j in self._jobs.values() if j.status in FINISHED]:
-            if not (self.folder / f"{job.id}.json").exists():
+            if not (self._record(job.id)).exists():
                 self._jobs.pop(job.id, None)
         return len(expired)
 
@@ -293,7 +328,7 @@ class VideoStore:
         """Another pod's job as the shared folder has it (None when it holds none)."""
         if not ID.match(video_id):
             return None
-        path = self.folder / f"{video_id}.json"
+        path = self._record(video_id)
         job = self._read(path) if path.exists() else None
         if job is not None and job.expires_at is not None and job.expires_at <= self.clock():
             return None
@@ -305,15 +340,18 @@ class VideoStore:
         try:
             if status == "failed":
                 self._mp4(job.id).unlink(missing_ok=True)
-            write_atomically(self.folder / f"{job.id}.json", json.dumps(job.sidecar(), sort_keys=True).encode())
+            write_atomically(self._record(job.id), json.dumps(job.sidecar(), sort_keys=True).encode())
         except OSError as e:  # the job's state here is right; after a restart it would read as interrupted
             log.error("video store: could not record %s as %s: %s", job.id, status, e)
 
     def _remove_files(self, video_id: str) -> None:
         try:
-            remove_durably(self.folder / f"{video_id}.json", self._mp4(video_id))
+            remove_durably(self._record(video_id), self._mp4(video_id))
         except OSError as e:
             log.warning("video store: could not remove the files of %s: %s", video_id, e)
 
     def _mp4(self, video_id: str) -> Path:
-        return self.folder / f"{video_id}.mp4"
+        return path_under(self.folder, f"{video_id}.mp4")
+
+    def _record(self, video_id: str) -> Path:
+        return path_under(self.folder, f"{video_id}.json")
