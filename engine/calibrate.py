@@ -181,3 +181,25 @@ def calibrate_peaks(model_dir: Path, limits: Any, deadline_s: float, device: str
     path = save_peaks(model_dir, old.merged(points, seconds))
     predicted = {key: memory.predicted(*key, table_only=True) for key in points}
     return path, describe(points, predicted)
+
+
+def start_peaks(model_dir: Path, limits: Any, deadline_s: float, stream_dtype: str) -> dict[Any, int]:
+    """`dlo serve`'s first start on cuda: the peaks cached for this device, model and libraries, else
+    (or where the limits ask for shapes not measured yet) measured now within `deadline_s`. A
+    measurement never stops a start: where it fails the table's figures stand, and the log says so."""
+    from dlo.engine.peaks import device_name, library_versions
+    from dlo.plan.budget import deployment_memory
+    from dlo.plan.measured import load_peaks
+
+    key = (model_dir, device_name("cuda:0"), library_versions())
+    peaks = load_peaks(*key)
+    try:
+        wanted = deployment_memory(model_dir, limits, stream_dtype=stream_dtype).calibration_shapes()
+        if peaks is None or not peaks.covers(wanted):
+            _, lines = calibrate_peaks(model_dir, limits, deadline_s, stream_dtype=stream_dtype)
+            for line in lines:
+                log.info("measured peak: %s", line)
+            peaks = load_peaks(*key)
+    except Exception as e:  # noqa: BLE001 - said, not hidden: the table's figures stand
+        log.warning("decode peaks not measured: %s", e)
+    return dict(peaks.points) if peaks is not None else {}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import get_args
+from typing import Mapping, get_args
 
 import torch
 
@@ -102,9 +102,9 @@ def resolve_device(device: str) -> DeviceKind:
 _VISIBLE_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
 
 
-def visible_devices(kind: str) -> int:
+def visible_devices(kind: str, environ: Mapping[str, str]) -> int:
     """How many devices of `kind` (cuda, npu) this process sees; `ConfigError` naming why when it
-    sees none (no device or driver, the devices hidden by *_VISIBLE_DEVICES, no torch_npu)."""
+    sees none (no device or driver, the devices hidden by *_VISIBLE_DEVICES in `environ`, no torch_npu)."""
     if kind == "npu":
         try:
             import torch_npu  # noqa: F401
@@ -113,7 +113,7 @@ def visible_devices(kind: str) -> int:
     count = device_count(kind)
     if count == 0:
         env = _VISIBLE_ENV.get(kind, "")
-        hidden = f"; {env}={os.environ[env]!r}" if env in os.environ else ""
+        hidden = f"; {env}={environ[env]!r}" if env in environ else ""
         raise ConfigError(f"--device {kind}: no {kind} device is visible to this process "
                           f"(torch.{kind}.device_count() is 0{hidden}); use --device cpu or auto")
     return count

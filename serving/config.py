@@ -5,23 +5,35 @@ Owns: `ServeConfig` and its groups, named as `dlo serve --help` groups its flags
 it, the warm-up, video jobs), `LayoutConfig` (device, dp x sp, mode, profile), `MemoryConfig` (the
 device budget and how weights are placed and streamed), `TuningConfig` (measured defaults a
 benchmark may change); the LoRA flags are `dlo.engine.settings.LoraSettings` itself. Built by
-`dlo.serving.options.serve_config`, the one reader of the argparse Namespace.
+`dlo.serving.options.serve_config`, the one reader of the argparse Namespace; `engine_settings`
+turns it and the deployment plan into the settings every rank starts with.
 Must never: read the environment or the file system (the options module resolves paths; the start
 steps read files), or hold what the start decides (the plan, the limits read: `dlo.serving.serve`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from ipaddress import IPv4Network, IPv6Network
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Mapping
 
-from dlo.engine.settings import LoraSettings, StreamDtype, Transfer, UlyssesExchange, Weights
+from dlo.engine.settings import (
+    EngineSettings,
+    LoraSettings,
+    OffloadSettings,
+    ParallelSettings,
+    StreamDtype,
+    Transfer,
+    UlyssesExchange,
+    Weights,
+    from_environment,
+    split_overrides,
+)
 from dlo.plan.facts import DeviceKind, ModeOrAuto
 
 if TYPE_CHECKING:  # the plan's module imports pydantic: only where a plan is made
-    from dlo.plan.deployment import PlanAsk
+    from dlo.plan.deployment import DeploymentPlan, PlanAsk
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 
@@ -145,3 +157,27 @@ class ServeConfig:
             lora=LoraAsk(adapter_bytes=adapter_bytes, merges_bytes=merges_bytes, apply=lora.apply,
                          merge_cache=lora.merge_cache_bytes, merge_above_tokens=lora.merge_above_tokens,
                          served=lora.directory is not None))
+
+
+def engine_settings(cfg: ServeConfig, plan: DeploymentPlan, environ: Mapping[str, str]) -> EngineSettings:
+    """The engine's settings from the configuration and the deployment plan (mode, dp, device, the
+    resident blocks, the decode rule and an auto merge cache decided), the `DLO_*` variables where a
+    tuning flag is unset, and the defaults; `ConfigError` naming the setting when they describe no engine."""
+    tuning = {"transfer": cfg.tuning.gather, "gather_max_ctas": cfg.tuning.gather_max_ctas,
+              "ulysses_exchange": cfg.tuning.ulysses_exchange, "register_early": cfg.tuning.register_early}
+    chosen = {**from_environment(environ), **{k: v for k, v in tuning.items() if v is not None}}
+    offload, parallel = split_overrides(chosen)
+    mem, lora = cfg.memory, cfg.lora
+    if plan.lora_merge_cache_bytes is not None:
+        lora = replace(lora, merge_cache_bytes=plan.lora_merge_cache_bytes)
+    if plan.lora_merge_above_tokens is not None:
+        lora = replace(lora, merge_above_tokens=plan.lora_merge_above_tokens)
+    return EngineSettings(
+        offload=OffloadSettings(mode=plan.mode, resident_blocks=mem.resident_blocks_on(plan.device),
+                                weights=mem.weights, stream_dtype=mem.stream_dtype, **offload),
+        parallel=ParallelSettings(dp=plan.dp, sp=plan.sp, sp_kind=cfg.layout.sp_kind, **parallel),
+        device=plan.device, max_device_memory=mem.max_device_memory,
+        stream_encoders=mem.stream_text_encoders, cpu_threads=mem.cpu_threads, safety_checker=mem.safety_checker,
+        lora=lora, cfg_pairs=mem.cfg_pairs, resident_plan=plan.resident,
+        vae_tile_above_pixels=plan.vae_tile_above_pixels,
+    )

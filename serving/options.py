@@ -1,9 +1,7 @@
-"""The options of `dlo serve`, and the engine settings they build.
+"""The options of `dlo serve`, and the one configuration they build.
 
-Owns: `add_arguments` (every flag, in groups, with the help a newcomer reads), `serve_config` (the
-flags -> one frozen `ServeConfig`: the argparse Namespace stops here) and `engine_settings` (the
-configuration and the deployment plan, over the `DLO_*` variables over the defaults -> one
-validated `EngineSettings`).
+Owns: `add_arguments` (every flag, in groups, with the help a newcomer reads) and `serve_config` (the
+flags -> one frozen `ServeConfig`: the argparse Namespace stops here).
 Must never: read the environment itself (the caller passes it: `dlo.engine.settings.from_environment`
 is the one reader) or start anything.
 """
@@ -11,9 +9,7 @@ is the one reader) or start anything.
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping
 
 from dlo.cli.args import (
     byte_size,
@@ -40,15 +36,8 @@ from dlo.engine.settings import (
     ULYSSES_EXCHANGES,
     EngineSettings,
     LoraSettings,
-    OffloadSettings,
-    ParallelSettings,
-    from_environment,
-    split_overrides,
 )
 from dlo.serving.config import ApiConfig, LayoutConfig, MemoryConfig, RequestLimits, ServeConfig, TuningConfig
-
-if TYPE_CHECKING:  # the plan's module imports pydantic; a bench's plain checkout may lack it
-    from dlo.plan.deployment import DeploymentPlan
 
 
 def _resident_blocks(value: str) -> int | str:
@@ -386,28 +375,4 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                           merge_kernel=args.lora_merge_kernel),
         tuning=TuningConfig(gather=args.gather, gather_max_ctas=args.gather_max_ctas,
                             ulysses_exchange=args.ulysses_exchange, register_early=args.register_early),
-    )
-
-
-def engine_settings(cfg: ServeConfig, plan: DeploymentPlan, environ: Mapping[str, str]) -> EngineSettings:
-    """The engine's settings from the configuration and the deployment plan (mode, dp, device, the
-    resident blocks, the decode rule and an auto merge cache decided), the `DLO_*` variables where a
-    tuning flag is unset, and the defaults; `ConfigError` naming the setting when they describe no engine."""
-    tuning = {"transfer": cfg.tuning.gather, "gather_max_ctas": cfg.tuning.gather_max_ctas,
-              "ulysses_exchange": cfg.tuning.ulysses_exchange, "register_early": cfg.tuning.register_early}
-    chosen = {**from_environment(environ), **{k: v for k, v in tuning.items() if v is not None}}
-    offload, parallel = split_overrides(chosen)
-    mem, lora = cfg.memory, cfg.lora
-    if plan.lora_merge_cache_bytes is not None:
-        lora = replace(lora, merge_cache_bytes=plan.lora_merge_cache_bytes)
-    if plan.lora_merge_above_tokens is not None:
-        lora = replace(lora, merge_above_tokens=plan.lora_merge_above_tokens)
-    return EngineSettings(
-        offload=OffloadSettings(mode=plan.mode, resident_blocks=mem.resident_blocks_on(plan.device),
-                                weights=mem.weights, stream_dtype=mem.stream_dtype, **offload),
-        parallel=ParallelSettings(dp=plan.dp, sp=plan.sp, sp_kind=cfg.layout.sp_kind, **parallel),
-        device=plan.device, max_device_memory=mem.max_device_memory,
-        stream_encoders=mem.stream_text_encoders, cpu_threads=mem.cpu_threads, safety_checker=mem.safety_checker,
-        lora=lora, cfg_pairs=mem.cfg_pairs, resident_plan=plan.resident,
-        vae_tile_above_pixels=plan.vae_tile_above_pixels,
     )

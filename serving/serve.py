@@ -30,8 +30,9 @@ from dlo.engine.settings import ConfigError, from_environment
 from dlo.engine.timing import Laps, start_laps
 from dlo.plan.deployment import DeploymentPlan
 from dlo.plan.facts import DeviceKind
-from dlo.serving.config import ServeConfig
-from dlo.serving.options import add_arguments, engine_settings, serve_config
+
+from dlo.serving.config import ServeConfig, engine_settings
+from dlo.serving.options import add_arguments, serve_config
 
 __all__ = ["add_arguments", "main", "engine_settings", "read_api_key", "StartError"]
 
@@ -150,6 +151,7 @@ class _Start:
     adapters: dict[str, str] = field(default_factory=dict)  # --lora-dir: name -> file or folder
     adapter_bytes: int = 0  # what every rank holds for them (`dlo.engine.lora.rank_device_bytes`)
     adapter_merges_bytes: int = 0  # the most a merge cache could hold (an auto cache's cap)
+    measured: dict[Any, int] = field(default_factory=dict)  # decode peaks measured on this device
 
 
 def _model_and_limits(cfg: ServeConfig, start: _Start) -> None:
@@ -195,7 +197,7 @@ def _layout(cfg: ServeConfig, start: _Start) -> None:
     start.device = device = resolve_device(layout.device)
     sp = layout.sp
     try:
-        devices = visible_devices(device) if device != "cpu" else None  # none visible: one line, not a count
+        devices = visible_devices(device, os.environ) if device != "cpu" else None  # none visible: one line, not a count
         start.dp = layout.dp or max(1, (devices or 1) // max(1, sp))
         check_layout(start.dp, sp, devices, _attention_heads(start.model_dir), layout.sp_kind)
         if sp > 1 and start.facts.no_sp:
@@ -254,6 +256,14 @@ def _listen(cfg: ServeConfig, start: _Start) -> None:
     start.listener = sock
 
 
+def _peaks(cfg: ServeConfig, start: _Start) -> None:
+    """The decodes the plan weighs, measured on this device (cuda; `dlo.engine.calibrate.start_peaks`)."""
+    if start.device == "cuda" and cfg.memory.peaks_deadline:
+        from dlo.engine.calibrate import start_peaks
+
+        start.measured = start_peaks(start.model_dir, start.limits, cfg.memory.peaks_deadline, cfg.memory.stream_dtype)
+
+
 def _plan(cfg: ServeConfig, start: _Start) -> None:
     """The deployment plan (`dlo.plan.deployment.plan_folder`): the device budget against the
     pipeline at its limits, the decode rule, the mode, the resident blocks, an auto merge cache."""
@@ -262,18 +272,22 @@ def _plan(cfg: ServeConfig, start: _Start) -> None:
     from dlo.plan.profile import profile_from_file
     from dlo.serving.host import local_profile
 
-    ask = cfg.plan_ask(start.device, start.dp, start.adapter_bytes, start.adapter_merges_bytes)
+    ask = cfg.plan_ask(start.device, start.dp, start.adapter_bytes, start.adapter_merges_bytes, start.measured)
     try:
         host = local_profile(start.device)
         profile = profile_from_file(host, cfg.layout.profile) if cfg.layout.profile is not None else host
+        req = cfg.requests  # no limits given: the largest that fit the budget
+        derive = req.limits is None and not req.small_limits and req.max_size is None
         start.plan = plan_folder(start.model_dir, ask, profile=profile, limits=start.limits,
-                                 device_memory=host.accelerator.memory_bytes)
+                                 device_memory=host.accelerator.memory_bytes, derive_limits=derive)
     except DeviceBudgetError as e:
         raise StartError(str(e)) from None
     except (ValueError, OSError) as e:  # an unreadable or invalid --profile file
         raise StartError(f"--profile: {e}") from None
     for line in start.plan.reasons:
         log.info("%s", line)
+    if start.plan.limits is not None and start.plan.limits != start.limits:
+        start.limits = start.plan.limits  # derived: what /v1/models reports and requests are held to
     log.info("serving %s family=%s %s", start.model_dir, start.facts.family, start.plan.describe())
 
 
@@ -283,7 +297,7 @@ def _prepare(cfg: ServeConfig) -> _Start:
     start = _Start(model_dir=cfg.model_dir.resolve(), laps=start_laps())
     start.laps.lap("before_checks")  # the interpreter, the imports of `dlo`, the arguments, a --fetch
     start.api_key = read_api_key(cfg.api.api_key_file)
-    for step in (_listen, _model_and_limits, _layout, _library_warmup, _plan, _video_store):
+    for step in (_listen, _model_and_limits, _layout, _library_warmup, _peaks, _plan, _video_store):
         step(cfg, start)
         start.laps.lap(step.__name__.lstrip("_"))
     return start
@@ -310,7 +324,7 @@ def _engine(cfg: ServeConfig, start: _Start) -> Any:
                             wave_window_ms=api.wave_window_ms, warmup=req.warmup, warmup_size=start.warmup_size,
                             warmup_steps=req.warmup_steps, shutdown_grace_s=api.shutdown_grace,
                             startup_timeout_s=req.startup_timeout, adapters=start.adapters, start_laps=start.laps,
-                            plan=start.plan.to_dict())
+                            plan=start.plan.to_dict(), vae_tiling=cfg.memory.vae_tiling)
     return Engine(rank_cfg, limits=start.limits, facts=start.facts,
                   model_id=api.served_model_name or start.model_dir.name, videos=start.videos, options=options)
 

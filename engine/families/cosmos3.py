@@ -74,7 +74,7 @@ class Cosmos3Family(PipelineFamily):
         whole = {name: load_whole(model_dir / name) for name in ("vae", "sound_tokenizer")
                  if (model_dir / name / "config.json").is_file()}
         pipe = diffusers.Cosmos3OmniPipeline.from_pretrained(
-            model_dir, **modules, **whole, enable_safety_checker=safety_checker, torch_dtype=compute_dtype)
+            model_dir, **modules, **whole, enable_safety_checker=safety_checker, dtype=compute_dtype)
         # The pipeline takes its device from the transformer's first parameter, `embed_tokens`, which
         # stays on the host (a host lookup): the rank's device is where it runs.
         pipe._get_execution_device = lambda: torch.device(device)

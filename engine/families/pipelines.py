@@ -221,7 +221,7 @@ class PipelineFamily:
         import torch
 
         return getattr(diffusers, self.pipeline_class).from_pretrained(
-            model_dir, **modules, torch_dtype={"default": compute_dtype, "vae": torch.float32})
+            model_dir, **modules, dtype={"default": compute_dtype, "vae": torch.float32})
 
     def run(self, pipe: Any, kwargs: dict[str, Any], on_step: Any) -> Any:
         """Call the pipeline; `on_step(pipe, i, t, callback_kwargs)` after every denoising step."""

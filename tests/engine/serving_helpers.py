@@ -81,7 +81,8 @@ def serve_settings(argv: list[str], mode: str | None = None, device: str = "cpu"
     from dlo.plan.deployment import plan
     from dlo.plan.facts import ModelFacts
     from dlo.plan.profile import NodeProfile
-    from dlo.serving.options import add_arguments, engine_settings, serve_config
+    from dlo.serving.config import engine_settings
+    from dlo.serving.options import add_arguments, serve_config
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
