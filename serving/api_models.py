@@ -124,6 +124,7 @@ class ModelCard(BaseModel):
     owned_by: str = "dlo"
     parent: str | None = None  # a LoRA adapter's base model (as vLLM lists adapters)
     root: str | None = None  # a LoRA adapter's file or folder in --lora-dir
+    limits: dict[str, Any] | None = None  # the base model's: the largest request accepted (derived or given)
 
 
 class ModelList(BaseModel):

@@ -102,6 +102,9 @@ class EngineMetrics:
                                             buckets=VIDEO_JOB_BUCKETS, registry=reg)
         self.video_job_failures = Counter("dlo_video_job_failures", "video jobs that failed, by error code",
                                           ["code"], registry=reg)
+        self.vae_tiled = Counter("dlo_vae_tiled", "requests whose decode runs tiled (not the bytes of a plain "
+                                 "decode: the plain one does not fit the device budget, or --vae-tiling always)",
+                                 ["kind"], registry=reg)
         self._video_jobs = _VideoJobsCollector()
         reg.register(self._video_jobs)
         self.wave_size = Histogram("dlo_wave_size", "requests per wave", buckets=tuple(range(1, dp + 1)), registry=reg)

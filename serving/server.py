@@ -75,6 +75,7 @@ from dlo.serving.videos import VideoJob
 
 log = logging.getLogger(__name__)
 
+TILED_HEADER = "X-DLO-VAE-Tiled"  # true: the decode ran tiled (not a plain decode's bytes: --vae-tiling)
 SHUTDOWN_RETRY_AFTER_S = 1  # a draining replica's 503: the Service already sends the retry elsewhere
 _VIDEO_SCHEMA_REF = {"$ref": "#/components/schemas/VideoCreateRequest"}
 # Reading a video request (its input_reference decoded) is CPU work: off the loop, two at a time.
@@ -244,10 +245,11 @@ def _add_generation_routes(app: FastAPI, engine: Engine) -> None:
     @app.post("/v1/images/generations", response_model=ImagesResponse,
               summary="Create images (OpenAI Images API; extensions: seed, num_inference_steps, guidance_scale, "
                       "negative_prompt)")
-    async def images(body: ImageGenerationRequest, request: Request) -> ImagesResponse:
+    async def images(body: ImageGenerationRequest, request: Request, response: Response) -> ImagesResponse:
         engine.check_available()
         gen = image_generation(body, engine.facts, engine.limits, engine.model_id, engine.adapters)
         res = await _result_unless_gone(request, engine, engine.submit(gen))
+        response.headers[TILED_HEADER] = "true" if engine.decode_tiled(gen) else "false"
         return ImagesResponse(
             created=int(time.time()),
             data=[{"b64_json": base64.b64encode(png).decode()} for png in res.outputs or ()],  # type: ignore[misc]
@@ -312,7 +314,7 @@ def _add_operation_routes(app: FastAPI, engine: Engine) -> None:
     @app.get("/v1/models", response_model=ModelList,
              summary="The served model, then each LoRA adapter as MODEL:NAME with its parent (as vLLM lists adapters)")
     async def models() -> ModelList:
-        cards = [ModelCard(id=engine.model_id, created=engine.created)]
+        cards = [ModelCard(id=engine.model_id, created=engine.created, limits=engine.limits.model_dump())]
         cards += [ModelCard(id=f"{engine.model_id}:{name}", created=engine.created, parent=engine.model_id, root=root)
                   for name, root in engine.adapters.items()]
         return ModelList(data=cards)

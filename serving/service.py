@@ -319,18 +319,18 @@ class Engine:
     def submit(self, gen: Generation, request_id: str = "") -> asyncio.Future:
         """Queue one generation; the future resolves to its rank's `Result` (raises `QueueFull`)."""
         self.check_available()
-        try:
-            if self.cfg.sp > 1:  # each frame's tokens split over the sp ranks
-                check_tokens(gen.width, gen.height, self.facts.size_multiple, self.cfg.sp)
+        try:  # with sp > 1 each frame's tokens split over the sp ranks
+            check_tokens(gen.width, gen.height, self.facts.size_multiple, self.cfg.sp) if self.cfg.sp > 1 else None
         except LayoutError as e:
             raise InvalidRequest(str(e)) from None
-        if self.options.vae_tiling == "never" and self.decode_tiled(gen):  # plain cannot fit: 400, never tiled
+        if (tiled := self.decode_tiled(gen)) and self.options.vae_tiling == "never":  # plain cannot fit: 400
             raise InvalidRequest(f"size {gen.width}x{gen.height} x {max(1, gen.frames)} frames x {gen.n}: its decode "
                                  "does not fit the device budget plain and this server runs --vae-tiling never")
         assert self._queue is not None and self._loop is not None
         fut = self._loop.create_future()
         try:
             self._queue.put(Pending(gen, time.monotonic(), fut, request_id=request_id))
+            self.metrics.vae_tiled.labels(gen.kind).inc(tiled)
         except QueueFull as e:
             e.retry_after_s = self._retry_after_s()
             raise

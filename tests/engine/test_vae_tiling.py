@@ -79,3 +79,25 @@ def test_the_cache_sits_beside_a_writable_model_and_elsewhere_beside_a_read_only
     monkeypatch.setattr(os, "access", lambda path, mode: False)  # a read-only model folder (a PVC, a hostPath)
     elsewhere = peaks_path(wan, "dev", "v")
     assert elsewhere.is_relative_to(tmp_path / "dlo" / "peaks")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tiling,tiled", [("auto", False), ("always", True)])
+def test_a_response_says_whether_its_decode_ran_tiled(wan, tmp_path, tiling, tiled):
+    """The image response's X-DLO-VAE-Tiled header, the dlo_vae_tiled counter, and the plan's rule in
+    /ready; /v1/models reports the limits the server holds requests to."""
+    import requests
+
+    from dlo.serving.launch import ServerProcess
+
+    with ServerProcess(wan, "--dp", "1", "--mode", "resident", "--device", "cpu", "--small-limits",
+                       "--vae-tiling", tiling, log_path=tmp_path / "serve.log") as srv:
+        r = requests.post(srv.url + "/v1/images/generations", timeout=120,
+                          json={"prompt": "a lighthouse", "size": "64x64", "seed": 1, "num_inference_steps": 1})
+        assert r.status_code == 200, r.text
+        assert r.headers["X-DLO-VAE-Tiled"] == ("true" if tiled else "false")
+        assert srv.ready_info()["plan"]["vae"]["tiling"] == tiling
+        counted = sum(v for labels, v in srv.metrics().get("dlo_vae_tiled_total", []) if labels.get("kind") == "image")
+        assert counted == (1 if tiled else 0)
+        model = requests.get(srv.url + "/v1/models", timeout=30).json()["data"][0]
+        assert model["limits"]["max_width"] == 128  # --small-limits
