@@ -98,10 +98,12 @@ SUBRESOURCES = {
 
 def spec_schema() -> dict[str, Any]:
     """The spec's structural schema; nested objects whose fields all have defaults (engine, warmer,
-    ...) default to {} so that the API server fills their own defaults in."""
+    ...) default to {} so that the API server fills their own defaults in; an optional object that
+    is absent unless set (lora) gets no default."""
     schema = openapi_schema(DLODeploymentSpec)
+    unset = {f.alias for f in DLODeploymentSpec.model_fields.values() if f.default is None}
     for name, prop in schema["properties"].items():
-        if prop.get("type") == "object" and name not in schema.get("required", []):
+        if prop.get("type") == "object" and name not in schema.get("required", []) and name not in unset:
             prop["default"] = {}
     return schema
 

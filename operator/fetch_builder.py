@@ -11,7 +11,7 @@ credentials from `model.secretRef` as the variables the SDKs read; it prints pla
 termination message (state, bytes, evicted keys; or reason and message). Exit 2 (not a pipeline, a
 bad URI) fails the Job at once (podFailurePolicy); other failures are retried twice, resuming.
 Must never: put a credential in a command line or an env value (secretKeyRef only), give the pod an
-API token, or write anywhere on the node but the cache folder.
+API token unless `spec.pod` asks for one, or write anywhere on the node but the cache folder.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def build_fetch_job(owner: Owner, spec: DLODeploymentSpec, node: str, keep: list
     annotations = {MODEL_KEY_ANNOTATION: key, FETCH_NODE_ANNOTATION: node}
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
-        "automountServiceAccountToken": False,
+        **spec.pod.identity(),  # the pull Secrets of the engine image, the identity a store may trust
         "enableServiceLinks": False,
         "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
             {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}]}}},

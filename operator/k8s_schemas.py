@@ -1,7 +1,7 @@
 """Kubernetes core/v1 schemas for the pass-through fields of a DLODeployment, and a checker for them.
 
-Owns: the structural schemas of `EnvVar`, `ResourceRequirements`, `Affinity` and `Toleration` as
-Kubernetes itself defines them (`k8s_schemas.json`, extracted from the upstream OpenAPI
+Owns: the structural schemas of `EnvVar`, `ResourceRequirements`, `Affinity`, `Toleration`, `Volume`,
+`VolumeMount` and `LocalObjectReference` as Kubernetes itself defines them (`k8s_schemas.json`, extracted from the upstream OpenAPI
 definitions of the Kubernetes version in that file by `python -m dlo.operator.k8s_schemas`, which
 reads the definitions kubernetes-validate bundles; a test fails when the file is stale), and
 `check`, which validates a value against one of them the way the API server applies a CRD's
@@ -25,7 +25,7 @@ from pydantic_core import PydanticCustomError
 
 SCHEMA_FILE = Path(__file__).with_name("k8s_schemas.json")
 KUBERNETES_VERSION = "1.37.0"  # whose OpenAPI definitions k8s_schemas.json holds
-KINDS = ("EnvVar", "ResourceRequirements", "Affinity", "Toleration")
+KINDS = ("EnvVar", "ResourceRequirements", "Affinity", "Toleration", "Volume", "VolumeMount", "LocalObjectReference")
 # resource.Quantity as CRD generators write it (an integer or a string of this form).
 QUANTITY_PATTERN = (
     r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
@@ -144,6 +144,17 @@ def check(value: Any, node: dict[str, Any], path: str = "") -> list[Problem]:
     return problems
 
 
+def _undescribe(node: dict[str, Any], levels: int, note: str) -> None:
+    """The descriptions of the fields more than `levels` below `node` replaced by `note`."""
+    for sub in (node.get("properties") or {}).values():
+        if levels <= 0:
+            sub["description"] = note
+        _undescribe(sub, levels - 1, note)
+    for key in ("items", "additionalProperties"):
+        if isinstance(node.get(key), dict):
+            _undescribe(node[key], levels, note)
+
+
 def cel_rules(*rules: tuple[str, str]) -> dict[str, Any]:
     """CEL rules for the CRD (`x-kubernetes-validations`); the same rule is checked in Python."""
     return {"x-kubernetes-validations": [{"rule": r, "message": m} for r, m in rules]}
@@ -157,19 +168,26 @@ def kubernetes_field(
     item_rules: tuple[tuple[str, str], ...] = (),
     max_items: int | None = None,
     name_max_length: int | None = None,
+    max_lengths: dict[str, int] | None = None,
+    described_levels: int | None = None,
 ) -> Any:
     """A pass-through field checked against the Kubernetes schema of core/v1 `kind`: the CRD
     carries that schema (so the API server refuses `limts`), and pydantic checks the same schema
     with `k8s_schemas.check` (so `dlo operator render` and the operator refuse it too).
     `item_rules`: CEL rules on each item (the models check them in a validator of their own);
     `max_items` and `name_max_length` bound the list and its items' `name`, which keeps the API
-    server's cost estimate of those rules small (unbounded, it assumes a request's worth)."""
+    server's cost estimate of those rules small (unbounded, it assumes a request's worth);
+    `max_lengths` bounds other string fields of the item the same way; `described_levels` keeps the
+    descriptions of that many levels of fields only, the deeper ones point to the API reference (a
+    Volume with every source described is 80 KB)."""
     node = schema(kind)
     node.pop("description", None)
+    if described_levels is not None:
+        _undescribe(node, described_levels, f"as in core/v1 {kind} (the Kubernetes API reference describes it)")
     if item_rules:
         node.update(cel_rules(*item_rules))
-    if name_max_length is not None:
-        node["properties"]["name"]["maxLength"] = name_max_length
+    for field, length in {**({"name": name_max_length} if name_max_length else {}), **(max_lengths or {})}.items():
+        node["properties"][field]["maxLength"] = length
     if many:
         node = {"type": "array", "items": node}
         if max_items is not None:

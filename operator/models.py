@@ -25,6 +25,7 @@ from dlo.operator.engine_spec import (
 )
 from dlo.operator.k8s_schemas import cel_rules, kubernetes_field
 from dlo.operator.model_spec import ModelFactsOverride, ModelSecretRef, ModelSource
+from dlo.operator.pod_spec import EnginePodSpec, LoraSource
 from dlo.operator.scaling_spec import AutoscalingSpec, VideosSpec
 from dlo.operator.spec_base import SpecModel as _Model
 from dlo.operator.status_models import Condition, DLODeploymentStatus, NodeStatus
@@ -182,6 +183,10 @@ _VIDEOS_RULE = (
     " || self.engine.kind == 'dlo'",
     "videos.claimName is where dlo serve keeps video jobs: only with engine.kind dlo",
 )
+_LORA_ENGINE_RULE = (
+    "!has(self.lora) || !has(self.engine) || !has(self.engine.kind) || self.engine.kind == 'dlo'",
+    "lora is dlo serve's --lora-dir: only with engine.kind dlo",
+)
 _ULYSSES_RULE = (
     "!has(self.engine) || !has(self.engine.ulyssesExchange) || self.sp > 1",
     "engine.ulyssesExchange is how sequence-parallel ranks exchange: only with sp > 1",
@@ -192,7 +197,7 @@ class DLODeploymentSpec(_Model):
     """What to serve, on how many nodes, with which engine and offload mode."""
 
     model_config = ConfigDict(json_schema_extra=cel_rules(_SP_RULE, _SP_ENGINE_RULE, _GATHER_MODE_RULE, _ULYSSES_RULE,
-                                                         _VIDEOS_RULE))
+                                                         _VIDEOS_RULE, _LORA_ENGINE_RULE))
 
     model: ModelSource
     replicas: int = Field(1, ge=0, description="nodes: one engine pod per node")
@@ -214,6 +219,8 @@ class DLODeploymentSpec(_Model):
     monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
     videos: VideosSpec = Field(default_factory=VideosSpec)
+    pod: EnginePodSpec = Field(default_factory=EnginePodSpec)
+    lora: LoraSource | None = Field(None, description="LoRA adapters the engine loads (dlo serve --lora-dir /lora)")
 
     @property
     def dp(self) -> int:
@@ -234,6 +241,8 @@ class DLODeploymentSpec(_Model):
             broken.append(_ULYSSES_RULE[1])
         if self.videos.claim_name is not None and self.engine.kind != "dlo":
             broken.append(_VIDEOS_RULE[1])
+        if self.lora is not None and self.engine.kind != "dlo":
+            broken.append(_LORA_ENGINE_RULE[1])
         if broken:
             raise ValueError("; ".join(broken))
         return self

@@ -25,6 +25,7 @@ MODEL_LABEL_PREFIX = "model.dlo.dev/"  # node label `model.dlo.dev/<key>: "true"
 MODEL_MOUNT = "/model"
 CACHE_MOUNT = "/cache"  # the node's model cache, in fetch containers
 VIDEO_MOUNT = "/var/lib/dlo/videos"  # finished video jobs: an emptyDir (or videos.claimName)
+LORA_MOUNT = "/lora"  # spec.lora: the adapters' folder (`dlo serve --lora-dir`)
 HTTP_PORT_NAME = "http"
 NON_ROOT_UID = 10001
 

@@ -3,8 +3,10 @@
 Owns: the `dlo serve` / `vllm serve` engine container (command, env, probes, resources), the `dlo warm`
 init container (and, for `model.uri` with `placement.modelAffinity: preferred`, the `dlo fetch` init
 container before it), the model volume (a hostPath, a claim, or the node's cache folder of a fetched
-model), the video folder (an emptyDir or `videos.claimName`), the node affinity to nodes holding a
-fetched model, the one-pod-per-node anti-affinity, and `template_hash`.
+model), the video folder (an emptyDir or `videos.claimName`), the LoRA adapters' folder
+(`spec.lora`, `--lora-dir`), what `spec.pod` adds (identity, pull Secrets, runtime class, labels,
+annotations, extra volumes and mounts), the node affinity to nodes holding a fetched model, the
+one-pod-per-node anti-affinity, and `template_hash`.
 Must never: call the API server, read the clock or the environment: same input, same output.
 """
 
@@ -17,8 +19,8 @@ from typing import Any
 from dlo.plan.facts import Mode
 from dlo.operator.fetch_builder import cache_volume, fetch_container
 from dlo.operator.models import API_KEY_ENV, DEFAULT_IMAGE, VLLM_API_KEY_ENV, DLODeploymentSpec
-from dlo.operator.names import (HTTP_PORT_NAME, MODE_ANNOTATION, MODEL_KEY_ANNOTATION, MODEL_MOUNT, NON_ROOT_UID,
-                                TEMPLATE_HASH, VIDEO_MOUNT, BuildContext, Owner, headless_service_name, labels,
+from dlo.operator.names import (HTTP_PORT_NAME, LORA_MOUNT, MODE_ANNOTATION, MODEL_KEY_ANNOTATION, MODEL_MOUNT,
+                                NON_ROOT_UID, TEMPLATE_HASH, VIDEO_MOUNT, BuildContext, Owner, headless_service_name, labels,
                                 model_label, selector_labels)
 from dlo.operator.resources import engine_resources, warmer_resources
 
@@ -54,6 +56,8 @@ def engine_command(spec: DLODeploymentSpec, mode: Mode) -> list[str]:
             cmd[5:5] = ["--sp", str(spec.sp)]
         cmd += ["--host", "0.0.0.0", "--port", port, *name, "--video-dir", VIDEO_MOUNT]
         cmd += ["--shutdown-grace", str(spec.engine.shutdown_grace_seconds), *spec.engine.engine_switches()]
+        if spec.lora is not None:
+            cmd += ["--lora-dir", LORA_MOUNT]
     return cmd + list(spec.engine.args)
 
 
@@ -100,6 +104,22 @@ def model_mount(spec: DLODeploymentSpec) -> dict[str, Any]:
     if spec.model.claim_name is not None and spec.model.sub_path:
         mount["subPath"] = spec.model.sub_path
     return mount
+
+
+def lora_volume(spec: DLODeploymentSpec) -> list[dict[str, Any]]:
+    """spec.lora's folder: a hostPath that must be there, or a claim, read-only."""
+    if spec.lora is None:
+        return []
+    if spec.lora.path is not None:
+        return [{"name": "lora", "hostPath": {"path": spec.lora.path, "type": "Directory"}}]
+    return [{"name": "lora", "persistentVolumeClaim": {"claimName": spec.lora.claim_name, "readOnly": True}}]
+
+
+def lora_mount(spec: DLODeploymentSpec) -> list[dict[str, Any]]:
+    if spec.lora is None:
+        return []
+    mount = {"name": "lora", "mountPath": LORA_MOUNT, "readOnly": True}
+    return [{**mount, "subPath": spec.lora.sub_path} if spec.lora.sub_path else mount]
 
 
 def shm_size(spec: DLODeploymentSpec) -> str:
@@ -181,6 +201,7 @@ def _engine_container(owner: Owner, spec: DLODeploymentSpec, mode: Mode, ctx: Bu
     }
     if spec.engine.kind != "vllm-omni":
         engine["volumeMounts"].append({"name": "videos", "mountPath": VIDEO_MOUNT})
+    engine["volumeMounts"] += lora_mount(spec) + [dict(m) for m in spec.pod.volume_mounts]
     return engine
 
 
@@ -210,14 +231,14 @@ def _volumes(spec: DLODeploymentSpec, ctx: BuildContext) -> list[dict[str, Any]]
             volumes.append({"name": "videos", "persistentVolumeClaim": {"claimName": spec.videos.claim_name}})
         else:
             volumes.append({"name": "videos", "emptyDir": {}})
-    return volumes
+    return volumes + lora_volume(spec) + [dict(v) for v in spec.pod.volumes]
 
 
 def pod_template(owner: Owner, spec: DLODeploymentSpec, mode: Mode, ctx: BuildContext = BuildContext()) -> dict[str, Any]:
     """The engine pod template, annotated with its own hash (`dlo.dev/template-hash`)."""
     pod_spec: dict[str, Any] = {
         "affinity": _affinity(owner.name, spec),
-        "automountServiceAccountToken": False,
+        **spec.pod.identity(),
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         "securityContext": {"runAsNonRoot": True, "runAsUser": NON_ROOT_UID, "runAsGroup": NON_ROOT_UID,
@@ -233,10 +254,13 @@ def pod_template(owner: Owner, spec: DLODeploymentSpec, mode: Mode, ctx: BuildCo
         pod_spec["tolerations"] = [dict(t) for t in spec.placement.tolerations]
     if spec.placement.priority_class_name:
         pod_spec["priorityClassName"] = spec.placement.priority_class_name
-    annotations = {MODE_ANNOTATION: mode}
+    if spec.pod.runtime_class_name:
+        pod_spec["runtimeClassName"] = spec.pod.runtime_class_name
+    annotations = {**spec.pod.annotations, MODE_ANNOTATION: mode}
     if spec.model.cache_key is not None:
         annotations[MODEL_KEY_ANNOTATION] = spec.model.cache_key
-    template = {"metadata": {"labels": labels(owner.name), "annotations": annotations}, "spec": pod_spec}
+    template = {"metadata": {"labels": {**spec.pod.labels, **labels(owner.name)}, "annotations": annotations},
+                "spec": pod_spec}
     template["metadata"]["annotations"][TEMPLATE_HASH] = template_hash(template)
     return template
 

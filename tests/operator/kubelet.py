@@ -30,6 +30,7 @@ import signal
 import sys
 import tempfile
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,19 @@ from dlo.operator.kube import _path
 
 class PodFailed(RuntimeError):
     pass
+
+
+@contextlib.asynccontextmanager
+async def running_kubelet(cluster: Cluster, workdir: Path, **options: Any) -> AsyncIterator["LocalKubelet"]:
+    """A `LocalKubelet` running its pods until the block ends, then stopping them."""
+    kubelet = LocalKubelet(cluster, workdir, **options)
+    task = asyncio.create_task(kubelet.run())
+    try:
+        yield kubelet
+    finally:
+        await kubelet.stop()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 class LocalKubelet:

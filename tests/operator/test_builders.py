@@ -70,6 +70,22 @@ CASES = {
         },
         "resident",
     ),
+    "pod-customised-lora-path": (
+        {
+            "model": {"uri": "s3://models/wan2.1-14b"},
+            "pod": {
+                "serviceAccountName": "wan-engine",
+                "imagePullSecrets": [{"name": "registry"}],
+                "runtimeClassName": "nvidia",
+                "labels": {"kueue.x-k8s.io/queue-name": "gpu"},
+                "annotations": {"sidecar.istio.io/inject": "false"},
+                "volumes": [{"name": "ca", "configMap": {"name": "corporate-ca"}}],
+                "volumeMounts": [{"name": "ca", "mountPath": "/etc/ssl/certs/corporate", "readOnly": True}],
+            },
+            "lora": {"path": "/var/lib/lora/wan"},
+        },
+        "allgather",
+    ),
 }
 
 
@@ -156,6 +172,40 @@ def test_update_strategy_emits_only_valid_statefulset_values_and_never_surges(ro
     assert strategy == expected
     assert strategy["type"] in builders.STATEFULSET_STRATEGIES
     assert "maxSurge" not in strategy.get("rollingUpdate", {})
+
+
+def test_pod_settings_reach_the_engine_pods_and_the_fetch_jobs_their_identity():
+    """spec.pod: identity, pull Secrets, runtime, labels, annotations and extra volumes on the engine
+    pods (the operator's own labels and annotations kept); a fetch Job runs the same image with the
+    same identity and pull Secrets, and nothing else of it (a sidecar annotation would keep a Job's
+    pod from ever completing)."""
+    from dlo.operator.fetch_builder import build_fetch_job
+
+    spec = parse_spec(CASES["pod-customised-lora-path"][0])
+    template = build("pod-customised-lora-path")[3]["spec"]["template"]
+    pod = template["spec"]
+    assert (pod["serviceAccountName"], pod["imagePullSecrets"], pod["runtimeClassName"]) == (
+        "wan-engine", [{"name": "registry"}], "nvidia")
+    assert pod["automountServiceAccountToken"] is False
+    assert template["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu"
+    assert template["metadata"]["labels"]["app.kubernetes.io/instance"] == "wan"
+    assert template["metadata"]["annotations"]["sidecar.istio.io/inject"] == "false"
+    assert builders.TEMPLATE_HASH in template["metadata"]["annotations"]
+    (engine,) = pod["containers"]
+    assert engine["command"][-2:] == ["--lora-dir", "/lora"]
+    assert {"name": "lora", "mountPath": "/lora", "readOnly": True} in engine["volumeMounts"]
+    assert {"name": "lora", "hostPath": {"path": "/var/lib/lora/wan", "type": "Directory"}} in pod["volumes"]
+    assert engine["volumeMounts"][-1]["name"] == "ca" and pod["volumes"][-1]["name"] == "ca"
+    job = build_fetch_job(OWNER, spec, "node-0", [], builders.BuildContext(), None, "img")
+    job_pod = job["spec"]["template"]
+    assert (job_pod["spec"]["serviceAccountName"], job_pod["spec"]["imagePullSecrets"]) == ("wan-engine", [
+        {"name": "registry"}])
+    assert "sidecar.istio.io/inject" not in (job_pod["metadata"].get("annotations") or {})
+    claim = parse_spec({"model": {"path": "/m"}, "lora": {"claimName": "adapters", "subPath": "wan"}})
+    sts = builders.build_statefulset(OWNER, claim, "resident")["spec"]["template"]["spec"]
+    assert {"name": "lora", "persistentVolumeClaim": {"claimName": "adapters", "readOnly": True}} in sts["volumes"]
+    assert {"name": "lora", "mountPath": "/lora", "readOnly": True, "subPath": "wan"} in sts["containers"][0][
+        "volumeMounts"]
 
 
 def test_one_pod_per_node_by_required_anti_affinity_kept_beside_user_affinity():

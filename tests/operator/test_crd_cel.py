@@ -80,6 +80,8 @@ def placed(path: tuple[str, ...], value: Any) -> dict:
     for part in reversed(path):
         value = [value] if part == "[]" else {part: value}
     spec.update(value)
+    if path == ("pod", "volumeMounts", "[]"):  # a mount names a volume of the pod (another rule)
+        spec["pod"]["volumes"] = [{"name": m["name"], "emptyDir": {}} for m in spec["pod"]["volumeMounts"]]
     return spec
 
 
@@ -198,6 +200,57 @@ CASES: dict[str, list[tuple[dict, bool]]] = {
         ({"name": "HF_HOME", "value": "/tmp/hf"}, True),
         ({"name": "DLO_GATHER", "value": "peer"}, False),
         ({"name": "DLO_REGISTER_EARLY", "value": "0"}, False),
+    ],
+    # spec.pod and spec.lora (issue 55)
+    "!(self.name in ['model', 'model-cache', 'shm', 'tmp', 'videos', 'lora'])": [
+        ({"name": "certs", "secret": {"secretName": "ca"}}, True),
+        ({"name": "models", "emptyDir": {}}, True),
+        ({"name": "model", "emptyDir": {}}, False),
+        ({"name": "tmp", "emptyDir": {}}, False),
+    ],
+    "!['/model', '/dev/shm', '/tmp', '/var/lib/dlo/videos', '/lora'].exists(p, self.mountPath == p"
+    " || self.mountPath.startsWith(p + '/'))": [
+        ({"name": "certs", "mountPath": "/etc/ssl/certs"}, True),
+        ({"name": "extra", "mountPath": "/models"}, True),
+        ({"name": "extra", "mountPath": "/model"}, False),
+        ({"name": "extra", "mountPath": "/lora/more"}, False),
+        ({"name": "extra", "mountPath": "/tmp/x"}, False),
+    ],
+    "!has(self.volumeMounts) || self.volumeMounts.all(m, has(self.volumes) && self.volumes.exists(v, v.name == "
+    "m.name))": [
+        ({}, True),
+        ({"volumes": [{"name": "c", "emptyDir": {}}], "volumeMounts": [{"name": "c", "mountPath": "/c"}]}, True),
+        ({"volumeMounts": [{"name": "c", "mountPath": "/c"}]}, False),
+        ({"volumes": [{"name": "d", "emptyDir": {}}], "volumeMounts": [{"name": "c", "mountPath": "/c"}]}, False),
+    ],
+    "!('app.kubernetes.io/part-of' in self) && !('app.kubernetes.io/component' in self) && "
+    "!('app.kubernetes.io/instance' in self) && !('app.kubernetes.io/managed-by' in self)": [
+        ({"kueue.x-k8s.io/queue-name": "gpu"}, True),
+        ({"app.kubernetes.io/instance": "other"}, False),
+    ],
+    "!('dlo.dev/template-hash' in self) && !('dlo.dev/mode' in self) && !('dlo.dev/model-key' in self)": [
+        ({"sidecar.istio.io/inject": "false"}, True),
+        ({"dlo.dev/mode": "resident"}, False),
+    ],
+    "has(self.uri) || (has(self.path) ? 1 : 0) + (has(self.claimName) ? 1 : 0) == 1": [
+        ({"path": "/var/lib/lora"}, True),
+        ({"claimName": "adapters", "subPath": "wan"}, True),
+        ({}, False),
+        ({"path": "/var/lib/lora", "claimName": "adapters"}, False),
+    ],
+    "!has(self.uri)": [
+        ({"claimName": "adapters"}, True),
+        ({"uri": "s3://adapters/wan"}, False),
+    ],
+    "!has(self.subPath) || has(self.claimName)": [
+        ({"claimName": "adapters", "subPath": "wan"}, True),
+        ({"path": "/var/lib/lora", "subPath": "wan"}, False),
+    ],
+    "!has(self.lora) || !has(self.engine) || !has(self.engine.kind) || self.engine.kind == 'dlo'": [
+        ({}, True),
+        ({"lora": {"path": "/var/lib/lora"}}, True),
+        ({"engine": {"kind": "vllm-omni"}}, True),
+        ({"lora": {"path": "/var/lib/lora"}, "engine": {"kind": "vllm-omni"}}, False),
     ],
     "self.name != 'DLO_API_KEY' && self.name != 'VLLM_API_KEY'": [
         ({"name": "HF_HOME", "value": "/tmp/hf"}, True),
