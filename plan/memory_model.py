@@ -31,13 +31,14 @@ table is measured on one rank).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping
 
 from dlo.plan.facts import ModelFacts
 from dlo.engine.layout import latent_tokens
-from dlo.plan.memory_table import FamilyTable, MemoryTable, part_features
+from dlo.plan.memory_table import FamilyTable, Fit, MemoryTable, TableError, fit_linear, part_features
 
 SLOT_ALIGN = 256
 
@@ -257,11 +258,15 @@ class PipelineMemory:
         has that very shape (never extrapolated), else the table's fit; None where neither has it."""
         if not table_only and (m := self.measured.get((part, shape))) is not None:
             return m, False
+        x = features(part, shape, self.geometry, self.bounds.max_sequence_length)
+        device_fit = None if table_only else _device_fit(part, self.geometry, tuple(sorted(
+            ((s.width, s.height, s.frames, s.batch), b) for (p, s), b in self.measured.items() if p == part)))
+        if device_fit is not None and not device_fit.extrapolated(x):  # between shapes measured on this device
+            return device_fit.predict(x), False
         fam = self.family_table
         fit = fam.parts.get(part) if fam is not None else None
         if fit is None:
             return None
-        x = features(part, shape, self.geometry, self.bounds.max_sequence_length)
         return fit.predict(x), fit.extrapolated(x)
 
     def calibration_shapes(self) -> list[tuple[str, Shape]]:
@@ -316,6 +321,18 @@ class PipelineMemory:
             return None
         n = -(-pixels // area)
         return Shape(shape.width, pixels // (n * shape.width), 1, n)
+
+
+@functools.lru_cache(maxsize=256)
+def _device_fit(part: str, geometry: Geometry, points: tuple[tuple[tuple[int, int, int, int], int], ...]) -> Fit | None:
+    """The least-squares line through a part's peaks measured on this device (the table's features),
+    shifted up to bound every point: what a shape between them needs; None below enough points."""
+    video = geometry.temporal_factor > 0
+    rows = [(features(part, Shape(*s), geometry, 0), float(b)) for s, b in points]
+    try:
+        return fit_linear(rows, part_features(part, video=video), part)
+    except TableError:  # too few points, or they do not vary every feature
+        return None
 
 
 def decoded_pixels(shape: Shape) -> int:

@@ -101,3 +101,30 @@ def test_a_response_says_whether_its_decode_ran_tiled(wan, tmp_path, tiling, til
         assert counted == (1 if tiled else 0)
         model = requests.get(srv.url + "/v1/models", timeout=30).json()["data"][0]
         assert model["limits"]["max_width"] == 128  # --small-limits
+
+
+def test_a_shape_between_shapes_measured_on_the_device_is_interpolated_not_guessed():
+    """The H100's measured 832x832 decodes of 1-4 images (bench/results/peaks-h100-2026-12-06-b-cache.json)
+    bound a shape between them with their own line; outside them the table's guess stays a guess."""
+    import dataclasses
+    from pathlib import Path
+
+    from dlo.plan.memory_model import Geometry, PipelineMemory, RequestBounds
+    from dlo.plan.memory_table import MemoryTable
+
+    cache = Path(__file__).resolve().parents[2] / "bench" / "results" / "peaks-h100-2026-12-06-b-cache.json"
+    peaks = MeasuredPeaks.from_json(cache.read_text(), str(cache))
+    plain = {k: v for k, v in peaks.points.items() if k[0] == "vae_decode"}  # images and videos (Wan's features)
+    images = {k: v for k, v in plain.items() if k[1].width == 832 and k[1].height == 832}
+    assert sorted(s.batch for _, s in images) == [1, 2, 3, 4]
+    memory = PipelineMemory("wan", Geometry(16, 4), {}, {}, {}, RequestBounds(832, 832, 1, 4), 0, MemoryTable.load())
+    between = Shape(832, 800, 1, 3)
+    guessed, extrapolated = memory.predicted("vae_decode", between)
+    assert extrapolated  # the table measured no such image batch
+    measured = dataclasses.replace(memory, measured=plain)
+    need, extrapolated = measured.predicted("vae_decode", between)
+    two, three = images[("vae_decode", Shape(832, 832, 1, 2))], images[("vae_decode", Shape(832, 832, 1, 3))]
+    # the line through every plain decode measured (images and videos) bounds them all from above: no
+    # less than the measured decode of two such images, far below the table's guess
+    assert not extrapolated and two < need < guessed and three < guessed / 2
+    assert measured.predicted("vae_decode", Shape(1920, 1920, 1, 4))[1]  # beyond them: still a guess
