@@ -1,7 +1,7 @@
 """Warnings a DLODeployment's status carries: what works but may hurt (`status.warnings`).
 
 Owns: `warnings` (video jobs longer than the drain, finished videos an autoscaler's scale-in would
-lose, scale to zero without KEDA) and `longest_steps` (the largest num_inference_steps the engine's
+lose, an autoscaler that was not made) and `longest_steps` (the largest num_inference_steps the engine's
 limits allow, from `engine.args`).
 Must never: call the API server or read the engine's limits file (it is in the engine's image).
 """
@@ -39,8 +39,6 @@ def warnings(spec: DLODeploymentSpec, autoscaler: str | None) -> list[str]:
     if spec.autoscaling.enabled and spec.engine.kind == "dlo" and spec.videos.claim_name is None:
         out.append("autoscaling with finished videos on each pod's emptyDir: a scale-in deletes them (polls then "
                    "answer 404); set videos.claimName to a ReadWriteMany claim")
-    if spec.autoscaling.enabled and spec.autoscaling.min_replicas == 0 and autoscaler == "hpa":
-        out.append("autoscaling.minReplicas 0 needs KEDA (not installed): the HorizontalPodAutoscaler keeps 1")
     if spec.autoscaling.enabled and autoscaler is None:
         out.append("autoscaling.engine keda but KEDA's ScaledObject CRD is not installed: no autoscaler was made")
     return out

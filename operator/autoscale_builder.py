@@ -73,7 +73,7 @@ def build_hpa(owner: Owner, spec: DLODeploymentSpec) -> dict[str, Any]:
         "metadata": meta(owner, owner.name),
         "spec": {
             "scaleTargetRef": _target_ref(owner),
-            "minReplicas": max(1, a.min_replicas),  # 0 needs the alpha HPAScaleToZero gate: KEDA only
+            "minReplicas": a.min_replicas,  # at least 1 (CEL): nothing scales up from zero
             "maxReplicas": a.max_replicas,
             "metrics": [{"type": "External", "external": {
                 "metric": {"name": EXTERNAL_METRIC, "selector": selector},

@@ -17,10 +17,14 @@ from dlo.operator.k8s_schemas import cel_rules
 from dlo.operator.spec_base import SpecModel as _Model
 
 _RANGE_RULE = ("self.minReplicas <= self.maxReplicas", "autoscaling.minReplicas must be at most maxReplicas")
+# With no engine running nothing reports the load (the query is `vector(0)`): a deployment scaled to
+# zero would never scale up again. Scaling from zero needs an activator that holds the first request.
 _ZERO_RULE = (
-    "self.minReplicas >= 1 || self.engine != 'hpa'",
-    "autoscaling.minReplicas 0 needs KEDA (engine keda or auto): an HPA cannot scale to zero without the "
-    "alpha HPAScaleToZero feature gate",
+    "self.minReplicas >= 1",
+    "autoscaling.minReplicas 0 is refused: with no engine running nothing reports the load and the deployment "
+    "would never scale up again; use minReplicas 1 (one node always serves), or turn autoscaling off and scale to "
+    "zero by hand (spec.replicas 0, kubectl scale dlod NAME --replicas 0); scaling from zero needs an activator "
+    "that holds the first request (e.g. KEDA's HTTP add-on), which the operator does not set up",
 )
 
 
@@ -31,7 +35,8 @@ class AutoscalingSpec(_Model):
     model_config = ConfigDict(json_schema_extra=cel_rules(_RANGE_RULE, _ZERO_RULE))
 
     enabled: bool = Field(False, description="create a KEDA ScaledObject (or an HPA) for this resource")
-    min_replicas: int = Field(1, ge=0, description="fewest nodes; 0 only through KEDA")
+    min_replicas: int = Field(1, ge=0, description="fewest nodes, at least 1 (CEL: 0 is refused, nothing would "
+                              "scale the deployment up again)")
     max_replicas: int = Field(4, ge=1, description="most nodes")
     target_queue_depth_per_rank: float = Field(
         2.0, ge=0.01, le=1000,
@@ -49,7 +54,7 @@ class AutoscalingSpec(_Model):
     def _rules(self) -> AutoscalingSpec:
         if self.min_replicas > self.max_replicas:
             raise ValueError(_RANGE_RULE[1])
-        if self.min_replicas == 0 and self.engine == "hpa":
+        if self.min_replicas == 0:
             raise ValueError(_ZERO_RULE[1])
         return self
 

@@ -107,16 +107,17 @@ CASES: dict[str, list[tuple[dict, bool]]] = {
     # spec.autoscaling (issue 31)
     "self.minReplicas <= self.maxReplicas": [
         ({}, True),
-        ({"minReplicas": 0, "maxReplicas": 1}, True),
+        ({"minReplicas": 1, "maxReplicas": 1}, True),
         ({"minReplicas": 3, "maxReplicas": 3}, True),
         ({"minReplicas": 5}, False),  # maxReplicas defaults to 4 first
         ({"minReplicas": 2, "maxReplicas": 1}, False),
     ],
-    "self.minReplicas >= 1 || self.engine != 'hpa'": [
+    "self.minReplicas >= 1": [
         ({}, True),
-        ({"minReplicas": 0}, True),  # engine auto: KEDA, when installed (else the operator warns)
-        ({"minReplicas": 0, "engine": "keda"}, True),
         ({"minReplicas": 1, "engine": "hpa"}, True),
+        ({"minReplicas": 2, "engine": "keda"}, True),
+        ({"minReplicas": 0}, False),
+        ({"minReplicas": 0, "engine": "keda"}, False),
         ({"minReplicas": 0, "engine": "hpa"}, False),
     ],
     "!has(self.videos) || !has(self.videos.claimName) || !has(self.engine) || !has(self.engine.kind)"

@@ -10,7 +10,7 @@ import kubernetes_validate
 import pytest
 
 from dlo.operator import advice, autoscale_builder, builders, modes
-from dlo.operator.models import parse_spec
+from dlo.operator.models import SpecError, parse_spec
 from dlo.operator.names import BuildContext, Owner, model_label
 from dlo.operator.resources import engine_resources, quantity_bytes
 
@@ -103,17 +103,17 @@ def test_videos_claim_replaces_the_empty_dir():
 
 def test_autoscaling_objects_are_valid_and_target_the_scale_subresource():
     spec = parse_spec({"model": {"path": "/m"}, "devicesPerNode": 4, "autoscaling": {
-        "enabled": True, "minReplicas": 0, "maxReplicas": 6, "targetQueueDepthPerRank": 0.5}})
+        "enabled": True, "minReplicas": 2, "maxReplicas": 6, "targetQueueDepthPerRank": 0.5}})
     hpa = autoscale_builder.build_hpa(OWNER, spec)
     kubernetes_validate.validate(hpa, "1.37", strict=True)
-    assert hpa["spec"]["minReplicas"] == 1 and hpa["spec"]["maxReplicas"] == 6  # no scale to zero without KEDA
+    assert hpa["spec"]["minReplicas"] == 2 and hpa["spec"]["maxReplicas"] == 6
     metric = hpa["spec"]["metrics"][0]["external"]
     assert metric["target"] == {"type": "AverageValue", "averageValue": "2000m"}  # 0.5 per rank x 4 ranks
     assert metric["metric"] == {"name": "dlo_engine_load", "selector": {"matchLabels": {
         "namespace": "serving", "deployment": "wan"}}}
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "dlo.dev/v1alpha1", "kind": "DLODeployment", "name": "wan"}
     keda = autoscale_builder.build_scaled_object(OWNER, spec, BuildContext(prometheus_url="http://prom:9090"))
-    assert keda["spec"]["minReplicaCount"] == 0 and keda["spec"]["triggers"][0]["metadata"]["threshold"] == "2"
+    assert keda["spec"]["minReplicaCount"] == 2 and keda["spec"]["triggers"][0]["metadata"]["threshold"] == "2"
     objects = builders.build_all(OWNER, spec, "allgather", False, BuildContext(autoscaler="hpa"))
     assert [o["kind"] for o in objects][-1] == "HorizontalPodAutoscaler"
     assert "HorizontalPodAutoscaler" not in [o["kind"] for o in builders.build_all(OWNER, spec, "allgather", False)]
@@ -127,6 +127,15 @@ def test_status_warns_when_the_limits_allow_video_jobs_longer_than_the_drain():
     ok = parse_spec({"model": {"path": "/m"}, "engine": {"args": ["--small-limits"], "shutdownGraceSeconds": 60},
                      "videos": {"secondsPerStep": 3.0}})
     assert advice.warnings(ok, None) == []  # 4 steps x 3 s
-    scaling = parse_spec({"model": {"path": "/m"}, "autoscaling": {"enabled": True, "minReplicas": 0}})
+    scaling = parse_spec({"model": {"path": "/m"}, "autoscaling": {"enabled": True}})
     assert any("emptyDir" in w for w in advice.warnings(scaling, "hpa"))
-    assert any("needs KEDA" in w for w in advice.warnings(scaling, "hpa"))
+
+
+@pytest.mark.parametrize("engine", ["auto", "keda", "hpa"])
+def test_scale_to_zero_is_refused_saying_what_to_use(engine):
+    """With no engine nothing reports the load: minReplicas 0 would never scale up again."""
+    with pytest.raises(SpecError, match="autoscaling.minReplicas 0 is refused") as refused:
+        parse_spec({"model": {"path": "/m"}, "autoscaling": {"enabled": True, "minReplicas": 0, "engine": engine}})
+    assert "use minReplicas 1" in str(refused.value) and "spec.replicas 0" in str(refused.value)
+    assert "KEDA's HTTP add-on" in str(refused.value)
+    assert parse_spec({"model": {"path": "/m"}, "replicas": 0}).replicas == 0  # by hand, without autoscaling
