@@ -2,15 +2,15 @@
 CRD is installed, else an autoscaling/v2 HorizontalPodAutoscaler on an external metric. Both target
 the DLODeployment's scale subresource: they write `spec.replicas`, the operator does the rest.
 
-Owns: `load_query` (the Prometheus query: requests waiting or running, per DLODeployment), the
-per-pod target (the target per rank times the ranks of a pod: both autoscalers average the metric
+Owns: `autoscaler_kind` (which object, from the spec and whether KEDA is installed), `load_query`
+(the Prometheus query: requests waiting or running, per DLODeployment), the per-pod target (the target per rank times the ranks of a pod: both autoscalers average the metric
 over the current replicas), `build_scaled_object`, `build_hpa`.
 Must never: call the API server, or scale a StatefulSet directly (the operator owns it).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from dlo.operator.models import API_VERSION, KIND, DLODeploymentSpec
 from dlo.operator.names import BuildContext, Owner, meta
@@ -81,6 +81,17 @@ def build_hpa(owner: Owner, spec: DLODeploymentSpec) -> dict[str, Any]:
             "behavior": _behavior(spec),
         },
     }
+
+
+def autoscaler_kind(spec: DLODeploymentSpec, keda_installed: bool) -> Literal["keda", "hpa"] | None:
+    """Which autoscaling object `spec.autoscaling` gets: KEDA's where its CRD is installed (engine
+    auto or keda), an HPA for engine hpa or without KEDA (engine auto), none for engine keda without
+    KEDA (the status warns) or with autoscaling off."""
+    if not spec.autoscaling.enabled:
+        return None
+    if spec.autoscaling.engine == "keda":
+        return "keda" if keda_installed else None
+    return "keda" if keda_installed and spec.autoscaling.engine == "auto" else "hpa"
 
 
 def build_autoscaler(owner: Owner, spec: DLODeploymentSpec, ctx: BuildContext) -> dict[str, Any] | None:

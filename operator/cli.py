@@ -93,50 +93,77 @@ def profile_node(path: Path, spec: Any) -> dict[str, Any]:
     }
 
 
-def _render(argv: list[str]) -> int:
-    from dlo.operator import builders, modes
-    from dlo.operator.models import SpecError, default_engine_image, parse_spec, with_default_image
+ASSUMABLE = ("keda",)  # CRDs `render --assume` may take as installed (the monitoring CRDs are by default)
+
+
+def _render_parser() -> Parser:
+    from dlo.operator.config import DEFAULT_PROMETHEUS_URL
 
     parser = Parser(
         prog="dlo operator render",
         description="Print every object the operator would create for the DLODeployment(s) in FILE, "
-        "as a YAML stream. Mode `auto` is resolved from the node profiles given with --profile. "
-        "A spec without engine.image gets $DLO_DEFAULT_ENGINE_IMAGE (else the built-in default), as "
-        "the operator does.",
+        "as a YAML stream: the Services, the PodDisruptionBudget, the StatefulSet (with the plan's memory "
+        "request), the monitor and the autoscaler. Mode `auto` and the memory request come from the node "
+        "profiles given with --profile. A spec without engine.image gets $DLO_DEFAULT_ENGINE_IMAGE (else the "
+        "built-in default), as the operator does. Not printed: owner references (they need the live "
+        "object) and model.uri's fetch Jobs (made per node at run time).",
     )
     parser.add_argument("file", type=existing_file, help="YAML file with a DLODeployment (e.g. examples/dlodeployment.yaml)")
     parser.add_argument(
-        "--profile",
-        type=existing_file,
-        action="append",
-        default=[],
-        metavar="FILE",
+        "--profile", type=existing_file, action="append", default=[], metavar="FILE",
         help="a node profile JSON (what `dlo agent` serves at /profile; unknown keys are errors); "
         "repeat for each node",
     )
     parser.add_argument(
-        "--no-monitoring-crd",
-        action="store_true",
-        help="render as if the PodMonitor/ServiceMonitor CRDs were not installed",
+        "--assume", action="append", default=[], choices=ASSUMABLE, metavar="CRD",
+        help="render as if this autoscaler's CRDs were installed (keda: a KEDA ScaledObject for "
+        "autoscaling.engine auto or keda; without it, auto gives an HorizontalPodAutoscaler and keda nothing)",
     )
-    args = parser.parse_args(argv)
+    parser.add_argument("--no-monitoring-crd", action="store_true",
+                        help="render as if the PodMonitor/ServiceMonitor CRDs were not installed")
+    parser.add_argument("--prometheus-url", type=http_url, default=DEFAULT_PROMETHEUS_URL,
+                        help="the Prometheus a KEDA ScaledObject queries, as `dlo operator run` takes it")
+    parser.add_argument("--monitoring-release", default="",
+                        help="label monitors release=VALUE, as `dlo operator run` does")
+    return parser
+
+
+def _render_one(res: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The objects of one resource, built as the reconcile builds them; notes on stderr."""
+    from dlo.operator import advice, builders, pinned_plan
+    from dlo.operator.autoscale_builder import autoscaler_kind
+    from dlo.operator.models import default_engine_image, parse_spec, with_default_image
+
+    meta = res.get("metadata", {})
+    name = meta.get("name", "")
+    spec = with_default_image(parse_spec(res.get("spec") or {}), default_engine_image(os.environ))
+    nodes = [profile_node(p, spec) for p in args.profile]
+    plan = pinned_plan.make(spec, spec, nodes, generation=None, replan="")
+    print(f"# {name}: mode {plan.mode} ({plan.reason})", file=sys.stderr)
+    ctx = builders.BuildContext(memory_bytes=plan.memory_bytes, autoscaler=autoscaler_kind(spec, "keda" in args.assume),
+                                prometheus_url=args.prometheus_url, monitoring_release=args.monitoring_release)
+    for warning in advice.warnings(spec, ctx.autoscaler):
+        print(f"# {name}: warning: {warning}", file=sys.stderr)
+    if spec.model.uri is not None:
+        print(f"# {name}: model.uri: fetch Jobs are made per node at run time (not printed)", file=sys.stderr)
+    owner = builders.Owner(name, meta.get("namespace") or "default")
+    return builders.build_all(owner, spec, plan.mode, not args.no_monitoring_crd, ctx)
+
+
+def _render(argv: list[str]) -> int:
+    from dlo.operator.models import SpecError
+
+    args = _render_parser().parse_args(argv)
     try:
         resources = _load_resources(args.file)
     except (OSError, ValueError, yaml.YAMLError) as e:
         return fail("dlo operator render", e)
     out: list[dict[str, Any]] = []
     for res in resources:
-        meta = res.get("metadata", {})
-        name = meta.get("name", "")
         try:
-            spec = with_default_image(parse_spec(res.get("spec") or {}), default_engine_image(os.environ))
-            nodes = [profile_node(p, spec) for p in args.profile]
+            out += _render_one(res, args)
         except (SpecError, OSError, ValueError) as e:
-            return fail("dlo operator render", f"{args.file}: {name}: {e}")
-        resolution = modes.resolve_mode(spec, nodes)
-        print(f"# {name}: mode {resolution.mode} ({resolution.reason})", file=sys.stderr)
-        owner = builders.Owner(name, meta.get("namespace") or "default")
-        out += builders.build_all(owner, spec, resolution.mode, monitor_crd_exists=not args.no_monitoring_crd)
+            return fail("dlo operator render", f"{args.file}: {res.get('metadata', {}).get('name', '')}: {e}")
     sys.stdout.write(yaml.safe_dump_all(out, sort_keys=False, width=100))
     return 0
 

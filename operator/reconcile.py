@@ -25,6 +25,7 @@ import kopf
 import urllib3
 
 from dlo.operator import advice, builders, metrics, modes, node_loss, pinned_plan, status
+from dlo.operator.autoscale_builder import autoscaler_kind
 from dlo.operator.delivery_run import deliver
 from dlo.operator.pod_reasons import Problem, pod_problems
 from dlo.operator.config import OperatorConfig
@@ -143,16 +144,10 @@ def reconcile(kube: Kube, body: dict[str, Any], view: View, config: OperatorConf
 def _context(kube: Kube, spec: DLODeploymentSpec, config: OperatorConfig, memory_bytes: int | None) -> builders.BuildContext:
     """What the builders need beyond the spec: the pinned plan's memory request, the autoscaler kind,
     the config."""
-    keda = None
-    if spec.autoscaling.enabled:
-        installed = kube.has_resource("keda.sh/v1alpha1", "scaledobjects")
-        if spec.autoscaling.engine == "keda":
-            keda = "keda" if installed else None
-        else:
-            keda = "keda" if installed and spec.autoscaling.engine == "auto" else "hpa"
+    keda = spec.autoscaling.enabled and kube.has_resource("keda.sh/v1alpha1", "scaledobjects")
     return builders.BuildContext(
-        cache_root=config.cache_root, memory_bytes=memory_bytes,
-        autoscaler=keda, prometheus_url=config.prometheus_url, monitoring_release=config.monitoring_release)  # type: ignore[arg-type]
+        cache_root=config.cache_root, memory_bytes=memory_bytes, autoscaler=autoscaler_kind(spec, keda),
+        prometheus_url=config.prometheus_url, monitoring_release=config.monitoring_release)
 
 
 AUTOSCALER_KINDS = {"ScaledObject": "keda.sh/v1alpha1", "HorizontalPodAutoscaler": "autoscaling/v2"}

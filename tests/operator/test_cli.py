@@ -167,3 +167,59 @@ def test_render_refuses_typos_in_kubernetes_types_naming_the_field(tmp_path):
     for field in ("spec.engine.resources.limts", "spec.engine.env.0.nmae", "spec.placement.affinity.nodeAfinity"):
         assert f"{field}: unknown field" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def render_file(tmp_path: Path, spec: dict, name: str = "wan", namespace: str = "serving") -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(dlodeployment(name, namespace, spec)))
+    return path
+
+
+def test_render_prints_the_autoscaler_of_the_crds_assumed_installed(tmp_path):
+    spec = {"model": {"path": "/models/wan"}, "autoscaling": {"enabled": True, "maxReplicas": 3}}
+    kinds = [d["kind"] for d in yaml.safe_load_all(dlo("operator", "render", str(render_file(tmp_path, spec))).stdout)]
+    assert kinds[-1] == "HorizontalPodAutoscaler"  # engine auto without KEDA
+    proc = dlo("operator", "render", str(render_file(tmp_path, spec)), "--assume", "keda")
+    (scaled,) = [d for d in yaml.safe_load_all(proc.stdout) if d["kind"] == "ScaledObject"]
+    assert scaled["spec"]["maxReplicaCount"] == 3 and "wan" in scaled["spec"]["triggers"][0]["metadata"]["query"]
+    keda_only = {**spec, "autoscaling": {**spec["autoscaling"], "engine": "keda"}}
+    proc = dlo("operator", "render", str(render_file(tmp_path, keda_only)))
+    assert [d["kind"] for d in yaml.safe_load_all(proc.stdout)][-1] == "StatefulSet"
+    assert "warning: autoscaling.engine keda but KEDA's ScaledObject CRD is not installed" in proc.stderr
+    assert dlo("operator", "render", str(render_file(tmp_path, spec)), "--assume", "hpa").returncode == 2
+
+
+async def test_render_prints_what_the_operator_creates(tmp_path):
+    """The same objects, field for field, as the operator applies on the emulated cluster with the
+    same nodes (profiles), KEDA and the monitoring CRDs installed: the plan's memory request, the
+    monitor and the ScaledObject included."""
+    import kmock
+
+    spec = next(d for d in yaml.safe_load_all(EXAMPLE.read_text()) if d and d["kind"] == "DLODeployment")["spec"]
+    spec = {**spec, "autoscaling": {"enabled": True, "maxReplicas": 3}, "monitoring": {"enabled": True},
+            "videos": {"claimName": "videos"}, "engine": {k: v for k, v in spec["engine"].items() if k != "resources"}}
+    path = render_file(tmp_path, spec)
+    profiles = [str(PROFILES / "h200-node.json"), str(PROFILES / "l4-node.json")]
+    proc = dlo("operator", "render", str(path), "--assume", "keda", *[a for p in profiles for a in ("--profile", p)])
+    assert proc.returncode == 0, proc.stderr
+    rendered = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(proc.stdout)}
+    assert set(k for k, _ in rendered) == {"Service", "PodDisruptionBudget", "StatefulSet", "PodMonitor", "ScaledObject"}
+    async with running_cluster() as cluster:
+        for plural, kind in (("monitoring.coreos.com/v1/podmonitors", "PodMonitor"),
+                             ("keda.sh/v1alpha1/scaledobjects", "ScaledObject")):
+            cluster.emulator.resources[plural] = kmock.ResourceInfo(
+                kind=kind, singular=kind.lower(), namespaced=True, verbs={"get", "list", "watch", "create", "patch"})
+        from dlo.operator.cli import profile_node
+        from dlo.operator.models import parse_spec
+
+        for p in profiles:
+            await cluster.create(profile_node(Path(p), parse_spec(spec)))
+        await cluster.create(dlodeployment("wan", "serving", spec))
+        await cluster.wait(lambda: all(cluster.get(k, "serving", n) for k, n in rendered), what="every object")
+        for (kind, name), want in rendered.items():
+            live = cluster.get(kind, "serving", name)
+            assert live["spec"] == want["spec"], (kind, name)
+            for field in ("labels", "annotations"):
+                assert live["metadata"].get(field) == want["metadata"].get(field), (kind, name, field)
+    engine = rendered[("StatefulSet", "wan")]["spec"]["template"]["spec"]["containers"][0]
+    assert engine["resources"]["requests"]["memory"] != "16Gi"  # the plan's estimate, not 2Gi a rank without facts
