@@ -6,6 +6,9 @@ Owns: one registry (not the process default, so nothing else in the process leak
 - `dlo_operator_reconcile_duration_seconds`: wall time of one reconcile;
 - `dlo_operator_dlodeployments{condition, status}`: DLODeployments by condition type and status,
   from the conditions the operator last wrote for each (forgotten when the resource is deleted);
+- `dlo_operator_dlodeployment_condition{namespace, deployment, condition, status, reason}`: 1 for
+  each condition of each DLODeployment as last written (what the Degraded and FetchFailed alerts
+  select; the chart's ServiceMonitor keeps these labels: honorLabels);
 - `dlo_operator_api_errors_total{code}`: API requests answered with an error (HTTP code; a 404 is
   an answer, not an error) or not answered at all (`code="none"`);
 - `dlo_model_fetch_state{model, state}`: nodes per fetched model (its cache key) and fetch state
@@ -52,15 +55,17 @@ for _result in RESULTS:
 
 
 class _ConditionCollector(Collector):
-    """`dlo_operator_dlodeployments{condition, status}` from the last conditions of each resource."""
+    """`dlo_operator_dlodeployments{condition, status}` and `dlo_operator_dlodeployment_condition`
+    from the last conditions of each resource."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._by_resource: dict[tuple[str, str], dict[str, str]] = {}
+        self._by_resource: dict[tuple[str, str], dict[str, tuple[str, str]]] = {}
 
     def observe(self, namespace: str, name: str, conditions: list[dict[str, Any]]) -> None:
         with self._lock:
-            self._by_resource[(namespace, name)] = {c["type"]: c["status"] for c in conditions if "type" in c}
+            self._by_resource[(namespace, name)] = {c["type"]: (c["status"], c.get("reason", ""))
+                                                    for c in conditions if "type" in c}
 
     def forget(self, namespace: str, name: str) -> None:
         with self._lock:
@@ -68,7 +73,8 @@ class _ConditionCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         with self._lock:
-            tally = Tally((t, s) for conds in self._by_resource.values() for t, s in conds.items())
+            resources = {key: dict(conds) for key, conds in self._by_resource.items()}
+        tally = Tally((t, s) for conds in resources.values() for t, (s, _) in conds.items())
         family = GaugeMetricFamily(
             "dlo_operator_dlodeployments", "DLODeployments by condition type and status", labels=["condition", "status"]
         )
@@ -78,6 +84,13 @@ class _ConditionCollector(Collector):
             for status in CONDITION_STATUSES:
                 family.add_metric([condition, status], tally.get((condition, status), 0))
         yield family
+        each = GaugeMetricFamily(
+            "dlo_operator_dlodeployment_condition", "1 for each condition of each DLODeployment, with its status "
+            "and reason", labels=["namespace", "deployment", "condition", "status", "reason"])
+        for (namespace, name), conds in sorted(resources.items()):
+            for condition, (status, reason) in sorted(conds.items()):
+                each.add_metric([namespace, name, condition, status, reason], 1)
+        yield each
 
 
 CONDITIONS = _ConditionCollector()

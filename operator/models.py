@@ -157,7 +157,9 @@ class ServiceSpec(_Model):
 class MonitoringSpec(_Model):
     """A Prometheus Operator monitor for the engine's /metrics (dlo_* for dlo, vllm:* for vllm-omni)."""
 
-    enabled: bool = Field(False, description="create a PodMonitor/ServiceMonitor (when its CRD exists)")
+    enabled: bool = Field(True, description="create a PodMonitor/ServiceMonitor where its CRD is installed (on by "
+                          "default; off where the chart's podMonitor or another scrape covers the engines: two monitors "
+                          "of one pod scrape it twice)")
     kind: Literal["PodMonitor", "ServiceMonitor"] = Field(
         "PodMonitor", description="PodMonitor (each pod) or ServiceMonitor (through the client Service)"
     )

@@ -117,8 +117,10 @@ def test_monitor_only_when_enabled_and_its_crd_exists():
     assert kinds == ["Service", "Service", "PodDisruptionBudget", "StatefulSet", "PodMonitor"]
     kinds = [o["kind"] for o in builders.build_all(OWNER, spec, "resident", monitor_crd_exists=False)]
     assert "PodMonitor" not in kinds
-    spec = parse_spec(example_spec())
-    assert "PodMonitor" not in [o["kind"] for o in builders.build_all(OWNER, spec, "allgather", True)]
+    spec = parse_spec(example_spec())  # on by default where the CRD is installed
+    assert "PodMonitor" in [o["kind"] for o in builders.build_all(OWNER, spec, "allgather", True)]
+    off = parse_spec({**example_spec(), "monitoring": {"enabled": False}})
+    assert "PodMonitor" not in [o["kind"] for o in builders.build_all(OWNER, off, "allgather", True)]
 
 
 def test_service_monitor_selects_only_the_client_service():

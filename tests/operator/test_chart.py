@@ -23,6 +23,9 @@ VALUES = {
     "minimal": yaml.safe_load((ROOT / "examples" / "values-minimal.yaml").read_text()),
 }
 MONITORING_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+RULE_FILES = sorted((CHART / "rules").glob("*.yaml")) + sorted((CHART / "rules" / "operator").glob("*.yaml"))
+RULE_TESTS = sorted((CHART / "rules" / "tests").glob("*.yaml")) + sorted(
+    (CHART / "rules" / "operator" / "tests").glob("*.yaml"))
 
 
 def render(values, chart: Path = CHART) -> list[dict]:
@@ -400,11 +403,11 @@ def test_rendered_prometheusrule_holds_the_rule_files_and_passes_their_unit_test
     promtool = shutil.which("promtool")
     assert promtool, "promtool is missing (Debian's prometheus package)"
     (rule,) = by_kind(render(VALUES["all-on"]), "PrometheusRule")
-    files = sorted((CHART / "rules").glob("*.yaml"))
+    files = sorted(RULE_FILES, key=lambda f: str(f.relative_to(CHART)))
     assert rule["spec"]["groups"] == [g for f in files for g in yaml.safe_load(f.read_text())["groups"]]
     rendered = tmp_path / "rendered.yaml"
     rendered.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
-    for test_file in sorted((CHART / "rules" / "tests").glob("*.yaml")):
+    for test_file in RULE_TESTS:
         doc = yaml.safe_load(test_file.read_text())
         doc["rule_files"] = [str(rendered)]
         (tmp_path / test_file.name).write_text(yaml.safe_dump(doc))
@@ -483,3 +486,70 @@ def test_render_and_the_chart_agree_on_the_default_engine_image(tmp_path):
     # and the chart's override reaches a rendered spec the same way it reaches the operator
     custom = operator_env(render({"engine": {"image": {"repository": "registry.example.com/dlo", "tag": "1.2.3"}}}))
     assert rendered_image({**env, DEFAULT_IMAGE_ENV: custom[DEFAULT_IMAGE_ENV]}) == "registry.example.com/dlo:1.2.3"
+
+
+def test_monitoring_switches_are_on_where_the_crds_are_installed():
+    """serviceMonitor and prometheusRule default to auto: made where the monitoring.coreos.com CRDs
+    are installed (.Capabilities), never without them; true and false force. The Helm SDK renders
+    offline (no monitoring CRDs), so the helper is also rendered with both answers."""
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert (values["serviceMonitor"]["enabled"], values["prometheusRule"]["enabled"]) == ("auto", "auto")
+    assert values["podMonitor"]["enabled"] is False  # each DLODeployment's own monitor is on instead
+    offline = render(None)
+    assert not [o for o in offline if o["kind"] in MONITORING_KINDS]
+    forced = render({"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}})
+    assert {o["kind"] for o in forced if o["kind"] in MONITORING_KINDS} == {"ServiceMonitor", "PrometheusRule"}
+    assert "No ServiceMonitor was created" in notes(None) and "No ServiceMonitor" not in notes(
+        {"serviceMonitor": {"enabled": True}})
+    probe = ('{{- range $e := list true false "auto" }}{{ range $h := list true false }}'
+             '{{ $e }}/{{ $h }}={{ include "dlo.monitoringOn" (dict "enabled" $e "has" $h) }};{{ end }}{{ end }}')
+    answers = _render_probe(probe)
+    assert answers == {"true/true": "true", "true/false": "true", "false/true": "", "false/false": "",
+                       "auto/true": "true", "auto/false": ""}
+
+
+def _render_probe(template: str) -> dict[str, str]:
+    """A copy of the chart with one more template, rendered: `key=value;` pairs."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        copy = Path(d) / "dlo"
+        shutil.copytree(CHART, copy)
+        (copy / "templates" / "probe.txt").write_text(template)
+        out = helm.Chart.load(str(copy)).render(None, name="dlo", namespace="dlo-system")
+    text = next(v for k, v in out.items() if k.endswith("probe.txt"))
+    return dict(pair.split("=", 1) for pair in text.strip().rstrip(";").split(";"))
+
+
+def test_operator_alerts_have_unit_tests_runbooks_and_series_the_operator_serves():
+    """The alerts on the operator's own metrics (rules/operator/): a promtool unit test each, a runbook
+    section each, and every dlo_operator_* selector names a series and labels a real operator serves
+    (the chart's ServiceMonitor adds job; honorLabels keeps the series' namespace)."""
+    import re
+
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from dlo.operator import metrics
+
+    alerts = [r for f in (CHART / "rules" / "operator").glob("*.yaml") for g in yaml.safe_load(f.read_text())["groups"]
+              for r in g["rules"]]
+    assert {a["alert"] for a in alerts} == {"DLODeploymentDegraded", "DLOModelFetchFailed"}
+    tested = {t["alertname"] for f in (CHART / "rules" / "operator" / "tests").glob("*.yaml")
+              for case in yaml.safe_load(f.read_text())["tests"] for t in case["alert_rule_test"] if t["exp_alerts"]}
+    assert tested == {a["alert"] for a in alerts}
+    headings = set(re.findall(r"^## (\w+)$", (ROOT / "docs" / "runbooks.md").read_text(), re.M))
+    for a in alerts:
+        assert a["annotations"]["runbook_url"].endswith("#" + a["alert"].lower()) and a["alert"] in headings
+    metrics.CONDITIONS.observe("serving", "probe", [{"type": "Degraded", "status": "True", "reason": "NodeLost"}])
+    try:
+        served = {s.name: set(s.labels) for fam in text_string_to_metric_families(generate_latest(metrics.REGISTRY)
+                                                                                  .decode()) for s in fam.samples}
+    finally:
+        metrics.CONDITIONS.forget("serving", "probe")
+    for a in alerts:
+        for name, matchers in re.findall(r"\b(dlo_operator_\w+)\{([^}]*)\}", a["expr"]):
+            labels = set(re.findall(r"(\w+)=", matchers)) - {"job"}
+            assert name in served and labels <= served[name], (a["alert"], name, labels)
+    sm = named(render({"serviceMonitor": {"enabled": True}}), "ServiceMonitor", "dlo-operator")
+    assert sm["spec"]["endpoints"][0]["honorLabels"] is True

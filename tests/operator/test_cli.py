@@ -39,7 +39,9 @@ def test_render_prints_every_object_as_a_yaml_stream():
     proc = dlo("operator", "render", str(EXAMPLE))
     assert proc.returncode == 0, proc.stderr
     kinds = [d["kind"] for d in yaml.safe_load_all(proc.stdout)]
-    assert kinds == ["Service", "Service", "PodDisruptionBudget", "StatefulSet"]
+    assert kinds == ["Service", "Service", "PodDisruptionBudget", "StatefulSet", "PodMonitor"]  # monitoring: default on
+    proc = dlo("operator", "render", str(EXAMPLE), "--no-monitoring-crd")
+    assert [d["kind"] for d in yaml.safe_load_all(proc.stdout)][-1] == "StatefulSet"
     assert "wan: mode allgather" in proc.stderr and "no eligible node" in proc.stderr
 
 
@@ -184,7 +186,7 @@ def test_render_prints_the_autoscaler_of_the_crds_assumed_installed(tmp_path):
     assert scaled["spec"]["maxReplicaCount"] == 3 and "wan" in scaled["spec"]["triggers"][0]["metadata"]["query"]
     keda_only = {**spec, "autoscaling": {**spec["autoscaling"], "engine": "keda"}}
     proc = dlo("operator", "render", str(render_file(tmp_path, keda_only)))
-    assert [d["kind"] for d in yaml.safe_load_all(proc.stdout)][-1] == "StatefulSet"
+    assert not {"ScaledObject", "HorizontalPodAutoscaler"} & {d["kind"] for d in yaml.safe_load_all(proc.stdout)}
     assert "warning: autoscaling.engine keda but KEDA's ScaledObject CRD is not installed" in proc.stderr
     assert dlo("operator", "render", str(render_file(tmp_path, spec)), "--assume", "hpa").returncode == 2
 

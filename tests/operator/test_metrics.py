@@ -50,9 +50,14 @@ def test_conditions_are_counted_per_resource_and_forgotten():
     metrics.CONDITIONS.observe("ns", "a", [{"type": "Ready", "status": "True"}])  # the same resource again
     metrics.CONDITIONS.observe("ns", "b", [{"type": "Ready", "status": "False"}])
     assert value("dlo_operator_dlodeployments", condition="Ready", status="True") == before + 1
+    assert value("dlo_operator_dlodeployment_condition", namespace="ns", deployment="b", condition="Ready",
+                 status="False", reason="") == 1
     metrics.CONDITIONS.forget("ns", "a")
     metrics.CONDITIONS.forget("ns", "b")
     assert value("dlo_operator_dlodeployments", condition="Ready", status="True") == before
+    with pytest.raises(KeyError):
+        value("dlo_operator_dlodeployment_condition", namespace="ns", deployment="b", condition="Ready",
+              status="False", reason="")
 
 
 def test_an_unanswered_api_request_counts_as_an_api_error():
@@ -77,6 +82,9 @@ async def test_reconciles_are_counted_and_timed_and_a_deleted_resource_leaves_th
                            what="both results counted")
         assert value("dlo_operator_reconcile_duration_seconds_count") >= before_count + 2
         await cluster.wait(lambda: ("m", "bad") in metrics.CONDITIONS._by_resource, what="bad observed")
-        assert metrics.CONDITIONS._by_resource[("m", "bad")]["Degraded"] == "True"
+        assert metrics.CONDITIONS._by_resource[("m", "bad")]["Degraded"] == ("True", "InvalidSpec")
+        # what the Degraded alert selects: one series a condition of each resource, with its reason
+        assert value("dlo_operator_dlodeployment_condition", namespace="m", deployment="bad", condition="Degraded",
+                     status="True", reason="InvalidSpec") == 1
         assert await cluster.delete_dlod("m", "bad")
         await cluster.wait(lambda: ("m", "bad") not in metrics.CONDITIONS._by_resource, what="bad forgotten")

@@ -128,3 +128,21 @@ release: {{ . | quote }}
 {{ toYaml . }}
 {{- end }}
 {{- end -}}
+
+{{- /* "true" where a monitoring object is made, else "": its `enabled` is true (always), false (never)
+or "auto" (where the Prometheus Operator's CRD is installed: `has`, from .Capabilities; `helm
+template` without a cluster needs --api-versions monitoring.coreos.com/v1/<Kind>).
+dict "enabled" .Values.<x>.enabled "has" (.Capabilities.APIVersions.Has "monitoring.coreos.com/v1/<Kind>") */}}
+{{- define "dlo.monitoringOn" -}}
+{{- $enabled := toString .enabled -}}
+{{- if or (eq $enabled "true") (and (eq $enabled "auto") .has) -}}true{{- end -}}
+{{- end -}}
+
+{{- /* The three monitoring switches resolved, as a dict of "true" or "": serviceMonitor, podMonitor,
+prometheusRule. */}}
+{{- define "dlo.monitoring" -}}
+{{- $v1 := .Capabilities.APIVersions -}}
+serviceMonitor: {{ include "dlo.monitoringOn" (dict "enabled" .Values.serviceMonitor.enabled "has" ($v1.Has "monitoring.coreos.com/v1/ServiceMonitor")) | quote }}
+podMonitor: {{ include "dlo.monitoringOn" (dict "enabled" .Values.podMonitor.enabled "has" ($v1.Has "monitoring.coreos.com/v1/PodMonitor")) | quote }}
+prometheusRule: {{ include "dlo.monitoringOn" (dict "enabled" .Values.prometheusRule.enabled "has" ($v1.Has "monitoring.coreos.com/v1/PrometheusRule")) | quote }}
+{{- end -}}
