@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "make-random-model": ("engine", "write a full-size pipeline folder (real configs and shapes, random weights)"),
     "make-random-lora": ("engine", "write a LoRA adapter with random weights for a model folder (--rank R)"),
     "quantize": ("engine", "write a pipeline folder whose transformers stream FP8 weights (dlo serve --stream-dtype fp8)"),
+    "fuse-lora": ("engine", "write a model folder with a LoRA adapter merged into its weights (MODEL ADAPTER[:SCALE] DST)"),
     "demo": ("serving", "the README's main job: tiny model, 2 CPU ranks, one wave, PNGs"),
     "calibrate": ("engine", "measure H2D and collective bandwidth; write a profile fragment"),
     "agent": ("agent", "node agent: /metrics, /profile, /health"),

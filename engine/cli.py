@@ -1,5 +1,5 @@
 """Subcommands owned by the engine: `make-tiny-model`, `make-random-model`, `make-random-lora`,
-`quantize`, `calibrate`.
+`quantize`, `fuse-lora`, `calibrate`.
 
 Each subcommand's implementation module is imported only when that subcommand runs.
 
@@ -15,6 +15,7 @@ _MODULES = {
     "make-random-model": "dlo.engine.random_model",
     "make-random-lora": "dlo.engine.random_lora",
     "quantize": "dlo.engine.fp8_folder",
+    "fuse-lora": "dlo.engine.fuse_lora",
     "calibrate": "dlo.engine.calibrate",
 }
 

@@ -5,10 +5,11 @@ e4m3 with a float32 scale per output row beside each (`dlo.engine.fp8`), served 
 Owns: the subcommand (`add_arguments`, `main`) and `quantize_folder`: the transformers rewritten
 (same files and sharding, each weight the rule picks replaced by its FP8 bytes and its scale added
 beside it; the values from `dlo.engine.quantize`), every other component and file hard-linked
-(copied across filesystems), written into `DST.partial` and renamed when complete. `DST.partial` is
-made with the marker of `dlo.delivery.owned`: a later run removes it only when it carries that
-marker and the run that made it is gone (a killed run's; there is nothing to resume), and refuses
-one without it; SRC and DST (or `DST.partial`) inside one another are refused (`check_paths`).
+(copied across filesystems), written into `DST.partial` and renamed when complete (the steps of
+`dlo.engine.staged_folder`). `DST.partial` is made with the marker of `dlo.delivery.owned`: a later
+run removes it only when it carries that marker and the run that made it is gone (a killed run's;
+there is nothing to resume), and refuses one without it; SRC and DST (or `DST.partial`) inside one
+another are refused (`check_paths`).
 Must never: write into or delete SRC, delete a folder it did not make, leave a half-written DST,
 quantize what `dlo.engine.fp8.quantizable` leaves out, or import torch before the arguments and
 SRC's headers are checked (a bad argument is a one-line exit 2 at once).
@@ -18,52 +19,30 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
 import sys
 from pathlib import Path
 from typing import Any, Iterable
 
-from dlo.delivery.owned import MARKER, NotMarked, make_marked, maker_alive, marker_of, remove_marked
 from dlo.engine.fp8 import CONVERTIBLE, SCALE_SUFFIX, quantizable, stored_weights
+from dlo.engine.staged_folder import (
+    FolderError,
+    check_free,
+    check_paths,
+    claim,
+    link_or_copy,
+    link_rest,
+    progress_bar,
+    publish,
+    staging_folder,
+)
 
 MAKER = "dlo quantize"
 
 
-class QuantizeError(ValueError):
+class QuantizeError(FolderError):
     """Input `dlo quantize` refuses: the message names the argument and what to do."""
-
-
-def staging_folder(dst: Path) -> Path:
-    """Where DST is written before its rename: `DST.partial` beside it."""
-    return dst.with_name(dst.name + ".partial")
-
-
-def check_paths(src: Path, dst: Path) -> None:
-    """Refuse SRC and DST (both resolved) that overlap: SRC equal to or inside DST or `DST.partial`
-    (the staging folder is made anew: SRC would be deleted), or DST inside SRC (SRC written into)."""
-    partial = staging_folder(dst)
-    linked = Path(os.path.realpath(partial))  # where a link named DST.partial leads
-    for other, what in ((dst, "DST"), (partial, "DST's staging folder"), (linked, "DST's staging folder")):
-        if src == other or other in src.parents:
-            raise QuantizeError(f"SRC {src} is or lies inside {what} {other}; choose a DST outside SRC")
-    if src in dst.parents:
-        raise QuantizeError(f"DST {dst} lies inside SRC {src}; choose a folder outside it")
-
-
-def _claim(partial: Path, src: Path) -> None:
-    """Make `partial` this run's: an earlier run's (our marker, its process gone) is removed first;
-    one another run is writing, or that dlo quantize did not make, is refused."""
-    found = marker_of(partial)
-    if found is not None and found["made_by"] == MAKER and maker_alive(found):
-        raise QuantizeError(f"{partial} is being written by another dlo quantize (pid {found.get('pid')}); wait for "
-                            "it to end or choose another DST")
-    try:
-        remove_marked(partial, MAKER)
-    except NotMarked as e:
-        raise QuantizeError(str(e)) from None
-    make_marked(partial, MAKER, src=str(src))
 
 
 def quantize_folder(src: Path, dst: Path, *, show_progress: bool = True) -> dict:
@@ -83,23 +62,17 @@ def quantize_folder(src: Path, dst: Path, *, show_progress: bool = True) -> dict
             raise QuantizeError(f"SRC {src}: {name} already holds FP8 weights")
     need = sum(_fp8_bytes(c, src / name) for name, c in ckpts.items())
     partial = staging_folder(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(dst.parent).free
-    if need > free:
-        raise QuantizeError(f"DST {dst}: the FP8 transformers need {need / 2**30:.2f} GiB and "
-                            f"{free / 2**30:.2f} GiB are free on its filesystem")
-    _claim(partial, src)
+    check_free(dst, need, "the FP8 transformers")
+    claim(partial, MAKER, src=str(src))  # a killed run's is removed: there is nothing to resume
     try:
-        bar = _bar(sum(c.nbytes for c in ckpts.values()), show_progress)
+        bar = progress_bar(sum(c.nbytes for c in ckpts.values()), show_progress, "quantize")
         counts = {name: _write_component(ckpt, src / name, partial / name, bar) for name, ckpt in ckpts.items()}
         bar.close()
-        linked = _link_rest(src, partial, set(ckpts))
-        os.sync()
-        partial.rename(dst)  # an empty DST is replaced
+        linked = link_rest(src, partial, set(ckpts))
+        publish(partial, dst)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)  # made by this run, just above
         raise
-    (dst / MARKER).unlink(missing_ok=True)
     return {"path": str(dst), "dtype": "fp8", "quantized_weights": counts, "bytes": need, "linked": linked}
 
 
@@ -164,34 +137,8 @@ def _write_component(ckpt: Any, src: Path, dst: Path, bar: Any) -> int:
     write_safetensors(dst, specs, stem=stem, fill=fill, cut_after=cut)
     for extra in src.iterdir():  # config.json and anything that is no weight
         if extra.is_file() and not extra.name.endswith((".safetensors", ".safetensors.index.json")):
-            _link_or_copy(extra, dst / extra.name)
+            link_or_copy(extra, dst / extra.name)
     return len(chosen)
-
-
-def _link_rest(src: Path, dst: Path, done: set[str]) -> int:
-    """Every other file of SRC at the same place in DST: hard links (no bytes) or copies."""
-    n = 0
-    for path in sorted(src.rglob("*")):
-        rel = path.relative_to(src)
-        if rel.parts[0] in done or path.is_dir() or rel.as_posix() == MARKER:
-            continue
-        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
-        _link_or_copy(path, dst / rel)
-        n += 1
-    return n
-
-
-def _link_or_copy(src: Path, dst: Path) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:  # another filesystem, or links refused: a copy
-        shutil.copy2(src, dst)
-
-
-def _bar(total: int, show: bool) -> Any:
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="B", unit_scale=True, desc="quantize", disable=not show)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -210,7 +157,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     try:
         summary = quantize_folder(args.src, args.dst, show_progress=not args.no_progress)
-    except (QuantizeError, OSError) as e:
+    except (FolderError, OSError) as e:
         print(f"dlo quantize: {e}", file=sys.stderr)
         return 2
     print(json.dumps(summary))

@@ -157,6 +157,8 @@ ENGINE_ROWS: list[tuple[list[str], str]] = [
     (["quantize", "{tmp}/empty", "{tmp}/new-q", "--dtype", "fp8"], "SRC {tmp}/empty: not a pipeline folder"),
     (["quantize", "{tmp}/model", "{tmp}/model/q", "--dtype", "fp8"], "lies inside SRC"),
     (["quantize", "{tmp}/model", "{tmp}/model", "--dtype", "fp8"], "{tmp}/model exists and is not an empty folder"),
+    (["fuse-lora", "{tmp}/model", "{tmp}/model:abc", "{tmp}/new-fused"], "SCALE 'abc' must be a finite number"),
+    (["fuse-lora", "{tmp}/model", "{tmp}/missing:0.5", "{tmp}/new-fused"], "{tmp}/missing: no such file or folder"),
     (["calibrate", "--ranks", "0"], "--ranks: must be at least 1 (got 0)"),
     (["calibrate", "--mib", "x"], "--mib: 'x' is not an integer"),
     (["demo", "--dp", "0"], "--dp: must be at least 1 (got 0)"),
