@@ -96,7 +96,7 @@ def _is_truncated(path: Path) -> bool:
                 return True
             raw = f.read(header_len)
         header = json.loads(raw.decode("utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return False
     if not isinstance(header, dict):
         return False
@@ -113,7 +113,7 @@ def _index_error(index: Path) -> ModelError | None:
         doc = json.loads(index.read_text())
     except OSError as e:
         return ModelError.of("unreadable", f"{index}: cannot read: {e.strerror or e}")
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         return ModelError.of("bad_index", f"{index}: not JSON: {e}")
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -133,7 +133,7 @@ def _config_error(root: Path) -> ModelError | None:
         doc = json.loads(config.read_text())
     except OSError as e:
         return ModelError.of("unreadable", f"{config}: cannot read: {e.strerror or e}")
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         return ModelError.of("no_config", f"{config}: not JSON: {e}")
     return _config_shape_error(config, doc)
 

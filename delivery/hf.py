@@ -8,7 +8,8 @@ staged file is hashed and compared. Files from the cache are hard-linked into th
 where the file system allows (no second copy), else copied.
 The library's download runs under the fetch's `Guard` (its deadline and stall bound: bytes counted
 as they land in the staging folder).
-Must never: download outside `snapshot_download` (its resumable transfer and auth are the
+Must never: take a folder the local cache's `refs/` file names as a snapshot unless it is a commit
+folder of the repo's own `snapshots/`, download outside `snapshot_download` (its resumable transfer and auth are the
 library's), or publish a file whose hash differs from the one the cache or the Hub vouches for.
 """
 
@@ -16,13 +17,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import threading
 from pathlib import Path
 from typing import Any
 
 from dlo.delivery.deadline import Guard
-from dlo.delivery.errors import FetchError
+from dlo.delivery.errors import FetchError, SourceRefused
 from dlo.delivery.paths import path_under
 from dlo.delivery.pipeline import SourceFile
 from dlo.delivery.progress import Progress
@@ -31,6 +33,7 @@ from dlo.delivery.uri import ModelURI
 
 DEFAULT_CONCURRENCY = 8
 _CHUNK = 8 << 20
+_COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
 def _translate(e: Exception, where: str) -> FetchError:
@@ -97,7 +100,21 @@ class HFSource:
         except (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled, errors.IncompleteSnapshotError,
                 FileNotFoundError):
             return None
-        return Path(str(path))
+        return self._own_snapshot(Path(str(path)))
+
+    def _own_snapshot(self, path: Path) -> Path:
+        """`path` when it is a commit folder of this repo's own `snapshots/` in the cache; else
+        SourceRefused (the library read the folder's name from the local `refs/<revision>` file, which
+        may hold any path)."""
+        from huggingface_hub import constants
+
+        root = Path(self.cache_dir or constants.HF_HUB_CACHE)
+        snapshots = root / f"models--{self.uri.path.replace('/', '--')}" / "snapshots"
+        if path.parent != snapshots or not _COMMIT.fullmatch(path.name) or path.is_symlink():
+            raise SourceRefused(f"{self.uri}: the local Hugging Face cache resolves revision {self.uri.revision!r} to "
+                                f"{str(path)[:200]!r}, not a commit folder of {snapshots}: its refs/ file holds a path; "
+                                "remove it, or fetch another revision", reason="invalid")
+        return path
 
     def listing(self) -> list[SourceFile]:
         self.snapshot = self.cached_snapshot()

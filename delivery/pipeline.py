@@ -82,6 +82,8 @@ def _json_object(where: str, path: str, read_json: Callable[[str], object]) -> d
         data = read_json(path)
     except (OSError, ValueError) as e:
         raise SourceRefused(f"{where}: {path} is not readable JSON ({e})") from None
+    except RecursionError:
+        raise SourceRefused(f"{where}: {path} nests too deeply to be a pipeline's JSON") from None
     if not isinstance(data, dict):
         raise SourceRefused(f"{where}: {path} is not a JSON object")
     return data

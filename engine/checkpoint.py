@@ -6,21 +6,25 @@ file (the OS page cache: N ranks on a node cost one copy of the model); the one 
 (`read_json_config`) and the per-process parse cache (`cached_checkpoint`: a folder's headers are
 parsed once per process, again only when its files change).
 Must never: import torch at module import (the agent and operator use this module), copy tensor
-data, or let a malformed file through as anything but `CheckpointError` naming the file and key.
+data, or let a malformed file through as anything but `CheckpointError` naming the file and key (a
+FIFO or another non-regular file named like a checkpoint, a header nested past the parser's stack,
+a key given twice: refused at once, never a hang or a traceback).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import mmap
 import os
+import stat
 import struct
 import threading
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, BinaryIO, Iterable, Mapping
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -68,11 +72,51 @@ def _fail(path: Path, message: str, key: str | None = None) -> CheckpointError:
     return CheckpointError(path, message, key)
 
 
+def open_regular(path: Path, *, follow_links: bool = True) -> BinaryIO:
+    """`path` opened for reading at once (O_NONBLOCK: a FIFO never blocks the open); OSError unless
+    it is a regular file (a FIFO, a socket or a device named `*.safetensors` would hang a read) or,
+    with `follow_links=False`, when `path` itself is a symbolic link (O_NOFOLLOW)."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_links else os.O_NOFOLLOW)
+    fd = os.open(path, flags)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a FIFO" if stat.S_ISFIFO(mode) else "a folder" if stat.S_ISDIR(mode) else "a special file"
+            raise OSError(errno.EINVAL, f"{kind}, not a regular file: refused without reading it")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict; a key given twice is refused (safetensors refuses it too, and
+    the first or the last would each be another file)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {key!r} appears twice")
+        out[key] = value
+    return out
+
+
+def _parse_header_json(path: Path, raw: bytes) -> Any:
+    """A header's JSON: CheckpointError for what is not UTF-8 JSON, repeats a key, or nests deeper
+    than the parser's stack (a hostile header; a real one nests three deep)."""
+    try:
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise _fail(path, f"header is not valid UTF-8 JSON: {e}") from e
+    except RecursionError:
+        raise _fail(path, "header nests too deeply to be a safetensors header") from None
+
+
 def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Parse and validate one safetensors file's header; return its tensors and metadata."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise _fail(path, f"truncated file: {size} bytes, a safetensors file needs at least 8")
@@ -84,10 +128,7 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
             raw = f.read(header_len)
     except OSError as e:
         raise _fail(path, f"cannot read: {e.strerror or e}") from e
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _fail(path, f"header is not valid UTF-8 JSON: {e}") from e
+    header = _parse_header_json(path, raw)
     if not isinstance(header, dict):
         raise _fail(path, f"header must be a JSON object, got {type(header).__name__}")
     data_start = 8 + header_len
@@ -142,9 +183,12 @@ def read_json_config(path: Path | str) -> dict[str, Any]:
     object, or `CheckpointError` naming the file."""
     path = Path(path)
     try:
-        config = json.loads(path.read_text())
+        with open_regular(path) as f:
+            config = json.loads(f.read().decode("utf-8"))
     except (OSError, ValueError) as e:
         raise CheckpointError(path, f"unreadable model config: {e}") from e
+    except RecursionError:
+        raise CheckpointError(path, "unreadable model config: it nests too deeply") from None
     if not isinstance(config, dict):
         raise CheckpointError(path, "a model config must be a JSON object")
     return config
@@ -227,7 +271,7 @@ class Checkpoint:
     def _scan_index(self, index: Path) -> tuple[list[Path], dict[str, TensorInfo]]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
             raise CheckpointError(index, f"unreadable index (needs a 'weight_map' object): {e}") from e
         if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()

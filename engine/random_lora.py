@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import time
 from dataclasses import dataclass
@@ -119,6 +120,19 @@ def _kohya(layers: dict[str, tuple[int, int, Any]]) -> list[Pair]:
     return out
 
 
+def _check_rank_and_alpha(rank: int, alpha: float, chosen: list[Pair]) -> None:
+    """ValueError (one line) before anything is allocated: a rank above a targeted layer's smaller
+    dimension, or an alpha that is not finite or beyond what the start check of `dlo serve` takes."""
+    from dlo.engine.lora.limits import MAX_ABS_ALPHA
+
+    smallest = min(min(p.in_features, p.out_features) for p in chosen)
+    if rank > smallest:
+        raise ValueError(f"--rank {rank} exceeds {smallest}, the smaller dimension of a targeted layer (a LoRA's "
+                         "rank is at most that)")
+    if not math.isfinite(alpha) or abs(alpha) > MAX_ABS_ALPHA:
+        raise ValueError(f"--alpha {alpha:g} must be a finite number between -{MAX_ABS_ALPHA:g} and {MAX_ABS_ALPHA:g}")
+
+
 def write_adapter(model_dir: Path, out: Path, *, rank: int, alpha: float | None = None, seed: int = 0,
                   targets: str = "blocks", fmt: str = "diffusers", dtype: str = "auto",
                   show_progress: bool = False) -> dict:
@@ -134,6 +148,7 @@ def write_adapter(model_dir: Path, out: Path, *, rank: int, alpha: float | None 
         raise ValueError(f"{transformer_dir}: no linear layers in the blocks of {class_name}")
     alpha = float(rank if alpha is None else alpha)
     chosen = pairs(fmt, layers)
+    _check_rank_and_alpha(rank, alpha, chosen)
     layer_dtype = next(iter(layers.values()))[2]
     wdtype = layer_dtype if dtype == "auto" else getattr(torch, dtype)
     specs: list[tuple[str, Any, tuple[int, ...]]] = []

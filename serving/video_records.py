@@ -8,8 +8,8 @@ new one, never half of one, and a rename survives a power cut) and `remove_durab
 fsync of the folder; an error is raised, never swallowed, so a delete that did not happen is never
 answered as done); and the folder's safety: `private_folder` (made with mode 0700, refused when
 it is a link, another user's or open to others: the default folder outside a pod), `read_record`
-and `open_regular` (never through a symbolic link, never anything but a regular file, a record
-read up to `MAX_RECORD_BYTES`) and `regular_file`.
+(through `dlo.engine.checkpoint.open_regular`: never through a symbolic link, never anything but a
+regular file, at most `MAX_RECORD_BYTES`) and `regular_file`.
 Must never: trust a file name it did not make (ids are checked before they touch a folder), follow
 a link planted in the folder, or speak HTTP.
 """
@@ -23,7 +23,9 @@ import stat
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import Any, Literal
+
+from dlo.engine.checkpoint import open_regular
 
 VideoStatus = Literal["queued", "in_progress", "completed", "failed"]
 FINISHED = ("completed", "failed")
@@ -139,23 +141,10 @@ def private_folder(path: Path) -> Path:
     return path
 
 
-def open_regular(path: Path) -> BinaryIO:
-    """`path` opened for reading, never through a symbolic link (OSError) nor when it is anything but
-    a regular file (a FIFO, a device: OSError, at once)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path} is not a regular file")
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-
-
 def read_record(path: Path) -> bytes:
-    """A record's bytes (`open_regular`; ValueError past `MAX_RECORD_BYTES`)."""
-    with open_regular(path) as f:
+    """A record's bytes, never through a link nor from anything but a regular file (OSError), nor past
+    `MAX_RECORD_BYTES` (ValueError)."""
+    with open_regular(path, follow_links=False) as f:
         data = f.read(MAX_RECORD_BYTES + 1)
     if len(data) > MAX_RECORD_BYTES:
         raise ValueError(f"{path} is larger than a video record may be ({MAX_RECORD_BYTES} bytes)")

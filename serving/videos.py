@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import BinaryIO, Callable, Literal
 
 from dlo.delivery.paths import path_under
+from dlo.engine.checkpoint import open_regular
 
 from dlo.serving.errors import (
     VideoElsewhere,
@@ -54,7 +55,6 @@ from dlo.serving.video_records import (
     POD,
     VideoJob,
     VideoStatus,
-    open_regular,
     pod_of,
     private_folder,
     read_record,
@@ -217,7 +217,7 @@ class VideoStore:
         or not a regular file): what is opened streams whole even if the job expires meanwhile."""
         path = self.content_path(video_id)
         try:
-            return open_regular(path)
+            return open_regular(path, follow_links=False)
         except OSError:
             raise VideoNotFound(f"no video file for {video_id!r}") from None
 

@@ -5,7 +5,8 @@ chosen as diffusers' loader chooses it, `pytorch_lora_weights.safetensors` first
 diffusers 0.42 + peft 0.21 apply (`PeftRule`: the file's `lora_adapter_metadata`, else Flux's
 `.alpha` keys, else alpha = rank, i.e. scale 1.0), the check of one adapter's keys and shapes
 against the transformer's checkpoint (`plan_adapter`: every refusal an `AdapterError` naming the
-file and the key), and what the memory plan counts for them (`rank_device_bytes`, the merges'
+file and the key; a rank above its layer's dimensions, an alpha or a pattern `dlo.engine.lora.limits`
+refuses, among them), and what the memory plan counts for them (`rank_device_bytes`, the merges'
 bytes). `check_adapters`, what `dlo serve` runs before any rank starts, is `dlo.engine.lora.check`'s.
 Must never: import torch at module import, or accept what diffusers + peft would load differently
 (a peft folder, DoRA/LoKr, text-encoder keys, a metadata rank that disagrees with the tensors, bias
@@ -250,6 +251,11 @@ def plan_adapter(entry: AdapterEntry, shapes: Mapping[str, tuple[int, ...]], dty
         rule = PeftRule.from_metadata(metadata, path)
     else:
         rule = PeftRule.from_tensors(ranks, alphas, any("lora_B.bias" in p for p in parts.values()))
+    from dlo.engine.lora.limits import check_alpha, check_patterns
+
+    check_alpha(path, [rule.lora_alpha, *rule.alpha_pattern.values()])
+    for field_name, patterns in (("rank_pattern", rule.rank_pattern), ("alpha_pattern", rule.alpha_pattern)):
+        check_patterns(path, field_name, patterns, parts)  # before any `re` match of them runs
     modules = tuple(_module_plan(path, module, p, ranks[module], rule, weights) for module, p in parts.items())
     return AdapterPlan(entry.name, path, modules, rule)
 
@@ -273,6 +279,9 @@ def _module_plan(path: Path, module: str, p: Mapping[str, tuple[int, ...]], rank
     if len(base.shape) != 2:
         raise AdapterError(path, f"module {module}: not a linear layer (its weight is {list(base.shape)})")
     out_f, in_f = base.shape
+    if rank > min(in_f, out_f):
+        raise AdapterError(path, f"module {module}: rank {rank} exceeds the layer's {in_f} inputs or {out_f} outputs "
+                                 "(a LoRA's rank is at most the smaller)")
     if p["lora_A.weight"][1] != in_f or p["lora_B.weight"][0] != out_f:
         raise AdapterError(path, f"module {module}: lora_A {list(p['lora_A.weight'])} and lora_B "
                                  f"{list(p['lora_B.weight'])} do not fit the layer's {in_f} inputs and {out_f} outputs")

@@ -1,12 +1,13 @@
 """Every adapter of a `--lora-dir` checked against the model before any rank starts.
 
 Owns: `check_adapters` (what `dlo serve` runs at start: each adapter of the folder planned against
-the pipeline's transformer, the first that does not fit refused with an `AdapterError` naming its
-file). A diffusers-format file is read as its header alone (`dlo.engine.lora.adapters`); any other
+the pipeline's transformer, its values read once and checked (`dlo.engine.lora.limits`), the first
+that does not fit refused with an `AdapterError` naming its file). A diffusers-format file is read as its header alone (`dlo.engine.lora.adapters`); any other
 goes through the family's diffusers converter (`dlo.engine.lora.weights.read_adapter`, imported
 only for such a file: it imports torch).
 Must never: import torch at module import (`dlo serve` checks adapters before any rank starts), or
-load an adapter's tensors where its header alone decides.
+load an adapter's tensors into torch where its header alone decides (the value check streams them
+through numpy a chunk at a time).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dlo.engine.checkpoint import CheckpointError, cached_checkpoint, read_header
+from dlo.engine.lora.limits import check_values
 from dlo.engine.lora.adapters import (
     AdapterError,
     AdapterPlan,
@@ -36,8 +38,11 @@ def check_adapters(lora_dir: Path | str, model_dir: Path | str, pipeline_class: 
     for entry in find_adapters(lora_dir):
         try:
             tensors, header_metadata = read_header(entry.path)
+            check_values(entry.path, tensors)
         except CheckpointError as e:
             raise AdapterError(entry.path, f"not a readable safetensors file: {e}") from None
+        except OSError as e:
+            raise AdapterError(entry.path, f"cannot read: {e.strerror or e}") from None
         if passes_through(tensors):
             shapes = {k: t.shape for k, t in tensors.items()}
             dtypes = {k: t.dtype for k, t in tensors.items()}

@@ -75,14 +75,14 @@ def test_unknown_dtype_is_a_bad_header(tmp_path: Path) -> None:
 def test_unreadable_file_is_unreadable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     folder = write_wan_folder(tmp_path / "m")
     target = folder / WEIGHTS
-    real_open = open
+    from dlo.engine.checkpoint import open_regular as real_open
 
     def denying_open(file, *args, **kwargs):  # as a file mode 000 is to a non-root reader
         if Path(file) == target:
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(file))
         return real_open(file, *args, **kwargs)
 
-    monkeypatch.setattr("dlo.engine.checkpoint.open", denying_open, raising=False)
+    monkeypatch.setattr("dlo.engine.checkpoint.open_regular", denying_open)
     err = check_folder(folder)
     assert err is not None and err.reason == "unreadable" and "Permission denied" in err.message
 

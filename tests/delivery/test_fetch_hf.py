@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 
+from dlo.delivery.errors import SourceRefused
 from dlo.delivery.fetch import FetchOptions, model_folder
 from dlo.delivery.progress import Progress
 from dlo.delivery.staging import staging_dir
 from tests.delivery.conftest import dlo_fetch, files_of, result_of
+from tests.delivery.test_fetch_hostile import one_line
 
 REPO = "dlo-tests/tiny-wan"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -117,3 +120,26 @@ def test_a_repo_missing_from_the_cache_offline_is_a_clear_error(hf_cache, tmp_pa
     assert proc.returncode == 1
     assert "not_found:" in proc.stderr and "HF_HUB_OFFLINE" in proc.stderr
     assert not dest.exists() and not staging_dir(dest).exists()
+
+
+@pytest.mark.parametrize("ref", ["relative", "absolute"])
+def test_a_local_ref_that_holds_a_path_is_refused_not_followed(hf_cache, tiny_model, tmp_path, ref, monkeypatch):
+    """`refs/<revision>` in the local cache is a commit hash; one holding a path (a planted file)
+    must not make another folder the model `dlo serve` serves in place, or `dlo fetch` copies."""
+    outside = tmp_path / "outside"
+    shutil.copytree(tiny_model, outside)
+    (outside / "planted.txt").write_text("not the model's")
+    repo = hf_cache / f"models--{REPO.replace('/', '--')}"
+    target = os.path.relpath(outside, repo / "snapshots") if ref == "relative" else str(outside)
+    (repo / "refs" / "evil").write_text(target)
+    dest = tmp_path / "models" / "tiny"
+    proc = dlo_fetch(f"hf://{REPO}@evil", str(dest), env=offline(hf_cache))
+    assert proc.returncode == 2, proc.stderr
+    line = one_line(proc.stderr)
+    assert line.startswith("dlo fetch: invalid: ") and "refs/ file holds a path" in line, line
+    assert not dest.exists()
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(SourceRefused, match="refs/ file holds a path"):  # `dlo serve hf://...@evil`
+        model_folder(f"hf://{REPO}@evil", tmp_path / "dlo-cache", Progress("none"), FetchOptions(hf_cache=hf_cache))
