@@ -61,6 +61,13 @@ class _Extensions(BaseModel):
                                                  "(peft's scale: 0 the base model, 1 as trained; default 1)")
     user: str | None = Field(None, description="accepted for OpenAI compatibility; unused")
 
+    @field_validator("guidance_scale", "lora_scale", mode="before")
+    @classmethod
+    def _a_number_not_a_flag(cls, v: Any) -> Any:
+        if isinstance(v, bool):  # JSON true is no scale (pydantic would take it as 1.0)
+            raise ValueError("must be a number, not true or false")
+        return v
+
     @field_validator("prompt", "negative_prompt")
     @classmethod
     def _unicode_text(cls, v: str | None) -> str | None:
@@ -206,7 +213,7 @@ def _adapter(req: _Extensions, model_id: str, adapters: Collection[str]) -> dict
         if named is None:
             raise _bad("lora_scale needs an adapter (lora, or model MODEL:NAME)", "lora_scale")
         if abs(req.lora_scale) > MAX_LORA_SCALE:
-            raise _bad(f"lora_scale must be between -{MAX_LORA_SCALE:g} and {MAX_LORA_SCALE:g}, got {req.lora_scale:g}",
+            raise _bad(f"lora_scale must be between -{MAX_LORA_SCALE:g} and {MAX_LORA_SCALE:g}, got {req.lora_scale!r}",
                        "lora_scale")
     return {"lora_id": named, "lora_scale": float(req.lora_scale if req.lora_scale is not None else 1.0)}
 

@@ -160,7 +160,8 @@ def _add_api_arguments(group: argparse._ArgumentGroup) -> None:
     # -- video jobs (dlo.serving.videos) --
     group.add_argument("--video-dir", type=Path, default=None,
                        help=_unset("folder keeping finished videos and job records across restarts (an emptyDir "
-                                   "in a pod); unset: dlo-videos-PORT under the system temp dir"))
+                                   "in a pod); unset: dlo-<uid>/videos-PORT under the system temp dir, made with mode 0700 "
+                                   "and refused when another user owns it"))
     group.add_argument("--video-ttl", type=float, default=3600.0,
                        help="seconds a finished video job and its MP4 are kept (expires_at = finish + TTL)")
 

@@ -293,13 +293,10 @@ def _add_video_routes(app: FastAPI, engine: Engine) -> None:
     @app.get("/v1/videos/{video_id}/content", summary="The MP4 of a completed video job",
              responses={200: {"content": {"video/mp4": {}}}})
     async def video_content(video_id: str, variant: str = "video") -> Response:
-        path = engine.videos.content_path(video_id)
+        engine.videos.content_path(video_id)  # an unknown or unfinished job: its error before the variant's
         if variant != "video":
             raise ApiError(400, f"variant {variant!r} is not available; only \"video\"", "variant", "invalid_value")
-        try:  # opened now: a job that expires or is deleted while it streams still streams whole
-            f = open(path, "rb")
-        except FileNotFoundError:
-            raise VideoNotFound(f"no video job {video_id!r}") from None
+        f = engine.videos.open_content(video_id)  # opened now, never through a link: streams whole if it expires
         size = os.fstat(f.fileno()).st_size
 
         def chunks() -> Iterator[bytes]:

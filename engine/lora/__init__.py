@@ -15,8 +15,9 @@ file through the family's diffusers loader; the branch tensors), `bank` (the ada
 and their hooks), `merge` (a request's adapter merged into the weight a layer computes with, per
 call), `merge_steps` (peft's two torch steps: the bytes every merge gives), `merge_kernel` (the same
 in one Triton pass on cuda), `ahead` (the next streamed layer's merge on a side stream),
-`block_merges` (a streamed block's merges kept for CFG pairs' second lane). `dlo make-random-lora`
-is `dlo.engine.random_lora`.
+`block_merges` (a streamed block's merges kept for CFG pairs' second lane), `limits` (the values,
+alphas and patterns an adapter may hold: refused at the start check), `errors` (`AdapterError`).
+`dlo make-random-lora` is `dlo.engine.random_lora`.
 Must never: import peft (diffusers imports it whenever it is installed: the engine image has none),
 write into a model weight or a slot, keep a hook after the request that installed it, or import
 torch at package import (`dlo serve` checks adapters before any rank starts).

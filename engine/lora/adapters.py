@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from dlo.engine.checkpoint import TensorInfo
+from dlo.engine.lora.errors import AdapterError
 
 PREFIX = "transformer."  # diffusers' `transformer_name` for every family
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
@@ -38,14 +39,6 @@ _NOT_WEIGHTS = ("scheduler", "optimizer", "checkpoint")
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _KEY = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A\.weight|lora_B\.weight|lora_B\.bias)$")
 _FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
-
-
-class AdapterError(ValueError):
-    """An adapter that cannot be served as diffusers would load it; the message names the file."""
-
-    def __init__(self, path: Path | str, message: str):
-        self.path = str(path)
-        super().__init__(f"{path}: {message}")
 
 
 @dataclass(frozen=True)

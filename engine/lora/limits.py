@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dlo.engine.checkpoint import TensorInfo, open_regular
-from dlo.engine.lora.adapters import AdapterError
+from dlo.engine.lora.errors import AdapterError
 
 MAX_ABS_WEIGHT = 1e3  # trained LoRA factors are well below 1; past this the merge overflows half precision
 MAX_ABS_ALPHA = 1e4  # lora_alpha (scale alpha / r); a larger one drowns the model as surely

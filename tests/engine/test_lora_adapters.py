@@ -260,11 +260,24 @@ def test_a_request_chooses_its_adapter_by_model_id_or_lora_and_bad_choices_are_4
         ({"model": "tiny:style-a", "lora": "style-b"}, 400, "lora", "name different adapters"),
         ({"lora_scale": 0.5}, 400, "lora_scale", "lora_scale needs an adapter"),
         ({"lora": "style-a", "lora_scale": 11.0}, 400, "lora_scale", "between -10 and 10"),
+        ({"lora": "style-a", "lora_scale": 10.0000001}, 400, "lora_scale", "got 10.0000001"),  # not "got 10"
         ({"model": "other:style-a"}, 404, "model", "is not served here"),
     ]:
         with pytest.raises(ApiError) as e:
             _request(**fields)
         assert (e.value.status, e.value.param) == (status, param) and fragment in e.value.message
+
+
+def test_a_flag_is_no_scale():
+    """JSON `true` for lora_scale or guidance_scale is refused (pydantic alone takes it as 1.0)."""
+    from pydantic import ValidationError
+
+    from dlo.serving.api_models import ImageGenerationRequest
+
+    for field in ("lora_scale", "guidance_scale"):
+        with pytest.raises(ValidationError, match="must be a number, not true or false"):
+            ImageGenerationRequest(prompt="a cat", **{field: True})
+        assert getattr(ImageGenerationRequest(prompt="a cat", **{field: 2}), field) == 2.0  # an integer is a number
 
 
 def test_lora_settings_travel_to_the_ranks_whole():

@@ -5,9 +5,11 @@ can end (result, domain error, unexpected error) finishes the job."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
+from dlo.engine.families.pipelines import PipelineFamily
 from dlo.serving.control import RankConfig, RankStats, Result
 from dlo.serving.errors import EngineFailed, QueueFull
 from dlo.plan.limits import Limits
@@ -26,7 +28,8 @@ def _engine(tmp_path, max_queue: int) -> Engine:
                      control_port=1)
     store = VideoStore(tmp_path / "videos", ttl_s=60, pod="wan-0")
     store.load()
-    engine = Engine(cfg, limits=Limits(), facts=None, model_id="tiny", videos=store,  # type: ignore[arg-type]
+    facts = SimpleNamespace(adapter=PipelineFamily())  # the family's decode rule is all a submit reads
+    engine = Engine(cfg, limits=Limits(), facts=facts, model_id="tiny", videos=store,  # type: ignore[arg-type]
                     options=EngineOptions(progress_timeout_s=10, max_queue=max_queue, wave_window_ms=1))
     engine._loop = asyncio.get_running_loop()
     engine._queue = WaveQueue(1, 0.001, max_queue)
