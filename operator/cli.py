@@ -201,7 +201,7 @@ def _run_parser() -> Parser:
     parser = Parser(
         prog="dlo operator run",
         description="Run the DLODeployment operator (kopf) against the current cluster: in-cluster "
-        "service account, else the current kubeconfig context. Run one replica.",
+        "service account, else the current kubeconfig context. One replica, or several with --leader-elect.",
     )
     scope = parser.add_mutually_exclusive_group()
     scope.add_argument("--namespace", "-n", action="append", default=[], type=_namespace,
@@ -235,6 +235,12 @@ def _run_parser() -> Parser:
     parser.add_argument("--monitoring-release", default="",
                         help="label the monitors the operator creates release=VALUE (kube-prometheus-stack's "
                              "release name selects them)")
+    parser.add_argument("--leader-elect", action="store_true",
+                        help="take a coordination.k8s.io Lease before reconciling, so that several replicas run: "
+                             "one leads, the others stand by and one takes over within 15 s of its death")
+    parser.add_argument("--lease-name", default="dlo-operator", help="the Lease's name (default %(default)s)")
+    parser.add_argument("--lease-namespace", default="",
+                        help="the Lease's namespace (default: $POD_NAMESPACE, else the service account's)")
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     return parser
 
@@ -257,18 +263,57 @@ def _run(argv: list[str]) -> int:
     import kopf
 
     from dlo.operator import handlers, metrics
+    from dlo.operator.kube import Kube
 
     if args.metrics_port:
         metrics.serve(args.metrics_port)
+    memo = kopf.Memo(kube=Kube.from_environment())
 
-    kopf.run(
-        registry=handlers.registry(config),
-        standalone=True,
-        clusterwide=not args.namespace,
-        namespaces=args.namespace,
-        liveness_endpoint=args.liveness or None,
-    )
-    return 0
+    def operate(halt: Any = None) -> None:
+        kopf.run(registry=handlers.registry(config), standalone=True, clusterwide=not args.namespace,
+                 namespaces=args.namespace, liveness_endpoint=args.liveness or None, memo=memo,
+                 stop_flag=halt)
+
+    if not args.leader_elect:
+        operate()
+        return 0
+    return _lead(args, memo.kube, operate)
+
+
+def _lead(args: argparse.Namespace, kube: Any, operate: Any) -> int:
+    """Stand by until this replica holds the lease, then operate; exit 1 when the lease is lost
+    (the pod restarts as a standby)."""
+    import signal
+    import threading
+
+    from dlo.operator import leader
+    from dlo.operator.kube import Kube
+
+    lease_kube = Kube.from_environment()
+    lease_kube.user_agent = "dlo-operator-lease"
+    elector = leader.Elector(lease_kube, leader.LeaseSettings(
+        identity=leader.identity(), name=args.lease_name, namespace=args.lease_namespace or leader.lease_namespace()))
+    kube.fence = elector.fenced
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    health = leader.serve_standby_health(args.liveness)
+
+    def lead_now(halt: threading.Event) -> None:
+        if health is not None:
+            health.shutdown()
+            health.server_close()
+        # kopf in a thread of its own, stopped by `halt` alone: the signals stay this thread's (a
+        # SIGTERM sets `stop`, and `lead` halts kopf and releases the lease)
+        kopf_thread = threading.Thread(target=operate, args=(halt,), name="kopf", daemon=True)
+        kopf_thread.start()
+        while kopf_thread.is_alive():
+            kopf_thread.join(0.5)
+
+    if leader.lead(elector, lead_now, stop):
+        return 0
+    print("dlo operator run: lost the lease: exiting so that this pod restarts as a standby", file=sys.stderr)
+    return 1
 
 
 _OPERATOR_USAGE = """usage: dlo operator {run,render} [options]

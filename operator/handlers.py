@@ -3,14 +3,13 @@
 Owns: `registry(config)`, the kopf registry `dlo operator run` and the tests start: startup
 settings, indexes of the nodes, of the dlo pods (engine and fetch) and of the fetch Jobs (kept by
 kopf from watch streams: no reconcile lists them), event handlers that wake the reconcile of the
-DLODeployment a change concerns (its spec, its pods, its Jobs; every one for a node change), and a
-daemon per DLODeployment that runs `reconcile.run` when woken, or after `status_interval` when
-nothing changed (a resync), and after `retry_seconds` when a round failed.
+DLODeployment a change concerns (its spec, its pods, its Jobs; every one for a node change), the
+start and end of each resource's loop (`loops`: no kopf daemon, so no finalizer; kopf's finalizer of
+earlier versions is removed), and the round it runs: `reconcile.run` over what the indexes hold.
 Must never: build manifests or decide anything itself (`reconcile`, `builders`, `modes`,
 `delivery`), block the event loop (the reconcile runs in a thread, on a copy of what the indexes
 hold), or import torch.
 """
-
 from __future__ import annotations
 
 import asyncio
@@ -23,14 +22,15 @@ import kopf
 from dlo.operator import metrics, node_loss
 from dlo.operator.builders import COMPONENT, INSTANCE, PART_OF
 from dlo.operator.config import OperatorConfig
-from dlo.operator.kube import Kube
-from dlo.operator.models import GROUP, PLURAL, VERSION
+from dlo.operator.kube import Kube, KubeError
+from dlo.operator.loops import Key, Loops, Round
+from dlo.operator.models import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from dlo.operator.reconcile import View, run
 
 log = logging.getLogger(__name__)
 RESOURCE = (GROUP, VERSION, PLURAL)
 NODE_FIELDS = ("labels", "annotations")
-WAIT_POLL_S = 0.5  # how often a waiting reconcile loop looks at its stop flag
+KOPF_FINALIZER = "kopf.zalando.org/KopfFinalizerMarker"  # what kopf's daemon of earlier versions added
 
 
 def plain(value: Any) -> Any:
@@ -40,29 +40,6 @@ def plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [plain(v) for v in value]
     return value
-
-
-class Wakeups:
-    """One asyncio.Event per DLODeployment, set by the watch handlers, awaited by its loop."""
-
-    def __init__(self) -> None:
-        self._events: dict[tuple[str, str], asyncio.Event] = {}
-        self.generations: dict[tuple[str, str], Any] = {}
-
-    def event(self, namespace: str, name: str) -> asyncio.Event:
-        return self._events.setdefault((namespace, name), asyncio.Event())
-
-    def wake(self, namespace: str | None, name: str | None) -> None:
-        if namespace and name:
-            self.event(namespace, name).set()
-
-    def wake_all(self) -> None:
-        for event in self._events.values():
-            event.set()
-
-    def forget(self, namespace: str, name: str) -> None:
-        self._events.pop((namespace, name), None)
-        self.generations.pop((namespace, name), None)
 
 
 def _node_summary(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -88,7 +65,7 @@ def registry(config: OperatorConfig, login: bool = True) -> kopf.OperatorRegistr
     reg = kopf.OperatorRegistry()
     if login:
         kopf.on.login(id="login", registry=reg)(kopf.login_via_client)
-    wakeups = Wakeups()
+    loops = Loops(config)
     dlo_labels = {PART_OF: "dlo"}
 
     @kopf.on.startup(id="configure", registry=reg)
@@ -100,6 +77,10 @@ def registry(config: OperatorConfig, login: bool = True) -> kopf.OperatorRegistr
         settings.watching.server_timeout = 300
         if getattr(memo, "kube", None) is None:
             memo.kube = Kube.from_environment()
+
+    @kopf.on.cleanup(id="stop_loops", registry=reg)
+    async def stop_loops(**_: Any) -> None:
+        await loops.stop()
 
     @kopf.index("v1", "nodes", id="nodes", registry=reg)
     def nodes(name: str, body: kopf.Body, **_: Any) -> dict[str, Any]:
@@ -116,52 +97,54 @@ def registry(config: OperatorConfig, login: bool = True) -> kopf.OperatorRegistr
     @kopf.on.event("v1", "pods", labels=dlo_labels, id="pod_changed", registry=reg)
     @kopf.on.event("batch", "v1", "jobs", labels={**dlo_labels, COMPONENT: "fetch"}, id="job_changed", registry=reg)
     def child_changed(namespace: str, labels: kopf.Labels, **_: Any) -> None:
-        wakeups.wake(namespace, _owner_of(labels))
+        owner = _owner_of(labels)
+        if namespace and owner:
+            loops.wake((namespace, owner))
 
     @kopf.on.event("v1", "nodes", id="node_changed", registry=reg)
     def node_changed(event: kopf.RawEvent, **_: Any) -> None:
-        wakeups.wake_all()  # a node's labels, profile or capacity change what any resource may do
+        loops.wake_all()  # a node's labels, profile or capacity change what any resource may do
 
     @kopf.on.event(*RESOURCE, id="observe", registry=reg)
-    def observe(event: kopf.RawEvent, **_: Any) -> None:
-        """Wake a resource's loop when its spec changes (its generation), and forget a deleted one."""
-        meta = event["object"]["metadata"]
+    async def observe(event: kopf.RawEvent, memo: kopf.Memo, nodes: kopf.Index, dlo_pods: kopf.Index,
+                      fetch_jobs: kopf.Index, **_: Any) -> None:
+        """Start a resource's loop on its first event and wake it when its spec changes (its
+        generation); end it when the resource is deleted."""
+        obj = event["object"]
+        meta = obj["metadata"]
         key = (meta.get("namespace", ""), meta["name"])
+        if loops.round is None:
+            loops.round = _round(memo, config, nodes, dlo_pods, fetch_jobs)
         if event.get("type") == "DELETED":
             metrics.CONDITIONS.forget(*key)
             metrics.FETCHES.forget(*key)
-            wakeups.forget(*key)
-        elif wakeups.generations.get(key) != meta.get("generation"):
-            wakeups.generations[key] = meta.get("generation")
-            wakeups.wake(*key)
-
-    @kopf.daemon(*RESOURCE, id="reconcile", registry=reg, cancellation_polling=WAIT_POLL_S)
-    async def reconcile_loop(name: str, namespace: str, body: kopf.Body, stopped: kopf.DaemonStopped,
-                             memo: kopf.Memo, nodes: kopf.Index, dlo_pods: kopf.Index, fetch_jobs: kopf.Index,
-                             **_: Any) -> None:
-        wake = wakeups.event(namespace, name)
-        while not stopped:
-            wake.clear()
-            view = View(nodes=[plain(n) for store in nodes.values() for n in store],
-                        pods=[p for p in dlo_pods.get((namespace, name), [])],
-                        all_pods=[p for store in dlo_pods.values() for p in store],
-                        jobs=[j for j in fetch_jobs.get((namespace, name), [])],
-                        all_jobs=[j for store in fetch_jobs.values() for j in store])
-            ok = await asyncio.to_thread(run, memo.kube, plain(body), view, config)
-            delay = config.status_interval if ok else config.retry_seconds
-            await _sleep_until_woken(wake, stopped, delay)
+            await loops.forget(key)
+            return
+        if KOPF_FINALIZER in (meta.get("finalizers") or []):
+            await asyncio.to_thread(_drop_kopf_finalizer, memo.kube, key, list(meta["finalizers"]))
+        loops.seen(key, plain(obj))
 
     return reg
 
 
-async def _sleep_until_woken(wake: asyncio.Event, stopped: kopf.DaemonStopped, delay: float) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + delay
-    while not stopped and not wake.is_set():
-        left = deadline - loop.time()
-        if left <= 0:
-            return
-        try:
-            await asyncio.wait_for(wake.wait(), timeout=min(left, WAIT_POLL_S))
-        except TimeoutError:
-            continue
+def _round(memo: kopf.Memo, config: OperatorConfig, nodes: kopf.Index, dlo_pods: kopf.Index,
+           fetch_jobs: kopf.Index) -> Round:
+    """One reconcile of a resource over what kopf's indexes hold (live: read at each round)."""
+    async def reconcile_once(key: Key, body: dict[str, Any]) -> bool:
+        view = View(nodes=[plain(n) for store in nodes.values() for n in store],
+                    pods=[p for p in dlo_pods.get(key, [])],
+                    all_pods=[p for store in dlo_pods.values() for p in store],
+                    jobs=[j for j in fetch_jobs.get(key, [])],
+                    all_jobs=[j for store in fetch_jobs.values() for j in store])
+        return await asyncio.to_thread(run, memo.kube, body, view, config)
+    return reconcile_once
+
+
+def _drop_kopf_finalizer(kube: Kube, key: Key, finalizers: list[str]) -> None:
+    """The finalizer kopf added for the daemon of earlier versions: nothing needs it now, and it
+    would make a deletion wait on a running operator."""
+    try:
+        kube.remove_finalizer(API_VERSION, KIND, key[0], key[1], KOPF_FINALIZER, finalizers)
+        log.info("removed kopf's finalizer resource=%s/%s", *key)
+    except KubeError as e:
+        log.warning("could not remove kopf's finalizer resource=%s/%s: %s", *key, e)

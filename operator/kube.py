@@ -8,7 +8,7 @@ so a server that ignores them cannot widen a listing. Failed requests are counte
 `metrics.API_ERRORS`.
 Must never: decide what to create (that is `builders`) or hold state beyond the connection, the
 resourceVersions it last applied (to tell a changed object from an unchanged one) and discovery
-answers (a minute).
+answers (a minute); write once its `fence` is set (a leader that lost its lease).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ PLURALS = {
     "ScaledObject": "scaledobjects",
     "DLODeployment": "dlodeployments",
     "CustomResourceDefinition": "customresourcedefinitions",
+    "Lease": "leases",
 }
 CLUSTER_SCOPED = {"Node", "CustomResourceDefinition"}
 USER_AGENT = "dlo-operator"
@@ -94,6 +95,9 @@ class Kube:
         self._applied: dict[str, str] = {}  # object path -> resourceVersion of its last apply
         self._discovered: dict[tuple[str, str], tuple[float, bool]] = {}
         self._lock = threading.Lock()
+        # Set when this replica lost the leader election (`leader.Elector.fenced`): every write is
+        # refused from then on, so a deposed leader never writes after another took over.
+        self.fence: threading.Event | None = None
 
     @classmethod
     def from_environment(cls) -> Kube:
@@ -113,6 +117,8 @@ class Kube:
     def call(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
              query: list | None = None, accept: str = "application/json") -> tuple[int, bytes]:
         """One request; (status, raw body). Raises KubeError for an error answer."""
+        if self.fence is not None and self.fence.is_set() and method != "GET":
+            raise KubeError(0, method, path, "not the leader any more (the lease was lost): no writes")
         headers = {"Accept": accept, "User-Agent": self.user_agent}
         if body is not None:
             headers["Content-Type"] = content_type
@@ -179,6 +185,15 @@ class Kube:
               subresource: str = "") -> dict[str, Any]:
         path = _path(api_version, kind, namespace, name) + (f"/{subresource}" if subresource else "")
         return self.request("PATCH", path, body=patch, content_type="application/merge-patch+json")
+
+    def remove_finalizer(self, api_version: str, kind: str, namespace: str | None, name: str, finalizer: str,
+                         finalizers: list[str]) -> None:
+        """Drop `finalizer` from the object's finalizers as read (`finalizers`): a JSON patch whose
+        test fails (409/422) when another writer changed them since, instead of dropping theirs."""
+        patch = [{"op": "test", "path": "/metadata/finalizers", "value": finalizers},
+                 {"op": "replace", "path": "/metadata/finalizers", "value": [f for f in finalizers if f != finalizer]}]
+        self.request("PATCH", _path(api_version, kind, namespace, name), body=patch,
+                     content_type="application/json-patch+json")
 
     def delete(self, api_version: str, kind: str, namespace: str | None, name: str,
                propagation: str | None = None, uid: str | None = None, grace_seconds: int | None = None) -> bool:

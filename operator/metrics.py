@@ -9,6 +9,7 @@ Owns: one registry (not the process default, so nothing else in the process leak
 - `dlo_operator_dlodeployment_condition{namespace, deployment, condition, status, reason}`: 1 for
   each condition of each DLODeployment as last written (what the Degraded and FetchFailed alerts
   select; the chart's ServiceMonitor keeps these labels: honorLabels);
+- `dlo_operator_leading`: 1 while this replica holds the lease (leader election) and reconciles;
 - `dlo_operator_api_errors_total{code}`: API requests answered with an error (HTTP code; a 404 is
   an answer, not an error) or not answered at all (`code="none"`);
 - `dlo_model_fetch_state{model, state}`: nodes per fetched model (its cache key) and fetch state
@@ -25,7 +26,7 @@ from collections import Counter as Tally
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -50,6 +51,8 @@ API_ERRORS = Counter(
     ["code"],
     registry=REGISTRY,
 )
+LEADING = Gauge("dlo_operator_leading", "1 while this operator replica holds the lease and reconciles, else 0",
+                registry=REGISTRY)
 for _result in RESULTS:
     RECONCILES.labels(_result)  # every series exists from the start: rate() sees the first one
 

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import kmock
@@ -22,19 +22,32 @@ import kopf
 from controllers import JobController, NodeLifecycle, Scheduler, StatefulSetController, collect_garbage
 from dlo.operator import handlers
 from dlo.operator.config import OperatorConfig
-from dlo.operator.kube import Kube
+from dlo.operator.kube import USER_AGENT, Kube
+from dlo.operator.leader import Elector, LeaseSettings, lead
 from dlo.operator.models import API_VERSION, GROUP, KIND, PLURAL, SINGULAR, VERSION
 from emulator import Emulator, live_objects
 
-__all__ = ["Cluster", "Emulator", "TEST_CONFIG", "dlodeployment", "live_objects", "running_cluster"]
+__all__ = ["Cluster", "Emulator", "Operator", "TEST_CONFIG", "dlodeployment", "live_objects", "running_cluster"]
 
 TEST_CONFIG = OperatorConfig(status_interval=1.0, fetch_retry_seconds=2.0)
 TEST_CLIENT_AGENT = "dlo-tests"  # the test's own requests, told apart from the operator's
 
 
+@dataclass
+class Operator:
+    """One operator replica in its thread: its stop flag, its client and, with leader election,
+    its elector (`led`: what `leader.lead` returned, None while it runs)."""
+
+    thread: threading.Thread
+    stop: threading.Event
+    kube: Kube
+    elector: Elector | None = None
+    led: bool | None = None
+
+
 class Cluster:
-    """The emulator, a client for the test, and the operator's thread (stop and start it again
-    to play an operator restart)."""
+    """The emulator, a client for the test, and the operators' threads (stop and start one again
+    to play an operator restart; start two with leader election to play a failover)."""
 
     def __init__(self, emulator: Emulator, kube_timeout: float | None = None,
                  config: OperatorConfig = TEST_CONFIG) -> None:
@@ -44,39 +57,60 @@ class Cluster:
         self.kube_timeout = kube_timeout
         self.config = config
         self.failures: list[BaseException] = []
-        self._operator: tuple[threading.Thread, threading.Event] | None = None
+        self.operators: dict[str, Operator] = {}
 
-    def start_operator(self) -> None:
-        assert self._operator is None, "the operator runs already"
+    def start_operator(self, identity: str = "", lease: LeaseSettings | None = None) -> Operator:
+        """The operator in a thread; `identity`: one replica with leader election (its client's user
+        agent `dlo-operator/<identity>`, its elector's `dlo-operator-lease/<identity>`)."""
+        assert identity not in self.operators, f"the operator {identity!r} runs already"
         stop = threading.Event()
         timeout = {} if self.kube_timeout is None else {"timeout": self.kube_timeout}
-        memo = kopf.Memo(kube=Kube.for_url(str(self.emulator.url), **timeout))
-        registry = handlers.registry(self.config, login=False)
         url = str(self.emulator.url)
+        kube = Kube.for_url(url, **timeout)
+        memo = kopf.Memo(kube=kube)
+        registry = handlers.registry(self.config, login=False)
 
         @kopf.on.login(registry=registry)
         def _login(**_: Any) -> kopf.ConnectionInfo:
             return kopf.ConnectionInfo(server=url)
 
-        def operate() -> None:
+        def operate(halt: threading.Event) -> None:
+            kopf.run(registry=registry, standalone=True, clusterwide=True, stop_flag=halt, memo=memo)
+
+        elector = None
+        if identity:
+            kube.user_agent = f"{USER_AGENT}/{identity}"
+            lease_kube = Kube.for_url(url)
+            lease_kube.user_agent = f"{USER_AGENT}-lease/{identity}"
+            elector = Elector(lease_kube, lease or LeaseSettings(identity=identity, namespace="dlo-system"))
+            kube.fence = elector.fenced
+        replica = Operator(threading.Thread(target=lambda: None), stop, kube, elector)
+
+        def run() -> None:
             try:
-                kopf.run(registry=registry, standalone=True, clusterwide=True, stop_flag=stop, memo=memo)
+                if elector is None:
+                    operate(stop)
+                else:
+                    replica.led = lead(elector, operate, stop)
             except BaseException as e:  # surfaced by running_cluster
                 self.failures.append(e)
 
-        thread = threading.Thread(target=operate, name="operator", daemon=True)
-        thread.start()
-        self._operator = (thread, stop)
+        replica.thread = threading.Thread(target=run, name=f"operator {identity}".strip(), daemon=True)
+        replica.thread.start()
+        self.operators[identity] = replica
+        return replica
 
-    async def stop_operator(self) -> None:
-        """Stop the operator and wait for its thread, serving its last requests meanwhile."""
-        if self._operator is None:
+    async def stop_operator(self, identity: str = "", crash: bool = False) -> None:
+        """Stop an operator and wait for its thread, serving its last requests meanwhile; `crash`:
+        it leaves its lease to expire, as a killed process does."""
+        replica = self.operators.pop(identity, None)
+        if replica is None:
             return
-        thread, stop = self._operator
-        stop.set()
-        while thread.is_alive():
+        if crash and replica.elector is not None:
+            replica.elector.releases = False
+        replica.stop.set()
+        while replica.thread.is_alive():
             await asyncio.sleep(0.1)
-        self._operator = None
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         # The emulator serves on this loop: blocking client calls go to a thread.
@@ -170,7 +204,8 @@ async def running_cluster(with_statefulset_controller: bool = True, ready_when: 
         try:
             yield cluster
         finally:
-            await cluster.stop_operator()  # keep serving kopf's last requests while it stops
+            for identity in list(cluster.operators):  # keep serving kopf's last requests while they stop
+                await cluster.stop_operator(identity)
             for task in tasks:
                 task.cancel()
             results = await asyncio.gather(*tasks, return_exceptions=True)

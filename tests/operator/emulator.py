@@ -9,7 +9,8 @@
 - merge patches that change nothing are no writes either;
 - pod logs (`pods/NAME/log`): served from what `logs` holds for the pod (the local kubelet
   registers its containers' log files);
-- a stale JSON-patch test answers 422 (kmock: 500);
+- a stale JSON-patch test answers 422 (kmock: 500), and a merge patch naming another
+  `metadata.resourceVersion` than the object's answers 409 (optimistic concurrency: the leases);
 - a DELETE whose `preconditions.uid` is not the object's answers 409 and deletes nothing (kmock
   ignores the body);
 - graceful pod deletion where no kubelet confirms it: a pod bound to a node whose Ready condition
@@ -104,6 +105,11 @@ class Emulator(kmock.KubernetesEmulator):
                 return answer
         elif request.action == kmock.action.UPDATE and isinstance(request.data, dict) and request.name:
             current = self.current(request)
+            wanted = (request.data.get("metadata") or {}).get("resourceVersion")
+            if current is not None and wanted and wanted != current["metadata"].get("resourceVersion"):
+                raise kmock.KubernetesError(status=409, reason="Conflict", message=(
+                    "Operation cannot be fulfilled: the object has been modified; please apply your changes to "
+                    "the latest version and try again"))
             if current is not None and merge(current, request.data) == current:
                 return aiohttp.web.json_response(current)  # a no-op patch: no write, no event
         self._assign_metadata(request)

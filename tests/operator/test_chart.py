@@ -63,13 +63,42 @@ def test_rendered_builtin_objects_are_strictly_valid(case):
 def test_default_values_render_operator_and_agent_without_monitors():
     objs = render(None)
     kinds = sorted({o["kind"] for o in objs} - {"ConfigMap"})
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "DaemonSet", "Deployment", "Service", "ServiceAccount"]
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "DaemonSet", "Deployment", "PodDisruptionBudget", "Role",
+                     "RoleBinding", "Service", "ServiceAccount"]
     # one dashboard ConfigMap per dashboards/*.json shipped in the chart (dashboards are on by default)
     assert len(by_kind(objs, "ConfigMap")) == len(list((CHART / "dashboards").glob("*.json")))
     (deploy,) = by_kind(objs, "Deployment")
-    assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"] == {"type": "Recreate"}
     args = deploy["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[:2] == ["operator", "run"] and not any(a.startswith("--namespace") for a in args)
+
+
+def test_two_operator_replicas_by_default_with_leader_election():
+    """Two replicas, the one holding the Lease reconciles (`--leader-elect`, the Lease named after the
+    release's operator, in its namespace from the downward API); a rollout starts the standby first;
+    the replicas spread over nodes and a drain keeps one; the Role grants the lease and nothing else."""
+    objs = render(None)
+    (deploy,) = by_kind(objs, "Deployment")
+    assert deploy["spec"]["replicas"] == 2
+    assert deploy["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    pod = deploy["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert "--leader-elect" in container["args"] and "--lease-name=dlo-operator" in container["args"]
+    env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in container["env"]}
+    assert env["POD_NAME"] == "metadata.name" and env["POD_NAMESPACE"] == "metadata.namespace"
+    (spread,) = pod["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname" and spread["whenUnsatisfiable"] == "ScheduleAnyway"
+    pdb = named(objs, "PodDisruptionBudget", "dlo-operator")
+    assert pdb["spec"]["minAvailable"] == 1
+    assert all(deploy["spec"]["template"]["metadata"]["labels"][k] == v
+               for k, v in pdb["spec"]["selector"]["matchLabels"].items())
+    role = named(objs, "Role", "dlo-operator-lease")
+    assert role["metadata"]["namespace"] == "dlo-system" and role["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "patch"]}]
+    binding = named(objs, "RoleBinding", "dlo-operator-lease")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "dlo-operator", "namespace": "dlo-system"}]
+    one = render({"operator": {"replicas": 1}})
+    assert not by_kind(one, "PodDisruptionBudget") and "topologySpreadConstraints" not in by_kind(
+        one, "Deployment")[0]["spec"]["template"]["spec"]
 
 
 def test_all_on_renders_monitors_namespaces_and_agent_options():

@@ -20,9 +20,10 @@ def test_agent_runs_on_accelerator_nodes_only_by_default_and_everywhere_when_ask
 
 def test_watched_namespaces_get_roles_and_the_cluster_role_keeps_only_cluster_wide_rules():
     objs = render({"operator": {"watchNamespaces": ["serving", "staging"]}})
-    roles = {r["metadata"]["namespace"]: r for r in by_kind(objs, "Role")}
+    roles = {r["metadata"]["namespace"]: r for r in by_kind(objs, "Role") if r["metadata"]["name"] == "dlo-operator"}
     assert set(roles) == {"serving", "staging"}
-    bindings = {b["metadata"]["namespace"]: b for b in by_kind(objs, "RoleBinding")}
+    bindings = {b["metadata"]["namespace"]: b for b in by_kind(objs, "RoleBinding")
+                if b["metadata"]["name"] == "dlo-operator"}
     assert bindings["serving"]["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
                                               "name": "dlo-operator"}
     assert bindings["serving"]["subjects"] == [{"kind": "ServiceAccount", "name": "dlo-operator",

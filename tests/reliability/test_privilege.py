@@ -52,7 +52,7 @@ CLUSTER_RULES = {
     ("", "namespaces", "list"), ("", "namespaces", "watch"),
 }
 NAMESPACED_RULES = {
-    # kopf: list + watch the resource, patch its annotations (progress) and status.
+    # kopf: list + watch the resource; patch: its status, and the finalizer of earlier versions removed.
     ("dlo.dev", "dlodeployments", "list"), ("dlo.dev", "dlodeployments", "watch"),
     ("dlo.dev", "dlodeployments", "patch"), ("dlo.dev", "dlodeployments/status", "patch"),
     # blockOwnerDeletion on the children's owner references (an admission check, no API call).
@@ -71,9 +71,12 @@ NAMESPACED_RULES = {
     ("", "events", "create"), ("", "events", "list"),
 }
 OPERATOR_RULES = CLUSTER_RULES | NAMESPACED_RULES
+# Leader election, in the release namespace only (Role <release>-operator-lease).
+LEASE_RULES = {("coordination.k8s.io", "leases", v) for v in ("get", "create", "patch")}
 # Allowed but not called in the emulated lifecycle, and why.
 UNUSED_BY_DESIGN = {
     ("dlo.dev", "dlodeployments/finalizers", "update"): "authorises blockOwnerDeletion; never called",
+    ("dlo.dev", "dlodeployments", "patch"): "removes the finalizer an earlier version's kopf daemon added",
     ("", "namespaces", "list"): "kopf, only for a namespace pattern in watchNamespaces",
     ("", "namespaces", "watch"): "kopf, only for a namespace pattern in watchNamespaces",
     ("monitoring.coreos.com", "servicemonitors", "create"): "monitoring.kind ServiceMonitor",
@@ -104,8 +107,10 @@ def test_rendered_roles_equal_the_minimal_sets(case):
     agent_on = (VALUES[case] or {}).get("agent", {}).get("enabled", True)
     assert set(roles) == {"dlo-operator", "dlo-agent"} if agent_on else {"dlo-operator"}
     watched = (VALUES[case] or {}).get("operator", {}).get("watchNamespaces") or []
-    ns_roles = {r["metadata"]["namespace"]: r for r in by_kind(objs, "Role")}
+    ns_roles = {r["metadata"]["namespace"]: r for r in by_kind(objs, "Role") if r["metadata"]["name"] == "dlo-operator"}
     assert set(ns_roles) == set(watched)
+    (lease,) = [r for r in by_kind(objs, "Role") if r["metadata"]["name"] == "dlo-operator-lease"]
+    assert lease["metadata"]["namespace"] == "dlo-system" and rules_of(lease) == LEASE_RULES
     for role in [*roles.values(), *ns_roles.values()]:
         for rule in role["rules"]:
             assert set(rule) == {"apiGroups", "resources", "verbs"}, rule  # no resourceNames, no nonResourceURLs
@@ -114,6 +119,8 @@ def test_rendered_roles_equal_the_minimal_sets(case):
         assert rules_of(roles["dlo-operator"]) == CLUSTER_RULES
         assert all(rules_of(r) == NAMESPACED_RULES for r in ns_roles.values())
         for binding in by_kind(objs, "RoleBinding"):
+            if binding["metadata"]["name"] == "dlo-operator-lease":
+                continue
             assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "dlo-operator"}
             assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "dlo-operator", "namespace": "dlo-system"}]
     else:
@@ -130,7 +137,7 @@ def test_readme_permission_tables_match_the_rendered_roles():
     """Every (group, resource, verbs) row of the README's permission tables is a rendered rule."""
     tables = README.split("## Permissions", 1)[1]
     operator_part, agent_part = tables.split("Agent (ClusterRole", 1)
-    for part, expected in ((operator_part, OPERATOR_RULES), (agent_part, AGENT_RULES)):
+    for part, expected in ((operator_part, OPERATOR_RULES | LEASE_RULES), (agent_part, AGENT_RULES)):
         documented = set()
         for row in re.findall(r"^\| (.+?) \| (.+?) \| (.+?) \| .+\|$", part, re.M):
             row = row[:3]
@@ -315,8 +322,10 @@ def verb_of(request: Any) -> str:
 
 async def test_operator_lifecycle_stays_inside_its_role_and_never_sees_the_api_key():
     """Create (monitoring on, API key), roll the mode, scale, break and fix the spec, delete:
-    every call of the operator (kopf's and its own client's) is allowed by the rendered role."""
-    async with running_cluster() as cluster:
+    every call of the operator (kopf's, its own client's and its leader election's) is allowed by
+    the rendered roles."""
+    async with running_cluster(with_operator=False) as cluster:
+        cluster.start_operator("a")  # with leader election, as the chart runs it
         cluster.emulator.resources["monitoring.coreos.com/v1/podmonitors"] = kmock.ResourceInfo(
             kind="PodMonitor", singular="podmonitor", namespaced=True,
             verbs={"get", "list", "watch", "create", "patch", "delete"})
@@ -386,7 +395,8 @@ async def test_operator_lifecycle_stays_inside_its_role_and_never_sees_the_api_k
         if r.headers.get("Content-Type", "").startswith("application/apply-patch") and str(r.url.path) not in applied:
             applied.add(str(r.url.path))
             used.add((r.resource.group or "", r.resource.plural, "create"))
-    assert used - OPERATOR_RULES == set()  # everything it did, its role allows
+    assert used - OPERATOR_RULES - LEASE_RULES == set()  # everything it did, its roles allow
+    assert LEASE_RULES <= used  # created, read, renewed
     assert set(UNUSED_BY_DESIGN) <= OPERATOR_RULES - used <= set(UNUSED_BY_DESIGN) | set(MAYBE_UNUSED)  # accounted for
     assert not [r for r in operator_calls if r.resource.plural == "secrets"]
     print(f"FIGURE rbac_lifecycle operator_calls={len(operator_calls)} permissions_used={len(used)}"

@@ -64,8 +64,8 @@ from DLO_DEFAULT_ENGINE_IMAGE). */}}
 
 {{- /* The operator's rules in the namespaces it watches (a ClusterRole when it watches all). */}}
 {{- define "dlo.operatorNamespacedRules" -}}
-# The resource it reconciles: kopf lists and watches it, and patches its annotations (kopf's
-# progress) and status. It never gets one by name.
+# The resource it reconciles: kopf lists and watches it; the operator patches its status, and
+# removes the finalizer an earlier version's kopf daemon added. It never gets one by name.
 - apiGroups: [dlo.dev]
   resources: [dlodeployments]
   verbs: [list, watch, patch]
