@@ -187,8 +187,9 @@ def plan(ask: PlanAsk, *, profile: NodeProfile, transformer: ModelFacts, pipelin
     rank = s.memory.rank(s.mode, g, kept) if s.memory is not None else None
     return DeploymentPlan(
         mode=s.mode, mode_reason=s.why, dp=ask.dp, sp=ask.sp, device=ask.device, budget_bytes=s.budget,
-        vae_tile_above_pixels=s.tile, tiling_reason=s.tiling, vae_tiling=ask.vae_tiling, resident=s.resident, resident_blocks=kept,
-        limits=limits, lora_merge_cache_bytes=s.merge_cache, lora_merge_above_tokens=s.merge_above,
+        vae_tile_above_pixels=s.tile, tiling_reason=s.tiling, vae_tiling=ask.vae_tiling, resident=s.resident,
+        resident_blocks=kept, limits=limits, lora_merge_cache_bytes=s.merge_cache,
+        lora_merge_above_tokens=s.merge_above,
         weights_bytes=rank.weights_bytes if rank is not None else None,
         peaks=s.memory.phase_peaks(s.mode, g, kept) if s.memory is not None else {},
         reasons=tuple(s.reasons), decision=s.decision,
@@ -213,7 +214,8 @@ def _budget_and_tiling(ask: PlanAsk, s: _Steps, device_memory: int, node_cap: in
         s.reasons.append(f"device budget {format_gb(s.budget)} per rank"
                          + (f" (--max-device-memory {format_gb(ask.max_device_memory)})" if ask.max_device_memory
                             else " (the device's memory less what lives outside the allocator)"))
-    s.reasons.append(f"vae tiling above {s.tile} decoded pixels: {s.tiling}")
+    s.reasons.append(f"vae: {s.tiling}" if s.tile >= NO_TILING else
+                     f"vae tiling above {s.tile} decoded pixels: {s.tiling}")
 
 
 def _mode(ask: PlanAsk, s: _Steps, profile: NodeProfile, transformer: ModelFacts) -> None:

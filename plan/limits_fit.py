@@ -38,7 +38,8 @@ def candidates(base: Limits, geometry: Geometry) -> Iterator[Limits]:
     side = max(base.max_width, base.max_height)
     while side - SIDE_STEP >= max(floor_w, floor_h):
         side -= SIDE_STEP
-        yield base.model_copy(update={"max_frames": frames, "max_n": n, "max_width": max(floor_w, min(side, base.max_width)),
+        yield base.model_copy(update={"max_frames": frames, "max_n": n,
+                                      "max_width": max(floor_w, min(side, base.max_width)),
                                       "max_height": max(floor_h, min(side, base.max_height))})
 
 

@@ -197,7 +197,8 @@ def _layout(cfg: ServeConfig, start: _Start) -> None:
     start.device = device = resolve_device(layout.device)
     sp = layout.sp
     try:
-        devices = visible_devices(device, os.environ) if device != "cpu" else None  # none visible: one line, not a count
+        # none visible: one line, not a count
+        devices = visible_devices(device, os.environ) if device != "cpu" else None
         start.dp = layout.dp or max(1, (devices or 1) // max(1, sp))
         check_layout(start.dp, sp, devices, _attention_heads(start.model_dir), layout.sp_kind)
         if sp > 1 and start.facts.no_sp:
@@ -233,7 +234,8 @@ def _video_store(cfg: ServeConfig, start: _Start) -> None:
     from dlo.serving.videos import VideoStore, default_video_dir
 
     try:
-        start.videos = VideoStore(cfg.requests.video_dir or default_video_dir(cfg.api.port), ttl_s=cfg.requests.video_ttl,
+        req = cfg.requests
+        start.videos = VideoStore(req.video_dir or default_video_dir(cfg.api.port), ttl_s=req.video_ttl,
                                   pod=os.environ.get("DLO_POD_NAME") or None)
         start.videos.load()
         start.peers = Peers.from_env()

@@ -50,7 +50,8 @@ def test_a_plan_states_every_decision_and_is_frozen(memory):
     assert p.weights_bytes is not None and min(p.peaks.values()) > p.weights_bytes
     doc = json.loads(json.dumps(p.to_dict()))
     assert doc["limits"]["max_frames"] == 17 and doc["resident_blocks"] == p.resident_blocks
-    assert [r.split(" ")[0] for r in doc["reasons"]] == ["device", "vae", "--mode", "mode", "resident_blocks=auto"]
+    assert [r.split(" ")[0].rstrip(":") for r in doc["reasons"]] == ["device", "vae", "--mode", "mode",
+                                                                   "resident_blocks=auto"]
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.mode = "resident"  # type: ignore[misc]
 
