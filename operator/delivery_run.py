@@ -32,9 +32,11 @@ from dlo.operator.pod_builder import engine_image
 log = logging.getLogger(__name__)
 
 
-def _served_model(kube: Kube, owner: Owner) -> ModelSource | None:
-    """The `spec.model` the StatefulSet's pods run now (None before there is one)."""
-    sts = kube.get("apps/v1", "StatefulSet", owner.namespace, owner.name)
+def _served_model(kube: Kube, owner: Owner, sts: dict[str, Any] | None) -> ModelSource | None:
+    """The `spec.model` the StatefulSet's pods run now (None before there is one): from the watch's
+    StatefulSet (`sts`), else read."""
+    if sts is None:
+        sts = kube.get("apps/v1", "StatefulSet", owner.namespace, owner.name)
     raw = ((sts or {}).get("metadata", {}).get("annotations") or {}).get(MODEL_SOURCE_ANNOTATION)
     if not raw:
         return None
@@ -94,7 +96,7 @@ def deliver(kube: Kube, body: dict[str, Any], owner: Owner, spec: DLODeploymentS
     fetch_pods = [p for p in view.pods if (p["metadata"].get("labels") or {}).get(COMPONENT) == "fetch"]
     engine_nodes = [p["spec"]["nodeName"] for p in view.engine_pods() if (p.get("spec") or {}).get("nodeName")]
     plan = plan_delivery(DeliveryInputs(
-        spec=spec, served=_served_model(kube, owner), nodes=view.nodes, engine_nodes=engine_nodes, jobs=view.jobs,
+        spec=spec, served=_served_model(kube, owner, view.statefulset), nodes=view.nodes, engine_nodes=engine_nodes, jobs=view.jobs,
         fetch_pods=fetch_pods, active_elsewhere=_active_fetches(view.all_jobs), in_use=keys_in_use(view.all_pods),
         progress_of=_progress_reader(kube, fetch_pods), now=time.time(), max_fetches=config.max_fetches,
         retry_seconds=config.fetch_retry_seconds, finished_at=_finished_at))

@@ -3,16 +3,17 @@
 Owns: REST paths of the kinds the operator touches, get/list/create/merge-patch/delete, `apply`
 (server-side apply with the field manager `dlo-operator`, forced: the operator is the one owner of
 what it applies, and the API server removes a field the operator stops applying: no diff or prune
-here), pod logs, and the discovery check. Label and field selectors are also applied client-side,
-so a server that ignores them cannot widen a listing. Failed requests are counted in
-`metrics.API_ERRORS`.
-Must never: decide what to create (that is `builders`) or hold state beyond the connection, the
-resourceVersions it last applied (to tell a changed object from an unchanged one) and discovery
+here; a body applied before is not sent again while the object is as that apply left it), pod
+logs, and the discovery check. Label and field selectors are also applied client-side, so a server
+that ignores them cannot widen a listing. Failed requests are counted in `metrics.API_ERRORS`.
+Must never: decide what to create (that is `builders`) or hold state beyond the connection, what
+it last applied (the resourceVersion and generation answered, the body's digest) and discovery
 answers (a minute); write once its `fence` is set (a leader that lost its lease).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
@@ -54,6 +55,9 @@ APPLY_CONTENT_TYPE = "application/apply-patch+yaml"  # JSON is YAML: the body is
 # again; with it the call fails, the reconcile fails, and the next round retries.
 REQUEST_TIMEOUT_S = 30.0
 DISCOVERY_TTL_S = 60.0
+# An object applied unchanged is not applied again for this long (unless the caller knows it
+# changed); after it, once more: what corrects a child someone else changed that no watch reports.
+REAPPLY_S = 300.0
 
 
 class KubeError(RuntimeError):
@@ -93,6 +97,8 @@ class Kube:
         self.user_agent = USER_AGENT  # the operator's own calls, recognisable in audit logs
         self.timeout = timeout
         self._applied: dict[str, str] = {}  # object path -> resourceVersion of its last apply
+        # object path -> (digest of the body applied, when, the generation the server answered)
+        self._bodies: dict[str, tuple[str, float, int | None]] = {}
         self._discovered: dict[tuple[str, str], tuple[float, bool]] = {}
         self._lock = threading.Lock()
         # Set when this replica lost the leader election (`leader.Elector.fenced`): every write is
@@ -217,18 +223,30 @@ class Kube:
             raise
         return True
 
-    def apply(self, obj: dict[str, Any]) -> str:
+    def apply(self, obj: dict[str, Any], live_generation: int | None = None) -> str:
         """Server-side apply `obj` (field manager dlo-operator, forced). Returns `created` (201),
         `patched` (the object changed since this client last applied it), or `unchanged` (the same
-        resourceVersion came back, or this client had not applied it since it started)."""
+        resourceVersion came back, or this client had not applied it since it started). No call when
+        this client applied the same body before and the object is as it left it: `live_generation`
+        (a watch's) is the generation that apply answered, or, without a watch, the apply is less
+        than REAPPLY_S old."""
         meta = obj["metadata"]
         path = _path(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
+        digest = hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+        with self._lock:
+            last = self._bodies.get(path)
+        if last is not None and last[0] == digest:
+            if (live_generation is not None and live_generation == last[2]) or (
+                    live_generation is None and time.monotonic() - last[1] < REAPPLY_S):
+                return "unchanged"
         status, raw = self.call("PATCH", path, body=obj, content_type=APPLY_CONTENT_TYPE,
                                 query=[("fieldManager", FIELD_MANAGER), ("force", "true")])
-        version = (json.loads(raw).get("metadata") or {}).get("resourceVersion", "") if raw else ""
+        answer = (json.loads(raw).get("metadata") or {}) if raw else {}
+        version = answer.get("resourceVersion", "")
         with self._lock:
             before = self._applied.get(path)
             self._applied[path] = version
+            self._bodies[path] = (digest, time.monotonic(), answer.get("generation"))
         if status == 201:
             return "created"
         return "patched" if before is not None and before != version else "unchanged"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -33,6 +34,7 @@ class Loops:
         self.generations: dict[Key, Any] = {}
         self._tasks: dict[Key, asyncio.Task[None]] = {}
         self._events: dict[Key, asyncio.Event] = {}
+        self.rounds: Counter[Key] = Counter()  # rounds run, per resource (what woke them is not kept)
 
     def keys(self) -> list[Key]:
         return list(self._tasks)
@@ -80,6 +82,7 @@ class Loops:
             ok = False
             try:
                 if self.round is not None and key in self.bodies:
+                    self.rounds[key] += 1
                     ok = await self.round(key, self.bodies[key])
             except Exception:  # a bug must not end the loop: logged, retried
                 log.exception("reconcile round failed resource=%s/%s", *key)

@@ -1,16 +1,18 @@
 """Resolution of `spec.mode: auto` from the node profiles the agent publishes.
 
-Owns: which nodes a DLODeployment's pods may land on (`eligible_nodes`), the model facts per node
-(spec override, else the node profile's entry for the model folder), the node types (`node_types`:
-eligible nodes alike in what a plan reads), and `resolve_mode`, which asks `dlo.plan.deployment.plan`
-once per node type (`node_plan`) and keeps the decision of the most constrained one (where the
-fewest modes fit). Without any usable profile, `auto` falls back to allgather (the mode with the
+Owns: which nodes a DLODeployment's pods may land on (`Selector`, `eligible_nodes`), the model
+facts per node (spec override, else the node profile's entry for the model folder), the node types
+(`node_types`: eligible nodes alike in what a plan reads), and `resolve_mode`, which asks
+`dlo.plan.deployment.plan` once per node type (`node_plan`) and keeps the decision of the most
+constrained one (where the fewest modes fit). Parsed profiles, node types, plans and estimates are
+cached by what they are made from (a profile's text; a type's key and the spec's planned fields). Without any usable profile, `auto` falls back to allgather (the mode with the
 least host and device memory per node) and says why.
 Must never: talk to the API server or import torch; it is pure over the node objects it is given.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -35,24 +37,74 @@ class Resolution:
     node_types: tuple[dict[str, Any], ...] = ()  # auto: each node type's nodes, mode and reason
 
 
+@dataclass(frozen=True)
+class Selector:
+    """What makes a node eligible for a DLODeployment's pods (read from its spec)."""
+
+    node_selector: tuple[tuple[str, str], ...] = ()
+    resource: str = "nvidia.com/gpu"
+    devices: int = 1
+    cpu: bool = False  # engine.device cpu: no accelerator asked
+
+    @classmethod
+    def of(cls, spec: DLODeploymentSpec) -> "Selector":
+        return cls(tuple(sorted(spec.placement.node_selector.items())), spec.accelerator_resource,
+                   spec.devices_per_node, spec.engine.device == "cpu")
+
+    def matches(self, node: dict[str, Any]) -> bool:
+        labels = node.get("metadata", {}).get("labels", {}) or {}
+        if any(labels.get(k) != v for k, v in self.node_selector):
+            return False
+        if node.get("spec", {}).get("unschedulable"):
+            return False
+        if self.cpu:
+            return True
+        allocatable = node.get("status", {}).get("allocatable", {}) or {}
+        try:
+            return int(str(allocatable.get(self.resource, "0"))) >= self.devices
+        except ValueError:
+            return False
+
+
 def _matches(node: dict[str, Any], spec: DLODeploymentSpec) -> bool:
-    labels = node.get("metadata", {}).get("labels", {}) or {}
-    if any(labels.get(k) != v for k, v in spec.placement.node_selector.items()):
-        return False
-    if node.get("spec", {}).get("unschedulable"):
-        return False
-    if spec.engine.device == "cpu":
-        return True
-    allocatable = node.get("status", {}).get("allocatable", {}) or {}
-    try:
-        return int(str(allocatable.get(spec.accelerator_resource, "0"))) >= spec.devices_per_node
-    except ValueError:
-        return False
+    return Selector.of(spec).matches(node)
 
 
 def eligible_nodes(nodes: list[dict[str, Any]], spec: DLODeploymentSpec) -> list[dict[str, Any]]:
     """Nodes the engine pods may land on: node selector, schedulable, enough accelerators."""
-    return sorted((n for n in nodes if _matches(n, spec)), key=lambda n: n["metadata"]["name"])
+    selector = Selector.of(spec)
+    return sorted((n for n in nodes if selector.matches(n)), key=lambda n: n["metadata"]["name"])
+
+
+@functools.lru_cache(maxsize=8192)
+def parsed_profile(raw: str) -> Any:
+    """A node's profile annotation parsed (`NodeProfile`), or the ValueError it raises: parsed once
+    per distinct annotation, not once per node and round."""
+    from dlo.plan.profile import NodeProfile
+
+    try:
+        return NodeProfile.from_annotation(raw)
+    except ValueError as e:
+        return e
+
+
+@functools.lru_cache(maxsize=8192)
+def _node_type(raw: str | None, override: ModelFacts | None, folder: str) -> tuple[str, Any, ModelFacts | None]:
+    """(the type's key, the profile, the model facts) of a node with this annotation, cached."""
+    if raw is None:
+        return "no profile", None, None
+    profile = parsed_profile(raw)
+    if isinstance(profile, ValueError):
+        return f"unreadable profile ({str(profile).splitlines()[0]})", None, None
+    facts = override if override is not None else _profile_facts(profile, folder)
+    if facts is None:
+        return f"no facts for model {folder!r}", profile, None
+    return _type_key(profile, facts), profile, facts
+
+
+def _profile_facts(profile: Any, folder: str) -> ModelFacts | None:
+    entry = profile.models.get(folder)
+    return None if entry is None else entry.facts()
 
 
 def node_profile_json(node: dict[str, Any]) -> str | None:
@@ -71,26 +123,14 @@ class NodeType:
 
 
 def node_types(spec: DLODeploymentSpec, eligible: list[dict[str, Any]]) -> list[NodeType]:
-    """The eligible nodes grouped by what their plan depends on, in node-name order."""
-    from dlo.plan.profile import NodeProfile
-
+    """The eligible nodes grouped by what their plan depends on, in node-name order (each distinct
+    profile parsed and keyed once: `_node_type` is cached)."""
+    override = spec.model.facts.facts() if spec.model.facts is not None else None
+    folder = spec.model.folder_name
     groups: dict[str, tuple[Any, ModelFacts | None, list[str]]] = {}
     for node in eligible:
-        name = node["metadata"]["name"]
-        raw = node_profile_json(node)
-        profile, facts = None, None
-        if raw is None:
-            key = "no profile"
-        else:
-            try:
-                profile = NodeProfile.from_annotation(raw)
-            except ValueError as e:
-                key = f"unreadable profile ({str(e).splitlines()[0]})"
-            else:
-                facts = model_facts(spec, profile)
-                key = _type_key(profile, facts) if facts is not None else \
-                    f"no facts for model {spec.model.folder_name!r}"
-        groups.setdefault(key, (profile, facts, []))[2].append(name)
+        key, profile, facts = _node_type(node_profile_json(node), override, folder)
+        groups.setdefault(key, (profile if facts is not None else None, facts, []))[2].append(node["metadata"]["name"])
     return [NodeType(k, p, f, tuple(names)) for k, (p, f, names) in groups.items()]
 
 
@@ -130,17 +170,13 @@ def resolve_mode(spec: DLODeploymentSpec, nodes: list[dict[str, Any]], previous:
 
 def model_residency(nodes: list[dict[str, Any]], spec: DLODeploymentSpec) -> dict[str, float | None]:
     """node name -> page-cache residency of the spec's model, as each node's profile reports it."""
-    from dlo.plan.profile import NodeProfile
-
     out: dict[str, float | None] = {}
     for node in nodes:
         raw = node_profile_json(node)
-        if raw is None:
-            continue
-        try:
-            entry = NodeProfile.from_annotation(raw).models.get(spec.model.folder_name)
-        except ValueError:
+        profile = parsed_profile(raw) if raw is not None else None
+        if profile is None or isinstance(profile, ValueError):
             continue  # an unreadable profile reports nothing; resolve_mode names it in its reason
+        entry = profile.models.get(spec.model.folder_name)
         out[node["metadata"]["name"]] = entry.resident_ratio if entry else None
     return out
 
@@ -156,7 +192,8 @@ def _resolve_with_plans(spec: DLODeploymentSpec, types: list[NodeType], digest: 
             skipped.append(f"{first}: {nt.key}")
             continue
         try:
-            decision = node_plan(spec, nt.profile, nt.facts)
+            decision = _cached(("plan", nt.key, spec.dp, spec.sp, spec.engine.device, spec.engine.device_budget_bytes()),
+                               lambda nt=nt: node_plan(spec, nt.profile, nt.facts))
         except (PolicyError, DeviceBudgetError) as e:
             skipped.append(f"{first}: {str(e).removeprefix('--mode auto: ')}")
             continue
@@ -177,6 +214,27 @@ def _resolve_with_plans(spec: DLODeploymentSpec, types: list[NodeType], digest: 
     nodes = sum(len(nt.nodes) for *_, nt in decisions)
     suffix = f" (most constrained of {nodes} nodes)" if nodes > 1 else ""
     return Resolution(mode, f"node {name}: {decision.reason}{suffix}", digest, per_type)
+
+
+_CACHE: dict[tuple[Any, ...], tuple[bool, Any]] = {}
+CACHE_SIZE = 4096
+
+
+def _cached(key: tuple[Any, ...], compute: Any) -> Any:
+    """`compute()` once per key (a node type's key and the spec's planned fields: the plan's
+    inputs), its answer or its PolicyError kept; a plan is pure over them."""
+    hit = _CACHE.get(key)
+    if hit is None:
+        if len(_CACHE) >= CACHE_SIZE:
+            _CACHE.clear()
+        try:
+            hit = (True, compute())
+        except (PolicyError, DeviceBudgetError) as e:
+            hit = (False, e)
+        _CACHE[key] = hit
+    if not hit[0]:
+        raise hit[1]
+    return hit[1]
 
 
 def node_plan(spec: DLODeploymentSpec, profile: Any, facts: ModelFacts) -> DeploymentPlan:
@@ -206,15 +264,17 @@ def pod_memory_bytes(spec: DLODeploymentSpec, nodes: list[dict[str, Any]], mode:
     from dlo.plan.profile import NodeProfile
 
     key = key_of_mode(mode)
-    pairs = [(nt.profile, nt.facts) for nt in node_types(spec, eligible_nodes(nodes, spec))
+    pairs = [(nt.key, nt.profile, nt.facts) for nt in node_types(spec, eligible_nodes(nodes, spec))
              if nt.profile is not None and nt.facts is not None]
-    if not pairs and spec.model.facts is not None:
-        pairs = [(NodeProfile(), spec.model.facts.facts())]  # no node reports: the spec's facts on a bare node
+    if not pairs and spec.model.facts is not None:  # no node reports: the spec's facts on a bare node
+        pairs = [("bare node", NodeProfile(), spec.model.facts.facts())]
     out: list[int] = []
-    for profile, facts in pairs:
+    budget = spec.engine.device_budget_bytes()
+    for type_key, profile, facts in pairs:
         try:
-            est = estimate_modes(profile, facts, spec.dp, sp=spec.sp, require_bandwidth=False,
-                                 device_budget_bytes=spec.engine.device_budget_bytes())[key]
+            est = _cached(("estimates", type_key, facts, spec.dp, spec.sp, budget),
+                          lambda p=profile, f=facts: estimate_modes(p, f, spec.dp, sp=spec.sp, require_bandwidth=False,
+                                                                    device_budget_bytes=budget))[key]
         except PolicyError:
             continue
         host_devices = spec.devices_per_node * est.device_weight_bytes if spec.engine.device == "cpu" else 0

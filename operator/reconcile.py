@@ -40,13 +40,15 @@ Verdict = tuple[str, str, str]  # (status, reason, message) of one condition
 
 @dataclass
 class View:
-    """What the indexes hold that one reconcile reads (plain copies)."""
+    """What the indexes hold that one reconcile reads: references to plain dicts that their watch
+    handlers replace on a change and never change in place; read-only here."""
 
     nodes: list[dict[str, Any]] = field(default_factory=list)
     pods: list[dict[str, Any]] = field(default_factory=list)  # this resource's dlo pods (engine, fetch)
     all_pods: list[dict[str, Any]] = field(default_factory=list)  # every dlo pod (what each node serves)
     jobs: list[dict[str, Any]] = field(default_factory=list)  # this resource's fetch Jobs
     all_jobs: list[dict[str, Any]] = field(default_factory=list)  # every fetch Job (the fetch slots)
+    statefulset: dict[str, Any] | None = None  # this resource's, as the watch last saw it (None: none seen)
 
     def engine_pods(self) -> list[dict[str, Any]]:
         return [p for p in self.pods if (p["metadata"].get("labels") or {}).get(builders.COMPONENT) == "engine"]
@@ -107,7 +109,7 @@ def reconcile(kube: Kube, body: dict[str, Any], view: View, config: OperatorConf
     ctx = _context(kube, spec, config, pinned.memory_bytes)
     monitor_crd = kube.has_resource("monitoring.coreos.com/v1", MONITOR_PLURALS[spec.monitoring.kind])
     objects = builders.build_all(owner, spec, pinned.mode, monitor_crd, ctx, pods_spec)
-    _apply(kube, body, objects)
+    _apply(kube, body, objects, view.statefulset)
     autoscaler = _retire_autoscaler(kube, owner, current, objects)
     (sts,) = [o for o in objects if o["kind"] == "StatefulSet"]
     template_hash = sts["spec"]["template"]["metadata"]["annotations"][builders.TEMPLATE_HASH]
@@ -187,10 +189,14 @@ def _valid_spec(body: dict[str, Any], conditions: list[dict[str, Any]], generati
     return with_default_image(spec, config.default_image)
 
 
-def _apply(kube: Kube, body: dict[str, Any], objects: list[dict[str, Any]]) -> None:
+def _apply(kube: Kube, body: dict[str, Any], objects: list[dict[str, Any]], live_sts: dict[str, Any] | None) -> None:
+    """Apply each object; one applied before unchanged is not sent again while it is as that apply
+    left it: the StatefulSet by the watch's generation (-1: none seen, so apply), the others for a
+    while (`kube.REAPPLY_S`)."""
+    sts_generation = ((live_sts or {}).get("metadata") or {}).get("generation", -1)
     for obj in objects:
         kopf.append_owner_reference(obj, owner=body)
-        outcome = kube.apply(obj)
+        outcome = kube.apply(obj, live_generation=sts_generation if obj["kind"] == "StatefulSet" else None)
         if outcome != "unchanged":
             kind, name = obj["kind"], obj["metadata"]["name"]
             kopf.info(body, reason=f"{kind}{outcome.capitalize()}", message=f"{kind} {name} {outcome}")

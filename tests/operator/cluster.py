@@ -35,12 +35,14 @@ TEST_CLIENT_AGENT = "dlo-tests"  # the test's own requests, told apart from the 
 
 @dataclass
 class Operator:
-    """One operator replica in its thread: its stop flag, its client and, with leader election,
-    its elector (`led`: what `leader.lead` returned, None while it runs)."""
+    """One operator replica in its thread: its stop flag, its client, its memo (the handlers put
+    their loops and node index there) and, with leader election, its elector (`led`: what
+    `leader.lead` returned, None while it runs)."""
 
     thread: threading.Thread
     stop: threading.Event
     kube: Kube
+    memo: kopf.Memo
     elector: Elector | None = None
     led: bool | None = None
 
@@ -84,7 +86,7 @@ class Cluster:
             lease_kube.user_agent = f"{USER_AGENT}-lease/{identity}"
             elector = Elector(lease_kube, lease or LeaseSettings(identity=identity, namespace="dlo-system"))
             kube.fence = elector.fenced
-        replica = Operator(threading.Thread(target=lambda: None), stop, kube, elector)
+        replica = Operator(threading.Thread(target=lambda: None), stop, kube, memo, elector)
 
         def run() -> None:
             try:

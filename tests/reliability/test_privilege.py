@@ -57,8 +57,9 @@ NAMESPACED_RULES = {
     ("dlo.dev", "dlodeployments", "patch"), ("dlo.dev", "dlodeployments/status", "patch"),
     # blockOwnerDeletion on the children's owner references (an admission check, no API call).
     ("dlo.dev", "dlodeployments/finalizers", "update"),
-    # The children, server-side applied (patch; create for the first apply); the StatefulSet is read back.
-    ("apps", "statefulsets", "get"),
+    # The children, server-side applied (patch; create for the first apply); the StatefulSets watched
+    # (read where the watch has not seen one yet).
+    ("apps", "statefulsets", "get"), ("apps", "statefulsets", "list"), ("apps", "statefulsets", "watch"),
     *((g, r, v) for g, r in (("apps", "statefulsets"), ("", "services"), ("policy", "poddisruptionbudgets"),
                              ("monitoring.coreos.com", "podmonitors"), ("monitoring.coreos.com", "servicemonitors"),
                              ("keda.sh", "scaledobjects"), ("autoscaling", "horizontalpodautoscalers"))
@@ -87,6 +88,7 @@ UNUSED_BY_DESIGN = {
 }
 # Used when the emulated lifecycle happens to catch it (a pod scheduled, its containers not started yet).
 MAYBE_UNUSED = {("", "events", "list"): "a scheduled pod whose containers have not started (FailedMount)",
+                ("apps", "statefulsets", "get"): "model.uri before the watch has seen the StatefulSet",
                 ("", "pods/log", "get"): "a running fetch pod's progress (the emulated kubelet runs fetch pods "
                                           "briefly: a loaded machine's reconcile can catch one running)"}
 AGENT_RULES = {("", "pods", "list"), ("", "nodes", "patch")}

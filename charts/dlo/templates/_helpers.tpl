@@ -78,10 +78,11 @@ from DLO_DEFAULT_ENGINE_IMAGE). */}}
   resources: [dlodeployments/finalizers]
   verbs: [update]
 # The children it owns, server-side applied (patch; create when they do not exist yet). Deletion is
-# the garbage collector's (owner references); the StatefulSet is read for the model its pods run.
+# the garbage collector's (owner references); the StatefulSets are watched (another writer's change
+# is applied over at once; the model its pods run), and read where the watch has not seen one yet.
 - apiGroups: [apps]
   resources: [statefulsets]
-  verbs: [get, create, patch]
+  verbs: [get, list, watch, create, patch]
 - apiGroups: [""]
   resources: [services]
   verbs: [create, patch]
