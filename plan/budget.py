@@ -65,19 +65,22 @@ def local_budget(device_memory: int, max_device_memory: int, memory: PipelineMem
 
 def check_mode(mode: str, memory: PipelineMemory, budget: int, g: int, resident_blocks: int | str = 0) -> str:
     """The one-line verdict of a given `--mode` against `budget`; `DeviceBudgetError` when it does
-    not fit (its predicted peak over the budget, or without a measured table its weights alone)."""
+    not fit (its peak by measured figures over the budget, or without a measured table its weights
+    alone); a peak over it only by an extrapolated figure is a warning."""
     from dlo.plan.policy import DEVICE_RESERVE_RATIO
     from dlo.plan.memory_model import format_gb as _gb
     from dlo.plan.memory_model import largest_fitting_size
 
     kept = resident_blocks if isinstance(resident_blocks, int) else 0  # "auto" sizes itself at load
-    rank = memory.rank(mode, g if mode == "allgather" else 1, kept)
+    g = g if mode == "allgather" else 1
+    rank = memory.trusted().rank(mode, g, kept)  # a guess beyond the measured shapes never refuses
     peak = rank.peak_bytes
     if peak is not None and peak <= budget:
+        full = memory.rank(mode, g, kept)
+        if full.peak_bytes is not None and full.peak_bytes > budget:
+            return (f"--mode {mode}: {full.describe()} may not fit the device budget of {_gb(budget)}: the largest "
+                    "request's peak is extrapolated beyond the measured shapes (`dlo calibrate --peaks` measures it)")
         return f"--mode {mode} fits the device budget of {_gb(budget)}: {rank.describe()}"
-    if peak is not None and rank.extrapolated and rank.weights_bytes <= budget:  # a guess never refuses
-        return (f"--mode {mode}: {rank.describe()} may not fit the device budget of {_gb(budget)}: the largest "
-                "request's peak is extrapolated beyond the measured shapes (`dlo calibrate --peaks` measures it)")
     if peak is None and rank.weights_bytes <= budget:
         tight = rank.weights_bytes > budget * (1 - DEVICE_RESERVE_RATIO)
         return (f"--mode {mode}: {rank.describe()}; the device budget is {_gb(budget)}"
@@ -85,7 +88,7 @@ def check_mode(mode: str, memory: PipelineMemory, budget: int, g: int, resident_
     need = peak if peak is not None else rank.weights_bytes
     advice = f"the smallest budget that fits --mode {mode} is {_gb(need)}"
     if peak is not None:
-        side = largest_fitting_size(memory, mode, g if mode == "allgather" else 1, budget)
+        side = largest_fitting_size(memory.trusted(), mode, g, budget)
         if side is not None:
             advice += f", or limits up to --max-size {side} at this budget"
     raise DeviceBudgetError(f"--mode {mode} does not fit the device budget of {_gb(budget)} per rank: needs "

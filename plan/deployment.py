@@ -222,17 +222,15 @@ def _mode(ask: PlanAsk, s: _Steps, profile: NodeProfile, transformer: ModelFacts
     """The mode: as given (checked against the budget), else the policy's, else the fixed rule."""
     from dlo.plan.policy import NoModeFits, PolicyError, choose_mode
 
-    trusted = s.memory.trusted() if s.memory is not None else None  # a guess never refuses a mode
-    if s.memory is not None and s.budget is not None:
-        full = s.memory.rank("rank-local")
-        if full.extrapolated:
-            s.reasons.append(f"warning: the largest request's peak is extrapolated beyond the measured shapes "
-                             f"({full.describe()}); planned with the measured figures")
     if ask.mode != "auto":
         s.mode, s.why = ask.mode, "--mode given"
-        if trusted is not None and s.budget is not None:
-            s.reasons.append(check_mode(ask.mode, trusted, s.budget, ask.world, ask.resident_blocks))
+        if s.memory is not None and s.budget is not None:  # check_mode says where a guess alone says no
+            s.reasons.append(check_mode(ask.mode, s.memory, s.budget, ask.world, ask.resident_blocks))
     else:
+        trusted = s.memory.trusted() if s.memory is not None else None  # a guess never refuses a mode
+        if s.memory is not None and s.budget is not None and (full := s.memory.rank("rank-local")).extrapolated:
+            s.reasons.append(f"warning: the largest request's peak is extrapolated beyond the measured shapes "
+                             f"({full.describe()}); planned with the measured figures")
         w = ask.workload
         try:
             decision = choose_mode(profile, transformer, ask.dp, sp=ask.sp, tokens_per_rank=w.tokens_per_rank,

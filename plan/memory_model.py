@@ -131,9 +131,6 @@ class RankMemory:
     worst: str = ""  # that phase and shape, e.g. "vae_decode_tiled at 1920x1920x129"
     unmeasured: str = ""  # why request_bytes is None
     extrapolated: bool = False  # the worst phase's shape lies beyond the measured shapes
-    # the worst of the phases whose figure is measured (on this device, or within the table's shapes):
-    # what may decide a lossy decode (an extrapolated figure may only warn); None: unmeasured
-    trusted_bytes: int | None = None
 
     @property
     def weights_bytes(self) -> int:
@@ -212,11 +209,10 @@ class PipelineMemory:
         needs = self._part_needs(paired)
         if isinstance(needs, str):
             return RankMemory(weights, None, unmeasured=needs)
+        if self.trusted_only:  # the worst phase whose figure is measured; a guess left out
+            needs = [n for n in needs if not n[2]] or [(0, "", False, "")]
         need, label, extrapolated, _ = max(needs, key=lambda n: n[0])
-        trusted = max((n for n in needs if not n[2]), key=lambda n: n[0], default=(0, "", False, ""))
-        if self.trusted_only:
-            return RankMemory(weights, trusted[0], trusted[1], trusted_bytes=trusted[0])
-        return RankMemory(weights, need, label, extrapolated=extrapolated, trusted_bytes=trusted[0])
+        return RankMemory(weights, need, label, extrapolated=extrapolated)
 
     def trusted(self) -> "PipelineMemory":
         """This memory for decisions a guess must not make (a refusal, a smaller limit, a lossy decode)."""

@@ -60,11 +60,12 @@ def tiling_for_budget(memory: PipelineMemory, budget: int, tiling: str = "auto")
     auto, and the server refuses what auto would tile)."""
     if tiling == "always":
         return 0, "--vae-tiling always: every decode tiled (the user's choice: not the bytes of a plain decode)"
-    lean = dataclasses.replace(memory, tile_above_pixels=NO_TILING).rank("rank-local")
+    plain = dataclasses.replace(memory, tile_above_pixels=NO_TILING)
+    lean = plain.rank("rank-local")
     if lean.request_bytes is None:
         return VAE_TILE_ABOVE_PIXELS, f"the fixed rule: {lean.unmeasured}"
-    if _fits(lean, budget):
-        if lean.extrapolated and not _fits(lean, budget, trusted=False):
+    if _fits(plain.trusted().rank("rank-local"), budget):
+        if not _fits(lean, budget):  # only a guess beyond the measured shapes says it does not
             return NO_TILING, (f"every decode plain: the largest request's peak is extrapolated beyond the measured "
                                f"shapes ({lean.describe()}) and may not fit the budget of {format_gb(budget)}, but a "
                                "guess never makes a decode lossy (`dlo calibrate --peaks` measures it on this device)")
@@ -79,11 +80,9 @@ def tiling_for_budget(memory: PipelineMemory, budget: int, tiling: str = "auto")
                f"({lean.describe()} + margin)")
 
 
-def _fits(rank: Any, budget: int, trusted: bool = True) -> bool:
-    """Whether a rank's weights and its largest request's measured (or, `trusted` False, predicted)
-    need and margin fit `budget`."""
-    need = rank.trusted_bytes if trusted else rank.request_bytes
-    return rank.weights_bytes + need + margin_bytes(need) <= budget
+def _fits(rank: Any, budget: int) -> bool:
+    """Whether a rank's weights and its largest request's need and margin fit `budget`."""
+    return rank.weights_bytes + rank.request_bytes + margin_bytes(rank.request_bytes) <= budget
 
 
 def plain_below(memory: PipelineMemory, budget: int) -> int:
@@ -92,7 +91,7 @@ def plain_below(memory: PipelineMemory, budget: int) -> int:
     figure (a decode whose figure is extrapolated stays plain: a guess never makes it lossy). 0:
     none is plain."""
     def fits(threshold: int) -> bool:
-        return _fits(dataclasses.replace(memory, tile_above_pixels=threshold).rank("rank-local"), budget)
+        return _fits(dataclasses.replace(memory, tile_above_pixels=threshold).trusted().rank("rank-local"), budget)
 
     low = 0
     high = max(decoded_pixels(s) for s in largest_requests(memory.bounds, memory.geometry))

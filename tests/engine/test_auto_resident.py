@@ -139,8 +139,8 @@ def test_the_budget_decides_the_vae_tiling_only_where_the_plain_decode_cannot_fi
     # exact first: the plain decodes the threshold leaves (and the tiled ones above it) fit the budget,
     # one pixel more would not
     # by the measured figures (a decode between the measured shapes whose figure is extrapolated stays plain)
-    at = {t: dataclasses.replace(video, tile_above_pixels=t).rank("rank-local") for t in (tile, tile + 1)}
-    need = {t: r.weights_bytes + r.trusted_bytes + margin_bytes(r.trusted_bytes) for t, r in at.items()}
+    at = {t: dataclasses.replace(video, tile_above_pixels=t).trusted().rank("rank-local") for t in (tile, tile + 1)}
+    need = {t: r.weights_bytes + r.request_bytes + margin_bytes(r.request_bytes) for t, r in at.items()}
     assert need[tile] <= fits - 1 < need[tile + 1]
     assert tiling_for_budget(video, fits - 1, "always")[0] == 0
     images = _memory(Geometry(16, 0), RequestBounds(1024, 1024, 1, 2, 512))
@@ -156,8 +156,9 @@ def test_an_extrapolated_peak_never_makes_a_decode_lossy():
     beyond = _memory(Geometry(16, 4), RequestBounds(1920, 1920, 129, 4, 512))
     lean = dataclasses.replace(beyond, tile_above_pixels=NO_TILING).rank("rank-local")
     assert lean.extrapolated
-    assert lean.trusted_bytes < lean.request_bytes  # the measured phases need less than the guess
-    budget = lean.weights_bytes + lean.trusted_bytes + margin_bytes(lean.trusted_bytes)
+    trusted = dataclasses.replace(beyond, tile_above_pixels=NO_TILING).trusted().rank("rank-local")
+    assert not trusted.extrapolated and trusted.request_bytes < lean.request_bytes  # the measured need less
+    budget = trusted.weights_bytes + trusted.request_bytes + margin_bytes(trusted.request_bytes)
     tile, why = tiling_for_budget(beyond, budget)
     assert tile == NO_TILING and "extrapolated" in why and "dlo calibrate --peaks" in why
 
