@@ -199,31 +199,10 @@ class Probe:
             return 0
         return (enc.config.image_size // enc.config.patch_size) ** 2 + 1
 
-    def _latents(self, shape: Shape) -> Any:
-        vae = self.parts["vae"]
-        cfg = vae.config
-        channels = cfg.get("z_dim") or cfg.get("latent_channels")
-        scale = 2 ** len(cfg["temperal_downsample"]) if "temperal_downsample" in cfg else 2 ** (
-            len(cfg["block_out_channels"]) - 1)
-        size = (shape.batch, channels, shape.height // scale, shape.width // scale)
-        if self.facts.family == "flux":
-            return self.torch.randn(*size, device=self.device)
-        t = self.facts.temporal_factor
-        frames = (shape.frames - 1) // t + 1 if t else 1
-        return self.torch.randn(size[0], size[1], frames, *size[2:], device=self.device)
-
     def vae_decode(self, shape: Shape, tiled: bool) -> Any:
-        from diffusers.image_processor import VaeImageProcessor
-        from diffusers.video_processor import VideoProcessor
+        from dlo.engine.peaks import decode_random
 
-        vae = self.parts["vae"]
-        vae.enable_tiling() if tiled else vae.disable_tiling()
-        out = vae.decode(self._latents(shape), return_dict=False)[0]
-        if self.facts.temporal_factor:  # the pipelines' own post-processing to numpy frames
-            return VideoProcessor(vae_scale_factor=8).postprocess_video(out, output_type="np")
-        if out.ndim == 5:  # Qwen-Image: one frame of a video VAE
-            out = out[:, :, 0]
-        return VaeImageProcessor(vae_scale_factor=8).postprocess(out, output_type="np")
+        return decode_random(self.parts["vae"], self.facts, shape, self.device, tiled=tiled)
 
     def vae_encode(self, shape: Shape, tiled: bool) -> Any:
         """Image-to-video's condition: the first frame then zeros, encoded (WanImageToVideoPipeline)."""

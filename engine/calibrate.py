@@ -149,6 +149,7 @@ def main(args: argparse.Namespace) -> int:
 
 def peaks_main(args: argparse.Namespace, device: str) -> int:
     """`dlo calibrate --peaks MODEL_DIR`: measure, cache, and say how the table compared."""
+    from dlo.plan.budget import deployment_memory
     from dlo.plan.limits import Limits
 
     if device != "cuda":
@@ -159,28 +160,29 @@ def peaks_main(args: argparse.Namespace, device: str) -> int:
     except (OSError, ValueError) as e:
         print(f"dlo calibrate: --limits {args.limits}: {e}", file=sys.stderr)
         return 2
-    path, lines = calibrate_peaks(args.peaks.resolve(), limits, args.deadline)
+    model_dir = args.peaks.resolve()
+    _, path, lines = calibrate_peaks(model_dir, deployment_memory(model_dir, limits), args.deadline)
     for line in lines:
         print(line)
     log.info("wrote %s", path)
     return 0
 
 
-def calibrate_peaks(model_dir: Path, limits: Any, deadline_s: float, device: str = "cuda:0",
-                    stream_dtype: str = "bfloat16") -> tuple[Path, list[str]]:
-    """Measure the decodes `model_dir`'s plan weighs at `limits` on `device`, add them to its cached
-    peaks (`dlo.plan.measured`), and return (the file, a line per measured shape against the table)."""
+def calibrate_peaks(model_dir: Path, memory: Any, deadline_s: float, device: str = "cuda:0",
+                    old: Any = None) -> tuple[Any, Path, list[str]]:
+    """Measure the decodes `memory` (`model_dir`'s pipeline at its limits) weighs on `device`, add
+    them to its cached peaks (`old`: as already read; else read here; `dlo.plan.measured`), and return
+    (the peaks now cached, the file, a line per measured shape against the table)."""
     from dlo.engine.peaks import device_name, library_versions, measure_decodes
-    from dlo.plan.budget import deployment_memory
     from dlo.plan.measured import MeasuredPeaks, describe, load_peaks, model_digest, save_peaks
 
-    memory = deployment_memory(model_dir, limits, stream_dtype=stream_dtype)
     name, versions = device_name(device), library_versions()
     points, seconds = measure_decodes(model_dir, memory.calibration_shapes(), device, deadline_s)
-    old = load_peaks(model_dir, name, versions) or MeasuredPeaks(name, versions, model_digest(model_dir))
-    path = save_peaks(model_dir, old.merged(points, seconds))
+    old = old or load_peaks(model_dir, name, versions) or MeasuredPeaks(name, versions, model_digest(model_dir))
+    peaks = old.merged(points, seconds)
+    path = save_peaks(model_dir, peaks)
     predicted = {key: memory.predicted(*key, table_only=True) for key in points}
-    return path, describe(points, predicted)
+    return peaks, path, describe(points, predicted)
 
 
 def start_peaks(model_dir: Path, limits: Any, deadline_s: float, stream_dtype: str) -> dict[Any, int]:
@@ -191,15 +193,13 @@ def start_peaks(model_dir: Path, limits: Any, deadline_s: float, stream_dtype: s
     from dlo.plan.budget import deployment_memory
     from dlo.plan.measured import load_peaks
 
-    key = (model_dir, device_name("cuda:0"), library_versions())
-    peaks = load_peaks(*key)
+    peaks = load_peaks(model_dir, device_name("cuda:0"), library_versions())
     try:
-        wanted = deployment_memory(model_dir, limits, stream_dtype=stream_dtype).calibration_shapes()
-        if peaks is None or not peaks.covers(wanted):
-            _, lines = calibrate_peaks(model_dir, limits, deadline_s, stream_dtype=stream_dtype)
+        memory = deployment_memory(model_dir, limits, stream_dtype=stream_dtype)
+        if peaks is None or not peaks.covers(memory.calibration_shapes()):
+            peaks, _, lines = calibrate_peaks(model_dir, memory, deadline_s, old=peaks)
             for line in lines:
                 log.info("measured peak: %s", line)
-            peaks = load_peaks(*key)
     except Exception as e:  # noqa: BLE001 - said, not hidden: the table's figures stand
         log.warning("decode peaks not measured: %s", e)
     return dict(peaks.points) if peaks is not None else {}

@@ -82,14 +82,13 @@ def _load_vae(model_dir: Path, device: Any) -> tuple[Any, Any]:
 
 def _one(torch: Any, vae: Any, facts: Any, part: str, shape: Shape, device: Any) -> int:
     """One decode from an emptied cache: its reserved growth (the device's memory when it does not fit)."""
-    vae.enable_tiling() if part.endswith("_tiled") else vae.disable_tiling()
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_reserved(device)
     try:
         with torch.inference_mode():
-            decoded = _decode(torch, vae, facts, shape, device)
+            decoded = decode_random(vae, facts, shape, device, tiled=part.endswith("_tiled"))
             torch.cuda.synchronize(device)
             del decoded
     except torch.cuda.OutOfMemoryError:
@@ -97,11 +96,14 @@ def _one(torch: Any, vae: Any, facts: Any, part: str, shape: Shape, device: Any)
     return torch.cuda.max_memory_reserved(device) - before
 
 
-def _decode(torch: Any, vae: Any, facts: Any, shape: Shape, device: Any) -> Any:
-    """The pipeline's decode of random latents of `shape`, and its post-processing to numpy."""
+def decode_random(vae: Any, facts: Any, shape: Shape, device: Any, *, tiled: bool) -> Any:
+    """The pipeline's decode of random latents of `shape` (tiled or plain), and its post-processing to
+    numpy: what a request's decode does, shared with the table's calibration (bench/memory_probe.py)."""
+    import torch
     from diffusers.image_processor import VaeImageProcessor
     from diffusers.video_processor import VideoProcessor
 
+    vae.enable_tiling() if tiled else vae.disable_tiling()
     cfg = vae.config
     channels = cfg.get("z_dim") or cfg.get("latent_channels")
     scale = 2 ** len(cfg["temperal_downsample"]) if "temperal_downsample" in cfg else 2 ** (
