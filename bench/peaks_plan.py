@@ -39,7 +39,9 @@ def main(model: Path, limits_dir: Path, out: Path, cache: Path | None = None) ->
             rows.append({"limits": f.name, "peaks": label, "vae_tile_above_pixels": p.vae_tile_above_pixels,
                          "tiling_reason": p.tiling_reason, "predicted_peak_bytes": dict(p.peaks)})
             print(f"{f.name} {label}: {p.describe()}\n  {p.tiling_reason}")
-    out.write_text(json.dumps({"device": peaks.device if peaks else "", "versions": peaks.versions if peaks else "",
+    out.write_text(json.dumps({"device_name": peaks.device if peaks else "", "device": peaks.device if peaks else "",
+                               "measured_on_this_host": cache is None,
+                               "versions": peaks.versions if peaks else "",
                                "plans": rows}, indent=1))
     return 0
 

@@ -12,7 +12,6 @@ import resource
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from dlo.delivery.staging import staging_dir
 from tests.delivery.conftest import dlo_fetch, files_of, result_of, upload
 from tests.delivery.test_cache import small_disk
 from tests.delivery.test_fetch_hostile import one_line
+from tests.engine.serving_helpers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -131,10 +131,9 @@ def test_two_fetches_into_one_dest_run_one_after_the_other(s3, tiny_model, tmp_p
     argv = [sys.executable, "-m", "dlo.cli.main", "fetch", "s3://local/twice", str(dest), "--endpoint", s3.url,
             "--part-size", "128KiB", "--concurrency", "1", "--progress", "none", "--json"]
     first = subprocess.Popen(argv, env=s3.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not staging_dir(dest).exists():
-        assert first.poll() is None and time.monotonic() < deadline, "the first fetch never started writing"
-        time.sleep(0.01)
+    wait_until(lambda: staging_dir(dest).exists() or first.poll() is not None, 60, "the first fetch writes",
+               poll_s=0.01)
+    assert first.poll() is None, "the first fetch ended before the second started"
     second = dlo_fetch(*argv[4:], env=s3.env())
     out, err = first.communicate(timeout=120)
     assert first.returncode == 0 and second.returncode == 0, (err, second.stderr)
