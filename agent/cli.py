@@ -245,6 +245,7 @@ def run_agent(argv: list[str]) -> int:
     if not args.node_name.strip():
         parser.error("--node-name must not be empty (set it, or $NODE_NAME)")
     from dlo.agent.node import Agent, AgentConfig, publish_loop, warm_loop
+    from dlo.agent.podwatch import PodWatch
     from dlo.agent.pods import KubernetesPods
     from dlo.agent.server import Limits, serve
 
@@ -253,10 +254,12 @@ def run_agent(argv: list[str]) -> int:
         node_name=args.node_name, models_root=args.models_root, proc_root=args.proc_root,
         cgroup_root=args.cgroup_root, sys_root=args.sys_root, engine_urls=args.engine_url,
         calibration=args.calibration, kubernetes=use_k8s, warm=args.warm, warm_threshold=args.warm_threshold,
+        pods_ttl_s=0.0,  # the watch keeps the pods current: a scrape reads them from memory
     )
     try:
         pods = KubernetesPods(args.node_name) if use_k8s else None
-        agent = Agent(cfg, pods=pods)
+        watch = PodWatch(pods) if pods is not None else None
+        agent = Agent(cfg, pods=watch)
         host = args.host or ("0.0.0.0" if use_k8s else "127.0.0.1")
         server = serve(agent, host, args.port, Limits(max_connections=args.max_connections,
                                                      per_address=min(32, args.max_connections)))
@@ -264,6 +267,8 @@ def run_agent(argv: list[str]) -> int:
         return fail("dlo agent", e)
     stop = _stop_on_signals()
     agent.start_model_loop(stop)  # model folders are scanned here, never on a scrape
+    if watch is not None:
+        watch.start(stop)  # one listing, then a watch: no scrape lists pods
     threads = []
     if pods is not None:
         threads.append(threading.Thread(target=publish_loop, args=(agent, pods.annotate_node, stop,

@@ -2,13 +2,14 @@
 
 Owns: `AgentConfig` (what `dlo agent` was started with), `Agent` (the sources every scrape and
 `/profile` read: memory snapshot, model folders scanned by the node loop every `models_ttl_s`, pods
-listed at most every `pods_ttl_s` and kept through API outages, the `NodeProfile` with the
+from their source (in a cluster a watch, `dlo.agent.podwatch`; another source is asked at most every
+`pods_ttl_s`) and kept through API outages, the `NodeProfile` with the
 calibration applied, the engines to scrape and `scrape_engines`: every engine at once, each within
 the scrape deadline and byte bound of `dlo.agent.pods`, one that is late skipped and counted by
 reason in `scrapes_skipped`), the log of broken model folders (one WARNING per change
 of state), agent-side warming with its per-model records, and the loops `dlo agent` runs in threads:
 `model_loop` (scan the model folders: facts, residency, broken files), `publish_loop` (patch the node
-annotation when the profile changes) and `warm_loop`.
+annotation when the published profile changes: residency in bands, `band_residency`) and `warm_loop`.
 Must never: import torch, wait on one engine past the scrape deadline (nor on engines one after
 another), write anything on the host but the page cache it warms, let an API
 error or one unreadable source end a loop (it is logged and the next round retries), or scan the
@@ -19,6 +20,7 @@ file's residency: with many or huge files it takes longer than a scrape may).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -222,8 +224,35 @@ def model_loop(agent: Agent, stop: threading.Event, interval_s: float) -> None:
         stop.wait(interval_s)
 
 
+# [Note: residency bands] A node's profile is patched only when it changes, and the page-cache
+# residency of its models moves with every page read or evicted: published as measured, each move
+# would patch the node (and wake the DLODeployments whose pods run there). The annotation carries the
+# residency floored to a band instead: whole percent below 99 %, a tenth of a percent from 99 % (where
+# warm thresholds sit), 1.0 only when every page is resident. Floored, it never says more is resident
+# than is; `/profile` and `dlo_model_page_cache_resident_ratio` give the measured value.
+FINE_BAND_FROM = 990  # thousandths: from 99.0 % the band is 0.1 %, below it 1 %
+
+
+def band_residency(ratio: float | None) -> float | None:
+    """`ratio` floored to its band (see [Note: residency bands]); None stays None."""
+    if ratio is None or ratio >= 1.0:
+        return ratio
+    thousandths = max(0, math.floor(ratio * 1000 + 1e-9))
+    if thousandths < FINE_BAND_FROM:
+        thousandths -= thousandths % 10
+    return min(thousandths, 999) / 1000
+
+
+def published_profile(profile: NodeProfile) -> NodeProfile:
+    """The profile as the node annotation carries it: residency in bands."""
+    models = {name: m.model_copy(update={"resident_ratio": band_residency(m.resident_ratio)})
+              for name, m in profile.models.items()}
+    return profile.model_copy(update={"models": models})
+
+
 def publish_loop(agent: Agent, annotate: Callable[[str], None], stop: threading.Event, interval_s: float) -> None:
-    """Patch the node annotation whenever the profile changes (checked every `interval_s`)."""
+    """Patch the node annotation when the published profile changes (checked every `interval_s`:
+    at most one patch per interval, none while the residency stays in its band)."""
     last = None
     # With the node loop on, publish once its first scan round ended (its models, or none if it
     # failed: a node without a scan still publishes its devices), not before.
@@ -231,7 +260,7 @@ def publish_loop(agent: Agent, annotate: Callable[[str], None], stop: threading.
         pass
     while not stop.is_set():
         try:
-            value = agent.profile().to_annotation()
+            value = published_profile(agent.profile()).to_annotation()
             if value != last:
                 annotate(value)
                 last = value

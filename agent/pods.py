@@ -1,23 +1,25 @@
 """This node's engines: the pods on the node, their metrics endpoints, and the node annotation.
 
 Owns: `PodInfo` (what the agent needs of a pod), the `PodSource` interface and its Kubernetes
-implementation (`KubernetesPods`: pods with a `spec.nodeName` field selector, and the patch of this
-node's `dlo.dev/node-profile` annotation), which pods are DLO engines
+implementation (`KubernetesPods`: the listing and the watch of pods with a `spec.nodeName` field
+selector, and the patch of this node's `dlo.dev/node-profile` annotation), which pods are DLO engines
 (`app.kubernetes.io/part-of=dlo,app.kubernetes.io/component=engine`) and where to scrape them
 (`engine_targets`), and reading an engine's `dlo_host_pinned_bytes` (`scrape_pinned`: one deadline
 for the whole answer, connect included, and a byte bound on its body; an engine that trickles or
 sends too much is `ScrapeSkipped`, never waited for).
 Must never: import torch, wait on an engine past the scrape's deadline or read more than its bound, patch any node but its own or any annotation but `dlo.dev/node-profile`,
-or cache anything (the node agent decides how often to list; `dlo.agent.node`).
+or cache anything (`dlo.agent.podwatch` keeps the pods a watch reports; `dlo.agent.node` the rest).
 """
 
 from __future__ import annotations
 
 import http.client
+import json
 import time
 import urllib.parse
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -28,6 +30,7 @@ ENGINE_COMPONENT = ("app.kubernetes.io/component", "engine")
 DEFAULT_ENGINE_PORT = 8000
 SCRAPE_TIMEOUT_S = 2.0  # the whole scrape of one engine: connect, head and body
 MAX_METRICS_BYTES = 8 * 2**20  # an engine's exposition is tens of KB; past this it is not one
+LIST_TIMEOUT_S = 30.0  # one listing of the node's pods (connect, and read)
 
 
 class ScrapeSkipped(Exception):
@@ -99,29 +102,48 @@ class KubernetesPods:
             api_client = client.ApiClient()
         self.api = client.CoreV1Api(api_client)
         self.node_name = node_name
+        self._selector = f"spec.nodeName={node_name}"
 
     def pods(self) -> list[PodInfo]:
-        items = self.api.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={self.node_name}").items
-        out = []
-        for p in items:
-            if p.spec.node_name != self.node_name:
-                continue  # the field selector already does this on a real API server
-            port = None
-            for c in p.spec.containers or []:
-                for cp in c.ports or []:
-                    if cp.name == "http":
-                        port = cp.container_port
-            out.append(
-                PodInfo(
-                    uid=p.metadata.uid,
-                    namespace=p.metadata.namespace,
-                    name=p.metadata.name,
-                    ip=p.status.pod_ip,
-                    labels=dict(p.metadata.labels or {}),
-                    http_port=port,
-                )
-            )
-        return out
+        return self.list_pods()[0]
+
+    def list_pods(self) -> tuple[list[PodInfo], str]:
+        """This node's pods and the listing's resourceVersion (a watch resumes from it). Served from
+        the API server's watch cache (`resourceVersion=0`), as informers list."""
+        resp = self.api.list_pod_for_all_namespaces(field_selector=self._selector, resource_version="0",
+                                                    _preload_content=False, _request_timeout=LIST_TIMEOUT_S)
+        body = json.loads(resp.data)
+        pods = [info for item in body.get("items") or [] if (info := self.pod_info(item)) is not None]
+        return pods, str((body.get("metadata") or {}).get("resourceVersion") or "")
+
+    def watch_pods(self, resource_version: str, timeout_s: float,
+                   read_timeout_s: float) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(type, raw object) of each change of this node's pods after `resource_version`, BOOKMARK
+        included, until the server ends the watch (after `timeout_s`). ApiException 410: too old,
+        list again; urllib3's ReadTimeoutError: nothing came for `read_timeout_s`."""
+        from kubernetes import watch
+
+        stream = watch.Watch().stream(
+            self.api.list_pod_for_all_namespaces, field_selector=self._selector, resource_version=resource_version,
+            timeout_seconds=max(1, int(timeout_s)), allow_watch_bookmarks=True,
+            _request_timeout=(LIST_TIMEOUT_S, read_timeout_s))
+        for event in stream:  # (`deserialize=False` would skip the client's check of ERROR events)
+            yield str(event.get("type", "")), dict(event.get("raw_object") or {})
+
+    def pod_info(self, obj: dict[str, Any]) -> PodInfo | None:
+        """What the agent needs of a pod (its raw API object); None for a pod of another node (the
+        field selector already leaves those out on a real API server)."""
+        meta, spec = obj.get("metadata") or {}, obj.get("spec") or {}
+        if spec.get("nodeName") != self.node_name:
+            return None
+        port = None
+        for c in spec.get("containers") or []:
+            for cp in c.get("ports") or []:
+                if cp.get("name") == "http":
+                    port = cp.get("containerPort")
+        return PodInfo(uid=str(meta.get("uid", "")), namespace=str(meta.get("namespace", "")),
+                       name=str(meta.get("name", "")), ip=(obj.get("status") or {}).get("podIP"),
+                       labels=dict(meta.get("labels") or {}), http_port=port)
 
     def annotate_node(self, value: str) -> None:
         self.api.patch_node(self.node_name, {"metadata": {"annotations": {ANNOTATION: value}}})

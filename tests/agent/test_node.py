@@ -192,3 +192,48 @@ def test_one_bad_folder_is_flagged_and_every_other_keeps_its_series(models_root:
     assert {s.labels["model"] for s in samples if s.name == "dlo_model_page_cache_resident_bytes"} == {"tiny-wan"}
     assert {(s.labels["model"], s.labels["reason"]) for s in samples if s.name == "dlo_model_error" and s.value == 1} \
         == {("badcfg", "bad_config"), ("deep", "scan_error")}
+
+
+def test_residency_bands_floor_and_keep_full_and_unknown() -> None:
+    from dlo.agent.node import band_residency
+
+    assert [band_residency(r) for r in (None, 1.0, 0.0, 0.5049, 0.9899, 0.99, 0.9957, 0.99999)] == [
+        None, 1.0, 0.0, 0.5, 0.98, 0.99, 0.995, 0.999]
+
+
+def test_a_small_move_of_residency_leaves_the_published_profile_alone(tmp_path: Path) -> None:
+    """A few pages evicted change the measured residency but not the annotation (no patch); half the
+    model evicted changes it."""
+    import os
+
+    from dlo.agent.node import published_profile
+    from .conftest import write_safetensors
+
+    root = tmp_path / "models"
+    folder = write_wan_folder(root / "big")
+    weights = folder / "transformer" / "diffusion_pytorch_model.safetensors"
+    size = write_safetensors(weights, {"blocks.0.attn1.to_q.weight": ("BF16", [2048, 2048]),
+                                       "blocks.0.norm2.weight": ("F32", [2048])})
+    agent = make_agent(root, models_ttl_s=0.0)
+    fd = os.open(weights, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # page by page: no readahead, no large folios
+        for offset in range(0, int(size * 0.555), 4096):  # mid-band: about 55.5 % of the model resident
+            os.pread(fd, 4096, offset)
+
+        def measured_and_published() -> tuple[float, str]:
+            profile = agent.profile()
+            return profile.models["big"].resident_ratio or 0.0, published_profile(profile).to_annotation()
+
+        ratio0, value0 = measured_and_published()
+        assert 0.3 < ratio0 < 0.7
+        os.posix_fadvise(fd, 1 << 20, 8 * 4096, os.POSIX_FADV_DONTNEED)  # 8 pages: ~0.4 %
+        ratio1, value1 = measured_and_published()
+        assert ratio1 < ratio0 and value1 == value0
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        ratio2, value2 = measured_and_published()
+        assert ratio2 < 0.1 and value2 != value0
+    finally:
+        os.close(fd)

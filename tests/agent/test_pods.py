@@ -54,3 +54,49 @@ async def test_kubernetes_pods_and_node_annotation_against_an_api_emulator() -> 
         async with emulator.request("GET", "/api/v1/nodes/n1") as r:
             annotations = (await r.json())["metadata"]["annotations"]
         assert annotations == {"keep": "me", "dlo.dev/node-profile": '{"version": "v1"}'}
+
+
+async def test_pod_watch_keeps_the_nodes_pods_without_listing_per_scrape() -> None:
+    """One listing, then the watch: a pod created or deleted later shows in `pods()` without another
+    listing; pods of other nodes never do; scrapes read memory (real HTTP, kmock's emulator)."""
+    import asyncio
+    import threading
+
+    import kmock
+
+    from dlo.agent.podwatch import PodWatch
+    from dlo.agent.pods import KubernetesPods
+    from tests.engine.serving_helpers import wait_until
+
+    def pod(name: str, node: str) -> dict:
+        return {"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": name, "namespace": "serving", "uid": f"uid-{name}", "resourceVersion": "1",
+                             "labels": {"app.kubernetes.io/part-of": "dlo", "app.kubernetes.io/component": "engine"}},
+                "spec": {"nodeName": node, "containers": [{"name": "engine", "image": "dlo"}]},
+                "status": {"podIP": "10.1.2.3"}}
+
+    emulator = kmock.KubernetesEmulator()
+    emulator.resources.load_bundled()
+    stop = threading.Event()
+    async with emulator, kmock.Server(emulator):
+        async def post(body: dict) -> None:
+            async with emulator.request("POST", "/api/v1/namespaces/serving/pods", json=body) as r:
+                assert r.status in (200, 201)
+
+        await post(pod("wan-0", "n1"))
+        await post(pod("other", "n2"))
+        # the emulator never ends a watch: a short read timeout resumes it (and ends it at the close)
+        watch = PodWatch(KubernetesPods("n1", host=str(emulator.url)), watch_seconds=30, read_timeout_s=1.0)
+        watch.start(stop)
+        names = lambda: [p.name for p in watch.pods()]  # noqa: E731
+        await asyncio.to_thread(wait_until, lambda: names() == ["wan-0"], 20, "the listing is in")
+        await post(pod("wan-1", "n1"))
+        await post(pod("late", "n2"))
+        await asyncio.to_thread(wait_until, lambda: names() == ["wan-0", "wan-1"], 20, "the watch adds wan-1")
+        async with emulator.request("DELETE", "/api/v1/namespaces/serving/pods/wan-0") as r:
+            assert r.status == 200
+        await asyncio.to_thread(wait_until, lambda: names() == ["wan-1"], 20, "the watch removes wan-0")
+        for _ in range(50):
+            watch.pods()
+        assert watch.listings == 1 and watch.synced.is_set()
+        stop.set()

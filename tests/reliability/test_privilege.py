@@ -91,7 +91,7 @@ MAYBE_UNUSED = {("", "events", "list"): "a scheduled pod whose containers have n
                 ("apps", "statefulsets", "get"): "model.uri before the watch has seen the StatefulSet",
                 ("", "pods/log", "get"): "a running fetch pod's progress (the emulated kubelet runs fetch pods "
                                           "briefly: a loaded machine's reconcile can catch one running)"}
-AGENT_RULES = {("", "pods", "list"), ("", "nodes", "patch")}
+AGENT_RULES = {("", "pods", "list"), ("", "pods", "watch"), ("", "nodes", "patch")}
 
 
 def rules_of(role: dict) -> set[tuple[str, str, str]]:
