@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from dlo.engine.cache_presets import CacheSpec
+
 
 @dataclass(frozen=True)
 class Generation:
@@ -30,6 +32,9 @@ class Generation:
     negative_prompt: str | None = None
     lora_id: str | None = None
     lora_scale: float = 1.0
+    # the step cache it runs with (`dlo.engine.cache_presets`; the server's default already resolved),
+    # None: none. Not part of the wave's compatibility key: each rank enables its own request's cache
+    cache: CacheSpec | None = None
     extras: dict[str, Any] = field(default_factory=dict)  # pipeline extras, JSON values
     # image-to-video: the uploaded first frame (encoded bytes, decoded on the rank); not part of the
     # wave's compatibility key: every image of a wave is resized to the wave's size

@@ -4,7 +4,7 @@ Owns: `OffloadSettings` (how `dlo.engine.load` places and streams one model's we
 `ParallelSettings` (dp x sp and how the ranks exchange), `ResidentPlan` (`--resident-blocks auto` as
 `dlo serve` resolved it), `LoraSettings` (the per-request LoRA adapters and when they load),
 `EngineSettings` (all of them, plus what a rank's device and pipeline are
-started with), `ConfigError` (the one error a bad setting raises; `dlo serve`
+started with, and the step cache a request that names none runs with), `ConfigError` (the one error a bad setting raises; `dlo serve`
 prints it in one line and exits 2), and `from_environment`: the one reader of the engine's `DLO_*`
 switches (vLLM's `envs.py` pattern), called only by `dlo serve` and the benchmarks, so that the
 variables keep working beside the flags named after them.
@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable, Literal, Mapping, get_args
 
+from dlo.engine.cache_presets import PRESETS, CacheSpec, cache_dict, cache_spec
 from dlo.plan.errors import ConfigError, flag as _flag, one_of as _one_of, whole as _whole
 from dlo.plan.facts import MODES, DeviceKind, Mode
 from dlo.plan.resident import VAE_TILE_ABOVE_PIXELS, ResidentPlan
@@ -209,6 +210,8 @@ class EngineSettings:
     # On: the same bytes; Wan2.1-14B's request 0.7-1.0% faster and a rank-64 LoRA's cost 1.036x to
     # 1.021x, Qwen-Image-20B streamed under a 24 GiB cap 16.07 s to 9.67 s (bench/NOTES.md sections 25-26)
     cfg_pairs: bool = True
+    # `--cache`: the step cache of a request that names none (`dlo.engine.cache_presets`); None: none
+    cache: CacheSpec | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.offload, OffloadSettings) or not isinstance(self.parallel, ParallelSettings):
@@ -226,6 +229,8 @@ class EngineSettings:
             raise ConfigError("resident_plan must be a ResidentPlan")
         _flag("safety_checker", self.safety_checker)
         _flag("cfg_pairs", self.cfg_pairs)
+        if self.cache is not None and not isinstance(self.cache, tuple(PRESETS.values())):
+            raise ConfigError(f"cache must be a step cache preset or unset, got {self.cache!r}")
 
     @property
     def mode(self) -> Mode:
@@ -233,7 +238,7 @@ class EngineSettings:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able data (the form `RankConfig` carries to the child ranks)."""
-        return asdict(self)
+        return {**asdict(self), "cache": cache_dict(self.cache)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "EngineSettings":
@@ -244,7 +249,7 @@ class EngineSettings:
             parallel = ParallelSettings(**data.pop("parallel", {}))
             lora = LoraSettings(**data.pop("lora", {}))
             plan = data.pop("resident_plan", None)
-            return cls(offload=offload, parallel=parallel, lora=lora,
+            return cls(offload=offload, parallel=parallel, lora=lora, cache=cache_spec(data.pop("cache", None)),
                        resident_plan=ResidentPlan(**plan) if plan else None, **data)
         except (KeyError, TypeError) as e:
             raise ConfigError(f"engine settings do not parse: {e}") from None

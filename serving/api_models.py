@@ -1,7 +1,7 @@
 """HTTP bodies of the OpenAI-compatible API, and their translation into `Generation`s.
 
 Owns: the pydantic request and response models (OpenAI Images and Videos shapes plus our
-extensions `seed`, `num_inference_steps`, `guidance_scale`, `negative_prompt`, `lora`, `lora_scale`;
+extensions `seed`, `num_inference_steps`, `guidance_scale`, `negative_prompt`, `lora`, `lora_scale`, `cache`;
 a LoRA adapter is also chosen by the model id `MODEL:ADAPTER`, as GET /v1/models lists it), the OpenAI error
 body, and every limit check: anything a client can get wrong is an `ApiError` with status 400 and
 the offending field in `param`, never a 5xx.
@@ -18,6 +18,7 @@ from typing import Any, Collection, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dlo.plan.limits import Limits
+from dlo.engine.cache_presets import NONE, PRESETS, CacheSpec, CacheSpecError, cache_spec
 from dlo.engine.families import PipelineFacts
 from dlo.engine.request import Generation
 from dlo.serving.served_limits import default_frames, default_size, default_steps
@@ -59,6 +60,10 @@ class _Extensions(BaseModel):
     lora_scale: float | None = Field(None, allow_inf_nan=False,
                                      description=f"the adapter's strength, -{MAX_LORA_SCALE:g} to {MAX_LORA_SCALE:g} "
                                                  "(peft's scale: 0 the base model, 1 as trained; default 1)")
+    cache: str | dict[str, Any] | None = Field(
+        None, description=f"a step cache (diffusers' cache hooks): a preset's name ({', '.join(PRESETS)}), or "
+                          "{\"preset\": NAME, PARAMETER: VALUE, ...} (GET /v1/models lists the presets and their "
+                          f"parameters); \"{NONE}\": none; omitted: the server's default (dlo serve --cache)")
     user: str | None = Field(None, description="accepted for OpenAI compatibility; unused")
 
     @field_validator("guidance_scale", "lora_scale", mode="before")
@@ -132,6 +137,7 @@ class ModelCard(BaseModel):
     parent: str | None = None  # a LoRA adapter's base model (as vLLM lists adapters)
     root: str | None = None  # a LoRA adapter's file or folder in --lora-dir
     limits: dict[str, Any] | None = None  # the base model's: the largest request accepted (derived or given)
+    caches: dict[str, Any] | None = None  # the base model's step caches: presets, defaults (`cache_presets.listing`)
 
 
 class ModelList(BaseModel):
@@ -218,8 +224,22 @@ def _adapter(req: _Extensions, model_id: str, adapters: Collection[str]) -> dict
     return {"lora_id": named, "lora_scale": float(req.lora_scale if req.lora_scale is not None else 1.0)}
 
 
+def _cache(req: _Extensions, facts: PipelineFacts, model_id: str, default: CacheSpec | None) -> CacheSpec | None:
+    """The request's step cache: its `cache`, else the server's default; a model whose blocks or
+    pipeline diffusers' cache hooks do not know takes none (a 400 where one is asked for)."""
+    if req.cache is None:
+        return default if facts.adapter.step_caches else None
+    try:
+        spec = cache_spec(req.cache)
+    except CacheSpecError as e:
+        raise _bad(str(e), e.param) from None
+    if spec is not None and not facts.adapter.step_caches:
+        raise _bad(f"model {model_id!r} ({facts.pipeline_class}) runs no step cache", "cache")
+    return spec
+
+
 def _common(req: _Extensions, facts: PipelineFacts, limits: Limits, model_id: str,
-            adapters: Collection[str] = ()) -> dict[str, Any]:
+            adapters: Collection[str] = (), cache: CacheSpec | None = None) -> dict[str, Any]:
     lora = _adapter(req, model_id, adapters)
     for name in ("prompt", "negative_prompt"):
         text = getattr(req, name)
@@ -239,11 +259,13 @@ def _common(req: _Extensions, facts: PipelineFacts, limits: Limits, model_id: st
     return {
         "prompt": req.prompt, "negative_prompt": req.negative_prompt, "steps": steps, "guidance_scale": float(guidance),
         "seed": req.seed if req.seed is not None else secrets.randbelow(2**31), **lora,
+        "cache": _cache(req, facts, model_id, cache),
     }
 
 
 def image_generation(req: ImageGenerationRequest, facts: PipelineFacts, limits: Limits, model_id: str,
-                     adapters: Collection[str] = ()) -> Generation:
+                     adapters: Collection[str] = (), cache: CacheSpec | None = None) -> Generation:
+    """`cache`: the server's default step cache (`dlo serve --cache`), for a request that names none."""
     if facts.image_input:
         raise _bad(f"model {model_id!r} ({facts.pipeline_class}) is image-to-video: use /v1/videos with "
                    "input_reference", "model")
@@ -256,7 +278,7 @@ def image_generation(req: ImageGenerationRequest, facts: PipelineFacts, limits: 
     max_n = min(limits.max_n, facts.max_n or limits.max_n)  # Cosmos3: one sample per pipeline call
     if not 1 <= req.n <= max_n:
         raise _bad(f"n must be between 1 and {max_n}, got {req.n}", "n")
-    common = _common(req, facts, limits, model_id, adapters)
+    common = _common(req, facts, limits, model_id, adapters, cache)
     w, h = parse_size(req.size, facts, limits) if req.size is not None else default_size(facts, limits)
     return Generation(kind="image", width=w, height=h, n=req.n, **common)
 
@@ -304,7 +326,8 @@ def reference_image(value: Any, max_pixels: int) -> bytes:
 
 
 def video_generation(req: VideoCreateRequest, facts: PipelineFacts, limits: Limits, model_id: str,
-                     adapters: Collection[str] = ()) -> Generation:
+                     adapters: Collection[str] = (), cache: CacheSpec | None = None) -> Generation:
+    """`cache`: as `image_generation` takes it."""
     if not facts.supports_video:
         raise _bad(f"model {model_id!r} ({facts.pipeline_class}) makes images only; use /v1/images/generations",
                    "model")
@@ -314,7 +337,7 @@ def video_generation(req: VideoCreateRequest, facts: PipelineFacts, limits: Limi
     if req.input_reference is None and facts.image_input:
         raise _bad(f"model {model_id!r} ({facts.pipeline_class}) is image-to-video: input_reference (the first "
                    "frame) is required", "input_reference")
-    common = _common(req, facts, limits, model_id, adapters)
+    common = _common(req, facts, limits, model_id, adapters, cache)
     w, h = parse_size(req.size, facts, limits) if req.size is not None else default_size(facts, limits, video=True)
     if req.input_reference is not None:
         common["image"] = reference_image(req.input_reference, limits.max_reference_pixels)

@@ -83,7 +83,7 @@ class ServingPipeline:
             for m in self.models.values():  # the resident copies issued beside the steps above: the
                 m.settle()                  # compute stream waits for them (the LoRA bank reads them)
             laps.lap("settle")
-            self.lora, self.pairs = self._adapters_and_pairs()
+            self.lora, self.pairs, self.caches = self._adapters_and_pairs()
             laps.lap("lora")
         except BaseException:
             self.close()  # nothing stays registered, pinned or in flight
@@ -233,12 +233,13 @@ class ServingPipeline:
     def phase(self, name: str) -> None:
         self.clock.enter(name)
 
-    def _adapters_and_pairs(self) -> tuple[Any, Any]:
-        """`--lora-dir`'s adapters (`LoraBank`) on the first transformer, where diffusers'
-        load_lora_weights puts them, and `--cfg-pairs` (`ModelPairs` over every streamed transformer,
-        else `NO_PAIRS`); pairing first: with it the adapters keep a block's merges for the second lane."""
+    def _adapters_and_pairs(self) -> tuple[Any, Any, Any]:
+        """`--lora-dir`'s adapters (`LoraBank`) on the first transformer, `--cfg-pairs` (`ModelPairs` over
+        every streamed transformer, else `NO_PAIRS`; first: the adapters then keep a block's merges for the
+        second lane), and the transformers' `StepCaches` (each request's cache: `dlo.engine.step_cache`)."""
         from dlo.engine.cfg_pairs import NO_PAIRS, CfgPairs, ModelPairs, pairing_on
         from dlo.engine.lora.bank import LoraBank
+        from dlo.engine.step_cache import StepCaches
 
         streamed = [self.models[n] for n in self.facts.transformers if self.models[n].prefetcher is not None]
         on = pairing_on(self.settings.cfg_pairs, self.mode, self.settings.parallel.sp, self.device.type,
@@ -246,7 +247,8 @@ class ServingPipeline:
         first = self.facts.transformers[0]
         lora = LoraBank.load(self.settings.lora, self.facts.pipeline_class, self.model_dir / first,
                              self.models[first], self.device, keep_blocks=on)
-        return lora, ModelPairs([CfgPairs(m.module, m.prefetcher, self.device) for m in streamed]) if on else NO_PAIRS
+        pairs = ModelPairs([CfgPairs(m.module, m.prefetcher, self.device) for m in streamed]) if on else NO_PAIRS
+        return lora, pairs, StepCaches([self.models[n] for n in self.facts.transformers])
 
     def _resident_blocks(self, streamed: tuple[str, ...], group: Any) -> dict[str, int]:
         """Blocks each streamed model keeps on the device: as given, or `--resident-blocks auto`'s plan
@@ -358,7 +360,7 @@ class ServingPipeline:
         self.tick()
         self.set_vae_tiling(gen)
         with torch.inference_mode(), self.lora.applied(gen.lora_id, gen.lora_scale, self.facts.call_tokens(gen)), \
-                self.pairs.request(self.adapter.uses_cfg(gen)):
+                self.caches.request(gen.cache, gen.steps, self.pairs, self.adapter.uses_cfg(gen)):
             out = self.adapter.run(self.pipe, self.pipeline_kwargs(gen), on_step)
         self.tick()
         self.phase = "encode_output"

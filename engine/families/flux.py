@@ -24,6 +24,7 @@ class FluxFamily(PipelineFamily):
     name = "flux"
     blocks = FLUX_BLOCKS
     pipeline_class = "FluxPipeline"
+    step_caches = True  # diffusers' cache hooks know its blocks; its pipeline names each call's cache context
     streamable_encoders = ("text_encoder_2",)  # T5-XXL (CLIP-L, 0.25 GB, stays whole)
 
     def pipeline_facts(self, root: Path, index: dict, transformer: dict, vae: dict) -> PipelineFacts:

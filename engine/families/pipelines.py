@@ -195,6 +195,9 @@ class PipelineFamily:
     # the arguments that carry the negative prompt: `--cfg-pairs` may pair them ([Note: CFG pairs] in
     # `dlo.engine.cfg_pairs`; a family is marked once a test shows paired bytes equal unpaired ones)
     cfg_pairs: bool = False
+    # A request may ask for a step cache (`dlo.engine.step_cache`): diffusers' cache hooks know the
+    # transformer's blocks and the pipeline names each call's cache context (cond, uncond)
+    step_caches: bool = False
 
     def __repr__(self) -> str:
         return f"PipelineFamily({self.name!r})"

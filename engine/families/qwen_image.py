@@ -23,6 +23,7 @@ class QwenImageFamily(PipelineFamily):
     name = "qwen-image"
     blocks = QWEN_IMAGE_BLOCKS
     pipeline_class = "QwenImagePipeline"
+    step_caches = True  # diffusers' cache hooks know its blocks; its pipeline names each call's cache context
     streamable_encoders = ("text_encoder",)  # Qwen2.5-VL-7B's language model layers
     # QwenImagePipeline: cond, then uncond with the negative embeddings and mask; its `timestep / 1000`
     # is a new tensor a call, checked by value (tests/engine/test_cfg_pairs.py)

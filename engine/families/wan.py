@@ -24,6 +24,7 @@ class WanFamily(PipelineFamily):
     name = "wan"
     blocks = WAN_BLOCKS
     pipeline_class = "WanPipeline"
+    step_caches = True  # diffusers' cache hooks know its blocks; its pipeline names each call's cache context
     streamable_encoders = ("text_encoder",)  # UMT5-XXL
     decode_beside_warmup = True
     cfg_pairs = True  # WanPipeline: cond, then uncond with `negative_prompt_embeds` (tests/engine/test_cfg_pairs.py)

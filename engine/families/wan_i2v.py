@@ -21,6 +21,7 @@ from dlo.engine.request import Generation
 class WanI2VFamily(WanFamily):
     name = "wan-i2v"  # the transformer is Wan's (`WAN_BLOCKS`)
     pipeline_class = "WanImageToVideoPipeline"
+    step_caches = True  # diffusers' cache hooks know its blocks; its pipeline names each call's cache context
     decode_beside_warmup = False  # its call encodes the input image with the VAE the decode would use
     cfg_pairs = True  # its calls add the image's embeddings, the same object to both (tests/engine/test_cfg_pairs.py)
 

@@ -32,32 +32,50 @@ def main(*args: str) -> int:
     return 0
 
 
-def run(spec_path: str, out_dir: str) -> None:
+def plain_pipeline(spec: dict) -> tuple:
+    """Plain diffusers' pipeline of `spec["model_dir"]` in `spec["dtype"]` (the VAE float32, decoding in
+    its own dtype as `ServingPipeline` runs it), the folder's facts, and what
+    `ServingPipeline.pipeline_kwargs` reads to build a served request's call on it."""
     import diffusers
-    import numpy as np
     import torch
 
     from dlo.engine.families import pipeline_facts
-    from dlo.engine.request import Generation
-    from dlo.serving.encode import encode
     from dlo.engine.families.pipelines import decode_in_own_dtype
-    from dlo.serving.pipeline import ServingPipeline
 
     torch.set_num_threads(1)
-    spec = json.loads(Path(spec_path).read_text())
     facts = pipeline_facts(spec["model_dir"])
     pipe = getattr(diffusers, facts.pipeline_class).from_pretrained(
         spec["model_dir"], torch_dtype={"default": getattr(torch, spec["dtype"]), "vae": torch.float32})
     pipe.set_progress_bar_config(disable=True)
-    decode_in_own_dtype(pipe.vae)  # as ServingPipeline runs it
+    decode_in_own_dtype(pipe.vae)
+    serving = types.SimpleNamespace(adapter=facts.adapter, max_sequence_length=spec.get("max_sequence_length", 16))
+    return pipe, facts, serving
+
+
+def save_output(out_dir: str, name: str, out, gen, facts) -> None:
+    """A pipeline output as OUT_DIR/NAME.npy (its float frames) and NAME.out (the PNG or MP4 served)."""
+    import numpy as np
+
+    from dlo.serving.encode import encode
+
+    frames = out.frames if hasattr(out, "frames") else out.images
+    np.save(Path(out_dir) / f"{name}.npy", np.asarray(frames))
+    (Path(out_dir) / f"{name}.out").write_bytes(encode(facts.adapter.decode(out, gen), gen.fps)[0][0])
+
+
+def run(spec_path: str, out_dir: str) -> None:
+    import torch
+
+    from dlo.engine.request import Generation
+    from dlo.serving.pipeline import ServingPipeline
+
+    spec = json.loads(Path(spec_path).read_text())
+    pipe, facts, serving = plain_pipeline(spec)
     for name, path in spec["adapters"].items():
         pipe.load_lora_weights(path, adapter_name=name)
     # the same pipeline call as a served request (`ServingPipeline.pipeline_kwargs`, on plain diffusers)
-    serving = types.SimpleNamespace(adapter=facts.adapter, max_sequence_length=spec.get("max_sequence_length", 16))
     def save(name: str, out, gen) -> None:
-        frames = out.frames if hasattr(out, "frames") else out.images
-        np.save(Path(out_dir) / f"{name}.npy", np.asarray(frames))
-        (Path(out_dir) / f"{name}.out").write_bytes(encode(facts.adapter.decode(out, gen), gen.fps)[0][0])
+        save_output(out_dir, name, out, gen, facts)
 
     for i, case in enumerate(spec["cases"]):
         if case["adapter"] is None:
