@@ -1,0 +1,49 @@
+"""`python -m bench SUITE ...`: the one entry of the benchmarks.
+
+    python -m bench                  # the suites and tools, one line each
+    python -m bench SUITE --help     # a suite's commands (run, merge, ...)
+    bash bench/device.sh python -m bench SUITE run ...   # on the GPU host: the lock's package set
+
+Owns: `SUITES` (name -> module and what it answers) and the dispatch: a suite's module is imported
+only when it runs (a suite's imports never slow another's start).
+Must never: hold a suite's logic.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUITES: dict[str, tuple[str, str]] = {
+    "offload": ("bench.offload", "one GPU: DLO against resident, diffusers' group offloading and accelerate, at the physical bound"),
+}
+TOOLS: dict[str, tuple[str, str]] = {
+    "stamp": ("bench.tools", "write .whl/SOURCE.json: the commit a copy of the tree without git records"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, [*SUITES, *TOOLS]))
+    lines = ["usage: python -m bench SUITE|TOOL [args...]", "", "suites:"]
+    lines += [f"  {n:<{width}}  {what}" for n, (_, what) in SUITES.items()]
+    lines += ["", "tools:"] + [f"  {n:<{width}}  {what}" for n, (_, what) in TOOLS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    entry = SUITES.get(name) or TOOLS.get(name)
+    if entry is None:
+        print(f"python -m bench: no suite or tool {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(entry[0])
+    if name in TOOLS:
+        return int(module.main(name, rest) or 0)
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,56 @@
+"""Every figure with its spread, and ratios whose two sides are the same statistic.
+
+Owns: `spread` (a figure's samples as {first, median, n, min, max}: the first request apart, so
+a cold first call is never hidden by the warm ones), `ratio` (two spreads of one call divided
+statistic by statistic: the medians, and the first requests where both have one) and `text` (one
+figure in words, its spread included).
+Must never: pick the best of several tries as a figure; a minimum is shown only beside its median.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Sequence
+
+NOT_RECORDED = "not recorded"
+
+
+def spread(samples: Sequence[float], *, first: float | None | str = "samples[0]") -> dict[str, Any]:
+    """{first, median, n, min, max} of `samples`. `first` is the first request: by default the first
+    sample (the samples are every request in order); a float when the first was timed apart; None
+    when it was never timed (warm-up calls untimed), which the record then says."""
+    if not samples:
+        raise ValueError("a figure needs at least one sample")
+    xs = [float(x) for x in samples]
+    head = xs[0] if first == "samples[0]" else first
+    return {"first": head, "median": statistics.median(xs), "n": len(xs), "min": min(xs), "max": max(xs)}
+
+
+def ratio(num: dict[str, Any], den: dict[str, Any]) -> dict[str, Any]:
+    """`num / den` for two spreads of the same call: the medians' ratio, and the first requests'
+    where both were recorded (None otherwise), with each side's n."""
+    first = None
+    if isinstance(num.get("first"), (int, float)) and isinstance(den.get("first"), (int, float)) and den["first"]:
+        first = num["first"] / den["first"]
+    return {"median": num["median"] / den["median"], "first": first, "n": [num["n"], den["n"]]}
+
+
+def _num(x: float, digits: int) -> str:
+    return f"{x:,.{digits}f}"
+
+
+def text(s: dict[str, Any], unit: str = "", *, scale: float = 1.0, digits: int = 0) -> str:
+    """'509 ms (median of 3: 509-510; first 512)': the median, its n, min-max and the first request."""
+    med = _num(s["median"] * scale, digits) + unit
+    if s["n"] == 1:
+        body = "one sample"
+    else:
+        body = f"median of {s['n']}: {_num(s['min'] * scale, digits)}-{_num(s['max'] * scale, digits)}"
+    first = s.get("first")
+    head = f"first {_num(first * scale, digits)}" if isinstance(first, (int, float)) else f"first {NOT_RECORDED}"
+    return f"{med} ({body}; {head})"
+
+
+def ratio_text(r: dict[str, Any], digits: int = 3) -> str:
+    first = f", first requests {r['first']:.{digits}f}x" if r.get("first") is not None else ""
+    return f"{r['median']:.{digits}f}x (medians{first})"
