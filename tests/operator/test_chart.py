@@ -64,7 +64,8 @@ def test_default_values_render_operator_and_agent_without_monitors():
     objs = render(None)
     kinds = sorted({o["kind"] for o in objs} - {"ConfigMap"})
     assert kinds == ["ClusterRole", "ClusterRoleBinding", "DaemonSet", "Deployment", "PodDisruptionBudget", "Role",
-                     "RoleBinding", "Service", "ServiceAccount"]
+                     "RoleBinding", "Service", "ServiceAccount", "ValidatingAdmissionPolicy",
+                     "ValidatingAdmissionPolicyBinding"]
     # one dashboard ConfigMap per dashboards/*.json shipped in the chart (dashboards are on by default)
     assert len(by_kind(objs, "ConfigMap")) == len(list((CHART / "dashboards").glob("*.json")))
     (deploy,) = by_kind(objs, "Deployment")
@@ -142,7 +143,7 @@ def test_rbac_is_least_privilege_without_wildcards():
             for field in ("apiGroups", "resources", "verbs"):
                 assert "*" not in rule[field], (role["metadata"]["name"], rule)
     agent = roles["dlo-agent"]["rules"]
-    assert {(tuple(r["resources"]), tuple(r["verbs"])) for r in agent} == {(("pods",), ("list",)), (("nodes",), ("patch",))}
+    assert {(tuple(r["resources"]), tuple(r["verbs"])) for r in agent} == {(("pods",), ("list", "watch")), (("nodes",), ("patch",))}
 
 
 def allowed(role: dict, group: str, resource: str, verb: str) -> bool:
