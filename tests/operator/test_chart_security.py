@@ -4,7 +4,6 @@ from the patches the operator and the agent send."""
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import celpy
@@ -14,6 +13,7 @@ import pytest
 from dlo.operator.model_delivery import node_label_patch
 from dlo.operator.names import MODEL_LABEL_PREFIX
 from dlo.plan.profile import ANNOTATION
+from emulator import merge as merge_patch  # RFC 7386, as the API server applies a merge patch
 from test_chart import by_kind, named, render
 
 OPERATOR = "system:serviceaccount:dlo-system:dlo-operator"
@@ -23,19 +23,6 @@ NODE = {"apiVersion": "v1", "kind": "Node",
                                                   "model.dlo.dev/old": "true"},
                      "annotations": {"node.alpha.kubernetes.io/ttl": "0", ANNOTATION: '{"version": "v1"}'}},
         "spec": {"podCIDR": "10.0.1.0/24", "taints": [{"key": "nvidia.com/gpu", "effect": "NoSchedule"}]}}
-
-
-def merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386, as the API server applies `application/merge-patch+json`."""
-    if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
-    out = copy.deepcopy(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        else:
-            out[key] = merge_patch(out.get(key), value)
-    return out
 
 
 class Policy:
