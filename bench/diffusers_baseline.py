@@ -172,12 +172,15 @@ def baseline_child(model: str, request: dict, device: str) -> dict:
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         pipeline_seconds = time.perf_counter() - t1
-        frames = np.asarray(out.frames if request["kind"] == "video" else out.images)
-        if request["kind"] == "video":
-            encode_mp4(frames[0], 16)
-        else:
-            encode_png(frames[0])
+        # Wan's image is a one-frame video: its frame, as the server encodes it
+        frames = np.asarray(out.frames if request["kind"] == "video" or not hasattr(out, "images") else out.images)
+        first = frames[0] if frames[0].ndim == 3 or request["kind"] == "video" else frames[0][0]
+        encoded = encode_mp4(first, 16) if request["kind"] == "video" else encode_png(first)
         timed.append((time.perf_counter() - t1, pipeline_seconds))
+        if len(timed) == 1:
+            output_sha = hashlib.sha256(encoded).hexdigest()
+            if request.get("output_path"):  # the encoded bytes, to compare with the server's answer
+                Path(request["output_path"]).write_bytes(encoded)
     seconds, pipeline_seconds = min(timed)
     return {"seconds": round(seconds, 3), "pipeline_seconds": round(pipeline_seconds, 3),
             "request_seconds": [round(t, 3) for t, _ in timed], "encode_seconds": round(seconds - pipeline_seconds, 3),
@@ -186,4 +189,4 @@ def baseline_child(model: str, request: dict, device: str) -> dict:
             "peak_device_bytes": max([torch.cuda.max_memory_allocated(), *peaks.peaks.values()])
             if device.startswith("cuda") else None,
             "component_peak_device_bytes": peaks.peaks, "host_memory": tree_memory(os.getpid(), children=False),
-            "frames_sha256": hashlib.sha256(frames.tobytes()).hexdigest()}
+            "frames_sha256": hashlib.sha256(frames.tobytes()).hexdigest(), "output_sha256": output_sha}

@@ -62,7 +62,7 @@ def _frames(pipe: Any, gen: Any) -> Any:
 def _transformer_output(pipe: Any, device: str) -> Any:
     """One forward of the transformer on fixed inputs (the memory probe's, at a small shape)."""
     import torch
-    from memory_probe import transformer_inputs
+    from dlo.engine.peaks_transformer import transformer_inputs
 
     from dlo.plan.memory_model import Shape
 

@@ -22,6 +22,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+from dlo.engine.peaks_transformer import transformer_inputs
 from dlo.plan.memory_model import Shape
 
 SEED = 0
@@ -254,40 +255,6 @@ class Probe:
             record["error"] = f"{type(e).__name__}: {e}"[:500]
         self.raw["validation"] = record
         self.save()
-
-
-def transformer_inputs(family: str, cfg: dict, shape: Shape, text_len: int, image_tokens: int, dtype: Any,
-                       device: Any) -> dict[str, Any]:
-    """The keyword arguments the family's pipeline passes its transformer for one call at `shape`."""
-    import torch
-
-    b, h, w = shape.batch, shape.height, shape.width
-    gen = torch.Generator(device).manual_seed(SEED)
-
-    def rnd(*size: int) -> Any:
-        return torch.randn(*size, generator=gen, device=device, dtype=dtype)
-
-    if family.startswith("wan"):
-        frames = (shape.frames - 1) // 4 + 1
-        out = {"hidden_states": rnd(b, cfg["in_channels"], frames, h // 8, w // 8),
-               "timestep": torch.full((b,), 500, device=device, dtype=torch.long),
-               "encoder_hidden_states": rnd(b, text_len, cfg["text_dim"])}
-        if cfg.get("image_dim"):
-            out["encoder_hidden_states_image"] = rnd(b, image_tokens, cfg["image_dim"])
-        return out
-    tokens = (h // 16) * (w // 16)
-    common = {"hidden_states": rnd(b, tokens, cfg["in_channels"]),
-              "timestep": torch.full((b,), 0.5, device=device, dtype=dtype)}
-    if family == "flux":
-        return {**common, "encoder_hidden_states": rnd(b, text_len, cfg["joint_attention_dim"]),
-                "pooled_projections": rnd(b, cfg["pooled_projection_dim"]),
-                "guidance": torch.full((b,), 3.5, device=device, dtype=dtype) if cfg.get("guidance_embeds") else None,
-                "img_ids": torch.zeros(tokens, 3, device=device, dtype=dtype),
-                "txt_ids": torch.zeros(text_len, 3, device=device, dtype=dtype)}
-    if family == "qwen-image":  # batch 1 prompts are unpadded: the pipeline passes no mask
-        return {**common, "encoder_hidden_states": rnd(b, text_len, cfg["joint_attention_dim"]),
-                "encoder_hidden_states_mask": None, "img_shapes": [[(1, h // 16, w // 16)]] * b}
-    raise ValueError(f"no transformer inputs for family {family!r}")
 
 
 def _shape_dict(shape: Shape) -> dict[str, int]:

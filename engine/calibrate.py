@@ -1,12 +1,13 @@
 """Measure pinned host-to-device and AllGather bandwidth on this node; write a profile fragment.
-With `--peaks MODEL_DIR`: measure the model's decodes on this device instead (`dlo.engine.peaks`).
+With `--peaks MODEL_DIR`: measure the model's decodes and transformer calls on this device instead
+(`dlo.engine.peaks`).
 
 The fragment is JSON with the `NodeProfile` fields `h2d_bandwidth_bps` (one device's pinned copy
 rate) and `collective_bandwidth_bps` (AllGather bus bandwidth over --ranks local ranks, the
 nccl/hccl/gloo backend the engine uses); the agent marks bandwidths from it as measured. On a
 CPU-only host the copy is host-to-host and the collective runs over gloo.
 
-`--peaks` measures the decodes a deployment of the model plans with (at the limits given as
+`--peaks` measures the decodes and transformer calls a deployment of the model plans with (at the limits given as
 `dlo serve` takes them) and writes them where `dlo serve` reads them (`dlo.plan.measured`), with a
 line per shape: measured against what the table predicted.
 
@@ -36,9 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ranks for the AllGather measurement (default: device count, 2 on cpu; 1 skips it)")
     parser.add_argument("--mib", type=positive_int, default=256, help="buffer size per measurement, MiB")
     parser.add_argument("--iters", type=positive_int, default=5, help="timed repetitions (best one counts)")
-    peaks = parser.add_argument_group("peaks", "the decodes of one model measured on this device (cuda)")
+    peaks = parser.add_argument_group("peaks", "the decodes and transformer calls of one model measured on this device (cuda)")
     peaks.add_argument("--peaks", type=existing_dir, default=None, metavar="MODEL_DIR",
-                       help="measure this pipeline's decodes at its limits and cache them for dlo serve "
+                       help="measure this pipeline's decodes and transformer calls at its limits and cache them for dlo serve "
                             "(unset: the bandwidths)%(default).0s")
     peaks.add_argument("--limits", type=existing_file, default=None,
                        help="the limits file dlo serve gets (unset: its defaults)%(default).0s")
@@ -161,7 +162,8 @@ def peaks_main(args: argparse.Namespace, device: str) -> int:
         print(f"dlo calibrate: --limits {args.limits}: {e}", file=sys.stderr)
         return 2
     model_dir = args.peaks.resolve()
-    _, path, lines = calibrate_peaks(model_dir, deployment_memory(model_dir, limits), args.deadline)
+    _, path, lines = calibrate_peaks(model_dir, deployment_memory(model_dir, limits), args.deadline,
+                                    refresh=True)
     for line in lines:
         print(line)
     log.info("wrote %s", path)
@@ -169,16 +171,19 @@ def peaks_main(args: argparse.Namespace, device: str) -> int:
 
 
 def calibrate_peaks(model_dir: Path, memory: Any, deadline_s: float, device: str = "cuda:0",
-                    old: Any = None) -> tuple[Any, Path, list[str]]:
-    """Measure the decodes `memory` (`model_dir`'s pipeline at its limits) weighs on `device`, add
-    them to its cached peaks (`old`: as already read; else read here; `dlo.plan.measured`), and return
-    (the peaks now cached, the file, a line per measured shape against the table)."""
-    from dlo.engine.peaks import device_name, library_versions, measure_decodes
+                    old: Any = None, refresh: bool = False) -> tuple[Any, Path, list[str]]:
+    """Measure the decodes and transformer calls `memory` (`model_dir`'s pipeline at its limits)
+    weighs on `device` that its cached peaks lack (`refresh`: all of them again), add them to those
+    (`old`: as already read; else read here; `dlo.plan.measured`), and return (the peaks now cached,
+    the file, a line per measured shape against the table)."""
+    from dlo.engine.peaks import device_name, library_versions, measurable, measure_peaks
     from dlo.plan.measured import MeasuredPeaks, describe, load_peaks, model_digest, save_peaks
 
     name, versions = device_name(device), library_versions()
-    points, seconds = measure_decodes(model_dir, memory.calibration_shapes(), device, deadline_s)
-    old = old or load_peaks(model_dir, name, versions) or MeasuredPeaks(name, versions, model_digest(model_dir))
+    fresh = MeasuredPeaks(name, versions, model_digest(model_dir))
+    old = fresh if refresh else old or load_peaks(model_dir, name, versions) or fresh
+    missing = [p for p in measurable(model_dir, memory.calibration_shapes()) if p not in old.points]
+    points, seconds = measure_peaks(model_dir, missing, device, deadline_s, memory.bounds.max_sequence_length)
     peaks = old.merged(points, seconds)
     path = save_peaks(model_dir, peaks)
     predicted = {key: memory.predicted(*key, table_only=True) for key in points}
@@ -189,14 +194,14 @@ def start_peaks(model_dir: Path, limits: Any, deadline_s: float, stream_dtype: s
     """`dlo serve`'s first start on cuda: the peaks cached for this device, model and libraries, else
     (or where the limits ask for shapes not measured yet) measured now within `deadline_s`. A
     measurement never stops a start: where it fails the table's figures stand, and the log says so."""
-    from dlo.engine.peaks import device_name, library_versions
+    from dlo.engine.peaks import device_name, library_versions, measurable
     from dlo.plan.budget import deployment_memory
     from dlo.plan.measured import load_peaks
 
     peaks = load_peaks(model_dir, device_name("cuda:0"), library_versions())
     try:
         memory = deployment_memory(model_dir, limits, stream_dtype=stream_dtype)
-        if peaks is None or not peaks.covers(memory.calibration_shapes()):
+        if peaks is None or not peaks.covers(measurable(model_dir, memory.calibration_shapes())):
             peaks, _, lines = calibrate_peaks(model_dir, memory, deadline_s, old=peaks)
             for line in lines:
                 log.info("measured peak: %s", line)

@@ -1,12 +1,12 @@
-"""The decodes a deployment plans with, measured on the device that serves (`dlo calibrate --peaks`,
-and `dlo serve`'s first start on an accelerator).
+"""The decodes and transformer calls a deployment plans with, measured on the device that serves
+(`dlo calibrate --peaks`, and `dlo serve`'s first start on an accelerator).
 
 Owns: `library_versions` (what a measurement depends on besides the device and the model: the key
-of `dlo.plan.measured`'s cache), `device_name`, and `measure_decodes`: the pipeline's VAE loaded as
-`dlo serve` loads it (float32, whole on the device), each (part, shape) decoded from an emptied
-cache with the pipelines' own post-processing to numpy, its reserved growth (peak reserved less
-reserved before: what the phase needed the allocator to hold, fragmentation included) recorded;
-smallest first, within a deadline (what is not reached stays the table's).
+of `dlo.plan.measured`'s cache), `device_name`, and `measure_peaks`: the decodes (the pipeline's VAE loaded as `dlo serve` loads it, float32, whole on the device, each (part, shape)
+decoded from an emptied cache with the pipelines' own post-processing to numpy) and the transformer
+calls (`dlo.engine.peaks_transformer`), each one's reserved growth (peak reserved less reserved
+before: what the phase needed the allocator to hold, fragmentation included) recorded; smallest
+first, within a deadline (what is not reached stays the table's).
 Must never: measure on a device other than the one named, keep the VAE after it returns, or record
 a decode that failed for another reason than memory (an out-of-memory decode is recorded as the
 device's whole memory: it does not fit).
@@ -44,13 +44,29 @@ def device_name(device: Any) -> str:
     return torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else str(device)
 
 
-def measure_decodes(model_dir: Path, points: list[tuple[str, Shape]], device: Any,
-                    deadline_s: float) -> tuple[dict[tuple[str, Shape], int], float]:
-    """(reserved growth per (part, shape) measured within `deadline_s`, seconds taken)."""
+def measurable(model_dir: Path, points: list[tuple[str, Shape]]) -> list[tuple[str, Shape]]:
+    """The points `measure_peaks` can measure for this pipeline (its family's transformer calls
+    only where `dlo.engine.peaks_transformer` knows how the pipeline calls it)."""
+    from dlo.engine.peaks_transformer import MEASURED_FAMILIES
+
+    if _facts(model_dir).family in MEASURED_FAMILIES:
+        return points
+    return [p for p in points if p[0] != "transformer"]
+
+
+def measure_peaks(model_dir: Path, points: list[tuple[str, Shape]], device: Any, deadline_s: float,
+                  text_len: int) -> tuple[dict[tuple[str, Shape], int], float]:
+    """(reserved growth per (part, shape) measured within `deadline_s`, seconds taken): smallest
+    first, decodes and transformer calls (`dlo.engine.peaks_transformer`, at `text_len` text tokens)
+    alike, so a deadline leaves the largest shapes of both to the table."""
     import torch
+
+    from dlo.engine.peaks_transformer import transformer_call
 
     t0 = time.monotonic()
     vae, facts = _load_vae(model_dir, device)
+    calls = {"transformer": transformer_call(model_dir, facts, text_len, device) if any(
+        p == "transformer" for p, _ in points) else None}
     out: dict[tuple[str, Shape], int] = {}
     try:
         for part, shape in sorted(points, key=lambda p: (decoded_pixels(p[1]), p[0])):
@@ -58,13 +74,30 @@ def measure_decodes(model_dir: Path, points: list[tuple[str, Shape]], device: An
                 log.warning("peaks: the deadline of %.0f s passed before %s at %s (the table's figure stands)",
                             deadline_s, part, shape)
                 break
-            out[(part, shape)] = _one(torch, vae, facts, part, shape, device)
+            call = _call_for(part, calls, vae, facts, device)
+            if call is None:  # a transformer this family's inputs are not known for: the table's stands
+                continue
+            out[(part, shape)] = _one(torch, lambda c=call, s=shape: c(s), device)
             log.info("peaks: %s at %s: %.2f GB reserved", part, shape, out[(part, shape)] / 1e9)
     finally:
-        del vae
+        del vae, calls
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return out, time.monotonic() - t0
+
+
+def _call_for(part: str, calls: dict[str, Any], vae: Any, facts: Any, device: Any) -> Any:
+    """What one measurement of `part` calls with a shape: the transformer's call, or the decode."""
+    if part == "transformer":
+        return calls["transformer"]
+    tiled = part.endswith("_tiled")
+    return lambda shape: decode_random(vae, facts, shape, device, tiled=tiled)
+
+
+def _facts(model_dir: Path) -> Any:
+    from dlo.engine.families import pipeline_facts
+
+    return pipeline_facts(model_dir)
 
 
 def _load_vae(model_dir: Path, device: Any) -> tuple[Any, Any]:
@@ -72,25 +105,24 @@ def _load_vae(model_dir: Path, device: Any) -> tuple[Any, Any]:
     import torch
 
     from dlo.engine.checkpoint import read_json_config
-    from dlo.engine.families import pipeline_facts, pipeline_index
+    from dlo.engine.families import pipeline_index
 
-    facts = pipeline_facts(model_dir)
     _, cls = read_json_config(pipeline_index(model_dir))["vae"]
     vae = getattr(diffusers, cls).from_pretrained(model_dir / "vae", torch_dtype=torch.float32)
-    return vae.to(device).eval(), facts
+    return vae.to(device).eval(), _facts(model_dir)
 
 
-def _one(torch: Any, vae: Any, facts: Any, part: str, shape: Shape, device: Any) -> int:
-    """One decode from an emptied cache: its reserved growth (the device's memory when it does not fit)."""
+def _one(torch: Any, fn: Any, device: Any) -> int:
+    """One call of `fn` from an emptied cache: its reserved growth (the device's memory when it does not fit)."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_reserved(device)
     try:
         with torch.inference_mode():
-            decoded = decode_random(vae, facts, shape, device, tiled=part.endswith("_tiled"))
+            out = fn()
             torch.cuda.synchronize(device)
-            del decoded
+            del out
     except torch.cuda.OutOfMemoryError:
         return torch.cuda.get_device_properties(device).total_memory
     return torch.cuda.max_memory_reserved(device) - before

@@ -266,17 +266,18 @@ class PipelineMemory:
         return fit.predict(x), fit.extrapolated(x)
 
     def calibration_shapes(self) -> list[tuple[str, Shape]]:
-        """The decodes the plan weighs, to measure on the device (`dlo calibrate --peaks`): at each
-        largest accepted request plain and tiled, and the largest plain decode the fixed rule leaves."""
+        """The decodes and transformer calls the plan weighs, to measure on the device (`dlo calibrate
+        --peaks`): at each largest accepted request the transformer and the decode plain and tiled,
+        and, plain, fewer images or frames of that size (where a threshold or a derived limit may fall)."""
         out: list[tuple[str, Shape]] = []
         for shape in largest_requests(self.bounds, self.geometry):
-            out += [("vae_decode", shape), ("vae_decode_tiled", shape)]
-            for n in range(1, shape.batch):  # fewer images of the largest size: where a threshold may fall
-                out.append(("vae_decode", dataclasses.replace(shape, batch=n)))
+            out += [("vae_decode", shape), ("vae_decode_tiled", shape), ("transformer", shape)]
+            fewer = [dataclasses.replace(shape, batch=n) for n in range(1, shape.batch)]
             t = self.geometry.temporal_factor
-            for frames in sorted({1 + (shape.frames - 1) // 4 // t * t, 1 + (shape.frames - 1) // 2 // t * t}
-                                 if t and shape.frames > 1 else ()):
-                out.append(("vae_decode", dataclasses.replace(shape, frames=frames)))
+            fewer += [dataclasses.replace(shape, frames=frames) for frames in sorted(
+                {1 + (shape.frames - 1) // 4 // t * t, 1 + (shape.frames - 1) // 2 // t * t}
+                if t and shape.frames > 1 else ())]
+            out += [(part, s) for s in fewer for part in ("vae_decode", "transformer")]
         return list(dict.fromkeys(out))
 
     def phases(self) -> Iterable[tuple[str, Shape]]:

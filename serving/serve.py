@@ -259,7 +259,7 @@ def _listen(cfg: ServeConfig, start: _Start) -> None:
 
 
 def _peaks(cfg: ServeConfig, start: _Start) -> None:
-    """The decodes the plan weighs, measured on this device (cuda; `dlo.engine.calibrate.start_peaks`)."""
+    """The decodes and transformer calls the plan weighs, measured on this device (cuda; `dlo.engine.calibrate.start_peaks`)."""
     if start.device == "cuda" and cfg.memory.peaks_deadline:
         from dlo.engine.calibrate import start_peaks
 

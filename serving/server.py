@@ -55,6 +55,7 @@ from dlo.serving.api_models import (
     video_generation,
 )
 from dlo.serving.body_limit import BodyLimit
+from dlo.serving.control import Result
 from dlo.serving.request_bodies import body_error, validation_message, video_body
 from dlo.serving.errors import (
     EngineUnavailable,
@@ -76,6 +77,14 @@ from dlo.serving.videos import VideoJob
 log = logging.getLogger(__name__)
 
 TILED_HEADER = "X-DLO-VAE-Tiled"  # true: the decode ran tiled (not a plain decode's bytes: --vae-tiling)
+
+
+def server_timing(res: Result) -> str:
+    """The `Server-Timing` header of an answer: its rank's seconds per phase (prepare: text encoding,
+    scheduler and latents; denoise; decode; encode_output) and in all, in milliseconds (what the
+    HTTP side adds is the client's total less these)."""
+    parts = [f"{name};dur={seconds * 1000:.1f}" for name, seconds in res.phase_seconds.items()]
+    return ", ".join([*parts, f"rank;dur={res.seconds * 1000:.1f}"])
 SHUTDOWN_RETRY_AFTER_S = 1  # a draining replica's 503: the Service already sends the retry elsewhere
 _VIDEO_SCHEMA_REF = {"$ref": "#/components/schemas/VideoCreateRequest"}
 # Reading a video request (its input_reference decoded) is CPU work: off the loop, two at a time.
@@ -250,6 +259,7 @@ def _add_generation_routes(app: FastAPI, engine: Engine) -> None:
         gen = image_generation(body, engine.facts, engine.limits, engine.model_id, engine.adapters)
         res = await _result_unless_gone(request, engine, engine.submit(gen))
         response.headers[TILED_HEADER] = "true" if engine.decode_tiled(gen) else "false"
+        response.headers["Server-Timing"] = server_timing(res)
         return ImagesResponse(
             created=int(time.time()),
             data=[{"b64_json": base64.b64encode(png).decode()} for png in res.outputs or ()],  # type: ignore[misc]

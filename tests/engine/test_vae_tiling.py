@@ -84,8 +84,8 @@ def test_the_cache_sits_beside_a_writable_model_and_elsewhere_beside_a_read_only
 @pytest.mark.slow
 @pytest.mark.parametrize("tiling,tiled", [("auto", False), ("always", True)])
 def test_a_response_says_whether_its_decode_ran_tiled(wan, tmp_path, tiling, tiled):
-    """The image response's X-DLO-VAE-Tiled header, the dlo_vae_tiled counter, and the plan's rule in
-    /ready; /v1/models reports the limits the server holds requests to."""
+    """The image response's X-DLO-VAE-Tiled and Server-Timing headers, the dlo_vae_tiled counter, and
+    the plan's rule in /ready; /v1/models reports the limits the server holds requests to."""
     import requests
 
     from dlo.serving.launch import ServerProcess
@@ -96,6 +96,10 @@ def test_a_response_says_whether_its_decode_ran_tiled(wan, tmp_path, tiling, til
                           json={"prompt": "a lighthouse", "size": "64x64", "seed": 1, "num_inference_steps": 1})
         assert r.status_code == 200, r.text
         assert r.headers["X-DLO-VAE-Tiled"] == ("true" if tiled else "false")
+        # where the rank's seconds went, per phase (Server-Timing: the client's total less these is HTTP's)
+        timing = dict(part.split(";dur=") for part in r.headers["Server-Timing"].split(", "))
+        assert {"prepare", "denoise", "decode", "encode_output", "rank"} <= set(timing), timing
+        assert sum(float(timing[k]) for k in ("prepare", "denoise", "decode", "encode_output")) <= float(timing["rank"]) + 1
         assert srv.ready_info()["plan"]["vae"]["tiling"] == tiling
         counted = sum(v for labels, v in srv.metrics().get("dlo_vae_tiled_total", []) if labels.get("kind") == "image")
         assert counted == (1 if tiled else 0)
