@@ -16,6 +16,9 @@ import sys
 
 SUITES: dict[str, tuple[str, str]] = {
     "offload": ("bench.offload", "one GPU: DLO against resident, diffusers' group offloading and accelerate, at the physical bound"),
+    "multi-gpu": ("bench.multi_gpu", "dp ranks on N GPUs: pooled host links, waves of dp requests, graphs, memory, the policy's choice"),
+    "sp": ("bench.sp", "sequence parallelism (Ulysses) with offload on 2 GPUs, against resident and dp2 waves"),
+    "hsdp": ("bench.hsdp", "HSDP (FSDP2 + Ulysses), the published multi-GPU baseline, against DLO on N GPUs"),
 }
 TOOLS: dict[str, tuple[str, str]] = {
     "stamp": ("bench.tools", "write .whl/SOURCE.json: the commit a copy of the tree without git records"),

@@ -6,7 +6,7 @@ before the next phase), the four phases (`reference`: the resident model on rank
 FSDP2 + diffusers' Ulysses; `dlo_allgather`, `dlo_ranklocal`: `dlo.engine.load` + DLO's Ulysses),
 the FSDP2 model (`fsdp_wan`) and one timed run (`timed_run`: peak device memory, rank 0's output
 of the seed-1 request saved beside the results).
-Must never: decide what a figure means (bench/hsdp_h200.py summarises), or let the ranks disagree
+Must never: decide what a figure means (bench/hsdp.py summarises), or let the ranks disagree
 on what runs next: every choice that changes the collective order (skip a phase, which runs, which
 batches) is the same on every rank.
 
@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import bench_ranks as br
-import wan_bench as wb
+from bench import ranks as br
+from bench import wan_bench as wb
 
 PHASES = ("reference", "hsdp", "dlo_allgather", "dlo_ranklocal")
 DLO_MODES = {"dlo_allgather": "allgather", "dlo_ranklocal": "rank-local"}
@@ -127,7 +127,7 @@ def _caller(module: Any, inputs: dict) -> Callable[[], Any]:
 
 def timed_run(ctx: Rank, phase: str, key: str, fn: Callable[[], Any], requests: int,
               waits: Callable[[], float] | None = None) -> dict:
-    """`bench_ranks.timed` (one warm-up, then timed calls between barriers) with this run's peak
+    """`ranks.timed` (one warm-up, timed apart, then timed calls between barriers) with this run's peak
     device memory; rank 0 saves sample 0 of its output (the seed-1 request) as `out-<phase>-<key>.pt`.
     `waits`: DLO's cumulative wait for weights, reported per timed call."""
     import torch
@@ -143,12 +143,12 @@ def timed_run(ctx: Rank, phase: str, key: str, fn: Callable[[], Any], requests: 
         marks.append(waits() if waits else 0.0)
 
     iters = 2 if ctx.args.dry_run else ITERS[key.split("/")[0]]
-    times, out = br.timed(fn, ctx.dev, iters, after_warmup=mark)
+    times, out, first = br.timed(fn, ctx.dev, iters, after_warmup=mark)
     mark()
     if ctx.rank == 0 and out is not None:
         torch.save(out[:1].detach().float().cpu(), ctx.work / f"out-{phase}-{key.replace('/', '-')}.pt")
         print(f"  [{phase}] {key}: {statistics.median(times) * 1e3:.1f} ms per call, {requests} request(s)", flush=True)
-    rec = {"seconds": statistics.median(times), "all": times, "requests": requests,
+    rec = {"seconds": statistics.median(times), "all": times, "first_seconds": first, "requests": requests,
            "peak_device_bytes": torch.cuda.max_memory_allocated(ctx.dev) if cuda else None,
            "allocated_before_bytes": before}
     if waits:

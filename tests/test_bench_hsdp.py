@@ -1,4 +1,4 @@
-"""bench/hsdp_h200.py's wiring (issue 33) on two gloo ranks: the dry run of the HSDP bench writes a raw
+"""bench/hsdp.py's wiring (issue 33) on two gloo ranks: the dry run of the HSDP bench writes a raw
 record of the four phases, every DLO output equals the resident reference bit for bit and HSDP's
 (FSDP2 + diffusers' Ulysses) are within the bench's stated tolerance. Figures are the GPU call's."""
 
@@ -24,12 +24,13 @@ RUNS = {
 @pytest.mark.slow
 def test_dry_run_records_every_phase_and_outputs_match_the_reference(tmp_path):
     raw = tmp_path / "raw.json"
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "hsdp_h200.py"), "run", "--dry-run", "--raw", str(raw),
+    proc = subprocess.run([sys.executable, "-m", "bench", "hsdp", "run", "--dry-run", "--raw", str(raw),
                            "--hsdp-batches", "1,2", "--work", str(tmp_path / "work"), "--ckpt", str(tmp_path / "ckpt")],
                           capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rec = json.loads(raw.read_text())
     assert rec["ranks"] == 2 and rec["device"] == "cpu" and rec["layers"] == 3
+    assert rec["suite"] == "hsdp" and rec["provenance"]["card"]["name"].startswith("cpu: ")
     assert set(rec["phases"]) == set(RUNS), rec["phases"]
     for phase, runs in RUNS.items():
         per_rank = rec["phases"][phase]

@@ -57,24 +57,25 @@ def one_card(sources: list[Source], *, mixed: bool = False) -> str | None:
                      "(merge them apart, or pass --mixed-cards to keep each source's card beside its runs)")
 
 
-def keyed(sources: list[Source], key: str, *, depth: int = 1) -> dict[str, Any]:
+def keyed(sources: list[Source], key: str, *, depth: int = 1, keep_replaced: bool = True) -> dict[str, Any]:
     """`record[key]` of every source merged by name, `depth` levels down (2: model -> run): a later
-    source's entry replaces an earlier one of the same name, which stays as `NAME@FILE-STEM`."""
+    source's entry replaces an earlier one of the same name, which stays as `NAME@FILE-STEM` unless
+    `keep_replaced` is False (a suite whose names carry their own `@` variants)."""
     out: dict[str, Any] = {}
     origin: dict[tuple[str, ...], str] = {}
     for s in sources:
-        _into(out, s.record.get(key) or {}, s.path.stem, depth, (), origin)
+        _into(out, s.record.get(key) or {}, s.path.stem, depth, (), origin, keep_replaced)
     return out
 
 
 def _into(out: dict[str, Any], part: dict[str, Any], stem: str, depth: int, at: tuple[str, ...],
-          origin: dict[tuple[str, ...], str]) -> None:
+          origin: dict[tuple[str, ...], str], keep: bool) -> None:
     for name, value in part.items():
         here = (*at, name)
         if depth > 1 and isinstance(value, dict):
-            _into(out.setdefault(name, {}), value, stem, depth - 1, here, origin)
+            _into(out.setdefault(name, {}), value, stem, depth - 1, here, origin, keep)
             continue
-        if name in out and out[name] != value:
+        if keep and name in out and out[name] != value:
             out[f"{name}@{origin[here]}"] = out[name]
         out[name] = value
         origin[here] = stem

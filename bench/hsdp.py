@@ -1,16 +1,14 @@
 """HSDP (FSDP2 + Ulysses), the published system's multi-GPU baseline, against DLO on N GPUs (issue 33).
 
-One device call = one `run` on a node of N >= 2 GPUs (two or more H200s; with the wheels folder `.whl`, which
-holds diffusers 0.42.1 for cp312; timeout 540 s), inside 8 minutes at 40 Wan2.1-14B layers
-(predicted ~4 min on two H200s: checkpoint ~45 s, four phases ~35-50 s each; `--budget-s` 450 skips
-what would not fit). One file comes back through $OUT, the raw JSON:
+One device call = one `run` on a node of N >= 2 GPUs (with the lock's wheel set `.whl`; timeout
+540 s), inside 8 minutes at 40 Wan2.1-14B layers (predicted ~4 min on two H200s: checkpoint ~45 s,
+four phases ~35-50 s each; `--budget-s` 450 skips what would not fit). One file comes back through
+$OUT, the raw JSON:
 
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; \
-    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1; \
-    python3 bench/hsdp_h200.py run --layers 40 --raw $OUT/raw-hsdp.json
+    bash bench/device.sh python -m bench hsdp run --layers 40 --raw $OUT/raw-hsdp.json
 
-    python bench/hsdp_h200.py merge bench/results/raw-h200x2-hsdp-<date>.json --date <date>  # -> h200x2-hsdp-<date>.{json,md}
-    python bench/hsdp_h200.py run --dry-run --raw /tmp/raw-hsdp.json    # CPU ranks, gloo, tiny Wan (tests/test_bench_hsdp.py)
+    python -m bench hsdp merge bench/results/raw-hsdp-<date>.json --date <date>  # -> hsdp-<N>x-<date>.{json,md}
+    python -m bench hsdp run --dry-run --raw /tmp/raw-hsdp.json    # CPU ranks, gloo, tiny Wan (tests/test_bench_hsdp.py)
 
 `run` writes the seeded checkpoint once (bench/wan_bench.py), then ONE process group of N ranks
 (one per device) runs four phases in order, each loading its engine from that checkpoint, timing its
@@ -41,18 +39,17 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import _env  # noqa: E402
+from bench import _env
 
 _env.multicast_off()  # before torch is imported, here and in every rank spawned from here
-import hsdp_ranks as hr  # noqa: E402
-import bench_ranks as br  # noqa: E402
-import wan_bench as wb  # noqa: E402
+from bench import hsdp_ranks as hr
+from bench import ranks as br
+from bench import wan_bench as wb
+from bench.lib import merge as merging
+from bench.lib import records
 
 GOALS = {"dlo_over_hsdp_video_sp": 1.03, "dlo_seconds_per_request_over_hsdp_image_waves": 0.72,
          "dlo_device_memory_over_hsdp": 0.5}
@@ -68,8 +65,6 @@ VIDEO_SP = "video/sp/b1"
 
 def run(args: argparse.Namespace) -> None:
     t_start = time.time()
-    wb.ensure_dlo_importable()
-    sys.path.insert(0, str(wb.REPO))
     import torch
 
     if args.dry_run:
@@ -85,18 +80,16 @@ def run(args: argparse.Namespace) -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     for old in [*args.work.glob("phase-*.json"), *args.work.glob("out-*.pt")]:
         old.unlink()
-    rec: dict = {"layers": args.layers, "ranks": world, "tiny": args.tiny, "device": args.device,
-                 "device_name": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
-                 "torch": torch.__version__, "model_bytes": facts.bytes, "block_bytes": facts.largest_block_bytes,
-                 "nonblock_bytes": facts.nonblock_bytes, "checkpoint": written, "command": sys.argv[1:],
-                 "dlo_exchange": args.dlo_exchange, "hsdp_batches": args.hsdp_batches,
-                 "hsdp_tolerance": HSDP_TOLERANCE, "environment": _env.MULTICAST_OFF, "work": str(args.work)}
+    rec: dict = records.raw("hsdp", args.device, {
+        "layers": args.layers, "ranks": world, "tiny": args.tiny, "device": args.device, "model_bytes": facts.bytes,
+        "block_bytes": facts.largest_block_bytes, "nonblock_bytes": facts.nonblock_bytes, "checkpoint": written,
+        "dlo_exchange": args.dlo_exchange, "hsdp_batches": args.hsdp_batches, "hsdp_tolerance": HSDP_TOLERANCE,
+        "environment": _env.MULTICAST_OFF, "work": str(args.work)})
     rec["phases"] = run_phases(args, world)
     rec["outputs"] = compare_phases(rec["phases"], args.work)
     rec["seconds"] = time.time() - t_start
     rec["summary"] = summarize(rec)
-    Path(args.raw).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.raw).write_text(json.dumps(rec, indent=1, default=str))
+    records.write(rec, Path(args.raw))
     print(json.dumps({k: rec["summary"][k] for k in (*GOALS, "goals_met", "failed", "skipped")}, indent=1, default=str))
     print(f"wrote {args.raw} ({rec['seconds']:.0f} s in all)")
 
@@ -223,23 +216,23 @@ def _all_identical(outs: dict, phases: tuple, keep) -> bool | None:
     return all(found) if found else None
 
 
-def merge(args: argparse.Namespace) -> None:
-    raws = [json.loads(Path(p).read_text()) for p in args.raw_files]
-    rec = dict(raws[0])
-    rec["sources"] = [str(p) for p in args.raw_files]
-    for r in raws[1:]:  # a later call's completed phases fill what an earlier one lacks
+def merge(args: argparse.Namespace) -> int:
+    sources = merging.load(args.raw_files)
+    first = sources[0].record
+    body = {k: v for k, v in first.items() if k not in ("provenance", "suite", "kind")}
+    body["device_name"] = merging.one_card(sources)
+    for r in (x.record for x in sources[1:]):  # a later call's completed phases fill what an earlier one lacks
         for p, v in r["phases"].items():
-            if not isinstance(rec["phases"].get(p), list) and isinstance(v, list):
-                rec["phases"][p] = v
-                rec["outputs"][p] = (r.get("outputs") or {}).get(p, {})
+            if not isinstance(body["phases"].get(p), list) and isinstance(v, list):
+                body["phases"][p] = v
+                body["outputs"][p] = (r.get("outputs") or {}).get(p, {})
+    rec = merging.merged("hsdp", sources, body)
     rec["summary"] = summarize(rec)
-    tag = args.tag or f"h200x{rec['ranks']}-hsdp-{args.date}"
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{tag}.json").write_text(json.dumps(rec, indent=1, default=str))
+    tag = args.tag or f"hsdp-{rec['ranks']}x-{args.date}"
     md = _markdown(rec, args, tag)
-    (out / f"{tag}.md").write_text(md)
+    records.write(rec, Path(args.out) / f"{tag}.json", md)
     print(md)
+    return 0
 
 
 def _gb(x: float | None) -> str:
@@ -250,7 +243,7 @@ def _markdown(rec: dict, args: argparse.Namespace, tag: str) -> str:
     s = rec["summary"]
     lines = [f"# {rec['ranks']} x {rec['device_name']}: HSDP (FSDP2 + Ulysses) against DLO, {rec['layers']} "
              "Wan2.1-14B layers", "",
-             f"Merged with `python bench/hsdp_h200.py merge {' '.join(args.raw_files)}` into `{tag}`; each raw file is "
+             f"Merged with `python -m bench hsdp merge {' '.join(args.raw_files)}` into `{tag}`; each raw file is "
              f"one device call (`run` command inside). DLO's Ulysses exchange: {rec['dlo_exchange']}; HSDP's: "
              f"diffusers'. HSDP's tolerance: {rec['hsdp_tolerance']}.", "",
              "| phase | run | ms per call | requests | ms per request | peak device GB per rank | vs reference |",
@@ -302,8 +295,8 @@ def _batches(text: str) -> list[int]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench hsdp", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="one device call: checkpoint once, one process group for the four phases")
     r.add_argument("--layers", type=int, default=None, help="Wan2.1-14B layers (default 40; --dry-run 3)")
@@ -323,18 +316,18 @@ def main() -> None:
     r.add_argument("--ckpt", default=None)
     r.add_argument("--work", type=Path, default=Path("/tmp/dlo-hsdp"), help="phase results and outputs (emptied first)")
     r.add_argument("--raw", required=True, help="raw JSON to write")
-    m = sub.add_parser("merge", help="raw files -> bench/results/h200x<N>-hsdp-<date>.{json,md}")
+    m = sub.add_parser("merge", help="raw files of one card -> bench/results/hsdp-<N>x-<date>.{json,md}")
     m.add_argument("raw_files", nargs="+")
     m.add_argument("--date", default=datetime.date.today().isoformat())
-    m.add_argument("--tag", default=None, help="record name (default h200x<ranks>-hsdp-<date>)")
+    m.add_argument("--tag", default=None, help="record name (default hsdp-<ranks>x-<date>)")
     m.add_argument("--out", default="bench/results")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.cmd == "run":
         args.layers = args.layers or (None if args.dry_run else 40)
         run(args)
-    else:
-        merge(args)
+        return 0
+    return merge(args)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -2,11 +2,11 @@
 
 Owns: `spawn` (one process per rank on a free port of `dlo.engine.ports`), `init` (a rank's device
 and process group, plus the gloo group that barriers and results go through: `host_group`), `barrier`, `sync`,
-`timed` (per-iteration wall seconds between barriers, keeping the last output), `gather_results`
+`timed` (per-iteration wall seconds between barriers, the warm-up call's apart, keeping the last output), `gather_results`
 (rank 0 writes every rank's dict), `leave` (bounded, then exit) and `dlo` (the CLI in a
 subprocess). Importing it turns NVLink multicast off for this process and every rank it spawns
 (`_env.multicast_off`).
-Must never: hold a benchmark's own measurements (those stay in `multi_gpu_h200.py`, `sp_h200.py`,
+Must never: hold a benchmark's own measurements (those stay in `multi_gpu.py`, `sp.py`,
 `hsdp_ranks.py`), or talk to the engine's communicator outside the engine (barriers and results
 use the gloo group, so the accelerator communicator carries the engine's gathers only, in the
 engine's order, as in serving).
@@ -20,9 +20,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
-import _env
+from bench import _env
 
 _env.multicast_off()  # before torch or NCCL is imported, here and in every rank spawned from here
 
@@ -80,24 +80,34 @@ def sync(dev: Any) -> None:
         torch.cuda.synchronize(dev)
 
 
+class Timed(NamedTuple):
+    times: list[float]  # the timed calls' wall seconds
+    out: Any  # the last call's output
+    first: float  # the warm-up call's wall seconds (the first request, kept apart)
+
+
 def timed(fn: Callable[[], Any], dev: Any, iters: int,
-          after_warmup: Callable[[], None] | None = None) -> tuple[list[float], Any]:
-    """One warm-up call, `after_warmup()`, then `iters` calls each between a device sync and a
-    barrier on every rank: (wall seconds per call, the last call's output). The compared output is
-    one of the timed calls, no extra call."""
-    out = fn()
-    if after_warmup is not None:
-        after_warmup()
-    times = []
-    for _ in range(iters):
+          after_warmup: Callable[[], None] | None = None) -> Timed:
+    """One warm-up call (timed apart: the first request), `after_warmup()`, then `iters` calls, each
+    between a device sync and a barrier on every rank. The compared output is one of the timed
+    calls, no extra call."""
+    def one() -> tuple[float, Any]:
         sync(dev)
         barrier()
         t0 = time.perf_counter()
         out = fn()
         sync(dev)
         barrier()
-        times.append(time.perf_counter() - t0)
-    return times, out
+        return time.perf_counter() - t0, out
+
+    first, out = one()
+    if after_warmup is not None:
+        after_warmup()
+    times = []
+    for _ in range(iters):
+        t, out = one()
+        times.append(t)
+    return Timed(times, out, first)
 
 
 def gather_results(res: dict, world: int, rank: int, out: str) -> None:
