@@ -39,23 +39,40 @@ def process_age_seconds() -> float:
         return time.time() - psutil.Process().create_time()
 
 
+Interval = tuple[str, int, int]  # (name, start, end): wall-clock nanoseconds (time.time_ns)
+
+
 class PhaseClock:
     """The phase a piece of work is in ("idle" between pieces) and the seconds spent in each phase
-    since `reset()`: `enter(name)` adds the time of the phase it leaves."""
+    since `reset()`: `enter(name)` adds the time of the phase it leaves. `timeline` holds each phase
+    left and each mark ended (`start_mark`/`end_mark`: a part inside a phase, such as text encoding)
+    as wall-clock intervals, what rank 0's traces are made of (one append per change)."""
 
     def __init__(self) -> None:
         self.phase, self.seconds, self._since = "idle", {}, time.perf_counter()
+        self.timeline: list[Interval] = []
+        self._since_ns = time.time_ns()
+        self._marks: dict[str, int] = {}
 
     def reset(self) -> None:
-        self.seconds = {}
+        self.seconds, self.timeline, self._marks = {}, [], {}
 
     def enter(self, name: str) -> None:
         if name == self.phase:
             return
-        now = time.perf_counter()
+        now, now_ns = time.perf_counter(), time.time_ns()
         if self.phase != "idle":
             self.seconds[self.phase] = self.seconds.get(self.phase, 0.0) + now - self._since
-        self.phase, self._since = name, now
+            self.timeline.append((self.phase, self._since_ns, now_ns))
+        self.phase, self._since, self._since_ns = name, now, now_ns
+
+    def start_mark(self, name: str) -> None:
+        self._marks[name] = time.time_ns()
+
+    def end_mark(self, name: str) -> None:
+        start = self._marks.pop(name, None)
+        if start is not None:
+            self.timeline.append((name, start, time.time_ns()))
 
 
 class Laps:

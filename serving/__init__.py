@@ -20,6 +20,8 @@ Map (which file to open for which concept; every file of the folder):
   uvicorn_server.py the uvicorn server with them, and its drain on SIGTERM/SIGINT
   faults.py      test-only fault injection (DLO_TEST_HOOKS=1 + DLO_TEST_FAULTS) and its seams, off in production
   waves.py       compatibility keys of a Generation (dlo.engine.request), the wave-forming rule, WaveQueue
+  request_trace.py OpenTelemetry spans of a request (opt-in by OTEL_*): HTTP, queue, wave, the ranks' phases
+  phase_marks.py the text encoders' marks on a rank's phase clock (the traces' dlo.text_encode)
   videos.py      the video job store; video_records.py a job's files; video_jobs.py running jobs
   peers.py       forwarding a video request to the pod whose job it is
   child_env.py   the environment every child process gets (no API key); die_with_parent, its first call

@@ -30,6 +30,7 @@ from dlo.engine.settings import (
     from_environment,
     split_overrides,
 )
+from dlo.cli.logs import LogFormat
 from dlo.plan.facts import DeviceKind, ModeOrAuto
 
 if TYPE_CHECKING:  # the plan's module imports pydantic: only where a plan is made
@@ -56,6 +57,7 @@ class ApiConfig:
     min_body_rate: int = 4096
     probe_cidr: tuple[IPv4Network | IPv6Network, ...] = ()
     log_level: LogLevel = "info"
+    log_format: LogFormat = "text"  # `--log-format`: text lines, or JSON lines (dlo.cli.logs)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Callable, Union
+from typing import Any, Callable, Literal, Union
 
 from dlo.plan.facts import Mode
 from dlo.engine.report import GatherStats, LoadReport
@@ -37,6 +37,7 @@ class RankConfig:
     control_port: int
     max_sequence_length: int = 512  # the limits' text-encoder sequence length
     collective_timeout_s: float = 1800.0
+    log_format: Literal["text", "json"] = "text"  # `dlo serve --log-format`: the ranks log as rank 0 does
 
     @property
     def mode(self) -> Mode:
@@ -144,6 +145,7 @@ class Result:
     seconds: float = 0.0
     error: RequestError | None = None
     phase_seconds: dict[str, float] = field(default_factory=dict)  # the request's seconds per phase
+    timeline: tuple[tuple[str, int, int], ...] = ()  # its phases and marks, wall-clock ns (PhaseClock)
 
 
 @dataclass(frozen=True)

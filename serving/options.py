@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dlo.cli.logs import add_log_format_argument
 from dlo.cli.args import (
     byte_size,
     existing_dir,
@@ -157,6 +158,7 @@ def _add_api_arguments(group: argparse._ArgumentGroup) -> None:
                                    "/metrics (repeatable; unset: loopback only, which always does)"))
     group.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                        help="the least severe log records the server and its ranks write")
+    add_log_format_argument(group)
     # -- video jobs (dlo.serving.videos) --
     group.add_argument("--video-dir", type=Path, default=None,
                        help=_unset("folder keeping finished videos and job records across restarts (an emptyDir "
@@ -359,7 +361,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                       progress_timeout=args.progress_timeout, shutdown_grace=args.shutdown_grace,
                       max_connections=args.max_connections, idle_timeout=args.idle_timeout,
                       body_timeout=args.body_timeout, min_body_rate=args.min_body_rate,
-                      probe_cidr=tuple(args.probe_cidr), log_level=args.log_level),
+                      probe_cidr=tuple(args.probe_cidr), log_level=args.log_level, log_format=args.log_format),
         requests=RequestLimits(limits=args.limits, small_limits=args.small_limits, max_steps=args.max_steps,
                                max_size=args.max_size, warmup=args.warmup, warmup_size=args.warmup_size,
                                warmup_steps=args.warmup_steps, startup_timeout=args.startup_timeout,

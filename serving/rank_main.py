@@ -31,10 +31,12 @@ from dlo.serving.control import (
     Stop,
     WaveAssignment,
 )
+from dlo.cli.logs import configure_logging
 from dlo.serving.child_env import die_with_parent
 from dlo.serving.distmap import start_distribution_map
 from dlo.serving.faults import InjectedFault, install_rank_faults
 from dlo.serving.library_noise import quiet_libraries
+from dlo.serving.phase_marks import mark_text_encoding
 from dlo.serving.pipeline import ServingPipeline
 from dlo.serving.warm_run import run_warm_up
 from dlo.engine.timing import Laps
@@ -81,6 +83,7 @@ def init_rank(cfg: RankConfig, rank: int) -> ServingPipeline:
                            max_sequence_length=cfg.max_sequence_length)
     pipe.load_phases = {**laps.rounded(), **pipe.load_phases}  # the rank's start, in order
     install_rank_faults(pipe, rank)  # the test-only seam: installs nothing without DLO_TEST_HOOKS=1 and a plan
+    mark_text_encoding(pipe)  # the `text_encode` marks of a request's trace
     return pipe
 
 
@@ -120,11 +123,11 @@ def run_assignment(pipe: ServingPipeline, cfg: RankConfig, wave: int, mine: Gene
                 pipe.gather_only(mine, done=done)
             err = RequestError(phase, type(e).__name__, f"{type(e).__name__}: {e}",
                                client_fault=client_fault)
-            return Result(wave, pipe.stats(), error=err)
+            return Result(wave, pipe.stats(), error=err, timeline=tuple(pipe.clock.timeline))
         # sp > 1: every rank of the sp group ran the request; its first rank returns the output
         outputs = tuple(res.outputs) if getattr(pipe, "returns_outputs", True) else None
         return Result(wave, pipe.stats(), outputs, res.media_type, tuple(res.step_seconds), res.seconds,
-                      phase_seconds=dict(res.phase_seconds))
+                      phase_seconds=dict(res.phase_seconds), timeline=tuple(pipe.clock.timeline))
     if cfg.mode == "allgather":
         pipe.gather_only(wave_gen)
     return Result(wave, pipe.stats())
@@ -174,7 +177,8 @@ def main() -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     quiet_libraries()
-    logging.basicConfig(level=logging.INFO, format=f"rank{rank} %(levelname)s %(name)s %(message)s")
+    configure_logging(cfg.log_format, logging.INFO, text_format=f"rank{rank} %(levelname)s %(name)s %(message)s",
+                      fields={"rank": rank})
     start_distribution_map()  # beside torch's import in init_rank (distmap.py)
     conn = Client(("127.0.0.1", cfg.control_port), authkey=authkey)
     lock = threading.Lock()

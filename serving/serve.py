@@ -26,6 +26,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+from dlo.cli.logs import configure_logging, say
+from dlo.cli.tracing import TracingError, flush as flush_traces, start_tracing
 from dlo.engine.settings import ConfigError, from_environment
 from dlo.engine.timing import Laps, start_laps
 from dlo.plan.deployment import DeploymentPlan
@@ -320,7 +322,7 @@ def _engine(cfg: ServeConfig, start: _Start) -> Any:
     rank_cfg = RankConfig(
         model_dir=str(start.model_dir), settings=settings, master_port=free_port(), control_port=free_port(),
         max_sequence_length=start.limits.max_sequence_length,
-        collective_timeout_s=max(1800.0, 4 * api.progress_timeout),
+        collective_timeout_s=max(1800.0, 4 * api.progress_timeout), log_format=api.log_format,
     )
     options = EngineOptions(progress_timeout_s=api.progress_timeout, max_queue=api.max_queue,
                             wave_window_ms=api.wave_window_ms, warmup=req.warmup, warmup_size=start.warmup_size,
@@ -342,7 +344,7 @@ def _fetch_model(cfg: ServeConfig) -> ServeConfig | int:
     try:
         folder, name = serving_folder(cfg.model, os.environ)
     except FetchError as e:
-        print(f"dlo serve: {e.reason}: {e}", file=sys.stderr)
+        say(f"dlo serve: {e.reason}: {e}", logging.ERROR)
         return e.exit_code
     return dataclasses.replace(cfg, model=Path(folder),
                                api=dataclasses.replace(cfg.api, served_model_name=cfg.api.served_model_name or name))
@@ -352,11 +354,13 @@ def main(args: argparse.Namespace) -> int:
     from dlo.serving.library_noise import quiet_libraries
 
     quiet_libraries()  # before anything imports tqdm or diffusers (the ranks inherit its TQDM_DISABLE)
-    logging.basicConfig(level=args.log_level.upper(), format="rank0 %(levelname)s %(name)s %(message)s")
+    configure_logging(args.log_format, args.log_level, text_format="rank0 %(levelname)s %(name)s %(message)s",
+                      fields={"rank": 0})
     try:
         built = serve_config(args)
-    except ConfigError as e:  # the LoRA flags disagreeing
-        print(f"dlo serve: {e}", file=sys.stderr)
+        start_tracing("dlo-serve")  # only where the OTEL_* variables ask for traces
+    except (ConfigError, TracingError) as e:  # the LoRA flags disagreeing; an exporter not installed
+        say(f"dlo serve: {e}", logging.ERROR)
         return 2
     fetched = _fetch_model(built)
     if isinstance(fetched, int):
@@ -367,23 +371,26 @@ def main(args: argparse.Namespace) -> int:
         engine = _engine(cfg, start)
         start.laps.lap("engine")
     except StartError as e:
-        print(f"dlo serve: {e}", file=sys.stderr)
+        say(f"dlo serve: {e}", logging.ERROR)
         from dlo.serving.prewarm import end_early_library_warmups
 
         end_early_library_warmups()  # never exit while a thread is inside the device's libraries
         return 2
     from dlo.serving.faults import install_http_faults
+    from dlo.serving.request_trace import instrument_http
     from dlo.serving.server import create_app
     from dlo.serving.uvicorn_server import http_server
 
     engine.group.spawn()
     app = create_app(engine, start.api_key, start.peers)
     install_http_faults(app)  # test-only: a no-op unless DLO_TEST_HOOKS=1 and DLO_TEST_FAULTS say so
+    instrument_http(app)  # a span per API request, only while tracing is on
     server = http_server(cfg.api, engine, app)
     assert start.listener is not None
     server.run(sockets=[start.listener])
     code = engine.exit_code or (0 if server.started else 1)
     log.info("dlo serve exiting with code %d%s", code, f": {engine.failure}" if engine.failure else "")
+    flush_traces(5.0)  # os._exit skips the exporter's own flush at exit
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -71,6 +71,7 @@ def http_server(api: ApiConfig, engine: Any, app: Any) -> Any:
     # grace, so it never cancels a handler the drain still lets finish.
     server = _server_class(engine, guard)(uvicorn.Config(
         app, log_level=api.log_level, http=guarded_protocol(guard), backlog=LISTEN_BACKLOG,
+        log_config=None if api.log_format == "json" else uvicorn.config.LOGGING_CONFIG,  # JSON: through our handler
         timeout_keep_alive=max(1, int(api.idle_timeout)),
         timeout_graceful_shutdown=int(api.shutdown_grace) + 5))
     engine.request_exit = lambda: setattr(server, "should_exit", True)

@@ -1,8 +1,10 @@
 """Waves: grouping queued requests that can run together on the ranks.
 
 Owns: the compatibility key of a request (`compatibility_key`: every field of a
-`dlo.engine.request.Generation` that changes tensor shapes or the collective schedule), `Pending`,
-the pure wave-forming rule `next_wave`, and `WaveQueue`, the asyncio queue rank 0's scheduler drains.
+`dlo.engine.request.Generation` that changes tensor shapes or the collective schedule), `Pending`
+(with the trace context it was queued in: `request_trace.py`), the pure wave-forming rule
+`next_wave`, and `WaveQueue`, the asyncio queue rank 0's scheduler drains (a wave taken starts its
+requests' wave spans).
 
 Rules (the published system's weaknesses we do not repeat):
 - a request is never rejected because of its neighbours: a request whose key differs from the
@@ -19,10 +21,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from dlo.engine.request import Generation
 from dlo.serving.errors import QueueFull
+from dlo.serving.request_trace import request_context, start_wave_spans
 
 
 def compatibility_key(gen: Generation) -> str:
@@ -55,6 +59,7 @@ class Pending:
     future: asyncio.Future | None = None
     key: str = ""
     request_id: str = ""
+    trace: Any = field(default_factory=request_context)  # the HTTP request's context (None: not traced)
 
     def __post_init__(self) -> None:
         if not self.key:
@@ -86,6 +91,7 @@ class WaveQueue:
         self.dp, self.window_s, self.max_queue = dp, window_s, max_queue
         self._items: list[Pending] = []
         self._changed = asyncio.Event()
+        self.waves_taken = 0
 
     def __len__(self) -> int:
         return len(self._items)
@@ -115,6 +121,8 @@ class WaveQueue:
             if wave:
                 ids = {id(p) for p in wave}
                 self._items = [p for p in self._items if id(p) not in ids]
+                self.waves_taken += 1
+                start_wave_spans(wave, self.waves_taken)
                 return wave
             self._changed.clear()
             try:
