@@ -13,7 +13,6 @@ import argparse
 import json
 import logging
 import os
-import re
 import signal
 import socket
 import sys
@@ -34,6 +33,7 @@ from dlo.cli.args import (
     positive_seconds,
     ratio,
 )
+from dlo.cli.logs import LogFormat, add_log_format_argument, configure_logging, env_log_format, say
 
 # The agent's port, the chart's `agent.port`: not 9400, which dcgm-exporter serves on the same nodes.
 DEFAULT_PORT = 9435
@@ -46,23 +46,13 @@ def run(command: str, argv: list[str]) -> int:
     if command not in handlers:
         print(f"dlo: {command!r} is not an agent command", file=sys.stderr)
         return 2
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(OneLineFormatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
-    logging.basicConfig(level=os.environ.get("DLO_LOG_LEVEL", "INFO").upper(), handlers=[handler])
+    _log_to_stderr(env_log_format())  # `dlo plan`'s, and the others' until their --log-format is read
     return handlers[command](argv)
 
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f\x85\u2028\u2029]")
-
-
-class OneLineFormatter(logging.Formatter):
-    """One record, one line: control characters of the message (a newline in a folder name, say)
-    are written escaped (`\\n`), so nothing a file name holds can forge or split a log line.
-    Tracebacks (`exc_info`) still follow on their own lines."""
-
-    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
-        record.message = _CONTROL.sub(lambda m: repr(m.group())[1:-1], record.message)
-        return super().formatMessage(record)
+def _log_to_stderr(fmt: LogFormat) -> None:
+    """One record, one line (text, control characters escaped) or one JSON object (`dlo.cli.logs`)."""
+    configure_logging(fmt, os.environ.get("DLO_LOG_LEVEL", "INFO"))
 
 
 def _stop_on_signals() -> threading.Event:
@@ -118,11 +108,13 @@ def warm_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--threads", type=positive_int, default=None,
                    help="parallel readers, at least 1 (default: 4 per CPU, at most 32)")
+    add_log_format_argument(p)
     return p
 
 
 def run_warm(argv: list[str]) -> int:
     args = warm_parser().parse_args(argv)
+    _log_to_stderr(args.log_format)
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
@@ -236,6 +228,7 @@ def agent_parser() -> argparse.ArgumentParser:
     p.add_argument("--warm", action="store_true", help="keep every model under --models-root warm (agent warming)")
     p.add_argument("--warm-threshold", type=ratio, default=0.99, help="residency that triggers a re-warm, 0..1")
     p.add_argument("--warm-interval", type=positive_seconds, default=300.0, help="seconds between residency checks (default 300)")
+    add_log_format_argument(p)
     return p
 
 
@@ -244,6 +237,7 @@ def run_agent(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if not args.node_name.strip():
         parser.error("--node-name must not be empty (set it, or $NODE_NAME)")
+    _log_to_stderr(args.log_format)
     from dlo.agent.node import Agent, AgentConfig, publish_loop, warm_loop
     from dlo.agent.podwatch import PodWatch
     from dlo.agent.pods import KubernetesPods
@@ -277,8 +271,7 @@ def run_agent(argv: list[str]) -> int:
         threads.append(threading.Thread(target=warm_loop, args=(agent, stop, args.warm_interval), daemon=True))
     for t in threads:
         t.start()
-    print(f"dlo agent: serving on http://{host}:{server.server_address[1]} node={args.node_name}",
-          file=sys.stderr, flush=True)
+    say(f"dlo agent: serving on http://{host}:{server.server_address[1]} node={args.node_name}")
     stop.wait()
     server.shutdown()
     return 0

@@ -15,9 +15,11 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from dlo.cli.args import (Parser, byte_size, http_url, non_negative_seconds, one_line, positive_int,
                           positive_seconds)
+from dlo.cli.logs import LogLines, add_log_format_argument, configure_logging, say
 from dlo.delivery.deadline import DEFAULT_DEADLINE_S, DEFAULT_MIN_RATE_BPS, DEFAULT_STALL_WINDOW_S
 
 DESCRIPTION = """Download a diffusers pipeline folder from S3 or the Hugging Face Hub into DEST:
@@ -68,23 +70,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--result-file", type=Path, default=None,
                         help="write the result as JSON here (a Job's /dev/termination-log)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    add_log_format_argument(parser)
 
 
 def main(args: argparse.Namespace) -> int:
     from dlo.delivery.errors import FetchError, local_error
     from dlo.delivery.fetch import FetchOptions, FetchResult, fetch
-    from dlo.delivery.progress import Progress
     from dlo.delivery.uri import parse_uri
 
-    logging.basicConfig(level=os.environ.get("DLO_LOG_LEVEL", "INFO").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    configure_logging(args.log_format, os.environ.get("DLO_LOG_LEVEL", "INFO"))
     for noisy in ("botocore", "boto3", "urllib3", "s3transfer", "huggingface_hub", "filelock", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     options = FetchOptions(endpoint=args.endpoint, concurrency=args.concurrency, part_size=args.part_size,
                            keep=frozenset(args.keep), disk_budget=args.disk_budget,
                            evict=not args.no_evict, lock_wait_s=args.lock_wait, deadline_s=args.deadline,
                            min_rate_bps=args.min_rate, stall_window_s=args.stall_window)
-    progress = Progress(args.progress)
+    progress = _progress(args)
     try:
         uri = parse_uri(args.uri, args.revision)
         result = fetch(uri, args.dest.absolute(), options, progress)
@@ -92,20 +93,30 @@ def main(args: argparse.Namespace) -> int:
     except (FetchError, OSError) as error:
         e = error if isinstance(error, FetchError) else local_error(error, args.dest)
         result = FetchResult("failed", args.uri, str(args.dest), reason=e.reason, message=one_line(str(e)))
-        print(f"dlo fetch: {e.reason}: {one_line(str(e))}", file=sys.stderr)
+        say(f"dlo fetch: {e.reason}: {one_line(str(e))}", logging.ERROR)
         code = e.exit_code
     finally:
         progress.close()
     _report(args, result)
     if result.already_complete and not args.json:  # a fetch that downloads logs what it fetched; this one says so
-        print(f"dlo fetch: {result.dest} is already complete ({result.files} files, {_size(result.bytes)} of "
-              f"{result.uri}): nothing to download", file=sys.stderr)
+        say(f"dlo fetch: {result.dest} is already complete ({result.files} files, {_size(result.bytes)} of "
+            f"{result.uri}): nothing to download")
     if result.reason == "timeout":  # a transfer thread may still be blocked in a read: never wait for it
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def _progress(args: argparse.Namespace) -> Any:
+    """`--progress`; under JSON logs, its lines are records of `dlo.delivery.progress` (no bar): the
+    operator reads the last one from the Job's log either way (`parse_progress_line`)."""
+    from dlo.delivery.progress import Progress
+
+    if args.log_format == "json" and args.progress != "none":
+        return Progress("plain", stream=LogLines("dlo.delivery.progress"))  # type: ignore[arg-type]
+    return Progress(args.progress)
 
 
 def _size(n: int) -> str:
@@ -121,7 +132,7 @@ def _report(args: argparse.Namespace, result: object) -> None:
         try:
             args.result_file.write_text(text[:4096])  # the kubelet keeps at most 4096 bytes
         except OSError as e:
-            print(f"dlo fetch: cannot write {args.result_file}: {e.strerror}", file=sys.stderr)
+            say(f"dlo fetch: cannot write {args.result_file}: {e.strerror}", logging.WARNING)
     if args.json:
         print(text)
 

@@ -21,6 +21,8 @@ import yaml
 
 from dlo.cli.args import (Parser, byte_size, existing_dir, existing_file, fail, http_url, positive_int,
                           positive_seconds)
+from dlo.cli.logs import add_log_format_argument, add_process_fields, configure_logging, say
+from dlo.cli.tracing import TracingError, start_tracing
 
 CRD_FILE = "dlo.dev_dlodeployments.yaml"
 CRD_PATHS = (Path("crds") / CRD_FILE, Path("charts") / "dlo" / "crds" / CRD_FILE)
@@ -242,7 +244,20 @@ def _run_parser() -> Parser:
     parser.add_argument("--lease-namespace", default="",
                         help="the Lease's namespace (default: $POD_NAMESPACE, else the service account's)")
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
+    add_log_format_argument(parser)
     return parser
+
+
+def _logging(args: argparse.Namespace) -> None:
+    """Text lines, or kopf's own JSON records (its `object` key names the resource a record is
+    about) with the fields every dlo process's JSON records have (`dlo.cli.logs`)."""
+    if args.log_format == "json":
+        import kopf
+
+        kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.JSON, log_refkey="object")
+        add_process_fields({})
+    else:
+        configure_logging("text", logging.DEBUG if args.verbose else logging.INFO)
 
 
 def _run(argv: list[str]) -> int:
@@ -250,10 +265,11 @@ def _run(argv: list[str]) -> int:
     from dlo.operator.models import default_engine_image
 
     args = _run_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-    )
+    _logging(args)
+    try:
+        start_tracing("dlo-operator")  # a span per reconcile, only where the OTEL_* variables ask for traces
+    except TracingError as e:
+        return fail("dlo operator run", e)
     config = OperatorConfig(
         status_interval=args.status_interval, default_image=default_engine_image(os.environ),
         cache_root=args.cache_root, max_fetches=args.max_fetches, fetch_retry_seconds=args.fetch_retry,
@@ -312,7 +328,7 @@ def _lead(args: argparse.Namespace, kube: Any, operate: Any) -> int:
 
     if leader.lead(elector, lead_now, stop):
         return 0
-    print("dlo operator run: lost the lease: exiting so that this pod restarts as a standby", file=sys.stderr)
+    say("dlo operator run: lost the lease: exiting so that this pod restarts as a standby", logging.WARNING)
     return 1
 
 

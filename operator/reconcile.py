@@ -23,6 +23,8 @@ from typing import Any
 
 import kopf
 import urllib3
+from opentelemetry import trace
+from opentelemetry.trace import StatusCode
 
 from dlo.operator import advice, builders, metrics, modes, node_loss, pinned_plan, status
 from dlo.operator.autoscale_builder import autoscaler_kind
@@ -33,6 +35,7 @@ from dlo.operator.kube import Kube, KubeError
 from dlo.operator.models import API_VERSION, KIND, DLODeploymentSpec, SpecError, parse_spec, with_default_image
 
 log = logging.getLogger(__name__)
+TRACER = trace.get_tracer("dlo.operator")  # the global provider's once `dlo.cli.tracing` sets one
 MONITOR_PLURALS = {"PodMonitor": "podmonitors", "ServiceMonitor": "servicemonitors"}
 
 Verdict = tuple[str, str, str]  # (status, reason, message) of one condition
@@ -55,27 +58,36 @@ class View:
 
 
 def run(kube: Kube, body: dict[str, Any], view: View, config: OperatorConfig) -> bool:
-    """One reconcile, counted, timed and its status written; False when it must be retried soon."""
-    started = time.monotonic()
-    result = "error"
-    patch: dict[str, Any] = {}
-    try:
-        result = reconcile(kube, body, view, config, patch)
-    except (KubeError, urllib3.exceptions.HTTPError) as e:
-        result = "api_error"
-        conditions = list((body.get("status") or {}).get("conditions") or [])
-        verdict = {"Degraded": ("True", "ApiError", f"{type(e).__name__}: {e}"[:1000])}
-        patch = {"conditions": _conditions(conditions, verdict, body["metadata"].get("generation"))}
-        log.warning("reconcile failed on an API error resource=%s/%s error=%s", body["metadata"].get("namespace"),
-                    body["metadata"]["name"], e)
-    except Exception:  # a bug must not stop the loop: logged, counted, retried
-        log.exception("reconcile failed resource=%s/%s", body["metadata"].get("namespace"), body["metadata"]["name"])
-    finally:
-        metrics.RECONCILES.labels(result).inc()
-        metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
-    if patch:
-        _write_status(kube, body, patch)
-    return result in ("success", "invalid_spec")
+    """One reconcile, counted, timed, traced (`dlo.reconcile`, a no-op unless the operator traces)
+    and its status written; False when it must be retried soon."""
+    meta = body["metadata"]
+    with TRACER.start_as_current_span("dlo.reconcile", attributes={
+            "k8s.namespace.name": meta.get("namespace") or "", "dlo.deployment": meta["name"],
+            "dlo.generation": meta.get("generation") or 0}) as span:
+        started = time.monotonic()
+        result = "error"
+        patch: dict[str, Any] = {}
+        try:
+            result = reconcile(kube, body, view, config, patch)
+        except (KubeError, urllib3.exceptions.HTTPError) as e:
+            result = "api_error"
+            conditions = list((body.get("status") or {}).get("conditions") or [])
+            verdict = {"Degraded": ("True", "ApiError", f"{type(e).__name__}: {e}"[:1000])}
+            patch = {"conditions": _conditions(conditions, verdict, meta.get("generation"))}
+            log.warning("reconcile failed on an API error resource=%s/%s error=%s", meta.get("namespace"),
+                        meta["name"], e)
+        except Exception as e:  # a bug must not stop the loop: logged, counted, retried
+            log.exception("reconcile failed resource=%s/%s", meta.get("namespace"), meta["name"])
+            span.record_exception(e)
+        finally:
+            metrics.RECONCILES.labels(result).inc()
+            metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
+            span.set_attribute("dlo.reconcile.result", result)
+        if patch:
+            _write_status(kube, body, patch)
+        if result in ("error", "api_error"):
+            span.set_status(StatusCode.ERROR, result)
+        return result in ("success", "invalid_spec")
 
 
 def _write_status(kube: Kube, body: dict[str, Any], patch: dict[str, Any]) -> None:

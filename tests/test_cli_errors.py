@@ -96,6 +96,8 @@ AGENT_ROWS: list[tuple[list[str], str]] = [
     (["agent", "--engine-url", "http://127.0.0.1:99999"], "the port must be from 0 to 65535"),
     (["agent", "--node-name", " "], "--node-name must not be empty"),
     (["agent", "--kubernetes", "maybe"], "--kubernetes: invalid choice: 'maybe'"),
+    (["agent", "--log-format", "xml"], "--log-format: 'xml' is not a log format: text or json"),
+    (["warm", "--log-format", "yaml", "{tmp}/model"], "--log-format: 'yaml' is not a log format: text or json"),
 ]
 
 OPERATOR_ROWS: list[tuple[list[str], str]] = [
@@ -117,12 +119,14 @@ OPERATOR_ROWS: list[tuple[list[str], str]] = [
     (["operator", "run", "--fetch-retry", "0"], "--fetch-retry: must be more than 0 seconds"),
     (["operator", "run", "--cache-disk-budget", "lots"], "--cache-disk-budget: 'lots' is not a number"),
     (["operator", "run", "--prometheus-url", "prometheus:9090"], "'prometheus:9090' is not an http:// or https:// URL"),
+    (["operator", "run", "--log-format", "logfmt"], "--log-format: 'logfmt' is not a log format: text or json"),
 ]
 
 ENGINE_ROWS: list[tuple[list[str], str]] = [
     (["serve", "{tmp}/model", "--port", "99999"], "--port: must be a port from 0 to 65535 (got 99999)"),
     (["serve", "{tmp}/model", "--dp", "0"], "--dp: must be at least 1 (got 0)"),
     (["serve", "{tmp}/model", "--max-queue", "0"], "--max-queue: must be at least 1 (got 0)"),
+    (["serve", "{tmp}/model", "--log-format", "JSON"], "--log-format: 'JSON' is not a log format: text or json"),
     (["serve", "{tmp}/model", "--cpu-threads", "-2"], "--cpu-threads: must be at least 1 (got -2)"),
     (["serve", "{tmp}/model", "--progress-timeout", "0"], "--progress-timeout: must be more than 0 seconds"),
     (["serve", "{tmp}/model", "--mode", "fast"], "--mode: invalid choice: 'fast'"),
@@ -179,6 +183,7 @@ DELIVERY_ROWS: list[tuple[list[str], str]] = [
     (["fetch", "s3://models/wan", "{tmp}/dest", "--disk-budget", "0"], "--disk-budget: must be at least 1 byte"),
     (["fetch", "s3://models/wan", "{tmp}/dest", "--endpoint", "minio:9000"], "'minio:9000' is not an http://"),
     (["fetch", "s3://models/wan", "{tmp}/dest", "--progress", "fancy"], "--progress: invalid choice: 'fancy'"),
+    (["fetch", "s3://models/wan", "{tmp}/dest", "--log-format", "xml"], "--log-format: 'xml' is not a log format"),
     (["serve", "s3://Bad_Bucket/wan"], "'Bad_Bucket' is not an S3 bucket name"),
 ]
 
