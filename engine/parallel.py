@@ -4,8 +4,8 @@ Owns: `Layout` (the pure rank arithmetic of a node of N = dp x sp ranks: sequenc
 are consecutive ranks `[d*sp, (d+1)*sp)`, the shard group is all N ranks), its validation
 (`check_layout`, `check_tokens`), the wave mapping (`wave_assignments`, `leader_results`), and on
 the torch side `ParallelGroups` (`make_groups`: the device mesh and the sp process group, built
-identically on every rank) and `enable_sequence_parallel` (diffusers' context parallelism on a
-model, offloaded or not).
+identically on every rank), `enable_sequence_parallel` (diffusers' context parallelism on a
+model, offloaded or not) and `sp_group_of` (the sp group a model's sequence is split over).
 Must never: import torch at module level (the serving side's torch-free modules import the
 layout), or put a collective of the sp group inside the weight plane's order: the weight gathers
 run over the shard group (all ranks, `dlo.engine.prefetch`), the all-to-alls of sequence
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence, TypeVar
 
@@ -235,6 +236,15 @@ def context_parallel_config(groups: ParallelGroups) -> Any:
     return ContextParallelConfig(ring_degree=sp, mesh=groups.cp_mesh)
 
 
+# module -> the process group of the sp ranks its context parallelism splits the sequence over
+_SP_GROUPS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def sp_group_of(module: Any) -> Any:
+    """The sp group `enable_sequence_parallel` split `module`'s sequence over; None without sp."""
+    return _SP_GROUPS.get(module)
+
+
 def enable_sequence_parallel(module: Any, groups: ParallelGroups, device: Any, *,
                              exchange: UlyssesExchange | None = None) -> bool:
     """Turn on diffusers' context parallelism on `module` over this rank's sp group (no-op for
@@ -258,6 +268,7 @@ def enable_sequence_parallel(module: Any, groups: ParallelGroups, device: Any, *
         module.set_attention_backend("_native_cudnn")
     with _accelerator_count_for(device):
         module.enable_parallelism(config=context_parallel_config(groups))
+    _SP_GROUPS[module] = groups.sp_group
     if exchange != "diffusers":
         from dlo.engine.ulysses import use_dlo_ulysses
 

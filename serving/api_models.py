@@ -18,7 +18,7 @@ from typing import Any, Collection, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dlo.plan.limits import Limits
-from dlo.engine.cache_presets import NONE, PRESETS, CacheSpec, CacheSpecError, cache_spec
+from dlo.engine.cache_presets import NONE, PRESETS, CacheSpec, CacheSpecError, cache_spec, listing
 from dlo.engine.families import PipelineFacts
 from dlo.engine.request import Generation
 from dlo.serving.served_limits import default_frames, default_size, default_steps
@@ -71,6 +71,13 @@ class _Extensions(BaseModel):
     def _a_number_not_a_flag(cls, v: Any) -> Any:
         if isinstance(v, bool):  # JSON true is no scale (pydantic would take it as 1.0)
             raise ValueError("must be a number, not true or false")
+        return v
+
+    @field_validator("cache", mode="before")
+    @classmethod
+    def _preset_or_object(cls, v: Any) -> Any:
+        if v is not None and not isinstance(v, (str, dict)):  # else pydantic names a member of the union
+            raise ValueError(f"must be a preset name or an object {{\"preset\": NAME, ...}}, got {type(v).__name__}")
         return v
 
     @field_validator("prompt", "negative_prompt")
@@ -236,6 +243,12 @@ def _cache(req: _Extensions, facts: PipelineFacts, model_id: str, default: Cache
     if spec is not None and not facts.adapter.step_caches:
         raise _bad(f"model {model_id!r} ({facts.pipeline_class}) runs no step cache", "cache")
     return spec
+
+
+def model_caches(facts: PipelineFacts, default: CacheSpec | None) -> dict[str, Any] | None:
+    """The base model card's `caches`: the presets a request may ask for and the server's default
+    (`dlo serve --cache`); None for a model that runs no step cache."""
+    return listing(default) if facts.adapter.step_caches else None
 
 
 def _common(req: _Extensions, facts: PipelineFacts, limits: Limits, model_id: str,

@@ -52,6 +52,7 @@ from dlo.serving.api_models import (
     VideoList,
     VideoObject,
     image_generation,
+    model_caches,
     video_generation,
 )
 from dlo.serving.body_limit import BodyLimit
@@ -256,7 +257,8 @@ def _add_generation_routes(app: FastAPI, engine: Engine) -> None:
                       "negative_prompt)")
     async def images(body: ImageGenerationRequest, request: Request, response: Response) -> ImagesResponse:
         engine.check_available()
-        gen = image_generation(body, engine.facts, engine.limits, engine.model_id, engine.adapters)
+        gen = image_generation(body, engine.facts, engine.limits, engine.model_id, engine.adapters,
+                               engine.cfg.settings.cache)
         res = await _result_unless_gone(request, engine, engine.submit(gen))
         response.headers[TILED_HEADER] = "true" if engine.decode_tiled(gen) else "false"
         response.headers["Server-Timing"] = server_timing(res)
@@ -276,7 +278,8 @@ def _add_generation_routes(app: FastAPI, engine: Engine) -> None:
         engine.check_available()
         body = await video_body(request)
         gen = await asyncio.get_running_loop().run_in_executor(
-            _DECODE, video_generation, body, engine.facts, engine.limits, engine.model_id, engine.adapters)
+            _DECODE, video_generation, body, engine.facts, engine.limits, engine.model_id, engine.adapters,
+            engine.cfg.settings.cache)
         seconds = f"{gen.frames / gen.fps:g}"
         client = request.client.host if request.client else None
         return _video_object(engine, engine.jobs.create(gen, seconds, client=client))
@@ -321,7 +324,8 @@ def _add_operation_routes(app: FastAPI, engine: Engine) -> None:
     @app.get("/v1/models", response_model=ModelList,
              summary="The served model, then each LoRA adapter as MODEL:NAME with its parent (as vLLM lists adapters)")
     async def models() -> ModelList:
-        cards = [ModelCard(id=engine.model_id, created=engine.created, limits=engine.limits.model_dump())]
+        cards = [ModelCard(id=engine.model_id, created=engine.created, limits=engine.limits.model_dump(),
+                           caches=model_caches(engine.facts, engine.cfg.settings.cache))]
         cards += [ModelCard(id=f"{engine.model_id}:{name}", created=engine.created, parent=engine.model_id, root=root)
                   for name, root in engine.adapters.items()]
         return ModelList(data=cards)

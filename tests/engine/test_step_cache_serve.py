@@ -1,0 +1,87 @@
+"""Step caches through `dlo serve` (real processes, gloo ranks, real HTTP, the official openai SDK):
+`"cache"` on a request, each preset the bytes of plain diffusers with the same cache configuration in
+every multi-rank mode: allgather dp 2 with a cached request beside an uncached one and two presets in
+one wave (each rank's cache is its request's own), and sp 2 (a cache's hooks under the context-parallel
+ones, First Block Cache deciding on the whole sequence); a cache that is no valid preset is a 400
+naming the field; GET /v1/models lists the presets."""
+
+from __future__ import annotations
+
+import base64
+
+import openai
+import pytest
+from openai import OpenAI
+
+from dlo.serving.launch import ServerProcess
+from tests.engine.cache_helpers import SIZE, STEPS, CacheSetup, cache_setup  # noqa: F401  (the fixture)
+from tests.engine.serving_helpers import submit_in_order
+
+pytestmark = pytest.mark.slow
+WINDOW_MS = 800  # two requests sent together land in one wave even on a loaded 2-core machine
+
+
+def _image(client: OpenAI, model: str, seed: int, cache=None) -> bytes:
+    extra = {"seed": seed, "num_inference_steps": STEPS, "guidance_scale": 5.0}
+    if cache is not None:
+        extra["cache"] = cache
+    r = client.images.generate(model=model, prompt="a lighthouse", size=f"{SIZE}x{SIZE}", response_format="b64_json",
+                               extra_body=extra)
+    return base64.b64decode(r.data[0].b64_json or "")
+
+
+def _one_wave(srv: ServerProcess, fns: list) -> list[bytes]:
+    """Send `fns` together (arrival order = rank order) and check they ran as ONE wave of that size."""
+    def waves() -> tuple[float, float]:
+        m = srv.metrics()
+        return m["dlo_wave_size_count"][0][1], m["dlo_wave_size_sum"][0][1]
+
+    before = waves()
+    outs = submit_in_order(srv.url, fns, seconds=120)
+    after = waves()
+    assert (after[0] - before[0], after[1] - before[1]) == (1, len(fns)), "the requests did not share one wave"
+    return outs
+
+
+def _server(s: CacheSetup, tmp_path, *flags: str) -> ServerProcess:
+    return ServerProcess(s.model, "--device", "cpu", "--small-limits", "--max-steps", str(STEPS), "--no-warmup",
+                         "--wave-window-ms", str(WINDOW_MS), *flags, log_path=tmp_path / "serve.log")
+
+
+def test_allgather_dp2_cached_and_uncached_requests_share_waves_and_equal_diffusers(cache_setup, tmp_path):
+    s = cache_setup
+    with _server(s, tmp_path, "--dp", "2", "--mode", "allgather") as srv:
+        client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        card = client.models.list().data[0]
+        mid, caches = card.id, getattr(card, "caches")
+        assert sorted(caches["presets"]) == ["first-block", "mag", "taylorseer"] and caches["default"] is None
+        assert caches["presets"]["first-block"] == {"threshold": 0.05}  # diffusers' default
+        # a cached request beside an uncached one, either way round, and two presets in one wave
+        fb, plain = _one_wave(srv, [lambda: _image(client, mid, 1, s.request("first-block")),
+                                    lambda: _image(client, mid, 2)])
+        assert fb == s.ref_bytes("first-block", 1) and plain == s.ref_bytes("none", 2)
+        plain, mag = _one_wave(srv, [lambda: _image(client, mid, 1, "none"),
+                                     lambda: _image(client, mid, 2, s.request("mag"))])
+        assert plain == s.ref_bytes("none", 1) and mag == s.ref_bytes("mag", 2)
+        taylor, fb = _one_wave(srv, [lambda: _image(client, mid, 2, s.request("taylorseer")),
+                                     lambda: _image(client, mid, 2, s.request("first-block"))])
+        assert taylor == s.ref_bytes("taylorseer", 2) and fb == s.ref_bytes("first-block", 2)
+        assert fb != s.ref_bytes("none", 2)  # the cache did change the image
+        # a cache that is no valid preset: 400 naming the field
+        for bad, param in [("fast", "cache.preset"), ({"preset": "first-block", "threshold": -1}, "cache.threshold"),
+                           ({"preset": "first-block", "cache_interval": 2}, "cache.cache_interval"),
+                           ({"preset": "mag"}, "cache.mag_ratios"), (7, "cache"),
+                           ({"preset": "taylorseer", "disable_cache_before_step": 0},
+                            "cache.disable_cache_before_step")]:
+            with pytest.raises(openai.BadRequestError) as e:
+                _image(client, mid, 1, bad)
+            assert e.value.status_code == 400 and e.value.body["param"] == param, (bad, e.value.body)
+
+
+def test_sp2_each_preset_equals_diffusers(cache_setup, tmp_path):
+    s = cache_setup
+    with _server(s, tmp_path, "--sp", "2", "--mode", "allgather") as srv:
+        client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        mid = client.models.list().data[0].id
+        for cache in ("first-block", "taylorseer", "mag"):
+            assert _image(client, mid, 1, s.request(cache)) == s.ref_bytes(cache, 1), cache
