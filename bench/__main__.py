@@ -19,6 +19,14 @@ SUITES: dict[str, tuple[str, str]] = {
     "multi-gpu": ("bench.multi_gpu", "dp ranks on N GPUs: pooled host links, waves of dp requests, graphs, memory, the policy's choice"),
     "sp": ("bench.sp", "sequence parallelism (Ulysses) with offload on 2 GPUs, against resident and dp2 waves"),
     "hsdp": ("bench.hsdp", "HSDP (FSDP2 + Ulysses), the published multi-GPU baseline, against DLO on N GPUs"),
+    "peer-check": ("bench.peer_check", "peer gathers (CUDA IPC copies, no collective): bytes identical, seconds per call"),
+    "serve": ("bench.serve", "dlo serve through the openai SDK: ready, first request, waves against sequential, exit"),
+    "lora-kernel": ("bench.lora_merge_kernel", "the one-pass LoRA merge kernel against peft's two steps: time and bytes per shape"),
+    "cold-start": ("bench.cold_start", "the cold-start host-memory peak of dlo serve in a memory cgroup of its own"),
+    "load": ("bench.load_tiny", "N requests at concurrency C against a tiny dlo serve on CPU: nothing lost, latency, no leak"),
+    "reliability": ("bench.reliability_faults", "fault isolation, drain and connection floods of dlo serve (CPU, tiny model)"),
+    "attacks": ("bench.reliability_attacks", "the hardening attacks against dlo agent and dlo serve, before and after a change"),
+    "operator-fleet": ("bench.operator_fleet", "the operator's API calls, reconciles and CPU on an emulated fleet of 1,000 nodes"),
 }
 TOOLS: dict[str, tuple[str, str]] = {
     "stamp": ("bench.tools", "write .whl/SOURCE.json: the commit a copy of the tree without git records"),

@@ -5,8 +5,8 @@ zero 5xx other than 503), reports p50/p99 latency, and samples RSS and PSS of ev
 (after a warm-up), during and after the run: growth of any rank beyond `--rss-bound-mib` fails the
 run as a leak. The server's own `dlo_requests_total` must agree with what the clients saw.
 
-    python bench/load_tiny.py                       # 1,000 requests, concurrency 16, dp 2, small limits
-    python bench/load_tiny.py --requests 60 --out /tmp/x --name smoke
+    python -m bench load                          # 1,000 requests, concurrency 16, dp 2, small limits
+    python -m bench load --requests 60 --out /tmp/x --name smoke
 
 Writes <out>/<name>.json and <name>.md (the command, the figures). Exit code 1 if any check fails.
 A benchmark, not a CI test (tests/reliability/test_load_tiny.py runs a scaled-down version).
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import shlex
 import statistics
 import sys
@@ -29,6 +28,7 @@ from pathlib import Path
 import psutil
 import requests
 
+from bench.lib import records
 from dlo.serving.launch import ServerProcess
 
 MIB = 1024 * 1024
@@ -231,8 +231,8 @@ Checks:
 """
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench load", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--dp", type=int, default=2)
@@ -247,12 +247,10 @@ def main() -> int:
     p.add_argument("--model", type=Path, default=None, help="a tiny pipeline folder (default: make one)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     p.add_argument("--name", default=None, help="file stem (default: load-tiny-<date>)")
-    args = p.parse_args()
-    res = run(args)
-    args.out.mkdir(parents=True, exist_ok=True)
+    args = p.parse_args(argv)
+    res = records.raw("load", "cpu", run(args))
     stem = args.name or f"load-tiny-{res['date']}"
-    (args.out / f"{stem}.json").write_text(json.dumps(res, indent=2) + "\n")
-    (args.out / f"{stem}.md").write_text(markdown(res))
+    records.write(res, args.out / f"{stem}.json", markdown(res))
     print(markdown(res))
     return 0 if res["passed"] else 1
 

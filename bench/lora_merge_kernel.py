@@ -6,9 +6,9 @@ and whether the kernel gives the two steps' bytes for every shape (what the engi
 rests on; the engine checks every kind at load all the same), also at ranks 16, 32 and 128 and on shapes
 no tile fits (bit for bit: `same_bits`, where `torch.equal` holds -0 equal to 0).
 
-    python3 bench/lora_merge_kernel.py --out $OUT/raw-lora-merge-kernel.json      # one GPU, ~40 s
-    python3 bench/lora_merge_kernel.py --dry-run --out /tmp/merge-kernel.json     # cpu, tiny shapes, a stand-in kernel
-    python3 bench/lora_merge_kernel.py --sweep --out $OUT/raw-lora-merge-sweep.json   # the kernel's shapes, ~40 s
+    bash bench/device.sh python -m bench lora-kernel --out $OUT/raw-lora-merge-kernel.json      # one GPU, ~40 s
+    python -m bench lora-kernel --dry-run --out /tmp/merge-kernel.json     # cpu, tiny shapes, a stand-in kernel
+    bash bench/device.sh python -m bench lora-kernel --sweep --out $OUT/raw-lora-merge-sweep.json   # ~40 s
 
 Each variant: the block's layers merged in turn into one scratch (as the bank does), 3 warm-ups, then
 `--reps` timed blocks between CUDA events, the median kept, three ways: launched eagerly (the host's
@@ -22,25 +22,19 @@ into B) and 0.8. The earlier merge in row steps was measured by this file's firs
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import wan_bench as wb  # noqa: E402
+import torch
 
-wb.ensure_dlo_importable()
-
-import torch  # noqa: E402
-
-from dlo.engine.lora.merge_steps import two_steps  # noqa: E402
-from dlo.engine.lora.merge_kernel import FusedMerge, KernelShape, launch_triton, same_bits  # noqa: E402
-from dlo.engine.platform import triton_modules  # noqa: E402
-from dlo.engine.lora.weights import Branch  # noqa: E402
+from bench.lib import records
+from dlo.engine.lora.merge_kernel import FusedMerge, KernelShape, launch_triton, same_bits
+from dlo.engine.lora.merge_steps import two_steps
+from dlo.engine.lora.weights import Branch
+from dlo.engine.platform import triton_modules
 
 RANK = 64
 # (out, in) of every adapted linear of one block, in the order the block runs them
@@ -216,36 +210,32 @@ def odd_shapes(device: torch.device, launch: Merge) -> dict:
     return {str(f): differing_layers(layers, f, launch) for f in (None, 0.8)}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench lora-kernel", description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="the raw record (JSON)")
     ap.add_argument("--reps", type=int, default=20, help="timed blocks per variant (the median counts)")
     ap.add_argument("--dry-run", action="store_true", help="cpu, tiny shapes, the two steps as a stand-in kernel")
     ap.add_argument("--sweep", action="store_true",
                     help="only the kernel's tiles, warps and grids on a Wan2.1 block (device time and bytes)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     device = torch.device("cpu" if args.dry_run else "cuda")
     if device.type == "cuda" and FusedMerge.on(device) is None:
         print("no Triton on this machine: nothing to compare", file=sys.stderr)
         return 2
     launch = FusedMerge.on(device).launch if device.type == "cuda" else two_steps
-    rec: dict = {"date": datetime.date.today().isoformat(), "command": " ".join(["python3", *sys.argv]),
-                 "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "rank": RANK,
-                 "torch": torch.__version__, "triton": getattr((triton_modules() or [None])[0], "__version__", None),
-                 "blocks": {}}
+    rec: dict = records.raw("lora-kernel", device.type, {
+        "rank": RANK, "triton": getattr((triton_modules() or [None])[0], "__version__", None), "blocks": {}})
     if args.sweep:
         name, shapes = next(iter((TINY if args.dry_run else BLOCKS).items()))
         rec["sweep"] = {"block": name, "shapes": sweep(shapes, args, device)}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(rec, indent=2) + "\n")
+        records.write(rec, args.out)
         return 0
     for name, shapes in (TINY if args.dry_run else BLOCKS).items():
         rec["blocks"][name] = measure(name, shapes, args, device, launch)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(rec, indent=2) + "\n")
+        records.write(rec, args.out)
     rec["odd_shapes_differ"] = odd_shapes(device, launch)
     print(f"odd shapes {ODD_SHAPES}: differ {rec['odd_shapes_differ']}", flush=True)
-    args.out.write_text(json.dumps(rec, indent=2) + "\n")
+    records.write(rec, args.out)
     return 0
 
 

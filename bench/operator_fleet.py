@@ -3,7 +3,7 @@ heartbeat every 10 s, 50 DLODeployments of 20 engine pods (1,000 pods, Running a
 real `dlo operator run` process; for one minute, count the operator's API calls (its own client's
 and kopf's, by method), its reconciles, and its CPU seconds.
 
-    python bench/operator_fleet.py [--seconds 60] [--operator-src DIR] [--out FILE]
+    python -m bench operator-fleet [--seconds 60] [--operator-src DIR] [--out FILE]
 
 Ten pools of 100 nodes (label `dlo.dev/pool`), five DLODeployments a pool (`placement.nodeSelector`),
 each node an H200 node profile. During the window every node's Ready condition gets a new
@@ -34,10 +34,11 @@ import aiohttp
 import kmock
 import yaml
 
+from bench.lib.provenance import provenance
+from tests.operator.cluster import declare_resources
+from tests.operator.emulator import Emulator, now
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "operator"))
-from cluster import declare_resources  # noqa: E402
-from emulator import Emulator, now  # noqa: E402
 
 NODES, POOLS, DEPLOYMENTS, REPLICAS = 1000, 10, 50, 20
 HEARTBEAT_S, PROFILE_CHANGE_S = 10.0, 5.0
@@ -244,16 +245,16 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             "api_calls": sum(calls.values()), "api_calls_by_kind": dict(sorted(calls.items()))}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench operator-fleet", description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=60.0, help="the measured window")
     parser.add_argument("--status-interval", type=float, default=15.0, help="the operator's resync (its default)")
     parser.add_argument("--operator-src", default="", help="the operator/ folder to run (default: this checkout's)")
     parser.add_argument("--settle-timeout", type=float, default=600.0)
     parser.add_argument("--quiet", type=float, default=20.0, help="seconds between all ready and the window")
     parser.add_argument("--out", type=Path, default=None, help="append the result (JSON) to this file")
-    args = parser.parse_args()
-    result = asyncio.run(bench(args))
+    args = parser.parse_args(argv)
+    result = {**asyncio.run(bench(args)), "provenance": provenance("cpu")}
     line = json.dumps(result)
     print(line)
     if args.out:

@@ -8,8 +8,8 @@ Wan2.1-14B-shaped checkpoint resident, then in allgather mode with peer gathers,
 (`--workload`, seeds 1..3) through both and compares the bytes; the per-call seconds of each (after a
 warm-up call) are in the raw file.
 
-    python bench/peer_check.py --layers 4 --raw $OUT/raw-peer-check-<date>.json
-    python bench/peer_check.py --tiny --device cpu --layers 3 --raw /tmp/raw-peer.json   # dry run
+    bash bench/device.sh python -m bench peer-check --layers 4 --raw $OUT/raw-peer-check-<date>.json
+    python -m bench peer-check --tiny --device cpu --layers 3 --raw /tmp/raw-peer.json   # dry run
 """
 
 from __future__ import annotations
@@ -18,14 +18,12 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import _env  # noqa: E402
-import wan_bench as wb  # noqa: E402
+from bench import _env
+from bench import wan_bench as wb
+from bench.lib import records
 
 _env.multicast_off()  # before torch: this process and what it spawns
 WORLD = 2
@@ -86,17 +84,15 @@ def rank_main(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
     dist.destroy_process_group()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench peer-check", description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--workload", default="image", choices=("image", "video"))
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--tiny", action="store_true", help="tiny dimensions (CPU dry run)")
     ap.add_argument("--ckpt", default=None)
     ap.add_argument("--raw", required=True)
-    args = ap.parse_args()
-    wb.ensure_dlo_importable()
-    sys.path.insert(0, str(wb.REPO))
+    args = ap.parse_args(argv)
     import torch
     import torch.multiprocessing as mp
 
@@ -109,15 +105,15 @@ def main() -> None:
     t0 = time.perf_counter()
     mp.start_processes(rank_main, args=(free_port(), args, str(tmp)), nprocs=WORLD, start_method="spawn", join=True)
     ranks = json.loads(tmp.read_text())
-    result = {"command": sys.argv[1:], "layers": args.layers, "workload": args.workload,
-              "devices": torch.cuda.device_count() if args.device == "cuda" else 0,
-              "device_name": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
-              "block_bytes": facts.largest_block_bytes, "ranks": ranks,
-              "bit_identical": all(r["bit_identical"] for r in ranks), "seconds": time.perf_counter() - t0}
-    Path(args.raw).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.raw).write_text(json.dumps(result, indent=1))
+    result = records.raw("peer-check", args.device, {
+        "layers": args.layers, "workload": args.workload,
+        "devices": torch.cuda.device_count() if args.device == "cuda" else 0,
+        "block_bytes": facts.largest_block_bytes, "ranks": ranks,
+        "bit_identical": all(r["bit_identical"] for r in ranks), "seconds": time.perf_counter() - t0})
+    records.write(result, Path(args.raw))
     print(json.dumps(result, indent=1))
+    return 0 if result["bit_identical"] else 1
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -5,9 +5,9 @@ left, and what each edge case got back.
 Runs with whichever `dlo` the interpreter imports, so the same script measures a checkout before
 and after a change (run it with that checkout's `.venv/bin/python`):
 
-    /path/to/before/.venv/bin/python bench/reliability_attacks.py --json /tmp/before.json
-    .venv/bin/python bench/reliability_attacks.py --json /tmp/after.json
-    .venv/bin/python bench/reliability_attacks.py --render /tmp/before.json /tmp/after.json \\
+    /path/to/before/.venv/bin/python -m bench attacks --json /tmp/before.json
+    .venv/bin/python -m bench attacks --json /tmp/after.json
+    .venv/bin/python -m bench attacks --render /tmp/before.json /tmp/after.json \\
         --out bench/results/reliability-2026-12-01.md
 
 Groups: `agent` (item 1, 2 and the agent's smaller items), `serve` (items 3-7), `edges` (items 8
@@ -27,13 +27,14 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench.lib.provenance import provenance
+
 
 GROUPS = ("agent", "serve", "edges")
 
 
 def measure(only: str | None) -> dict:
-    from reliability_probe import tiny_models
+    from bench.reliability_probe import tiny_models
 
     import dlo.engine
 
@@ -47,15 +48,15 @@ def measure(only: str | None) -> dict:
                 continue
             t0 = time.monotonic()
             if group == "agent":
-                from reliability_attacks_agent import run as run_agent
+                from bench.reliability_attacks_agent import run as run_agent
 
                 out[group] = run_agent(root, models["wan"])
             elif group == "serve":
-                from reliability_attacks_serve import run as run_serve
+                from bench.reliability_attacks_serve import run as run_serve
 
                 out[group] = run_serve(root, models)
             else:
-                from reliability_attacks_edges import run as run_edges
+                from bench.reliability_attacks_edges import run as run_edges
 
                 out[group] = run_edges(root, models)
             out[f"{group}_seconds"] = round(time.monotonic() - t0)
@@ -171,7 +172,7 @@ def render(before: dict, after: dict) -> str:
              f"Measured on {after.get('cpus')} CPU cores (Python {after.get('python')}, torch CPU build), real "
              "`dlo agent` and `dlo serve` processes on loopback, the tiny random Wan pipelines. *Before*: the tree "
              f"at `{before.get('tree')}` (main before this change); *after*: `{after.get('tree')}`. The same "
-             "script measured both: `python bench/reliability_attacks.py --json FILE` with each tree's "
+             "script measured both: `python -m bench attacks --json FILE` with each tree's "
              "interpreter, rendered with `--render BEFORE AFTER`. Timings on a shared 2-core machine move by tens "
              "of percent; the raw JSON is beside this file.", "", *_summary(before, after), "## Every figure", ""]
     for group in GROUPS:
@@ -188,13 +189,13 @@ def render(before: dict, after: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench attacks", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, help="measure, and write the figures here")
     ap.add_argument("--only", choices=GROUPS, help="measure one group")
     ap.add_argument("--render", type=Path, nargs=2, metavar=("BEFORE", "AFTER"), help="render two measurements")
     ap.add_argument("--out", type=Path, help="the markdown file --render writes (default: stdout)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.render:
         text = render(json.loads(args.render[0].read_text()), json.loads(args.render[1].read_text()))
         if args.out:
@@ -208,6 +209,7 @@ def main() -> int:
     figures = measure(args.only)
     if args.json.exists() and args.only:  # one group again: keep the others
         figures = {**json.loads(args.json.read_text()), **figures}
+    figures["provenance"] = provenance("cpu")
     args.json.write_text(json.dumps(figures, indent=1, sort_keys=True) + "\n")
     print(json.dumps(figures, indent=1, sort_keys=True))
     return 0

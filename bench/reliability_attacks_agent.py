@@ -10,7 +10,7 @@ import socket
 import time
 from pathlib import Path
 
-from reliability_probe import Agent, Prober, close_all, dlo, get, one_line_error, open_sockets, samples, still_open, \
+from bench.reliability_probe import Agent, Prober, close_all, dlo, get, one_line_error, open_sockets, samples, still_open, \
     wait_for
 
 SCAN_WAIT_S = 40.0  # the agent scans every 10 s: several rounds

@@ -12,8 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from reliability_probe import dlo, get, one_line_error, raw, status_of
-from reliability_attacks_serve import _multipart, _serve
+from bench.reliability_probe import dlo, get, one_line_error, raw, status_of
+from bench.reliability_attacks_serve import _multipart, _serve
 
 KEY = "bench-key"
 

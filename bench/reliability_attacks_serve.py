@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 
 from dlo.serving.launch import ServerProcess
-from reliability_probe import Prober, close_all, get, metric, open_sockets, raw, samples, status_of, still_open, \
+from bench.reliability_probe import Prober, close_all, get, metric, open_sockets, raw, samples, status_of, still_open, \
     wait_for
 
 TINY = ("--device", "cpu", "--small-limits")

@@ -4,7 +4,7 @@ Runs the reliability tests that measure them (real `dlo serve` processes, tiny W
 gloo), collects the `figures: {...}` lines they record (tests/reliability/figures.py) and writes
 the tables to OUT (default bench/results/reliability-<today>.md) with the raw JSON lines beside it.
 
-    .venv/bin/python bench/reliability_faults.py [--out FILE]
+    .venv/bin/python -m bench reliability [--out FILE]
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
+
+from bench.lib.provenance import provenance
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = [
@@ -125,13 +127,13 @@ def render(rows: list[dict], rc: int, seconds: float, command: str) -> str:
     return "\n".join(out)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench reliability", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path,
                     default=ROOT / "bench" / "results" / f"reliability-{datetime.date.today().isoformat()}.md")
     ap.add_argument("--render", type=Path, default=None,
                     help="only render OUT from these figures (JSON lines of an earlier run)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.render is not None:
         lines = args.render.read_text()
     else:
@@ -139,10 +141,11 @@ def main() -> int:
             figures = Path(tmp) / "figures.jsonl"
             figures.touch()
             rc, seconds = run(figures)
-            lines = json.dumps({"kind": "run", "rc": rc, "seconds": round(seconds)}) + "\n" + figures.read_text()
+            lines = json.dumps({"kind": "run", "rc": rc, "seconds": round(seconds), "provenance": provenance("cpu")}) \
+                + "\n" + figures.read_text()
     rows = [json.loads(line) for line in lines.splitlines() if line.strip()]
     meta = next((r for r in rows if r["kind"] == "run"), {"rc": "unknown", "seconds": 0})
-    args.out.write_text(render(rows, meta["rc"], meta["seconds"], "python bench/reliability_faults.py"))
+    args.out.write_text(render(rows, meta["rc"], meta["seconds"], "python -m bench reliability"))
     if args.render is None:
         args.out.with_suffix(".jsonl").write_text(lines)
     print(f"wrote {args.out} ({len(rows)} figures)")

@@ -1,4 +1,4 @@
-"""A scaled-down run of bench/load_tiny.py (60 requests, concurrency 8, --max-queue 4) against a
+"""A scaled-down run of `python -m bench load` (bench/load_tiny.py) (60 requests, concurrency 8, --max-queue 4) against a
 real `dlo serve` with 2 ranks: every request answered 200, 429 or 503, none lost, no 5xx other
 than 503, the server's counters agree with the clients, no rank's memory grows past the bound.
 
@@ -27,10 +27,10 @@ CI_RSS_BOUND_MIB = 128
 
 def test_scaled_down_load_loses_nothing(tmp_path_factory, tmp_path):
     model = tiny_pipeline(tmp_path_factory, "wan")
-    cmd = [sys.executable, str(ROOT / "bench" / "load_tiny.py"), "--requests", str(REQUESTS), "--concurrency", "8",
+    cmd = [sys.executable, "-m", "bench", "load", "--requests", str(REQUESTS), "--concurrency", "8",
            "--max-queue", "4", "--rss-bound-mib", str(CI_RSS_BOUND_MIB), "--model", str(model), "--out", str(tmp_path),
            "--name", "load"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "load.json").read_text())
     counts = {int(k) if k != "None" else None: v for k, v in res["status_counts"].items()}

@@ -1,9 +1,9 @@
 """The cold-start host-memory peak of `dlo serve`, measured in a memory cgroup of its own (issue 28).
 
     # CPU ranks (this machine: cgroup v1), dp 1, 2 and 4; the model written once into --models
-    python bench/cold_start_cgroup.py --models /tmp/cold-models --out bench/results
+    python -m bench cold-start --models /tmp/cold-models --out bench/results
     # the GPU host, dp 1, if it exposes a memory cgroup (else the record says why not)
-    python bench/cold_start_cgroup.py --device cuda --dp 1 --layers 36 --models /tmp/models --out /tmp/o
+    bash bench/device.sh python -m bench cold-start --device cuda --dp 1 --layers 36 --models /tmp/models --out /tmp/o
 
 Per dp: the model's files are dropped from the page cache (`posix_fadvise`), a new memory cgroup
 is created under ours (limit `--limit-gib`), `dlo serve MODEL --dp N --mode allgather` starts inside
@@ -33,13 +33,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import wan_bench as wb  # noqa: E402
-
-wb.ensure_dlo_importable()
-
-from cgroup_memory import CgroupUnavailable, MemoryGroup, evict_page_cache  # noqa: E402
+from bench.cgroup_memory import CgroupUnavailable, MemoryGroup, evict_page_cache
+from bench.lib import records
 
 GB = 10**9
 GIB = 1 << 30
@@ -88,7 +83,6 @@ def predicted(model: Path, dp: int, device: str) -> dict:
     """The policy's cold-start peaks (every mode) for this host's profile, as `dlo serve` builds it."""
     from dlo.plan.policy import estimate_modes
     from dlo.engine.blocks import describe
-    from dlo.plan.facts import key_of_mode
     from dlo.serving.host import local_profile
 
     est = estimate_modes(local_profile(device), describe(model), dp, require_bandwidth=False)
@@ -201,8 +195,8 @@ def markdown(rec: dict) -> str:
     return "\n".join(lines + ["", rec.get("notes", ""), ""])
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench cold-start", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", type=Path, required=True, help="where the model folder is written (once)")
     ap.add_argument("--out", type=Path, required=True, help="record folder: cold-start-<device>-<date>.{json,md}")
     ap.add_argument("--dp", default="1,2,4", help="comma-separated dp values")
@@ -212,17 +206,19 @@ def main() -> int:
     ap.add_argument("--full-components", action="store_true", help="the real VAE and sound tokenizer")
     ap.add_argument("--limit-gib", type=int, default=14, help="the group's memory limit (protects the host)")
     ap.add_argument("--ready-timeout", type=float, default=900.0)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     logs = args.out / "cold-start-logs"
     logs.mkdir(exist_ok=True)
     model = ensure_model(args.models, args.layers, args.full_components, args.device)
     from dlo.engine.blocks import describe
+    from dlo.plan.facts import key_of_mode
 
     date = datetime.date.today().isoformat()
-    rec: dict[str, Any] = {"date": date, "command": " ".join(["python", *sys.argv]), "model": model.name,
-                           "checkpoint_bytes": checkpoint_bytes(model), "transformer_bytes": describe(model).bytes,
-                           "mode": args.mode, "mode_key": key_of_mode(args.mode), "device": args.device, "runs": []}
+    rec: dict[str, Any] = records.raw("cold-start", args.device, {
+        "date": date, "model": model.name, "checkpoint_bytes": checkpoint_bytes(model),
+        "transformer_bytes": describe(model).bytes, "mode": args.mode, "mode_key": key_of_mode(args.mode),
+        "device": args.device, "runs": []})
     try:
         rec["cgroup_version"] = MemoryGroup("probe", 0).version
         for dp in (int(x) for x in args.dp.split(",")):
@@ -234,8 +230,7 @@ def main() -> int:
         rec["error"] = f"no memory cgroup: {e}"
     rec["summary"] = summarize(rec) if rec["runs"] else {}
     stem = args.out / f"cold-start-{args.device}-{date}"
-    stem.with_suffix(".json").write_text(json.dumps(rec, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(markdown(rec))
+    records.write(rec, stem.with_suffix(".json"), markdown(rec))
     print(json.dumps(rec["summary"], indent=2))
     return 0 if "error" not in rec else 1
 

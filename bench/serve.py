@@ -1,7 +1,7 @@
 """End to end through `dlo serve` and the official openai SDK: readiness, first request, waves, exit.
 
-    python bench/serve_h200.py --layers 12 --dim 2048 --dp 2 --raw $OUT/raw-serve.json   # 2 GPUs
-    python bench/serve_h200.py --device cpu --layers 2 --dim 64 --size 64x64 --steps 2 --raw /tmp/s.json
+    bash bench/device.sh python -m bench serve --layers 12 --dim 2048 --dp 2 --raw $OUT/raw-serve.json   # 2 GPUs
+    python -m bench serve --device cpu --layers 2 --dim 64 --size 64x64 --steps 2 --raw /tmp/s.json
 
 Per configuration (resident dp1, then allgather and rank-local at --dp) one server is started:
 - `ready_seconds` from start to `/ready` 200, and the warm-up the server reports in `/ready`;
@@ -18,7 +18,6 @@ import argparse
 import base64
 import hashlib
 import json
-import os
 import signal
 import statistics
 import subprocess
@@ -27,10 +26,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import _env  # noqa: E402
-import wan_bench as wb  # noqa: E402
+from bench import _env
+from bench.lib import records
+from bench.lib.stats import spread
 
 _env.multicast_off()  # before torch: this process and what it spawns
 
@@ -104,10 +102,13 @@ def run_config(args: argparse.Namespace, model: Path, mode: str, dp: int, log: P
 
 
 def summarize(result: dict) -> dict:
-    """The figures of the configurations that ran (`python bench/serve_h200.py --summarize RAW` redoes it)."""
+    """The figures of the configurations that ran (`python -m bench serve --summarize --raw RAW` redoes
+    it): each request latency with its spread (the first request after ready apart)."""
     ok = [c for c in result["configs"] if "error" not in c]
     ref = next((c["sha256"] for c in ok if c["mode"] == "resident"), None)
     return {
+        "single_request_seconds": {f"{c['mode']}/dp{c['dp']}": spread(c["warm_seconds"] + c["single_seconds"],
+                                                                      first=c["first_request_seconds"]) for c in ok},
         "wave_throughput_over_single": {f"{c['mode']}/dp{c['dp']}": c["wave_throughput_over_single"] for c in ok if c["dp"] > 1},
         "first_request_over_warm": {f"{c['mode']}/dp{c['dp']}": c["first_request_over_warm"] for c in ok},
         "warmup_seconds": {f"{c['mode']}/dp{c['dp']}": c["ready"].get("warmup_seconds") for c in ok},
@@ -120,8 +121,8 @@ def summarize(result: dict) -> dict:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench serve", description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--dim", type=int, default=2048)
     ap.add_argument("--dp", type=int, default=2)
@@ -132,22 +133,21 @@ def main() -> None:
     ap.add_argument("--configs", default="resident:1,allgather:DP,rank-local:DP")
     ap.add_argument("--raw", required=True)
     ap.add_argument("--summarize", action="store_true", help="only recompute the summary of an existing --raw")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.summarize:
         result = json.loads(Path(args.raw).read_text())
         result["summary"] = summarize(result)
-        Path(args.raw).write_text(json.dumps(result, indent=1))
+        records.write(result, Path(args.raw))
         print(json.dumps(result["summary"], indent=1))
-        return
-    wb.ensure_dlo_importable()
+        return 0
     model = Path(f"/tmp/serve-wan-{args.layers}-{args.dim}")
     if not (model / "model_index.json").exists():
         subprocess.run([sys.executable, "-m", "dlo.cli.main", "make-tiny-model", str(model), "--family", "wan",
                         "--layers", str(args.layers), "--dim", str(args.dim), "--dtype", "bfloat16"], check=True)
     raw = Path(args.raw)
     raw.parent.mkdir(parents=True, exist_ok=True)
-    result: dict = {"layers": args.layers, "dim": args.dim, "size": args.size, "steps": args.steps,
-                    "command": sys.argv[1:], "configs": []}
+    result: dict = records.raw("serve", args.device, {"layers": args.layers, "dim": args.dim, "size": args.size,
+                                                      "steps": args.steps, "configs": []})
     for spec in args.configs.split(","):
         mode, dp = spec.split(":")
         dp_n = args.dp if dp == "DP" else int(dp)
@@ -157,9 +157,10 @@ def main() -> None:
             result["configs"].append({"mode": mode, "dp": dp_n, "error": f"{type(e).__name__}: {e}"[-600:]})
             print(f"[{mode} dp{dp_n}] failed: {e}", flush=True)
         result["summary"] = summarize(result)  # after every configuration: a call cut short keeps one
-        raw.write_text(json.dumps(result, indent=1))
+        records.write(result, raw)
     print(json.dumps(result["summary"], indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
