@@ -8,6 +8,8 @@ none of them: nothing is imported of the SDK, no provider is set, the API's trac
 images ship (`OTEL_EXPORTER_OTLP_PROTOCOL=grpc` takes the gRPC exporter where it is installed);
 any other name is the trace exporter of that name the installed packages declare (`console`).
 `enabled()` says whether a provider was set, `flush(seconds)` exports what is buffered, bounded.
+While tracing, each log record made inside a span carries its `trace_id` and `span_id` (`TraceIds`,
+on the root logger's handlers: `configure_logging` comes first), which JSON logs show.
 The rest is the SDK's own reading of the standard variables: endpoint, headers, timeout and
 compression (the exporter), `OTEL_SERVICE_NAME` and `OTEL_RESOURCE_ATTRIBUTES` (the resource; the
 process's name, e.g. `dlo-serve`, where neither names a service), `OTEL_TRACES_SAMPLER` (the
@@ -17,6 +19,7 @@ Must never: import the SDK when tracing is off, or read a variable the SDK reads
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Mapping
 
@@ -83,7 +86,21 @@ def start_tracing(service: str, environ: Mapping[str, str] | None = None) -> boo
         provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
     _provider = provider
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(TraceIds())
     return True
+
+
+class TraceIds(logging.Filter):
+    """`trace_id` and `span_id` (hex, as OTLP backends show them) on a record made inside a span."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from opentelemetry import trace
+
+        context = trace.get_current_span().get_span_context()
+        if context.is_valid:
+            record.trace_id, record.span_id = f"{context.trace_id:032x}", f"{context.span_id:016x}"
+        return True
 
 
 def enabled() -> bool:
