@@ -1,8 +1,8 @@
 """Pure builders: a DLODeployment spec (and its resolved mode) -> the Kubernetes objects it owns.
 
 Owns: the StatefulSet (its pod template is `pod_builder`'s), the headless and client Services, the
-PodDisruptionBudget, the optional PodMonitor/ServiceMonitor and autoscaling object, and
-`build_all`. Names and labels are `names`'s; fetch Jobs are `fetch_builder`'s.
+PodDisruptionBudget, the optional PodMonitor/ServiceMonitor, NetworkPolicy (`netpol_builder`) and
+autoscaling object, and `build_all`. Names and labels are `names`'s; fetch Jobs are `fetch_builder`'s.
 Must never: call the API server, read the clock or the environment: same input, same output.
 Owner references are added by the reconcile (they need the live object's uid).
 """
@@ -15,18 +15,20 @@ from typing import Any
 
 from dlo.plan.facts import Mode
 from dlo.operator.autoscale_builder import build_autoscaler
+from dlo.operator.netpol_builder import build_network_policy
 from dlo.operator.models import DLODeploymentSpec
 from dlo.operator.names import (COMPONENT, HTTP_PORT_NAME, INSTANCE, MANAGED_BY, MODE_ANNOTATION,
-                                MODEL_KEY_ANNOTATION, MODEL_MOUNT, MODEL_SOURCE_ANNOTATION, PART_OF, TEMPLATE_HASH,
-                                VIDEO_MOUNT, BuildContext, Owner, headless_service_name, labels, meta,
-                                selector_labels, selector_string)
+                                MODEL_KEY_ANNOTATION, MODEL_MOUNT, MODEL_SOURCE_ANNOTATION, NETWORK_POLICY_ANNOTATION,
+                                PART_OF, TEMPLATE_HASH, VIDEO_MOUNT, BuildContext, Owner, headless_service_name, labels,
+                                meta, selector_labels, selector_string)
 from dlo.operator.names import service_url as _service_url
 from dlo.operator.pod_builder import (engine_command, engine_image, pod_template, readiness_path, template_hash,
                                       termination_grace_seconds)
 
 __all__ = [
     "COMPONENT", "HTTP_PORT_NAME", "INSTANCE", "MANAGED_BY", "MODE_ANNOTATION", "MODEL_KEY_ANNOTATION", "MODEL_MOUNT",
-    "MODEL_SOURCE_ANNOTATION", "PART_OF", "TEMPLATE_HASH", "VIDEO_MOUNT", "BuildContext", "ENGINE_RELABELINGS",
+    "MODEL_SOURCE_ANNOTATION", "NETWORK_POLICY_ANNOTATION", "PART_OF", "TEMPLATE_HASH", "VIDEO_MOUNT", "BuildContext",
+    "ENGINE_RELABELINGS",
     "Owner", "build_all", "build_client_service", "build_headless_service", "build_monitor", "build_pdb",
     "build_statefulset", "engine_command", "engine_image", "headless_service_name", "labels", "pod_template",
     "readiness_path", "selector_labels", "selector_string", "service_url", "template_hash",
@@ -54,6 +56,8 @@ def build_statefulset(owner: Owner, spec: DLODeploymentSpec, mode: Mode,
     metadata = meta(owner, owner.name)
     # the model its pods run, read back while a new model.uri is fetched before they move to it
     metadata["annotations"] = {MODEL_SOURCE_ANNOTATION: spec.model.model_dump_json(by_alias=True, exclude_none=True)}
+    if ctx.network_policy is not None:  # read back to delete the policy once the operator makes none
+        metadata["annotations"][NETWORK_POLICY_ANNOTATION] = "true"
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -155,6 +159,8 @@ def build_all(owner: Owner, spec: DLODeploymentSpec, mode: Mode, monitor_crd_exi
     ]
     if spec.monitoring.enabled and monitor_crd_exists:
         objects.append(build_monitor(owner, spec, ctx))
+    if (policy := build_network_policy(owner, spec, ctx)) is not None:
+        objects.append(policy)
     if (autoscaler := build_autoscaler(owner, spec, ctx)) is not None:
         objects.append(autoscaler)
     return objects

@@ -7,9 +7,10 @@ Must never: read the environment or the command line (the CLI does, once), or im
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dlo.operator.models import DEFAULT_IMAGE
+from dlo.operator.security_config import FetchIdentity, NetworkPolicySettings
 
 DEFAULT_CACHE_ROOT = "/var/lib/dlo/models"
 DEFAULT_PROMETHEUS_URL = "http://prometheus-operated.monitoring.svc:9090"
@@ -35,6 +36,10 @@ class OperatorConfig:
     prometheus_url: str = DEFAULT_PROMETHEUS_URL
     # `release: <value>` on the monitors the operator creates (kube-prometheus-stack selects on it).
     monitoring_release: str = ""
+    # A NetworkPolicy per DLODeployment for its engine pods (None: none; `--network-policy`).
+    network_policy: NetworkPolicySettings | None = None
+    # The uid and gid fetch Jobs run as, and how the node cache becomes theirs (`--fetch-user`, ...).
+    fetch: FetchIdentity = field(default_factory=FetchIdentity)
 
     @property
     def retry_seconds(self) -> float:

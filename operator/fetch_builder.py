@@ -1,17 +1,25 @@
 """The fetch of a `model.uri` onto a node: the `dlo fetch` container (a node fetch Job's, or the
 engine pod's init container with `placement.modelAffinity: preferred`) and the Job.
 
-Owns: `fetch_container`, `build_fetch_job`, `fetch_job_name`, `cache_volume`. The contract with the
+Owns: `fetch_containers`, `build_fetch_job`, `fetch_job_name`, `cache_volume`. The contract with the
 fetch (docs/operator.md, "Model delivery"): the Job runs `dlo fetch URI /cache/<key> --keep K...
-[--disk-budget B] [--endpoint E] --progress plain --result-file /dev/termination-log` on the node
-named by its required node affinity (`matchFields metadata.name`), with the node's cache folder
-(`hostPath <cacheRoot>`, DirectoryOrCreate: the fetcher creates its cache) at /cache and the
-credentials from `model.secretRef` as the variables the SDKs read; it prints plain progress lines
-(the operator reads the last one from the pod's log) and leaves its result as JSON in the
-termination message (state, bytes, evicted keys; or reason and message). Exit 2 (not a pipeline, a
-bad URI) fails the Job at once (podFailurePolicy); other failures are retried twice, resuming.
+[--disk-budget B] [--endpoint E] --deadline S --progress plain --result-file /dev/termination-log` on
+the node named by its required node affinity (`matchFields metadata.name`), with the node's cache
+folder (`hostPath <cacheRoot>`) at /cache and the credentials from `model.secretRef` as the
+variables the SDKs read; it prints plain progress lines (the operator reads the last one from the
+pod's log) and leaves its result as JSON in the termination message (state, bytes, evicted keys; or
+reason and message). Exit 2 (not a pipeline, a bad URI) fails the Job at once (podFailurePolicy);
+other failures are retried twice, resuming; `activeDeadlineSeconds` bounds the whole Job (every try's
+deadline and lock wait, and a start allowance), so a pod that never runs frees its fetch slot.
+The fetch runs as the operator's `FetchIdentity` (non-root, uid:gid 10001 by default, fsGroup the
+gid). The node folder must be that user's: `chown` (the default) makes the hostPath
+`DirectoryOrCreate` and runs a `cache-owner` init container first, root with CAP_CHOWN alone (no
+network, no credentials), that gives the folder and what is in it (a root fetch of an earlier
+version left root's files there) to uid:gid, changing only what is not theirs; `preset` expects the
+folder to exist as theirs (hostPath `Directory`) and runs nothing as root (docs/security.md).
 Must never: put a credential in a command line or an env value (secretKeyRef only), give the pod an
-API token unless `spec.pod` asks for one, or write anywhere on the node but the cache folder.
+API token unless `spec.pod` asks for one, run the fetch as root, or write anywhere on the node but
+the cache folder.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from dlo.delivery.deadline import DEFAULT_DEADLINE_S
 from dlo.delivery.uri import CREDENTIAL_KEYS, REQUIRED_CREDENTIAL_KEYS
 from dlo.operator.model_spec import ModelSource
 from dlo.operator.models import DLODeploymentSpec
@@ -29,11 +38,18 @@ from dlo.operator.resources import fetcher_resources
 TERMINATION_LOG = "/dev/termination-log"
 FETCH_BACKOFF_LIMIT = 2
 REFUSED_EXIT_CODE = 2  # `dlo fetch`: bad input or not a pipeline; retrying cannot help
+FETCH_DEADLINE_S = int(DEFAULT_DEADLINE_S)  # one try of `dlo fetch` ends by then (a rerun resumes)
+LOCK_WAIT_S = 600  # `dlo fetch --lock-wait` (its default): another fetch into the folder ends first
+START_ALLOWANCE_S = 900  # scheduling, an image pull, the cache-owner step
+# The whole Job, every try included: past it the Job fails (DeadlineExceeded) and frees its slot.
+ACTIVE_DEADLINE_S = (FETCH_BACKOFF_LIMIT + 1) * (FETCH_DEADLINE_S + LOCK_WAIT_S) + START_ALLOWANCE_S
 
 
 def cache_volume(ctx: BuildContext) -> dict[str, Any]:
-    """The node's model cache; DirectoryOrCreate because the fetcher is the one that creates it."""
-    return {"name": "model-cache", "hostPath": {"path": ctx.cache_root, "type": "DirectoryOrCreate"}}
+    """The node's model cache: created by the kubelet (root's, then given to the fetch user by the
+    cache-owner step) with `chown`; with `preset` it must exist already, as the fetch user's."""
+    kind = "Directory" if ctx.fetch.cache_ownership == "preset" else "DirectoryOrCreate"
+    return {"name": "model-cache", "hostPath": {"path": ctx.cache_root, "type": kind}}
 
 
 def fetch_command(model: ModelSource, keep: list[str] | None, ctx: BuildContext, budget: int | None) -> list[str]:
@@ -49,7 +65,7 @@ def fetch_command(model: ModelSource, keep: list[str] | None, ctx: BuildContext,
         cmd += ["--keep", other]
     if budget is not None:
         cmd += ["--disk-budget", str(budget)]
-    return cmd
+    return cmd + ["--deadline", str(FETCH_DEADLINE_S)]
 
 
 def _credentials(model: ModelSource) -> list[dict[str, Any]]:
@@ -62,10 +78,34 @@ def _credentials(model: ModelSource) -> list[dict[str, Any]]:
             for k in CREDENTIAL_KEYS[uri.scheme]]
 
 
-def fetch_container(spec: DLODeploymentSpec, model: ModelSource, image: str, keep: list[str] | None, ctx: BuildContext,
-                    budget: int | None) -> dict[str, Any]:
-    """`dlo fetch` into the node cache: root (the cache folder the kubelet creates is root's) with
+def _cache_owner(image: str, ctx: BuildContext) -> dict[str, Any]:
+    """Root with CAP_CHOWN alone: what under the cache folder is not uid:gid's becomes theirs
+    (`find ... -exec chown -h`: links are not followed; what is theirs already is left untouched)."""
+    owner = ctx.fetch
+    return {
+        "name": "cache-owner",
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["find", CACHE_MOUNT, "-xdev", "(", "!", "-user", str(owner.uid), "-o", "!", "-group",
+                    str(owner.gid), ")", "-exec", "chown", "-h", f"{owner.uid}:{owner.gid}", "{}", "+"],
+        "resources": fetcher_resources(),
+        "securityContext": {"runAsUser": 0, "runAsGroup": 0, "runAsNonRoot": False,
+                            "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]}},
+        "volumeMounts": [{"name": "model-cache", "mountPath": CACHE_MOUNT}],
+    }
+
+
+def fetch_containers(spec: DLODeploymentSpec, model: ModelSource, image: str, keep: list[str] | None,
+                     ctx: BuildContext, budget: int | None) -> list[dict[str, Any]]:
+    """The cache-owner step (with `chown`), then `dlo fetch` into the node cache as the fetch user,
     every capability dropped, no privilege escalation, a read-only root file system."""
+    fetch = _fetch_container(spec, model, image, keep, ctx, budget)
+    return [_cache_owner(image, ctx), fetch] if ctx.fetch.cache_ownership == "chown" else [fetch]
+
+
+def _fetch_container(spec: DLODeploymentSpec, model: ModelSource, image: str, keep: list[str] | None,
+                     ctx: BuildContext, budget: int | None) -> dict[str, Any]:
     return {
         "name": "fetch",
         "image": image,
@@ -76,8 +116,9 @@ def fetch_container(spec: DLODeploymentSpec, model: ModelSource, image: str, kee
         "resources": fetcher_resources(),
         "terminationMessagePath": TERMINATION_LOG,
         "terminationMessagePolicy": "File",
-        "securityContext": {"runAsUser": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False,
-                            "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}},
+        "securityContext": {"runAsUser": ctx.fetch.uid, "runAsGroup": ctx.fetch.gid, "runAsNonRoot": True,
+                            "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "capabilities": {"drop": ["ALL"]}},
         "volumeMounts": [{"name": "model-cache", "mountPath": CACHE_MOUNT}, {"name": "tmp", "mountPath": "/tmp"}],
     }
 
@@ -92,6 +133,7 @@ def build_fetch_job(owner: Owner, spec: DLODeploymentSpec, node: str, keep: list
     """The Job that fetches `spec.model` onto `node`."""
     key = spec.model.cache_key or ""
     job_labels = labels(owner.name, "fetch")
+    steps = fetch_containers(spec, spec.model, image, keep, ctx, budget)
     annotations = {MODEL_KEY_ANNOTATION: key, FETCH_NODE_ANNOTATION: node}
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
@@ -99,8 +141,10 @@ def build_fetch_job(owner: Owner, spec: DLODeploymentSpec, node: str, keep: list
         "enableServiceLinks": False,
         "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
             {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}]}}},
-        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
-        "containers": [fetch_container(spec, spec.model, image, keep, ctx, budget)],
+        "securityContext": {"runAsNonRoot": True, "runAsUser": ctx.fetch.uid, "runAsGroup": ctx.fetch.gid,
+                            "fsGroup": ctx.fetch.gid, "seccompProfile": {"type": "RuntimeDefault"}},
+        **({"initContainers": steps[:-1]} if len(steps) > 1 else {}),
+        "containers": steps[-1:],
         "volumes": [cache_volume(ctx), {"name": "tmp", "emptyDir": {}}],
     }
     if spec.placement.tolerations:
@@ -113,6 +157,7 @@ def build_fetch_job(owner: Owner, spec: DLODeploymentSpec, node: str, keep: list
         "metadata": {**meta(owner, fetch_job_name(owner, key, node), component="fetch"), "annotations": annotations},
         "spec": {
             "backoffLimit": FETCH_BACKOFF_LIMIT,
+            "activeDeadlineSeconds": ACTIVE_DEADLINE_S,
             "podFailurePolicy": {"rules": [{"action": "FailJob", "onExitCodes": {
                 "containerName": "fetch", "operator": "In", "values": [REFUSED_EXIT_CODE]}}]},
             "template": {"metadata": {"labels": job_labels, "annotations": annotations}, "spec": pod_spec},

@@ -38,6 +38,7 @@ PLURALS = {
     "Job": "jobs",
     "StatefulSet": "statefulsets",
     "PodDisruptionBudget": "poddisruptionbudgets",
+    "NetworkPolicy": "networkpolicies",
     "PodMonitor": "podmonitors",
     "ServiceMonitor": "servicemonitors",
     "HorizontalPodAutoscaler": "horizontalpodautoscalers",

@@ -9,8 +9,10 @@ Must never: call the API server, read the clock or the environment.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from dlo.operator.security_config import FetchIdentity, NetworkPolicySettings
 
 PART_OF = "app.kubernetes.io/part-of"
 COMPONENT = "app.kubernetes.io/component"
@@ -21,6 +23,8 @@ MODE_ANNOTATION = "dlo.dev/mode"
 MODEL_KEY_ANNOTATION = "dlo.dev/model-key"  # on pod templates and fetch Jobs: the model's cache key
 MODEL_SOURCE_ANNOTATION = "dlo.dev/model-source"  # on the StatefulSet: the spec.model its pods run (JSON)
 FETCH_NODE_ANNOTATION = "dlo.dev/fetch-node"  # on fetch Jobs: the node they fetch onto
+# on the StatefulSet: "true" while the operator keeps a NetworkPolicy for the pods (deleted once off)
+NETWORK_POLICY_ANNOTATION = "dlo.dev/network-policy"
 MODEL_LABEL_PREFIX = "model.dlo.dev/"  # node label `model.dlo.dev/<key>: "true"`: the node holds the model
 MODEL_MOUNT = "/model"
 CACHE_MOUNT = "/cache"  # the node's model cache, in fetch containers
@@ -48,6 +52,8 @@ class BuildContext:
     autoscaler: Literal["keda", "hpa"] | None = None  # which autoscaling object spec.autoscaling gets
     prometheus_url: str = ""
     monitoring_release: str = ""
+    network_policy: NetworkPolicySettings | None = None  # None: the operator makes no NetworkPolicy
+    fetch: FetchIdentity = field(default_factory=FetchIdentity)  # as whom fetch Jobs write the cache
 
 
 def selector_labels(name: str, component: str = "engine") -> dict[str, str]:

@@ -17,7 +17,7 @@ import json
 from typing import Any
 
 from dlo.plan.facts import Mode
-from dlo.operator.fetch_builder import cache_volume, fetch_container
+from dlo.operator.fetch_builder import cache_volume, fetch_containers
 from dlo.operator.models import API_KEY_ENV, DEFAULT_IMAGE, VLLM_API_KEY_ENV, DLODeploymentSpec
 from dlo.operator.names import (HTTP_PORT_NAME, LORA_MOUNT, MODE_ANNOTATION, MODEL_KEY_ANNOTATION, MODEL_MOUNT,
                                 NON_ROOT_UID, TEMPLATE_HASH, VIDEO_MOUNT, BuildContext, Owner, headless_service_name, labels,
@@ -208,7 +208,7 @@ def _engine_container(owner: Owner, spec: DLODeploymentSpec, mode: Mode, ctx: Bu
 def _init_containers(spec: DLODeploymentSpec, ctx: BuildContext) -> list[dict[str, Any]]:
     out = []
     if _fetches_in_pod(spec):  # the node may lack the model: fetch it (a no-op where it is complete)
-        out.append(fetch_container(spec, spec.model, engine_image(spec), None, ctx, None))
+        out += fetch_containers(spec, spec.model, engine_image(spec), None, ctx, None)
     if spec.warmer.enabled:
         out.append({
             "name": "warm",

@@ -122,6 +122,7 @@ def reconcile(kube: Kube, body: dict[str, Any], view: View, config: OperatorConf
     monitor_crd = kube.has_resource("monitoring.coreos.com/v1", MONITOR_PLURALS[spec.monitoring.kind])
     objects = builders.build_all(owner, spec, pinned.mode, monitor_crd, ctx, pods_spec)
     _apply(kube, body, objects, view.statefulset)
+    _retire_network_policy(kube, owner, objects, view.statefulset)
     autoscaler = _retire_autoscaler(kube, owner, current, objects)
     (sts,) = [o for o in objects if o["kind"] == "StatefulSet"]
     template_hash = sts["spec"]["template"]["metadata"]["annotations"][builders.TEMPLATE_HASH]
@@ -161,7 +162,17 @@ def _context(kube: Kube, spec: DLODeploymentSpec, config: OperatorConfig, memory
     keda = spec.autoscaling.enabled and kube.has_resource("keda.sh/v1alpha1", "scaledobjects")
     return builders.BuildContext(
         cache_root=config.cache_root, memory_bytes=memory_bytes, autoscaler=autoscaler_kind(spec, keda),
-        prometheus_url=config.prometheus_url, monitoring_release=config.monitoring_release)
+        prometheus_url=config.prometheus_url, monitoring_release=config.monitoring_release,
+        network_policy=config.network_policy, fetch=config.fetch)
+
+
+def _retire_network_policy(kube: Kube, owner: builders.Owner, objects: list[dict[str, Any]],
+                           live_sts: dict[str, Any] | None) -> None:
+    """The NetworkPolicy the operator kept (its StatefulSet says so) is deleted once it makes none
+    (`--network-policy` turned off): a policy nobody keeps would go on filtering the engines."""
+    kept = (((live_sts or {}).get("metadata") or {}).get("annotations") or {}).get(builders.NETWORK_POLICY_ANNOTATION)
+    if kept and not any(o["kind"] == "NetworkPolicy" for o in objects):
+        kube.delete("networking.k8s.io/v1", "NetworkPolicy", owner.namespace, owner.name)
 
 
 AUTOSCALER_KINDS = {"ScaledObject": "keda.sh/v1alpha1", "HorizontalPodAutoscaler": "autoscaling/v2"}

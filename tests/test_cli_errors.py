@@ -119,6 +119,14 @@ OPERATOR_ROWS: list[tuple[list[str], str]] = [
     (["operator", "run", "--fetch-retry", "0"], "--fetch-retry: must be more than 0 seconds"),
     (["operator", "run", "--cache-disk-budget", "lots"], "--cache-disk-budget: 'lots' is not a number"),
     (["operator", "run", "--prometheus-url", "prometheus:9090"], "'prometheus:9090' is not an http:// or https:// URL"),
+    (["operator", "run", "--network-policy", "--client-namespace-selector", "team=ml"], "--client-namespace-selector: not JSON"),
+    (["operator", "run", "--network-policy", "--client-namespace-selector", '{"matchLabel": {}}'],
+     "unknown field 'matchLabel'"),
+    (["operator", "run", "--network-policy", "--monitoring-namespace", "Mon"], "'Mon' is not a namespace name"),
+    (["operator", "run", "--monitoring-namespace", "monitoring"], "need --network-policy"),
+    (["operator", "render", "{tmp}/dlod.yaml", "--agent-namespace", "dlo"], "need --network-policy"),
+    (["operator", "run", "--fetch-user", "0"], "--fetch-user: must be at least 1 (got 0)"),
+    (["operator", "run", "--cache-ownership", "root"], "--cache-ownership: invalid choice: 'root'"),
     (["operator", "run", "--log-format", "logfmt"], "--log-format: 'logfmt' is not a log format: text or json"),
 ]
 

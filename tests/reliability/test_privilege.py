@@ -34,6 +34,7 @@ from dlo.operator.builders import Owner  # noqa: E402
 from dlo.operator.kube import USER_AGENT  # noqa: E402
 from dlo.plan.facts import MODES  # noqa: E402
 from dlo.operator.models import SpecError, parse_spec  # noqa: E402
+from dlo.operator.security_config import NetworkPolicySettings  # noqa: E402
 from test_chart import CHART, VALUES, by_kind, render  # noqa: E402
 from test_cli import dlo  # noqa: E402
 from test_handlers import NS, SPEC, add_gpu_nodes, condition, gpu_node_profile, status_of  # noqa: E402
@@ -65,6 +66,9 @@ NAMESPACED_RULES = {
                              ("keda.sh", "scaledobjects"), ("autoscaling", "horizontalpodautoscalers"))
       for v in ("create", "patch")),
     ("keda.sh", "scaledobjects", "delete"), ("autoscaling", "horizontalpodautoscalers", "delete"),
+    # networkPolicy.enabled: the engine pods' NetworkPolicy (server-side applied; deleted once turned off)
+    ("networking.k8s.io", "networkpolicies", "create"), ("networking.k8s.io", "networkpolicies", "patch"),
+    ("networking.k8s.io", "networkpolicies", "delete"),
     # Engine and fetch pods through a watch; Recreate rollouts delete pods; a fetch's progress is its log.
     ("", "pods", "list"), ("", "pods", "watch"), ("", "pods", "delete"), ("", "pods/log", "get"),
     # spec.model.uri: fetch Jobs
@@ -85,6 +89,7 @@ UNUSED_BY_DESIGN = {
     ("keda.sh", "scaledobjects", "create"): "autoscaling with KEDA installed",
     ("keda.sh", "scaledobjects", "patch"): "autoscaling with KEDA installed",
     ("keda.sh", "scaledobjects", "delete"): "autoscaling leaving KEDA",
+    ("networking.k8s.io", "networkpolicies", "delete"): "an operator run without networkPolicy after one with it",
 }
 # Used when the emulated lifecycle happens to catch it (a pod scheduled, its containers not started yet).
 MAYBE_UNUSED = {("", "events", "list"): "a scheduled pod whose containers have not started (FailedMount)",
@@ -326,7 +331,8 @@ async def test_operator_lifecycle_stays_inside_its_role_and_never_sees_the_api_k
     """Create (monitoring on, API key), roll the mode, scale, break and fix the spec, delete:
     every call of the operator (kopf's, its own client's and its leader election's) is allowed by
     the rendered roles."""
-    async with running_cluster(with_operator=False) as cluster:
+    network_policy = NetworkPolicySettings(None, ("monitoring",), "dlo-system")  # the chart's default
+    async with running_cluster(with_operator=False, network_policy=network_policy) as cluster:
         cluster.start_operator("a")  # with leader election, as the chart runs it
         cluster.emulator.resources["monitoring.coreos.com/v1/podmonitors"] = kmock.ResourceInfo(
             kind="PodMonitor", singular="podmonitor", namespaced=True,
@@ -408,9 +414,10 @@ async def test_operator_lifecycle_stays_inside_its_role_and_never_sees_the_api_k
 
 
 @pytest.mark.parametrize("affinity", ["required", "preferred"])
-def test_fetch_containers_are_root_without_capabilities_and_write_only_the_cache(affinity):
-    """The one root container the operator makes: `dlo fetch` writes the node's cache folder, which
-    the kubelet creates root-owned; nothing else is granted, and the credentials are references."""
+def test_fetch_containers_are_non_root_without_capabilities_and_write_only_the_cache(affinity):
+    """`dlo fetch` writes the node's cache folder as uid 10001; the one root container the operator
+    makes is the cache-owner step before it (CAP_CHOWN alone, the cache mounted, no credentials);
+    nothing else is granted, and the credentials are references."""
     from dlo.operator.fetch_builder import build_fetch_job
     from dlo.operator.names import BuildContext
 
@@ -426,8 +433,11 @@ def test_fetch_containers_are_root_without_capabilities_and_write_only_the_cache
             continue
         (fetch,) = fetchers
         sc = fetch["securityContext"]
-        assert sc == {"runAsUser": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False,
+        assert sc == {"runAsUser": 10001, "runAsGroup": 10001, "runAsNonRoot": True, "allowPrivilegeEscalation": False,
                       "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+        (owner,) = [c for c in pod.get("initContainers", []) if c["name"] == "cache-owner"]
+        assert owner["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+        assert [m["name"] for m in owner["volumeMounts"]] == ["model-cache"] and "env" not in owner
         writable = {m["name"] for m in fetch["volumeMounts"] if not m.get("readOnly")}
         assert writable == {"model-cache", "tmp"}
         cache = next(v for v in pod["volumes"] if v["name"] == "model-cache")

@@ -89,6 +89,10 @@ from DLO_DEFAULT_ENGINE_IMAGE). */}}
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [create, patch]
+# networkPolicy.enabled: the engine pods' NetworkPolicy, server-side applied; deleted once turned off.
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [create, patch, delete]
 - apiGroups: [monitoring.coreos.com]
   resources: [podmonitors, servicemonitors]
   verbs: [create, patch]
