@@ -127,3 +127,13 @@ def test_the_policy_names_the_keys_the_code_writes_and_follows_the_values() -> N
     assert not by_kind(render({"nodePatchPolicy": {"enabled": False}}), "ValidatingAdmissionPolicy")
     assert not by_kind(render({"operator": {"enabled": False}, "agent": {"enabled": False}}),
                        "ValidatingAdmissionPolicyBinding")
+
+
+def test_notes_say_who_may_reach_the_engines_and_that_node_patches_are_narrowed():
+    from test_chart import notes
+
+    text = notes(None)
+    assert "a NetworkPolicy per DLODeployment" in text and "the pods of monitoring and the DLO agents" in text
+    assert "networkPolicy.clientNamespaceSelector" in text and "ValidatingAdmissionPolicy dlo-node-patch" in text
+    off = notes({"networkPolicy": {"enabled": False}, "nodePatchPolicy": {"enabled": False}})
+    assert "NetworkPolicy" not in off and "node-patch" not in off

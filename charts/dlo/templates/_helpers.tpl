@@ -151,3 +151,11 @@ serviceMonitor: {{ include "dlo.monitoringOn" (dict "enabled" .Values.serviceMon
 podMonitor: {{ include "dlo.monitoringOn" (dict "enabled" .Values.podMonitor.enabled "has" ($v1.Has "monitoring.coreos.com/v1/PodMonitor")) | quote }}
 prometheusRule: {{ include "dlo.monitoringOn" (dict "enabled" .Values.prometheusRule.enabled "has" ($v1.Has "monitoring.coreos.com/v1/PrometheusRule")) | quote }}
 {{- end -}}
+
+{{- /* "true" where the node-patch ValidatingAdmissionPolicy is made (templates/nodepatchpolicy.yaml):
+nodePatchPolicy.enabled true, or auto on Kubernetes >= 1.30 (admissionregistration.k8s.io/v1 serves
+it), and the operator or the agent installed. */}}
+{{- define "dlo.nodePatchPolicyOn" -}}
+{{- $has := semverCompare ">=1.30.0-0" .Capabilities.KubeVersion.Version -}}
+{{- if and (include "dlo.monitoringOn" (dict "enabled" .Values.nodePatchPolicy.enabled "has" $has)) (or .Values.operator.enabled .Values.agent.enabled) -}}true{{- end -}}
+{{- end -}}
