@@ -7,8 +7,8 @@ own line format, control characters escaped so that nothing a name holds can for
 line) and `JsonLines` (one JSON object per line: `timestamp`, `severity`, `logger`, `message`, the
 record's extra fields, the process's own fields such as `rank`, `exc_info` for a traceback), the
 filter that adds `logger` and the process's fields to kopf's own JSON records too
-(`add_process_fields`), and `say`/`LogLines`, the lines a person at a terminal reads that must
-still be JSON records under `--log-format json`.
+(`add_process_fields`), and `say`/`LogLines`/`log_lines`, the lines a person at a terminal reads
+that must still be JSON records under `--log-format json`.
 Must never: import a part of dlo, or format what a process writes on stdout (its results, `--json`).
 """
 
@@ -131,6 +131,12 @@ def say(text: str, level: int = logging.INFO, logger: str = "dlo") -> None:
         logging.getLogger(logger).log(level, text)
     else:
         print(text, file=sys.stderr, flush=True)
+
+
+def log_lines(logger: str) -> "LogLines | None":
+    """Under JSON logs, a stream whose lines become records of `logger`; None under text logs (the
+    caller writes to stderr as it would)."""
+    return LogLines(logger) if _current == "json" else None
 
 
 class LogLines:

@@ -19,7 +19,7 @@ from typing import Any
 
 from dlo.cli.args import (Parser, byte_size, http_url, non_negative_seconds, one_line, positive_int,
                           positive_seconds)
-from dlo.cli.logs import LogLines, add_log_format_argument, configure_logging, say
+from dlo.cli.logs import add_log_format_argument, configure_logging, log_lines, say
 from dlo.delivery.deadline import DEFAULT_DEADLINE_S, DEFAULT_MIN_RATE_BPS, DEFAULT_STALL_WINDOW_S
 
 DESCRIPTION = """Download a diffusers pipeline folder from S3 or the Hugging Face Hub into DEST:
@@ -112,11 +112,10 @@ def main(args: argparse.Namespace) -> int:
 def _progress(args: argparse.Namespace) -> Any:
     """`--progress`; under JSON logs, its lines are records of `dlo.delivery.progress` (no bar): the
     operator reads the last one from the Job's log either way (`parse_progress_line`)."""
-    from dlo.delivery.progress import Progress
+    from dlo.delivery.progress import PROGRESS_LOGGER, Progress
 
-    if args.log_format == "json" and args.progress != "none":
-        return Progress("plain", stream=LogLines("dlo.delivery.progress"))  # type: ignore[arg-type]
-    return Progress(args.progress)
+    stream = log_lines(PROGRESS_LOGGER) if args.progress != "none" else None
+    return Progress(args.progress if stream is None else "plain", stream=stream)  # type: ignore[arg-type]
 
 
 def _size(n: int) -> str:

@@ -18,12 +18,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dlo.cli.logs import log_lines
 from dlo.delivery.cache import cached_models, hold_lease, make_room, reclaim_stale_staging, touch_served
 from dlo.delivery.deadline import DEFAULT_DEADLINE_S, DEFAULT_MIN_RATE_BPS, DEFAULT_STALL_WINDOW_S, Guard
 from dlo.delivery.errors import FetchError, SourceRefused, local_error
 from dlo.delivery.paths import path_under
 from dlo.delivery.pipeline import SourceFile, check_pipeline, index_files, read_json_file
-from dlo.delivery.progress import Progress
+from dlo.delivery.progress import PROGRESS_LOGGER, Progress
 from dlo.delivery.staging import Staging, dest_lock, published_manifest
 from dlo.delivery.uri import ModelURI, cache_key, parse_uri
 
@@ -201,7 +202,8 @@ def serving_folder(text: str, environ: Any) -> tuple[Path, str]:
     names = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL") if uri.scheme == "s3" else ("HF_ENDPOINT",)
     endpoint = next((environ[n] for n in names if environ.get(n)), None)
     options = FetchOptions(endpoint=endpoint, lease=True)  # held while this process serves it: never evicted
-    folder = model_folder(text, default_cache_root(environ), Progress("auto"), options)
+    progress = Progress("auto", stream=log_lines(PROGRESS_LOGGER))  # type: ignore[arg-type]  # records under JSON
+    folder = model_folder(text, default_cache_root(environ), progress, options)
     return folder, uri.name
 
 

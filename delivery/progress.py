@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 PLAIN_INTERVAL_S = 5.0
+PROGRESS_LOGGER = "dlo.delivery.progress"  # under JSON logs the plain lines are its records (dlo.cli.logs)
 _LINE = re.compile(r"fetch progress bytes=(\d+) total=(\d+) .*?files=(\d+)/(\d+)")
 
 
