@@ -4,7 +4,7 @@ Owns: `Parser`, an `argparse.ArgumentParser` whose errors are one line on stderr
 usage block, never a traceback); `fail` for bad input found after parsing (same shape); and the
 argument types that reject out-of-range values with a message naming the value and the range:
 counts (`positive_int`, `non_negative_int`), byte sizes (`byte_size`: 25769803776, 24GiB, 24GB), seconds (`positive_seconds`, `non_negative_seconds`),
-ratios 0..1 (`ratio`), ports (`port`), paths that must exist (`existing_path`, `existing_file`,
+ratios 0..1 (`ratio`), ports (`port`), names (`dns_label`), paths that must exist (`existing_path`, `existing_file`,
 `existing_dir`) and URLs (`http_url`).
 Must never: import anything but the standard library (the operator image and `dlo agent` load it),
 or change a value silently: a value out of range is an error, never clamped.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 import urllib.parse
 from pathlib import Path
@@ -148,6 +149,18 @@ def existing_dir(text: str) -> Path:
     if not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text}: not a folder")
     return path
+
+
+# A DNS label (RFC 1123): pod names, tenant names; no '_' or '.', so it never aliases an address or a path.
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
+DNS_LABEL_RULE = "a DNS label: lowercase letters, digits and '-', at most 63, starting and ending alphanumeric"
+
+
+def dns_label(text: str) -> str:
+    """A DNS label (`DNS_LABEL`): a name that becomes a label or a part of an id."""
+    if not re.match(DNS_LABEL, text):
+        raise argparse.ArgumentTypeError(f"{text[:80]!r} is not {DNS_LABEL_RULE}")
+    return text
 
 
 def http_url(text: str) -> str:

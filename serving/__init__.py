@@ -8,7 +8,10 @@ Map (which file to open for which concept; every file of the folder):
   serve.py       `dlo serve`'s start in named steps; host.py  this host's NodeProfile for the plan
   server.py      HTTP only: routes, request bodies, clients that leave (499), domain errors -> status codes
   request_bodies.py the bodies FastAPI does not parse itself (`POST /v1/videos`, JSON or form data)
-  accounting.py  the API key and what every answer is counted as (dlo_requests_total, durations)
+  accounting.py  the API key, the request's tenant, and what every answer is counted as (dlo_requests_total,
+                 durations, by tenant)
+  api_keys.py    where keys come from: one key (--api-key-file, DLO_API_KEY) or named keys (--api-keys)
+  tenants.py     tenants: who a request is (Caller), what it sees of the video jobs, its share of the queue
   body_limit.py  413 before a body is parsed
   service.py     the domain on rank 0: lifecycle states, queue -> waves, withdrawing, the drain, faults
   threads.py     rank 0's blocking work beside its event loop (the group's start, waves, stop)

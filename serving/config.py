@@ -1,9 +1,9 @@
 """`dlo serve`'s configuration: one frozen object built once from the flags and passed down.
 
 Owns: `ServeConfig` and its groups, named as `dlo serve --help` groups its flags: `ApiConfig`
-(model name, address, key, queue, connections), `RequestLimits` (the limits file and the flags over
-it, the warm-up, video jobs), `LayoutConfig` (device, dp x sp, mode, profile), `MemoryConfig` (the
-device budget and how weights are placed and streamed), `TuningConfig` (measured defaults a
+(model name, address, keys and tenants, queue, connections), `RequestLimits` (the limits file and
+the flags over it, the warm-up, video jobs), `LayoutConfig` (device, dp x sp, mode, profile),
+`MemoryConfig` (the device budget and how weights are placed and streamed), `TuningConfig` (measured defaults a
 benchmark may change); the LoRA flags are `dlo.engine.settings.LoraSettings` itself. Built by
 `dlo.serving.options.serve_config`, the one reader of the argparse Namespace; `engine_settings`
 turns it and the deployment plan into the settings every rank starts with.
@@ -47,7 +47,10 @@ class ApiConfig:
     port: int = 8000
     served_model_name: str | None = None
     api_key_file: Path | None = None
+    api_keys: Path | None = None  # named keys, one tenant each (dlo.serving.api_keys)
+    admin_keys: tuple[str, ...] = ()  # names of --api-keys that see every tenant's video jobs
     max_queue: int = 64
+    max_queue_per_tenant: int | None = None  # None: --max-queue alone
     wave_window_ms: float = 5.0
     progress_timeout: float = 300.0
     shutdown_grace: float = 25.0
@@ -74,6 +77,7 @@ class RequestLimits:
     startup_timeout: float = 900.0
     video_dir: Path | None = None
     video_ttl: float = 3600.0
+    max_video_jobs_per_tenant: int = 64
 
 
 @dataclass(frozen=True)

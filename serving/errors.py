@@ -37,6 +37,13 @@ class QueueFull(ServiceError):
         self.retry_after_s = retry_after_s
 
 
+class TenantQueueFull(QueueFull):
+    """One tenant (or, without named keys, one client address) holds `--max-queue-per-tenant`
+    requests queued or running: the others are still served."""
+
+    code = "tenant_queue_full"
+
+
 class EngineUnavailable(ServiceError):
     """The engine cannot take requests now (loading, stopping, or failed)."""
 
@@ -107,7 +114,7 @@ class VideoStoreReadOnly(EngineUnavailable):
 
 
 class VideoJobsFull(QueueFull):
-    """The store holds its maximum of video jobs (in all, or of this client): none is evicted
+    """The store holds its maximum of video jobs (in all, or of this tenant or client): none is evicted
     before it expires, so a new one waits."""
 
     code = "too_many_video_jobs"

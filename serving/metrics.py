@@ -3,7 +3,8 @@
 Owns: one registry per server; request/wave/step and video-job metrics updated by rank 0 (the jobs
 by state are read from the store at scrape time), and per-rank weight metrics collected at scrape
 time from the latest stats every rank reported (rank 0 serves them all).
-Must never: invent metric names outside the contract table, or label by request (cardinality).
+Must never: invent metric names outside the contract table, or label by request (cardinality) or by
+anything a client chooses (a tenant label is a name of the keys given at start, never a key).
 """
 
 from __future__ import annotations
@@ -89,11 +90,14 @@ class EngineMetrics:
         self.info = Gauge("dlo_engine_info", "what runs", ["mode", "dp", "family", "device", "weights_source"],
                           registry=reg)
         self.ready = Gauge("dlo_ready", "1 when /ready would answer 200", registry=reg)
-        self.requests = Counter("dlo_requests", "requests answered (code 499: the client left before the answer)",
-                                ["endpoint", "method", "code"], registry=reg)
+        # `tenant`: the name of the request's key (--api-keys; "default" for a single key), empty without
+        # one; the names come from the keys given at start only, so the label stays bounded
+        self.requests = Counter("dlo_requests", "requests answered (code 499: the client left before the answer; "
+                                "tenant: the name of the request's API key)",
+                                ["endpoint", "method", "code", "tenant"], registry=reg)
         self.request_duration = Histogram(
             "dlo_request_duration_seconds", "end-to-end latency of requests answered with their result (POST "
-            "/v1/images/generations; a video job is timed by dlo_video_job_duration_seconds)", ["endpoint"],
+            "/v1/images/generations; a video job is timed by dlo_video_job_duration_seconds)", ["endpoint", "tenant"],
             buckets=LATENCY_BUCKETS, registry=reg)
         self.queue_depth = Gauge("dlo_queue_depth", "requests waiting for a wave", registry=reg)
         self.requests_running = Gauge("dlo_requests_running", "requests in the wave running on the ranks", registry=reg)

@@ -14,8 +14,10 @@ from pathlib import Path
 from dlo.cli.logs import add_log_format_argument
 from dlo.cli.args import (
     byte_size,
+    dns_label,
     existing_dir,
     existing_file,
+    existing_path,
     non_negative_int,
     non_negative_seconds,
     port,
@@ -127,7 +129,16 @@ def _add_api_arguments(group: argparse._ArgumentGroup) -> None:
                                    "unset: DLO_API_KEY if set, else no key. Keys are never taken from the command "
                                    "line. With a key, /v1/*, /docs, /redoc and /openapi.json need it; /health, "
                                    "/ready and /metrics never do"))
+    group.add_argument("--api-keys", type=existing_path, default=None, metavar="PATH",
+                       help=_unset("named keys, one tenant each: a folder of files named by the key's name (a mounted "
+                                   "Secret) or a file of 'name: key' lines (docs/serving.md, \"Tenants\")"))
+    group.add_argument("--admin-key", dest="admin_keys", type=dns_label, action="append", default=[], metavar="NAME",
+                       help=_unset("a name of --api-keys whose requests see, fetch and delete every tenant's video "
+                                   "jobs (repeatable)"))
     group.add_argument("--max-queue", type=positive_int, default=64, help="requests waiting for a wave before 429")
+    group.add_argument("--max-queue-per-tenant", type=positive_int, default=None, metavar="N",
+                       help=_unset("requests one tenant (without --api-keys: one client address) may have waiting "
+                                   "or running; beyond: 429 tenant_queue_full; unset: --max-queue alone"))
     group.add_argument("--wave-window-ms", type=non_negative_seconds, default=5.0,
                        help="how long the oldest request waits for compatible company before a partial wave starts")
     group.add_argument("--progress-timeout", type=positive_seconds, default=300.0,
@@ -166,6 +177,8 @@ def _add_api_arguments(group: argparse._ArgumentGroup) -> None:
                                    "and refused when another user owns it"))
     group.add_argument("--video-ttl", type=float, default=3600.0,
                        help="seconds a finished video job and its MP4 are kept (expires_at = finish + TTL)")
+    group.add_argument("--max-video-jobs-per-tenant", type=positive_int, default=64, metavar="N",
+                       help="video jobs one tenant (without --api-keys: one address) may hold (256 in all)")
 
 
 def _add_limits_arguments(group: argparse._ArgumentGroup) -> None:
@@ -357,7 +370,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(
         model=args.model_dir,
         api=ApiConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
-                      api_key_file=args.api_key_file, max_queue=args.max_queue, wave_window_ms=args.wave_window_ms,
+                      api_key_file=args.api_key_file, api_keys=args.api_keys, admin_keys=tuple(args.admin_keys),
+                      max_queue=args.max_queue, max_queue_per_tenant=args.max_queue_per_tenant,
+                      wave_window_ms=args.wave_window_ms,
                       progress_timeout=args.progress_timeout, shutdown_grace=args.shutdown_grace,
                       max_connections=args.max_connections, idle_timeout=args.idle_timeout,
                       body_timeout=args.body_timeout, min_body_rate=args.min_body_rate,
@@ -365,7 +380,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         requests=RequestLimits(limits=args.limits, small_limits=args.small_limits, max_steps=args.max_steps,
                                max_size=args.max_size, warmup=args.warmup, warmup_size=args.warmup_size,
                                warmup_steps=args.warmup_steps, startup_timeout=args.startup_timeout,
-                               video_dir=args.video_dir, video_ttl=args.video_ttl),
+                               video_dir=args.video_dir, video_ttl=args.video_ttl,
+                               max_video_jobs_per_tenant=args.max_video_jobs_per_tenant),
         layout=LayoutConfig(device=args.device, dp=args.dp, sp=args.sp, sp_kind=args.sp_kind, mode=args.mode,
                             profile=args.profile),
         memory=MemoryConfig(max_device_memory=args.max_device_memory, resident_blocks=args.resident_blocks,

@@ -33,6 +33,7 @@ from dlo.engine.timing import Laps, start_laps
 from dlo.plan.deployment import DeploymentPlan
 from dlo.plan.facts import DeviceKind
 
+from dlo.serving.api_keys import read_api_key  # the one-key reader (re-exported)
 from dlo.serving.config import ServeConfig, engine_settings
 from dlo.serving.options import add_arguments, serve_config
 
@@ -41,31 +42,6 @@ __all__ = ["add_arguments", "main", "engine_settings", "read_api_key", "StartErr
 
 class StartError(Exception):
     """A reason `dlo serve` cannot start: printed as one line, exit 2, before any rank starts."""
-
-
-def read_api_key(path: Path | None, environ: dict[str, str] | os._Environ = os.environ) -> str | None:
-    """The key from `--api-key-file` (UTF-8 text, white space around it ignored) or `DLO_API_KEY`.
-    Clients send it in a header, so it must be printable ASCII: any other key could never match."""
-    if path is not None:
-        try:
-            key = path.read_bytes().decode("utf-8").strip()
-        except UnicodeDecodeError as e:
-            raise StartError(f"--api-key-file {path}: not UTF-8 text (byte {e.start})") from None
-        except OSError as e:
-            raise StartError(f"--api-key-file {path}: {e.strerror or e}") from None
-        if not key:
-            raise StartError(f"--api-key-file {path} is empty")
-        where = f"--api-key-file {path}"
-    else:
-        key = environ.get("DLO_API_KEY") or ""
-        where = "DLO_API_KEY"
-        if not key:
-            return None
-    bad = next((c for c in key if not 0x21 <= ord(c) <= 0x7E), None)
-    if bad is not None:
-        raise StartError(f"{where}: the key holds {bad!r}; a key must be printable ASCII without spaces (clients "
-                         "send it in an HTTP header, where any other character never matches)")
-    return key
 
 
 def _warmup_size(flag: str | None, facts: Any, limits: Any) -> tuple[int, int] | None:
@@ -143,7 +119,7 @@ class _Start:
     facts: Any = None
     limits: Any = None
     warmup_size: tuple[int, int] | None = None
-    api_key: str | None = None
+    tenants: Any = None  # who may call (`dlo.serving.tenants.Tenants`)
     device: DeviceKind = "cpu"
     dp: int = 1
     listener: socket.socket | None = None
@@ -238,7 +214,8 @@ def _video_store(cfg: ServeConfig, start: _Start) -> None:
     try:
         req = cfg.requests
         start.videos = VideoStore(req.video_dir or default_video_dir(cfg.api.port), ttl_s=req.video_ttl,
-                                  pod=os.environ.get("DLO_POD_NAME") or None)
+                                  pod=os.environ.get("DLO_POD_NAME") or None,
+                                  max_jobs_per_client=req.max_video_jobs_per_tenant)
         start.videos.load()
         start.peers = Peers.from_env()
     except (ValueError, OSError) as e:
@@ -295,15 +272,28 @@ def _plan(cfg: ServeConfig, start: _Start) -> None:
     log.info("serving %s family=%s %s", start.model_dir, start.facts.family, start.plan.describe())
 
 
+def _tenants(cfg: ServeConfig) -> Any:
+    """Who may call: the keys read once (`dlo.serving.tenants`; a bad file is one line, exit 2)."""
+    from dlo.serving.api_keys import ApiKeyError
+    from dlo.serving.tenants import tenants_from
+
+    try:
+        tenants = tenants_from(cfg.api, os.environ)
+    except ApiKeyError as e:
+        raise StartError(str(e)) from None
+    return tenants
+
+
 def _prepare(cfg: ServeConfig) -> _Start:
     """Every check that needs no rank, in order; `StartError` names the first problem. Each step's
     seconds are a lap of `start.laps` (the `before_load_phases` of `/ready`)."""
     start = _Start(model_dir=cfg.model_dir.resolve(), laps=start_laps())
     start.laps.lap("before_checks")  # the interpreter, the imports of `dlo`, the arguments, a --fetch
-    start.api_key = read_api_key(cfg.api.api_key_file)
+    start.tenants = _tenants(cfg)
     for step in (_listen, _model_and_limits, _layout, _library_warmup, _peaks, _plan, _video_store):
         step(cfg, start)
         start.laps.lap(step.__name__.lstrip("_"))
+    log.info("%s", start.tenants.describe())  # once every check passed: a refusal stays one line
     return start
 
 
@@ -382,7 +372,7 @@ def main(args: argparse.Namespace) -> int:
     from dlo.serving.uvicorn_server import http_server
 
     engine.group.spawn()
-    app = create_app(engine, start.api_key, start.peers)
+    app = create_app(engine, start.tenants, start.peers)
     install_http_faults(app)  # test-only: a no-op unless DLO_TEST_HOOKS=1 and DLO_TEST_FAULTS say so
     instrument_http(app)  # a span per API request, only while tracing is on
     server = http_server(cfg.api, engine, app)

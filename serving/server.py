@@ -73,6 +73,7 @@ from dlo.serving.errors import (
 from dlo.serving.faults import InjectedFault
 from dlo.serving.peers import FORWARDED_HEADER, PeerError, Peers
 from dlo.serving.service import Engine
+from dlo.serving.tenants import Caller, HeldRequests, Tenants
 from dlo.serving.videos import VideoJob
 
 log = logging.getLogger(__name__)
@@ -136,8 +137,11 @@ def _service_response(e: ServiceError) -> JSONResponse:
     return response
 
 
-def create_app(engine: Engine, api_key: str | None = None, peers: Peers | None = None) -> FastAPI:
-    """The app; `peers` (None: a single pod) says where the pods named by other video ids answer."""
+def create_app(engine: Engine, tenants: Tenants | None = None, peers: Peers | None = None) -> FastAPI:
+    """The app; `tenants` (None: no keys) who may call, `peers` (None: a single pod) where the pods
+    named by other video ids answer."""
+    tenants = tenants if tenants is not None else Tenants()
+    held = HeldRequests(tenants.max_queue, engine.metrics.mean_wave_seconds)  # each tenant's share of the queue
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -152,9 +156,9 @@ def create_app(engine: Engine, api_key: str | None = None, peers: Peers | None =
                               "engine.")
     app.add_middleware(BodyLimit, max_bytes=engine.limits.max_body_bytes)
     # outermost of ours: every answer is counted (413s included), no body is read before the key
-    app.add_middleware(Accounting, metrics=engine.metrics, api_key=api_key, routes=app.router.routes)
+    app.add_middleware(Accounting, metrics=engine.metrics, tenants=tenants, routes=app.router.routes)
     _add_error_handlers(app, peers)
-    _add_generation_routes(app, engine)
+    _add_generation_routes(app, engine, held)
     _add_video_routes(app, engine)
     _add_operation_routes(app, engine)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
@@ -251,7 +255,12 @@ async def _result_unless_gone(request: Request, engine: Engine, fut: asyncio.Fut
     raise ClientGone()
 
 
-def _add_generation_routes(app: FastAPI, engine: Engine) -> None:
+def _caller(request: Request) -> Caller:
+    """Who sent `request` (set by `Accounting` before any route runs)."""
+    return request.state.caller
+
+
+def _add_generation_routes(app: FastAPI, engine: Engine, held: HeldRequests) -> None:
     @app.post("/v1/images/generations", response_model=ImagesResponse,
               summary="Create images (OpenAI Images API; extensions: seed, num_inference_steps, guidance_scale, "
                       "negative_prompt)")
@@ -259,7 +268,8 @@ def _add_generation_routes(app: FastAPI, engine: Engine) -> None:
         engine.check_available()
         gen = image_generation(body, engine.facts, engine.limits, engine.model_id, engine.adapters,
                                engine.cfg.settings.cache)
-        res = await _result_unless_gone(request, engine, engine.submit(gen))
+        fut = held.submit(_caller(request), lambda: engine.submit(gen))
+        res = await _result_unless_gone(request, engine, fut)
         response.headers[TILED_HEADER] = "true" if engine.decode_tiled(gen) else "false"
         response.headers["Server-Timing"] = server_timing(res)
         return ImagesResponse(
@@ -281,35 +291,37 @@ def _add_generation_routes(app: FastAPI, engine: Engine) -> None:
             _DECODE, video_generation, body, engine.facts, engine.limits, engine.model_id, engine.adapters,
             engine.cfg.settings.cache)
         seconds = f"{gen.frames / gen.fps:g}"
-        client = request.client.host if request.client else None
-        return _video_object(engine, engine.jobs.create(gen, seconds, client=client))
+        return _video_object(engine, engine.jobs.create(gen, seconds, _caller(request), held))
 
 
 def _add_video_routes(app: FastAPI, engine: Engine) -> None:
     @app.get("/v1/videos", response_model=VideoList,
-             summary="This pod's video jobs, newest first by default (OpenAI cursor: limit, after, order)")
-    async def list_videos(limit: int = Query(20, ge=1, le=100), after: str | None = Query(None, max_length=200),
+             summary="This pod's video jobs of the caller's tenant (an admin key: all), newest first by default "
+                     "(OpenAI cursor: limit, after, order)")
+    async def list_videos(request: Request, limit: int = Query(20, ge=1, le=100),
+                          after: str | None = Query(None, max_length=200),
                           order: Literal["asc", "desc"] = "desc") -> VideoList:
-        jobs, has_more = engine.videos.list(limit=limit, after=after, order=order)
+        jobs, has_more = engine.videos.list(limit=limit, after=after, order=order, caller=_caller(request))
         return VideoList(data=[_video_object(engine, j) for j in jobs], has_more=has_more,
                          first_id=jobs[0].id if jobs else None, last_id=jobs[-1].id if jobs else None)
 
     @app.get("/v1/videos/{video_id}", response_model=VideoObject, summary="A video job's status")
-    async def get_video(video_id: str) -> VideoObject:
-        return _video_object(engine, engine.videos.get(video_id))
+    async def get_video(video_id: str, request: Request) -> VideoObject:
+        return _video_object(engine, engine.videos.get(video_id, _caller(request)))
 
     @app.delete("/v1/videos/{video_id}", response_model=VideoDeleted,
                 summary="Delete a completed or failed video job and its file (409 while queued or running)")
-    async def delete_video(video_id: str) -> VideoDeleted:
-        return VideoDeleted(id=engine.videos.delete(video_id).id)
+    async def delete_video(video_id: str, request: Request) -> VideoDeleted:
+        return VideoDeleted(id=engine.videos.delete(video_id, _caller(request)).id)
 
     @app.get("/v1/videos/{video_id}/content", summary="The MP4 of a completed video job",
              responses={200: {"content": {"video/mp4": {}}}})
-    async def video_content(video_id: str, variant: str = "video") -> Response:
-        engine.videos.content_path(video_id)  # an unknown or unfinished job: its error before the variant's
+    async def video_content(video_id: str, request: Request, variant: str = "video") -> Response:
+        caller = _caller(request)
+        engine.videos.content_path(video_id, caller)  # an unknown or unfinished job: its error before the variant's
         if variant != "video":
             raise ApiError(400, f"variant {variant!r} is not available; only \"video\"", "variant", "invalid_value")
-        f = engine.videos.open_content(video_id)  # opened now, never through a link: streams whole if it expires
+        f = engine.videos.open_content(video_id, caller)  # opened now, never through a link: streams whole if it expires
         size = os.fstat(f.fileno()).st_size
 
         def chunks() -> Iterator[bytes]:

@@ -1,8 +1,8 @@
 """Running video jobs on the engine: record, queue, finish, sweep, and their metrics.
 
 Owns: `VideoJobs`, what happens to a video job between its POST and its end - recorded in the store
-before it is queued (a job that could not be recorded never runs; one the queue refuses leaves no
-record), marked running when its wave starts, completed with its MP4 written off the event loop or
+with its tenant (who sees it) and its quota holder before it is queued (a job that could not be
+recorded never runs; one the queue, or its tenant's share of it, refuses leaves no record), marked running when its wave starts, completed with its MP4 written off the event loop or
 failed with the domain error's code, swept when expired - its progress in percent, the video-job
 metrics (`dlo_video_jobs{state}` from the store at scrape time, `dlo_video_job_duration_seconds`
 from creation to completion, `dlo_video_job_failures_total{code}`), and `finishing()`, the jobs
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from dlo.serving.errors import ServiceError, VideoStorageError
 from dlo.serving.metrics import EngineMetrics
+from dlo.serving.tenants import EVERYONE, Caller, HeldRequests
 from dlo.serving.videos import VideoJob, VideoStore
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -51,13 +52,14 @@ class VideoJobs:
         self._tasks: set[asyncio.Task] = set()
         metrics.video_jobs_source(store.by_status)
 
-    def create(self, gen: "Generation", seconds: str, client: str | None = None) -> VideoJob:
-        """Record a video job, then queue it: a job that could not be recorded never runs, and one the
-        queue refuses (`QueueFull`) leaves no record."""
+    def create(self, gen: "Generation", seconds: str, caller: Caller = EVERYONE,
+               held: HeldRequests | None = None) -> VideoJob:
+        """Record a video job of `caller`, then queue it (against its share, `held`): a job that could
+        not be recorded never runs, and one the queue refuses (`QueueFull`) leaves no record."""
         model = f"{self.host.model_id}:{gen.lora_id}" if gen.lora_id else self.host.model_id  # as the client chose
         job = VideoJob(id=self.store.new_id(), created_at=int(time.time()), model=model,
                        prompt=gen.prompt, seconds=seconds, size=f"{gen.width}x{gen.height}", steps=gen.steps,
-                       client=client)
+                       client=caller.holder, tenant=caller.tenant)
         self.host.check_available()
         try:
             self.store.add(job)
@@ -65,7 +67,8 @@ class VideoJobs:
             log.error("video %s: could not record the job: %s", job.id, e)
             raise VideoStorageError(f"the server could not record the video job: {e}") from None
         try:
-            fut = self.host.submit(gen, request_id=job.id)
+            submit = lambda: self.host.submit(gen, request_id=job.id)  # noqa: E731
+            fut = held.submit(caller, submit) if held is not None else submit()
         except ServiceError:
             self.store.forget(job.id)
             raise

@@ -1,8 +1,8 @@
 """A video job's record on disk: ids, the `VideoJob` and its sidecar, durable writes and removals.
 
 Owns: job ids (`video_<pod>_<hex>` when the pod is named, so any pod can tell whose a job is, and
-`pod_of`), `VideoJob` and its sidecar format (`<id>.json`, version 1; `client` is optional, absent
-in older sidecars), and the file operations every store change goes through: `write_atomically`
+`pod_of`), `VideoJob` and its sidecar format (`<id>.json`, version 1; `client` and `tenant` are
+optional, absent in older sidecars: a job without a tenant is an admin's to see), and the file operations every store change goes through: `write_atomically`
 (temp file + fsync + rename + fsync of the folder: a reader or a restart sees the old file or the
 new one, never half of one, and a rename survives a power cut) and `remove_durably` (unlink, then
 fsync of the folder; an error is raised, never swallowed, so a delete that did not happen is never
@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from dlo.cli.args import DNS_LABEL
 from dlo.engine.checkpoint import open_regular
 
 VideoStatus = Literal["queued", "in_progress", "completed", "failed"]
@@ -32,7 +33,7 @@ FINISHED = ("completed", "failed")
 SIDECAR_VERSION = 1
 MAX_RECORD_BYTES = 1 << 20  # a record is a few hundred bytes (a prompt of at most a few KB)
 # Pod names are DNS labels (RFC 1123): never an underscore, so the id splits unambiguously.
-POD = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+POD = re.compile(DNS_LABEL)
 ID = re.compile(r"^video_(?:(?P<pod>[a-z0-9][-a-z0-9]{0,62})_)?(?P<hex>[0-9a-f]{32})$")
 
 
@@ -45,7 +46,9 @@ def pod_of(video_id: str) -> str | None:
 @dataclass
 class VideoJob:
     """One job. `steps` sizes its progress; `rank` is the rank running it once its wave started;
-    `client` is who created it (its address: the per-client quota)."""
+    `tenant` is the name of the key that created it (None: no key, or recorded before tenants):
+    who may see it (`dlo.serving.tenants.Caller.sees`); `client` is whom its quota counts it against
+    (that tenant, or without named keys the client's address)."""
 
     id: str
     created_at: int
@@ -59,6 +62,7 @@ class VideoJob:
     expires_at: int | None = None
     error: dict[str, str] | None = None
     client: str | None = None
+    tenant: str | None = None
     rank: int | None = field(default=None, compare=False)
 
     def sidecar(self) -> dict[str, Any]:
@@ -74,7 +78,7 @@ class VideoJob:
                                        "completed_at", "expires_at", "error")}
         if fields["status"] not in ("queued", "in_progress", "completed", "failed"):
             raise ValueError(f"unknown status {fields['status']!r}")
-        return cls(**fields, client=data.get("client"))
+        return cls(**fields, client=data.get("client"), tenant=data.get("tenant"))
 
 
 def sync_folder(folder: Path) -> None:

@@ -1,7 +1,9 @@
 """The video job store: every `/v1/videos` job of this pod, in memory and on disk.
 
 Owns: the job records of this pod and their lifecycle (`queued -> in_progress -> completed |
-failed`), listing with OpenAI's cursor (`limit`, `after`, `order`), deletion, expiry (`expires_at` =
+failed`), listing with OpenAI's cursor (`limit`, `after`, `order`), deletion, who sees a job (every
+read takes the request's `Caller`: a job another tenant's caller may not see is answered as one that
+does not exist, `VideoNotFound`, the same words; a list holds only what the caller sees), expiry (`expires_at` =
 finish + TTL, then the record and its MP4 go), the job cap, and persistence in the store's folder
 (`dlo.serving.video_records`: one `<id>.json` sidecar per job plus `<id>.mp4` once it
 completed, written atomically and removed durably). On start the store reloads the folder: this
@@ -16,13 +18,14 @@ then renamed: only the record of its completion was lost, to a full disk say), t
   (`VideoElsewhere`: forwarded); expired records of any pod are swept.
 - A folder that cannot be written (read-only): a warning at start, new jobs refused with
   `VideoStoreReadOnly`, deletes answered with `VideoStorageError`; finished jobs are still served.
-- The cap: at most `max_jobs` jobs, `max_jobs_per_client` of one client; beyond, new jobs are
-  refused (`VideoJobsFull`) - expired jobs are swept first, an unexpired one is never evicted.
+- The cap: at most `max_jobs` jobs, `max_jobs_per_client` of one client (a job's `client`: its
+  tenant with named keys, else its address); beyond, new jobs are refused (`VideoJobsFull`) -
+  expired jobs are swept first, an unexpired one is never evicted.
 - The default folder outside a pod (`default_video_dir`) is private: `<tmp>/dlo-<uid>/videos-PORT`,
   both made with mode 0700 and refused when another user owns them or others may reach them.
 Must never: speak HTTP (refusals are domain errors of `dlo.serving.errors`), hold MP4 bytes
 in memory after they are written, answer a delete that did not happen as done, touch another pod's
-unfinished job, trust a file name it did not make (ids are checked, and every record and MP4 path
+unfinished job, tell a caller whether a job it may not see exists, trust a file name it did not make (ids are checked, and every record and MP4 path
 is `dlo.delivery.paths.path_under` the folder), or read or serve a record or MP4 through a link.
 """
 
@@ -49,6 +52,7 @@ from dlo.serving.errors import (
     VideoStorageError,
     VideoStoreReadOnly,
 )
+from dlo.serving.tenants import EVERYONE, Caller
 from dlo.serving.video_records import (
     FINISHED,
     ID,
@@ -167,8 +171,9 @@ class VideoStore:
                                 f"expire (--video-ttl {self.ttl_s:g} s) or delete finished ones")
         held = sum(1 for j in self._jobs.values() if j.client == job.client)
         if job.client is not None and held >= self.max_jobs_per_client:
-            raise VideoJobsFull(f"this client holds {held} video jobs, its maximum here; delete finished ones or "
-                                "retry once some expire")
+            who = "tenant" if job.tenant is not None and job.tenant == job.client else "client"
+            raise VideoJobsFull(f"this {who} holds {held} video jobs, its maximum here (--max-video-jobs-per-tenant "
+                                f"{self.max_jobs_per_client}); delete finished ones or retry once some expire")
         write_atomically(self._record(job.id), json.dumps(job.sidecar(), sort_keys=True).encode())
         self._jobs[job.id] = job
         return job
@@ -183,26 +188,28 @@ class VideoStore:
         pod = pod_of(video_id)
         return pod if pod is not None and pod != self.pod else None
 
-    def get(self, video_id: str) -> VideoJob:
+    def get(self, video_id: str, caller: Caller = EVERYONE) -> VideoJob:
         """This pod's job, or another pod's finished one from the shared folder; `VideoElsewhere`
-        for another pod's job not finished here, `VideoNotFound` otherwise."""
+        for another pod's job not finished here (its pod judges the caller), `VideoNotFound` for a
+        job there is not, or that `caller` may not see."""
         self.sweep()
         other = self.owner(video_id)
         if other is not None:
             job = self._shared(video_id)
             if job is None or job.status not in FINISHED:
-                raise VideoElsewhere(other, video_id, recorded=job is not None)
-            return job
-        job = self._jobs.get(video_id)
-        if job is None:
+                seen = job is not None and caller.sees(job.tenant)
+                raise VideoElsewhere(other, video_id, recorded=seen)
+        else:
+            job = self._jobs.get(video_id)
+        if job is None or not caller.sees(job.tenant):
             raise VideoNotFound(f"no video job {video_id!r}")
         return job
 
-    def content_path(self, video_id: str) -> Path:
+    def content_path(self, video_id: str, caller: Caller = EVERYONE) -> Path:
         """The MP4 of a completed job (`VideoNotReady` before that; `VideoNotFound` when the file is
         not a regular file: a link planted in the folder is never served). Open it with
         `open_content`, which never follows a link."""
-        job = self.get(video_id)
+        job = self.get(video_id, caller)
         if job.status != "completed":
             raise VideoNotReady(f"video {video_id} is {job.status}; content is available once it is completed",
                                 failed=job.status == "failed")
@@ -212,21 +219,22 @@ class VideoStore:
             raise VideoNotFound(f"no video file for {video_id!r}")
         return path
 
-    def open_content(self, video_id: str) -> BinaryIO:
+    def open_content(self, video_id: str, caller: Caller = EVERYONE) -> BinaryIO:
         """The MP4 of a completed job, opened (never through a link; `VideoNotFound` when it is gone
         or not a regular file): what is opened streams whole even if the job expires meanwhile."""
-        path = self.content_path(video_id)
+        path = self.content_path(video_id, caller)
         try:
             return open_regular(path, follow_links=False)
         except OSError:
             raise VideoNotFound(f"no video file for {video_id!r}") from None
 
-    def list(self, *, limit: int = 20, after: str | None = None,
-             order: Literal["asc", "desc"] = "desc") -> tuple[list[VideoJob], bool]:
-        """This pod's jobs by creation time, a page of `limit` after the job `after`; and whether
-        more follow."""
+    def list(self, *, limit: int = 20, after: str | None = None, order: Literal["asc", "desc"] = "desc",
+             caller: Caller = EVERYONE) -> tuple[list[VideoJob], bool]:
+        """This pod's jobs `caller` sees by creation time, a page of `limit` after the job `after`;
+        and whether more follow."""
         self.sweep()
-        jobs = sorted(self._jobs.values(), key=lambda j: (j.created_at, j.id), reverse=order == "desc")
+        mine = (j for j in self._jobs.values() if caller.sees(j.tenant))
+        jobs = sorted(mine, key=lambda j: (j.created_at, j.id), reverse=order == "desc")
         if after is not None:
             ids = [j.id for j in jobs]
             if after not in ids:
@@ -234,10 +242,11 @@ class VideoStore:
             jobs = jobs[ids.index(after) + 1:]
         return jobs[:limit], len(jobs) > limit
 
-    def delete(self, video_id: str) -> VideoJob:
-        """Remove a finished job and its files, durably; a queued or running job is refused
-        (`VideoNotFinished`), a folder that refuses the removal is a `VideoStorageError` (the job stays)."""
-        job = self.get(video_id)
+    def delete(self, video_id: str, caller: Caller = EVERYONE) -> VideoJob:
+        """Remove a finished job `caller` sees and its files, durably; a queued or running job is
+        refused (`VideoNotFinished`), a folder that refuses the removal is a `VideoStorageError` (the
+        job stays)."""
+        job = self.get(video_id, caller)
         if job.status not in FINISHED:
             raise VideoNotFinished(f"video {video_id} is {job.status}; delete it once it is completed or failed")
         try:  # the record first: once it is gone the job is gone, whatever happens to the MP4

@@ -154,6 +154,18 @@ ENGINE_ROWS: list[tuple[list[str], str]] = [
     (["serve", "{tmp}/model", "--api-key-file", "{tmp}"], "--api-key-file: {tmp}: not a file"),
     (["serve", "{tmp}/model", "--api-key-file", "{tmp}/latin1-key"], "{tmp}/latin1-key: not UTF-8 text"),
     (["serve", "{tmp}/model", "--api-key-file", "{tmp}/spaced-key"], "a key must be printable ASCII"),
+    (["serve", "{tmp}/model", "--api-keys", "{tmp}/missing"], "--api-keys: {tmp}/missing: no such file or folder"),
+    (["serve", "{tmp}/model", "--api-keys", "{tmp}/bad-name-keys"], "line 2: the name before ':' is not a key name"),
+    (["serve", "{tmp}/model", "--api-keys", "{tmp}/twice-keys"], "'alice' and 'bob' have the same key"),
+    (["serve", "{tmp}/model", "--api-keys", "{tmp}/spaced-key"], "line 1: expected 'name: key'"),
+    (["serve", "{tmp}/model", "--api-keys", "{tmp}/empty"], "{tmp}/empty holds no keys"),
+    (["serve", "{tmp}/model", "--api-keys", "{tmp}/keys", "--admin-key", "ops"], "--admin-key ops: no key"),
+    (["serve", "{tmp}/model", "--api-keys", "{tmp}/keys", "--api-key-file", "{tmp}/latin1-key"],
+     "both give keys"),
+    (["serve", "{tmp}/model", "--admin-key", "Ops_1"], "--admin-key: 'Ops_1' is not a DNS label"),
+    (["serve", "{tmp}/model", "--admin-key", "ops"], "names a key of --api-keys, which is not given"),
+    (["serve", "{tmp}/model", "--max-queue-per-tenant", "0"], "--max-queue-per-tenant: must be at least 1 (got 0)"),
+    (["serve", "{tmp}/model", "--max-video-jobs-per-tenant", "0"], "--max-video-jobs-per-tenant: must be at least 1"),
     (["serve", "{tmp}/model", "--body-timeout", "0"], "--body-timeout: must be more than 0 seconds"),
     (["serve", "{tmp}/model", "--min-body-rate", "0"], "--min-body-rate: must be at least 1 (got 0)"),
     (["serve", "{tmp}/model", "--probe-cidr", "10.0.0.0/33"], "'10.0.0.0/33' is not a network"),
@@ -218,6 +230,9 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (tmp / "not-yaml.yaml").write_text("spec: [unclosed\n  - : :\n")
     (tmp / "latin1-key").write_bytes(b"caf\xe9")
     (tmp / "spaced-key").write_text("two words\n")
+    (tmp / "bad-name-keys").write_text("alice: sk-a\nAlice_2: sk-b\n")  # the name is not echoed: it may be a key
+    (tmp / "twice-keys").write_text("# tenants\nalice: sk-same\n\nbob: sk-same\n")
+    (tmp / "keys").write_text("alice: sk-a\nbob: sk-b\n")
     return tmp
 
 

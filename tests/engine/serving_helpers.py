@@ -93,3 +93,17 @@ def serve_settings(argv: list[str], mode: str | None = None, device: str = "cpu"
     p = plan(ask, profile=NodeProfile(), transformer=ModelFacts(bytes=10**9, largest_block_bytes=10**7, blocks=40),
              device_memory=10**11)
     return engine_settings(cfg, p, env or {})
+
+
+def secret_volume(folder: Path, files: dict[str, bytes], mode: int = 0o644) -> Path:
+    """`folder` laid out as the kubelet writes a Secret volume: the files in `..<timestamp>/`, `..data`
+    a link to it, and each key a link `name -> ..data/name` (what `dlo serve --api-keys` reads)."""
+    stamp = folder / f"..{time.strftime('%Y_%m_%d_%H_%M_%S')}.{time.time_ns() % 10**9:09d}"
+    stamp.mkdir(parents=True)
+    for name, data in files.items():
+        (stamp / name).write_bytes(data)
+        os.chmod(stamp / name, mode)
+    os.symlink(stamp.name, folder / "..data")
+    for name in files:
+        os.symlink(f"..data/{name}", folder / name)
+    return folder

@@ -31,6 +31,7 @@ from dlo.plan.limits import Limits
 from dlo.serving.metrics import EngineMetrics
 from dlo.serving.peers import Peers
 from dlo.serving.server import api_error, create_app, status_of
+from dlo.serving.tenants import Tenants
 from dlo.serving.videos import VideoJob, VideoStore
 
 KEY = "stub-key"
@@ -52,7 +53,7 @@ class StubEngine:
     facts: PipelineFacts = field(default_factory=lambda: PipelineFacts(
         "wan-i2v", "WanImageToVideoPipeline", 16, 4, 5.0, "WanTransformer3DModel", image_input=True))
 
-    def create(self, gen: object, seconds: str, client: str | None = None) -> VideoJob:
+    def create(self, gen: object, seconds: str, caller: object = None, held: object = None) -> VideoJob:
         raise QueueFull("the stub queues nothing", retry_after_s=1)  # what follows the request's reading
 
     def unhealthy_reason(self) -> str | None:
@@ -114,7 +115,7 @@ def _add(store: VideoStore, created_at: int, status: str = "completed") -> Video
 
 def _serve(tmp_path, pod: str, peers: Peers | None = None) -> tuple[Served, StubEngine]:
     engine = StubEngine(VideoStore(tmp_path / pod, ttl_s=600, pod=pod))
-    return Served(create_app(engine, KEY, peers)), engine  # type: ignore[arg-type]
+    return Served(create_app(engine, Tenants.single(KEY), peers)), engine  # type: ignore[arg-type]
 
 
 def test_list_pages_and_delete_in_openai_shapes(tmp_path):
