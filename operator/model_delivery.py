@@ -54,7 +54,8 @@ def job_state(job: dict[str, Any]) -> str:
 
 
 def job_result(job: dict[str, Any], pods: list[dict[str, Any]]) -> dict[str, Any]:
-    """The result `dlo fetch` left in its last pod's termination message ({} when none)."""
+    """The result `dlo fetch` left in its last pod's termination message; a Job ended past its
+    `activeDeadlineSeconds` (no result left) is a `timeout`; {} when none."""
     name = job["metadata"]["name"]
     mine = sorted((p for p in pods if (p["metadata"].get("labels") or {}).get("job-name") == name),
                   key=lambda p: p["metadata"].get("creationTimestamp") or "")
@@ -66,6 +67,9 @@ def job_result(job: dict[str, Any], pods: list[dict[str, Any]]) -> dict[str, Any
                     return dict(json.loads(message))
                 except (ValueError, TypeError):
                     return {"state": "failed", "reason": "transfer", "message": message[:500]}
+    for c in (job.get("status") or {}).get("conditions") or []:  # ended from outside: its pod left no result
+        if c.get("type") == "Failed" and c.get("status") == "True" and c.get("reason") == "DeadlineExceeded":
+            return {"state": "failed", "reason": "timeout", "message": str(c.get("message") or "")[:500]}
     return {}
 
 

@@ -110,3 +110,13 @@ def test_the_cache_owner_step_lets_the_fetch_user_write_and_evict_a_root_fetch_l
     done = as_fetch_user(fetch_like, node_cache)
     assert done.returncode == 0, done.stderr
     assert (node_cache / "new" / "f").read_text() == "data\n" and not (node_cache / "old").exists()
+
+
+def test_a_job_past_its_deadline_is_a_timeout_in_the_status():
+    from dlo.operator.model_delivery import job_result
+
+    job = job_pod(FetchIdentity())
+    job["status"] = {"conditions": [{"type": "Failed", "status": "True", "reason": "DeadlineExceeded",
+                                     "message": "Job was active longer than specified deadline"}]}
+    assert job_result(job, []) == {"state": "failed", "reason": "timeout",
+                                   "message": "Job was active longer than specified deadline"}
