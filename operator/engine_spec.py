@@ -1,16 +1,20 @@
 """`spec.engine` of a DLODeployment: which server runs, its image, device and engine switches.
 
 Owns: `EngineSpec` (with `engine_switches()`, the `dlo serve` flags of its typed switches),
-`SecretKeyRef`, the variables the engine reads its API key from, and their rules (Python and CEL).
+`SecretKeyRef` (one API key), `ApiKeys` (named keys, one tenant each: a Secret mounted read-only for
+`dlo serve --api-keys`), the variables the engine reads its API key from, and their rules (Python
+and CEL).
 Must never: talk to the API server or import torch.
 """
 
 from __future__ import annotations
 
+import argparse
 from typing import Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from dlo.cli.args import DNS_LABEL, dns_label
 from dlo.engine.settings import MAX_GATHER_CTAS, StreamDtype, Transfer, UlyssesExchange
 from dlo.operator.k8s_schemas import cel_rules, kubernetes_field
 from dlo.operator.spec_base import SpecModel as _Model
@@ -24,6 +28,47 @@ class SecretKeyRef(_Model):
 
     name: str = Field(min_length=1, description="name of the Secret")
     key: str = Field("api-key", min_length=1, description="key in the Secret holding the API key")
+
+
+MAX_ADMINS = 16
+
+
+class ApiKeys(_Model):
+    """Named API keys: every key of the Secret is a tenant, named by the key, whose API key is its
+    value; each request is its key's tenant (its own video jobs and quotas)."""
+
+    secret_name: str = Field(
+        min_length=1, max_length=253,
+        description="Secret in the resource's namespace whose every key is a tenant's name (a DNS label) and "
+        "whose value is that tenant's API key; mounted read-only for `dlo serve --api-keys` (read at start: "
+        "restart the pods after a change)")
+    admins: list[str] = Field(
+        default_factory=list, max_length=MAX_ADMINS,
+        json_schema_extra={"items": {"type": "string", "pattern": DNS_LABEL, "maxLength": 63}},
+        description="names of the Secret's keys whose requests see, fetch and delete every tenant's video "
+        "jobs (`--admin-key`)")
+
+    @field_validator("admins")
+    @classmethod
+    def _names(cls, admins: list[str]) -> list[str]:
+        try:
+            return [dns_label(a) for a in admins]
+        except argparse.ArgumentTypeError as e:
+            raise ValueError(f"engine.apiKeys.admins: {e}") from None
+
+    def serve_flags(self, mount: str) -> list[str]:
+        """`dlo serve`'s flags for the Secret mounted at `mount`."""
+        return ["--api-keys", mount, *(f for name in self.admins for f in ("--admin-key", name))]
+
+
+_ONE_KEY_SOURCE_RULE = (
+    "!has(self.apiKeys) || !has(self.apiKeySecret)",
+    "set engine.apiKeySecret (one key) or engine.apiKeys (named keys, one tenant each), not both",
+)
+_API_KEYS_ENGINE_RULE = (
+    "!has(self.apiKeys) || self.kind == 'dlo'",
+    "engine.apiKeys (named keys) is dlo's: vllm-omni takes one key (engine.apiKeySecret)",
+)
 
 
 # A key set in engine.env would be written into the StatefulSet's pod template for anyone who reads it.
@@ -86,7 +131,8 @@ class EngineSpec(_Model):
     """The engine container: which server, its image, device, engine switches, extra arguments and
     resources."""
 
-    model_config = ConfigDict(json_schema_extra=cel_rules(_DLO_SWITCHES_RULE, _CTAS_DEVICE_RULE, _BUDGET_DEVICE_RULE))
+    model_config = ConfigDict(json_schema_extra=cel_rules(_DLO_SWITCHES_RULE, _CTAS_DEVICE_RULE, _BUDGET_DEVICE_RULE,
+                                                          _ONE_KEY_SOURCE_RULE, _API_KEYS_ENGINE_RULE))
 
     kind: Literal["dlo", "vllm-omni"] = Field(
         "dlo",
@@ -118,6 +164,11 @@ class EngineSpec(_Model):
         None,
         description="Secret key given to the engine as its API key (DLO_API_KEY for dlo, VLLM_API_KEY for "
         "vllm-omni); clients send Authorization: Bearer KEY",
+    )
+    api_keys: ApiKeys | None = Field(
+        None,
+        description="dlo: named API keys from a Secret, one tenant each (instead of apiKeySecret): a request is "
+        "its key's tenant, sees only its own video jobs (admins: all) and has its own quotas",
     )
     shm_size: str | None = Field(None, description="size of /dev/shm; default 1Gi per rank")
     shutdown_grace_seconds: int = Field(
@@ -179,6 +230,14 @@ class EngineSpec(_Model):
             raise ValueError(_API_KEY_ENV_RULE[1])
         if any(e.get("name") in ENGINE_SWITCH_ENV for e in self.env):
             raise ValueError(_SWITCH_ENV_RULE[1])
+        return self
+
+    @model_validator(mode="after")
+    def _one_source_of_keys(self) -> EngineSpec:
+        broken = [rule[1] for rule, bad in ((_ONE_KEY_SOURCE_RULE, self.api_key_secret is not None),
+                                            (_API_KEYS_ENGINE_RULE, self.kind != "dlo")) if bad]
+        if self.api_keys is not None and broken:
+            raise ValueError("; ".join(broken))
         return self
 
     @model_validator(mode="after")

@@ -30,6 +30,7 @@ MODEL_MOUNT = "/model"
 CACHE_MOUNT = "/cache"  # the node's model cache, in fetch containers
 VIDEO_MOUNT = "/var/lib/dlo/videos"  # finished video jobs: an emptyDir (or videos.claimName)
 LORA_MOUNT = "/lora"  # spec.lora: the adapters' folder (`dlo serve --lora-dir`)
+API_KEYS_MOUNT = "/etc/dlo/api-keys"  # engine.apiKeys: the Secret of named keys (`dlo serve --api-keys`)
 HTTP_PORT_NAME = "http"
 NON_ROOT_UID = 10001
 

@@ -4,8 +4,9 @@ Owns: the `dlo serve` / `vllm serve` engine container (command, env, probes, res
 init container (and, for `model.uri` with `placement.modelAffinity: preferred`, the `dlo fetch` init
 container before it), the model volume (a hostPath, a claim, or the node's cache folder of a fetched
 model), the video folder (an emptyDir or `videos.claimName`), the LoRA adapters' folder
-(`spec.lora`, `--lora-dir`), what `spec.pod` adds (identity, pull Secrets, runtime class, labels,
-annotations, extra volumes and mounts), the node affinity to nodes holding a fetched model, the
+(`spec.lora`, `--lora-dir`), the Secret of named API keys (`engine.apiKeys`: read-only,
+`--api-keys`), what `spec.pod` adds (identity, pull Secrets, runtime class, labels, annotations,
+extra volumes and mounts), the node affinity to nodes holding a fetched model, the
 one-pod-per-node anti-affinity, and `template_hash`.
 Must never: call the API server, read the clock or the environment: same input, same output.
 """
@@ -19,9 +20,9 @@ from typing import Any
 from dlo.plan.facts import Mode
 from dlo.operator.fetch_builder import cache_volume, fetch_containers
 from dlo.operator.models import API_KEY_ENV, DEFAULT_IMAGE, VLLM_API_KEY_ENV, DLODeploymentSpec
-from dlo.operator.names import (HTTP_PORT_NAME, LORA_MOUNT, MODE_ANNOTATION, MODEL_KEY_ANNOTATION, MODEL_MOUNT,
-                                NON_ROOT_UID, TEMPLATE_HASH, VIDEO_MOUNT, BuildContext, Owner, headless_service_name, labels,
-                                model_label, selector_labels)
+from dlo.operator.names import (API_KEYS_MOUNT, HTTP_PORT_NAME, LORA_MOUNT, MODE_ANNOTATION, MODEL_KEY_ANNOTATION,
+                                MODEL_MOUNT, NON_ROOT_UID, TEMPLATE_HASH, VIDEO_MOUNT, BuildContext, Owner,
+                                headless_service_name, labels, model_label, selector_labels)
 from dlo.operator.resources import engine_resources, warmer_resources
 
 # Beyond the engine's own drain (`--shutdown-grace`): its ranks' teardown and exit.
@@ -58,6 +59,8 @@ def engine_command(spec: DLODeploymentSpec, mode: Mode) -> list[str]:
         cmd += ["--shutdown-grace", str(spec.engine.shutdown_grace_seconds), *spec.engine.engine_switches()]
         if spec.lora is not None:
             cmd += ["--lora-dir", LORA_MOUNT]
+        if spec.engine.api_keys is not None:
+            cmd += spec.engine.api_keys.serve_flags(API_KEYS_MOUNT)
     return cmd + list(spec.engine.args)
 
 
@@ -120,6 +123,17 @@ def lora_mount(spec: DLODeploymentSpec) -> list[dict[str, Any]]:
         return []
     mount = {"name": "lora", "mountPath": LORA_MOUNT, "readOnly": True}
     return [{**mount, "subPath": spec.lora.sub_path} if spec.lora.sub_path else mount]
+
+
+def api_keys_volume(spec: DLODeploymentSpec) -> list[dict[str, Any]]:
+    """engine.apiKeys' Secret, one file per key, readable by the engine's group only (fsGroup)."""
+    if spec.engine.api_keys is None:
+        return []
+    return [{"name": "api-keys", "secret": {"secretName": spec.engine.api_keys.secret_name, "defaultMode": 0o440}}]
+
+
+def api_keys_mount(spec: DLODeploymentSpec) -> list[dict[str, Any]]:
+    return [] if spec.engine.api_keys is None else [{"name": "api-keys", "mountPath": API_KEYS_MOUNT, "readOnly": True}]
 
 
 def shm_size(spec: DLODeploymentSpec) -> str:
@@ -201,7 +215,7 @@ def _engine_container(owner: Owner, spec: DLODeploymentSpec, mode: Mode, ctx: Bu
     }
     if spec.engine.kind != "vllm-omni":
         engine["volumeMounts"].append({"name": "videos", "mountPath": VIDEO_MOUNT})
-    engine["volumeMounts"] += lora_mount(spec) + [dict(m) for m in spec.pod.volume_mounts]
+    engine["volumeMounts"] += lora_mount(spec) + api_keys_mount(spec) + [dict(m) for m in spec.pod.volume_mounts]
     return engine
 
 
@@ -231,7 +245,7 @@ def _volumes(spec: DLODeploymentSpec, ctx: BuildContext) -> list[dict[str, Any]]
             volumes.append({"name": "videos", "persistentVolumeClaim": {"claimName": spec.videos.claim_name}})
         else:
             volumes.append({"name": "videos", "emptyDir": {}})
-    return volumes + lora_volume(spec) + [dict(v) for v in spec.pod.volumes]
+    return volumes + lora_volume(spec) + api_keys_volume(spec) + [dict(v) for v in spec.pod.volumes]
 
 
 def pod_template(owner: Owner, spec: DLODeploymentSpec, mode: Mode, ctx: BuildContext = BuildContext()) -> dict[str, Any]:

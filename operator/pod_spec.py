@@ -15,13 +15,13 @@ from typing import Any
 from pydantic import ConfigDict, Field, model_validator
 
 from dlo.operator.k8s_schemas import cel_rules, kubernetes_field
-from dlo.operator.names import (COMPONENT, INSTANCE, LORA_MOUNT, MANAGED_BY, MODE_ANNOTATION, MODEL_KEY_ANNOTATION,
-                                MODEL_MOUNT, PART_OF, TEMPLATE_HASH, VIDEO_MOUNT)
+from dlo.operator.names import (API_KEYS_MOUNT, COMPONENT, INSTANCE, LORA_MOUNT, MANAGED_BY, MODE_ANNOTATION,
+                                MODEL_KEY_ANNOTATION, MODEL_MOUNT, PART_OF, TEMPLATE_HASH, VIDEO_MOUNT)
 from dlo.operator.spec_base import SpecModel as _Model
 
 # The engine pod's own volumes and mount points: extra ones may not take them.
-OWN_VOLUMES = ("model", "model-cache", "shm", "tmp", "videos", "lora")
-OWN_MOUNTS = (MODEL_MOUNT, "/dev/shm", "/tmp", VIDEO_MOUNT, LORA_MOUNT)
+OWN_VOLUMES = ("model", "model-cache", "shm", "tmp", "videos", "lora", "api-keys")
+OWN_MOUNTS = (MODEL_MOUNT, "/dev/shm", "/tmp", VIDEO_MOUNT, LORA_MOUNT, API_KEYS_MOUNT)
 OWN_LABELS = (PART_OF, COMPONENT, INSTANCE, MANAGED_BY)
 OWN_ANNOTATIONS = (TEMPLATE_HASH, MODE_ANNOTATION, MODEL_KEY_ANNOTATION)
 MAX_ITEMS = 32

@@ -4,7 +4,8 @@ For each Pod object in the emulator it runs the init containers' commands to com
 main container's command, as local processes with the pod's env (values, field refs and Secret
 keys resolved from the emulator) and its volume mounts mapped to local paths (hostPath: the path
 itself, or with `node_disks` the path on the pod's node's own disk, a folder per node under the
-workdir; emptyDir: a fresh folder; the memory-backed /dev/shm stays the host's). It probes the
+workdir; emptyDir: a fresh folder; a Secret: its keys as files, laid out as the kubelet does; the
+memory-backed /dev/shm stays the host's). It probes the
 readiness endpoint and writes the pod status (phase, Ready condition) back to the emulator, and it
 terminates a pod's processes once the pod object is gone. Images are ignored: the commands run from
 this checkout's environment.
@@ -38,6 +39,7 @@ import aiohttp
 
 from cluster import Cluster, live_objects
 from dlo.operator.kube import _path
+from tests.engine.serving_helpers import secret_volume
 
 
 class PodFailed(RuntimeError):
@@ -259,9 +261,22 @@ class LocalKubelet:
                 shared = self.workdir / f"pvc-{v['persistentVolumeClaim']['claimName']}"
                 shared.mkdir(exist_ok=True)
                 out[v["name"]] = str(shared)
+            elif "secret" in v:
+                out[v["name"]] = self._secret_volume(pod["metadata"]["namespace"], v)
             else:
-                raise PodFailed(f"volume {v['name']}: only hostPath, emptyDir and claims run locally")
+                raise PodFailed(f"volume {v['name']}: only hostPath, emptyDir, claims and Secrets run locally")
         return out
+
+    def _secret_volume(self, namespace: str, volume: dict[str, Any]) -> str:
+        """A Secret's keys as files, laid out as the kubelet writes them (`..data` and a link per key)."""
+        ref = volume["secret"]
+        secret = self.cluster.get("Secret", namespace, ref["secretName"])
+        if secret is None:
+            raise PodFailed(f"volume {volume['name']}: secret {ref['secretName']} not found")
+        files = {k: base64.b64decode(v) for k, v in (secret.get("data") or {}).items()}
+        files.update({k: v.encode() for k, v in (secret.get("stringData") or {}).items()})
+        folder = Path(tempfile.mkdtemp(prefix=f"{volume['name']}-", dir=self.workdir))
+        return str(secret_volume(folder, files, ref.get("defaultMode", 0o644)))
 
     @staticmethod
     def _mapper(container: dict[str, Any], volumes: dict[str, str | None]):

@@ -203,19 +203,32 @@ CASES: dict[str, list[tuple[dict, bool]]] = {
         ({"name": "DLO_REGISTER_EARLY", "value": "0"}, False),
     ],
     # spec.pod and spec.lora (issue 55)
-    "!(self.name in ['model', 'model-cache', 'shm', 'tmp', 'videos', 'lora'])": [
+    "!(self.name in ['model', 'model-cache', 'shm', 'tmp', 'videos', 'lora', 'api-keys'])": [
         ({"name": "certs", "secret": {"secretName": "ca"}}, True),
         ({"name": "models", "emptyDir": {}}, True),
         ({"name": "model", "emptyDir": {}}, False),
         ({"name": "tmp", "emptyDir": {}}, False),
+        ({"name": "api-keys", "secret": {"secretName": "keys"}}, False),
     ],
-    "!['/model', '/dev/shm', '/tmp', '/var/lib/dlo/videos', '/lora'].exists(p, self.mountPath == p"
-    " || self.mountPath.startsWith(p + '/'))": [
+    "!['/model', '/dev/shm', '/tmp', '/var/lib/dlo/videos', '/lora', '/etc/dlo/api-keys'].exists(p, "
+    "self.mountPath == p || self.mountPath.startsWith(p + '/'))": [
         ({"name": "certs", "mountPath": "/etc/ssl/certs"}, True),
         ({"name": "extra", "mountPath": "/models"}, True),
         ({"name": "extra", "mountPath": "/model"}, False),
         ({"name": "extra", "mountPath": "/lora/more"}, False),
         ({"name": "extra", "mountPath": "/tmp/x"}, False),
+        ({"name": "extra", "mountPath": "/etc/dlo/api-keys"}, False),
+    ],
+    # engine.apiKeys (issue 56: tenants)
+    "!has(self.apiKeys) || !has(self.apiKeySecret)": [
+        ({"apiKeys": {"secretName": "tenants"}}, True),
+        ({"apiKeySecret": {"name": "key"}}, True),
+        ({"apiKeys": {"secretName": "tenants"}, "apiKeySecret": {"name": "key"}}, False),
+    ],
+    "!has(self.apiKeys) || self.kind == 'dlo'": [
+        ({"apiKeys": {"secretName": "tenants", "admins": ["ops"]}}, True),  # kind defaults to dlo
+        ({"kind": "vllm-omni"}, True),
+        ({"kind": "vllm-omni", "apiKeys": {"secretName": "tenants"}}, False),
     ],
     "!has(self.volumeMounts) || self.volumeMounts.all(m, has(self.volumes) && self.volumes.exists(v, v.name == "
     "m.name))": [

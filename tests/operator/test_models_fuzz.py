@@ -100,6 +100,7 @@ def valid_specs(draw: st.DrawFn) -> dict:
                 "requests": st.dictionaries(st.sampled_from(["cpu", "memory"]), quantities, max_size=2),
                 "limits": st.dictionaries(st.sampled_from(["cpu", "memory", "nvidia.com/gpu"]), quantities, max_size=2)}),
             "apiKeySecret": st.fixed_dictionaries({"name": names}, optional={"key": names}),
+            "apiKeys": st.fixed_dictionaries({"secretName": names}, optional={"admins": st.lists(names, max_size=2)}),
             "shmSize": st.sampled_from(["1Gi", "64Gi"]),
             "pinMemoryLock": st.booleans(),
         }),
@@ -131,6 +132,10 @@ def valid_specs(draw: st.DrawFn) -> dict:
     for key, strategy in optional.items():
         if draw(st.booleans()):
             spec[key] = draw(strategy)
+    engine = spec.get("engine", {})
+    if "apiKeys" in engine:  # one source of keys, and named keys are dlo's
+        engine.pop("apiKeySecret", None)
+        engine.pop("kind", None)
     return spec
 
 
@@ -227,7 +232,11 @@ def invalid_specs(draw: st.DrawFn) -> tuple[dict, str, tuple[str, ...]]:
 def cel_breaking_specs(draw: st.DrawFn) -> tuple[dict, tuple[str, ...]]:
     spec = draw(valid_specs())
     case = draw(st.sampled_from(["both sources", "no source", "maxUnavailable without RollingUpdate",
-                                 "sp not dividing devicesPerNode"]))
+                                 "sp not dividing devicesPerNode", "both key sources"]))
+    if case == "both key sources":
+        engine = {k: v for k, v in spec.get("engine", {}).items() if k != "kind"}
+        spec["engine"] = {**engine, "apiKeySecret": {"name": draw(names)}, "apiKeys": {"secretName": draw(names)}}
+        return spec, ("engine",)
     if case == "sp not dividing devicesPerNode":
         spec["devicesPerNode"] = draw(st.sampled_from([1, 3, 5, 7]))
         spec["sp"] = draw(st.sampled_from([2, 4]))
