@@ -107,7 +107,8 @@ def _render_parser() -> Parser:
         prog="dlo operator render",
         description="Print every object the operator would create for the DLODeployment(s) in FILE, "
         "as a YAML stream: the Services, the PodDisruptionBudget, the StatefulSet (with the plan's memory "
-        "request), the monitor and the autoscaler. Mode `auto` and the memory request come from the node "
+        "request), the monitor, the autoscaler and (with --network-policy) the NetworkPolicy. Mode `auto` and "
+        "the memory request come from the node "
         "profiles given with --profile. A spec without engine.image gets $DLO_DEFAULT_ENGINE_IMAGE (else the "
         "built-in default), as the operator does. Not printed: owner references (they need the live "
         "object) and model.uri's fetch Jobs (made per node at run time).",
