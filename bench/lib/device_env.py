@@ -1,8 +1,13 @@
-"""The device prelude's Python half: a private site that holds exactly the lock's package set.
+"""The device prelude's Python half: the carried wheel set gathered, and a private site that holds
+exactly the lock's package set.
 
-    python3 -m bench.lib.device_env SITE   # run by bench/device.sh with the device's own python3
+    python3 -m bench.lib.device_env gather STORE .whl .whl-2 ...   # run by bench/device.sh
+    python3 -m bench.lib.device_env site SITE
 
-Owns: `prepare` (SITE, already holding the wheels of `.whl/` that `bench/device.sh` installed, gets
+Owns: `gather` (the folders `python -m bench wheels` wrote, carried one a call, copied into STORE, a
+folder that outlives the call on the device; each wheel rebuilt from its chunks and checked against
+the manifest's sha256; returns the wheels still missing), `prepare` (SITE, already holding those
+wheels, gets
 every other locked distribution linked from this interpreter's installation (torch and its CUDA
 libraries, preinstalled on the device), `dlo` as links to this checkout's package folders (as
 pyproject's package-dir maps them) and `bench`; returns what it linked, what the device lacked
@@ -13,8 +18,10 @@ distribution the lock does not name (what the engine image leaves out stays out 
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata as md
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -73,12 +80,44 @@ def prepare(site: Path, lock_path: Path = LOCK) -> dict[str, list[str]]:
     return out
 
 
+def gather(store: Path, folders: list[Path]) -> list[str]:
+    """Every carried part's chunks into `store`; the wheels whose chunks are all there rebuilt and
+    checked. Returns the wheels of the manifest still missing (a part not carried yet)."""
+    store.mkdir(parents=True, exist_ok=True)
+    manifest: dict[str, dict] = {}
+    for folder in folders:
+        if (folder / "MANIFEST.json").is_file():
+            manifest = json.loads((folder / "MANIFEST.json").read_text())["wheels"]
+            for chunk in folder.glob("*.whl.[0-9][0-9][0-9]"):
+                shutil.copyfile(chunk, store / chunk.name)
+    missing = []
+    for name, entry in sorted(manifest.items()):
+        chunks = [store / f"{name}.{i:03d}" for i in range(entry["chunks"])]
+        if (store / name).is_file():
+            continue
+        if not all(c.is_file() for c in chunks):
+            missing.append(name)
+            continue
+        data = b"".join(c.read_bytes() for c in chunks)
+        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise SystemExit(f"device_env: {name} does not match its manifest's sha256 (a damaged part)")
+        (store / name).write_bytes(data)
+    return missing
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python3 -m bench.lib.device_env SITE", file=sys.stderr)
-        return 2
-    print(json.dumps(prepare(Path(argv[0])), indent=1))
-    return 0
+    if len(argv) >= 2 and argv[0] == "gather":
+        missing = gather(Path(argv[1]), [Path(a) for a in argv[2:]])
+        if missing:
+            print(f"device_env: {len(missing)} wheels not carried yet (the next part: .whl-N), e.g. {missing[:3]}",
+                  file=sys.stderr)
+            return 3
+        return 0
+    if len(argv) == 2 and argv[0] == "site":
+        print(json.dumps(prepare(Path(argv[1])), indent=1))
+        return 0
+    print("usage: python3 -m bench.lib.device_env gather STORE FOLDER... | site SITE", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The package set a run had, and the committed lock it is held to.
 
 Owns: `LOCK` (the pinned set the engine image installs and the device measurements use: `engine.lock`
-at the repository root), `read_lock` (its `name==version` pins), `installed` (this interpreter's
+in requirements/), `read_lock` (its `name==version` pins), `installed` (this interpreter's
 distributions), `package_set` (their digest, and how they differ from the lock) and
 `installed_version`.
 Must never: import a package to learn its version (importlib.metadata reads the installed metadata).
@@ -16,9 +16,11 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-LOCK = REPO / "engine.lock"
+LOCK = REPO / "requirements" / "engine.lock"
 # installers and the project itself: never part of the comparison
-TOOLS = frozenset({"pip", "setuptools", "wheel", "dlo"})
+TOOLS = frozenset({"pip", "wheel", "dlo"})
+# what the locked torch build pins itself (its CUDA libraries, triton): the build's, not the lock's
+TORCH_PINS = re.compile(r"^(nvidia-.*|triton|cuda-.*)$")
 PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)")
 
 
@@ -52,8 +54,11 @@ def digest(pins: dict[str, str]) -> str:
 
 
 def differences(have: dict[str, str], lock: dict[str, str]) -> dict[str, list[str]]:
-    """What `have` lacks of `lock`, has beyond it, and has at another version (installers left out)."""
+    """What `have` lacks of `lock`, has beyond it, and has at another version (installers left out,
+    and the CUDA libraries and triton a locked torch build pins itself)."""
     names = (set(have) | set(lock)) - TOOLS
+    if "torch" in lock:
+        names = {n for n in names if n in lock or not TORCH_PINS.match(n)}
     return {"missing": sorted(f"{n}=={lock[n]}" for n in names if n in lock and n not in have),
             "extra": sorted(f"{n}=={have[n]}" for n in names if n in have and n not in lock),
             "other_version": sorted(f"{n}=={have[n]} (lock {lock[n]})" for n in names

@@ -57,6 +57,7 @@ def test_targets_run_dlo_as_non_root():
 def test_slim_target_has_no_torch_and_engine_base_is_a_build_arg():
     s = stages()
     assert not any("torch" in i for i in s["slim"] + s["build"])
-    assert any("[engine]" in i for i in s["engine"])
+    # the engine installs the committed lock, hash-checked, and nothing beside it
+    assert any("--require-hashes -r" in i and "engine.lock" in i for i in s["engine"])
     assert re.search(r"^ARG ENGINE_BASE=", DOCKERFILE.read_text(), re.M)
     assert re.search(r"^FROM \$\{ENGINE_BASE\} AS engine", DOCKERFILE.read_text(), re.M)
