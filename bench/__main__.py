@@ -32,6 +32,7 @@ TOOLS: dict[str, tuple[str, str]] = {
     "stamp": ("bench.tools", "write .whl/SOURCE.json: the commit a copy of the tree without git records"),
     "lock": ("bench.lockfile", "resolve requirements/engine.in into requirements/engine.lock (pins and hashes)"),
     "wheels": ("bench.lockfile", "the lock's wheels for the device (cp312) into .whl/, with the stamp"),
+    "cards": ("bench.lib.cards", "rewrite bench/results/CARDS.json: each result's card and how it was told"),
 }
 
 

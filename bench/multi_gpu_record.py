@@ -9,7 +9,6 @@ Must never: measure (the runs are `bench/multi_gpu.py`'s), or keep the best call
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from bench.lib import merge as merging
@@ -99,7 +98,10 @@ def merge(args: argparse.Namespace) -> int:
     if args.serve:
         # One entry per serve run (each a device call), keyed by file name; per mode, the first run (in
         # the order given) that measured it heads the summary, every run's are kept under `serve_runs`.
-        serves = {Path(p).stem: json.loads(Path(p).read_text()) for p in args.serve}
+        serve_sources = merging.load(args.serve)
+        rec["card"] = merging.one_card(sources + serve_sources)  # a serve raw's card may not be told
+        rec["sources"] += [x.summary() for x in serve_sources]
+        serves = {x.path.stem: x.record for x in serve_sources}
         rec["serve"] = serves
         s["serve_runs"] = {k: {**v.get("summary", {}), "command": v.get("command")} for k, v in serves.items()}
         s["serve_wave_throughput_over_single"] = serve_throughput(serves)

@@ -46,10 +46,11 @@ def load(paths: list[Path] | list[str]) -> list[Source]:
 
 
 def one_card(sources: list[Source], *, mixed: bool = False) -> str | None:
-    """The card every source names; with `mixed`, None when they differ (each source keeps its own)."""
-    cards = {s.card for s in sources}
-    if len(cards) == 1:
-        return cards.pop()
+    """The card the sources name (a source whose card cannot be told stays so in the sources list);
+    with `mixed`, None when they differ (each source keeps its own)."""
+    cards = {s.card for s in sources if s.card}
+    if len(cards) <= 1:
+        return cards.pop() if cards else None
     if mixed:
         return None
     named = ", ".join(f"{s.path.name}: {s.card or 'unknown'}" for s in sources)
