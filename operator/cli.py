@@ -287,6 +287,7 @@ def _run(argv: list[str]) -> int:
         cache_root=args.cache_root, max_fetches=args.max_fetches, fetch_retry_seconds=args.fetch_retry,
         cache_disk_budget=args.cache_disk_budget, prometheus_url=args.prometheus_url,
         monitoring_release=args.monitoring_release, network_policy=security.network_policy, fetch=security.fetch,
+        log_format=args.log_format,
     )
     import kopf
 

@@ -40,6 +40,8 @@ class OperatorConfig:
     network_policy: NetworkPolicySettings | None = None
     # The uid and gid fetch Jobs run as, and how the node cache becomes theirs (`--fetch-user`, ...).
     fetch: FetchIdentity = field(default_factory=FetchIdentity)
+    # `--log-format` (text or json): the operator's own records, and those of the fetch Jobs it creates.
+    log_format: str = "text"
 
     @property
     def retry_seconds(self) -> float:

@@ -121,7 +121,7 @@ def _carry_out(kube: Kube, body: dict[str, Any], owner: Owner, spec: DLODeployme
         kopf.info(body, reason="ModelEvicted", message=f"a fetch on node {node} evicted {evicted}")
     for job in plan.delete:
         kube.delete("batch/v1", "Job", owner.namespace, job["metadata"]["name"], propagation="Background")
-    ctx = BuildContext(cache_root=config.cache_root, fetch=config.fetch)
+    ctx = BuildContext(cache_root=config.cache_root, fetch=config.fetch, log_format=config.log_format)
     for node in plan.start:
         job = build_fetch_job(owner, spec, node, plan.keep.get(node, []), ctx, config.cache_disk_budget,
                               engine_image(spec))

@@ -65,6 +65,8 @@ def fetch_command(model: ModelSource, keep: list[str] | None, ctx: BuildContext,
         cmd += ["--keep", other]
     if budget is not None:
         cmd += ["--disk-budget", str(budget)]
+    if ctx.log_format != "text":  # as the operator logs (its progress lines stay what the operator parses)
+        cmd += ["--log-format", ctx.log_format]
     return cmd + ["--deadline", str(FETCH_DEADLINE_S)]
 
 

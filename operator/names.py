@@ -55,6 +55,7 @@ class BuildContext:
     monitoring_release: str = ""
     network_policy: NetworkPolicySettings | None = None  # None: the operator makes no NetworkPolicy
     fetch: FetchIdentity = field(default_factory=FetchIdentity)  # as whom fetch Jobs write the cache
+    log_format: str = "text"  # the operator's `--log-format`, which its fetch Jobs log in
 
 
 def selector_labels(name: str, component: str = "engine") -> dict[str, str]:

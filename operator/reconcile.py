@@ -163,7 +163,7 @@ def _context(kube: Kube, spec: DLODeploymentSpec, config: OperatorConfig, memory
     return builders.BuildContext(
         cache_root=config.cache_root, memory_bytes=memory_bytes, autoscaler=autoscaler_kind(spec, keda),
         prometheus_url=config.prometheus_url, monitoring_release=config.monitoring_release,
-        network_policy=config.network_policy, fetch=config.fetch)
+        network_policy=config.network_policy, fetch=config.fetch, log_format=config.log_format)
 
 
 def _retire_network_policy(kube: Kube, owner: builders.Owner, objects: list[dict[str, Any]],

@@ -1,6 +1,7 @@
 """`dlo operator run` (operator/cli.py, operator/reconcile.py) against kmock's API emulator with JSON logs and
 the standard OTEL_* variables pointing at a real OTLP/HTTP receiver: every line on stderr is one JSON
-object (kopf's own records among them, naming their resource), and every reconcile is a span."""
+object (kopf's own records among them, naming their resource), the fetch Jobs it creates log JSON too,
+and every reconcile is a span."""
 
 from __future__ import annotations
 
@@ -18,6 +19,14 @@ from tests.otlp_receiver import OtlpReceiver
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def _fetch_command(cluster) -> list[str] | None:
+    for job in cluster.objects("Job", "serving"):
+        for container in job["spec"]["template"]["spec"]["containers"]:
+            if container["command"][:2] == ["dlo", "fetch"]:
+                return container["command"]
+    return None
 
 
 async def test_the_operator_logs_json_lines_and_traces_each_reconcile(tmp_path):
@@ -38,6 +47,9 @@ async def test_the_operator_logs_json_lines_and_traces_each_reconcile(tmp_path):
                 await cluster.wait(lambda: any(s.attributes.get("dlo.reconcile.result") == "success"
                                                for s in otlp.spans("dlo.reconcile")), timeout=30,
                                    what="a successful reconcile's span")
+                await cluster.create(dlodeployment("fetched", "serving", {"model": {"uri": "s3://models/wan"}}))
+                fetch = await cluster.wait(lambda: _fetch_command(cluster), timeout=30, what="a fetch Job")
+                assert fetch[fetch.index("--log-format") + 1] == "json"  # fetch Jobs log as the operator does
             finally:
                 proc.terminate()
                 assert await asyncio.wait_for(proc.wait(), timeout=30) == 0
