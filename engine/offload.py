@@ -292,7 +292,7 @@ def _start_streaming(meta: MetaModel, offloaded: list[Any], wires: list[tuple[An
         settings = settings.but(transfer="collective")
     transfer = choose_transfer(settings, platform, group, g)
     prefetcher = SlotPrefetcher(meta.module, blocks, host.copies, transfer=transfer, settings=settings,
-                                platform=platform, device=device, g=g, r=r)
+                                platform=platform, device=device, g=g, r=r, group=group)
     hooks = HookSet()
     attach_prefetcher(prefetcher, hooks)
     return prefetcher, hooks

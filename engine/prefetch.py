@@ -2,8 +2,10 @@
 
 Owns: `SlotPrefetcher` (the two slots, the three streams and their events, the order gathers are
 issued in and its checks, bind = point a block's parameters at its slot views, the per-block
-schedule that runs before and after each block, the gather counters), the wait-timing ring, and
-`PrefetchOrderError`. How a gather moves the bytes (eager H2D and AllGather, CUDA-graph replay,
+schedule that runs before and after each block, the gather counters), the wait-timing ring,
+`PrefetchOrderError`, and the planned schedule of a request with a step cache (`plan`: only the
+blocks some rank of the shard group runs are gathered, [Note: planned gathers] in
+`dlo.engine.skip_plan`). How a gather moves the bytes (eager H2D and AllGather, CUDA-graph replay,
 peer pulls) is the `BlockTransfer` that `dlo.engine.load` chose (`dlo.engine.transfers`); what
 runs once they have landed (FP8 streaming: the dequantization) is the step beside it.
 Must never: synchronise the host in the hot path, branch on the transfer strategy, attach itself
@@ -35,7 +37,11 @@ gathers). On CPU every call is synchronous and the events are no-ops: the same c
 [Note: collective order]
 Every rank of a shard group must issue the same gathers in the same order. Each rank runs blocks in
 execution order; a rank without work in a wave calls `gather_only(n_calls)`, which walks the same
-sequence without compute. A block called out of order (a forward that failed mid-way) breaks the
+sequence without compute. Under a `plan` (a wave with a step cache) the sequence is the blocks the
+plan's agreed `gathers` name, the same on every rank; a gather in flight that the plan no longer
+needs is released unread (`_waste`), and the first gathered block of a call is issued at its turn
+where nothing was gathered ahead (a planned call prefetches no next call, but where the rank
+gathers alone and the block always runs), so a call never starts with another rank's order. A block called out of order (a forward that failed mid-way) breaks the
 prefetcher for good: `PrefetchOrderError`, and the engine must restart (collectives may be in flight).
 """
 
@@ -44,6 +50,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -56,6 +63,7 @@ from dlo.engine.platform import Platform
 from dlo.engine.report import GatherStats
 from dlo.engine.settings import OffloadSettings
 from dlo.engine.fp8 import DequantPiece, scale_name
+from dlo.engine.skip_plan import CallPlan
 from dlo.engine.transfers import BlockTransfer, Dequantize, Lanes, NoStep, SlotPlan
 
 
@@ -99,6 +107,7 @@ class SlotPrefetcher:
         device: torch.device,
         g: int,
         r: int,
+        group: Any = None,
     ):
         """`transfer` as `dlo.engine.load` chose it (`dlo.engine.transfers.choose_transfer`) for the
         `g` ranks sharing the weights (this one is `r`; g = 1 without a collective); `settings` as
@@ -108,6 +117,7 @@ class SlotPrefetcher:
         self.copies = copies  # per block: (host bytes, offset in this rank's shard)
         self.platform = platform
         self.g, self.r = g, r
+        self.group = group  # the shard group (None: the default group); a plan's exchange runs over its ranks
         self.slot_bytes = max(b.shard * g for b in blocks)
         self.lanes = Lanes.create(platform)
         self.compute_stream, self.ready, self.free = self.lanes.compute, self.lanes.ready, self.lanes.free
@@ -120,15 +130,19 @@ class SlotPrefetcher:
         self.device_bytes = 2 * self.slot_bytes + self.landed.device_bytes
         self._n = 0  # gathers issued since load: gather n fills slot n % 2
         # the gather counters (`stats`), per block what one gather adds
-        self._gathers = self._h2d_bytes = self._collective_bytes = 0
+        self._gathers = self._h2d_bytes = self._collective_bytes = self._not_streamed = 0
+        self.wasted = 0  # gathers issued ahead that a step cache's decision then made unneeded on every rank
         self._wait_seconds = 0.0
         self._received = [b.shard * (g - 1) if transfer.receives else 0 for b in blocks]
         self._init_wait_timing(settings.time_waits)
         for j, b in enumerate(blocks):
             b.binds = [self._views(b, s, self._dequant_views(j)) for s in self.slots]
-        self._expected = 0  # index of the block whose gather is in flight
+        self._event = 0  # the block whose turn is next (its pre-hook)
+        self._inflight: int | None = 0  # the block whose gather is in flight (None: none)
         self._cur = 0  # slot holding (or receiving) that block
-        self._running = 0
+        self._running: int | None = None  # slot of the block running now (its post-hook frees it)
+        self.live: int | None = None  # the block bound for this turn (None: skipped by a step cache)
+        self.plan: CallPlan | None = None  # a step cache's plan of the calls ([Note: planned gathers])
         self.broken: str | None = None
         # CFG pairs ([Note: CFG pairs] in dlo.engine.cfg_pairs): the lane running now, None unpaired.
         # Lane 0 waits for a block's slot, binds it and gathers the next; lane 1 runs the same
@@ -138,7 +152,7 @@ class SlotPrefetcher:
         # outside graph capture, and the next call starts from it. Then the transfer every later
         # gather uses (transfer graphs are captured here), fixed for the model's life.
         self.transfer = transfer.eager
-        self._issue(0, 0)
+        self._issue(0)
         self.transfer = transfer.start()
 
     def _init_wait_timing(self, time_waits: bool) -> None:
@@ -178,7 +192,8 @@ class SlotPrefetcher:
     @property
     def stats(self) -> GatherStats:
         """The counters so far (wait timings folded in by `collect_waits`)."""
-        return GatherStats(self._gathers, self._h2d_bytes, self._collective_bytes, self._wait_seconds)
+        return GatherStats(self._gathers, self._h2d_bytes, self._collective_bytes, self._wait_seconds,
+                           bytes_not_streamed=self._not_streamed)
 
     def release(self) -> None:
         """After in-flight work, release what the transfer holds (transfer graphs, which NCCL needs
@@ -186,17 +201,23 @@ class SlotPrefetcher:
         self.transfer.release()
 
     # ---- the hot path ----------------------------------------------------------------------------
-    def _issue(self, i: int, k: int) -> None:
+    def _issue(self, i: int) -> None:
         if profiling():
             with record_function("dlo::gather"):
-                return self._issue_any(i, k)
-        return self._issue_any(i, k)
+                return self._issue_any(i)
+        return self._issue_any(i)
 
-    def _issue_any(self, i: int, k: int) -> None:
-        """Gather n (block i into slot k) through the transfer, and count it."""
+    def _issue_any(self, i: int) -> None:
+        """Gather n (block i into slot n % 2) through the transfer, and count it."""
         n, self._n = self._n, self._n + 1
+        k = n % 2
         t0 = time.perf_counter() if self._timed else 0.0
-        self.transfer.issue(i, k, n)
+        try:
+            self.transfer.issue(i, k, n)
+        except BaseException as e:  # a gather that raised (a broken collective) leaves the order unknown
+            self.broken = f"the gather of block {i} failed: {type(e).__name__}: {e}; restart the engine"
+            raise
+        self._inflight, self._cur = i, k
         self._gathers += 1
         self._h2d_bytes += self.blocks[i].shard
         self._collective_bytes += self._received[i]
@@ -205,15 +226,27 @@ class SlotPrefetcher:
 
     def before_block(self, i: int) -> None:
         """Wait for block i's slot, bind it, gather the next block ([Note: collective order]: loud
-        `PrefetchOrderError` when i is not the block expected)."""
+        `PrefetchOrderError` when i is not the block expected); under a `plan`, as it says."""
         if self.broken is not None:
             raise PrefetchOrderError(self.broken)
-        if i != self._expected:
+        if i != self._event:
             self.broken = (
-                f"block {i} ran but block {self._expected} was expected: a forward stopped mid-way "
+                f"block {i} ran but block {self._event} was expected: a forward stopped mid-way "
                 "and gathers are in flight; restart the engine"
             )
             raise PrefetchOrderError(self.broken)
+        self._event = i + 1 if i + 1 < len(self.blocks) else 0
+        if self.plan is not None:
+            return self._before_planned(i, self.plan)
+        if self._inflight != i:  # nothing gathered ahead (a planned call came before): every rank gathers it now
+            if self._inflight is not None:
+                self._waste()
+            self._issue(i)
+        self._bind_landed(i)
+        self._issue(self._event)
+
+    def _bind_landed(self, i: int) -> None:
+        """Block i's gather (in flight in slot k): the compute stream waits for it, binds the block."""
         k = self._cur
         if self._wait_ring:
             self._timed_wait(k)
@@ -227,19 +260,50 @@ class SlotPrefetcher:
                     self._bind(blk, k)
             else:
                 self._bind(blk, k)
-        nxt = i + 1 if i + 1 < len(self.blocks) else 0
-        try:
-            self._issue(nxt, 1 - k)
-        except BaseException as e:  # a gather that raised (a broken collective) leaves the order unknown
-            self.broken = f"the gather of block {nxt} failed: {type(e).__name__}: {e}; restart the engine"
-            raise
-        self._expected, self._cur, self._running = nxt, 1 - k, k
+        self._inflight, self._running, self.live = None, k, i
+
+    def _before_planned(self, i: int, plan: CallPlan) -> None:
+        """Block i's turn under a step cache's plan ([Note: planned gathers]): gathered where some rank
+        runs it, bound where this one does, and the next gathered block issued."""
+        plan.at(i)
+        streamed = self._inflight == i
+        if self._inflight is not None and not plan.gathers[self._inflight]:
+            self._waste()  # the look-ahead of a block the cache then skipped
+        self._running = self.live = None
+        if plan.gathers[i]:
+            if self._inflight != i:
+                self._issue(i)
+            if plan.runs(i):
+                self._bind_landed(i)
+            else:  # another rank runs it: this one took part in the gather and reads nothing
+                self._waste(counted=False)
+        elif not streamed:
+            self._not_streamed += self.blocks[i].shard + self._received[i]
+        if self._inflight is None:
+            nxt = plan.next_gathered(i)
+            if nxt is None and plan.prefetch_next_call:
+                nxt = 0
+            if nxt is not None:
+                self._issue(nxt)
+
+    def _waste(self, counted: bool = True) -> None:
+        """The gather in flight is not read on this rank: its slot is free once the gather is done (the
+        stream that finishes it records `free`, so a later gather into the slot waits for it)."""
+        lanes = self.lanes
+        self.platform.record(self.free[self._cur], lanes.comm if self.transfer.receives else lanes.copy)
+        self._inflight = None
+        self.wasted += counted
+
+    @property
+    def inflight(self) -> int | None:
+        """The block whose gather is in flight (gathered ahead of its turn); None: none."""
+        return self._inflight
 
     @property
     def between_forwards(self) -> bool:
         """True when no forward stopped mid-way: the next call may start at block 0 (or
         `gather_only`) and every rank of the shard group is still at the same place in the order."""
-        return self.broken is None and self._expected == 0
+        return self.broken is None and self._event == 0
 
     @staticmethod
     def _bind(blk: OffloadedBlock, k: int) -> None:
@@ -280,7 +344,9 @@ class SlotPrefetcher:
                 del pending[:done]
 
     def after_block(self) -> None:
-        self.platform.record(self.free[self._running], self.compute_stream)
+        if self._running is not None:  # None: the block was not bound on this rank (a step cache skipped it)
+            self.platform.record(self.free[self._running], self.compute_stream)
+            self._running = None
 
     def gather_only(self) -> None:
         """Walk one forward's gathers without compute (idle rank in a partial wave; the same

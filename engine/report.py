@@ -51,6 +51,11 @@ class GatherStats:
     # Time the compute stream stalled waiting for weights. CPU: host time in the (synchronous)
     # gathers. Streams: event pairs around each wait, read back once complete (never a host sync).
     gather_wait_seconds: float = 0.0
+    # step caches (`dlo.engine.step_cache`): block calls a request's cache skipped on this rank (its
+    # blocks called, their forward not run), and the bytes this rank did not move for the streamed
+    # ones no rank of its shard group ran (its H2D shard and what the gather would have received)
+    block_calls_skipped: int = 0
+    bytes_not_streamed: int = 0
 
     @classmethod
     def total(cls, stats: Iterable["GatherStats"]) -> "GatherStats":

@@ -35,6 +35,9 @@ class Generation:
     # the step cache it runs with (`dlo.engine.cache_presets`; the server's default already resolved),
     # None: none. Not part of the wave's compatibility key: each rank enables its own request's cache
     cache: CacheSpec | None = None
+    # some request of its wave has a step cache: in allgather every rank of the wave, this one too,
+    # plans each transformer call's gathers with the others' (`dlo.engine.skip_plan`); set by the wave
+    wave_caches: bool = False
     extras: dict[str, Any] = field(default_factory=dict)  # pipeline extras, JSON values
     # image-to-video: the uploaded first frame (encoded bytes, decoded on the rank); not part of the
     # wave's compatibility key: every image of a wave is resized to the wave's size

@@ -35,6 +35,11 @@ class _RankCollector(Collector):
         wait = CounterMetricFamily("dlo_gather_wait_seconds", "compute time spent waiting for weights", labels=["rank"])
         h2d = CounterMetricFamily("dlo_h2d_bytes", "host-to-device weight bytes", labels=["rank"])
         coll = CounterMetricFamily("dlo_collective_bytes", "bytes received by weight gathers", labels=["rank"])
+        skipped = CounterMetricFamily("dlo_cache_block_calls_skipped", "transformer block calls a request's step "
+                                      "cache skipped on this rank", labels=["rank"])
+        unstreamed = CounterMetricFamily("dlo_cache_bytes_not_streamed", "weight bytes this rank did not move because "
+                                         "no rank of its shard group ran the block (a step cache skipped it)",
+                                         labels=["rank"])
         pinned = GaugeMetricFamily(
             "dlo_host_pinned_bytes",
             "host memory made DMA-able by this rank; shared=\"true\": the registered page cache, the same "
@@ -53,6 +58,8 @@ class _RankCollector(Collector):
             wait.add_metric([r], float(stats.get("gather_wait_seconds", 0.0)))
             h2d.add_metric([r], float(stats.get("h2d_bytes", 0)))
             coll.add_metric([r], float(stats.get("collective_bytes", 0)))
+            skipped.add_metric([r], float(stats.get("block_calls_skipped", 0)))
+            unstreamed.add_metric([r], float(stats.get("bytes_not_streamed", 0)))
             source = report.get("weights_source", "arena")
             if source in ("arena", "registered"):
                 shared = "true" if source == "registered" else "false"
@@ -62,7 +69,7 @@ class _RankCollector(Collector):
             peak.add_metric([r], float(stats.get("device_memory_peak_bytes", 0)))
             if stats.get("device_energy_joules") is not None:
                 energy.add_metric([r], float(stats["device_energy_joules"]))
-        yield from (wait, h2d, coll, pinned, slot, resident, peak, energy)
+        yield from (wait, h2d, coll, skipped, unstreamed, pinned, slot, resident, peak, energy)
 
 
 VIDEO_JOB_BUCKETS = (1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)

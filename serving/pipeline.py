@@ -234,9 +234,8 @@ class ServingPipeline:
         self.clock.enter(name)
 
     def _adapters_and_pairs(self) -> tuple[Any, Any, Any]:
-        """`--lora-dir`'s adapters (`LoraBank`) on the first transformer, `--cfg-pairs` (`ModelPairs` over
-        every streamed transformer, else `NO_PAIRS`; first: the adapters then keep a block's merges for the
-        second lane), and the transformers' `StepCaches` (each request's cache: `dlo.engine.step_cache`)."""
+        """`--lora-dir`'s adapters (`LoraBank`), `--cfg-pairs` (`ModelPairs` over the streamed transformers, else
+        `NO_PAIRS`; made first: the adapters then keep a block's merges for the second lane) and `StepCaches`."""
         from dlo.engine.cfg_pairs import NO_PAIRS, CfgPairs, ModelPairs, pairing_on
         from dlo.engine.lora.bank import LoraBank
         from dlo.engine.step_cache import StepCaches
@@ -292,8 +291,8 @@ class ServingPipeline:
         return out
 
     def stats(self) -> RankStats:
-        """This rank's counters: every streamed model's gathers together, and the allocator's peak."""
-        total = GatherStats.total(m.stats() for m in self.models.values())
+        """This rank's counters: every streamed model's gathers and the caches' skips together, the allocator's peak."""
+        total = GatherStats.total([*(m.stats() for m in self.models.values()), self.caches.stats()])
         joules = self.energy.joules() if self.energy is not None else None
         return RankStats.of(total, self.model.platform.memory_peak(self.device), joules)
 
@@ -306,11 +305,12 @@ class ServingPipeline:
     def gather_only(self, gen: Generation, done: dict[str, int] | None = None) -> None:
         """Idle rank in a partial wave: the gathers of every forward `gen` implies, model by model in
         the order a computing rank runs them - less the forwards in `done` (per model: what a rank
-        whose request failed already ran; they form a prefix of the plan)."""
-        for name, calls in self.call_plan(gen):
-            for _ in range(calls - (done or {}).get(name, 0)):
-                self.models[name].gather_only(1)
-                self.tick()
+        whose request failed already ran; they form a prefix of the plan); planned in a wave with a cache."""
+        with self.caches.gathering(gen):
+            for name, calls in self.call_plan(gen):
+                for _ in range(calls - (done or {}).get(name, 0)):
+                    self.models[name].gather_only(1)
+                    self.tick()
 
     def owed_calls(self, gen: Generation, done: dict[str, int]) -> int:
         """Forwards of `gen` not yet run, given `done` per model."""
@@ -360,7 +360,7 @@ class ServingPipeline:
         self.tick()
         self.set_vae_tiling(gen)
         with torch.inference_mode(), self.lora.applied(gen.lora_id, gen.lora_scale, self.facts.call_tokens(gen)), \
-                self.caches.request(gen.cache, gen.steps, self.pairs, self.adapter.uses_cfg(gen)):
+                self.caches.request(gen, self.pairs, self.adapter.uses_cfg(gen)):
             out = self.adapter.run(self.pipe, self.pipeline_kwargs(gen), on_step)
         self.tick()
         self.phase = "encode_output"

@@ -3,8 +3,8 @@
 Owns: the compatibility key of a request (`compatibility_key`: every field of a
 `dlo.engine.request.Generation` that changes tensor shapes or the collective schedule), `Pending`
 (with the trace context it was queued in: `request_trace.py`), the pure wave-forming rule
-`next_wave`, and `WaveQueue`, the asyncio queue rank 0's scheduler drains (a wave taken starts its
-requests' wave spans).
+`next_wave`, `mark_caches` (a wave with a step cache says so to every rank), and `WaveQueue`, the
+asyncio queue rank 0's scheduler drains (a wave taken starts its requests' wave spans).
 
 Rules (the published system's weaknesses we do not repeat):
 - a request is never rejected because of its neighbours: a request whose key differs from the
@@ -19,6 +19,7 @@ Must never: import torch, or run anything on the ranks (that is `dlo.serving.ran
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -84,6 +85,17 @@ def next_wave(queue: list[Pending], dp: int, now: float, window_s: float) -> tup
     return [], wait
 
 
+def mark_caches(wave: list[Pending]) -> list[Pending]:
+    """A wave where some request has a step cache: each of its requests says so
+    (`Generation.wave_caches`), so that every rank of the wave, one that only gathers too, plans its
+    gathers with the others' (`dlo.engine.skip_plan`). A cache is not part of the compatibility key:
+    cached and uncached requests, and different presets, share waves."""
+    if any(p.gen.cache is not None for p in wave):
+        for p in wave:
+            p.gen = dataclasses.replace(p.gen, wave_caches=True)
+    return wave
+
+
 class WaveQueue:
     """Requests waiting for a wave (rank 0, inside the event loop)."""
 
@@ -123,7 +135,7 @@ class WaveQueue:
                 self._items = [p for p in self._items if id(p) not in ids]
                 self.waves_taken += 1
                 start_wave_spans(wave, self.waves_taken)
-                return wave
+                return mark_caches(wave)
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout=wait)

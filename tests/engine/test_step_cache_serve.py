@@ -1,7 +1,8 @@
 """Step caches through `dlo serve` (real processes, gloo ranks, real HTTP, the official openai SDK):
 `"cache"` on a request, each preset the bytes of plain diffusers with the same cache configuration in
 every multi-rank mode: allgather dp 2 with a cached request beside an uncached one and two presets in
-one wave (each rank's cache is its request's own), and sp 2 (a cache's hooks under the context-parallel
+one wave (each rank's cache is its request's own; a block no rank runs is gathered by none, a rank
+that only gathers takes part in what the cached request runs and nothing more), and sp 2 (a cache's hooks under the context-parallel
 ones, First Block Cache deciding on the whole sequence); a cache that is no valid preset is a 400
 naming the field; GET /v1/models lists the presets."""
 
@@ -43,6 +44,18 @@ def _one_wave(srv: ServerProcess, fns: list) -> list[bytes]:
     return outs
 
 
+def _counters(srv: ServerProcess) -> dict[str, dict[str, float]]:
+    """Per metric of the step caches (and the H2D bytes), per rank."""
+    m = srv.metrics()
+    return {name: {lab["rank"]: v for lab, v in m[name]} for name in (
+        "dlo_cache_block_calls_skipped_total", "dlo_cache_bytes_not_streamed_total", "dlo_h2d_bytes_total",
+        "dlo_device_slot_bytes")}
+
+
+def _delta(after: dict, before: dict, name: str) -> dict[str, float]:
+    return {r: after[name][r] - before[name].get(r, 0.0) for r in after[name]}
+
+
 def _server(s: CacheSetup, tmp_path, *flags: str) -> ServerProcess:
     return ServerProcess(s.model, "--device", "cpu", "--small-limits", "--max-steps", str(STEPS), "--no-warmup",
                          "--wave-window-ms", str(WINDOW_MS), *flags, log_path=tmp_path / "serve.log")
@@ -67,6 +80,17 @@ def test_allgather_dp2_cached_and_uncached_requests_share_waves_and_equal_diffus
                                      lambda: _image(client, mid, 2, s.request("first-block"))])
         assert taylor == s.ref_bytes("taylorseer", 2) and fb == s.ref_bytes("first-block", 2)
         assert fb != s.ref_bytes("none", 2)  # the cache did change the image
+        # a skipped block is streamed by no rank: the rank that only gathers takes part in the gathers the
+        # cached request needs and nothing more (MagCache skips whole calls: every block of them)
+        before = _counters(srv)
+        assert _image(client, mid, 1, s.request("mag")) == s.ref_bytes("mag", 1)
+        after, counts = _counters(srv), s.ref_counts("mag", 1)
+        skipped = counts["block_calls"] - counts["block_runs"]
+        assert _delta(after, before, "dlo_cache_block_calls_skipped_total") == {"0": skipped, "1": 0}
+        block = after["dlo_device_slot_bytes"]["0"] / 2  # two slots of one (padded) block: the tiny blocks are alike
+        assert _delta(after, before, "dlo_cache_bytes_not_streamed_total") == {"0": skipped * block, "1": skipped * block}
+        h2d = _delta(after, before, "dlo_h2d_bytes_total")
+        assert h2d["0"] == h2d["1"] > 0  # the same gathers on both ranks (the text encoder's too)
         # a cache that is no valid preset: 400 naming the field
         for bad, param in [("fast", "cache.preset"), ({"preset": "first-block", "threshold": -1}, "cache.threshold"),
                            ({"preset": "first-block", "cache_interval": 2}, "cache.cache_interval"),
