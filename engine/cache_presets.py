@@ -39,18 +39,23 @@ class CacheSpecError(ConfigError):
         self.param = param
 
 
+def _at(where: str, name: str) -> str:
+    """The field `name` of `where` (a request's `cache`: "cache.threshold"; a flag's value: "threshold")."""
+    return f"{where}.{name}" if where else name
+
+
 def _number(where: str, name: str, value: Any, low: float, high: float, *, open_low: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
             or value < low or value > high or (open_low and value == low):
         span = f"{'>' if open_low else '>='} {low:g} and <= {high:g}"
-        raise CacheSpecError(f"{where}.{name} must be a number {span}, got {value!r}", f"{where}.{name}")
+        raise CacheSpecError(f"{_at(where, name)} must be a number {span}, got {value!r}", _at(where, name))
     return float(value)
 
 
 def _integer(where: str, name: str, value: Any, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise CacheSpecError(f"{where}.{name} must be an integer from {low} to {high}, got {value!r}",
-                             f"{where}.{name}")
+        raise CacheSpecError(f"{_at(where, name)} must be an integer from {low} to {high}, got {value!r}",
+                             _at(where, name))
     return value
 
 
@@ -88,8 +93,8 @@ class TaylorSeer:
             _integer(where, "disable_cache_after_step", self.disable_cache_after_step, 1, 10000)
         _integer(where, "max_order", self.max_order, 0, 4)
         if self.factors_dtype not in FACTORS_DTYPES:
-            raise CacheSpecError(f"{where}.factors_dtype must be one of {', '.join(FACTORS_DTYPES)}, "
-                                 f"got {self.factors_dtype!r}", f"{where}.factors_dtype")
+            raise CacheSpecError(f"{_at(where, 'factors_dtype')} must be one of {', '.join(FACTORS_DTYPES)}, "
+                                 f"got {self.factors_dtype!r}", _at(where, "factors_dtype"))
 
 
 @dataclass(frozen=True)
@@ -107,9 +112,9 @@ class Mag:
 
     def check(self, where: str) -> None:
         if not isinstance(self.mag_ratios, (tuple, list)) or not 2 <= len(self.mag_ratios) <= MAX_RATIOS:
-            raise CacheSpecError(f"{where}.mag_ratios must be a list of 2 to {MAX_RATIOS} numbers (the model's "
+            raise CacheSpecError(f"{_at(where, 'mag_ratios')} must be a list of 2 to {MAX_RATIOS} numbers (the model's "
                                  f"magnitude ratios per step, from a calibration run), got {self.mag_ratios!r}"[:300],
-                                 f"{where}.mag_ratios")
+                                 _at(where, "mag_ratios"))
         for i, r in enumerate(self.mag_ratios):
             _number(where, f"mag_ratios[{i}]", r, 0.0, 100.0, open_low=True)
         _number(where, "threshold", self.threshold, 0.0, 10.0, open_low=True)
@@ -133,31 +138,32 @@ def cache_spec(value: Any, where: str = "cache") -> CacheSpec | None:
             try:
                 value = json.loads(text)
             except ValueError as e:
-                raise CacheSpecError(f"{where} is not a preset name or a JSON object: {e}", where) from None
+                raise CacheSpecError(f"{where or 'the cache'} is not a preset name or a JSON object: {e}",
+                                     where) from None
         elif text == NONE:
             return None
         else:
             value = {"preset": text}
     if not isinstance(value, dict):
-        raise CacheSpecError(f"{where} must be a preset name ({', '.join(PRESETS)} or {NONE}) or an object "
-                             f"{{\"preset\": NAME, ...}}, got {type(value).__name__}", where)
+        raise CacheSpecError(f"{where or 'the cache'} must be a preset name ({', '.join(PRESETS)} or {NONE}) or an "
+                             f"object {{\"preset\": NAME, ...}}, got {type(value).__name__}", where)
     name = value.get("preset")
     if name == NONE and len(value) == 1:
         return None
     cls = PRESETS.get(name) if isinstance(name, str) else None
     if cls is None:
-        raise CacheSpecError(f"{where}.preset must be one of {', '.join(PRESETS)} (or {NONE}), got {name!r}",
-                             f"{where}.preset")
+        raise CacheSpecError(f"{_at(where, 'preset')} must be one of {', '.join(PRESETS)} (or {NONE}), got {name!r}",
+                             _at(where, "preset"))
     known = {f.name for f in fields(cls)}
     for key in value:
         if key != "preset" and key not in known:
-            raise CacheSpecError(f"{where}.{key} is no parameter of preset {name!r}; it takes "
-                                 f"{', '.join(sorted(known))}", f"{where}.{key}")
+            raise CacheSpecError(f"{_at(where, key)} is no parameter of preset {name!r}; it takes "
+                                 f"{', '.join(sorted(known))}", _at(where, key))
     params = {k: v for k, v in value.items() if k != "preset"}
     if cls is Mag:
         if "mag_ratios" not in params:
-            raise CacheSpecError(f"{where}.mag_ratios is required by preset 'mag' (the model's magnitude ratios "
-                                 "per step, from a calibration run)", f"{where}.mag_ratios")
+            raise CacheSpecError(f"{_at(where, 'mag_ratios')} is required by preset 'mag' (the model's magnitude "
+                                 "ratios per step, from a calibration run)", _at(where, "mag_ratios"))
         if isinstance(params["mag_ratios"], list):
             params["mag_ratios"] = tuple(params["mag_ratios"])
     spec = cls(**params)

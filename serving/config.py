@@ -31,6 +31,7 @@ from dlo.engine.settings import (
     split_overrides,
 )
 from dlo.cli.logs import LogFormat
+from dlo.engine.cache_presets import CacheSpec
 from dlo.plan.facts import DeviceKind, ModeOrAuto
 
 if TYPE_CHECKING:  # the plan's module imports pydantic: only where a plan is made
@@ -135,6 +136,7 @@ class ServeConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     lora: LoraSettings = field(default_factory=LoraSettings)
     tuning: TuningConfig = field(default_factory=TuningConfig)
+    cache: CacheSpec | None = None  # `--cache`: the step cache of a request that names none
 
     @property
     def model_dir(self) -> Path:
@@ -184,6 +186,6 @@ def engine_settings(cfg: ServeConfig, plan: DeploymentPlan, environ: Mapping[str
         parallel=ParallelSettings(dp=plan.dp, sp=plan.sp, sp_kind=cfg.layout.sp_kind, **parallel),
         device=plan.device, max_device_memory=mem.max_device_memory,
         stream_encoders=mem.stream_text_encoders, cpu_threads=mem.cpu_threads, safety_checker=mem.safety_checker,
-        lora=lora, cfg_pairs=mem.cfg_pairs, resident_plan=plan.resident,
+        lora=lora, cfg_pairs=mem.cfg_pairs, resident_plan=plan.resident, cache=cfg.cache,
         vae_tile_above_pixels=plan.vae_tile_above_pixels,
     )

@@ -12,23 +12,13 @@ import argparse
 from pathlib import Path
 
 from dlo.cli.logs import add_log_format_argument
-from dlo.cli.args import (
-    byte_size,
-    dns_label,
-    existing_dir,
-    existing_file,
-    existing_path,
-    non_negative_int,
-    non_negative_seconds,
-    port,
-    positive_int,
-    positive_seconds,
-    rank_count,
-)
+from dlo.cli.args import (byte_size, dns_label, existing_dir, existing_file, existing_path, non_negative_int,
+                          non_negative_seconds, port, positive_int, positive_seconds, rank_count)
 from dlo.delivery.uri import model_argument
 from dlo.plan.facts import MODES_OR_AUTO
 from dlo.plan.resident import VAE_TILINGS
 from dlo.engine.families.pipelines import WARMUP_STEPS
+from dlo.engine.cache_presets import PRESETS, CacheSpec, CacheSpecError, cache_spec
 from dlo.engine.settings import (
     LORA_APPLIES,
     LORA_MERGE_ABOVE_TOKENS,
@@ -63,6 +53,14 @@ def _merge_cache(value: str) -> int | str:
         return byte_size(value)
     except argparse.ArgumentTypeError as e:
         raise argparse.ArgumentTypeError(f"expected 'auto', 0 or {e}") from None
+
+
+def _cache(text: str) -> CacheSpec | None:
+    """`--cache`: a step cache preset's name, or {"preset": NAME, ...} as JSON (`dlo.engine.cache_presets`)."""
+    try:
+        return cache_spec(text, "")
+    except CacheSpecError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _network(text: str) -> object:
@@ -194,6 +192,10 @@ def _add_limits_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--max-size", type=positive_int, default=None,
                        help=_unset("override the limits' max_width and max_height: a multiple of the model's "
                                    "size multiple (16 for Wan, Flux, Qwen-Image), else exit 2"))
+    group.add_argument("--cache", type=_cache, default=None, metavar="PRESET|JSON",
+                       help=_unset(f"the step cache of a request that names none ({', '.join(PRESETS)}, or "
+                                   '{"preset": NAME, PARAMETER: VALUE, ...}; a request\'s "cache" overrides it, '
+                                   '"none" asks for none; docs/serving.md, "Step caches"); unset: none'))
 
 
 def _add_device_arguments(group: argparse._ArgumentGroup) -> None:
@@ -389,6 +391,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                             cfg_pairs=args.cfg_pairs, vae_tiling=args.vae_tiling, peaks_deadline=args.peaks_deadline,
                             weights=args.weights, cpu_threads=args.cpu_threads,
                             safety_checker=args.safety_checker),
+        cache=args.cache,
         lora=LoraSettings(directory=str(args.lora_dir.resolve()) if args.lora_dir else None, apply=args.lora_apply,
                           merge_cache_bytes=args.lora_merge_cache, merge_above_tokens=args.lora_merge_above,
                           merge_kernel=args.lora_merge_kernel),

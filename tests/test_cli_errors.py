@@ -139,6 +139,8 @@ ENGINE_ROWS: list[tuple[list[str], str]] = [
     (["serve", "{tmp}/model", "--progress-timeout", "0"], "--progress-timeout: must be more than 0 seconds"),
     (["serve", "{tmp}/model", "--mode", "fast"], "--mode: invalid choice: 'fast'"),
     (["serve", "{tmp}/model", "--stream-dtype", "fp16"], "--stream-dtype: invalid choice: 'fp16'"),
+    (["serve", "{tmp}/model", "--cache", "fast"], "--cache: preset must be one of first-block, taylorseer, mag"),
+    (["serve", "{tmp}/model", "--cache", '{"preset": "mag"}'], "--cache: mag_ratios is required by preset 'mag'"),
     (["serve", "{tmp}/model", "--gather", "nccl"], "--gather: invalid choice: 'nccl'"),
     (["serve", "{tmp}/model", "--gather-max-ctas", "65"], "--gather-max-ctas: must be at most 64 (got 65)"),
     (["serve", "{tmp}/model", "--gather-max-ctas", "0"], "--gather-max-ctas: must be at least 1 (got 0)"),

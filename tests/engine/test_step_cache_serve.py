@@ -2,13 +2,15 @@
 `"cache"` on a request, each preset the bytes of plain diffusers with the same cache configuration in
 every multi-rank mode: allgather dp 2 with a cached request beside an uncached one and two presets in
 one wave (each rank's cache is its request's own; a block no rank runs is gathered by none, a rank
-that only gathers takes part in what the cached request runs and nothing more), and sp 2 (a cache's hooks under the context-parallel
-ones, First Block Cache deciding on the whole sequence); a cache that is no valid preset is a 400
-naming the field; GET /v1/models lists the presets."""
+that only gathers takes part in what the cached request runs and nothing more), and sp 2 (a cache's
+hooks under the context-parallel ones, First Block Cache deciding on the whole sequence); `dlo serve --cache` is the default of a
+request that names none ("none" runs none); a cache that is no valid preset is a 400 naming the
+field; GET /v1/models lists the presets and the default."""
 
 from __future__ import annotations
 
 import base64
+import json
 
 import openai
 import pytest
@@ -102,10 +104,14 @@ def test_allgather_dp2_cached_and_uncached_requests_share_waves_and_equal_diffus
             assert e.value.status_code == 400 and e.value.body["param"] == param, (bad, e.value.body)
 
 
-def test_sp2_each_preset_equals_diffusers(cache_setup, tmp_path):
+def test_sp2_each_preset_equals_diffusers_and_the_server_default_is_dlo_serve_cache(cache_setup, tmp_path):
     s = cache_setup
-    with _server(s, tmp_path, "--sp", "2", "--mode", "allgather") as srv:
+    with _server(s, tmp_path, "--sp", "2", "--mode", "allgather", "--cache", json.dumps(s.request("mag"))) as srv:
         client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
-        mid = client.models.list().data[0].id
-        for cache in ("first-block", "taylorseer", "mag"):
+        card = client.models.list().data[0]
+        mid = card.id
+        assert getattr(card, "caches")["default"] == {**s.request("mag"), "max_skip_steps": 3, "retention_ratio": 0.2}
+        for cache in ("first-block", "taylorseer"):
             assert _image(client, mid, 1, s.request(cache)) == s.ref_bytes(cache, 1), cache
+        assert _image(client, mid, 1) == s.ref_bytes("mag", 1)  # the server's default
+        assert _image(client, mid, 1, "none") == s.ref_bytes("none", 1)
