@@ -28,6 +28,7 @@ from dlo.plan.budget import LORA_COMPONENT, DeviceBudgetError, check_mode, deplo
 from dlo.plan.facts import DeviceKind, Mode, ModelFacts, ModeOrAuto
 from dlo.plan.limits import Limits
 from dlo.plan.memory_model import PipelineMemory, Shape, format_gb
+from dlo.plan.measured import phase_needs
 from dlo.plan.memory_plan import resident_plan, spare_bytes, tiling_for_budget
 from dlo.plan.policy import Decision, ModeEstimate
 from dlo.plan.profile import NodeProfile
@@ -111,6 +112,8 @@ class DeploymentPlan:
     weights_bytes: int | None  # a rank's placed weights in the mode (None: no pipeline memory)
     peaks: Mapping[str, int]  # phase -> a rank's predicted peak (weights + the phase's need)
     reasons: tuple[str, ...]  # every decision in words, in the order made
+    # per phase of the largest requests: the need taken, its source (measured or the table), the table's
+    needs: tuple[Mapping[str, Any], ...] = ()
     decision: Decision | None = None  # the policy's answer, its estimates per mode (auto only)
     policy_error: str | None = None  # why the policy gave no answer (auto only; the fixed rule then)
 
@@ -131,6 +134,7 @@ class DeploymentPlan:
                      "merge_above_tokens": self.lora_merge_above_tokens},
             "weights_bytes": self.weights_bytes,
             "predicted_peak_bytes": dict(self.peaks),
+            "needs": [dict(n) for n in self.needs],
             "reasons": list(self.reasons),
         }
 
@@ -192,6 +196,7 @@ def plan(ask: PlanAsk, *, profile: NodeProfile, transformer: ModelFacts, pipelin
         lora_merge_above_tokens=s.merge_above,
         weights_bytes=rank.weights_bytes if rank is not None else None,
         peaks=s.memory.phase_peaks(s.mode, g, kept) if s.memory is not None else {},
+        needs=phase_needs(s.memory) if s.memory is not None else (),
         reasons=tuple(s.reasons), decision=s.decision,
         policy_error=s.policy_error)
 

@@ -131,3 +131,35 @@ def describe(points: Mapping[tuple[str, Shape], int], predicted: Mapping[tuple[s
         out.append(f"{part} at {shape}: measured {format_gb(measured)}, predicted {format_gb(bytes_)} ({ratio}"
                    f"{', extrapolated' if extrapolated else ''})")
     return out
+
+
+def phase_needs(memory: Any) -> tuple[dict[str, Any], ...]:
+    """Every phase the largest accepted requests run (`PipelineMemory.phases`): the need the plan
+    takes and where it comes from (`measured` at that very shape, `measured fit` between shapes
+    measured on this device, `table` or `table, extrapolated`), beside the table's own prediction."""
+    out = []
+    for part, shape in dict.fromkeys(memory.phases()):
+        used, table = memory.predicted(part, shape), memory.predicted(part, shape, table_only=True)
+        if used is None:
+            continue
+        if (part, shape) in memory.measured:
+            source = "measured"
+        elif table is None or used != table:
+            source = "measured fit"
+        else:
+            source = "table, extrapolated" if used[1] else "table"
+        out.append({"part": part, "shape": str(shape), "need_bytes": used[0], "source": source,
+                    "table_bytes": table[0] if table else None, "table_extrapolated": bool(table and table[1])})
+    return tuple(out)
+
+
+def describe_needs(needs: tuple[dict[str, Any], ...]) -> list[str]:
+    """One line per phase need: `transformer at 1920x1920: 12.3 GB measured (the table: 20.1 GB, extrapolated)`."""
+    from dlo.plan.memory_model import format_gb
+
+    out = []
+    for n in needs:
+        table = "" if n["source"].startswith("table") or n["table_bytes"] is None else (
+            f" (the table: {format_gb(n['table_bytes'])}{', extrapolated' if n['table_extrapolated'] else ''})")
+        out.append(f"{n['part']} at {n['shape']}: {format_gb(n['need_bytes'])} {n['source']}{table}")
+    return out

@@ -250,6 +250,7 @@ def _plan(cfg: ServeConfig, start: _Start) -> None:
     pipeline at its limits, the decode rule, the mode, the resident blocks, an auto merge cache."""
     from dlo.plan.budget import DeviceBudgetError
     from dlo.plan.deployment import plan_folder
+    from dlo.plan.measured import describe_needs
     from dlo.plan.profile import profile_from_file
     from dlo.serving.host import local_profile
 
@@ -267,6 +268,8 @@ def _plan(cfg: ServeConfig, start: _Start) -> None:
         raise StartError(f"--profile: {e}") from None
     for line in start.plan.reasons:
         log.info("%s", line)
+    for line in describe_needs(start.plan.needs):  # measured against predicted, per phase the plan weighs
+        log.info("peak need: %s", line)
     if start.plan.limits is not None and start.plan.limits != start.limits:
         start.limits = start.plan.limits  # derived: what /v1/models reports and requests are held to
     log.info("serving %s family=%s %s", start.model_dir, start.facts.family, start.plan.describe())
