@@ -138,7 +138,7 @@ def serve_run(model: Path, requests: dict[str, dict], flags: list[str], args: ar
         out["peak_device_bytes"] = {lab["rank"]: v for lab, v in m.get("dlo_device_memory_peak_bytes", [])}
     finally:
         out["exit_code"] = srv.stop()
-        out["log"] = _log_lines(log, "measured peak:", "peaks:", "limits", "tiling", "plain up to", "mode=",
+        out["log"] = _log_lines(log, "measured peak:", "peak need:", "peaks:", "limits", "tiling", "plain up to", "mode=",
                                 "resident blocks", "budget")[-60:]
     return out
 
