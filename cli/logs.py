@@ -57,7 +57,7 @@ def add_log_format_argument(parser: Any) -> None:
                         metavar="text|json",
                         help=f"log records as text lines, or one JSON object per line (timestamp, severity, "
                              f"logger, message and the record's fields) for a log collector; default "
-                             f"${LOG_FORMAT_ENV}, else text")
+                             f"${LOG_FORMAT_ENV}, else text%(default).0s")
 
 
 class OneLineFormatter(logging.Formatter):

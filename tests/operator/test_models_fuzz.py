@@ -69,6 +69,7 @@ def cel_rules(path: tuple[str, ...]) -> list[dict]:
 # ---- valid specs -------------------------------------------------------------------------------
 
 names = st.from_regex(r"[a-z][a-z0-9-]{0,20}", fullmatch=True)
+labels = st.from_regex(r"[a-z]([a-z0-9-]{0,18}[a-z0-9])?", fullmatch=True)  # DNS labels: no trailing dash
 paths = st.from_regex(r"/[a-z0-9._/-]{1,30}", fullmatch=True)
 text = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=20)
 quantities = st.one_of(st.integers(0, 1 << 40), st.from_regex(r"[1-9][0-9]{0,3}(m|Mi|Gi|k|)", fullmatch=True))
@@ -100,7 +101,7 @@ def valid_specs(draw: st.DrawFn) -> dict:
                 "requests": st.dictionaries(st.sampled_from(["cpu", "memory"]), quantities, max_size=2),
                 "limits": st.dictionaries(st.sampled_from(["cpu", "memory", "nvidia.com/gpu"]), quantities, max_size=2)}),
             "apiKeySecret": st.fixed_dictionaries({"name": names}, optional={"key": names}),
-            "apiKeys": st.fixed_dictionaries({"secretName": names}, optional={"admins": st.lists(names, max_size=2)}),
+            "apiKeys": st.fixed_dictionaries({"secretName": names}, optional={"admins": st.lists(labels, max_size=2)}),
             "shmSize": st.sampled_from(["1Gi", "64Gi"]),
             "pinMemoryLock": st.booleans(),
         }),
