@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable, Literal, Mapping, get_args
 
-from dlo.engine.cache_presets import PRESETS, CacheSpec, cache_dict, cache_spec
+from dlo.engine.cache_presets import (  # the presets reach the operator through the settings
+    FACTORS_DTYPES, PRESETS, CacheSpec, CacheSpecError, cache_dict, cache_spec)
 from dlo.plan.errors import ConfigError, flag as _flag, one_of as _one_of, whole as _whole
 from dlo.plan.facts import MODES, DeviceKind, Mode
 from dlo.plan.resident import VAE_TILE_ABOVE_PIXELS, ResidentPlan

@@ -1,6 +1,7 @@
 """`spec.engine` of a DLODeployment: which server runs, its image, device and engine switches.
 
 Owns: `EngineSpec` (with `engine_switches()`, the `dlo serve` flags of its typed switches),
+`StepCacheSpec` (`spec.engine.cache`: the step cache of a request that names none),
 `SecretKeyRef` (one API key), `ApiKeys` (named keys, one tenant each: a Secret mounted read-only for
 `dlo serve --api-keys`), the variables the engine reads its API key from, and their rules (Python
 and CEL).
@@ -10,12 +11,15 @@ Must never: talk to the API server or import torch.
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic.alias_generators import to_camel
 
 from dlo.cli.args import DNS_LABEL, dns_label
-from dlo.engine.settings import MAX_GATHER_CTAS, StreamDtype, Transfer, UlyssesExchange
+from dlo.engine.settings import (FACTORS_DTYPES, MAX_GATHER_CTAS, PRESETS, CacheSpecError, StreamDtype, Transfer,
+                                 UlyssesExchange, cache_spec)
 from dlo.operator.k8s_schemas import cel_rules, kubernetes_field
 from dlo.operator.spec_base import SpecModel as _Model
 
@@ -28,6 +32,42 @@ class SecretKeyRef(_Model):
 
     name: str = Field(min_length=1, description="name of the Secret")
     key: str = Field("api-key", min_length=1, description="key in the Secret holding the API key")
+
+
+class StepCacheSpec(_Model):
+    """A step cache preset and the parameters set (`dlo serve --cache`; docs/serving.md, "Step caches"):
+    checked as the engine checks it; a parameter left out takes the preset's default."""
+
+    preset: Literal[tuple(PRESETS)] = Field(  # type: ignore[valid-type]
+        description="first-block (diffusers' FirstBlockCache), taylorseer (TaylorSeer, lite) or mag (MagCache)")
+    threshold: float | None = Field(None, ge=0, le=10, description="first-block, mag: the skip threshold (> 0)")
+    cache_interval: int | None = Field(None, ge=1, le=1000, description="taylorseer: a full step every N")
+    disable_cache_before_step: int | None = Field(None, ge=1, le=10000, description="taylorseer: full steps first")
+    disable_cache_after_step: int | None = Field(None, ge=1, le=10000, description="taylorseer: full steps from")
+    max_order: int | None = Field(None, ge=0, le=4, description="taylorseer: the Taylor expansion's order")
+    factors_dtype: Literal[FACTORS_DTYPES] | None = Field(  # type: ignore[valid-type]
+        None, description="taylorseer: the dtype its factors are kept in")
+    mag_ratios: list[float] | None = Field(None, min_length=2, max_length=1000,
+                                           description="mag (required): the model's ratios per calibration step")
+    max_skip_steps: int | None = Field(None, ge=1, le=1000, description="mag: steps skipped in a row at most")
+    retention_ratio: float | None = Field(None, ge=0, le=1, description="mag: the share of first steps run")
+
+    @model_validator(mode="after")
+    def _a_preset(self) -> StepCacheSpec:
+        self.serve_value()
+        return self
+
+    def serve_value(self) -> str:
+        """The value of `dlo serve --cache`: the preset and the parameters set, as JSON."""
+        given = self.model_dump(exclude_none=True)
+        try:
+            cache_spec(given, "engine.cache")
+        except CacheSpecError as e:  # said with the spec's names
+            message = str(e)
+            for name in sorted(type(self).model_fields, key=len, reverse=True):
+                message = message.replace(name, to_camel(name))
+            raise ValueError(message) from None
+        return json.dumps(given, separators=(",", ":"))
 
 
 MAX_ADMINS = 16
@@ -91,9 +131,9 @@ _SWITCH_ENV_RULE = (
 # dlo's own switches mean nothing to vllm-omni
 _DLO_SWITCHES_RULE = (
     "self.kind == 'dlo' || (!has(self.gather) && !has(self.gatherMaxCtas) && !has(self.ulyssesExchange)"
-    " && !has(self.registerEarly) && !has(self.maxDeviceMemory) && !has(self.streamDtype))",
-    "engine.gather, gatherMaxCtas, ulyssesExchange, registerEarly, maxDeviceMemory and streamDtype are dlo's "
-    "switches: only with engine.kind dlo",
+    " && !has(self.registerEarly) && !has(self.maxDeviceMemory) && !has(self.streamDtype) && !has(self.cache))",
+    "engine.gather, gatherMaxCtas, ulyssesExchange, registerEarly, maxDeviceMemory, streamDtype and cache are "
+    "dlo's switches: only with engine.kind dlo",
 )
 _BUDGET_DEVICE_RULE = (
     "!has(self.maxDeviceMemory) || self.device != 'cpu'",
@@ -213,6 +253,11 @@ class EngineSpec(_Model):
         "unset: bfloat16",
     )
 
+    cache: StepCacheSpec | None = Field(
+        None, description="the step cache of a request that names none (`--cache`): one of diffusers' cache hooks "
+        "by preset, with its parameters; a request's `cache` overrides it; unset: none",
+    )
+
     @field_validator("max_device_memory")
     @classmethod
     def _a_byte_count(cls, value: str | None) -> str | None:
@@ -265,6 +310,8 @@ class EngineSpec(_Model):
             out += ["--max-device-memory", self.max_device_memory]
         if self.stream_dtype is not None:
             out += ["--stream-dtype", self.stream_dtype]
+        if self.cache is not None:
+            out += ["--cache", self.cache.serve_value()]
         return out
 
     @model_validator(mode="after")

@@ -155,10 +155,12 @@ CASES: dict[str, list[tuple[dict, bool]]] = {
     ],
     # the engine switches are typed fields (issue 26): rules on spec.engine and on the spec
     "self.kind == 'dlo' || (!has(self.gather) && !has(self.gatherMaxCtas) && !has(self.ulyssesExchange)"
-    " && !has(self.registerEarly) && !has(self.maxDeviceMemory) && !has(self.streamDtype))": [
+    " && !has(self.registerEarly) && !has(self.maxDeviceMemory) && !has(self.streamDtype) && !has(self.cache))": [
         ({}, True),
         ({"gather": "collective", "registerEarly": False}, True),  # (the others need more devices: spec rules)
         ({"maxDeviceMemory": "24GiB", "streamDtype": "bfloat16"}, True),
+        ({"cache": {"preset": "first-block", "threshold": 0.1}}, True),
+        ({"kind": "vllm-omni", "cache": {"preset": "taylorseer"}}, False),
         ({"kind": "vllm-omni"}, True),
         ({"kind": "vllm-omni", "registerEarly": True}, False),
         ({"kind": "vllm-omni", "gather": "collective"}, False),
