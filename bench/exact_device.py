@@ -88,7 +88,8 @@ def _request(url: str, req: dict) -> tuple[float, bytes, dict[str, str]]:
         if job.status != "completed":
             raise RuntimeError(f"video failed: {job.error}")
         data = client.videos.download_content(job.id).read()
-        return time.perf_counter() - t0, data, {"vae_tiled": str(getattr(job, "vae_tiled", None))}
+        extra = job.model_extra or {}  # the server's extensions: vae_tiled, timings (the rank's seconds per phase)
+        return time.perf_counter() - t0, data, {"vae_tiled": extra.get("vae_tiled"), "timings": extra.get("timings")}
     raw = client.images.with_raw_response.generate(prompt=PROMPT, size=req["size"], response_format="b64_json",
                                                    extra_body=body)
     import base64

@@ -170,6 +170,10 @@ class VideoObject(BaseModel):
     size: str
     status: Literal["queued", "in_progress", "completed", "failed"]
     error: VideoError | None = None
+    # extensions: whether its decode runs tiled (not the bytes of a plain decode: dlo serve --vae-tiling),
+    # and once completed, its rank's seconds per phase (prepare, denoise, decode, encode_output)
+    vae_tiled: bool | None = None
+    timings: dict[str, float] | None = None
 
 
 class VideoList(BaseModel):

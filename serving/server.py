@@ -385,4 +385,5 @@ def _video_object(engine: Engine, job: VideoJob) -> VideoObject:
         id=job.id, created_at=job.created_at, completed_at=job.completed_at, expires_at=job.expires_at,
         model=job.model, progress=engine.jobs.progress(job), prompt=job.prompt, seconds=job.seconds, size=job.size,
         status=job.status, error=VideoError(**job.error) if job.error is not None else None,
+        vae_tiled=job.vae_tiled, timings=job.phase_seconds,
     )

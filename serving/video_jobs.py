@@ -43,6 +43,8 @@ class JobHost(Protocol):
 
     def steps_done(self, rank: int) -> int: ...
 
+    def decode_tiled(self, gen: "Generation") -> bool: ...
+
 
 class VideoJobs:
     """This engine's video jobs: `create`, `start` (its wave began), `progress`, `sweep_forever`."""
@@ -59,7 +61,7 @@ class VideoJobs:
         model = f"{self.host.model_id}:{gen.lora_id}" if gen.lora_id else self.host.model_id  # as the client chose
         job = VideoJob(id=self.store.new_id(), created_at=int(time.time()), model=model,
                        prompt=gen.prompt, seconds=seconds, size=f"{gen.width}x{gen.height}", steps=gen.steps,
-                       client=caller.holder, tenant=caller.tenant)
+                       client=caller.holder, tenant=caller.tenant, vae_tiled=self.host.decode_tiled(gen))
         self.host.check_available()
         try:
             self.store.add(job)
@@ -111,7 +113,7 @@ class VideoJobs:
             log.error("video %s: could not write its MP4: %s", video_id, e)
             self._failed(video_id, "storage_error", f"the server could not store the video: {e}")
         else:
-            if self.store.complete(video_id) is not None:
+            if self.store.complete(video_id, res.phase_seconds) is not None:
                 self.metrics.video_job_duration.observe(time.monotonic() - created)
 
     def _failed(self, video_id: str, code: str, message: str) -> None:

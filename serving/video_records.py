@@ -63,6 +63,8 @@ class VideoJob:
     error: dict[str, str] | None = None
     client: str | None = None
     tenant: str | None = None
+    vae_tiled: bool | None = None  # its decode runs tiled (not a plain decode's bytes: --vae-tiling)
+    phase_seconds: dict[str, float] | None = None  # once completed: its rank's seconds per phase
     rank: int | None = field(default=None, compare=False)
 
     def sidecar(self) -> dict[str, Any]:
@@ -78,7 +80,8 @@ class VideoJob:
                                        "completed_at", "expires_at", "error")}
         if fields["status"] not in ("queued", "in_progress", "completed", "failed"):
             raise ValueError(f"unknown status {fields['status']!r}")
-        return cls(**fields, client=data.get("client"), tenant=data.get("tenant"))
+        return cls(**fields, client=data.get("client"), tenant=data.get("tenant"), vae_tiled=data.get("vae_tiled"),
+                   phase_seconds=data.get("phase_seconds"))
 
 
 def sync_folder(folder: Path) -> None:

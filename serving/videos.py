@@ -267,12 +267,14 @@ class VideoStore:
         """Write a job's MP4 (any thread: no store state changes here)."""
         write_atomically(self._mp4(video_id), mp4)
 
-    def complete(self, video_id: str) -> VideoJob | None:
-        """Mark a job completed once `write_content` wrote its MP4 (in the event loop)."""
+    def complete(self, video_id: str, phase_seconds: dict[str, float] | None = None) -> VideoJob | None:
+        """Mark a job completed once `write_content` wrote its MP4 (in the event loop), with its
+        rank's seconds per phase."""
         job = self._jobs.get(video_id)
         if job is None:  # deleted meanwhile
             self._mp4(video_id).unlink(missing_ok=True)
             return None
+        job.phase_seconds = {k: round(v, 4) for k, v in (phase_seconds or {}).items()} or None
         self._finish(job, "completed", int(self.clock()))
         return job
 

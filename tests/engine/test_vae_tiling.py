@@ -84,11 +84,12 @@ def test_the_cache_sits_beside_a_writable_model_and_elsewhere_beside_a_read_only
 @pytest.mark.slow
 @pytest.mark.parametrize("tiling,tiled", [("auto", False), ("always", True)])
 def test_a_response_says_whether_its_decode_ran_tiled(wan, tmp_path, tiling, tiled):
-    """The image response's X-DLO-VAE-Tiled and Server-Timing headers, the dlo_vae_tiled counter, and
-    the plan's rule in /ready; /v1/models reports the limits the server holds requests to."""
+    """The image response's X-DLO-VAE-Tiled and Server-Timing headers, a video job's vae_tiled and
+    timings, the dlo_vae_tiled counter, and the plan's rule in /ready; /v1/models reports the limits the server holds requests to."""
     import requests
 
     from dlo.serving.launch import ServerProcess
+    from tests.engine.serving_helpers import wait_until
 
     with ServerProcess(wan, "--dp", "1", "--mode", "resident", "--device", "cpu", "--small-limits",
                        "--vae-tiling", tiling, log_path=tmp_path / "serve.log") as srv:
@@ -105,6 +106,16 @@ def test_a_response_says_whether_its_decode_ran_tiled(wan, tmp_path, tiling, til
         assert counted == (1 if tiled else 0)
         model = requests.get(srv.url + "/v1/models", timeout=30).json()["data"][0]
         assert model["limits"]["max_width"] == 128  # --small-limits
+        # a video job says it too (vae_tiled), and once completed where its rank's seconds went
+        job = requests.post(srv.url + "/v1/videos", timeout=60, json={
+            "prompt": "a lighthouse", "size": "64x64", "seconds": "1", "num_frames": 5, "seed": 1,
+            "num_inference_steps": 1}).json()
+        assert job["vae_tiled"] is tiled, job
+        done = {}
+        wait_until(lambda: done.update(requests.get(f"{srv.url}/v1/videos/{job['id']}", timeout=30).json())
+                   or done.get("status") in ("completed", "failed"), 120, "the video job ended")
+        assert done["status"] == "completed" and done["vae_tiled"] is tiled, done
+        assert {"prepare", "denoise", "decode", "encode_output"} <= set(done["timings"]), done
 
 
 def test_a_shape_between_shapes_measured_on_the_device_is_interpolated_not_guessed():
