@@ -28,6 +28,7 @@ from dlo.plan.errors import ConfigError
 FactorsDtype = Literal["bfloat16", "float32"]
 FACTORS_DTYPES: tuple[FactorsDtype, ...] = get_args(FactorsDtype)
 MAX_RATIOS = 1000  # mag_ratios entries: one per step of the calibration run
+MAX_ORDER = 4  # taylorseer's max_order: its factors are kept up to this order
 NONE = "none"  # a request's way to ask for no cache where the server has a default
 
 
@@ -91,7 +92,7 @@ class TaylorSeer:
         _integer(where, "disable_cache_before_step", self.disable_cache_before_step, 1, 10000)
         if self.disable_cache_after_step is not None:
             _integer(where, "disable_cache_after_step", self.disable_cache_after_step, 1, 10000)
-        _integer(where, "max_order", self.max_order, 0, 4)
+        _integer(where, "max_order", self.max_order, 0, MAX_ORDER)
         if self.factors_dtype not in FACTORS_DTYPES:
             raise CacheSpecError(f"{_at(where, 'factors_dtype')} must be one of {', '.join(FACTORS_DTYPES)}, "
                                  f"got {self.factors_dtype!r}", _at(where, "factors_dtype"))

@@ -15,9 +15,10 @@ A rank's peak (bytes):
                image encoder and VAE encode for image-to-video, each transformer call, the VAE
                decode: plain, or tiled above `tile_above_pixels`; with a threshold below the
                largest request, also the plain decode of the largest request at the threshold) of
-               the part's fit: the allocator's reserved growth, fragmentation included; with CFG
-               pairs in rank-local mode a transformer call adds the waiting lane's carried state
-               (`PipelineFamily.paired_lane_bytes`: per latent token and per text token)
+               the part's fit: the allocator's reserved growth, fragmentation included; a
+               transformer call adds a step cache's kept state, or with CFG pairs in rank-local mode
+               the waiting lane's where larger (`PipelineFamily.step_cache_bytes`, `paired_lane_bytes`:
+               per latent token and per text token)
     peak     = weights + request
 The phases run one after another and free their activations; the weights and slots stay. Placed
 weights per model with `S` its largest block, `N` its non-block bytes, `k` resident blocks and
@@ -165,6 +166,9 @@ class PipelineMemory:
     # CFG pairs (`dlo.engine.cfg_pairs`): the waiting lane's bytes per latent token and per text token
     # (`PipelineFamily.paired_lane_bytes`), added to the transformer's need in rank-local mode; (0, 0): unpaired
     paired_lane: tuple[int, int] = (0, 0)
+    # step caches (`dlo.engine.step_cache`): the largest cache's kept state per latent and text token
+    # (`PipelineFamily.step_cache_bytes`), added to every transformer call; (0, 0): the family runs none
+    cache_state: tuple[int, int] = (0, 0)
     # (part, shape) -> reserved growth measured on the serving device (`dlo.plan.measured`): taken
     # before the table's fit at that very shape
     measured: Mapping[tuple[str, Shape], int] = field(default_factory=dict)
@@ -198,12 +202,15 @@ class PipelineMemory:
         weights = {name: b + self.table.overhead(b) for name, b in weights.items()}
         return self._with_request(weights, paired=mode == "rank-local")
 
-    def lane_bytes(self, shape: Shape) -> int:
-        """What the waiting CFG-pairs lane holds at `shape` (0 unpaired): its call's carried state."""
-        per_token, per_text = self.paired_lane
+    def carried_bytes(self, shape: Shape, paired: bool) -> int:
+        """What a transformer call at `shape` holds beside its own activations: the waiting CFG-pairs lane
+        (`paired`: its call's carried state) or a step cache's kept state; a cached request runs
+        unpaired, so the larger of the two."""
         tokens = latent_tokens(shape.width, shape.height, shape.frames, shape.batch, self.geometry.size_multiple,
                                self.geometry.temporal_factor)
-        return tokens * per_token + shape.batch * self.bounds.max_sequence_length * per_text
+        text = shape.batch * self.bounds.max_sequence_length
+        lane = tokens * self.paired_lane[0] + text * self.paired_lane[1] if paired else 0
+        return max(lane, tokens * self.cache_state[0] + text * self.cache_state[1])
 
     def _with_request(self, weights: dict[str, int], paired: bool = False) -> RankMemory:
         needs = self._part_needs(paired)
@@ -243,7 +250,7 @@ class PipelineMemory:
             if predicted is None:
                 return f"family {self.family!r} has no measured {part}"
             need, extrapolated = predicted
-            need += self.lane_bytes(shape) if paired and part == "transformer" else 0
+            need += self.carried_bytes(shape, paired) if part == "transformer" else 0
             label = part if part.startswith(("text", "image")) else f"{part} at {shape}"
             out.append((need, label, extrapolated, part))
         assert out  # every pipeline runs a transformer and a decode
@@ -380,10 +387,10 @@ def pipeline_memory(model_dir: Path | str, bounds: RequestBounds, *, tile_above_
         whole[name] = cached_checkpoint(folder).nbytes
     geometry = Geometry(facts.size_multiple, facts.temporal_factor, facts.image_input, facts.smallest_side)
     loaded = table if table is not None else MemoryTable.load()  # TableError names a broken file
-    lane = (facts.adapter.paired_lane_bytes(read_json_config(root / facts.transformers[0] / "config.json"))
-            if cfg_pairs and facts.adapter.cfg_pairs else (0, 0))
+    config = read_json_config(root / facts.transformers[0] / "config.json")
+    lane = facts.adapter.paired_lane_bytes(config) if cfg_pairs and facts.adapter.cfg_pairs else (0, 0)
     return PipelineMemory(facts.family, geometry, transformers, encoders, whole, bounds, tile_above_pixels,
-                          loaded, stream_encoders, lane)
+                          loaded, stream_encoders, lane, cache_state=facts.adapter.step_cache_bytes(config))
 
 
 def format_gb(n: int | float | None) -> str:

@@ -25,6 +25,7 @@ class FluxFamily(PipelineFamily):
     blocks = FLUX_BLOCKS
     pipeline_class = "FluxPipeline"
     step_caches = True  # diffusers' cache hooks know its blocks; its pipeline names each call's cache context
+    two_streams = True  # its blocks return the text stream beside the image's
     streamable_encoders = ("text_encoder_2",)  # T5-XXL (CLIP-L, 0.25 GB, stays whole)
 
     def pipeline_facts(self, root: Path, index: dict, transformer: dict, vae: dict) -> PipelineFacts:

@@ -19,6 +19,7 @@ from typing import Any
 
 from dlo.engine.families.base import BlockFamily
 from dlo.engine.layout import align_up, latent_tokens
+from dlo.engine.cache_presets import MAX_ORDER
 from dlo.engine.request import Generation
 
 
@@ -198,6 +199,8 @@ class PipelineFamily:
     # A request may ask for a step cache (`dlo.engine.step_cache`): diffusers' cache hooks know the
     # transformer's blocks and the pipeline names each call's cache context (cond, uncond)
     step_caches: bool = False
+    # its blocks return the text stream too (Flux, Qwen-Image): a step cache keeps its residuals as well
+    two_streams: bool = False
 
     def __repr__(self) -> str:
         return f"PipelineFamily({self.name!r})"
@@ -214,6 +217,23 @@ class PipelineFamily:
         token and per text token, from the transformer's config (`dlo.plan.memory_model` adds it to a
         paired call's peak). Only families marked `cfg_pairs` say; (0, 0) for the rest."""
         return (0, 0)
+
+    def step_cache_bytes(self, transformer: dict) -> tuple[int, int]:
+        """What the largest step cache's state holds while a request's transformer calls run, in device
+        bytes per latent token and per text token, from the transformer's config (`dlo.plan.memory_model`
+        adds it to a call's peak): First Block Cache keeps, per cache context (cond and uncond), its first
+        block's output and residual and the last block's residual (each stream's, bfloat16), and makes a
+        new residual before it drops the old one; TaylorSeer lite, the output projection's factors (up to
+        order 4, float32) a context; MagCache (a residual and an input a context) keeps less. (0, 0) for
+        a family that runs none."""
+        if not self.step_caches:
+            return (0, 0)
+        dim = int(transformer["num_attention_heads"]) * int(transformer["attention_head_dim"])
+        patch = transformer.get("patch_size") or 1
+        out = int(transformer.get("out_channels") or transformer["in_channels"]) * math.prod(
+            patch if isinstance(patch, (list, tuple)) else (patch, patch))
+        first_block, taylor = (2 * 3 + 1) * dim * 2, 2 * (MAX_ORDER + 1) * out * 4
+        return (max(first_block, taylor), 2 * 2 * dim * 2 if self.two_streams else 0)
 
     def build_pipeline(self, model_dir: Path, modules: dict[str, Any], compute_dtype: Any, device: Any, *,
                        safety_checker: bool = False) -> Any:

@@ -24,6 +24,7 @@ class QwenImageFamily(PipelineFamily):
     blocks = QWEN_IMAGE_BLOCKS
     pipeline_class = "QwenImagePipeline"
     step_caches = True  # diffusers' cache hooks know its blocks; its pipeline names each call's cache context
+    two_streams = True  # its blocks return the text stream beside the image's
     streamable_encoders = ("text_encoder",)  # Qwen2.5-VL-7B's language model layers
     # QwenImagePipeline: cond, then uncond with the negative embeddings and mask; its `timestep / 1000`
     # is a new tensor a call, checked by value (tests/engine/test_cfg_pairs.py)
