@@ -50,12 +50,13 @@ def lifted_context_parallel(module: Any) -> Iterator[None]:
             registry.register_hook(hook, name)
 
 
-def decide_on_the_whole_sequence(module: Any) -> None:
-    """Under sequence parallelism, First Block Cache's decision on `module` taken on the whole
-    sequence ([Note: step caches under sp]); nothing otherwise."""
+def decide_on_the_whole_sequence(module: Any, group: Any = None) -> None:
+    """Under sequence parallelism (over `group`; None: the sp group `module`'s sequence is split over,
+    if any), First Block Cache's decision on `module` taken on the whole sequence ([Note: step caches
+    under sp]); nothing otherwise."""
     from dlo.engine.parallel import sp_group_of
 
-    group = sp_group_of(module)
+    group = group if group is not None else sp_group_of(module)
     if group is None:
         return
     from diffusers.hooks.first_block_cache import _FBC_LEADER_BLOCK_HOOK
