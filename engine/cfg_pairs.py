@@ -12,7 +12,7 @@ thread behind (a lane that raises ends the other; the call raises).
 [Note: CFG pairs] diffusers' `WanPipeline` runs classifier-free guidance as two transformer calls a
 step: cond, then uncond, with the same latents and timestep objects and the negative prompt's
 embeddings. Streamed, each call gathers every block: twice the host-to-device bytes a step needs,
-and with a LoRA adapter merged per call twice the merges (`bench/NOTES.md` section 24). With pairs
+and with a LoRA adapter merged per call twice the merges (record `lora-merge-overlap-2026-12-06`). With pairs
 on, the cond call also runs the uncond call, on a second thread, block by block: the threads take
 turns at every streamed block's end (`Turns`: one runs at a time, so every hook sees the calls one
 after the other, as without pairs). The cond lane's pre-hook waits for block i's slot, binds it and

@@ -5,14 +5,14 @@ Why one launch a block: a weight at a time, the compiled kernel of
 `dlo.engine.quantize` costs the host ~1.1 ms to launch a Flux.1-dev double block's 16 weights
 (torch.compile's guards and wrapper, ~65 us a call) and the in-place form the engine calls 0.76 ms
 of the device; this kernel 0.13 ms of the host and 0.35 ms of the device, the same bytes
-(`fp8-dequant-h200-2026-12-02-c`; bench/NOTES.md section 17).
+(record `fp8-dequant-h200-2026-12-02-c`).
 
 Owns: `block_kernel` (the Triton kernel, compiled on first launch; None where Triton is not
 importable), `block_table` (a block's `DequantPiece`s as the kernel's table, None where a piece's
 offsets do not fit it) and `BlockKernel` (the launch over one slot and the dequant buffer).
 Must never: give other bytes than `dlo.engine.quantize.dequantize_into` (float32(q) * scale rounded
 once to the compute dtype: `transfers.Dequantize` checks a weight of the first block it runs and
-falls back to `dequantize_into` on a mismatch; bench/fp8_dequant.py checks whole blocks).
+falls back to `dequantize_into` on a mismatch; record `fp8-dequant-h200-2026-12-02-c` checked whole blocks).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 # `ParallelSettings.gather_max_ctas` (`--gather-max-ctas`, DLO_GATHER_MAX_CTAS): the weight gathers'
 # NCCL communicator may use at most this many CTAs (SMs); unset, NCCL chooses. With sp the gathers
 # share the GPUs' SMs and NVLink with the compute and Ulysses' all-to-alls; a block's gather needs
-# ~9 GB/s against ~80 ms of compute, which a few CTAs carry (bench/NOTES.md section 11: DLO +
+# ~9 GB/s against ~80 ms of compute, which a few CTAs carry (record `h200x2-sp-2026-11-30-40l`: DLO +
 # Ulysses-2 was 1.0079x resident Ulysses-2). Measured before it becomes a default.
 
 T = TypeVar("T")
@@ -252,7 +252,7 @@ def enable_sequence_parallel(module: Any, groups: ParallelGroups, device: Any, *
     native one does not): on cuda it runs through `_native_cudnn`. `exchange` (default: the groups'
     `ParallelSettings.ulysses_exchange`, `overlap`): with Ulysses, `overlap` or `lean` route Wan's
     self-attention through `dlo.engine.ulysses` (the same bytes as diffusers' path, fewer copies, the
-    exchanges beside compute: bench/NOTES.md section 14); `diffusers` keeps diffusers'."""
+    exchanges beside compute: record `h200x2-sp-2026-12-01-lean`); `diffusers` keeps diffusers'."""
     import torch
 
     if groups.layout.sp == 1:

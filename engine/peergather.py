@@ -11,7 +11,7 @@ Why: the in-place AllGather of `dlo.engine.prefetch` is an NCCL kernel. While it
 attention and GEMMs launched beside it wait for them: on one H200 a 1.7 ms copy kernel of 8 CTAs
 cost attention 4.5 ms and GEMMs 3.2 ms, while a 7 ms copy-engine H2D cost either at most 0.15 ms
 (bench/results/interference-h200-2026-12-01). That is the ~1-2% allgather adds over resident (and
-over rank-local) on compute-bound video (bench/NOTES.md section 15). A pull is a memcpy between two
+over rank-local) on compute-bound video (the same record). A pull is a memcpy between two
 devices of one node: the copy engines carry it over NVLink and no SM works on it. On CPU ranks the
 slots are shared-memory files and a pull is a memcpy out of the peer's file (what CI runs).
 

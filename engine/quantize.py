@@ -68,7 +68,7 @@ def _dequantize_fused(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -
 # a Flux.1-dev double block on the H200 (960 GB/s), ~1.5 ms a block on average, which made a 24 GiB
 # Flux request 0.66x of bfloat16 streaming instead of the ~0.53x its copies allow. `torch.compile`
 # of `_dequantize_fused` (a Triton kernel) did the same block in 0.62 ms with the same bytes
-# (`fp8-dequant-h200-2026-12-01`; bench/NOTES.md section 17). A second stream for the two kernels
+# (record `fp8-dequant-h200-2026-12-01`). A second stream for the two kernels
 # hid only 29% of them behind the block's GEMMs, so the kernel's cost, not its stream, is the fix.
 # Both forms compute float32(q) * scale rounded once to `out`'s dtype (float8 to bfloat16 is exact),
 # so they give the same bytes; the fallback covers devices without Triton and a compiler that fails

@@ -132,7 +132,7 @@ LORA_MERGE_ABOVE_TOKENS = 8000  # `--lora-merge-above` without a merge cache: th
 LoraMergeCache = int | Literal["auto"]
 # `--lora-merge-kernel`: "triton" (default) merges in one pass on cuda where Triton runs and the kernel
 # gives the two steps' bytes (`dlo.engine.lora.merge_kernel`; measured bit-identical on every Wan2.1 and
-# Flux.1-dev shape, 0.56 ms a Wan2.1 block against 1.03: bench/NOTES.md section 23); "torch": peft's two
+# Flux.1-dev shape, 0.56 ms a Wan2.1 block against 1.03: record `raw-lora-merge-kernel-2026-12-06`); "torch": peft's two
 # steps as two torch ops (where the kernel cannot run or differs, "triton" gives these too)
 LoraMergeKernel = Literal["torch", "triton"]
 LORA_MERGE_KERNELS: tuple[LoraMergeKernel, ...] = get_args(LoraMergeKernel)
@@ -209,7 +209,8 @@ class EngineSettings:
     # `--cfg-pairs`: a step's cond and uncond calls walk the streamed blocks together (one gather a
     # block a step; `dlo.engine.cfg_pairs`); where the deployment cannot pair, unpaired (logged).
     # On: the same bytes; Wan2.1-14B's request 0.7-1.0% faster and a rank-64 LoRA's cost 1.036x to
-    # 1.021x, Qwen-Image-20B streamed under a 24 GiB cap 16.07 s to 9.67 s (bench/NOTES.md sections 25-26)
+    # 1.021x, Qwen-Image-20B streamed under a 24 GiB cap 16.07 s to 9.67 s (records `lora-h200-2026-12-06-pairs`,
+    # `raw-small-gpu-h200-2026-12-06-qwen-pairs`)
     cfg_pairs: bool = True
     # `--cache`: the step cache of a request that names none (`dlo.engine.cache_presets`); None: none
     cache: CacheSpec | None = None

@@ -18,7 +18,7 @@ import time
 log = logging.getLogger(__name__)
 
 # The packages whose imports dominate a start-up (a Wan2.1 server's imports on an H200 host: 15-16 s
-# from source, ~8 s from bytecode; bench/NOTES.md section 12).
+# from source, ~8 s from bytecode; records `raw-import-profile-2026-11-30-bytecode`, `-no-bytecode`).
 HEAVY_PACKAGES = ("torch", "diffusers", "transformers")
 
 
@@ -98,7 +98,7 @@ def start_laps() -> Laps:
 # Imported by diffusers or transformers whenever they are installed, needed by none of the served
 # families, and not installed in the engine image: ~2 s of a Wan2.1 server's start-up on an H200
 # host that had them (scipy 0.64 s, sklearn with joblib and pandas ~0.9 s, torchvision 0.13 s;
-# bench/NOTES.md section 13). accelerate (0.09 s) is not listed: diffusers' loaders use it.
+# record `pipeline-h200-2026-11-30`, calls 15 and 16). accelerate (0.09 s) is not listed: diffusers' loaders use it.
 UNNEEDED_OPTIONAL_PACKAGES = ("peft", "sklearn", "scipy", "pandas", "torchvision", "onnxruntime")
 
 

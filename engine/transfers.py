@@ -221,7 +221,7 @@ class GraphTransfer(BlockTransfer):
     stream, its in-place AllGather as one on the comm stream, one launch each instead of one per run
     plus the collective's Python and bookkeeping. Two graphs, not one: the next block's H2D (PCIe)
     then overlaps this block's AllGather (NVLink) instead of queueing behind it on one stream, so a
-    block's transfer costs max(H2D, AllGather), not their sum (bench/NOTES.md 6)."""
+    block's transfer costs max(H2D, AllGather), not their sum (record `h200x2-2026-11-30`)."""
 
     name = "graph"
 
@@ -317,7 +317,7 @@ def choose_transfer(settings: OffloadSettings, platform: Platform, group: Any, g
 # `dlo.engine.fp8_kernel`'s kernel, whose host cost is 0.13 ms) and needs ONE buffer for every
 # block: the stream runs block i-1 before block i's dequantization overwrites it.
 # On a side stream it would overlap the previous block but run beside its attention, where an SM
-# kernel measured 1.5-2.6x its own time (bench/NOTES.md section 15), and need a second buffer (one
+# kernel measured 1.5-2.6x its own time (record `interference-h200-2026-12-01`), and need a second buffer (one
 # more block of device memory: what a small GPU lacks most).
 
 

@@ -4,7 +4,7 @@ diffusers' Ulysses (`TemplatedUlyssesAttention`, diffusers 0.42) projects q, k a
 the all-to-all's head-major layout, exchanges the three one after the other (each waited for at once),
 runs attention, copies the output head-major again and exchanges it back: on a 480p Wan2.1-14B block on
 two H200s, ~1.5-2.4 ms of all-to-alls and ~1.2 ms of five permute copies on top of half the one-GPU
-block (bench/NOTES.md section 13). `lean` (`DLO_ULYSSES=lean`) takes out three of those copies:
+block (record `raw-h200x2-sp-2026-11-30-profile`). `lean` (`DLO_ULYSSES=lean`) takes out three of those copies:
 
 - q and k: the rotary embedding writes its result straight into the send buffer (diffusers writes a
   fresh tensor, then copies it head-major); v is still copied once.
@@ -15,7 +15,8 @@ block (bench/NOTES.md section 13). `lean` (`DLO_ULYSSES=lean`) takes out three o
 - `overlap` (`DLO_ULYSSES=overlap`, the default) also starts each input's exchange as soon as it is
   ready (`async_op=True`) and projects the next meanwhile.
 
-Measured on two H200s at 40 layers, 480p (bench/NOTES.md section 14), against diffusers' Ulysses:
+Measured on two H200s at 40 layers, 480p (records `h200x2-sp-2026-12-01-lean`, `-lean-b`, `-whole`),
+against diffusers' Ulysses:
 `overlap` 0.986x resident, 0.995x with streamed weights (DLO); `lean` 0.99x resident but 1.033-1.041x
 under DLO, whose weight gathers then run beside synchronous input exchanges. Hence `overlap` by
 default; `DLO_ULYSSES=diffusers` goes back to diffusers' path.

@@ -3,7 +3,7 @@
 Why a process: the reads run on `dlo.pagecache.warm`'s thread pool, whose threads take the GIL back
 after every chunk. Beside a rank's imports and model builds (GIL-bound Python), eight of them
 starved the main thread: on the H200 a cold Wan2.1 start spent 23-25 s in imports that take 2.3 s
-warm, while the disk read the folder in 20 s (`ready-h200-2026-12-01`; bench/NOTES.md section 20).
+warm, while the disk read the folder in 20 s (record `ready-h200-2026-12-01`).
 A child shares no GIL, and the pages it reads are the same page-cache pages the rank maps.
 
 [Note: the start's other files first]

@@ -25,7 +25,7 @@ from dlo.engine.request import Generation
 
 # the warm-up's default steps (`--warmup-steps`): one. On the H200 a warm-up of one step left the
 # first request within 1.6% of the second (two steps: within 10.6%), and starts 0-0.6 s sooner
-# (`ready-h200-2026-12-01-b`; bench/NOTES.md section 20): a later step adds only elementwise kernels
+# (record `ready-h200-2026-12-01-b`): a later step adds only elementwise kernels
 WARMUP_STEPS = 1
 
 

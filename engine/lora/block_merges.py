@@ -12,8 +12,9 @@ buffer (Wan2.1-14B, rank 64 on every block linear: ten, 0.70 GB in bfloat16, whe
 scratch and the look-ahead's hold 0.28), the cond lane merges into it, and the uncond lane takes
 that merge where the layer and its bound weight are the very objects it was made for; the next
 block's layer at that position overwrites it. Half the merges of a paired step; the look-ahead
-([Note: merging ahead]) is not used with it (measured on an H100 it hid nothing: `bench/NOTES.md`
-section 24). Unpaired calls find another block's merge at every position and merge as before.
+([Note: merging ahead]) is not used with it (measured on an H100 it hid nothing: record
+`lora-merge-overlap-2026-12-06-queued`). Unpaired calls find another block's merge at every position
+and merge as before.
 """
 
 from __future__ import annotations

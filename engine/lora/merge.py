@@ -48,7 +48,7 @@ On cuda the kept merges come from a memory pool of their own: made during a requ
 allocator's shared pool they were cut out of the large blocks its activations had freed, and a
 later large allocation found no block whole (an 80 GB card, Wan2.1 resident with 28 GB of merges:
 the VAE decode's 884 MiB refused with 7.5 GiB free in pieces, 2026-12-06; with the pool the same
-run served at 0.993x, `bench/NOTES.md` section 23).
+run served at 0.993x, record `lora-h100-2026-12-06-kernel`).
 """
 
 from __future__ import annotations

@@ -60,8 +60,9 @@ class KernelShape:
         return programs, -(-tiles // programs)
 
 
-# measured (bench/NOTES.md section 25): the fastest of the sweep on an H100 and an H200, a Wan2.1 block's
-# merges 0.539 and 0.426 ms against 0.575 and 0.469 for 64x128 with 4 warps (section 23's), the same bytes
+# measured (records `raw-lora-merge-sweep-2026-12-06`, `-b`): the fastest of the sweep on an H100 and an
+# H200, a Wan2.1 block's merges 0.539 and 0.426 ms against 0.575 and 0.469 for 64x128 with 4 warps
+# (`raw-lora-merge-kernel-2026-12-06`'s), the same bytes
 DEFAULT_SHAPE = KernelShape()
 
 

@@ -304,7 +304,7 @@ def test_the_flag_reaches_the_engine_settings_and_the_ranks():
 
     on = serve_settings([], "rank-local")
     off = serve_settings(["--no-cfg-pairs"], "rank-local")
-    assert on.cfg_pairs and not off.cfg_pairs  # on by default (measured: bench/NOTES.md section 25)
+    assert on.cfg_pairs and not off.cfg_pairs  # on by default (measured: record `lora-h200-2026-12-06-pairs`)
     assert EngineSettings.from_dict(on.to_dict()).cfg_pairs  # what every rank is started with
     assert not EngineSettings.from_dict(off.to_dict()).cfg_pairs
 

@@ -1,6 +1,6 @@
 """Registering the page cache early (`EarlyRegistration`): what the host weights adopt, what is
 released, and the fallbacks. The platform here records the driver calls (CPU has no DMA
-registration); the CUDA path is measured on the GPU (bench/NOTES.md)."""
+registration); the CUDA path is measured on the GPU (the records `ready-h200-*`)."""
 
 from __future__ import annotations
 

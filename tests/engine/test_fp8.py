@@ -173,7 +173,8 @@ def test_fp8_outputs_are_bit_identical_across_modes_and_dp(tmp_path_factory):
     assert plain not in outputs  # FP8 was streamed: not the bfloat16 weights
     h2d_bf16 = base.stats().h2d_bytes // base.stats().gathers
     # the linear weights move at one byte each (plus a scale per row): under the bfloat16 bytes; at this
-    # size 256-byte alignment of 1 KB tensors takes a share (a full-size block is ~0.5x: bench/NOTES.md 17)
+    # size 256-byte alignment of 1 KB tensors takes a share (a full-size block is ~0.5x: record
+    # `fp8-dequant-h200-2026-12-01`)
     for label in folders:
         assert results[0][f"{label} h2d bytes per gather"] < 0.7 * h2d_bf16
 
