@@ -191,7 +191,10 @@ class CallPlan:
         """Streamed block i's turn: at a call's first (i = 0) and at the second turn, what is known now."""
         if i != 0 and i != self.second:
             return
-        runs = self.decider.runs(self.blocks[i:], self.positions[i])
+        try:
+            runs = self.decider.runs(self.blocks[i:], self.positions[i])
+        except ValueError:  # no cache context set (a pipeline that names none): every block may run
+            runs = [None] * (len(self.blocks) - i)
         needs = [r is not False for r in runs]
         if self.exchange is not None:
             needs = self.exchange.agree(needs)
