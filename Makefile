@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 LORA_REFERENCE := tests/engine/lora-reference.txt
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(LORA_REFERENCE) | md5sum | cut -c1-8)
 
-.PHONY: demo test install prometheus lint crd clean
+.PHONY: demo test test-quick install prometheus lint crd clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -35,6 +35,11 @@ demo: install
 
 test: install prometheus
 	$(BIN)/python -m pytest -q
+
+# The unit tests only, for local work: every test but the `slow` ones (multi-process, serving, e2e),
+# which CI still runs with the rest (`make test`). How long each takes: README.md ("Tests").
+test-quick: install
+	$(BIN)/python -m pytest -q -m "not slow"
 
 crd: install
 	$(BIN)/dlo crd --write

@@ -19,6 +19,8 @@ SUITES: dict[str, tuple[str, str]] = {
     "multi-gpu": ("bench.multi_gpu", "dp ranks on N GPUs: pooled host links, waves of dp requests, graphs, memory, the policy's choice"),
     "sp": ("bench.sp", "sequence parallelism (Ulysses) with offload on 2 GPUs, against resident and dp2 waves"),
     "hsdp": ("bench.hsdp", "HSDP (FSDP2 + Ulysses), the published multi-GPU baseline, against DLO on N GPUs"),
+    "fp8-drift": ("bench.fp8_drift", "FP8 streaming's drift from bfloat16, per family (CPU tiny presets, or real widths on the GPU)"),
+    "fetch": ("bench.fetch", "dlo fetch from an S3-compatible store on loopback: seconds, a complete folder again, a killed fetch resumed"),
     "peer-check": ("bench.peer_check", "peer gathers (CUDA IPC copies, no collective): bytes identical, seconds per call"),
     "serve": ("bench.serve", "dlo serve through the openai SDK: ready, first request, waves against sequential, exit"),
     "lora-kernel": ("bench.lora_merge_kernel", "the one-pass LoRA merge kernel against peft's two steps: time and bytes per shape"),
@@ -26,12 +28,14 @@ SUITES: dict[str, tuple[str, str]] = {
     "load": ("bench.load_tiny", "N requests at concurrency C against a tiny dlo serve on CPU: nothing lost, latency, no leak"),
     "reliability": ("bench.reliability_faults", "fault isolation, drain and connection floods of dlo serve (CPU, tiny model)"),
     "attacks": ("bench.reliability_attacks", "the hardening attacks against dlo agent and dlo serve, before and after a change"),
+    "tests": ("bench.suite_times", "the test suite's wall time: every test and the quick subset (CPU)"),
     "operator-fleet": ("bench.operator_fleet", "the operator's API calls, reconciles and CPU on an emulated fleet of 1,000 nodes"),
 }
 TOOLS: dict[str, tuple[str, str]] = {
     "stamp": ("bench.tools", "write .whl/SOURCE.json: the commit a copy of the tree without git records"),
     "lock": ("bench.lockfile", "resolve requirements/engine.in into requirements/engine.lock (pins and hashes)"),
     "wheels": ("bench.lockfile", "the lock's wheels for the device (cp312) into .whl/, with the stamp"),
+    "readme": ("bench.readme", "rewrite (or --check) the README's figures block from the newest records"),
     "cards": ("bench.lib.cards", "rewrite bench/results/CARDS.json: each result's card and how it was told"),
 }
 

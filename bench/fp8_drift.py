@@ -1,10 +1,10 @@
 """FP8 streaming's numeric drift (issue 27): each family's output with FP8 weights against bfloat16.
 
     # CPU, the tiny presets (a proxy: random weights at small width; about a minute)
-    python bench/fp8_drift.py --out bench/results --stem fp8-drift-tiny-$(date +%F)
+    python -m bench fp8-drift --out bench/results --stem fp8-drift-tiny-$(date +%F)
     # the GPU host, real widths with few blocks (one call; the full-size figure is the small-GPU record's)
-    python bench/fp8_drift.py --device cuda --layers 2 --presets wan2.1-t2v-14b,flux.1-dev,qwen-image \
-      --out $OUT --stem fp8-drift-h200-$(date +%F)
+    bash bench/device.sh python -m bench fp8-drift --device cuda --layers 2 --presets wan2.1-t2v-14b,flux.1-dev,qwen-image \
+      --out $OUT --stem fp8-drift-$(date +%F)
 
 Per preset: the pipeline folder (`dlo make-random-model`'s writer), one request through
 `ServingPipeline` in rank-local mode streaming the weights as stored (`--stream-dtype bfloat16`:
@@ -28,11 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import wan_bench as wb  # noqa: E402
-
-wb.ensure_dlo_importable()
+from bench import wan_bench as wb
+from bench.lib import records
 
 TINY = ("tiny-wan2.1-t2v", "tiny-wan2.1-i2v", "tiny-flux.1-dev", "tiny-qwen-image", "tiny-wan2.2-t2v-a14b")
 
@@ -104,24 +101,23 @@ def measure(folder: Path, device: str, tiny: bool) -> dict:
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench fp8-drift", description=__doc__.splitlines()[0])
     ap.add_argument("--presets", default=",".join(TINY))
     ap.add_argument("--layers", type=int, default=None, help="transformer blocks of full-size presets (disk, time)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--models", type=Path, default=Path("/tmp/fp8-drift-models"))
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--stem", default=f"fp8-drift-tiny-{datetime.date.today().isoformat()}")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     from dlo.engine.presets import preset
     from dlo.engine.random_model import write_pipeline
 
     args.out.mkdir(parents=True, exist_ok=True)
-    rec: dict[str, Any] = {"date": datetime.date.today().isoformat(), "device": args.device,
-                           "command": " ".join([Path(sys.executable).name, *sys.argv]), "presets": {},
-                           "note": "random weights: a proxy for the drift of real checkpoints; the baseline streams "
-                                   "the weights as stored (the tiny presets store float32, so their byte ratio "
-                                   "is below the 0.5 of a bfloat16 model)"}
+    rec: dict[str, Any] = records.raw("fp8-drift", args.device, {
+        "date": datetime.date.today().isoformat(), "device": args.device, "presets": {},
+        "note": "random weights: a proxy for the drift of real checkpoints; the baseline streams the weights as "
+                "stored (the tiny presets store float32, so their byte ratio is below the 0.5 of a bfloat16 model)"})
     for name in args.presets.split(","):
         folder = args.models / (name + (f"-L{args.layers}" if args.layers else ""))
         if not (folder / "model_index.json").exists():
@@ -131,9 +127,8 @@ def main() -> int:
         except Exception as e:  # a preset that fails is recorded, the others still run
             rec["presets"][name] = {"error": f"{type(e).__name__}: {e}"[:500]}
         print(f"{name}: {json.dumps(rec['presets'][name])[:400]}", file=sys.stderr, flush=True)
-        path = args.out / f"{args.stem}.json"
-        path.write_text(json.dumps(rec, indent=1) + "\n")
-    (args.out / f"{args.stem}.md").write_text(markdown(rec))
+        records.write(rec, args.out / f"{args.stem}.json")
+    records.write(rec, args.out / f"{args.stem}.json", markdown(rec))
     return 0
 
 
@@ -150,7 +145,7 @@ def markdown(rec: dict) -> str:
         h = r["h2d_bytes_per_gather"]
         lines.append(f"| {name} | {f['max_abs_diff']:.4g} | {_db(f['psnr_db'])} | {t['max_abs_diff']:.4g} | "
                      f"{_db(t['psnr_db'])} | {same} | {h['fp8'] / h['bfloat16']:.3f} |")
-    return "\n".join(lines + ["", "Command: `" + rec["command"] + "`", ""])
+    return "\n".join(lines + ["", "Command: `" + rec["provenance"]["command"] + "`", ""])
 
 
 def _db(x: float | None) -> str:

@@ -39,16 +39,18 @@ def _num(x: float, digits: int) -> str:
     return f"{x:,.{digits}f}"
 
 
-def text(s: dict[str, Any], unit: str = "", *, scale: float = 1.0, digits: int = 0) -> str:
-    """'509 ms (median of 3: 509-510; first 512)': the median, its n, min-max and the first request."""
+def text(s: dict[str, Any], unit: str = "", *, scale: float = 1.0, digits: int = 0, first: bool = True) -> str:
+    """'509 ms (median of 3: 509-510; first 512)': the median, its n, min-max and (with `first`) the
+    first request, or that it was not recorded."""
     med = _num(s["median"] * scale, digits) + unit
     if s["n"] == 1:
         body = "one sample"
     else:
         body = f"median of {s['n']}: {_num(s['min'] * scale, digits)}-{_num(s['max'] * scale, digits)}"
-    first = s.get("first")
-    head = f"first {_num(first * scale, digits)}" if isinstance(first, (int, float)) else f"first {NOT_RECORDED}"
-    return f"{med} ({body}; {head})"
+    head = s.get("first")
+    if first:
+        body += f"; first {_num(head * scale, digits)}" if isinstance(head, (int, float)) else f"; first {NOT_RECORDED}"
+    return f"{med} ({body})"
 
 
 def ratio_text(r: dict[str, Any], digits: int = 3) -> str:
