@@ -271,7 +271,9 @@ class SlotPrefetcher:
             self._waste()  # the look-ahead of a block the cache then skipped
         self._running = self.live = None
         if plan.gathers[i]:
-            if self._inflight != i:
+            if self._inflight != i:  # not gathered ahead (a call's first): gathered now, by every rank
+                if self._inflight is not None:
+                    self._waste()
                 self._issue(i)
             if plan.runs(i):
                 self._bind_landed(i)
