@@ -4,7 +4,7 @@ Owns: loading a pipeline folder with diffusers alone (`load_pipeline`: everythin
 device, or diffusers' group offloading at leaf level with a stream on the transformers and the text
 encoders, the VAE and image encoder on the device), one call of it (`pipeline_call`), per-component
 peak device memory of a call (`PhasePeaks`), host memory of the process (`bench/host_memory.py`),
-and the child process `bench/pipeline_h200.py` runs (`baseline_child`): an optional device-memory cap
+and the child process `bench/pipeline.py` runs (`baseline_child`): an optional device-memory cap
 (the allocator's, as `dlo serve --max-device-memory` sets it), a warm-up at the request's size,
 then the timed repeats.
 Must never: import dlo's engine beyond what a user of plain diffusers would do the same way (the
@@ -142,7 +142,7 @@ def baseline_child(model: str, request: dict, device: str) -> dict:
     from dlo.engine.families import pipeline_facts
     from dlo.plan.memory_model import Shape
     from dlo.serving.encode import encode_mp4, encode_png
-    from host_memory import tree_memory
+    from bench.host_memory import tree_memory
 
     if request.get("cap_bytes") and device.startswith("cuda"):
         total = torch.cuda.get_device_properties(0).total_memory

@@ -3,11 +3,11 @@
 with group offloading (leaf + stream) under the same cap, in one call per model.
 
     # one GPU, one call per model (the folder is made first and deleted after; 64 GiB of disk)
-    python3 bench/exact_device.py --model wan21 --models /tmp/models --out $OUT --budget-s 450
+    bash bench/device.sh python -m bench exact --model wan21 --models /tmp/models --out $OUT --budget-s 450
     # CPU dry run of every step with the tiny preset (no figure of it is a result)
-    python3 bench/exact_device.py --model wan21 --dry-run --models /tmp/tiny --out /tmp/exact-dry
+    python -m bench exact --model wan21 --dry-run --models /tmp/tiny --out /tmp/exact-dry
     # the record of several calls: bench/results/exact-<card>-<date>.{json,md}
-    python3 bench/exact_device.py --merge RAW.json... --out bench/results
+    python -m bench exact --merge RAW.json... --out bench/results
 
 Per run and request kind (Wan2.1: an 832x480x17 video and an 832x480 image; Qwen-Image and
 Flux.1-dev: a 1024x1024 image), `--requests` requests (default 3): every latency kept (first, median,
@@ -16,7 +16,7 @@ same seed, and where they differ the drift (max abs levels, PSNR). A server run 
 to `/ready` and its start-up phases, the limits it derived (`/v1/models`), the plan's tiling rule,
 each image's `X-DLO-VAE-Tiled` and `Server-Timing` (the rank's seconds per phase: what is left of the
 client's total is HTTP), and every `measured peak:` line of its log (measured against predicted).
-The diffusers child is `bench/pipeline_h200.py`'s (`diffusers_baseline.baseline_child`): a warm-up at
+The diffusers child is `bench/pipeline.py`'s (`diffusers_baseline.baseline_child`): a warm-up at
 the request's size, then the same number of timed calls.
 """
 
@@ -33,18 +33,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import wan_bench as wb  # noqa: E402
+from bench.lib import records
 
-from _env import multicast_off  # noqa: E402
-
-wb.ensure_dlo_importable()
+from bench._env import multicast_off
 multicast_off()
 
-from model_folders import make, warm_page_cache  # noqa: E402
-from pipeline_requests import NEGATIVE, PROMPT, SEED  # noqa: E402
-from small_gpu import image_drift  # noqa: E402
+from bench.model_folders import make, warm_page_cache
+from bench.pipeline_requests import NEGATIVE, PROMPT, SEED
+from bench.small_gpu import image_drift
 
 CAP = "24GiB"
 CAP_BYTES = 24 * 2**30
@@ -144,7 +140,7 @@ def serve_run(model: Path, requests: dict[str, dict], flags: list[str], args: ar
     return out
 
 
-# ---- plain diffusers (bench/pipeline_h200.py's child process) -------------------------------------
+# ---- plain diffusers (bench/pipeline.py's child process) -------------------------------------
 def diffusers_run(model: Path, requests: dict[str, dict], extra: dict, args: argparse.Namespace,
                   name: str, outputs: dict[str, bytes]) -> dict:
     out: dict[str, Any] = {"spec": extra}
@@ -153,7 +149,7 @@ def diffusers_run(model: Path, requests: dict[str, dict], extra: dict, args: arg
         body = {**req, **extra, "repeats": args.requests, "output_path": str(path)}
         if args.device != "cuda":
             body.pop("cap_bytes", None)
-        r = subprocess.run([sys.executable, str(HERE / "pipeline_h200.py"), "--_baseline-child", str(model),
+        r = subprocess.run([sys.executable, "-m", "bench.pipeline", "--_baseline-child", str(model),
                             "--_request", json.dumps(body), "--device", args.device], capture_output=True, text=True)
         if r.returncode != 0:
             tail = r.stderr[-3000:]
@@ -277,8 +273,8 @@ def merge(paths: list[Path], out: Path) -> Path:
 START = time.monotonic()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench exact", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="wan21", help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--models", type=Path, default=Path("/tmp/models"), help="where pipeline folders are written")
     ap.add_argument("--out", type=Path, default=Path("/tmp/exact"), help="raw record, logs and outputs")
@@ -287,7 +283,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=None, help="seconds this call may take")
     ap.add_argument("--dry-run", action="store_true", help="CPU, the tiny presets: every step, no result")
     ap.add_argument("--merge", nargs="+", type=Path, default=None, metavar="RAW", help="merge raws into --out")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.merge:
         print(merge(args.merge, args.out))
@@ -296,16 +292,17 @@ def main() -> None:
     import torch
 
     date = datetime.date.today().isoformat()
-    rec: dict[str, Any] = {"date": date, "command": " ".join(["python3", *sys.argv]), "models": {},
-                           "device_name": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
-                           "versions": {"torch": torch.__version__}}
+    rec: dict[str, Any] = records.raw("exact", args.device, {
+        "date": date, "command": " ".join(["python3", *sys.argv]), "models": {},
+        "device_name": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+        "versions": {"torch": torch.__version__}})
     import diffusers
 
     rec["versions"]["diffusers"] = diffusers.__version__
     raw = args.out / f"raw-exact-{args.model.replace(',', '-')}-{date}.json"
 
     def write() -> None:
-        raw.write_text(json.dumps(rec, indent=2) + "\n")
+        records.write(rec, raw)
 
     for key in args.model.split(","):
         run_model(key, args, lambda r, key=key: (rec["models"].__setitem__(key, r), write()))
@@ -314,4 +311,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -6,7 +6,7 @@ UMT5), `--repeat` times, with `-X importtime`; prints the total and the top modu
 and by self time of the last repeat (the first pays for any bytecode not yet cached), and whether
 the interpreter can cache bytecode where the packages live.
 
-    python bench/import_profile.py [--repeat 2] [--top 25] [--out DIR]
+    python -m bench imports [--repeat 2] [--top 25] [--out DIR]
 """
 
 from __future__ import annotations
@@ -19,11 +19,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import wan_bench as wb  # noqa: E402
-
-wb.ensure_dlo_importable()  # the subprocesses inherit its PYTHONPATH
 
 IMPORTS = """
 import dlo.cli.main
@@ -84,12 +79,12 @@ def profile_once() -> tuple[float, list[tuple[str, int, int]]]:
     return seconds, rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench imports", description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", type=Path, default=None, help="write import-profile.json here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     facts = bytecode_facts()
     runs = [profile_once() for _ in range(args.repeat)]
     _, rows = runs[-1]
@@ -108,4 +103,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,6 +1,6 @@
-"""The per-block half of `bench/lora_h200.py`, in its own process (its device memory is its own).
+"""The per-block half of `bench/lora.py`, in its own process (its device memory is its own).
 
-`python bench/lora_blocks.py MODEL_DIR LORA_DIR --device cuda --tokens 4096,7800,32760` loads the
+`python -m bench.lora_blocks MODEL_DIR LORA_DIR --device cuda --tokens 4096,7800,32760` loads the
 pipeline's transformer resident through `dlo.engine.load`, the adapters of LORA_DIR (`r64`: every
 block linear; `r64-attention`: the attention projections) through the engine's own `LoraBank`, and
 times one transformer forward per variant and token count with an event pair around every block:
@@ -34,13 +34,9 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import wan_bench as wb  # noqa: E402
-
-wb.ensure_dlo_importable()
+from bench import wan_bench as wb
 
 TEXT_TOKENS = 512
 
@@ -239,16 +235,16 @@ def _time_variant(module: Any, inputs: dict, ctx: Callable, timer: BlockTimer, a
             "block_ms_runs": [round(b, 4) for b in blocks], "sha256": sha}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench x", description=__doc__.splitlines()[0])
     ap.add_argument("model_dir")
-    ap.add_argument("lora_dir", help="r64/ (every block linear) and r64-attention/ (optional), as lora_h200 writes")
+    ap.add_argument("lora_dir", help="r64/ (every block linear) and r64-attention/ (optional), as bench/lora.py writes")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",")], default=[4096])
     ap.add_argument("--text-tokens", type=int, default=TEXT_TOKENS)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--iters", type=int, default=2)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     import torch
 
     torch.manual_seed(0)

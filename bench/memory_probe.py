@@ -1,4 +1,4 @@
-"""One family's device-memory measurements, in its own process (`bench/memory_h200.py run` starts it).
+"""One family's device-memory measurements, in its own process (`bench/memory.py run` starts it).
 
 Owns: loading a (reduced-layer) pipeline folder's parts the way `dlo serve` places them (the
 transformer and the large text encoder through `dlo.engine.load` in rank-local mode with every
@@ -237,7 +237,7 @@ class Probe:
     def validate(self, shape: Shape) -> None:
         """One plain-diffusers call of the whole pipeline, resident, 2 steps: its peak beyond the
         weights, to hold against the largest part the merge predicts at that shape."""
-        from diffusers_baseline import load_pipeline, pipeline_call
+        from bench.diffusers_baseline import load_pipeline, pipeline_call
 
         torch = self.torch
         for part in list(self.parts.values()):  # the measured parts leave the device first

@@ -2,7 +2,7 @@
 
 Owns: `make` (`dlo make-random-model` in a child process, skipped when the folder is there),
 `quantize` (`dlo quantize --dtype fp8` beside it, `bench/small_gpu.py`'s FP8 runs), `warm_page_cache`
-and `checkpoint_bytes`. Used by `bench/pipeline_h200.py` and `bench/memory_h200.py`.
+and `checkpoint_bytes`. Used by `bench/pipeline.py` and `bench/memory.py`.
 Must never: delete a folder (the runners decide when).
 """
 
@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from small_gpu import quantized_folder
+from bench.small_gpu import quantized_folder
 
 
 def checkpoint_bytes(model: Path) -> int:

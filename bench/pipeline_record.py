@@ -1,4 +1,4 @@
-"""The record of `bench/pipeline_h200.py`: its summary, its markdown, and the merge of several calls.
+"""The record of `bench/pipeline.py`: its summary, its markdown, and the merge of several calls.
 
 Owns: `summarize` (the figures the issues ask for, computed from the runs: ratios, which runs
 served, host and device memory per run), `markdown` (generated from the JSON), and `merge` (several
@@ -14,7 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from import_profile import cached
+from bench.lib import merge as merging
+from bench.import_profile import cached
 
 # summary entries per run (in the runs table, or only in the JSON): not repeated in the markdown's summary
 PER_RUN = ("peak_device_bytes", "host_memory", "component_peak_device_bytes")
@@ -182,7 +183,9 @@ def _mark_unmeasured_anon(r: dict) -> dict:
 def merge(files: list[Path], stem: Path) -> dict:
     """Several calls' records -> one: per model, a later file's run replaces an earlier one of the same
     name, which stays beside it as `<name>@<its file's stem>`; every run names its file (`source`)."""
-    rec: dict[str, Any] = {"sources": [str(f) for f in files], "models": {}}
+    # one card's calls only (a call whose card cannot be told stays so in the sources)
+    rec: dict[str, Any] = {"sources": [str(f) for f in files], "card": merging.one_card(merging.load(files)),
+                           "models": {}}
     for f in files:
         part = json.loads(f.read_text())
         rec.setdefault("date", part["date"])

@@ -1,4 +1,4 @@
-"""The requests `bench/pipeline_h200.py` sends a server: the limits it gives it, the largest request
+"""The requests `bench/pipeline.py` sends a server: the limits it gives it, the largest request
 those accept, and one request through the official openai SDK.
 
 Owns: `server_limits`, `largest_request`, `generate`, `grey_png`.
@@ -11,7 +11,7 @@ import base64
 import json
 from typing import Any
 
-from diffusers_baseline import NEGATIVE, PROMPT, SEED
+from bench.diffusers_baseline import NEGATIVE, PROMPT, SEED
 
 
 def server_limits(request: dict, tiny: bool, extra_json: str | None = None) -> dict:
@@ -37,7 +37,7 @@ def largest_request(limits: dict, request: dict) -> dict:
 def generate(client: Any, request: dict) -> bytes:
     """One request through the official SDK: the returned PNG or MP4 bytes."""
     body: dict[str, Any] = {"seed": SEED, "num_inference_steps": request["steps"], "guidance_scale": request["guidance"]}
-    if request.get("lora"):  # a LoRA adapter of the server's --lora-dir (bench/lora_h200.py)
+    if request.get("lora"):  # a LoRA adapter of the server's --lora-dir (bench/lora.py)
         body["lora"] = request["lora"]
     if request.get("negative_prompt"):
         body["negative_prompt"] = NEGATIVE

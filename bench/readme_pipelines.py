@@ -33,13 +33,13 @@ def _pair(models: dict, model: str, served: str, base: str) -> tuple[str, ...] |
     return (secs(sa), secs(sb), x(ratio(sa, sb)))
 
 
-def _merged(glob: str) -> tuple[Path, dict]:
-    path = latest(glob)
+def _merged(*globs: str) -> tuple[Path, dict]:
+    path = latest(*globs)
     return path, json.loads(path.read_text())
 
 
 def pipelines() -> Topic:
-    path, rec = _merged("pipeline-h200-*.json")
+    path, rec = _merged("pipeline-h200-*.json", "pipeline-20*.json")
     rows = []
     for model, label in (("wan21", "Wan2.1-T2V-14B, 832x480x17, 10 steps"), ("flux", "Flux.1-dev, 1024x1024, 20 steps")):
         got = _pair(rec["models"], model, "serve_rank_local_partial", "diffusers_resident")
@@ -57,8 +57,8 @@ def _first_tries(run: dict[str, Any], kind: str) -> dict[str, Any] | None:
 
 
 def families() -> Topic:
-    files = newest("raw-seed-models-*-cosmos3-nano.json")
-    files += [p for p in newest("raw-seed-models-*-minimax-h3.json") if p not in files]
+    files = newest("raw-seed-models-*-cosmos3-nano.json", "seed-models-cosmos3-nano-*-raw.json")
+    files += [p for p in newest("raw-seed-models-*-minimax-h3.json", "seed-models-minimax-h3-*-raw.json") if p not in files]
     rows = []
     for p in files:
         rec = json.loads(p.read_text())
@@ -73,7 +73,7 @@ def families() -> Topic:
 
 
 def small_cards() -> Topic:
-    path, rec = _merged("small-gpu-h200-*.json")
+    path, rec = _merged("small-gpu-h200-*.json", "small-gpu-20*.json")
     rows = []
     for model in ("wan21", "wan21i2v", "flux", "qwen"):
         got = _pair(rec["models"], model, "serve_default_capped_24gib", "diffusers_group_offload_capped_24gib")
@@ -87,7 +87,7 @@ def small_cards() -> Topic:
 
 
 def fp8() -> Topic:
-    path, rec = _merged("small-gpu-h200-*.json")
+    path, rec = _merged("small-gpu-h200-*.json", "small-gpu-20*.json")
     flux = rec["models"]["flux"]
     got = _pair(rec["models"], "flux", "serve_capped_24gib_zero_resident_fp8", "serve_capped_24gib_zero_resident")
     drift = flux.get("fp8_drift") or {}
@@ -150,7 +150,7 @@ def delivery() -> Topic:
 
 
 def startup() -> Topic:
-    path, rec = _merged("ready-h200-*.json")
+    path, rec = _merged("ready-h200-*.json", "startup-20*.json")
     raw = rec["raws"][0]
     rows = []
     for mode in ("resident", "rank-local"):

@@ -7,7 +7,7 @@ folder, its transformer and fp32-keeping VAEs built the same way, tokenizer, tex
 schedulers by its own `load_components`, the Qwen3-VL processor without its torchvision video
 half), one call as `dlo serve` makes it (`call`: frames, sound, sample rate, per-step seconds),
 the bytes the server would answer for it (`encoded`: the server's own PNG / MP4 encoder and
-settings), and the child process `bench/seed_models_h200.py` runs (`child`: load, warm-up, the
+settings), and the child process `bench/seed_models.py` runs (`child`: load, warm-up, the
 timed request with NVML energy, peak device memory). `tests/engine/test_seed_families.py` uses
 `load`, `call` and `encoded` as its plain-diffusers reference.
 Must never: use the engine's loading or pipeline code (only its encoder, so the bytes compare).
@@ -24,7 +24,7 @@ from typing import Any
 def _model(folder: Path, device: str) -> Any:
     """A diffusers model folder built on meta with its safetensors assigned (the plain-diffusers
     loader of `bench/diffusers_baseline.py`, for any class: transformers and VAEs)."""
-    from diffusers_baseline import _transformer
+    from bench.diffusers_baseline import _transformer
 
     return _transformer(folder, device)
 
@@ -146,10 +146,7 @@ def child(folder: str, req: dict, device: str) -> dict:
             "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
 
 
-if __name__ == "__main__":  # the child: python bench/seed_baseline.py FOLDER REQUEST_JSON DEVICE
+if __name__ == "__main__":  # the child: python -m bench.seed_baseline FOLDER REQUEST_JSON DEVICE
     import sys
 
-    import wan_bench
-
-    wan_bench.ensure_dlo_importable()
     print("RESULT " + json.dumps(child(sys.argv[1], json.loads(sys.argv[2]), sys.argv[3])), flush=True)

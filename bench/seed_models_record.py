@@ -1,4 +1,4 @@
-"""The record of `bench/seed_models_h200.py`: its summary, its markdown, and the merge of its calls.
+"""The record of `bench/seed_models.py`: its summary, its markdown, and the merge of its calls.
 
 Owns: `summarize` (the figures issue 28 names, from the runs: `cosmos3_nano_e2e_over_diffusers`,
 `minimax_h3_e2e_over_diffusers`, `pixel_identical_to_diffusers` {model: bool},
@@ -15,6 +15,8 @@ import json
 import statistics
 from pathlib import Path
 from typing import Any
+
+from bench.lib import merge as merging
 
 GB = 10**9
 
@@ -104,12 +106,13 @@ def merge(files: list[Path]) -> dict:
         else:
             by_model[rec["model"]] = rec
     return {"date": datetime.date.today().isoformat(), "files": [str(f) for f in files],
+            "card": merging.one_card(merging.load(files)),
             "models": by_model, "summary": summarize(list(by_model.values()))}
 
 
 def markdown(merged: dict) -> str:
     s = merged["summary"]
-    lines = [f"# The published system's models on one H200 ({merged['date']})", "",
+    lines = [f"# The published system's models on {merged.get('card') or 'one card'} ({merged['date']})", "",
              "Raw calls: " + ", ".join(f"`{Path(f).name}`" for f in merged["files"]), "",
              "| summary | value |", "|---|---|"]
     for k, v in s.items():

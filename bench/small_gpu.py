@@ -8,7 +8,7 @@ a cap, zero resident blocks, FP8 streaming from a `dlo quantize` folder), `QUANT
 run served from that folder), `beyond_limits` (a request one step past the limits: it must get a 400
 naming the limit), `plan_lines` (the server log's mode, tiling and resident-block arithmetic) and
 `image_drift` (max abs and PSNR of two PNGs).
-Must never: start a server or write the record (`bench/pipeline_h200.py` does).
+Must never: start a server or write the record (`bench/pipeline.py` does).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 QUANTIZED = "@fp8-folder"  # the run is served from `dlo quantize`'s folder beside the model
 
-# names as in pipeline_h200 (diffusers_*: the plain-diffusers child; serve_*: `serve_flags`)
+# names as in bench/pipeline.py (diffusers_*: the plain-diffusers child; serve_*: `serve_flags`)
 SMALL_GPU_RUNS: dict[str, tuple[str, ...]] = {
     # defect 1 (the default mode under a 24 GiB cap), its latency against the uncapped server, against
     # diffusers' group offloading under the same cap; defect 3 (12 GiB, 832x480x17); diffusers resident

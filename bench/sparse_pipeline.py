@@ -3,7 +3,7 @@ every file's data a hole (sparse: no disk blocks, zeros when read), for what rea
 
 Owns: `write_sparse_pipeline` (a preset's folder as `dlo make-random-model` lays it out, in seconds and
 a few MB of disk). What it is for: the memory model's and the policy's arithmetic at full size on a
-CPU host (`bench/pipeline_h200.py --plan-preview`: the resident blocks, the VAE tiling and the peak
+CPU host (`bench/pipeline.py --plan-preview`: the resident blocks, the VAE tiling and the peak
 `dlo serve` would choose under a budget), never for running a model (every weight reads as zero).
 Must never: be passed to anything that computes with the weights, or count as a result.
 """

@@ -243,7 +243,7 @@ class PipelineMemory:
         the table cannot say."""
         fam = self.family_table
         if fam is None:
-            return f"family {self.family!r} is not in the memory table (bench/memory_h200.py calibrates it)"
+            return f"family {self.family!r} is not in the memory table (python -m bench memory calibrates it)"
         out: list[tuple[int, str, bool, str]] = []
         for part, shape in self.phases():
             predicted = self.predicted(part, shape)

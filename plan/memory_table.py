@@ -1,7 +1,7 @@
 """The committed table of measured device-memory peaks, and the fits between its shapes.
 
 Owns: the table format (`MemoryTable`, `FamilyTable`, `Fit`; the file `memory_table.json` beside
-this module, written only by `bench/memory_h200.py merge` from a GPU call's raw results), the
+this module, written only by `python -m bench memory merge` from a GPU call's raw results), the
 least-squares fit of one part's peaks over its shapes (`fit_linear`), and the features a part's
 peak is fitted in (`part_features`). Read by `dlo.plan.memory_model`.
 Must never: import torch, or hold a number that was not measured: until a family is calibrated

@@ -92,6 +92,8 @@ MAPS = [
     ("plan/__init__.py", None, ("plan",)),
     ("pagecache/__init__.py", None, ("pagecache",)),
     ("engine/lora/__init__.py", None, ("engine/lora",)),
+    ("bench/__init__.py", None, ("bench",)),
+    ("bench/lib/__init__.py", None, ("bench/lib",)),
     ("docs/engine.md", "## Map", ("engine", "engine/families", "engine/lora")),
     ("docs/agent.md", "## Where things live", ("agent",)),
     ("docs/serving.md", "## Map", ("serving",)),

@@ -7,6 +7,7 @@ Map:
 - `stats`: a figure's spread (first request, median, n, min, max) and ratios of one statistic.
 - `records`: the record format (raw and merged), writing it, the card a record names.
 - `merge`: the one merge of raw records (one card, runs by name, sources listed).
+- `cards`: the index of which card made each committed result, and how that was told.
 - `device_env`: the device prelude's private site (`bench/device.sh`).
 
 Must never: import torch, diffusers or dlo at import time (the prelude runs it before they exist).

@@ -5,14 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH))
-
-from host_memory import tree_memory  # noqa: E402
-from pipeline_record import merge  # noqa: E402
+from bench.host_memory import tree_memory
+from bench.pipeline_record import merge
 
 
 def test_host_memory_reads_anonymous_and_file_backed_pss_from_smaps_rollup() -> None:
@@ -28,7 +24,7 @@ def test_host_memory_reads_anonymous_and_file_backed_pss_from_smaps_rollup() -> 
 
 
 def _record(stem: str, runs: dict) -> dict:
-    return {"date": "2026-12-01", "device": "1 x NVIDIA H200", "command": f"python3 bench/pipeline_h200.py --stem {stem}",
+    return {"date": "2026-12-01", "device": "1 x NVIDIA H200", "command": f"python -m bench pipeline --stem {stem}",
             "models": {"wan21": runs}}
 
 
@@ -72,7 +68,7 @@ def test_the_small_gpu_summary_holds_each_figure_of_issue_27(tmp_path: Path) -> 
                  "fp8_drift": {"max_abs_levels": 12.0, "psnr_db": 38.0}},
     }
     (tmp_path / "raw.json").write_text(json.dumps({"date": "2026-12-01", "device": "1 x NVIDIA H200",
-                                                   "command": "python3 bench/pipeline_h200.py --small-gpu",
+                                                   "command": "python -m bench pipeline --small-gpu",
                                                    "models": models}))
     s = merge([tmp_path / "raw.json"], tmp_path / "small-gpu")["summary"]
     assert s["wan21_capped24_default_over_uncapped_default"] == 1.025

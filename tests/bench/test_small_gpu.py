@@ -1,4 +1,4 @@
-"""bench/pipeline_h200.py --small-gpu: the CPU dry run of the FP8 pair of Flux's call (a `dlo quantize`
+"""`python -m bench pipeline --small-gpu`: the CPU dry run of the FP8 pair of Flux's call (a `dlo quantize`
 folder, two servers through the openai SDK, the largest request and one past the limits, the drift)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_the_small_gpu_dry_run_streams_fp8_from_a_quantized_folder_and_records_its_figures(tmp_path: Path) -> None:
     runs = "serve_capped_24gib_zero_resident,serve_capped_24gib_zero_resident_fp8"
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "pipeline_h200.py"), "--tiny", "--small-gpu", "--only",
+    r = subprocess.run([sys.executable, "-m", "bench", "pipeline", "--tiny", "--small-gpu", "--only",
                         "flux", "--runs", runs, "--requests", "1", "--models", str(tmp_path / "m"), "--out",
                         str(tmp_path / "o"), "--stem", "dry"], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]

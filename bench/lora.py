@@ -1,24 +1,15 @@
-"""LoRA adapters on one H200 (issue 29): what a rank-64 adapter costs per block and end to end on
+"""LoRA adapters on one card (issue 29): what a rank-64 adapter costs per block and end to end on
 Wan2.1-T2V-14B and Flux.1-dev at full size, resident and streamed, and its host and device bytes.
 
-    # Here first, as for bench/pipeline_h200.py: `.whl/` (diffusers 0.42.1 & co, no imageio_ffmpeg)
-    # and `.ffm/` (ffmpeg for Wan's MP4). Then two device calls (one H200, with `.whl` and
-    # `.ffm` beside the tree, at most 540 s; one full pipeline on the 64 GiB disk at a time, deleted after its runs):
-    set -o pipefail; [ -d /tmp/site/diffusers ] || python3 -m pip install -q --no-index --no-deps --no-compile \
-      --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-    [ -x .ffm/imageio_ffmpeg/binaries/ffmpeg-linux64-v4.2.2 ] || { xz -dc .ffm/ffmpeg.xz > \
-      .ffm/imageio_ffmpeg/binaries/ffmpeg-linux64-v4.2.2 && chmod +x .ffm/imageio_ffmpeg/binaries/*; }
-    export PYTHONPATH=/tmp/site:$PWD/.ffm PYTHONUNBUFFERED=1
-    [ -f /tmp/compiled ] || { python3 -m compileall -q -j 16 /tmp/site /opt/torch/.venv/lib/python3.12/site-packages \
-      >/dev/null 2>&1; touch /tmp/compiled; }
-    df -h /tmp | tail -1; nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
-    timeout 470 python3 bench/lora_h200.py run --only wan21 --models /tmp/models --out $OUT \
-      --stem raw-lora-h200-$(date +%F)-wan21 --budget-s 440 2>&1 | tee $OUT/lora-wan21.txt | tail -40
-    # the second call: the same with `--only flux` and the stem raw-lora-h200-DATE-flux
-    # comes back: raw-lora-h200-DATE-{wan21,flux}.json (+ .txt, logs-*.tgz if tarred); then here:
-    python bench/lora_h200.py merge bench/results/raw-lora-h200-DATE-*.json --out bench/results --stem lora-h200-DATE
-    # CPU dry run of every step with the tiny presets (tests/bench/test_lora_h200.py); no figure is a result
-    python bench/lora_h200.py run --dry-run --models /tmp/lm --out /tmp/lm-out
+    # two device calls, each through the device prelude (bench/device.sh; `.whl` carried, at most 540 s;
+    # one full pipeline on the 64 GiB disk at a time, deleted after its runs):
+    timeout 470 bash bench/device.sh python -m bench lora run --only wan21 --models /tmp/models --out $OUT \
+      --stem raw-lora-$(date +%F)-wan21 --budget-s 440 2>&1 | tee $OUT/lora-wan21.txt | tail -40
+    # the second call: the same with `--only flux` and the stem raw-lora-DATE-flux
+    # comes back: raw-lora-DATE-{wan21,flux}.json (+ .txt, logs-*.tgz if tarred); then here:
+    python -m bench lora merge bench/results/raw-lora-DATE-*.json --out bench/results --stem lora-DATE
+    # CPU dry run of every step with the tiny presets (tests/bench/test_lora.py); no figure is a result
+    python -m bench lora run --dry-run --models /tmp/lm --out /tmp/lm-out
 
 Per model, in this order, the raw record rewritten after each step (a call cut short keeps what it
 measured; a step the `--budget-s` left no time for is recorded as skipped):
@@ -58,18 +49,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import wan_bench as wb  # noqa: E402
+from bench.lib import records
+from bench.lib.records import RESULTS
+from bench.lora_record import (AUTO_SUFFIX, FUSED_INFIX, MERGE_SUFFIX, PAIRS_INFIX, RANK, TORCH_MERGE_INFIX,
+                               UNPAIRED_INFIX, _ratio, merge, summarize)
 
-wb.ensure_dlo_importable()
+from bench.host_memory import tree_memory
+from bench.pipeline import checkpoint_bytes, make, transformer_blocks, warm_page_cache
+from bench.pipeline_requests import generate, server_limits
 
-from host_memory import tree_memory  # noqa: E402
-from pipeline_h200 import checkpoint_bytes, make, transformer_blocks, warm_page_cache  # noqa: E402
-from pipeline_requests import generate, server_limits  # noqa: E402
-
-GOAL = 1.03  # the issue's: the request with the adapter over the same request without it
-RANK = 64
 TINY_RANK = 8  # the dry run's tiny presets have layers of 32
 MODELS = {
     "wan21": {"preset": "wan2.1-t2v-14b", "tokens": [4096, 7800, 32760], "resident_share": 0.25,
@@ -87,24 +75,6 @@ TINY = {
 }
 # seconds a step needs at full size (the budget skips what would not fit; the dry run ignores them)
 NEEDS = {"per_block": {"wan21": 170, "flux": 50}, "serve": {"wan21": 90, "flux": 60}}
-MERGE_SUFFIX = "_merge"  # a serve run with `--lora-apply merge` (its bytes are fuse_lora's, not the branch's)
-FUSED_INFIX = "_fused"  # `--lora-merge-kernel triton`: each merge in one pass
-TORCH_MERGE_INFIX = "_torch_merge"  # `--lora-merge-kernel torch`: peft's two steps as torch ops
-AUTO_SUFFIX = "_auto"  # a serve run with the default `--lora-apply auto` (merged above --lora-merge-above tokens)
-PAIRS_INFIX = "_pairs"  # `--cfg-pairs`: a step's cond and uncond calls walk the streamed blocks together
-UNPAIRED_INFIX = "_unpaired"  # `--no-cfg-pairs` (pairs are the default from 2026-12-06 on)
-
-
-def apply_of(flags: list[str] | tuple[str, ...], name: str = "") -> str:
-    """The `--lora-apply` a serve run's flags give; without the flag, the default of the run's time:
-    auto for the `*_auto` runs, the branch for the others (raws from before auto became the default,
-    which named no `--lora-apply` for the branch)."""
-    flags = list(flags)
-    if "--lora-apply" in flags:
-        return flags[flags.index("--lora-apply") + 1]
-    return "auto" if name.endswith("_auto") else "branch"
-
-
 class Budget:
     def __init__(self, seconds: float, dry_run: bool):
         self.end, self.dry_run = time.monotonic() + seconds, dry_run
@@ -139,7 +109,7 @@ def make_adapters(model: Path, loras: Path, rank: int = RANK) -> dict:
 
 
 def per_block(model: Path, loras: Path, spec: dict, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, str(HERE / "lora_blocks.py"), str(model), str(loras), "--device", args.device,
+    cmd = [sys.executable, "-m", "bench.lora_blocks", str(model), str(loras), "--device", args.device,
            "--tokens", ",".join(map(str, spec["tokens"]))] + (["--text-tokens", "8"] if args.dry_run else [])
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
@@ -278,143 +248,12 @@ def run_model(base: str, key: str, spec: dict, args: argparse.Namespace, budget:
     return rec
 
 
-# ---- the record ---------------------------------------------------------------------------------
-def _ratio(a: Any, b: Any) -> float | None:
-    return round(a / b, 4) if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
-
-
-def summarize(rec: dict) -> dict:
-    """The issue's figures, from the runs only: per model the per-block and end-to-end ratios against
-    the goal, whether the controls kept the bits, the bytes per adapter."""
-    out: dict[str, Any] = {"goal": GOAL}
-    for key, m in rec["models"].items():
-        s: dict[str, Any] = {}
-        rows = (m.get("per_block") or {}).get("workloads") or {}
-        s["per_block_ratio"] = {t: {v: _ratio(r[v]["block_ms"], r["base"]["block_ms"]) for v in r if v != "base"}
-                                for t, r in rows.items()}
-        s["fold_bit_identical"] = all(r["lora_unfolded"]["bit_identical_to_lora"] for r in rows.values()) if rows else None
-        # the two orders of B's product and the add: a run before the engine added in the GEMM on cuda
-        # has the addmm as its control, a later one the separate add ([Note: the add in B's product])
-        first = next(iter(rows.values()), {})
-        control = next((c for c in ("lora_separate_add", "lora_addmm") if c in first), None)
-        s["add_in_gemm_control"] = control
-        s["add_in_gemm_bit_identical"] = (all(r[control]["bit_identical_to_lora"] for r in rows.values())
-                                          if control else None)
-        serves = {n: r for n, r in m.items() if n.startswith("serve_") and isinstance(r, dict) and "ratio" in r}
-        s["end_to_end_ratio"] = {n: r["ratio"] for n, r in serves.items()}
-        s["end_to_end_meets_goal"] = {n: r["ratio"] <= GOAL for n, r in serves.items()}
-        # the denoising steps only (the decode and the encoding, the same with and without, left out)
-        s["denoise_ratio"] = {n: r["denoise_ratio"] for n, r in serves.items() if r.get("denoise_ratio")}
-        for field, apply in (("lora_bytes_identical_across_modes", "branch"),
-                             ("lora_bytes_identical_across_modes_merged", "merge"),
-                             ("lora_bytes_identical_across_modes_auto", "auto")):
-            shas = [r["output_sha256"]["lora"] for n, r in serves.items() if apply_of(r["flags"], n) == apply]
-            s[field] = len(set(shas)) == 1 if len(shas) > 1 else None
-        merge_rows = [r for r in rows.values() if "merge" in r]
-        s["merge_in_gemm_bit_identical"] = (all(r["merge_in_gemm"]["bit_identical_to_merge"]
-                                                for r in merge_rows) if merge_rows else None)
-        s["merge_over_branch_per_block"] = {t: _ratio(r["merge"]["block_ms"], r["lora"]["block_ms"])
-                                            for t, r in rows.items() if "merge" in r}
-        s["base_bytes_identical_across_modes"] = (len({r["output_sha256"]["base"] for r in serves.values()}) == 1
-                                                  if len(serves) > 1 else None)
-        s["lora_changes_output"] = (all(r["output_sha256"]["lora"] != r["output_sha256"]["base"] for r in serves.values())
-                                    if serves else None)
-        s["adapter_bytes"] = {n: {k: a.get(k) for k in ("device_bytes", "allocated_bytes", "host_anon_bytes_after",
-                                                       "host_anon_bytes_peak", "file_bytes", "layers")}
-                              for n, a in ((m.get("per_block") or {}).get("adapters") or {}).items()}
-        s["served_lora_device_bytes"] = {n: r.get("lora_device_bytes") for n, r in serves.items()}
-        out[key] = s
-    return out
-
-
-def markdown(rec: dict) -> str:
-    s = rec["summary"]
-    lines = [f"# LoRA adapters on {rec['device']} ({rec['date']})", ""]
-    if rec.get("dry_run"):
-        lines += ["**CPU dry run: no figure here is a result.**", ""]
-    lines += [f"Goal: <= {GOAL}x the same request without the adapter. Rank {RANK}, from `dlo make-random-lora`. "
-              f"Commands: {'; '.join(rec.get('commands', []))}", ""]
-    for key, m in rec["models"].items():
-        req = m.get("request") or {}
-        shape = f"{req.get('size')}" + (f"x{req['frames']}" if req.get("frames") else "") + f", {req.get('steps')} steps"
-        lines += [f"## {key} ({m.get('preset')}, {m.get('transformer_blocks')} blocks; request {shape})", ""]
-        lines += _per_block_lines(m, s[key]) + _serve_lines(m, s[key]) + _adapter_lines(s[key])
-    return "\n".join(lines) + "\n"
-
-
-def _per_block_lines(m: dict, ms: dict) -> list[str]:
-    """The per-block table and the device's bit-identity checks, or why they were not run."""
-    if not ms["per_block_ratio"]:
-        why = (m.get("per_block") or {}).get("skipped", "not run")
-        return [f"Per block: skipped ({why}); see the earlier records in this folder.", ""]
-    head = next(iter(ms["per_block_ratio"].values()))
-    lines = ["| tokens | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]
-    for t, row in ms["per_block_ratio"].items():
-        base = m["per_block"]["workloads"][t]["base"]["block_ms"]
-        lines.append(f"| {t} (base {base} ms/block) | " + " | ".join(f"{v}x" for v in row.values()) + " |")
-    return lines + ["", f"Power-of-two fold bit-identical on the device: {ms['fold_bit_identical']}; B's product "
-                        f"added in its GEMM and separately give the same bytes ({ms['add_in_gemm_control']} "
-                        f"control): {ms['add_in_gemm_bit_identical']}.", ""]
-
-
-def _serve_lines(m: dict, ms: dict) -> list[str]:
-    """End to end: each served run's seconds, ratio, the adapters' device bytes and the peak."""
-    lines = ["| end to end | base s | lora s | ratio | meets goal | denoising steps only | lora device bytes "
-             "| peak device bytes |", "|---|---|---|---|---|---|---|---|"]
-    for n, ratio in ms["end_to_end_ratio"].items():
-        r = m[n]
-        denoise = (ms.get("denoise_ratio") or {}).get(n)
-        held = (r.get("lora_device_bytes") or {}).get("0")
-        peak = (r.get("peak_device_bytes") or {}).get("0")
-        lines.append(f"| {n} | {r['seconds']['base']} | {r['seconds']['lora']} | {ratio}x | "
-                     f"{ms['end_to_end_meets_goal'][n]} | {f'{denoise}x' if denoise else ''} | {held or ''} "
-                     f"| {int(peak) if peak else ''} |")
-    for n, r in m.items():  # a run that failed or was skipped says so here too, not only in the raw
-        if n.startswith("serve") and isinstance(r, dict) and ("error" in r or "skipped" in r):
-            lines.append(f"| {n} | {'failed: ' + r['error'] if 'error' in r else 'skipped: ' + r['skipped']} "
-                         "| | | | | | |")
-    return lines + ["", f"LoRA bytes identical across modes: {ms['lora_bytes_identical_across_modes']} (branch), "
-                        f"{ms.get('lora_bytes_identical_across_modes_merged')} (merge), "
-                        f"{ms.get('lora_bytes_identical_across_modes_auto')} (auto); the adapter changes the "
-                        f"output: {ms['lora_changes_output']}. Merged in one GEMM and in peft's two steps give the "
-                        f"same bytes: {ms.get('merge_in_gemm_bit_identical')}; merge over branch per block: "
-                        f"{ms.get('merge_over_branch_per_block')}.", ""]
-
-
-def _adapter_lines(ms: dict) -> list[str]:
-    """Host and device bytes per loaded adapter (the per-block step measures them)."""
-    if not ms["adapter_bytes"]:
-        return []
-    lines = ["| adapter | device bytes | allocator delta | host anon after | host anon peak | file bytes | layers |",
-             "|---|---|---|---|---|---|---|"]
-    for n, a in ms["adapter_bytes"].items():
-        lines.append(f"| {n} | " + " | ".join(str(a.get(k)) for k in ("device_bytes", "allocated_bytes",
-                     "host_anon_bytes_after", "host_anon_bytes_peak", "file_bytes", "layers")) + " |")
-    return lines + [""]
-
-
-def merge(paths: list[Path], out: Path, stem: str) -> dict:
-    raws = [json.loads(p.read_text()) for p in paths]
-    rec = {"date": raws[0]["date"], "device": raws[0]["device"], "dry_run": any(r.get("dry_run") for r in raws),
-           "commands": [r["command"] for r in raws], "sources": [p.name for p in paths],
-           "models": {}}
-    for r in raws:  # a model measured over several calls: each step from the call that ran it
-        for key, m in r["models"].items():
-            into = rec["models"].setdefault(key, {})
-            into.update({k: v for k, v in m.items() if k not in into or not (isinstance(v, dict) and "skipped" in v)})
-    rec["summary"] = summarize(rec)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps(rec, indent=2) + "\n")
-    (out / f"{stem}.md").write_text(markdown(rec))
-    return rec
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench lora", description=__doc__.splitlines()[0])
     ap.add_argument("command", choices=("run", "merge"))
     ap.add_argument("raws", nargs="*", type=Path, help="merge: the raw records")
     ap.add_argument("--models", type=Path, default=Path("/tmp/models"))
-    ap.add_argument("--out", type=Path, default=HERE / "results")
+    ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--logs", type=Path, default=None)
     ap.add_argument("--stem", default=None)
     ap.add_argument("--only", default="wan21,flux")
@@ -432,22 +271,22 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=0, help="the request's steps instead of the model's bench default")
     ap.add_argument("--delete-after", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny presets: every step, no result")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     date = datetime.date.today().isoformat()
     if args.command == "merge":
-        rec = merge(args.raws, args.out, args.stem or f"lora-h200-{date}")
+        rec = merge(args.raws, args.out, args.stem or f"lora-{date}")
         print(json.dumps(rec["summary"], indent=2))
         return 0
     args.device = "cpu" if args.dry_run else "cuda"
     for d in (args.out, args.models):
         d.mkdir(parents=True, exist_ok=True)
-    rec: dict[str, Any] = {"date": date, "dry_run": args.dry_run, "device": args.device,
-                           "command": " ".join(["python3", *sys.argv]), "models": {}}
+    rec: dict[str, Any] = records.raw("lora", args.device, {"date": date, "dry_run": args.dry_run, "device": args.device,
+                                                          "command": " ".join(["python3", *sys.argv]), "models": {}})
     if args.device == "cuda":
         import torch
 
         rec["device"] = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-    stem = args.out / (args.stem or f"raw-lora-{'dry-run' if args.dry_run else 'h200'}-{date}")
+    stem = args.out / (args.stem or f"raw-lora-{'dry-run-' if args.dry_run else ''}{date}")
     budget = Budget(args.budget_s, args.dry_run)
 
     def save(key: str, model_rec: dict) -> None:

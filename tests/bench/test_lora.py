@@ -1,4 +1,4 @@
-"""bench/lora_h200.py: the CPU dry run of every step (the adapters from `dlo make-random-lora`, the
+"""bench/lora.py (`python -m bench lora`): the CPU dry run of every step (the adapters from `dlo make-random-lora`, the
 per-block variants in their own process, a `dlo serve --lora-dir` run), and `merge` into the record."""
 
 from __future__ import annotations
@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from bench import lora, lora_record
+
 ROOT = Path(__file__).resolve().parents[2]
-BENCH = ROOT / "bench" / "lora_h200.py"
+BENCH = [sys.executable, "-m", "bench", "lora"]
 
 
 @pytest.mark.slow
@@ -20,7 +22,7 @@ def test_the_dry_run_measures_every_step_and_merges_into_the_record(tmp_path: Pa
     from dlo.engine.random_model import write_pipeline
 
     write_pipeline(tmp_path / "models" / "tiny-flux.1-dev", preset("tiny-flux.1-dev"))  # the bench's make skips it
-    r = subprocess.run([sys.executable, str(BENCH), "run", "--dry-run", "--only", "flux", "--runs", "serve_rank_local,serve_resident_merge_cached",
+    r = subprocess.run([*BENCH, "run", "--dry-run", "--only", "flux", "--runs", "serve_rank_local,serve_resident_merge_cached",
                         "--requests", "1", "--models", str(tmp_path / "models"), "--out", str(tmp_path / "out"),
                         "--stem", "raw-dry"], capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -35,16 +37,14 @@ def test_the_dry_run_measures_every_step_and_merges_into_the_record(tmp_path: Pa
     assert isinstance(row["merge_in_gemm"]["bit_identical_to_merge"], bool)  # the device's verdict; cpu's tells nothing
     adapters = flux["per_block"]["adapters"]
     assert adapters["r64"]["device_bytes"] > adapters["r64-attention"]["device_bytes"] > 0
-    sys.path.insert(0, str(BENCH.parent))
-    import lora_h200
 
     run = flux["serve_rank_local"]
     # every block streamed (auto resident blocks keep what fits), the branch asked for
     assert run["flags"][-4:] == ["--resident-blocks", "0", "--lora-apply", "branch"]
-    assert lora_h200.apply_of(run["flags"]) == "branch"
+    assert lora_record.apply_of(run["flags"]) == "branch"
     # no flag: auto for the `*_auto` runs; the branch for a raw from before auto was the default
-    assert lora_h200.apply_of(["--mode", "resident"], "serve_resident_auto") == "auto"
-    assert lora_h200.apply_of(["--mode", "rank-local"], "serve_rank_local") == "branch"
+    assert lora_record.apply_of(["--mode", "resident"], "serve_resident_auto") == "auto"
+    assert lora_record.apply_of(["--mode", "rank-local"], "serve_rank_local") == "branch"
     assert run["exit_code"] == 0 and set(run["seconds"]) == {"base", "lora"} and run["same_bytes_every_request"]
     assert run["lora_device_bytes"] == {"0": adapters["r64"]["device_bytes"]}
     assert all(x > 0 for v in ("base", "lora") for x in run["step_seconds"][v])  # the denoising steps, per request
@@ -54,7 +54,7 @@ def test_the_dry_run_measures_every_step_and_merges_into_the_record(tmp_path: Pa
     assert flux["serve_resident_merge_cached"]["flags"][-4:] == ["--lora-apply", "merge", "--lora-merge-cache", "1GiB"]
     assert s["base_bytes_identical_across_modes"]  # the same request without an adapter, either way
     assert not (tmp_path / "models" / "tiny-flux.1-dev").exists()  # deleted after its runs (disk)
-    m = subprocess.run([sys.executable, str(BENCH), "merge", str(tmp_path / "out" / "raw-dry.json"), "--out",
+    m = subprocess.run([*BENCH, "merge", str(tmp_path / "out" / "raw-dry.json"), "--out",
                         str(tmp_path), "--stem", "lora-dry"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert m.returncode == 0, m.stderr[-2000:]
     md = (tmp_path / "lora-dry.md").read_text()
@@ -67,16 +67,14 @@ def test_a_longer_video_request_is_a_workload_of_its_own() -> None:
     request's); an image model's request keeps its shape; `--steps` applies to both."""
     import argparse
 
-    sys.path.insert(0, str(BENCH.parent))
-    import lora_h200
 
     args = argparse.Namespace(dry_run=False, frames=81, steps=3)
-    key, spec = lora_h200.request_of("wan21", args)
+    key, spec = lora.request_of("wan21", args)
     assert key == "wan21-81f" and spec["request"]["frames"] == 81 and spec["request"]["steps"] == 3
-    assert lora_h200.MODELS["wan21"]["request"]["frames"] == 17  # the default request untouched
-    key, spec = lora_h200.request_of("flux", args)
+    assert lora.MODELS["wan21"]["request"]["frames"] == 17  # the default request untouched
+    key, spec = lora.request_of("flux", args)
     assert key == "flux" and "frames" not in spec["request"] and spec["request"]["steps"] == 3
-    assert lora_h200.request_of("wan21", argparse.Namespace(dry_run=False, frames=0, steps=0))[0] == "wan21"
+    assert lora.request_of("wan21", argparse.Namespace(dry_run=False, frames=0, steps=0))[0] == "wan21"
 
 
 def test_merge_takes_each_step_of_a_model_from_the_call_that_ran_it(tmp_path: Path) -> None:
@@ -92,7 +90,7 @@ def test_merge_takes_each_step_of_a_model_from_the_call_that_ran_it(tmp_path: Pa
     first = raw("a", make={"bytes": 5}, per_block={"workloads": {}}, serve_resident=run)
     second = raw("b", make={"skipped": "present"}, per_block={"skipped": "--no-per-block"},
                  serve_rank_local={**run, "flags": ["--mode", "rank-local"], "ratio": 0.99})
-    m = subprocess.run([sys.executable, str(BENCH), "merge", str(first), str(second), "--out", str(tmp_path),
+    m = subprocess.run([*BENCH, "merge", str(first), str(second), "--out", str(tmp_path),
                         "--stem", "both"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert m.returncode == 0, m.stderr[-2000:]
     flux = json.loads((tmp_path / "both.json").read_text())["models"]["flux"]
@@ -104,11 +102,9 @@ def test_merge_takes_each_step_of_a_model_from_the_call_that_ran_it(tmp_path: Pa
 def test_a_failed_run_is_in_the_record_s_table(tmp_path: Path) -> None:
     """A serve run that failed on the device (an H100's resident run, 2026-12-06) is a row of the
     markdown too, with its error, not only a key of the raw."""
-    sys.path.insert(0, str(BENCH.parent))
-    import lora_h200
 
     raw = ROOT / "bench" / "results" / "raw-lora-h200-2026-12-06-wan21-steps.json"
-    lora_h200.merge([raw], tmp_path, "lora-failed")
+    lora_record.merge([raw], tmp_path, "lora-failed")
     md = (tmp_path / "lora-failed.md").read_text()
     assert "| serve_resident_auto | failed: RuntimeError: video failed:" in md
     assert "| serve_rank_local_auto | 12.143 | 12.876 | 1.0604x | False |" in md

@@ -3,12 +3,12 @@ in plain diffusers (resident, and group offloading under a device-memory cap), c
 mode, the largest request the limits accept, Wan2.2's two experts, host memory and readiness.
 
     # one H200, 64 GiB disk: one full folder at a time (each is deleted after its runs)
-    python bench/pipeline_h200.py --only wan21 --models /tmp/models --out /tmp/o --logs /tmp/o/logs \
+    bash bench/device.sh python -m bench pipeline --only wan21 --models /tmp/models --out /tmp/o --logs /tmp/o/logs \
       --runs diffusers_resident,diffusers_group_offload_capped_24gib,serve_rank_local_partial,serve_default_capped_24gib
     # two H200 (128 GiB disk): Wan2.2 full size, and allgather at dp 2 for the host-memory claim
-    python bench/pipeline_h200.py --models /tmp/models --out bench/results --only wan22 --dp 2
+    bash bench/device.sh python -m bench pipeline --models /tmp/models --out $OUT --only wan22 --dp 2
     # CPU dry run of every step with the tiny presets (no figure of it is a result)
-    python bench/pipeline_h200.py --tiny --models /tmp/tiny-models --out /tmp/pipeline-dry
+    python -m bench pipeline --tiny --models /tmp/tiny-models --out /tmp/pipeline-dry
 
 Models (`--only wan21,wan21i2v,flux,qwen,wan22`), each with one request and the limits the servers
 get (largest size and frames = the request's, one image per request; `--limits-json` adds to them):
@@ -47,21 +47,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import wan_bench as wb  # noqa: E402
-from import_profile import bytecode_facts, optional_packages_installed  # noqa: E402
+from bench.lib import records
+from bench.lib.records import RESULTS
+from bench.import_profile import bytecode_facts, optional_packages_installed
 
-from _env import multicast_off  # noqa: E402
-
-wb.ensure_dlo_importable()
+from bench._env import multicast_off
 multicast_off()  # before torch: the servers and children inherit it
 
-from host_memory import tree_memory  # noqa: E402
-from model_folders import checkpoint_bytes, make, quantize, warm_page_cache  # noqa: E402
-from pipeline_record import PER_RUN, markdown, merge, summarize  # noqa: E402
-from pipeline_requests import generate, grey_png, largest_request, server_limits  # noqa: E402
-from small_gpu import (  # noqa: E402
+from bench.host_memory import tree_memory
+from bench.model_folders import checkpoint_bytes, make, quantize, warm_page_cache
+from bench.pipeline_record import PER_RUN, markdown, merge, summarize
+from bench.pipeline_requests import generate, grey_png, largest_request, server_limits
+from bench.small_gpu import (
     QUANTIZED,
     SMALL_GPU_RUNS,
     beyond_limits,
@@ -109,7 +106,7 @@ def diffusers_run(model: Path, request: dict, device: str, **extra: Any) -> dict
         extra.pop("cap_bytes", None)  # no allocator to cap on cpu (the dry run)
     if extra.get("placement") == "group_offload" and device != "cuda":
         return {"skipped": "group offloading with a stream needs cuda"}
-    r = subprocess.run([sys.executable, __file__, "--_baseline-child", str(model), "--_request",
+    r = subprocess.run([sys.executable, "-m", "bench.pipeline", "--_baseline-child", str(model), "--_request",
                         json.dumps({**request, **extra}), "--device", device], capture_output=True, text=True)
     if r.returncode != 0:
         tail = r.stderr[-3000:]
@@ -319,10 +316,10 @@ def run_model(key: str, args: argparse.Namespace, layers: int | None, save: Any)
     return rec
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench pipeline", description=__doc__.splitlines()[0])
     ap.add_argument("--models", type=Path, default=Path("/tmp/models"), help="where pipeline folders are written")
-    ap.add_argument("--out", type=Path, default=HERE / "results")
+    ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--only", default="wan21,flux,wan22", help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--device", default=None, help="cuda (default), or cpu (the default with --tiny)")
     ap.add_argument("--logs", type=Path, default=None, help="folder for the servers' logs (default: --out)")
@@ -333,7 +330,7 @@ def main() -> None:
     ap.add_argument("--runs", default="", help="comma-separated run names to keep (default: diffusers_resident "
                     "and every serve run)")
     ap.add_argument("--limits-json", default=None, help='added to each server\'s limits, e.g. \'{"max_n": 2}\'')
-    ap.add_argument("--stem", default=None, help="record file name without suffix (default: pipeline-h200-<date>)")
+    ap.add_argument("--stem", default=None, help="record file name without suffix (default: pipeline-<date>)")
     ap.add_argument("--dp", type=int, default=1, help="also allgather and rank-local at this dp (GPUs)")
     ap.add_argument("--wan22-layers", default="",
                     help="comma-separated layer counts for Wan2.2 when the full 64.4 GiB does not fit the disk")
@@ -342,7 +339,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="CPU dry run with the tiny-* presets (no results)")
     ap.add_argument("--small-gpu", action="store_true",
                     help="the small-GPU record (issue 27): each model's runs of bench/small_gpu.py in order of value, "
-                         "record small-gpu-h200-<date>")
+                         "record small-gpu-<date>")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="seconds this call may take: a run that would end past it (judged by the longest run "
                          "so far) is recorded as skipped")
@@ -350,13 +347,13 @@ def main() -> None:
     ap.add_argument("--_request", dest="request", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--merge", nargs="+", type=Path, default=None, metavar="RECORD",
                     help="merge records of several calls into --out/--stem (no runs)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.merge:
-        rec = merge(args.merge, args.out / (args.stem or f"pipeline-h200-{datetime.date.today().isoformat()}"))
+        rec = merge(args.merge, args.out / (args.stem or f"pipeline-{datetime.date.today().isoformat()}"))
         print(json.dumps({k: v for k, v in rec["summary"].items() if k not in PER_RUN}, indent=2))
         return
     if args.baseline_child:
-        from diffusers_baseline import baseline_child
+        from bench.diffusers_baseline import baseline_child
 
         print(json.dumps(baseline_child(args.baseline_child, json.loads(args.request), args.device)))
         return
@@ -365,23 +362,23 @@ def main() -> None:
         if d:
             d.mkdir(parents=True, exist_ok=True)
     date = datetime.date.today().isoformat()
-    rec: dict[str, Any] = {"date": date, "device": args.device, "tiny": args.tiny,
-                           "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]), "models": {}}
+    rec: dict[str, Any] = records.raw("pipeline", args.device, {
+        "date": date, "device": args.device, "tiny": args.tiny,
+        "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]), "models": {}})
     if args.device == "cuda":
         import torch
 
         rec["device"] = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
     # whether torch / diffusers / transformers import from cached bytecode (as from an image pip built)
-    # or compile from source in every process: seconds of every start-up (bench/NOTES.md section 12)
+    # or compile from source in every process: seconds of every start-up (record pipeline-h200-2026-11-30)
     rec["bytecode"] = bytecode_facts()
     rec["optional_packages"] = optional_packages_installed()  # imported when present; not in the image
     kind = "small-gpu" if args.small_gpu else "pipeline"
-    stem = args.out / (args.stem or (f"{kind}-h200-{date}" if not args.tiny else f"{kind}-dry-run-{date}"))
+    stem = args.out / (args.stem or (f"{kind}-{date}" if not args.tiny else f"{kind}-dry-run-{date}"))
 
     def write() -> None:  # after every run: a call cut short keeps what it measured
         rec["summary"] = summarize(rec)
-        stem.with_suffix(".json").write_text(json.dumps(rec, indent=2) + "\n")
-        stem.with_suffix(".md").write_text(markdown(rec))
+        records.write(rec, stem.with_suffix(".json"), markdown(rec))
 
     for key in args.only.split(","):
         layer_counts = [int(x) for x in args.wan22_layers.split(",") if x] if key == "wan22" and not args.tiny else []
@@ -393,4 +390,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

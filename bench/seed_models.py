@@ -2,13 +2,13 @@
 through `dlo serve` against plain diffusers resident, with videos/h, frames/s and Wh/video per run.
 
     # one call per model (one H200, 64 GiB disk: each model's folder is deleted after its call)
-    python bench/seed_models_h200.py --model cosmos3-nano --models /tmp/models --out /tmp/o
-    python bench/seed_models_h200.py --model minimax-h3 --models /tmp/models --out /tmp/o
-    python bench/seed_models_h200.py --model cosmos3-super --models /tmp/models --out /tmp/o
-    # then, anywhere: the merged record bench/results/seed-models-h200-<date>.{json,md}
-    python bench/seed_models_h200.py --merge /tmp/o/seed-models-h200-*-raw.json --out bench/results
+    bash bench/device.sh python -m bench seed-models --model cosmos3-nano --models /tmp/models --out $OUT
+    bash bench/device.sh python -m bench seed-models --model minimax-h3 --models /tmp/models --out $OUT
+    bash bench/device.sh python -m bench seed-models --model cosmos3-super --models /tmp/models --out $OUT
+    # then, anywhere: the merged record bench/results/seed-models-<date>.{json,md}
+    python -m bench seed-models --merge RAW-DIR/seed-models-*-raw.json --out bench/results
     # CPU dry run of every step with the tiny presets (no figure of it is a result)
-    python bench/seed_models_h200.py --model cosmos3-nano --dry-run --models /tmp/tiny --out /tmp/dry
+    python -m bench seed-models --model cosmos3-nano --dry-run --models /tmp/tiny --out /tmp/dry
 
 Per model (`MODELS`): `make` writes the preset with random weights on the GPU (`--layers auto`: the
 most transformer layers the free disk holds beside the rest; Cosmos3-Nano is full size); MiniMax-H3's
@@ -41,17 +41,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import wan_bench as wb  # noqa: E402
+from bench.lib import records
 
-from _env import multicast_off  # noqa: E402
-
-wb.ensure_dlo_importable()
+from bench._env import multicast_off
 multicast_off()
 
-import seed_models_record as record  # noqa: E402
-from video_figures import video_figures  # noqa: E402
+from bench import seed_models_record as record
+from bench.video_figures import video_figures
 
 GIB = 1 << 30
 # The request sizes (and the step counts their documentation recommends, for the extrapolation)
@@ -151,12 +147,12 @@ def warm(model: Path) -> dict:
 
 
 def diffusers_run(model: Path, req: dict, args: argparse.Namespace) -> dict:
-    from diffusers_baseline import PROMPT, SEED
+    from bench.diffusers_baseline import PROMPT, SEED
 
     w, h = map(int, req["size"].split("x"))
     child_req = {"prompt": PROMPT, "seed": SEED, "width": w, "height": h, "steps": req["steps"],
                  "guidance": req["guidance"], "frames": req["frames"] if req["kind"] == "video" else 1}
-    proc = subprocess.run([sys.executable, str(HERE / "seed_baseline.py"), str(model), json.dumps(child_req),
+    proc = subprocess.run([sys.executable, "-m", "bench.seed_baseline", str(model), json.dumps(child_req),
                            args.device], capture_output=True, text=True, timeout=args.run_timeout)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
@@ -169,7 +165,7 @@ def serve_run(model: Path, requests: list[dict], args: argparse.Namespace, name:
 
     from dlo.engine.energy import EnergyMeter
     from dlo.serving.launch import ServerProcess
-    from pipeline_requests import generate
+    from bench.pipeline_requests import generate
 
     limits = logs / f"{name}-limits.json"
     biggest = max(requests, key=lambda r: r["frames"])
@@ -256,8 +252,8 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
     return rec
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench seed-models", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=sorted(MODELS))
     ap.add_argument("--models", type=Path, default=Path("/tmp/models"), help="where model folders are written")
     ap.add_argument("--out", type=Path, required=True, help="where the record goes")
@@ -268,23 +264,22 @@ def main() -> int:
     ap.add_argument("--run-timeout", type=float, default=420.0, help="seconds one run may take")
     ap.add_argument("--repeats", type=int, default=2, help="requests per serve run (the fastest is kept)")
     ap.add_argument("--merge", nargs="+", type=Path, help="raw records to merge into the dated record")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     date = datetime.date.today().isoformat()
     if args.merge:
         merged = record.merge(args.merge)
-        stem = args.out / f"seed-models-h200-{date}"
-        stem.with_suffix(".json").write_text(json.dumps(merged, indent=2) + "\n")
-        stem.with_suffix(".md").write_text(record.markdown(merged))
+        stem = args.out / f"seed-models-{date}"
+        records.write(merged, stem.with_suffix(".json"), record.markdown(merged))
         print(json.dumps(merged["summary"], indent=2))
         return 0
     if args.model is None:
         ap.error("--model is required (or --merge)")
     if args.dry_run:
         args.device = "cpu"
-    raw = args.out / f"seed-models-h200-{args.model}-{date}-raw.json"
+    raw = args.out / f"seed-models-{args.model}-{date}-raw.json"
     args.save = lambda rec: raw.write_text(json.dumps(rec, indent=2) + "\n")  # after every run
-    rec = run_model(args.model, args)
+    rec = {**records.raw("seed-models", args.device, {}), **run_model(args.model, args)}
     rec["command"] = " ".join(["python", *sys.argv])
     args.save(rec)
     print(json.dumps(record.summarize([rec]), indent=2))

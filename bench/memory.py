@@ -1,24 +1,17 @@
 """Device-memory calibration (issue 27): what a request needs beyond the weights, per family and
 shape, measured on the GPU; `merge` fits the table the memory model reads (`plan/memory_table.json`).
 
-    # on the GPU host (one H200, ONE call of at most 8 minutes: about 5 min measured + start-up).
-    # Here first: mkdir -p .whl && cp /tmp/whl/*.whl .whl/ && rm -f .whl/imageio_ffmpeg-*.whl
-    # (12.6 MB; `.whl/` is git-ignored), then one device call with `.whl` beside the tree, at most 540 s:
-    set -o pipefail; [ -d /tmp/site/diffusers ] || python3 -m pip install -q --no-index --no-deps --no-compile \
-      --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-    [ -f /tmp/compiled ] || { python3 -m compileall -q -j 16 /tmp/site /opt/torch/.venv/lib/python3.12/site-packages \
-      >/dev/null 2>&1; touch /tmp/compiled; }
-    df -h /tmp | tail -1; nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-    timeout 480 python3 bench/memory_h200.py run --models /tmp/mm --out $OUT --stem raw-memory-h200-$(date +%F) \
+    # on the GPU host (one card, ONE call of at most 8 minutes: about 5 min measured + start-up),
+    # through the device prelude (bench/device.sh; `.whl` carried), at most 540 s:
+    timeout 480 bash bench/device.sh python -m bench memory run --models /tmp/mm --out $OUT --stem raw-memory-$(date +%F) \
       --total-s 420 2>&1 | tee $OUT/memory-bench.txt | tail -30
-    # comes back: raw-memory-h200-DATE-{wan,wan-i2v,flux,qwen-image}.json and memory-bench.txt
+    # comes back: raw-memory-DATE-{wan,wan-i2v,flux,qwen-image}.json and memory-bench.txt
     # here, no device: the table and the record beside the raws
-    python bench/memory_h200.py merge bench/results/raw-memory-h200-DATE-*.json --table plan/memory_table.json \
-      --out bench/results --stem memory-h200-DATE
-    # CPU dry run of every step with the tiny presets (CI: tests/bench/test_memory_h200.py); no figure
+    python -m bench memory merge bench/results/raw-memory-DATE-*.json --table plan/memory_table.json \
+      --out bench/results --stem memory-DATE
+    # CPU dry run of every step with the tiny presets (CI: tests/bench/test_memory.py); no figure
     # of it is a result, and merge refuses it
-    python bench/memory_h200.py run --dry-run --models /tmp/mm --out /tmp/mm-out
+    python -m bench memory run --dry-run --models /tmp/mm --out /tmp/mm-out
 
 Per family (`--families wan,wan-i2v,flux,qwen-image`), in this order and each in its own process
 (its own allocator, uncapped, PYTORCH_CUDA_ALLOC_CONF unset as `dlo serve` runs by default):
@@ -47,11 +40,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import wan_bench as wb  # noqa: E402
-
-wb.ensure_dlo_importable()
+from bench.lib import merge as merging
+from bench.lib import records
+from bench.lib.records import RESULTS
 
 from dlo.plan.memory_model import Geometry, Shape, features  # noqa: E402
 from dlo.plan.memory_table import TABLE_PATH, FamilyTable, MemoryTable, TableError, fit_linear, part_features  # noqa: E402
@@ -106,7 +97,7 @@ def _make(folder: Path, plan: Plan, device: str, dry_run: bool) -> dict:
     """The pipeline folder: `dlo make-random-model` in a child process on the device (this process
     holds no device memory while the families are measured); in this process for the dry run."""
     if not dry_run:
-        from model_folders import make  # the same make (skipped when present) as the pipeline bench
+        from bench.model_folders import make  # the same make (skipped when present) as the pipeline bench
 
         return make(folder, plan.preset, plan.layers, device)
     from dlo.engine.presets import preset
@@ -121,12 +112,12 @@ def run(args: argparse.Namespace) -> int:
     device = "cpu" if args.dry_run else args.device
     args.out.mkdir(parents=True, exist_ok=True)
     args.models.mkdir(parents=True, exist_ok=True)
-    stem = args.stem or f"raw-memory-{'dry' if args.dry_run else 'h200'}-{datetime.date.today().isoformat()}"
+    stem = args.stem or f"raw-memory-{'dry-' if args.dry_run else ''}{datetime.date.today().isoformat()}"
     env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}  # dlo serve's default allocator
     families = args.families.split(",")
     unknown = [f for f in families if f not in PLANS]
     if unknown:
-        print(f"memory_h200: unknown families {', '.join(unknown)}; known: {', '.join(PLANS)}", file=sys.stderr)
+        print(f"bench memory: unknown families {', '.join(unknown)}; known: {', '.join(PLANS)}", file=sys.stderr)
         return 2
     end = time.monotonic() + args.total_s
     failures = 0
@@ -137,9 +128,9 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         made = _make(folder, plan, device, args.dry_run)
         budget = max(10.0, (end - time.monotonic()) / (len(families) - i))
-        cmd = [sys.executable, __file__, "_family", "--family", family, "--model", str(folder), "--raw", str(raw),
+        cmd = [sys.executable, "-m", "bench.memory", "_family", "--family", family, "--model", str(folder), "--raw", str(raw),
                "--device", device, "--budget-s", f"{budget:.0f}"] + (["--dry-run"] if args.dry_run else [])
-        print(f"memory_h200: {family}: made in {time.perf_counter() - t0:.1f} s ({made.get('bytes', 0) / 1e9:.1f} GB); "
+        print(f"bench memory: {family}: made in {time.perf_counter() - t0:.1f} s ({made.get('bytes', 0) / 1e9:.1f} GB); "
               f"measuring for up to {budget:.0f} s", file=sys.stderr, flush=True)
         try:
             code = subprocess.run(cmd, env=env, timeout=budget + 150).returncode
@@ -147,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
             code = "timeout"
         _annotate(raw, family, plan, made, code, os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
         failures += code != 0
-        print(f"memory_h200: {family}: exit {code} -> {raw}", file=sys.stderr, flush=True)
+        print(f"bench memory: {family}: exit {code} -> {raw}", file=sys.stderr, flush=True)
         if not args.keep_models:
             shutil.rmtree(folder, ignore_errors=True)
     return 1 if failures else 0
@@ -165,7 +156,7 @@ def family_main(args: argparse.Namespace) -> int:
     """The per-family child: facts of the device and software, then the probe."""
     import torch
 
-    from memory_probe import probe_main
+    from bench.memory_probe import probe_main
 
     rec_device = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
     code = probe_main(args.model, args.raw, args.device, args.budget_s, plans(args.dry_run)[args.family])
@@ -175,7 +166,7 @@ def family_main(args: argparse.Namespace) -> int:
 
     rec.update(device_name=rec_device, torch=torch.__version__, diffusers=diffusers.__version__,
                transformers=transformers.__version__, geometry=asdict(_geometry(args.model)))
-    args.raw.write_text(json.dumps(rec, indent=1) + "\n")
+    records.write(records.raw("memory", args.device, rec), args.raw)
     return code
 
 
@@ -190,6 +181,7 @@ def _geometry(model: Path) -> Geometry:
 def merge(raws: list[Path], table_path: Path, stem: Path) -> dict:
     """Fit every family's parts (reserved growth: what the table predicts with) and the weights'
     overhead from the raw records; the allocated growth is fitted beside them in the record only."""
+    merging.one_card(merging.load(raws))  # one card's table: records of several are refused
     records = [json.loads(p.read_text()) for p in raws]
     dry = [str(p) for p, r in zip(raws, records) if r.get("device_name", r.get("device")) == "cpu"]
     if dry:
@@ -280,7 +272,7 @@ def _validation(rec: dict, fits: dict, activations: dict, geometry: Geometry) ->
 
 def markdown(out: dict) -> str:
     t = out["table"]
-    lines = ["# Device-memory calibration", "", "Generated from the JSON beside it (`bench/memory_h200.py merge`).", "",
+    lines = ["# Device-memory calibration", "", "Generated from the JSON beside it (`bench/memory.py merge`).", "",
              f"Device: {t['device']}; memory outside the allocator: {t['context_bytes']} bytes.", "",
              "Each part: the allocator's reserved growth from an emptied cache (what the table predicts with; "
              "plan/memory_table.py says why), then the allocated growth (the activations) as a check.", "",
@@ -305,12 +297,12 @@ def _coef(fit: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench memory", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="measure on the device (one process per family)")
     r.add_argument("--models", type=Path, default=Path("/tmp/mm"), help="where the reduced pipelines are written")
     r.add_argument("--out", type=Path, required=True, help="folder for the raw records (one per family)")
-    r.add_argument("--stem", default=None, help="raw file names: STEM-FAMILY.json (default raw-memory-h200-DATE)")
+    r.add_argument("--stem", default=None, help="raw file names: STEM-FAMILY.json (default raw-memory-DATE)")
     r.add_argument("--families", default=",".join(PLANS))
     r.add_argument("--device", default="cuda")
     r.add_argument("--total-s", type=float, default=420.0, help="seconds for every family together (make included)")
@@ -319,8 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     m = sub.add_parser("merge", help="fit the table from raw records (no device)")
     m.add_argument("raws", nargs="+", type=Path)
     m.add_argument("--table", type=Path, default=TABLE_PATH, help=f"the table to write (default {TABLE_PATH})")
-    m.add_argument("--out", type=Path, default=HERE / "results")
-    m.add_argument("--stem", default=f"memory-h200-{datetime.date.today().isoformat()}")
+    m.add_argument("--out", type=Path, default=RESULTS)
+    m.add_argument("--stem", default=f"memory-{datetime.date.today().isoformat()}")
     f = sub.add_parser("_family", help=argparse.SUPPRESS)
     f.add_argument("--family", required=True)
     f.add_argument("--model", type=Path, required=True)
@@ -336,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = merge(args.raws, args.table, args.out / args.stem)
     except (TableError, KeyError, ValueError) as e:
-        print(f"memory_h200 merge: {e}", file=sys.stderr)
+        print(f"bench memory merge: {e}", file=sys.stderr)
         return 2
     print(json.dumps({k: v["validation"] for k, v in out["report"].items()}, indent=1))
     return 0

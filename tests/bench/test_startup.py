@@ -1,4 +1,4 @@
-"""bench/ready_h200.py (issue 34): the CPU dry run of every step of a start-up measurement (make,
+"""bench/startup.py (issue 34): the CPU dry run of every step of a start-up measurement (make,
 the folder's disk read, evicting before a cold start, `/ready` with its phases, the output check,
 SIGTERM) and `merge`'s summary."""
 
@@ -11,18 +11,17 @@ from pathlib import Path
 
 import pytest
 
+from bench import startup, startup_record
+
 ROOT = Path(__file__).resolve().parents[2]
-BENCH = ROOT / "bench" / "ready_h200.py"
+BENCH = [sys.executable, "-m", "bench", "startup"]
 
 
 def bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return subprocess.run([*BENCH, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
 def test_rank_zeros_log_gives_the_cold_starts_reads() -> None:
-    sys.path.insert(0, str(ROOT / "bench"))
-    import ready_h200
-
     log = ("rank0 INFO dlo.serving.prewarm readahead of 12 files not in the page cache (40 bytes) adopted "
            "(started with dlo serve's checks, 3.5 s before this load)\n"
            "rank0 INFO dlo.engine.weights early registration of transformer: 6 of 6 files, 28635462504 bytes, 21.40 s "
@@ -35,34 +34,29 @@ def test_rank_zeros_log_gives_the_cold_starts_reads() -> None:
            "'seconds': 25.0, 'pid': 7, 'first': {'files': 21803, 'bytes': 5000, 'seconds': 3.9}} (beside the imports)\n"
            "rank1 INFO dlo.engine.weights early registration of transformer: 6 of 6 files, 1 bytes, 9.00 s "
            "(9.00 s of it waiting for the start's other files)\n")  # another rank's: not rank 0's figures
-    assert ready_h200.log_facts(log) == {
+    assert startup_record.log_facts(log) == {
         "registration": {"transformer": {"seconds": 21.4, "waited_seconds": 4.1},
                          "text_encoder": {"seconds": 20.1, "waited_seconds": 1.2, "read_wait_seconds": 18.3},
                          "text_encoder_2": {"seconds": 2.0, "read_wait_seconds": 1.5}},
         "readahead": {"files": 12, "bytes": 40, "seconds": 25.0, "pid": 7, "job_seconds": 30.1,
                       "first": {"files": 21803, "bytes": 5000, "seconds": 3.9}},
         "readahead_lead_seconds": 3.5}
-    assert ready_h200.log_facts("rank0 INFO nothing here") == {}
+    assert startup_record.log_facts("rank0 INFO nothing here") == {}
 
 
 def test_the_plan_is_read_in_order_and_a_bad_item_is_named() -> None:
-    sys.path.insert(0, str(ROOT / "bench"))
-    import ready_h200
-
-    assert ready_h200.parse_plan("resident:5,rank-local,disk-read,resident@cold:2") == [
+    assert startup.parse_plan("resident:5,rank-local,disk-read,resident@cold:2") == [
         ("warm", "resident", 5), ("warm", "rank-local", 1), ("disk-read", "", 1), ("cold", "resident", 2)]
-    assert ready_h200.parse_plan("resident@profile,rank-local@cold-node:2") == [("profile", "resident", 1),
+    assert startup.parse_plan("resident@profile,rank-local@cold-node:2") == [("profile", "resident", 1),
                                                                                   ("cold-node", "rank-local", 2)]
     with pytest.raises(ValueError, match="'resident@hot'"):
-        ready_h200.parse_plan("resident@hot")
+        startup.parse_plan("resident@hot")
     r = bench("run", "--raw", "/dev/null", "--plan", "fast:2")
     assert r.returncode == 2 and "--plan: 'fast:2'" in r.stderr
 
 
 def test_a_profiled_start_is_summarized_by_frame_and_left_out_of_the_figures(tmp_path: Path) -> None:
-    sys.path.insert(0, str(ROOT / "bench"))
-    import ready_h200
-    from spy_profile import summarize
+    from bench.spy_profile import summarize
 
     raw = tmp_path / "spy.txt"
     raw.write_text("thread (1): MainThread;<module> (a.py:1);load (dlo/engine/load.py:10);f (torch/x.py:3) 30\n"
@@ -75,21 +69,18 @@ def test_a_profiled_start_is_summarized_by_frame_and_left_out_of_the_figures(tmp
     assert not any("<frozen" in name for name, _ in got["inclusive"])
     starts = [{"mode": "resident", "cold": False, "ready_seconds": 11.0},
               {"mode": "resident", "cold": False, "profiled": True, "ready_seconds": 14.0}]
-    assert ready_h200._ready(starts, "resident", "warm") == [11.0]
+    assert startup_record._ready(starts, "resident", "warm") == [11.0]
 
 
 def test_cold_starts_are_counted_apart_from_those_after_a_whole_page_cache_drop() -> None:
     """`cold_extra_over_disk_read` (issue 34's goal: the checkpoint evicted) and its `node_` twin
     (Python libraries cold too) come from their own starts."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    import ready_h200
-
     def start(ready: float, evicted: dict | None) -> dict:
         return {"mode": "resident", "cold": evicted is not None, "evicted": evicted, "ready_seconds": ready}
 
     starts = [start(9.0, None), start(9.0, None), start(25.0, {"drop_caches": False}),
               start(33.0, {"drop_caches": True})]
-    s = ready_h200.summarize([{"starts": starts, "disk_read": {"seconds": 20.0}}])
+    s = startup_record.summarize([{"starts": starts, "disk_read": {"seconds": 20.0}}])
     assert (s["ready_seconds_median"], s["cold_ready_seconds_median"], s["node_cold_ready_seconds_median"]) == (
         {"resident": 9.0}, {"resident": 25.0}, {"resident": 33.0})
     assert s["cold_extra_over_disk_read"] == {"resident": 0.8} and s["node_cold_extra_over_disk_read"] == {"resident": 1.2}

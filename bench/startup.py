@@ -1,16 +1,16 @@
-"""Start-up on one H200 (issue 34): seconds from process start to `/ready` 200, warm-up included, for
+"""Start-up on one card (issue 34): seconds from process start to `/ready` 200, warm-up included, for
 the full Wan2.1-T2V-14B pipeline, per mode, with a warm and with a cold page cache.
 
     # one H200, one call (the plan's default: warm starts x5 of resident and rank-local, the
     # folder's disk read and two cold resident starts, then the old resident path x2 for the
     # before/after); a start that would end past --time-budget is skipped and counted
-    python3 bench/ready_h200.py run --models /tmp/models --raw $OUT/raw-ready-h200.json --check-output \
+    bash bench/device.sh python -m bench startup run --models /tmp/models --raw $OUT/raw-startup.json --check-output \
         --time-budget 330
-    python3 bench/ready_h200.py merge RAW... --out bench/results --stem ready-h200-2026-12-02
-    python3 bench/ready_h200.py run --dry-run --raw /tmp/raw-ready.json   # CPU, tiny preset: every step
+    python -m bench startup merge RAW... --out bench/results --stem startup-DATE
+    python -m bench startup run --dry-run --raw /tmp/raw-ready.json   # CPU, tiny preset: every step
 
 `run` makes the pipeline if it is missing (`dlo make-random-model --preset wan2.1-t2v-14b`, as
-`bench/pipeline_h200.py` does: 49-64 s on an H200 host), reads it once into the page cache, then
+`bench/pipeline.py` does: 49-64 s on an H200 host), reads it once into the page cache, then
 runs `--plan` in order: `MODE[:N]` is N warm starts of `dlo serve` in MODE (`MODES`), `disk-read`
 the seconds the disk takes to read the whole folder once (`dlo warm`'s parallel reader, after
 evicting it), `MODE@profile` one warm start under py-spy (attached by pid at spawn, every thread, PROFILE_S
@@ -46,23 +46,20 @@ import hashlib
 import json
 import os
 import platform as host_platform
-import re
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import pipeline_h200 as pb  # noqa: E402  (dlo importable, NVLink multicast off, the make step)
-from import_profile import bytecode_facts, optional_packages_installed  # noqa: E402
+from bench.lib import records
+from bench.startup_record import log_facts, merge, summarize
+from bench import pipeline as pb
+from bench.import_profile import bytecode_facts, optional_packages_installed
 
-GOAL_READY_S = 10.0
-GOAL_COLD_RATIO = 1.0
 POLL_S = 0.1  # --poll-s's default
 # mode name -> `dlo serve` flags; "{partial}": the headline offloaded run's resident blocks
-# (pipeline_h200.RESIDENT_SHARE of Wan2.1's 40 blocks: 10)
+# (bench.pipeline.RESIDENT_SHARE of Wan2.1's 40 blocks: 10)
 MODES: dict[str, tuple[str, ...]] = {
     "resident": ("--mode", "resident"),  # what the policy picks on an H200 (the model fits)
     "rank-local": ("--mode", "rank-local", "--resident-blocks", "{partial}"),
@@ -145,7 +142,7 @@ def start_once(model: Path, flags: list[str], args: argparse.Namespace, label: s
         if check is not None:
             from openai import OpenAI
 
-            from pipeline_requests import generate
+            from bench.pipeline_requests import generate
 
             client = OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=300, max_retries=0)
             try:  # twice: a first request slower than the second is a first-call cost the warm-up left
@@ -168,38 +165,6 @@ def start_once(model: Path, flags: list[str], args: argparse.Namespace, label: s
 # rank 0's lines only: every rank writes to the server's log
 # "(W s of it waiting for the readahead to read the weights)"; before 2026-12-04 first "(F s of it
 # waiting for the start's other files, W s for ...)", before that "(F s of it waiting ...)" alone
-_REGISTERED = re.compile(r"^rank0 .*?early registration of (\S+): .*?, ([\d.]+) s \(([\d.]+) s of it waiting"
-                         r"( for the readahead to read the weights|"
-                         r" for the start's other files, ([\d.]+) s for the readahead to read the weights)?", re.M)
-_READAHEAD_DONE = re.compile(r"^rank0 .*?readahead done seconds=([\d.]+) result=(\{.*\}) \(beside the imports\)", re.M)
-_ADOPTED = re.compile(r"^rank0 .*?readahead of .* adopted \(started with dlo serve's checks, ([\d.]+) s before this load\)",
-                      re.M)
-
-
-def log_facts(text: str) -> dict[str, Any]:
-    """What rank 0's log says about a cold start's reads: each early registration's seconds and
-    the parts of them it waited for the readahead's first files and then for its read of each
-    weights file (`registration`; the latter where the log says it), the readahead's
-    own result with its first phase (`readahead`; `job_seconds`: its job's own run time), and
-    how long before the load it started (`readahead_lead_seconds`); only what the log has."""
-    import ast
-
-    out: dict[str, Any] = {}
-    for name, seconds, waited, tail, behind in _REGISTERED.findall(text):
-        if tail.startswith(" for the readahead"):  # one wait: the weights' read
-            reg = {"seconds": float(seconds), "read_wait_seconds": float(waited)}
-        else:
-            reg = {"seconds": float(seconds), "waited_seconds": float(waited)}
-            if behind:
-                reg["read_wait_seconds"] = float(behind)
-        out.setdefault("registration", {})[name] = reg
-    if m := _READAHEAD_DONE.search(text):
-        out["readahead"] = {**ast.literal_eval(m.group(2)), "job_seconds": float(m.group(1))}
-    if m := _ADOPTED.search(text):
-        out["readahead_lead_seconds"] = float(m.group(1))
-    return out
-
-
 PROFILE_S = 16  # py-spy's duration: past ready (11-12 s on the H200), short of the request after it
 SPAWN_WAIT_S = 30.0  # how long the profiler waits for the server's process to exist
 
@@ -209,7 +174,7 @@ def _profile_from_spawn(srv: Any, out: Path) -> Any:
     `join()` is the summary once written, or `{"error": ...}` naming why there is none (every wait
     in it is bounded: the spawn, each attach, py-spy's run)."""
     from dlo.serving.prewarm import Background
-    from spy_profile import attach, summarize
+    from bench.spy_profile import attach, summarize
 
     def work() -> dict[str, Any]:
         try:
@@ -309,17 +274,17 @@ def run(args: argparse.Namespace) -> None:
     preset, _ = (pb.TINY if args.dry_run else pb.MODELS)["wan21"]
     model = args.models / "wan21"
     args.logs.mkdir(parents=True, exist_ok=True)
-    rec: dict[str, Any] = {
+    rec: dict[str, Any] = records.raw("startup", args.device, {
         "date": datetime.date.today().isoformat(), "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "host": host_platform.node(), "device": args.device, "optional_packages": optional_packages_installed(),
         "bytecode": bytecode_facts(), "preset": preset, "plan": args.plan,
         "make": pb.make(model, preset, None, args.device), "starts": [], "skipped_for_time": [],
-    }
+    })
     rec["checkpoint_bytes"] = pb.checkpoint_bytes(model)
     rec["page_cache_warm_seconds"] = round(ensure_warm(model), 2)
 
     def save() -> None:
-        args.raw.write_text(json.dumps(rec, indent=1))
+        records.write(rec, args.raw)
 
     save()
     budget, checked = Budget(args.time_budget, args.t0), set()
@@ -359,132 +324,9 @@ def run_start(rec: dict, model: Path, mode: str, kind: str, i: int, args: argpar
           f"{' error ' + res['error'] if 'error' in res else ''}", flush=True)
 
 
-# ---- the record ----------------------------------------------------------------------------------
-def start_kind(s: dict) -> str:
-    """warm, cold (the checkpoint evicted) or cold-node (the whole page cache dropped)."""
-    if not s["cold"]:
-        return "warm"
-    return "cold-node" if (s.get("evicted") or {}).get("drop_caches") else "cold"
-
-
-def _counted(starts: list[dict], mode: str, kind: str) -> list[dict]:
-    """The starts of `mode` that the figures count: of `kind` (`start_kind`), not profiled, ready."""
-    return [s for s in starts
-            if s["mode"] == mode and start_kind(s) == kind and not s.get("profiled") and "ready_seconds" in s]
-
-
-def _ready(starts: list[dict], mode: str, kind: str) -> list[float]:
-    return [s["ready_seconds"] for s in _counted(starts, mode, kind)]
-
-
-def summarize(raws: list[dict]) -> dict[str, Any]:
-    """The record's summary over every start of `raws` (medians and maxima per mode)."""
-    starts = [s for raw in raws for s in raw["starts"]]
-    modes = sorted({s["mode"] for s in starts})
-    out: dict[str, Any] = {}
-    for key, kind in (("ready_seconds", "warm"), ("cold_ready_seconds", "cold"), ("node_cold_ready_seconds", "cold-node")):
-        per = {m: _ready(starts, m, kind) for m in modes}
-        out[f"{key}_median"] = {m: round(statistics.median(v), 2) for m, v in per.items() if v}
-        out[f"{key}_max"] = {m: round(max(v), 2) for m, v in per.items() if v}
-        out[f"{key}_n"] = {m: len(v) for m, v in per.items() if v}
-    # the server's own clock: its process age when it turned ready (no poll interval in it)
-    own = {m: [st["startup_seconds"]["total"] for st in _counted(starts, m, "warm")
-               if (st.get("startup_seconds") or {}).get("total")] for m in modes}
-    out["server_ready_seconds_median"] = {m: round(statistics.median(v), 2) for m, v in own.items() if v}
-    reads = [raw["disk_read"]["seconds"] for raw in raws if raw.get("disk_read")]
-    if reads and statistics.median(reads) > 0:
-        out["disk_read_seconds"] = round(statistics.median(reads), 4)
-        warm = out["ready_seconds_median"]
-        for prefix in ("", "node_"):
-            cold = out[f"{prefix}cold_ready_seconds_median"]
-            out[f"{prefix}cold_extra_over_disk_read"] = {m: round((cold[m] - warm[m]) / out["disk_read_seconds"], 3)
-                                                         for m in cold if m in warm}
-    shas = {s["mode"]: s["output_sha256"] for s in starts if s.get("output_sha256")}
-    if shas:
-        out["same_output_every_mode"] = len(set(shas.values())) == 1
-    out["goal_ready_seconds"], out["goal_cold_extra_over_disk_read"] = GOAL_READY_S, GOAL_COLD_RATIO
-    out["failed_starts"] = sum(1 for s in starts if "error" in s or s.get("exit_code") not in (0, None))
-    out["failed_checks"] = sum(1 for s in starts if "check_error" in s)
-    return out
-
-
-def markdown(rec: dict) -> str:
-    s = rec["summary"]
-    lines = [f"# Ready on one H200: {rec['preset']} ({rec['date']})", "",
-             f"Sources: {', '.join(rec['sources'])}. Package set: optional packages installed "
-             f"{rec['optional_packages']}. Goal: ready <= {GOAL_READY_S:.0f} s in every mode, warm-up included; "
-             f"cold extra <= {GOAL_COLD_RATIO} x one read of the folder.", "",
-             "Cold: the checkpoint evicted; node-cold: the whole page cache dropped (Python libraries too).", "",
-             "| mode | warm median | warm max | n | cold median | cold max | n | cold extra / disk read "
-             "| node-cold median | node-cold max | n | node-cold extra / disk read |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for m in sorted(set(s["ready_seconds_median"]) | set(s["cold_ready_seconds_median"])
-                    | set(s.get("node_cold_ready_seconds_median", {}))):
-        row = [s.get(k, {}).get(m, "") for k in (
-            "ready_seconds_median", "ready_seconds_max", "ready_seconds_n", "cold_ready_seconds_median",
-            "cold_ready_seconds_max", "cold_ready_seconds_n", "cold_extra_over_disk_read",
-            "node_cold_ready_seconds_median", "node_cold_ready_seconds_max", "node_cold_ready_seconds_n",
-            "node_cold_extra_over_disk_read")]
-        lines.append(f"| {m} | " + " | ".join(map(str, row)) + " |")
-    lines += ["", f"Disk read of the folder once: {s.get('disk_read_seconds', 'not measured')} s. "
-              f"Same output in every mode: {s.get('same_output_every_mode', 'not checked')}.", "",
-              "Phases of each start (rank 0, seconds; `before: {...}` are `dlo serve`'s steps before the load, "
-              "`warmup_*` the warm-up request's):", ""]
-    for raw in rec["raws"]:
-        for st in raw["starts"]:
-            phases = (st.get("startup_seconds") or {}).get("phases", {})
-            before = (st.get("startup_seconds") or {}).get("before_load_phases")
-            phases = {"before": before, **phases} if before else phases
-            kind = "profiled" if st.get("profiled") else start_kind(st)
-            check = f"; check request first/second {st['check_seconds']} s" if st.get("check_seconds") else ""
-            lines.append(f"- {st['mode']} {kind} {st['start']}: ready "
-                         f"{st.get('ready_seconds', st.get('error'))} s; {json.dumps(phases)}{check}{_reads_text(st)}")
-    lines += _profile_lines(rec)
-    lines += ["", "Commands:", ""] + [f"- `{raw['command']}`" for raw in rec["raws"]]
-    return "\n".join(lines) + "\n"
-
-
-def _reads_text(st: dict) -> str:
-    """A cold start's reads from its log (`log_facts`), as a clause of its line ("" for none)."""
-    parts = []
-    if "readahead_lead_seconds" in st:
-        parts.append(f"readahead started {st['readahead_lead_seconds']} s before the load")
-    if first := (st.get("readahead") or {}).get("first"):
-        parts.append(f"first files {first['files']} ({first['bytes'] / 1e9:.2f} GB) in {first['seconds']} s")
-    for name, reg in (st.get("registration") or {}).items():
-        behind = f", {reg['read_wait_seconds']} s for the weights' read" if "read_wait_seconds" in reg else ""
-        first = f", {reg['waited_seconds']} s of it waiting" if "waited_seconds" in reg else ""
-        parts.append(f"{name} registered in {reg['seconds']} s{first}{behind}")
-    return "; " + "; ".join(parts) if parts else ""
-
-
-def _profile_lines(rec: dict, top: int = 15) -> list[str]:
-    """Each profiled start's heaviest frames (py-spy, seconds of samples; not in the figures above)."""
-    lines: list[str] = []
-    for raw in rec["raws"]:
-        for st in (s for s in raw["starts"] if s.get("profiled")):
-            prof = st.get("profile") or {}
-            lines += ["", f"Profile of {st['mode']} start {st['start']} (py-spy, {prof.get('raw', 'no raw')}): "
-                      f"{prof.get('error') or 'seconds per thread ' + json.dumps(prof.get('threads_seconds'))}"]
-            for key in ("dlo_inclusive", "module_imports", "inclusive", "self"):
-                if prof.get(key):
-                    lines.append(f"- {key}: " + "; ".join(f"{n} {t}" for n, t in prof[key][:top]))
-    return lines
-
-
-def merge(args: argparse.Namespace) -> None:
-    raws = [json.loads(Path(p).read_text()) for p in args.files]
-    rec = {"date": raws[0]["date"], "preset": raws[0]["preset"], "optional_packages": raws[0]["optional_packages"],
-           "sources": [Path(p).name for p in args.files], "raws": raws, "summary": summarize(raws)}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.stem}.json").write_text(json.dumps(rec, indent=1))
-    (args.out / f"{args.stem}.md").write_text(markdown(rec))
-    print(json.dumps(rec["summary"], indent=1))
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench startup", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="start dlo serve repeatedly and record the seconds to /ready")
     r.add_argument("--models", type=Path, default=None,
@@ -507,7 +349,7 @@ def main() -> None:
     m.add_argument("files", nargs="+")
     m.add_argument("--out", type=Path, default=Path("bench/results"))
     m.add_argument("--stem", required=True)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.cmd == "merge":
         return merge(args)
     try:
@@ -523,4 +365,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""bench/memory_h200.py: the calibration's CPU dry run (every step's wiring, every family in its own
+"""bench/memory.py (`python -m bench memory`): the calibration's CPU dry run (every step's wiring, every family in its own
 process), and `merge` fitting the memory table from raw records (and refusing a dry run's)."""
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from dlo.plan.memory_model import Geometry, PipelineMemory, RequestBounds, Shape
 from dlo.plan.memory_table import MemoryTable
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCH = ROOT / "bench" / "memory_h200.py"
+BENCH = [sys.executable, "-m", "bench", "memory"]
 # the families whose parts differ (an image encoder and VAE encode; a second text encoder): the
 # table is calibrated, so the dry run guards the bench's wiring, not each family's plan again
 FAMILIES = ("wan-i2v", "flux")
 
 
 def bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=timeout,
+    return subprocess.run([*BENCH, *args], capture_output=True, text=True, timeout=timeout,
                           cwd=ROOT)
 
 
