@@ -75,7 +75,8 @@ def test_rank_stats_are_the_gather_counters_plus_the_peak_with_the_same_json():
     # /ready's and the metrics' per-rank `stats` stay one flat object
     assert dataclasses.asdict(stats) == {"gathers": 5, "h2d_bytes": 7, "collective_bytes": 9,
                                          "gather_wait_seconds": 0.75, "device_memory_peak_bytes": 11,
-                                         "device_energy_joules": None}  # no NVML counter given: unknown, not 0
+                                         "device_energy_joules": None,  # no NVML counter given: unknown, not 0
+                                         "block_calls_skipped": 0, "bytes_not_streamed": 0}  # no step cache
 
 
 def test_control_and_errors_import_neither_torch_nor_fastapi():

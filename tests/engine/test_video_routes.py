@@ -19,6 +19,7 @@ import uvicorn
 
 from dlo.engine.families import PipelineFacts
 from dlo.engine.ports import free_port
+from dlo.engine.settings import EngineSettings, OffloadSettings
 from dlo.serving.errors import (
     QueueFull,
     VideoElsewhere,
@@ -39,6 +40,16 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @dataclass
+class StubConfig:
+    """What the server reads of the engine's `RankConfig`: the settings (no step cache by default)."""
+
+    settings: EngineSettings = field(default_factory=lambda: EngineSettings(OffloadSettings(mode="resident")))
+    mode: str = "resident"
+    dp: int = 1
+    sp: int = 1
+
+
+@dataclass
 class StubEngine:
     """What the server reads of `service.Engine`, without ranks."""
 
@@ -52,6 +63,7 @@ class StubEngine:
     queue_full: bool = False
     facts: PipelineFacts = field(default_factory=lambda: PipelineFacts(
         "wan-i2v", "WanImageToVideoPipeline", 16, 4, 5.0, "WanTransformer3DModel", image_input=True))
+    cfg: StubConfig = field(default_factory=StubConfig)
 
     def create(self, gen: object, seconds: str, caller: object = None, held: object = None) -> VideoJob:
         raise QueueFull("the stub queues nothing", retry_after_s=1)  # what follows the request's reading

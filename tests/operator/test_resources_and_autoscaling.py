@@ -85,8 +85,9 @@ def test_preferred_model_affinity_fetches_in_an_init_container_that_evicts_nothi
     spec = parse_spec({"model": {"uri": "s3://models/wan", "secretRef": {"name": "s"}},
                        "placement": {"modelAffinity": "preferred"}})
     pod = builders.build_statefulset(OWNER, spec, "allgather", BuildContext(cache_root="/var/cache/dlo"))["spec"]["template"]["spec"]
-    assert [c["name"] for c in pod["initContainers"]] == ["fetch", "warm"]
-    fetch = pod["initContainers"][0]
+    # the cache handed to the fetch's non-root user first (cacheOwnership: chown, the default), then fetch, warm
+    assert [c["name"] for c in pod["initContainers"]] == ["cache-owner", "fetch", "warm"]
+    fetch = pod["initContainers"][1]
     assert "--no-evict" in fetch["command"] and fetch["command"][3] == f"/cache/{spec.model.cache_key}"
     (engine,) = pod["containers"]
     mount = next(m for m in engine["volumeMounts"] if m["mountPath"] == "/model")
