@@ -2,8 +2,9 @@
 fetch Jobs the operator creates (docs/operator.md, "Model delivery").
 
 Owns: model URIs and their cache keys (`uri`, stdlib only: the operator imports it), a verified,
-resumable, atomically published download of a diffusers pipeline folder from S3 (boto3) or the
-Hugging Face Hub (huggingface_hub), the node cache's eviction, and the `dlo fetch` command; the
+resumable, atomically published download of a diffusers pipeline folder (or of a folder of LoRA
+adapters: `adapters`) from S3 (boto3) or the Hugging Face Hub (huggingface_hub), the node cache's
+eviction, and the `dlo fetch` command; the
 one mapping of a name from outside to a path under a root (`paths`) and the marked folders a dlo
 command made for itself (`owned`).
 Must never: import torch (the fetch runs in slim Jobs and beside the operator), read a credential

@@ -1,8 +1,10 @@
-"""`dlo fetch URI DEST`: a resumable, verified download of a diffusers pipeline folder.
+"""`dlo fetch URI DEST`: a resumable, verified download of a diffusers pipeline folder (or, with
+`--kind lora`, of a folder of LoRA adapters).
 
 Owns: the flags (the deadline and the stall bound among them), the progress renderer choice, the
-result file (the fetch Job's termination message) and the exit codes: 0 complete, 2 bad input or a source that is not a diffusers pipeline (nothing at
-DEST), 1 any other failure (one line naming the reason; a rerun resumes).
+result file (the fetch Job's termination message) and the exit codes: 0 complete, 2 bad input or a
+source that is not a diffusers pipeline (with `--kind lora`: no adapter at its top; nothing at DEST),
+1 any other failure (one line naming the reason; a rerun resumes).
 Must never: import torch, or take a credential from the command line (boto3 reads AWS_*,
 huggingface_hub reads HF_TOKEN).
 """
@@ -21,6 +23,7 @@ from dlo.cli.args import (Parser, byte_size, http_url, non_negative_seconds, one
                           positive_seconds)
 from dlo.cli.logs import add_log_format_argument, configure_logging, log_lines, say
 from dlo.delivery.deadline import DEFAULT_DEADLINE_S, DEFAULT_MIN_RATE_BPS, DEFAULT_STALL_WINDOW_S
+from dlo.delivery.uri import FETCH_KINDS
 
 DESCRIPTION = """Download a diffusers pipeline folder from S3 or the Hugging Face Hub into DEST:
 ranged, parallel and resumable (a rerun after an interruption continues where it stopped), every
@@ -29,12 +32,15 @@ git hashes), published atomically (DEST appears only when the whole pipeline is 
 fetch of a complete DEST downloads nothing. Credentials come from the environment only:
 AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN, AWS_REGION) for S3, HF_TOKEN for
 the Hub; HF_ENDPOINT, HF_HOME and HF_HUB_OFFLINE are honoured, and a revision already in the local
-Hugging Face cache is copied from it with no network."""
+Hugging Face cache is copied from it with no network. With --kind lora the source is a folder of LoRA
+adapters instead (NAME.safetensors files or NAME/ folders, what dlo serve --lora-dir loads)."""
 
 EPILOG = """examples:
   dlo fetch s3://models/wan2.1-t2v-14b /data/models/wan2.1-t2v-14b --endpoint http://minio:9000
   dlo fetch hf://Wan-AI/Wan2.1-T2V-14B-Diffusers /data/models/wan --revision main
-exit codes: 0 complete; 2 bad input, or not a diffusers pipeline (nothing left at DEST); 1 a failure
+  dlo fetch s3://adapters/wan /data/lora/wan --kind lora
+exit codes: 0 complete; 2 bad input, or not a diffusers pipeline (--kind lora: no adapter; nothing left at
+DEST); 1 a failure
 (credentials, network, disk: the message names it; run again to resume)."""
 
 
@@ -42,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("uri", help="s3://bucket/prefix or hf://org/name[@revision]")
     parser.add_argument("dest", type=Path, help="the folder to create (it must not exist, or be this fetch's)")
     parser.add_argument("--revision", default=None, help="Hugging Face branch, tag or commit (default main)")
+    parser.add_argument("--kind", choices=FETCH_KINDS, default="pipeline",
+                        help="what the source is: a diffusers pipeline (default), or lora: a folder of LoRA "
+                             "adapters (NAME.safetensors files or NAME/ folders, as dlo serve --lora-dir takes)")
     parser.add_argument("--endpoint", type=http_url, default=None,
                         help="an S3-compatible store's URL, or a Hugging Face mirror (default: AWS, or HF_ENDPOINT)")
     parser.add_argument("--concurrency", type=positive_int, default=8, help="parallel transfers (default 8)")
@@ -84,7 +93,7 @@ def main(args: argparse.Namespace) -> int:
     options = FetchOptions(endpoint=args.endpoint, concurrency=args.concurrency, part_size=args.part_size,
                            keep=frozenset(args.keep), disk_budget=args.disk_budget,
                            evict=not args.no_evict, lock_wait_s=args.lock_wait, deadline_s=args.deadline,
-                           min_rate_bps=args.min_rate, stall_window_s=args.stall_window)
+                           min_rate_bps=args.min_rate, stall_window_s=args.stall_window, kind=args.kind)
     progress = _progress(args)
     try:
         uri = parse_uri(args.uri, args.revision)

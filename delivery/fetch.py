@@ -1,12 +1,13 @@
-"""One fetch, as named steps: list the source, refuse what is not a diffusers pipeline, make room on
-the disk, download (resuming), check the staged pipeline, publish atomically.
+"""One fetch, as named steps: list the source, refuse what is not a diffusers pipeline (or, with
+`kind` lora, not a folder of LoRA adapters), make room on the disk, download (resuming), check the
+staged pipeline, publish atomically.
 
 Owns: `FetchOptions`, `FetchResult`, `fetch` (the one implementation behind `dlo fetch`, `dlo serve
 URI` and the operator's node fetch Jobs: one at a time on a DEST, within a deadline and a stall
 bound (`dlo.delivery.deadline`), a disk or file error a one-line FetchError; the abandoned staging
 folders of other DESTs reclaimed first) and `model_folder` / `serving_folder` (a URI as a folder
 `dlo serve` can load, leased for as long as the server runs so no fetch evicts it).
-Must never: leave anything at DEST but a complete, verified pipeline, evict a model in `keep` or in use, call
+Must never: leave anything at DEST but a complete, verified pipeline (or adapters' folder), evict a model in `keep` or in use, call
 a published folder complete when a file of its manifest has another size, or import torch.
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dlo.cli.logs import log_lines
+from dlo.delivery.adapters import check_adapters
 from dlo.delivery.cache import cached_models, hold_lease, make_room, reclaim_stale_staging, touch_served
 from dlo.delivery.deadline import DEFAULT_DEADLINE_S, DEFAULT_MIN_RATE_BPS, DEFAULT_STALL_WINDOW_S, Guard
 from dlo.delivery.errors import FetchError, SourceRefused, local_error
@@ -26,7 +28,7 @@ from dlo.delivery.paths import path_under
 from dlo.delivery.pipeline import SourceFile, check_pipeline, index_files, read_json_file
 from dlo.delivery.progress import PROGRESS_LOGGER, Progress
 from dlo.delivery.staging import Staging, dest_lock, published_manifest
-from dlo.delivery.uri import ModelURI, cache_key, parse_uri
+from dlo.delivery.uri import FetchKind, ModelURI, cache_path, parse_uri
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ class FetchOptions:
     min_rate_bps: int = DEFAULT_MIN_RATE_BPS  # a transfer moving less than this over `stall_window_s`
     stall_window_s: float = DEFAULT_STALL_WINDOW_S  # ... stalls: the fetch fails `timeout`
     lease: bool = False  # hold DEST's serving lease for the life of this process (`dlo serve URI`)
+    kind: FetchKind = "pipeline"  # what the source must be: a diffusers pipeline, or a folder of LoRA adapters
 
 
 @dataclass
@@ -109,7 +112,10 @@ def _fetch(uri: ModelURI, dest: Path, options: FetchOptions, progress: Progress,
     staging = Staging(dest, f"{uri}|{options.endpoint or ''}|{source.describe()['revision'] or ''}",
                       [f.path for f in files])
     try:
-        _refuse_unless_pipeline(uri, source, staging, files, progress)
+        if options.kind == "lora":
+            check_adapters(str(uri), [f.path for f in files])
+        else:
+            _refuse_unless_pipeline(uri, source, staging, files, progress)
     except SourceRefused:
         staging.discard()  # nothing worth resuming: the source is not a model
         raise
@@ -120,7 +126,8 @@ def _fetch(uri: ModelURI, dest: Path, options: FetchOptions, progress: Progress,
     evicted = make_room(dest.parent, dest, total, total - staging.done_bytes(files), options.disk_budget, keep)
     progress.start(total, len(files), staging.done_bytes(files), sum(staging.verified(f) for f in files))
     source.download(staging, files, progress)
-    check_pipeline(str(uri), [f.path for f in files], read_json_file(str(staging.root)))
+    if options.kind == "pipeline":
+        check_pipeline(str(uri), [f.path for f in files], read_json_file(str(staging.root)))
     if options.lease:
         hold_lease(staging.root)  # the lease is on the folder itself: it stays with it when it is renamed
     with guard.commit():
@@ -189,7 +196,7 @@ def model_folder(text: str, cache_root: Path, progress: Progress, options: Fetch
             paths = [p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file()]
             check_pipeline(str(uri), paths, read_json_file(str(snapshot)))
             return snapshot
-    dest = cache_root / cache_key(uri, options.endpoint)
+    dest = cache_path(cache_root, uri, options.endpoint)
     fetch(uri, dest, options, progress)
     return dest
 

@@ -2,8 +2,11 @@
 
 Owns: `ModelURI` (parsed, canonical), `parse_uri`, `cache_key` (the folder a URI is fetched into,
 the same on every node and in the operator: a readable name plus a digest of the canonical URI,
-revision and endpoint), and the credential variables each scheme reads.
-Must never: import anything but the standard library (the operator imports it), touch the network.
+revision and endpoint), `cache_path` (that folder under a cache root, for a pipeline or, in the
+hidden `.lora` folder, for LoRA adapters: the one place a cache path is made from a URI), the fetch
+kinds, and the credential variables each scheme reads.
+Must never: import anything but the standard library and delivery's own stdlib-only modules (the
+operator imports it), touch the network.
 """
 
 from __future__ import annotations
@@ -15,9 +18,16 @@ from pathlib import Path
 from typing import Literal
 
 from dlo.delivery.errors import SourceRefused
+from dlo.delivery.paths import path_under
 
 Scheme = Literal["s3", "hf"]
 SCHEMES: tuple[Scheme, ...] = ("s3", "hf")
+# What a fetch publishes: a diffusers pipeline, or a folder of LoRA adapters (`dlo serve --lora-dir`).
+FetchKind = Literal["pipeline", "lora"]
+FETCH_KINDS: tuple[FetchKind, ...] = ("pipeline", "lora")
+# Adapters' folders live below the cache root in a hidden folder: the node agent, which takes every
+# visible folder with safetensors files for a model, skips them, and a model's eviction never counts them.
+LORA_FOLDER = ".lora"
 DEFAULT_HF_REVISION = "main"
 # The environment variables a fetch takes its credentials from (the SDKs read them); the operator
 # maps a Secret's keys of these names into the fetch container, never anything else.
@@ -119,3 +129,10 @@ def cache_key(uri: ModelURI, endpoint: str | None = None) -> str:
     digest = hashlib.sha256(canonical.encode()).hexdigest()[:12]
     slug = re.sub(r"[^a-z0-9.-]+", "-", uri.name.lower())[:50].strip("-.") or "model"
     return f"{slug}-{digest}"
+
+
+def cache_path(root: str | Path, uri: ModelURI, endpoint: str | None = None, kind: FetchKind = "pipeline") -> Path:
+    """The folder `uri` is fetched into under the cache `root`: `<root>/<cache key>` for a pipeline,
+    `<root>/.lora/<cache key>` for adapters (through `path_under`: never outside `root`)."""
+    key = cache_key(uri, endpoint)
+    return path_under(Path(root), f"{LORA_FOLDER}/{key}" if kind == "lora" else key)

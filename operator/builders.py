@@ -17,8 +17,8 @@ from dlo.plan.facts import Mode
 from dlo.operator.autoscale_builder import build_autoscaler
 from dlo.operator.netpol_builder import build_network_policy
 from dlo.operator.models import DLODeploymentSpec
-from dlo.operator.names import (COMPONENT, HTTP_PORT_NAME, INSTANCE, MANAGED_BY, MODE_ANNOTATION,
-                                MODEL_KEY_ANNOTATION, MODEL_MOUNT, MODEL_SOURCE_ANNOTATION, NETWORK_POLICY_ANNOTATION,
+from dlo.operator.names import (COMPONENT, HTTP_PORT_NAME, INSTANCE, LORA_SOURCE_ANNOTATION, MANAGED_BY,
+                                MODE_ANNOTATION, MODEL_KEY_ANNOTATION, MODEL_MOUNT, MODEL_SOURCE_ANNOTATION, NETWORK_POLICY_ANNOTATION,
                                 PART_OF, TEMPLATE_HASH, VIDEO_MOUNT, BuildContext, Owner, headless_service_name, labels,
                                 meta, selector_labels, selector_string)
 from dlo.operator.names import service_url as _service_url
@@ -54,8 +54,10 @@ def update_strategy(spec: DLODeploymentSpec) -> dict[str, Any]:
 def build_statefulset(owner: Owner, spec: DLODeploymentSpec, mode: Mode,
                       ctx: BuildContext = BuildContext()) -> dict[str, Any]:
     metadata = meta(owner, owner.name)
-    # the model its pods run, read back while a new model.uri is fetched before they move to it
+    # the model (and adapters) its pods run, read back while a new uri is fetched before they move to it
     metadata["annotations"] = {MODEL_SOURCE_ANNOTATION: spec.model.model_dump_json(by_alias=True, exclude_none=True)}
+    if spec.lora is not None:
+        metadata["annotations"][LORA_SOURCE_ANNOTATION] = spec.lora.model_dump_json(by_alias=True, exclude_none=True)
     if ctx.network_policy is not None:  # read back to delete the policy once the operator makes none
         metadata["annotations"][NETWORK_POLICY_ANNOTATION] = "true"
     return {

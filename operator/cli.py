@@ -111,7 +111,7 @@ def _render_parser() -> Parser:
         "the memory request come from the node "
         "profiles given with --profile. A spec without engine.image gets $DLO_DEFAULT_ENGINE_IMAGE (else the "
         "built-in default), as the operator does. Not printed: owner references (they need the live "
-        "object) and model.uri's fetch Jobs (made per node at run time).",
+        "object) and the fetch Jobs of model.uri and lora.uri (made per node at run time).",
     )
     parser.add_argument("file", type=existing_file, help="YAML file with a DLODeployment (e.g. examples/dlodeployment.yaml)")
     parser.add_argument(
@@ -152,8 +152,9 @@ def _render_one(res: dict[str, Any], args: argparse.Namespace,
                                 network_policy=security.network_policy, fetch=security.fetch)
     for warning in advice.warnings(spec, ctx.autoscaler):
         print(f"# {name}: warning: {warning}", file=sys.stderr)
-    if spec.model.uri is not None:
-        print(f"# {name}: model.uri: fetch Jobs are made per node at run time (not printed)", file=sys.stderr)
+    for field, source in (("model.uri", spec.model), ("lora.uri", spec.lora)):
+        if source is not None and source.uri is not None:
+            print(f"# {name}: {field}: fetch Jobs are made per node at run time (not printed)", file=sys.stderr)
     owner = builders.Owner(name, meta.get("namespace") or "default")
     return builders.build_all(owner, spec, plan.mode, not args.no_monitoring_crd, ctx)
 

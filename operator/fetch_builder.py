@@ -1,12 +1,14 @@
-"""The fetch of a `model.uri` onto a node: the `dlo fetch` container (a node fetch Job's, or the
-engine pod's init container with `placement.modelAffinity: preferred`) and the Job.
+"""The fetch of a `model.uri` (or a `lora.uri`) onto a node: the `dlo fetch` container (a node fetch
+Job's, or the engine pod's init container with `placement.modelAffinity: preferred`) and the Job.
 
 Owns: `fetch_containers`, `build_fetch_job`, `fetch_job_name`, `cache_volume`. The contract with the
 fetch (docs/operator.md, "Model delivery"): the Job runs `dlo fetch URI /cache/<key> --keep K...
-[--disk-budget B] [--endpoint E] --deadline S --progress plain --result-file /dev/termination-log` on
+[--disk-budget B] [--endpoint E] --deadline S --progress plain --result-file /dev/termination-log` (for
+adapters `dlo fetch URI /cache/.lora/<key> --kind lora ...`: the folders `dlo.delivery.uri.cache_path`
+gives) on
 the node named by its required node affinity (`matchFields metadata.name`), with the node's cache
 folder (`hostPath <cacheRoot>`) at /cache and the credentials from `model.secretRef` as the
-variables the SDKs read; it prints plain progress lines (the operator reads the last one from the
+variables the SDKs read (`lora.secretRef` for adapters); it prints plain progress lines (the operator reads the last one from the
 pod's log) and leaves its result as JSON in the termination message (state, bytes, evicted keys; or
 reason and message). Exit 2 (not a pipeline, a bad URI) fails the Job at once (podFailurePolicy);
 other failures are retried twice, resuming; `activeDeadlineSeconds` bounds the whole Job (every try's
@@ -29,7 +31,7 @@ from typing import Any
 
 from dlo.delivery.deadline import DEFAULT_DEADLINE_S
 from dlo.delivery.uri import CREDENTIAL_KEYS, REQUIRED_CREDENTIAL_KEYS
-from dlo.operator.model_spec import ModelSource
+from dlo.operator.model_spec import FetchedSource
 from dlo.operator.models import DLODeploymentSpec
 from dlo.operator.names import (CACHE_MOUNT, FETCH_NODE_ANNOTATION, MODEL_KEY_ANNOTATION, BuildContext, Owner,
                                 labels, meta)
@@ -52,11 +54,13 @@ def cache_volume(ctx: BuildContext) -> dict[str, Any]:
     return {"name": "model-cache", "hostPath": {"path": ctx.cache_root, "type": kind}}
 
 
-def fetch_command(model: ModelSource, keep: list[str] | None, ctx: BuildContext, budget: int | None) -> list[str]:
+def fetch_command(model: FetchedSource, keep: list[str] | None, ctx: BuildContext, budget: int | None) -> list[str]:
     """`keep`: the cache keys pods on the node use (never evicted); None: not known, evict nothing."""
     key = model.cache_key or ""
-    cmd = ["dlo", "fetch", str(model.uri), f"{CACHE_MOUNT}/{key}", "--progress", "plain",
+    cmd = ["dlo", "fetch", str(model.uri), model.cache_folder(CACHE_MOUNT), "--progress", "plain",
            "--result-file", TERMINATION_LOG]
+    if model.fetch_kind != "pipeline":
+        cmd += ["--kind", model.fetch_kind]
     if model.endpoint:
         cmd += ["--endpoint", model.endpoint]
     if keep is None:
@@ -70,7 +74,7 @@ def fetch_command(model: ModelSource, keep: list[str] | None, ctx: BuildContext,
     return cmd + ["--deadline", str(FETCH_DEADLINE_S)]
 
 
-def _credentials(model: ModelSource) -> list[dict[str, Any]]:
+def _credentials(model: FetchedSource) -> list[dict[str, Any]]:
     uri = model.model_uri()
     if model.secret_ref is None or uri is None:
         return []
@@ -98,7 +102,7 @@ def _cache_owner(image: str, ctx: BuildContext) -> dict[str, Any]:
     }
 
 
-def fetch_containers(spec: DLODeploymentSpec, model: ModelSource, image: str, keep: list[str] | None,
+def fetch_containers(spec: DLODeploymentSpec, model: FetchedSource, image: str, keep: list[str] | None,
                      ctx: BuildContext, budget: int | None) -> list[dict[str, Any]]:
     """The cache-owner step (with `chown`), then `dlo fetch` into the node cache as the fetch user,
     every capability dropped, no privilege escalation, a read-only root file system."""
@@ -106,7 +110,7 @@ def fetch_containers(spec: DLODeploymentSpec, model: ModelSource, image: str, ke
     return [_cache_owner(image, ctx), fetch] if ctx.fetch.cache_ownership == "chown" else [fetch]
 
 
-def _fetch_container(spec: DLODeploymentSpec, model: ModelSource, image: str, keep: list[str] | None,
+def _fetch_container(spec: DLODeploymentSpec, model: FetchedSource, image: str, keep: list[str] | None,
                      ctx: BuildContext, budget: int | None) -> dict[str, Any]:
     return {
         "name": "fetch",
@@ -131,11 +135,13 @@ def fetch_job_name(owner: Owner, key: str, node: str) -> str:
 
 
 def build_fetch_job(owner: Owner, spec: DLODeploymentSpec, node: str, keep: list[str], ctx: BuildContext,
-                    budget: int | None, image: str) -> dict[str, Any]:
-    """The Job that fetches `spec.model` onto `node`."""
-    key = spec.model.cache_key or ""
+                    budget: int | None, image: str, source: FetchedSource | None = None) -> dict[str, Any]:
+    """The Job that fetches `source` (default `spec.model`; `spec.lora` for adapters) onto `node`:
+    one per node and source (its name is the digest of both)."""
+    source = spec.model if source is None else source
+    key = source.cache_key or ""
     job_labels = labels(owner.name, "fetch")
-    steps = fetch_containers(spec, spec.model, image, keep, ctx, budget)
+    steps = fetch_containers(spec, source, image, keep, ctx, budget)
     annotations = {MODEL_KEY_ANNOTATION: key, FETCH_NODE_ANNOTATION: node}
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",

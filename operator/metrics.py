@@ -110,13 +110,14 @@ class _FetchCollector(Collector):
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._by_resource: dict[tuple[str, str], tuple[str, dict[str, int]]] = {}
+        self._by_resource: dict[tuple[str, str], dict[str, dict[str, int]]] = {}  # -> cache key -> state counts
         self._seen: dict[str, tuple[int, int]] = {}  # running Job uid -> (first, last) bytes seen
         self._done: set[str] = set()  # finished Jobs already counted
 
-    def observe(self, namespace: str, name: str, model: str, states: list[str]) -> None:
+    def observe(self, namespace: str, name: str, by_key: dict[str, list[str]]) -> None:
+        """A resource's fetched sources (the model's and the adapters' cache keys) and their nodes' states."""
         with self._lock:
-            self._by_resource[(namespace, name)] = (model, dict(Tally(states)))
+            self._by_resource[(namespace, name)] = {key: dict(Tally(states)) for key, states in by_key.items()}
 
     def forget(self, namespace: str, name: str) -> None:
         with self._lock:
@@ -144,9 +145,10 @@ class _FetchCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         with self._lock:
             tally: Tally[tuple[str, str]] = Tally()
-            for model, states in self._by_resource.values():
-                for state in FETCH_STATES:
-                    tally[(model, state)] += states.get(state, 0)
+            for by_key in self._by_resource.values():
+                for model, states in by_key.items():
+                    for state in FETCH_STATES:
+                        tally[(model, state)] += states.get(state, 0)
         family = GaugeMetricFamily("dlo_model_fetch_state", "Nodes per fetched model and fetch state",
                                    labels=["model", "state"])
         for (model, state), count in sorted(tally.items()):

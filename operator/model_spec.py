@@ -1,7 +1,9 @@
 """`spec.model` of a DLODeployment: where the pipeline folder comes from (a hostPath, a
 PersistentVolumeClaim, or a URI fetched onto the nodes), its credentials and facts.
 
-Owns: `ModelSource` (with the one-of rule, Python and CEL), `ModelSecretRef`, `ModelFactsOverride`,
+Owns: `FetchedSource` (what a source fetched onto the nodes gives the fetch Jobs and the pods: its
+parsed URI, cache key, folder under a cache root and fetch kind; `ModelSource` and `LoraSource` are
+ones), `ModelSource` (with the one-of rule, Python and CEL), `ModelSecretRef`, `ModelFactsOverride`,
 and the names a model goes by: `served_name` (the model id clients use) and `folder_name` (its
 folder on a node: the key of its facts in a node profile; for a URI, its cache key).
 Must never: talk to the API server, read a Secret, or import torch.
@@ -9,9 +11,11 @@ Must never: talk to the API server, read a Secret, or import torch.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, ClassVar
+
 from pydantic import ConfigDict, Field, model_validator
 
-from dlo.delivery.uri import URI_PATTERN, ModelURI, cache_key, parse_uri
+from dlo.delivery.uri import URI_PATTERN, FetchKind, ModelURI, cache_key, cache_path, parse_uri
 from dlo.plan.facts import ModelFacts
 from dlo.operator.k8s_schemas import cel_rules
 from dlo.operator.spec_base import SpecModel as _Model
@@ -50,10 +54,55 @@ _URI_ONLY_RULE = (
     "has(self.uri) || (!has(self.secretRef) && !has(self.endpoint))",
     "model.secretRef and model.endpoint are for model.uri only",
 )
-_ENDPOINT_PATTERN = r"^https?://[^/\s]+(/.*)?$"
+ENDPOINT_PATTERN = r"^https?://[^/\s]+(/.*)?$"
 
 
-class ModelSource(_Model):
+def uri_field(description: str) -> Any:
+    """`uri` of a fetched source: s3:// or hf://, the parser's own check after the pattern."""
+    return Field(None, pattern=URI_PATTERN, description=description)
+
+
+def secret_ref_field(field: str, store: str) -> Any:
+    """`secretRef` of a fetched source (`field`: `model.uri` or `lora.uri`)."""
+    return Field(None, description=f"credentials of {store} ({field}): a Secret the fetch Jobs mount, never inline")
+
+
+def endpoint_field(field: str) -> Any:
+    """`endpoint` of a fetched source (`field`: `model.uri` or `lora.uri`)."""
+    return Field(None, pattern=ENDPOINT_PATTERN, description=f"an S3-compatible store's URL or a Hugging Face "
+                 f"mirror ({field}); default: AWS S3 or huggingface.co")
+
+
+class FetchedSource(_Model):
+    """A folder a spec names by `uri` (else by a path or a claim), fetched onto the nodes by fetch
+    Jobs: the model (`spec.model`) or the LoRA adapters (`spec.lora`). No fields of its own."""
+
+    fetch_kind: ClassVar[FetchKind] = "pipeline"  # `dlo fetch --kind`
+    what: ClassVar[str] = ""  # how status messages name it before its URI
+
+    if TYPE_CHECKING:  # the subclasses' fields
+        uri: str | None
+        endpoint: str | None
+        secret_ref: ModelSecretRef | None
+
+    def model_uri(self) -> ModelURI | None:
+        return parse_uri(self.uri) if self.uri is not None else None
+
+    @property
+    def cache_key(self) -> str | None:
+        """The node-cache folder of a URI (`dlo.delivery.uri.cache_key`); None otherwise."""
+        uri = self.model_uri()
+        return cache_key(uri, self.endpoint) if uri is not None else None
+
+    def cache_folder(self, root: str) -> str:
+        """Where the URI is fetched under the cache `root` (`dlo.delivery.uri.cache_path`)."""
+        uri = self.model_uri()
+        if uri is None:
+            raise ValueError("a source without a uri is not fetched")
+        return str(cache_path(root, uri, self.endpoint, self.fetch_kind))
+
+
+class ModelSource(FetchedSource):
     """The model to serve: a diffusers-format folder on every node (hostPath), on a
     PersistentVolumeClaim, or at a URI the operator has fetched onto the nodes; mounted read-only at
     /model."""
@@ -65,19 +114,11 @@ class ModelSource(_Model):
     )
     claim_name: str | None = Field(None, min_length=1, description="PersistentVolumeClaim holding the model")
     sub_path: str = Field("", description="folder of the model inside the claim (with claimName)")
-    uri: str | None = Field(
-        None, pattern=URI_PATTERN,
-        description="s3://bucket/prefix or hf://org/name[@revision] (default revision main): fetched into each "
-        "node's cache by a fetch Job, verified, and the pods placed on nodes that hold it (placement.modelAffinity)",
-    )
-    secret_ref: ModelSecretRef | None = Field(
-        None, description="credentials of the store (model.uri): a Secret the fetch Jobs mount, never inline"
-    )
-    endpoint: str | None = Field(
-        None, pattern=_ENDPOINT_PATTERN,
-        description="an S3-compatible store's URL or a Hugging Face mirror (model.uri); default: AWS S3 or "
-        "huggingface.co",
-    )
+    uri: str | None = uri_field(
+        "s3://bucket/prefix or hf://org/name[@revision] (default revision main): fetched into each node's cache by a "
+        "fetch Job, verified, and the pods placed on nodes that hold it (placement.modelAffinity)")
+    secret_ref: ModelSecretRef | None = secret_ref_field("model.uri", "the store")
+    endpoint: str | None = endpoint_field("model.uri")
     facts: ModelFactsOverride | None = Field(None, description="override the model facts node profiles report")
 
     @model_validator(mode="after")
@@ -89,15 +130,6 @@ class ModelSource(_Model):
         if self.uri is not None:
             parse_uri(self.uri)  # the schema's pattern is coarser than the parser (a SourceRefused is a ValueError)
         return self
-
-    def model_uri(self) -> ModelURI | None:
-        return parse_uri(self.uri) if self.uri is not None else None
-
-    @property
-    def cache_key(self) -> str | None:
-        """The node-cache folder of a URI model (`dlo.delivery.uri.cache_key`); None otherwise."""
-        uri = self.model_uri()
-        return cache_key(uri, self.endpoint) if uri is not None else None
 
     @property
     def folder_name(self) -> str:

@@ -189,6 +189,10 @@ _LORA_ENGINE_RULE = (
     "!has(self.lora) || !has(self.engine) || !has(self.engine.kind) || self.engine.kind == 'dlo'",
     "lora is dlo serve's --lora-dir: only with engine.kind dlo",
 )
+_LORA_NOT_MODEL_RULE = (
+    "!has(self.lora) || !has(self.lora.uri) || !has(self.model.uri) || self.lora.uri != self.model.uri",
+    "lora.uri is model.uri: the adapters are a folder of their own (NAME.safetensors files or NAME/ folders)",
+)
 _ULYSSES_RULE = (
     "!has(self.engine) || !has(self.engine.ulyssesExchange) || self.sp > 1",
     "engine.ulyssesExchange is how sequence-parallel ranks exchange: only with sp > 1",
@@ -199,7 +203,7 @@ class DLODeploymentSpec(_Model):
     """What to serve, on how many nodes, with which engine and offload mode."""
 
     model_config = ConfigDict(json_schema_extra=cel_rules(_SP_RULE, _SP_ENGINE_RULE, _GATHER_MODE_RULE, _ULYSSES_RULE,
-                                                         _VIDEOS_RULE, _LORA_ENGINE_RULE))
+                                                         _VIDEOS_RULE, _LORA_ENGINE_RULE, _LORA_NOT_MODEL_RULE))
 
     model: ModelSource
     replicas: int = Field(1, ge=0, description="nodes: one engine pod per node")
@@ -222,7 +226,8 @@ class DLODeploymentSpec(_Model):
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
     videos: VideosSpec = Field(default_factory=VideosSpec)
     pod: EnginePodSpec = Field(default_factory=EnginePodSpec)
-    lora: LoraSource | None = Field(None, description="LoRA adapters the engine loads (dlo serve --lora-dir /lora)")
+    lora: LoraSource | None = Field(None, description="LoRA adapters the engine loads (dlo serve --lora-dir /lora): "
+                                    "a claim, a node folder or a uri fetched onto the nodes")
 
     @property
     def dp(self) -> int:
@@ -245,6 +250,8 @@ class DLODeploymentSpec(_Model):
             broken.append(_VIDEOS_RULE[1])
         if self.lora is not None and self.engine.kind != "dlo":
             broken.append(_LORA_ENGINE_RULE[1])
+        if self.lora is not None and self.lora.uri is not None and self.lora.uri == self.model.uri:
+            broken.append(_LORA_NOT_MODEL_RULE[1])
         if broken:
             raise ValueError("; ".join(broken))
         return self

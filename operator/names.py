@@ -2,8 +2,8 @@
 
 Owns: the label keys and the selectors that tie a DLODeployment's objects together (engine pods:
 component `engine`, fetch Jobs and their pods: component `fetch`), the annotations the operator reads
-back (template hash, mode, the model a pod template runs), the node label that says a node holds a
-fetched model completely (`model.dlo.dev/<cache key>`), mount points, and `BuildContext`.
+back (template hash, mode, the model and adapters a pod template runs), the node label that says a
+node holds a fetched model (or adapters' folder) completely (`model.dlo.dev/<cache key>`), mount points, and `BuildContext`.
 Must never: call the API server, read the clock or the environment.
 """
 
@@ -22,6 +22,8 @@ TEMPLATE_HASH = "dlo.dev/template-hash"
 MODE_ANNOTATION = "dlo.dev/mode"
 MODEL_KEY_ANNOTATION = "dlo.dev/model-key"  # on pod templates and fetch Jobs: the model's cache key
 MODEL_SOURCE_ANNOTATION = "dlo.dev/model-source"  # on the StatefulSet: the spec.model its pods run (JSON)
+LORA_KEY_ANNOTATION = "dlo.dev/lora-key"  # on pod templates: the cache key of the fetched adapters (lora.uri)
+LORA_SOURCE_ANNOTATION = "dlo.dev/lora-source"  # on the StatefulSet: the spec.lora its pods run (JSON)
 FETCH_NODE_ANNOTATION = "dlo.dev/fetch-node"  # on fetch Jobs: the node they fetch onto
 # on the StatefulSet: "true" while the operator keeps a NetworkPolicy for the pods (deleted once off)
 NETWORK_POLICY_ANNOTATION = "dlo.dev/network-policy"

@@ -4,9 +4,10 @@ Owns: the `dlo serve` / `vllm serve` engine container (command, env, probes, res
 init container (and, for `model.uri` with `placement.modelAffinity: preferred`, the `dlo fetch` init
 container before it), the model volume (a hostPath, a claim, or the node's cache folder of a fetched
 model), the video folder (an emptyDir or `videos.claimName`), the LoRA adapters' folder
-(`spec.lora`, `--lora-dir`), the Secret of named API keys (`engine.apiKeys`: read-only,
+(`spec.lora`, `--lora-dir`: a claim, a hostPath, or the node's cache folder of fetched adapters), the Secret of named API keys (`engine.apiKeys`: read-only,
 `--api-keys`), what `spec.pod` adds (identity, pull Secrets, runtime class, labels, annotations,
-extra volumes and mounts), the node affinity to nodes holding a fetched model, the
+extra volumes and mounts), the node affinity to nodes holding a fetched model (and, always
+required, the fetched adapters), the
 one-pod-per-node anti-affinity, and `template_hash`.
 Must never: call the API server, read the clock or the environment: same input, same output.
 """
@@ -20,8 +21,8 @@ from typing import Any
 from dlo.plan.facts import Mode
 from dlo.operator.fetch_builder import cache_volume, fetch_containers
 from dlo.operator.models import API_KEY_ENV, DEFAULT_IMAGE, VLLM_API_KEY_ENV, DLODeploymentSpec
-from dlo.operator.names import (API_KEYS_MOUNT, HTTP_PORT_NAME, LORA_MOUNT, MODE_ANNOTATION, MODEL_KEY_ANNOTATION,
-                                MODEL_MOUNT, NON_ROOT_UID, TEMPLATE_HASH, VIDEO_MOUNT, BuildContext, Owner,
+from dlo.operator.names import (API_KEYS_MOUNT, HTTP_PORT_NAME, LORA_KEY_ANNOTATION, LORA_MOUNT, MODE_ANNOTATION,
+                                MODEL_KEY_ANNOTATION, MODEL_MOUNT, NON_ROOT_UID, TEMPLATE_HASH, VIDEO_MOUNT, BuildContext, Owner,
                                 headless_service_name, labels, model_label, selector_labels)
 from dlo.operator.resources import engine_resources, warmer_resources
 
@@ -94,7 +95,7 @@ def model_volume(spec: DLODeploymentSpec, ctx: BuildContext) -> dict[str, Any]:
         if _fetches_in_pod(spec):
             return cache_volume(ctx)
         # the node holds the model (required affinity to its label): a folder that must be there
-        return {"name": "model", "hostPath": {"path": f"{ctx.cache_root}/{spec.model.cache_key}", "type": "Directory"}}
+        return {"name": "model", "hostPath": {"path": spec.model.cache_folder(ctx.cache_root), "type": "Directory"}}
     if spec.model.path is not None:
         return {"name": "model", "hostPath": {"path": spec.model.path, "type": "Directory"}}
     return {"name": "model", "persistentVolumeClaim": {"claimName": spec.model.claim_name, "readOnly": True}}
@@ -109,10 +110,13 @@ def model_mount(spec: DLODeploymentSpec) -> dict[str, Any]:
     return mount
 
 
-def lora_volume(spec: DLODeploymentSpec) -> list[dict[str, Any]]:
-    """spec.lora's folder: a hostPath that must be there, or a claim, read-only."""
+def lora_volume(spec: DLODeploymentSpec, ctx: BuildContext) -> list[dict[str, Any]]:
+    """spec.lora's folder: a hostPath that must be there (the node's cache folder of fetched adapters,
+    which the required affinity to its label guarantees), or a claim, read-only."""
     if spec.lora is None:
         return []
+    if spec.lora.uri is not None:
+        return [{"name": "lora", "hostPath": {"path": spec.lora.cache_folder(ctx.cache_root), "type": "Directory"}}]
     if spec.lora.path is not None:
         return [{"name": "lora", "hostPath": {"path": spec.lora.path, "type": "Directory"}}]
     return [{"name": "lora", "persistentVolumeClaim": {"claimName": spec.lora.claim_name, "readOnly": True}}]
@@ -163,22 +167,27 @@ def _env(owner: Owner, spec: DLODeploymentSpec) -> list[dict[str, Any]]:
 
 
 def _affinity(name: str, spec: DLODeploymentSpec) -> dict[str, Any]:
-    """The user's affinity, the fetched model's node label (required: added to every node selector
-    term the user gave, which the scheduler ORs; preferred: a weighted preference), and a required
+    """The user's affinity, the node labels of what is fetched (the model's: required, added to every
+    node selector term the user gave, which the scheduler ORs, or with `modelAffinity: preferred` a
+    weighted preference; the adapters': always required, whatever `modelAffinity` says), and a required
     anti-affinity: one engine pod per node."""
     affinity = json.loads(json.dumps(spec.placement.affinity))
+    required_keys = [spec.lora.cache_key] if spec.lora is not None and spec.lora.cache_key else []
     if spec.model.uri is not None:
         holds = {"key": model_label(spec.model.cache_key or ""), "operator": "Exists"}
-        node = affinity.setdefault("nodeAffinity", {})
         if spec.placement.model_affinity == "required":
-            required = node.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
-            terms = required.setdefault("nodeSelectorTerms", []) or [{}]
-            for term in terms:
-                term.setdefault("matchExpressions", []).append(dict(holds))
-            required["nodeSelectorTerms"] = terms
+            required_keys.insert(0, spec.model.cache_key or "")
         else:
-            node.setdefault("preferredDuringSchedulingIgnoredDuringExecution", []).append(
+            affinity.setdefault("nodeAffinity", {}).setdefault("preferredDuringSchedulingIgnoredDuringExecution", []).append(
                 {"weight": PREFERRED_WEIGHT, "preference": {"matchExpressions": [holds]}})
+    if required_keys:
+        node = affinity.setdefault("nodeAffinity", {})
+        required = node.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+        terms = required.setdefault("nodeSelectorTerms", []) or [{}]
+        for term in terms:
+            term.setdefault("matchExpressions", []).extend(
+                {"key": model_label(key), "operator": "Exists"} for key in required_keys)
+        required["nodeSelectorTerms"] = terms
     anti = affinity.setdefault("podAntiAffinity", {})
     anti.setdefault("requiredDuringSchedulingIgnoredDuringExecution", []).append(
         {"labelSelector": {"matchLabels": selector_labels(name)}, "topologyKey": "kubernetes.io/hostname"})
@@ -245,7 +254,7 @@ def _volumes(spec: DLODeploymentSpec, ctx: BuildContext) -> list[dict[str, Any]]
             volumes.append({"name": "videos", "persistentVolumeClaim": {"claimName": spec.videos.claim_name}})
         else:
             volumes.append({"name": "videos", "emptyDir": {}})
-    return volumes + lora_volume(spec) + api_keys_volume(spec) + [dict(v) for v in spec.pod.volumes]
+    return volumes + lora_volume(spec, ctx) + api_keys_volume(spec) + [dict(v) for v in spec.pod.volumes]
 
 
 def pod_template(owner: Owner, spec: DLODeploymentSpec, mode: Mode, ctx: BuildContext = BuildContext()) -> dict[str, Any]:
@@ -273,6 +282,8 @@ def pod_template(owner: Owner, spec: DLODeploymentSpec, mode: Mode, ctx: BuildCo
     annotations = {**spec.pod.annotations, MODE_ANNOTATION: mode}
     if spec.model.cache_key is not None:
         annotations[MODEL_KEY_ANNOTATION] = spec.model.cache_key
+    if spec.lora is not None and spec.lora.cache_key is not None:
+        annotations[LORA_KEY_ANNOTATION] = spec.lora.cache_key
     template = {"metadata": {"labels": {**spec.pod.labels, **labels(owner.name)}, "annotations": annotations},
                 "spec": pod_spec}
     template["metadata"]["annotations"][TEMPLATE_HASH] = template_hash(template)

@@ -2,7 +2,8 @@
 the engine (identity, registry credentials, runtime, labels, annotations, extra volumes) and the
 LoRA adapters `dlo serve --lora-dir` loads.
 
-Owns: `EnginePodSpec` and `LoraSource`, typed with the Kubernetes schemas of `LocalObjectReference`,
+Owns: `EnginePodSpec` and `LoraSource` (a claim, a node folder or a URI fetched onto the nodes as
+the model's is), typed with the Kubernetes schemas of `LocalObjectReference`,
 `Volume` and `VolumeMount` (`k8s_schemas`), the names and paths the operator keeps for itself, and
 their rules (Python and CEL, the same).
 Must never: talk to the API server or import torch.
@@ -10,20 +11,22 @@ Must never: talk to the API server or import torch.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import ConfigDict, Field, model_validator
 
+from dlo.delivery.uri import FetchKind, parse_uri
 from dlo.operator.k8s_schemas import cel_rules, kubernetes_field
-from dlo.operator.names import (API_KEYS_MOUNT, COMPONENT, INSTANCE, LORA_MOUNT, MANAGED_BY, MODE_ANNOTATION,
-                                MODEL_KEY_ANNOTATION, MODEL_MOUNT, PART_OF, TEMPLATE_HASH, VIDEO_MOUNT)
+from dlo.operator.model_spec import FetchedSource, ModelSecretRef, endpoint_field, secret_ref_field, uri_field
+from dlo.operator.names import (API_KEYS_MOUNT, COMPONENT, INSTANCE, LORA_KEY_ANNOTATION, LORA_MOUNT, MANAGED_BY,
+                                MODE_ANNOTATION, MODEL_KEY_ANNOTATION, MODEL_MOUNT, PART_OF, TEMPLATE_HASH, VIDEO_MOUNT)
 from dlo.operator.spec_base import SpecModel as _Model
 
 # The engine pod's own volumes and mount points: extra ones may not take them.
 OWN_VOLUMES = ("model", "model-cache", "shm", "tmp", "videos", "lora", "api-keys")
 OWN_MOUNTS = (MODEL_MOUNT, "/dev/shm", "/tmp", VIDEO_MOUNT, LORA_MOUNT, API_KEYS_MOUNT)
 OWN_LABELS = (PART_OF, COMPONENT, INSTANCE, MANAGED_BY)
-OWN_ANNOTATIONS = (TEMPLATE_HASH, MODE_ANNOTATION, MODEL_KEY_ANNOTATION)
+OWN_ANNOTATIONS = (TEMPLATE_HASH, MODE_ANNOTATION, MODEL_KEY_ANNOTATION, LORA_KEY_ANNOTATION)
 MAX_ITEMS = 32
 MAX_KEYS = 64
 
@@ -115,34 +118,48 @@ class EnginePodSpec(_Model):
 
 
 _LORA_SOURCE_RULE = (
-    "has(self.uri) || (has(self.path) ? 1 : 0) + (has(self.claimName) ? 1 : 0) == 1",
-    "set exactly one of lora.path (hostPath) and lora.claimName (PersistentVolumeClaim)",
+    "(has(self.path) ? 1 : 0) + (has(self.claimName) ? 1 : 0) + (has(self.uri) ? 1 : 0) == 1",
+    "set exactly one of lora.path (hostPath), lora.claimName (PersistentVolumeClaim) and lora.uri "
+    "(s3://bucket/prefix or hf://org/name[@revision], fetched onto the nodes)",
 )
-_LORA_URI_RULE = (
-    "!has(self.uri)",
-    "lora.uri is not delivered yet (dlo fetch takes whole pipelines): put the adapters on a claim "
-    "(lora.claimName, lora.subPath) or a node folder (lora.path)",
+_LORA_URI_ONLY_RULE = (
+    "has(self.uri) || (!has(self.secretRef) && !has(self.endpoint))",
+    "lora.secretRef and lora.endpoint are for lora.uri only",
 )
 _LORA_SUBPATH_RULE = ("!has(self.subPath) || has(self.claimName)", "lora.subPath is for lora.claimName only")
 
 
-class LoraSource(_Model):
+class LoraSource(FetchedSource):
     """LoRA adapters the engine loads at start (`dlo serve --lora-dir`): a folder of NAME.safetensors
-    files or NAME/ folders, mounted read-only at /lora; requests choose one by name."""
+    files or NAME/ folders, mounted read-only at /lora; requests choose one by name. A `uri` is
+    fetched onto the nodes as the model's is (`dlo fetch --kind lora`), into the cache's `.lora`
+    folder."""
 
-    model_config = ConfigDict(json_schema_extra=cel_rules(_LORA_SOURCE_RULE, _LORA_URI_RULE, _LORA_SUBPATH_RULE))
+    model_config = ConfigDict(json_schema_extra=cel_rules(_LORA_SOURCE_RULE, _LORA_URI_ONLY_RULE,
+                                                          _LORA_SUBPATH_RULE))
+    fetch_kind: ClassVar[FetchKind] = "lora"
+    what: ClassVar[str] = "the adapters "
 
     path: str | None = Field(None, min_length=1, description="hostPath of the adapters' folder on every node")
     claim_name: str | None = Field(None, min_length=1, description="PersistentVolumeClaim holding the adapters")
     sub_path: str | None = Field(None, min_length=1, description="folder of the adapters inside the claim")
-    uri: str | None = Field(None, min_length=1, description="not delivered yet: refused (use claimName or path)")
+    uri: str | None = uri_field(
+        "s3://bucket/prefix or hf://org/name[@revision] of the adapters' folder: fetched into each node's cache by "
+        "a fetch Job (dlo fetch --kind lora), and the pods placed on nodes that hold it")
+    secret_ref: ModelSecretRef | None = secret_ref_field("lora.uri", "the adapters' store")
+    endpoint: str | None = endpoint_field("lora.uri")
 
     @model_validator(mode="after")
     def _one_source(self) -> LoraSource:
-        if self.uri is not None:
-            raise ValueError(_LORA_URI_RULE[1])
-        if [self.path, self.claim_name].count(None) != 1:
-            raise ValueError(_LORA_SOURCE_RULE[1])
+        broken = []
+        if [self.path, self.claim_name, self.uri].count(None) != 2:
+            broken.append(_LORA_SOURCE_RULE[1])
+        if self.uri is None and (self.secret_ref is not None or self.endpoint is not None):
+            broken.append(_LORA_URI_ONLY_RULE[1])
         if self.sub_path is not None and self.claim_name is None:
-            raise ValueError(_LORA_SUBPATH_RULE[1])
+            broken.append(_LORA_SUBPATH_RULE[1])
+        if broken:
+            raise ValueError("; ".join(broken))
+        if self.uri is not None:
+            parse_uri(self.uri)  # the schema's pattern is coarser than the parser (a SourceRefused is a ValueError)
         return self

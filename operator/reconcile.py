@@ -3,8 +3,8 @@
 Owns: `View` (the nodes, the resource's pods and fetch Jobs, copied from kopf's indexes) and `run`:
 validate the spec (an invalid one sets `Degraded` instead of crash-looping), pin the deployment
 plan (`pinned_plan`: made when the spec's generation, the pods' model or the replan annotation
-changes; an inventory that would give another plan sets `PlanOutdated`), deliver the model (`uri`:
-fetch Jobs, node labels, which model the pods run), apply the builders' objects with server-side
+changes; an inventory that would give another plan sets `PlanOutdated`), deliver the model and the
+adapters (`uri`: fetch Jobs, node labels, which model and adapters the pods run), apply the builders' objects with server-side
 apply and owner references, delete pods on an old template (all of them for a Recreate rollout; for
 RollingUpdate those not ready, which the StatefulSet's rollout would wait on), report pods on lost
 nodes (`node_loss`; force-deleted after the opt-in grace), and write
@@ -116,7 +116,7 @@ def reconcile(kube: Kube, body: dict[str, Any], view: View, config: OperatorConf
     if spec is None:
         return "invalid_spec"
     plan = deliver(kube, body, owner, spec, view, config)
-    pods_spec = spec if plan is None else spec.model_copy(update={"model": plan.pods_model})
+    pods_spec = spec if plan is None else spec.model_copy(update={"model": plan.pods_model, "lora": plan.pods_lora})
     pinned, outdated = _pin(body, spec, pods_spec, view.nodes, conditions)
     ctx = _context(kube, spec, config, pinned.memory_bytes)
     monitor_crd = kube.has_resource("monitoring.coreos.com/v1", MONITOR_PLURALS[spec.monitoring.kind])
@@ -135,7 +135,8 @@ def reconcile(kube: Kube, body: dict[str, Any], view: View, config: OperatorConf
         spec.warmer.enabled, builders.TEMPLATE_HASH,
         problems=[Problem("NodeLost", p.pod, p.message(grace)) for p in lost]
         + pod_problems([p for p in pods if not status.pod_ready(p)], _events_of(kube)),
-        model=plan.verdict if plan else None, fetches=plan.fetches if plan else {},
+        model=plan.verdict if plan else None, fetches=plan.model.fetches if plan and plan.model else {},
+        lora_fetches=plan.lora.fetches if plan and plan.lora else {},
         rolling_for_model=plan.rolling_for_model if plan else "")
     summary = status.summarize(observed)
     verdicts = {**summary.pop("verdicts"), "Degraded": _health(body, conditions, pods, lost, grace),

@@ -98,8 +98,9 @@ class Observed:
     warm_enabled: bool
     hash_annotation: str
     problems: list[Problem] = field(default_factory=list)  # why pods are not ready (pod_reasons)
-    model: Verdict | None = None  # ModelReady (model.uri), None for a folder every node has
+    model: Verdict | None = None  # ModelReady (model.uri, lora.uri), None for folders every node has
     fetches: dict[str, dict[str, Any]] = field(default_factory=dict)  # node -> NodeModelStatus fields
+    lora_fetches: dict[str, dict[str, Any]] = field(default_factory=dict)  # node -> the adapters' (lora.uri)
     rolling_for_model: str = ""  # why the pods stay on the old model (a new one is still being fetched)
 
 
@@ -107,8 +108,8 @@ def _nodes(o: Observed, live: list[dict[str, Any]]) -> list[NodeStatus]:
     phases = {p["spec"]["nodeName"]: p.get("status", {}).get("phase", "Unknown")
               for p in sorted(live, key=lambda p: p["metadata"]["name"]) if p.get("spec", {}).get("nodeName")}
     return [NodeStatus(name=n, phase=phases.get(n), cached_ratio=o.cached.get(n) if n in phases else None,
-                       model=o.fetches.get(n))  # type: ignore[arg-type]
-            for n in sorted(set(phases) | set(o.fetches))]
+                       model=o.fetches.get(n), lora=o.lora_fetches.get(n))  # type: ignore[arg-type]
+            for n in sorted(set(phases) | set(o.fetches) | set(o.lora_fetches))]
 
 
 def _not_ready(o: Observed, ready: int) -> Verdict:

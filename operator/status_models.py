@@ -28,11 +28,12 @@ class Condition(_Model):
 
 
 class NodeModelStatus(_Model):
-    """model.uri: the model's fetch on one node."""
+    """model.uri (or lora.uri): the fetch of the model (or the adapters) on one node."""
 
     state: Literal["complete", "fetching", "pending", "failed"] = Field(
-        description="complete: the node holds the whole model; fetching: a fetch Job runs; pending: waiting for a "
-        "fetch slot; failed: the last fetch failed (reason and message), tried again later"
+        description="complete: the node holds the whole folder; fetching: a fetch Job runs; pending: waiting for a "
+        "fetch slot (or for the node's other fetch); failed: the last fetch failed (reason and message), tried "
+        "again later"
     )
     bytes: int | None = Field(None, ge=0, description="bytes on the node so far")
     total_bytes: int | None = Field(None, ge=0, description="bytes of the whole model")
@@ -42,7 +43,7 @@ class NodeModelStatus(_Model):
 
 
 class NodeStatus(_Model):
-    """A node that runs an engine pod, or fetches the model for one."""
+    """A node that runs an engine pod, or fetches the model (or the adapters) for one."""
 
     name: str = Field(description="node name")
     phase: str | None = Field(None, description="phase of the engine pod on that node (absent: none there yet)")
@@ -50,6 +51,7 @@ class NodeStatus(_Model):
         None, ge=0, le=1, description="page-cache residency of the model on that node, from its profile"
     )
     model: NodeModelStatus | None = Field(None, description="model.uri: the fetch of the model on that node")
+    lora: NodeModelStatus | None = Field(None, description="lora.uri: the fetch of the adapters on that node")
 
 
 class NodeTypePlan(_Model):

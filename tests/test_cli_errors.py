@@ -205,6 +205,7 @@ DELIVERY_ROWS: list[tuple[list[str], str]] = [
     (["fetch", "s3://models/wan", "{tmp}/dest", "--disk-budget", "0"], "--disk-budget: must be at least 1 byte"),
     (["fetch", "s3://models/wan", "{tmp}/dest", "--endpoint", "minio:9000"], "'minio:9000' is not an http://"),
     (["fetch", "s3://models/wan", "{tmp}/dest", "--progress", "fancy"], "--progress: invalid choice: 'fancy'"),
+    (["fetch", "s3://models/wan", "{tmp}/dest", "--kind", "adapters"], "--kind: invalid choice: 'adapters'"),
     (["fetch", "s3://models/wan", "{tmp}/dest", "--log-format", "xml"], "--log-format: 'xml' is not a log format"),
     (["serve", "s3://Bad_Bucket/wan"], "'Bad_Bucket' is not an S3 bucket name"),
 ]

@@ -244,20 +244,13 @@ CASES: dict[str, list[tuple[dict, bool]]] = {
         ({"kueue.x-k8s.io/queue-name": "gpu"}, True),
         ({"app.kubernetes.io/instance": "other"}, False),
     ],
-    "!('dlo.dev/template-hash' in self) && !('dlo.dev/mode' in self) && !('dlo.dev/model-key' in self)": [
+    "!('dlo.dev/template-hash' in self) && !('dlo.dev/mode' in self) && !('dlo.dev/model-key' in self) && "
+    "!('dlo.dev/lora-key' in self)": [
         ({"sidecar.istio.io/inject": "false"}, True),
         ({"dlo.dev/mode": "resident"}, False),
+        ({"dlo.dev/lora-key": "wan-0123456789ab"}, False),
     ],
-    "has(self.uri) || (has(self.path) ? 1 : 0) + (has(self.claimName) ? 1 : 0) == 1": [
-        ({"path": "/var/lib/lora"}, True),
-        ({"claimName": "adapters", "subPath": "wan"}, True),
-        ({}, False),
-        ({"path": "/var/lib/lora", "claimName": "adapters"}, False),
-    ],
-    "!has(self.uri)": [
-        ({"claimName": "adapters"}, True),
-        ({"uri": "s3://adapters/wan"}, False),
-    ],
+    # spec.lora's source and uri rules are the model's (the cases above run at both places)
     "!has(self.subPath) || has(self.claimName)": [
         ({"claimName": "adapters", "subPath": "wan"}, True),
         ({"path": "/var/lib/lora", "subPath": "wan"}, False),
@@ -267,6 +260,13 @@ CASES: dict[str, list[tuple[dict, bool]]] = {
         ({"lora": {"path": "/var/lib/lora"}}, True),
         ({"engine": {"kind": "vllm-omni"}}, True),
         ({"lora": {"path": "/var/lib/lora"}, "engine": {"kind": "vllm-omni"}}, False),
+    ],
+    "!has(self.lora) || !has(self.lora.uri) || !has(self.model.uri) || self.lora.uri != self.model.uri": [
+        ({}, True),
+        ({"lora": {"uri": "s3://adapters/wan"}}, True),
+        ({"model": {"uri": "s3://models/wan"}, "lora": {"uri": "s3://models/wan-lora"}}, True),
+        ({"model": {"uri": "s3://models/wan"}, "lora": {"claimName": "adapters"}}, True),
+        ({"model": {"uri": "s3://models/wan"}, "lora": {"uri": "s3://models/wan"}}, False),
     ],
     "self.name != 'DLO_API_KEY' && self.name != 'VLLM_API_KEY'": [
         ({"name": "HF_HOME", "value": "/tmp/hf"}, True),

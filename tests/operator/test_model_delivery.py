@@ -8,6 +8,7 @@ model, one does not), the fetch request, the status while fetching, and the roll
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from pathlib import Path
 
@@ -168,25 +169,41 @@ async def test_a_new_uri_is_fetched_before_the_pods_move_to_it(store, tmp_path):
             task.cancel()
 
 
+@contextlib.asynccontextmanager
+async def delivery_cluster(server, tmp_path, **overrides):
+    """The emulated cluster with the operator (its cache root `tmp_path/cache`) and a kubelet that runs
+    the fetch pods, each node on a disk of its own: the cluster and the kubelet."""
+    async with running_cluster(cache_root=str(tmp_path / "cache"), **overrides) as cluster:
+        kubelet, task = await start(cluster, server, tmp_path)
+        try:
+            yield cluster, kubelet
+        finally:
+            await kubelet.stop()
+            task.cancel()
+
+
+@contextlib.asynccontextmanager
+async def failed_fetch(server, tmp_path, spec: dict):
+    """One node, a DLODeployment of `spec` whose fetch failed (ModelReady FetchFailed, no retry for
+    300 s): the cluster and the kubelet."""
+    async with delivery_cluster(server, tmp_path, fetch_retry_seconds=300) as (cluster, kubelet):
+        await cluster.add_node("node-0", allocatable={"nvidia.com/gpu": "8"})
+        await cluster.create(dlodeployment("wan", NS, spec))
+        await cluster.wait(lambda: condition(cluster, "ModelReady").get("reason") == "FetchFailed", timeout=60,
+                           what="FetchFailed")
+        yield cluster, kubelet
+
+
 async def test_a_source_that_is_not_a_pipeline_fails_the_fetch_with_its_reason(store, tmp_path):
     server, _ = store
     server.client().put_object(Bucket="models", Key="not-a-pipeline/readme.txt", Body=b"weights elsewhere")
     uri = "s3://models/not-a-pipeline"
-    async with running_cluster(cache_root=str(tmp_path / "cache"), fetch_retry_seconds=300) as cluster:
-        kubelet, task = await start(cluster, server, tmp_path)
-        try:
-            await cluster.add_node("node-0", allocatable={"nvidia.com/gpu": "8"})
-            await cluster.create(dlodeployment("wan", NS, {**spec_for(uri, server.url), "replicas": 1}))
-            await cluster.wait(lambda: condition(cluster, "ModelReady").get("reason") == "FetchFailed", timeout=60,
-                               what="FetchFailed")
-            failed = node_model(cluster, "node-0")
-            assert failed["state"] == "failed" and failed["reason"] == "refused", failed
-            assert "no model_index.json" in failed["message"]
-            assert "node-0: refused" in condition(cluster, "ModelReady")["message"]
-            assert condition(cluster, "Ready")["reason"] == "FetchFailed"
-            # exit 2 fails the Job at once (podFailurePolicy): one pod, no retries
-            assert len([p for p in cluster.objects("Pod", NS) if fetch_pods(p)]) == 1
-            assert not kubelet.host_path("node-0", tmp_path / "cache" / key_of(uri, server.url)).exists()
-        finally:
-            await kubelet.stop()
-            task.cancel()
+    async with failed_fetch(server, tmp_path, {**spec_for(uri, server.url), "replicas": 1}) as (cluster, kubelet):
+        failed = node_model(cluster, "node-0")
+        assert failed["state"] == "failed" and failed["reason"] == "refused", failed
+        assert "no model_index.json" in failed["message"]
+        assert "node-0: refused" in condition(cluster, "ModelReady")["message"]
+        assert condition(cluster, "Ready")["reason"] == "FetchFailed"
+        # exit 2 fails the Job at once (podFailurePolicy): one pod, no retries
+        assert len([p for p in cluster.objects("Pod", NS) if fetch_pods(p)]) == 1
+        assert not kubelet.host_path("node-0", tmp_path / "cache" / key_of(uri, server.url)).exists()
