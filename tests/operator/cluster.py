@@ -19,13 +19,19 @@ from typing import Any
 import kmock
 import kopf
 
-from controllers import JobController, NodeLifecycle, Scheduler, StatefulSetController, collect_garbage
 from dlo.operator import handlers
 from dlo.operator.config import OperatorConfig
 from dlo.operator.kube import USER_AGENT, Kube
 from dlo.operator.leader import Elector, LeaseSettings, lead
 from dlo.operator.models import API_VERSION, GROUP, KIND, PLURAL, SINGULAR, VERSION
-from emulator import Emulator, live_objects
+
+try:  # the tests import this folder's modules by name (conftest.py puts it on the path) ...
+    from controllers import JobController, NodeLifecycle, Scheduler, StatefulSetController, collect_garbage
+    from emulator import Emulator, live_objects
+except ImportError:  # ... the fleet benchmark (`python -m bench operator-fleet`) as a package
+    from tests.operator.controllers import (JobController, NodeLifecycle, Scheduler, StatefulSetController,
+                                            collect_garbage)
+    from tests.operator.emulator import Emulator, live_objects
 
 __all__ = ["Cluster", "Emulator", "Operator", "TEST_CONFIG", "dlodeployment", "live_objects", "running_cluster"]
 

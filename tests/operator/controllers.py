@@ -33,7 +33,10 @@ from typing import Any
 
 from dlo.operator import builders
 from dlo.operator.kube import _path
-from emulator import HELD, Emulator, live_objects, node_ready, now
+try:  # by name in the tests (conftest.py), as a package in the fleet benchmark (see cluster.py)
+    from emulator import HELD, Emulator, live_objects, node_ready, now
+except ImportError:
+    from tests.operator.emulator import HELD, Emulator, live_objects, node_ready, now
 
 
 async def request(emulator: Emulator, method: str, path: str, body: Any = None) -> None:
