@@ -1,6 +1,7 @@
 """The record of `bench/lora.py`: the summary of its runs, the markdown and the merge of its calls.
 
-Owns: `summarize` (per model: per-block ratios, the end-to-end ratios with their spread, bytes),
+Owns: `summarize` (per model: per-block ratios, each served run's request seconds with and without
+the adapter with their spread and the end-to-end ratios median over median and first over first, bytes),
 `markdown` and `merge` (raw records of one card into `<stem>.{json,md}`, each step of a model from
 the call that ran it).
 Must never: measure (the runs are `bench/lora.py`'s).
@@ -13,6 +14,7 @@ from typing import Any
 
 from bench.lib import merge as merging
 from bench.lib import records
+from bench.lib.stats import any_ratio_text, either_ratio, figure_text, kept, spread
 
 GOAL = 1.03  # the issue's: the request with the adapter over the same request without it
 RANK = 64
@@ -38,6 +40,21 @@ def _ratio(a: Any, b: Any) -> float | None:
     return round(a / b, 4) if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
 
 
+def seconds_of(r: dict, key: str = "request_seconds") -> dict[str, dict] | None:
+    """A served run's seconds (`request_seconds`, or `step_seconds`: the denoising steps) per variant
+    (base, lora): their spread, or the one figure (the fastest) a call kept."""
+    got = r.get(key)
+    if isinstance(got, dict) and all(got.values()):
+        return {v: spread(xs) for v, xs in got.items()}
+    if key == "request_seconds" and isinstance(r.get("seconds"), dict):
+        return {v: kept(x) for v, x in r["seconds"].items()}
+    return None
+
+
+def _goal_met(r: dict) -> bool:
+    return r.get("median", r.get("fastest_over_fastest")) <= GOAL
+
+
 def summarize(rec: dict) -> dict:
     """The issue's figures, from the runs only: per model the per-block and end-to-end ratios against
     the goal, whether the controls kept the bits, the bytes per adapter."""
@@ -56,10 +73,12 @@ def summarize(rec: dict) -> dict:
         s["add_in_gemm_bit_identical"] = (all(r[control]["bit_identical_to_lora"] for r in rows.values())
                                           if control else None)
         serves = {n: r for n, r in m.items() if n.startswith("serve_") and isinstance(r, dict) and "ratio" in r}
-        s["end_to_end_ratio"] = {n: r["ratio"] for n, r in serves.items()}
-        s["end_to_end_meets_goal"] = {n: r["ratio"] <= GOAL for n, r in serves.items()}
+        s["request_seconds"] = {n: seconds_of(r) for n, r in serves.items()}
+        s["end_to_end_ratio"] = {n: either_ratio(x["lora"], x["base"]) for n, x in s["request_seconds"].items()}
+        s["end_to_end_meets_goal"] = {n: _goal_met(r) for n, r in s["end_to_end_ratio"].items()}
         # the denoising steps only (the decode and the encoding, the same with and without, left out)
-        s["denoise_ratio"] = {n: r["denoise_ratio"] for n, r in serves.items() if r.get("denoise_ratio")}
+        steps = {n: seconds_of(r, "step_seconds") for n, r in serves.items()}
+        s["denoise_ratio"] = {n: either_ratio(x["lora"], x["base"]) for n, x in steps.items() if x}
         for field, apply in (("lora_bytes_identical_across_modes", "branch"),
                              ("lora_bytes_identical_across_modes_merged", "merge"),
                              ("lora_bytes_identical_across_modes_auto", "auto")):
@@ -114,21 +133,23 @@ def _per_block_lines(m: dict, ms: dict) -> list[str]:
 
 def _serve_lines(m: dict, ms: dict) -> list[str]:
     """End to end: each served run's seconds, ratio, the adapters' device bytes and the peak."""
-    lines = ["| end to end | base s | lora s | ratio | meets goal | denoising steps only | lora device bytes "
+    lines = ["| end to end | base s | lora s | lora over base | meets goal | denoising steps only | lora device bytes "
              "| peak device bytes |", "|---|---|---|---|---|---|---|---|"]
     for n, ratio in ms["end_to_end_ratio"].items():
-        r = m[n]
+        r, secs = m[n], ms["request_seconds"][n]
         denoise = (ms.get("denoise_ratio") or {}).get(n)
         held = (r.get("lora_device_bytes") or {}).get("0")
         peak = (r.get("peak_device_bytes") or {}).get("0")
-        lines.append(f"| {n} | {r['seconds']['base']} | {r['seconds']['lora']} | {ratio}x | "
-                     f"{ms['end_to_end_meets_goal'][n]} | {f'{denoise}x' if denoise else ''} | {held or ''} "
-                     f"| {int(peak) if peak else ''} |")
+        lines.append(f"| {n} | {figure_text(secs['base'], ' s')} | {figure_text(secs['lora'], ' s')} | "
+                     f"{any_ratio_text(ratio, 4)} | {ms['end_to_end_meets_goal'][n]} | "
+                     f"{any_ratio_text(denoise, 4) if denoise else ''} | {held or ''} | {int(peak) if peak else ''} |")
     for n, r in m.items():  # a run that failed or was skipped says so here too, not only in the raw
         if n.startswith("serve") and isinstance(r, dict) and ("error" in r or "skipped" in r):
             lines.append(f"| {n} | {'failed: ' + r['error'] if 'error' in r else 'skipped: ' + r['skipped']} "
                          "| | | | | | |")
-    return lines + ["", f"LoRA bytes identical across modes: {ms['lora_bytes_identical_across_modes']} (branch), "
+    return lines + ["", "Seconds: each request's, the median with n, min-max and the first request; ratios "
+                        "median over median (and first over first) of the same server.", "",
+                    f"LoRA bytes identical across modes: {ms['lora_bytes_identical_across_modes']} (branch), "
                         f"{ms.get('lora_bytes_identical_across_modes_merged')} (merge), "
                         f"{ms.get('lora_bytes_identical_across_modes_auto')} (auto); the adapter changes the "
                         f"output: {ms['lora_changes_output']}. Merged in one GEMM and in peft's two steps give the "

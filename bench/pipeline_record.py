@@ -1,11 +1,13 @@
 """The record of `bench/pipeline.py`: its summary, its markdown, and the merge of several calls.
 
-Owns: `summarize` (the figures the issues ask for, computed from the runs: ratios, which runs
-served, host and device memory per run), `markdown` (generated from the JSON), and `merge` (several
+Owns: `summarize` (the figures the issues ask for, computed from the runs: each run's request
+seconds with their spread, `seconds_of`; ratios of one call's two runs, median over median and first
+over first, `_over`; which runs served, host and device memory per run), `markdown` (generated from the JSON), and `merge` (several
 calls' raw records into one; a later file's run replaces an earlier one, which stays as
 `<name>@<file>`). Host memory from before `/proc/PID/smaps_rollup` was read (per-mapping smaps has
 no `Pss_Anon` line, so every such record says 0) is marked unmeasured in a merged record.
-Must never: put a number into the record that no run measured.
+Must never: put a number into the record that no run measured, divide runs of two calls, or show a
+call's one kept figure (the fastest of its requests) without saying so.
 """
 
 from __future__ import annotations
@@ -15,16 +17,34 @@ from pathlib import Path
 from typing import Any
 
 from bench.lib import merge as merging
+from bench.lib.stats import either_ratio, figure_text, kept, spread
 from bench.import_profile import cached
 
 # summary entries per run (in the runs table, or only in the JSON): not repeated in the markdown's summary
-PER_RUN = ("peak_device_bytes", "host_memory", "component_peak_device_bytes")
+PER_RUN = ("peak_device_bytes", "host_memory", "component_peak_device_bytes", "request_seconds")
 ANON_UNMEASURED = ("not measured: read from per-mapping /proc/PID/smaps, which has no Pss_Anon line "
                    "(bench/NOTES.md section 17)")
 
 
-def _ratio(a: Any, b: Any) -> float | None:
-    return round(a / b, 4) if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
+def seconds_of(r: Any) -> dict | None:
+    """A run's request seconds: their spread (first, median, n, min, max) where the call kept every
+    request; else the one figure it kept (the fastest of its requests, how many not recorded)."""
+    if not isinstance(r, dict):
+        return None
+    if r.get("request_seconds"):
+        return spread(r["request_seconds"], first=r.get("first_request_seconds", "samples[0]"))
+    return kept(r["seconds"]) if isinstance(r.get("seconds"), (int, float)) else None
+
+
+def _over(a: Any, b: Any) -> dict | None:
+    """Run `a`'s request seconds over run `b`'s, the same statistic on both sides (`either_ratio`);
+    runs of two calls (a merge's `source`) are not divided: the calls they came from are named."""
+    sa, sb = seconds_of(a), seconds_of(b)
+    if sa is None or sb is None:
+        return None
+    if a.get("source") != b.get("source"):
+        return {"not_same_call": [a.get("source"), b.get("source")]}
+    return either_ratio(sa, sb)
 
 
 def _call_facts(rec: dict, key: str, run: dict) -> Any:
@@ -68,26 +88,21 @@ def summarize(rec: dict) -> dict:
              if isinstance(r, dict) and "host_bytes_over_checkpoint" in r]
     return {
         # the headline offloaded run (part of each transformer kept resident, RESIDENT_SHARE) ...
-        "wan21_e2e_over_resident": _ratio(run("wan21", "serve_rank_local_partial").get("seconds"),
-                                          run("wan21", "diffusers_resident").get("seconds")),
-        "wan21_capped24_over_uncapped": _ratio(run("wan21", "serve_capped_24gib").get("seconds"),
-                                               run("wan21", "serve_rank_local_partial").get("seconds")),
-        "flux_e2e_over_resident": _ratio(run("flux", "serve_rank_local_partial").get("seconds"),
-                                         run("flux", "diffusers_resident").get("seconds")),
-        "wan22_e2e_over_resident": _ratio(run("wan22", "serve_rank_local_partial").get("seconds"),
-                                          run("wan22", "diffusers_resident").get("seconds")),
+        "wan21_e2e_over_resident": _over(run("wan21", "serve_rank_local_partial"), run("wan21", "diffusers_resident")),
+        "wan21_capped24_over_uncapped": _over(run("wan21", "serve_capped_24gib"),
+                                              run("wan21", "serve_rank_local_partial")),
+        "flux_e2e_over_resident": _over(run("flux", "serve_rank_local_partial"), run("flux", "diffusers_resident")),
+        "wan22_e2e_over_resident": _over(run("wan22", "serve_rank_local_partial"), run("wan22", "diffusers_resident")),
         # ... every block streamed on one GPU, and one request over the pooled host links of dp GPUs
-        "streamed_only_over_resident": {m: _ratio(
-            v.get("serve_rank_local", {}).get("seconds"), v.get("diffusers_resident", {}).get("seconds"))
-            for m, v in rec["models"].items()},
-        "allgather_single_over_resident": {m: _ratio(r.get("seconds"), v.get("diffusers_resident", {}).get("seconds"))
+        "streamed_only_over_resident": {m: _over(v.get("serve_rank_local", {}), v.get("diffusers_resident", {}))
+                                        for m, v in rec["models"].items()},
+        "allgather_single_over_resident": {m: _over(r, v.get("diffusers_resident", {}))
                                            for m, v in rec["models"].items() for n, r in v.items()
                                            if n.startswith("serve_allgather_dp") and "@" not in n
                                            and isinstance(r, dict)},
         # our server with everything resident (what the policy picks where the pipeline fits): the
         # serving cost alone (HTTP, PNG/MP4) against the same pipeline in plain diffusers
-        "serve_resident_over_resident": {m: _ratio(v.get("serve_resident", {}).get("seconds"),
-                                                   v.get("diffusers_resident", {}).get("seconds"))
+        "serve_resident_over_resident": {m: _over(v.get("serve_resident", {}), v.get("diffusers_resident", {}))
                                          for m, v in rec["models"].items()},
         "host_bytes_over_checkpoint": max(hosts) if hosts else None,
         "wan21_ready_seconds": run("wan21", "serve_ready_no_warmup").get("ready_seconds"),
@@ -102,6 +117,9 @@ def summarize(rec: dict) -> dict:
         "bytes_identical_to_resident_serve": {m: _same_bytes(v) for m, v in rec["models"].items()},
         **_small_gpu(rec, run),
         "peak_device_bytes": peaks,
+        # every current run's request seconds: spread, or the one figure the call kept
+        "request_seconds": {f"{m}/{n}": seconds_of(r) for m, v in rec["models"].items() for n, r in v.items()
+                            if "@" not in n and seconds_of(r)},
     }
 
 
@@ -115,8 +133,8 @@ def _small_gpu(rec: dict, run: Any) -> dict:
     under the same cap, the largest accepted request, host memory per run."""
     models = rec["models"]
     current = {m: {n: r for n, r in v.items() if isinstance(r, dict) and "@" not in n} for m, v in models.items()}
-    def over(model: str, a: str, b: str) -> float | None:
-        return _ratio(run(model, a).get("seconds"), run(model, b).get("seconds"))
+    def over(model: str, a: str, b: str) -> dict | None:
+        return _over(run(model, a), run(model, b))
 
     return {
         "wan21_capped24_default_mode_serves": _served(run("wan21", "serve_default_capped_24gib")),
@@ -137,8 +155,8 @@ def _small_gpu(rec: dict, run: Any) -> dict:
             f"{m}/{n}": r["beyond_limits"].get("status") == 400 and r["beyond_limits"].get("names_limit")
             for m, v in current.items() for n, r in v.items() if isinstance(r.get("beyond_limits"), dict)},
         "capped24_over_diffusers_group_offload": {
-            m: _ratio(v.get("serve_default_capped_24gib", {}).get("seconds"),
-                      v.get("diffusers_group_offload_capped_24gib", {}).get("seconds")) for m, v in current.items()},
+            m: _over(v.get("serve_default_capped_24gib", {}), v.get("diffusers_group_offload_capped_24gib", {}))
+            for m, v in current.items()},
         "largest_request_served": {f"{m}/{n}": r["largest_request"].get("ok") for m, v in current.items()
                                    for n, r in v.items() if isinstance(r.get("largest_request"), dict)},
         "host_memory": {f"{m}/{n}": r["host_memory"] for m, v in current.items() for n, r in v.items()
@@ -159,11 +177,13 @@ def markdown(rec: dict) -> str:
             if isinstance(r, dict) and name.startswith(("serve_", "diffusers_")):
                 sha = (r.get("output_sha256") or r.get("frames_sha256") or r.get("error") or "")[:16]
                 host = r.get("host_memory") or {}
-                lines.append(f"| {m} | {name} | {r.get('seconds', '')} | {r.get('gather_wait_seconds_per_request', '')} | "
+                secs = seconds_of(r)
+                lines.append(f"| {m} | {name} | {figure_text(secs, ' s') if secs else ''} | {r.get('gather_wait_seconds_per_request', '')} | "
                              f"{r.get('ready_seconds', '')} | "
                              f"{r.get('host_bytes_over_checkpoint', '')} | {_gb(host.get('pss_anon_bytes'))} | "
                              f"{_gb(host.get('pss_file_bytes'))} | {sha} |")
-    lines += ["", "weight wait s: rank 0's compute waiting for weights per timed request (`dlo_gather_wait_seconds`: "
+    lines += ["", "seconds: each request's, the median with n, min-max and the first request; a call that kept "
+                  "only its fastest request says `n=1, best of K`.", "", "weight wait s: rank 0's compute waiting for weights per timed request (`dlo_gather_wait_seconds`: "
                   "what the copies did not hide).", "", "Commands: `" + rec["command"] + "`", ""]
     return "\n".join(lines)
 

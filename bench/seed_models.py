@@ -264,12 +264,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-timeout", type=float, default=420.0, help="seconds one run may take")
     ap.add_argument("--repeats", type=int, default=2, help="requests per serve run (the fastest is kept)")
     ap.add_argument("--merge", nargs="+", type=Path, help="raw records to merge into the dated record")
+    ap.add_argument("--stem", default=None, help="the merged record's name (default: seed-models-<the calls' date>)")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     date = datetime.date.today().isoformat()
     if args.merge:
         merged = record.merge(args.merge)
-        stem = args.out / f"seed-models-{date}"
+        stem = args.out / (args.stem or f"seed-models-{merged['date']}")
         records.write(merged, stem.with_suffix(".json"), record.markdown(merged))
         print(json.dumps(merged["summary"], indent=2))
         return 0

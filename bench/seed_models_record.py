@@ -1,9 +1,10 @@
 """The record of `bench/seed_models.py`: its summary, its markdown, and the merge of its calls.
 
 Owns: `summarize` (the figures issue 28 names, from the runs: `cosmos3_nano_e2e_over_diffusers`,
-`minimax_h3_e2e_over_diffusers`, `pixel_identical_to_diffusers` {model: bool},
+`minimax_h3_e2e_over_diffusers`: median over median and first over first, `pixel_identical_to_diffusers` {model: bool},
 `cosmos3_super_capped64_peak_device_gb`, videos/h, frames/s and Wh/video per run, per-step seconds
-and the extrapolations to the recommended step count and to a full-size Super, each labelled),
+and the extrapolations to the recommended step count and to a full-size Super, each labelled; each
+run's video seconds with their spread: every try of a served request, the first apart),
 `markdown` (from the JSON) and `merge` (one raw record per model into the dated one).
 Must never: put a number into the record that no run measured, unless its key says "extrapolated".
 """
@@ -12,21 +13,27 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 import statistics
 from pathlib import Path
 from typing import Any
 
 from bench.lib import merge as merging
+from bench.lib.stats import any_ratio_text, either_ratio, figure_text, spread
 
 GB = 10**9
+DATE = re.compile(r"\d{4}-\d\d-\d\d")
+# the raws' throughput and energy figures are the fastest try's (the serve run keeps its best of two)
+THROUGHPUT_FROM = "each run's fastest try of the video request (videos/h, frames/s, Wh/video)"
 
 
 def _video(run: dict) -> dict | None:
     return next((r for r in run.get("requests", []) if r.get("kind") == "video" and "seconds" in r), None)
 
 
-def _ratio(a: Any, b: Any) -> float | None:
-    return round(a / b, 4) if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
+def _seconds(v: dict) -> dict:
+    """A request's seconds: every try's spread (served; the first try first), or its one timed call."""
+    return spread(v.get("tries_seconds") or [v["seconds"]])
 
 
 def _identical(rec: dict) -> bool | None:
@@ -64,13 +71,15 @@ def _model_summary(rec: dict) -> dict:
                                                                     if r.get("error")), "no video request")}
             continue
         step = _per_step(run, fam)
-        row = {k: v.get(k) for k in ("seconds", "videos_per_hour", "generated_frames_per_second", "wh_per_video",
+        row = {k: v.get(k) for k in ("videos_per_hour", "generated_frames_per_second", "wh_per_video",
                                      "energy_joules_per_gpu")}
-        row.update(per_step_seconds=step, over_diffusers=_ratio(v["seconds"], base and base["seconds"]),
+        secs = _seconds(v)
+        row.update(seconds=secs, per_step_seconds=step,
+                   over_diffusers=either_ratio(secs, _seconds(base)) if base else None,
                    peak_device_gb=round(run["peak_device_bytes"] / GB, 2) if run.get("peak_device_bytes") else
                    (round(v["peak_device_bytes"] / GB, 2) if v.get("peak_device_bytes") else None))
         if step is not None:  # the same request at the documented step count, extrapolated
-            row["extrapolated_seconds_at_recommended_steps"] = round(v["seconds"] + (rec_forwards - forwards) * step, 2)
+            row["extrapolated_seconds_at_recommended_steps"] = round(secs["median"] + (rec_forwards - forwards) * step, 2)
         out["runs"][name] = row
     return out
 
@@ -78,7 +87,7 @@ def _model_summary(rec: dict) -> dict:
 def summarize(recs: list[dict]) -> dict:
     models = {rec["model"]: _model_summary(rec) for rec in recs}
     s: dict[str, Any] = {"pixel_identical_to_diffusers": {rec["model"]: _identical(rec) for rec in recs},
-                         "models": models}
+                         "throughput_from": THROUGHPUT_FROM, "models": models}
     for model, key in (("cosmos3-nano", "cosmos3_nano_e2e_over_diffusers"),
                        ("minimax-h3", "minimax_h3_e2e_over_diffusers")):
         if model in models:
@@ -105,7 +114,9 @@ def merge(files: list[Path]) -> dict:
             by_model[rec["model"]]["runs"].update(rec["runs"])
         else:
             by_model[rec["model"]] = rec
-    return {"date": datetime.date.today().isoformat(), "files": [str(f) for f in files],
+    dates = sorted({m.group(0) for f in files if (m := DATE.search(Path(f).name))})
+    # the calls' date (the last, where they span days), not the merge's
+    return {"date": dates[-1] if dates else datetime.date.today().isoformat(), "files": [str(f) for f in files],
             "card": merging.one_card(merging.load(files)),
             "models": by_model, "summary": summarize(list(by_model.values()))}
 
@@ -123,13 +134,17 @@ def markdown(merged: dict) -> str:
         lines += ["", f"## {model} (`{ms['preset']}`, {ms['blocks']} blocks"
                   + ("; stand-in text encoder" if ms.get("stand_in_text_encoder") else "") + ")", "",
                   f"Request: `{json.dumps(rec['request'])}`; command `{rec.get('command', '?')}`", "",
-                  "| run | seconds | x diffusers | per step s | videos/h | frames/s | Wh/video | peak device GB | "
-                  "s at recommended steps (extrapolated) |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| run | video seconds | over diffusers | per step s | videos/h * | frames/s * | Wh/video * | "
+                  "peak device GB | s at recommended steps (extrapolated from the median) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for name, r in ms["runs"].items():
             if "error" in r:
                 lines.append(f"| {name} | error: {r['error']} |")
                 continue
-            lines.append(f"| {name} | {r['seconds']} | {r['over_diffusers']} | {r['per_step_seconds']} | "
+            over = any_ratio_text(r["over_diffusers"], 4) if r["over_diffusers"] else ""
+            lines.append(f"| {name} | {figure_text(r['seconds'], ' s')} | {over} | {r['per_step_seconds']} | "
                          f"{r['videos_per_hour']} | {r['generated_frames_per_second']} | {r['wh_per_video']} | "
                          f"{r['peak_device_gb']} | {r.get('extrapolated_seconds_at_recommended_steps')} |")
+    lines += ["", "Video seconds: every try's median with n, min-max and the first; over diffusers: median over "
+              "median and first over first. * from " + THROUGHPUT_FROM.split(" (")[0] + "."]
     return "\n".join(lines) + "\n"

@@ -107,4 +107,11 @@ def test_a_failed_run_is_in_the_record_s_table(tmp_path: Path) -> None:
     lora_record.merge([raw], tmp_path, "lora-failed")
     md = (tmp_path / "lora-failed.md").read_text()
     assert "| serve_resident_auto | failed: RuntimeError: video failed:" in md
-    assert "| serve_rank_local_auto | 12.143 | 12.876 | 1.0604x | False |" in md
+    # each side's median with its spread and first request; the ratio median over median, first over
+    # first (the fastest over the fastest, 12.876 / 12.143, never alone)
+    assert ("| serve_rank_local_auto | 12.232 s (median of 2: 12.143-12.322; first 12.322) | 13.030 s (median of 2: "
+            "12.876-13.184; first 13.184) | 1.0652x (medians, first requests 1.0700x) | False |") in md
+    s = json.loads((tmp_path / "lora-failed.json").read_text())["summary"]["wan21"]
+    base = s["request_seconds"]["serve_rank_local_auto"]["base"]
+    assert (base["first"], base["n"], base["min"], base["max"]) == (12.322, 2, 12.143, 12.322)
+    assert s["end_to_end_ratio"]["serve_rank_local_auto"]["median"] == 1.0652

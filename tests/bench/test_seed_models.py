@@ -37,3 +37,24 @@ def test_dry_run_records_the_published_figures(tmp_path: Path) -> None:
         assert r["per_step_seconds"] > 0
     assert "cosmos3_nano_e2e_over_diffusers" in s  # None here: serve_rank_local did not run
     assert (out / merged["files"][0]).name and next(out.glob("seed-models-20*.md")).read_text().startswith("#")
+
+
+def test_the_served_side_s_tries_have_their_spread_and_the_ratio_divides_medians_and_firsts() -> None:
+    """The served request tried twice: its seconds are both tries' spread (first apart), and the ratio
+    to diffusers is median over median and first over first, never the faster try over diffusers."""
+    from bench.seed_models_record import markdown, summarize
+
+    video = {"kind": "video", "step_seconds": [0.3, 0.3]}
+    rec = {"model": "cosmos3-nano", "family": "cosmos3", "make": {"preset": "p", "blocks": 2},
+           "request": {"steps": 2, "recommended_steps": 4},
+           "runs": {"diffusers_resident": {"requests": [{**video, "seconds": 5.0}]},
+                    "serve_rank_local": {"requests": [{"kind": "video", "seconds": 5.2, "step_seconds_mean": 0.3,
+                                                       "tries_seconds": [5.6, 5.2], "videos_per_hour": 692.3}]}}}
+    s = summarize([rec])
+    served = s["models"]["cosmos3-nano"]["runs"]["serve_rank_local"]
+    assert served["seconds"] == {"first": 5.6, "median": 5.4, "n": 2, "min": 5.2, "max": 5.6}
+    assert s["cosmos3_nano_e2e_over_diffusers"] == {"median": 1.08, "first": 1.12, "n": [2, 1]}  # not 5.2 / 5.0
+    assert "fastest try" in s["throughput_from"]
+    md = markdown({"date": "2026-12-01", "files": ["raw.json"], "card": "c", "models": {"cosmos3-nano": rec},
+                   "summary": s})
+    assert "5.400 s (median of 2: 5.200-5.600; first 5.600) | 1.0800x (medians, first requests 1.1200x)" in md
