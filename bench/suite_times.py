@@ -1,7 +1,7 @@
 """How long the test suite takes: `make test` (every test) and `make test-quick` (the unit tests, for
 local work), as a record the README's figures come from.
 
-    python -m bench tests [--run quick|full|none] --out bench/results   # -> tests-cpu-<date>.{json,md}
+    python -m bench tests [--run quick|full|both|none] --out bench/results   # -> tests-cpu-<date>.{json,md}
 
 Owns: `collect` (the tests pytest collects, all and quick), `run` (one pytest run of a set, its wall
 seconds, its outcome line and this host's load before it) and the record. A set not run here keeps
@@ -64,13 +64,14 @@ def markdown(rec: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench tests", description=__doc__.splitlines()[0])
-    ap.add_argument("--run", choices=("quick", "full", "none"), default="quick", help="which set to run and time")
+    ap.add_argument("--run", choices=("quick", "full", "both", "none"), default="quick",
+                    help="which set to run and time (both: every test, then the quick subset)")
     ap.add_argument("--out", type=Path, default=Path("bench/results"), help="folder of the record")
     args = ap.parse_args(argv)
     body: dict[str, Any] = {"collected": {"all": collect(), "quick": collect(*QUICK)}, "quick_args": QUICK,
                             "runs": {}, "full_reported": REPORTED}
-    if args.run != "none":
-        body["runs"][args.run] = run(QUICK if args.run == "quick" else [])
+    for name in {"both": ("full", "quick"), "none": ()}.get(args.run, (args.run,)):
+        body["runs"][name] = run(QUICK if name == "quick" else [])
     rec = records.raw("tests", "cpu", body)
     records.write(rec, args.out / f"tests-cpu-{rec['provenance']['date'][:10]}.json", markdown(rec))
     print(markdown(rec))

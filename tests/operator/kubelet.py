@@ -53,10 +53,10 @@ async def running_kubelet(cluster: Cluster, workdir: Path, **options: Any) -> As
     task = asyncio.create_task(kubelet.run())
     try:
         yield kubelet
-    finally:
-        await kubelet.stop()
+    finally:  # the loop first: left running, it starts the pods `stop` ends again, processes nobody stops
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+        await kubelet.stop()
 
 
 class LocalKubelet:
@@ -74,6 +74,7 @@ class LocalKubelet:
         self.tasks: dict[str, asyncio.Task] = {}
         self.processes: dict[str, list[asyncio.subprocess.Process]] = {}
         self.failures: list[str] = []
+        self.stopping = False  # set by `stop`: `run` starts no more pods
         self.ports: dict[str, int] = {}  # pod name -> the local port its container port maps to
         self.ready: set[str] = set()  # names of pods whose readiness probe passed
         self.names: dict[str, str] = {}  # pod uid -> name
@@ -101,22 +102,21 @@ class LocalKubelet:
         return "".join(p.read_text(errors="replace") for p in sorted(self.workdir.glob(f"{pod}.*.log")))
 
     async def run(self) -> None:
-        while True:
+        while not self.stopping:
             pods = {p["metadata"]["uid"]: p for p in live_objects(self.cluster.emulator)
                     if p.get("kind") == "Pod" and p["spec"].get("nodeName") and self.select(p)}  # scheduled
             for uid, pod in pods.items():
                 if uid not in self.tasks:
                     self.tasks[uid] = asyncio.create_task(self._run_pod(pod))
             for uid in [u for u in self.tasks if u not in pods]:
-                await self._stop(uid)
-                self.tasks.pop(uid).cancel()
+                await self._end_pod(uid)
             await self._serve_services()
             await asyncio.sleep(0.2)
 
     async def stop(self) -> None:
+        self.stopping = True  # `run` starts no pod from here on, whatever order its caller stops things in
         for uid in list(self.tasks):
-            await self._stop(uid)
-            self.tasks.pop(uid).cancel()
+            await self._end_pod(uid)
         for proxy in self.proxies.values():
             proxy.close()
         self.proxies.clear()
@@ -373,6 +373,17 @@ class LocalKubelet:
             "PATCH", path, json={"status": status}, headers={"Content-Type": "application/merge-patch+json"}
         ) as resp:
             assert resp.status in (200, 404), await resp.text()
+
+    async def _end_pod(self, uid: str) -> None:
+        """The pod's task ended first (so it starts no container while its processes stop), then its
+        processes: stopping them first let a task waiting on an init container start the main one
+        after the stop, a `dlo serve` nobody would stop."""
+        task = self.tasks.pop(uid, None)
+        if task is None:  # `run` and `stop` both ending it: the first does
+            return
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await self._stop(uid)
 
     async def _stop(self, uid: str) -> None:
         """Terminate a pod's processes (their whole process groups), SIGKILL after a grace period."""
