@@ -79,6 +79,29 @@ def test_a_second_fetch_into_the_same_dest_waits_then_refuses_in_one_line(s3, ti
     assert sorted(p.name for p in dest.parent.iterdir()) == ["m"]  # no lock file, no staging folder left
 
 
+
+def test_two_uris_into_one_dest_at_once_publish_one_and_refuse_the_other_in_one_line(s3, tiny_model, tmp_path):
+    """Two fetches of different sources started together into one DEST: the lock lets one write; the
+    other waits for it, then finds DEST published from the other URI and refuses in one line, the
+    published folder untouched and nothing of its own left behind."""
+    for prefix in ("one", "two"):
+        upload(s3.client(), tiny_model, "local", prefix)
+    dest = tmp_path / "cache" / "m"
+    procs = {prefix: subprocess.Popen(
+        [sys.executable, "-m", "dlo.cli.main", "fetch", f"s3://local/{prefix}", str(dest), "--endpoint", s3.url,
+         "--progress", "none", "--result-file", str(tmp_path / f"{prefix}.json")],
+        env=s3.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for prefix in ("one", "two")}
+    outcomes = {prefix: (proc.wait(timeout=120), proc.stderr.read()) for prefix, proc in procs.items()}
+    winners = [p for p, (code, _) in outcomes.items() if code == 0]
+    assert len(winners) == 1, outcomes
+    (loser,) = set(procs) - set(winners)
+    code, stderr = outcomes[loser]
+    line = one_line(stderr)
+    assert code != 0 and line.startswith("dlo fetch: invalid: ") and f"published from s3://local/{loser}" in line, line
+    assert json.loads((tmp_path / f"{loser}.json").read_text())["reason"] == "invalid"
+    assert files_of(dest) == files_of(tiny_model)  # the winner's folder, whole
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["m"]  # no lock file, no staging folder left
+
 def _limit_file_size() -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (2 * 2**20, 2 * 2**20))
 
