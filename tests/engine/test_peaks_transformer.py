@@ -5,7 +5,7 @@ the GPU's)."""
 
 from __future__ import annotations
 
-import time
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -33,20 +33,20 @@ def test_the_plan_asks_for_the_transformer_at_every_shape_it_weighs(tmp_path_fac
     assert {s for p, s in points if p == "vae_decode"} == calls  # the same shapes as the plain decodes
     # a measured figure at the largest shape is what the plan takes for it, not the table's
     measured = dict.fromkeys(points, 123)
-    import dataclasses
-
     assert dataclasses.replace(memory, measured=measured).predicted("transformer", Shape(64, 48, 9, 1)) == (123, False)
 
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_one_block_of_the_pipelines_transformer_runs_at_each_shape(tmp_path_factory, name: str) -> None:
+    import torch
+
     from dlo.engine.families import pipeline_facts
     from dlo.engine.peaks import measurable
     from dlo.engine.peaks_transformer import one_block_transformer, transformer_call
 
     folder = preset_pipeline(tmp_path_factory, name)
     facts = pipeline_facts(folder)
-    module = one_block_transformer(folder, facts.transformer_class, "cpu", __import__("torch").bfloat16)
+    module = one_block_transformer(folder, facts.transformer_class, "cpu", torch.bfloat16)
     assert sum(len(blocks) for name, blocks in module.named_children() if "blocks" in name) <= 2  # one of each kind
     shapes = sorted({s for p, s in measurable(folder, _memory(folder).calibration_shapes()) if p == "transformer"},
                     key=lambda s: s.width * s.height * s.frames * s.batch)
