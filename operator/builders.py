@@ -9,7 +9,6 @@ Owner references are added by the reconcile (they need the live object's uid).
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
