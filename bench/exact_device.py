@@ -39,7 +39,7 @@ from bench._env import multicast_off
 multicast_off()
 
 from bench.model_folders import make, warm_page_cache
-from bench.pipeline_requests import NEGATIVE, PROMPT, SEED
+from bench.pipeline_requests import answer
 from bench.small_gpu import image_drift
 
 CAP = "24GiB"
@@ -69,30 +69,11 @@ def spread(seconds: list[float]) -> dict[str, Any]:
 
 
 # ---- dlo serve -----------------------------------------------------------------------------------
-def _request(url: str, req: dict) -> tuple[float, bytes, dict[str, str]]:
-    """One request over HTTP: (seconds, the PNG or MP4 bytes, the answer's headers)."""
-    from openai import OpenAI
-
-    client = OpenAI(base_url=url + "/v1", api_key="unused", timeout=3600, max_retries=0)
-    body: dict[str, Any] = {"seed": SEED, "num_inference_steps": req["steps"], "guidance_scale": req["guidance"]}
-    if req.get("negative_prompt"):
-        body["negative_prompt"] = NEGATIVE
+def _request(client: Any, req: dict) -> tuple[float, bytes, dict[str, Any]]:
+    """One request over HTTP: (seconds, the PNG or MP4 bytes, what the server said of it)."""
     t0 = time.perf_counter()
-    if req["kind"] == "video":
-        job = client.videos.create_and_poll(prompt=PROMPT, size=req["size"], poll_interval_ms=50,
-                                            extra_body={**body, "num_frames": req["frames"]})
-        if job.status != "completed":
-            raise RuntimeError(f"video failed: {job.error}")
-        data = client.videos.download_content(job.id).read()
-        extra = job.model_extra or {}  # the server's extensions: vae_tiled, timings (the rank's seconds per phase)
-        return time.perf_counter() - t0, data, {"vae_tiled": extra.get("vae_tiled"), "timings": extra.get("timings")}
-    raw = client.images.with_raw_response.generate(prompt=PROMPT, size=req["size"], response_format="b64_json",
-                                                   extra_body=body)
-    import base64
-
-    data = base64.b64decode(raw.parse().data[0].b64_json or "")
-    seconds = time.perf_counter() - t0
-    return seconds, data, {k: raw.headers.get(k, "") for k in ("X-DLO-VAE-Tiled", "Server-Timing")}
+    data, said = answer(client, req)
+    return time.perf_counter() - t0, data, said
 
 
 def _log_lines(log: Path, *needles: str) -> list[str]:
@@ -120,10 +101,13 @@ def serve_run(model: Path, requests: dict[str, dict], flags: list[str], args: ar
         info = srv.ready_info()
         out.update(mode=info.get("mode"), startup_seconds=info.get("startup_seconds"), plan=info.get("plan"))
         out["limits"] = json.loads(srv.get("/v1/models")[1])["data"][0].get("limits")
+        from openai import OpenAI
+
+        client = OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=3600, max_retries=0)
         for kind, req in requests.items():
             secs, shas, heads = [], [], []
             for i in range(args.requests):
-                s, data, h = _request(srv.url, req)
+                s, data, h = _request(client, req)
                 secs.append(s)
                 shas.append(hashlib.sha256(data).hexdigest())
                 heads.append(h)

@@ -36,6 +36,13 @@ def largest_request(limits: dict, request: dict) -> dict:
 
 def generate(client: Any, request: dict) -> bytes:
     """One request through the official SDK: the returned PNG or MP4 bytes."""
+    return answer(client, request)[0]
+
+
+def answer(client: Any, request: dict) -> tuple[bytes, dict[str, Any]]:
+    """One request through the official SDK: the PNG or MP4 bytes, and what the server said of it
+    beside them (an image's `X-DLO-VAE-Tiled` and `Server-Timing` headers; a video job's `vae_tiled`
+    and `timings` fields)."""
     body: dict[str, Any] = {"seed": SEED, "num_inference_steps": request["steps"], "guidance_scale": request["guidance"]}
     if request.get("lora"):  # a LoRA adapter of the server's --lora-dir (bench/lora.py)
         body["lora"] = request["lora"]
@@ -49,10 +56,12 @@ def generate(client: Any, request: dict) -> bytes:
                                             extra_body={**body, "num_frames": request["frames"]}, **extra)
         if job.status != "completed":
             raise RuntimeError(f"video failed: {job.error}")
-        return client.videos.download_content(job.id).read()
-    r = client.images.generate(prompt=PROMPT, size=request["size"], response_format="b64_json",
-                               n=request.get("n", 1), extra_body=body)
-    return base64.b64decode(r.data[0].b64_json or "")
+        said = job.model_extra or {}  # the server's extensions to OpenAI's video object
+        return client.videos.download_content(job.id).read(), {k: said.get(k) for k in ("vae_tiled", "timings")}
+    raw = client.images.with_raw_response.generate(prompt=PROMPT, size=request["size"], response_format="b64_json",
+                                                   n=request.get("n", 1), extra_body=body)
+    said = {k: raw.headers.get(k, "") for k in ("X-DLO-VAE-Tiled", "Server-Timing")}
+    return base64.b64decode(raw.parse().data[0].b64_json or ""), said
 
 
 def grey_png(size: str) -> bytes:

@@ -41,9 +41,6 @@ class MeasuredPeaks:
     def get(self, part: str, shape: Shape) -> int | None:
         return self.points.get((part, shape))
 
-    def covers(self, points: list[tuple[str, Shape]]) -> bool:
-        return all(p in self.points for p in points)
-
     def to_json(self) -> str:
         pts = [{"part": p, "width": s.width, "height": s.height, "frames": s.frames, "batch": s.batch, "bytes": b}
                for (p, s), b in sorted(self.points.items(), key=lambda kv: (kv[0][0], str(kv[0][1])))]
