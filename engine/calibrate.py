@@ -171,41 +171,26 @@ def peaks_main(args: argparse.Namespace, device: str) -> int:
 
 
 def calibrate_peaks(model_dir: Path, memory: Any, deadline_s: float, device: str = "cuda:0",
-                    old: Any = None, refresh: bool = False) -> tuple[Any, Path, list[str]]:
+                    old: Any = None, refresh: bool = False, extra: list | None = None) -> tuple[Any, Path, list[str]]:
     """Measure the decodes and transformer calls `memory` (`model_dir`'s pipeline at its limits)
     weighs on `device` that its cached peaks lack (`refresh`: all of them again), add them to those
     (`old`: as already read; else read here; `dlo.plan.measured`), and return (the peaks now cached,
     the file, a line per measured shape against the table)."""
     from dlo.engine.peaks import device_name, library_versions, measurable, measure_peaks
     from dlo.plan.measured import MeasuredPeaks, describe, load_peaks, model_digest, peaks_path, save_peaks
+    from dlo.plan.peak_values import measured_bound
 
     name, versions = device_name(device), library_versions()
     fresh = MeasuredPeaks(name, versions, model_digest(model_dir))
     old = fresh if refresh else old or load_peaks(model_dir, name, versions) or fresh
-    missing = [p for p in measurable(model_dir, memory.calibration_shapes()) if p not in old.points]
+    shapes = list(dict.fromkeys([*memory.calibration_shapes(), *(extra or [])]))  # `extra`: a start's default requests
+    missing = [p for p in measurable(model_dir, shapes) if p not in old.points and not (
+        p[0].endswith("_tiled") and measured_bound(*p, old.points) is not None)]  # a tiled decode: bounded will do
     if not missing:  # every shape the plan weighs measured already: nothing loaded, nothing written
         return old, peaks_path(model_dir, name, versions), []
-    points, seconds = measure_peaks(model_dir, missing, device, deadline_s, memory.bounds.max_sequence_length)
+    points, seconds = measure_peaks(model_dir, missing, device, deadline_s, memory.bounds.max_sequence_length,
+                                    known=old.points)
     peaks = old.merged(points, seconds)
     path = save_peaks(model_dir, peaks)
     predicted = {key: memory.predicted(*key, table_only=True) for key in points}
     return peaks, path, describe(points, predicted)
-
-
-def start_peaks(model_dir: Path, limits: Any, deadline_s: float, stream_dtype: str) -> dict[Any, int]:
-    """`dlo serve`'s first start on cuda: the peaks cached for this device, model and libraries, else
-    (or where the limits ask for shapes not measured yet) measured now within `deadline_s`. A
-    measurement never stops a start: where it fails the table's figures stand, and the log says so."""
-    from dlo.engine.peaks import device_name, library_versions
-    from dlo.plan.budget import deployment_memory
-    from dlo.plan.measured import load_peaks
-
-    peaks = load_peaks(model_dir, device_name("cuda:0"), library_versions())
-    try:
-        memory = deployment_memory(model_dir, limits, stream_dtype=stream_dtype)
-        peaks, _, lines = calibrate_peaks(model_dir, memory, deadline_s, old=peaks)  # what the cache lacks
-        for line in lines:
-            log.info("measured peak: %s", line)
-    except Exception as e:  # noqa: BLE001 - said, not hidden: the table's figures stand
-        log.warning("device peaks not measured: %s", e)
-    return dict(peaks.points) if peaks is not None else {}

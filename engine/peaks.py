@@ -8,19 +8,21 @@ calls (`dlo.engine.peaks_transformer`), each one's reserved growth (peak reserve
 before: what the phase needed the allocator to hold, fragmentation included) recorded; smallest
 first, within a deadline (what is not reached stays the table's).
 Must never: measure on a device other than the one named, keep the VAE after it returns, or record
-a decode that failed for another reason than memory (an out-of-memory decode is recorded as the
-device's whole memory: it does not fit).
+a decode that failed for another reason than memory (an out-of-memory call is recorded as `AtLeast`
+the device's whole memory: it does not fit; a shape covering it is not run, it is recorded so).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from dlo.plan.memory_model import Shape, decoded_pixels
+from dlo.plan.peak_values import AtLeast, measured_bound
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +57,13 @@ def measurable(model_dir: Path, points: list[tuple[str, Shape]]) -> list[tuple[s
 
 
 def measure_peaks(model_dir: Path, points: list[tuple[str, Shape]], device: Any, deadline_s: float,
-                  text_len: int) -> tuple[dict[tuple[str, Shape], int], float]:
+                  text_len: int, known: Mapping[tuple[str, Shape], int] | None = None
+                  ) -> tuple[dict[tuple[str, Shape], int], float]:
     """(reserved growth per (part, shape) measured within `deadline_s`, seconds taken): smallest
     first, decodes and transformer calls (`dlo.engine.peaks_transformer`, at `text_len` text tokens)
-    alike, so a deadline leaves the largest shapes of both to the table."""
+    alike, so a deadline leaves the largest shapes of both to the table. A shape covering one that ran
+    out of memory (here or in `known`, `dlo.plan.peak_values.measured_bound`) is not run: `AtLeast`."""
+    known = known or {}
     import torch
 
     from dlo.engine.peaks_transformer import transformer_call
@@ -74,11 +79,16 @@ def measure_peaks(model_dir: Path, points: list[tuple[str, Shape]], device: Any,
                 log.warning("peaks: the deadline of %.0f s passed before %s at %s (the table's figure stands)",
                             deadline_s, part, shape)
                 break
+            if isinstance(bound := measured_bound(part, shape, {**known, **out}), AtLeast):
+                out[(part, shape)] = bound  # it covers a shape that ran out of memory: not run
+                log.info("peaks: %s at %s: not run, it covers a shape that ran out of memory", part, shape)
+                continue
             call = _call_for(part, calls, vae, facts, device)
             if call is None:  # a transformer this family's inputs are not known for: the table's stands
                 continue
-            out[(part, shape)] = _one(torch, lambda c=call, s=shape: c(s), device)
-            log.info("peaks: %s at %s: %.2f GB reserved", part, shape, out[(part, shape)] / 1e9)
+            out[(part, shape)] = got = _one(torch, lambda c=call, s=shape: c(s), device)
+            log.info("peaks: %s at %s: %s", part, shape, f"out of memory ({got / 1e9:.2f} GB)"
+                     if isinstance(got, AtLeast) else f"{got / 1e9:.2f} GB reserved")
     finally:
         del vae, calls
         if torch.cuda.is_available():
@@ -113,9 +123,10 @@ def _load_vae(model_dir: Path, device: Any) -> tuple[Any, Any]:
 
 
 def _one(torch: Any, fn: Any, device: Any) -> int:
-    """One call of `fn` from an emptied cache: its reserved growth (the device's memory when it does not fit)."""
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
+    """One call of `fn` from an emptied cache: its reserved growth, or `AtLeast` the device's memory
+    when it does not fit. What an earlier call left (an out-of-memory error's frames hold its tensors
+    in a reference cycle) is collected first, so it is neither counted nor reused."""
+    _settle(torch, device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_reserved(device)
     try:
@@ -124,8 +135,23 @@ def _one(torch: Any, fn: Any, device: Any) -> int:
             torch.cuda.synchronize(device)
             del out
     except torch.cuda.OutOfMemoryError:
-        return torch.cuda.get_device_properties(device).total_memory
-    return torch.cuda.max_memory_reserved(device) - before
+        got: int = AtLeast(total_memory(device))
+    else:
+        got = torch.cuda.max_memory_reserved(device) - before
+    _settle(torch, device)
+    return got
+
+
+def _settle(torch: Any, device: Any) -> None:
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+
+
+def total_memory(device: Any) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(device).total_memory
 
 
 def decode_random(vae: Any, facts: Any, shape: Shape, device: Any, *, tiled: bool) -> Any:

@@ -69,7 +69,7 @@ def check_mode(mode: str, memory: PipelineMemory, budget: int, g: int, resident_
     alone); a peak over it only by an extrapolated figure is a warning."""
     from dlo.plan.policy import DEVICE_RESERVE_RATIO
     from dlo.plan.memory_model import format_gb as _gb
-    from dlo.plan.memory_model import largest_fitting_size
+    from dlo.plan.limits_fit import largest_fitting_size
 
     kept = resident_blocks if isinstance(resident_blocks, int) else 0  # "auto" sizes itself at load
     g = g if mode == "allgather" else 1

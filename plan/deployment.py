@@ -22,7 +22,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 from dlo.plan.budget import LORA_COMPONENT, DeviceBudgetError, check_mode, deployment_memory, local_budget
 from dlo.plan.facts import DeviceKind, Mode, ModelFacts, ModeOrAuto
@@ -308,33 +308,48 @@ def device_of(profile: NodeProfile) -> DeviceKind:
 
 
 def plan_folder(model_dir: Path, ask: PlanAsk, *, profile: NodeProfile, limits: Limits,
-                device_memory: int | None = None, derive_limits: bool = False) -> DeploymentPlan:
+                device_memory: int | None = None, derive_limits: bool = False,
+                measure: Callable[[PipelineMemory, list], Mapping[Any, int]] | None = None) -> DeploymentPlan:
     """`plan` for a diffusers pipeline folder at `limits`: its transformer's facts and the pipeline's
     memory read from the checkpoint headers and configs (torch-free) first. Where the limits do not
     fit the budget: with `derive_limits` (none were given) the first lower limits that fit
-    (`dlo.plan.limits_fit`), else `DeviceBudgetError` naming up to three limit sets that would."""
+    (`dlo.plan.limits_fit`), else `DeviceBudgetError` naming up to three limit sets that would. With
+    no limits given on an accelerator under mode auto, the largest limits that keep every weight on
+    the device come first (`_resident_limits`). `measure` (a start on the device): called with each
+    limit set's pipeline memory (and its default requests' shapes) before it is weighed, returns the peaks
+    measured on the device."""
     from dlo.plan.folder import describe
     from dlo.plan.limits_fit import describe as limits_text
     from dlo.plan.limits_fit import first_fitting
 
+    from dlo.engine.families import pipeline_facts
+    from dlo.plan.derive import default_shapes, derive
+
     transformer = describe(model_dir / "transformer", ask.stream_dtype)
+    facts, seen = pipeline_facts(model_dir), dict(ask.measured)
 
     def at(candidate: Limits) -> DeploymentPlan:
         memory = deployment_memory(model_dir, candidate, stream_encoders=ask.stream_encoders,
                                    stream_dtype=ask.stream_dtype, cfg_pairs=ask.pairs_counted)
-        return plan(ask, profile=profile, transformer=transformer, pipeline=memory, limits=candidate,
-                    device_memory=device_memory)
+        if measure is not None:  # the candidate's shapes, and its default requests', measured on the device first
+            seen.update(measure(memory, [(part, s) for s in default_shapes(facts, candidate)
+                                         for part in ("vae_decode", "transformer")]))
+        return plan(dataclasses.replace(ask, measured=dict(seen)), profile=profile, transformer=transformer,
+                    pipeline=memory, limits=candidate, device_memory=device_memory)
 
+    given = deployment_memory(model_dir, limits, stream_dtype=ask.stream_dtype)
+    geometry = given.geometry
+    if derive_limits:
+        room = min((c for c in (ask.max_device_memory, device_memory, profile.accelerator.memory_bytes) if c),
+                   default=0)
+        resident = (ask.mode == "auto" and ask.device in ("cuda", "npu")
+                    and given.rank("resident").weights_bytes < room)  # the weights alone fit the device
+        return derive(at, limits, geometry, lambda c: default_shapes(facts, c), resident)
     try:
         return at(limits)
     except DeviceBudgetError as e:
-        geometry = deployment_memory(model_dir, limits, stream_dtype=ask.stream_dtype).geometry
-        fits = first_fitting(at, limits, geometry, DeviceBudgetError, count=1 if derive_limits else 3)
-        if derive_limits and fits:
-            chosen, p = fits[0]
-            line = (f"limits derived from the device budget: {limits_text(chosen, geometry)} (the defaults "
-                    f"{limits_text(limits, geometry)} do not fit: {e})")
-            return dataclasses.replace(p, reasons=(line, *p.reasons))
+        fits = first_fitting(at, limits, geometry, DeviceBudgetError, count=3)
         sets = "; ".join(limits_text(f, geometry) for f, _ in fits)
         raise DeviceBudgetError(f"{e}" + (f"; limits that fit this budget: {sets}" if sets else ""),
                                 estimates=e.estimates) from None
+

@@ -2,8 +2,9 @@
 gives cannot fit.
 
 Owns: `candidates` (the limits tried, in the order the issue of exactness asks: the family's
-default size kept, fewer frames first, then fewer images per request, then a smaller largest size)
-and `first_fitting` (the first candidates a plan accepts, with their plans).
+default size kept, fewer frames first, then fewer images per request, then a smaller largest size),
+`first_fitting` (the first candidates a plan accepts, with their plans) and `largest_fitting_size`
+(the largest `--max-size` a budget allows a mode).
 Must never: import torch, or decide on a guess: a plan refuses only on measured figures
 (`dlo.plan.deployment.plan` plans with `PipelineMemory.trusted`), so a limit is lowered only where
 a measured figure does not fit.
@@ -11,10 +12,11 @@ a measured figure does not fit.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Iterator, TypeVar
 
 from dlo.plan.limits import Limits
-from dlo.plan.memory_model import Geometry
+from dlo.plan.memory_model import Geometry, PipelineMemory
 
 T = TypeVar("T")
 FRAME_STEPS = (129, 81, 49, 33, 17)  # video frame counts tried (4k+1: Wan's temporal factor)
@@ -66,3 +68,20 @@ def describe(limits: Limits, geometry: Geometry) -> str:
     """`1920x1920 x 81 frames x 4 images` (frames only for a video family)."""
     frames = f" x {limits.max_frames} frames" if geometry.temporal_factor else ""
     return f"{limits.max_width}x{limits.max_height}{frames} x {limits.max_n} images"
+
+
+def largest_fitting_size(memory: PipelineMemory, mode: str, g: int, budget: int) -> int | None:
+    """The largest `--max-size` (width and height bound, other limits kept) at which `mode` fits
+    `budget` with the table's prediction; None when none does or the request is unmeasured."""
+    step = memory.geometry.size_multiple
+    top = max(memory.bounds.max_width, memory.bounds.max_height) // step * step
+    floor = max(step, memory.geometry.smallest_side)  # below it no request is served: no size to offer
+    for side in range(top, floor - 1, -step):
+        bounds = dataclasses.replace(memory.bounds, max_width=min(memory.bounds.max_width, side),
+                                     max_height=min(memory.bounds.max_height, side))
+        peak = memory.with_bounds(bounds).rank(mode, g).peak_bytes
+        if peak is None:
+            return None
+        if peak <= budget:
+            return side
+    return None

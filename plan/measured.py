@@ -9,7 +9,9 @@ of another device or library versions is another file: it is never read for this
 
 The file (JSON): {"version": 1, "device": "NVIDIA H100 80GB HBM3", "versions": "torch 2.11.0 ...",
 "model": "<folder's digest>", "points": [{"part": "vae_decode", "width": 832, "height": 480,
-"frames": 1, "batch": 1, "bytes": 3380000000, "seconds": 0.8}, ...]}.
+"frames": 1, "batch": 1, "bytes": 3380000000}, ...]}; a shape that ran out of the device's memory
+is kept as `AtLeast` the device's memory (`"at_least": true`): it does not fit that device, and it is
+never a point of a fit between shapes (`dlo.plan.memory_model`), since its true need is unknown.
 """
 
 from __future__ import annotations
@@ -23,9 +25,14 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from dlo.plan.memory_model import Shape
+from dlo.plan.peak_values import AtLeast
 
 PEAKS_VERSION = 1
 PEAKS_FOLDER = ".dlo-peaks"
+
+
+def _point(p: Mapping[str, Any]) -> int:
+    return AtLeast(int(p["bytes"])) if p.get("at_least") else int(p["bytes"])
 
 
 @dataclass(frozen=True)
@@ -42,7 +49,8 @@ class MeasuredPeaks:
         return self.points.get((part, shape))
 
     def to_json(self) -> str:
-        pts = [{"part": p, "width": s.width, "height": s.height, "frames": s.frames, "batch": s.batch, "bytes": b}
+        pts = [{"part": p, "width": s.width, "height": s.height, "frames": s.frames, "batch": s.batch, "bytes": int(b),
+                **({"at_least": True} if isinstance(b, AtLeast) else {})}
                for (p, s), b in sorted(self.points.items(), key=lambda kv: (kv[0][0], str(kv[0][1])))]
         return json.dumps({"version": PEAKS_VERSION, "device": self.device, "versions": self.versions,
                            "model": self.model, "seconds": round(self.seconds, 2), "points": pts}, indent=1)
@@ -54,7 +62,7 @@ class MeasuredPeaks:
             if doc.get("version") != PEAKS_VERSION:
                 raise ValueError(f"version {doc.get('version')!r}, not {PEAKS_VERSION}")
             points = {(p["part"], Shape(int(p["width"]), int(p["height"]), int(p["frames"]), int(p["batch"]))):
-                      int(p["bytes"]) for p in doc["points"]}
+                      _point(p) for p in doc["points"]}
             return cls(str(doc["device"]), str(doc["versions"]), str(doc["model"]), points,
                        float(doc.get("seconds", 0.0)))
         except (ValueError, KeyError, TypeError) as e:
@@ -124,6 +132,10 @@ def describe(points: Mapping[tuple[str, Shape], int], predicted: Mapping[tuple[s
             out.append(f"{part} at {shape}: measured {format_gb(measured)}, the table has none")
             continue
         bytes_, extrapolated = pred
+        if isinstance(measured, AtLeast):
+            out.append(f"{part} at {shape}: out of memory on this device ({format_gb(measured)}): does not fit, "
+                       f"predicted {format_gb(bytes_)}{' (extrapolated)' if extrapolated else ''}")
+            continue
         ratio = f"{bytes_ / measured:.2f}x" if measured else "n/a"
         out.append(f"{part} at {shape}: measured {format_gb(measured)}, predicted {format_gb(bytes_)} ({ratio}"
                    f"{', extrapolated' if extrapolated else ''})")

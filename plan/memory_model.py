@@ -4,7 +4,7 @@ its limits accept needs beyond them, from the measured table (`dlo.plan.memory_t
 Owns: `RequestBounds` (the limits that bound a request's shape) and `largest_requests`,
 `placed_weight_bytes` / `padded_shard_bytes` (what one streamed or resident model puts on a rank's
 device, per mode: the one definition the policy uses too), `PipelineMemory.rank(mode, g)` ->
-`RankMemory`, the largest size a budget allows (`largest_fitting_size`), and `pipeline_memory`,
+`RankMemory`, and `pipeline_memory`,
 which reads a pipeline folder's facts (checkpoint headers only) into a `PipelineMemory`.
 Must never: import torch, or put a number where the table has none: an unmeasured family gives
 `request_bytes = None` and says why (the policy then falls back to its reserve ratio).
@@ -25,8 +25,7 @@ weights per model with `S` its largest block, `N` its non-block bytes, `k` resid
 `g` ranks sharing it: resident all bytes; rank-local `N + 2 S + k S`; allgather
 `N + 2 g S_pad + k S` (`S_pad`: docs/contracts.md section 4). Text encoders stream (as models) in the
 offloaded modes when `stream_encoders`, else sit whole; the VAE, CLIP and image encoders are whole.
-With sp > 1 the transformer's activations are counted for the whole sequence (an upper bound: the
-table is measured on one rank).
+With sp > 1 the transformer's activations count for the whole sequence (a bound: the table's is one rank's).
 """
 
 from __future__ import annotations
@@ -40,6 +39,7 @@ from typing import Iterable, Mapping
 from dlo.plan.facts import ModelFacts
 from dlo.engine.layout import latent_tokens
 from dlo.plan.memory_table import FamilyTable, Fit, MemoryTable, TableError, fit_linear, part_features
+from dlo.plan.peak_values import AtLeast, measured_bound
 
 SLOT_ALIGN = 256
 
@@ -153,7 +153,6 @@ class RankMemory:
 @dataclass(frozen=True)
 class PipelineMemory:
     """A pipeline's memory facts, its limits and its family's table: what `rank` predicts from."""
-
     family: str
     geometry: Geometry
     transformers: dict[str, ModelFacts]  # every streamed transformer (Wan2.2: two experts)
@@ -180,13 +179,13 @@ class PipelineMemory:
     def family_table(self) -> FamilyTable | None:
         return self.table.family(self.family)
 
+    def with_bounds(self, bounds: RequestBounds) -> "PipelineMemory":
+        return dataclasses.replace(self, bounds=bounds)
+
     @property
     def context_bytes(self) -> int:
         """Device memory outside the allocator (measured; 0 when unmeasured)."""
         return self.table.context_bytes or 0
-
-    def with_bounds(self, bounds: RequestBounds) -> "PipelineMemory":
-        return dataclasses.replace(self, bounds=bounds)
 
     def rank(self, mode: str, g: int = 1, resident_blocks: int | Mapping[str, int] = 0) -> RankMemory:
         """The rank's weights and the largest accepted request's needs in `mode` (`g` sharing ranks);
@@ -257,20 +256,25 @@ class PipelineMemory:
         return out
 
     def predicted(self, part: str, shape: Shape, *, table_only: bool = False) -> tuple[int, bool] | None:
-        """(bytes, extrapolated) `part` needs at `shape`: measured on this device where `measured`
-        has that very shape (never extrapolated), else the table's fit; None where neither has it."""
+        """(bytes, extrapolated) `part` needs at `shape`: measured on this device at that very shape, or
+        bounded by shapes measured there (`measured_bound`), or between them; else the table's fit
+        (extrapolated beyond its shapes); None where neither has it."""
         if not table_only and (m := self.measured.get((part, shape))) is not None:
             return m, False
+        bound = None if table_only else measured_bound(part, shape, self.measured)  # `dlo.plan.peak_values`
+        if isinstance(bound, AtLeast):  # it covers a shape that ran out of the device's memory
+            return bound, False
         x = features(part, shape, self.geometry, self.bounds.max_sequence_length)
-        device_fit = None if table_only else _device_fit(part, self.geometry, tuple(sorted(
-            ((s.width, s.height, s.frames, s.batch), b) for (p, s), b in self.measured.items() if p == part)))
+        device_fit = None if table_only else _device_fit(part, self.geometry, tuple(sorted(  # no out-of-memory bound
+            ((s.width, s.height, s.frames, s.batch), b) for (p, s), b in self.measured.items() if p == part
+            and not isinstance(b, AtLeast))))
         if device_fit is not None and not device_fit.extrapolated(x):  # between shapes measured on this device
-            return device_fit.predict(x), False
+            return min(device_fit.predict(x), bound or 1 << 62), False
         fam = self.family_table
         fit = fam.parts.get(part) if fam is not None else None
-        if fit is None:
-            return None
-        return fit.predict(x), fit.extrapolated(x)
+        if fit is None or (bound is not None and fit.extrapolated(x)):  # a measured shape covering it: its need
+            return (bound, False) if bound is not None else None
+        return min(fit.predict(x), bound or 1 << 62), fit.extrapolated(x)
 
     def calibration_shapes(self) -> list[tuple[str, Shape]]:
         """The decodes and transformer calls the plan weighs, to measure on the device (`dlo calibrate
@@ -342,23 +346,6 @@ def _device_fit(part: str, geometry: Geometry, points: tuple[tuple[tuple[int, in
 def decoded_pixels(shape: Shape) -> int:
     """What the tiling threshold compares: width x height x frames x images."""
     return shape.width * shape.height * max(1, shape.frames) * shape.batch
-
-
-def largest_fitting_size(memory: PipelineMemory, mode: str, g: int, budget: int) -> int | None:
-    """The largest `--max-size` (width and height bound, other limits kept) at which `mode` fits
-    `budget` with the table's prediction; None when none does or the request is unmeasured."""
-    step = memory.geometry.size_multiple
-    top = max(memory.bounds.max_width, memory.bounds.max_height) // step * step
-    floor = max(step, memory.geometry.smallest_side)  # below it no request is served: no size to offer
-    for side in range(top, floor - 1, -step):
-        bounds = dataclasses.replace(memory.bounds, max_width=min(memory.bounds.max_width, side),
-                                     max_height=min(memory.bounds.max_height, side))
-        peak = memory.with_bounds(bounds).rank(mode, g).peak_bytes
-        if peak is None:
-            return None
-        if peak <= budget:
-            return side
-    return None
 
 
 def pipeline_memory(model_dir: Path | str, bounds: RequestBounds, *, tile_above_pixels: int,

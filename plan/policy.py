@@ -59,7 +59,8 @@ from dlo.plan.mode_estimates import (
 )
 from dlo.plan.profile import NodeProfile
 from dlo.plan.facts import Mode, ModeKey, ModelFacts, mode_of_key
-from dlo.plan.memory_model import SLOT_ALIGN, largest_fitting_size, padded_shard_bytes
+from dlo.plan.limits_fit import largest_fitting_size
+from dlo.plan.memory_model import SLOT_ALIGN, padded_shard_bytes
 from dlo.plan.memory_model import format_gb as _gb
 
 if TYPE_CHECKING:

@@ -16,6 +16,7 @@ Map (which file to open for which concept; every file of the folder):
   service.py     the domain on rank 0: lifecycle states, queue -> waves, withdrawing, the drain, faults
   threads.py     rank 0's blocking work beside its event loop (the group's start, waves, stop)
   startup.py     the warm-up request, startup_seconds, start-cost warnings; warm_run.py  its run on a rank
+  start_peaks.py the peaks a start plans with, measured on its device at each limit set the plan weighs
   errors.py      the domain errors (QueueFull, EngineUnavailable, EngineFailed, ShuttingDown, RequestFailed,
                  InvalidInput, video jobs)
   connections.py the listener's limits: cap and probe reserve, idle/header and body timeouts, episode logs

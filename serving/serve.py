@@ -36,6 +36,7 @@ from dlo.plan.facts import DeviceKind
 from dlo.serving.api_keys import read_api_key  # the one-key reader (re-exported)
 from dlo.serving.config import ServeConfig, engine_settings
 from dlo.serving.options import add_arguments, serve_config
+from dlo.serving.start_peaks import start_measure
 
 __all__ = ["add_arguments", "main", "engine_settings", "read_api_key", "StartError"]
 
@@ -237,14 +238,6 @@ def _listen(cfg: ServeConfig, start: _Start) -> None:
     start.listener = sock
 
 
-def _peaks(cfg: ServeConfig, start: _Start) -> None:
-    """The decodes and transformer calls the plan weighs, measured on this device (cuda; `dlo.engine.calibrate.start_peaks`)."""
-    if start.device == "cuda" and cfg.memory.peaks_deadline:
-        from dlo.engine.calibrate import start_peaks
-
-        start.measured = start_peaks(start.model_dir, start.limits, cfg.memory.peaks_deadline, cfg.memory.stream_dtype)
-
-
 def _plan(cfg: ServeConfig, start: _Start) -> None:
     """The deployment plan (`dlo.plan.deployment.plan_folder`): the device budget against the
     pipeline at its limits, the decode rule, the mode, the resident blocks, an auto merge cache."""
@@ -261,7 +254,8 @@ def _plan(cfg: ServeConfig, start: _Start) -> None:
         req = cfg.requests  # no limits given: the largest that fit the budget
         derive = req.limits is None and not req.small_limits and req.max_size is None
         start.plan = plan_folder(start.model_dir, ask, profile=profile, limits=start.limits,
-                                 device_memory=host.accelerator.memory_bytes, derive_limits=derive)
+                                 device_memory=host.accelerator.memory_bytes, derive_limits=derive,
+                                 measure=start_measure(cfg, start))  # each limit set weighed measured first
     except DeviceBudgetError as e:
         raise StartError(str(e)) from None
     except (ValueError, OSError) as e:  # an unreadable or invalid --profile file
@@ -293,7 +287,7 @@ def _prepare(cfg: ServeConfig) -> _Start:
     start = _Start(model_dir=cfg.model_dir.resolve(), laps=start_laps())
     start.laps.lap("before_checks")  # the interpreter, the imports of `dlo`, the arguments, a --fetch
     start.tenants = _tenants(cfg)
-    for step in (_listen, _model_and_limits, _layout, _library_warmup, _peaks, _plan, _video_store):
+    for step in (_listen, _model_and_limits, _layout, _library_warmup, _plan, _video_store):
         step(cfg, start)
         start.laps.lap(step.__name__.lstrip("_"))
     log.info("%s", start.tenants.describe())  # once every check passed: a refusal stays one line

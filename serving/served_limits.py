@@ -22,9 +22,9 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from dlo.engine.families import PipelineFacts
+from dlo.plan.derive import default_frames  # served here: what a video request without frames gets
 from dlo.plan.limits import SMALL, Limits
 
-DEFAULT_VIDEO_SECONDS = 4.0  # a video request without seconds or num_frames
 
 
 class LimitsError(ValueError):
@@ -118,14 +118,3 @@ def default_size(facts: PipelineFacts, limits: Limits, video: bool = False) -> t
     return side(w, top_w), side(h, top_h)
 
 
-def default_frames(facts: PipelineFacts, limits: Limits, fps: int) -> int:
-    """The frames of a video request without `seconds` or `num_frames`: 4 s (at least the model's
-    shortest clip) at `fps`, as the family's valid count nearest it, cut to the longest valid count
-    within `max_frames` (and the model's own longest)."""
-    seconds = max(DEFAULT_VIDEO_SECONDS, facts.shortest_seconds(fps))
-    frames = facts.valid_frames(seconds, fps)
-    top = min(limits.max_frames, facts.max_frames or limits.max_frames)
-    step, offset = facts.frame_step or facts.temporal_factor, facts.frame_offset
-    if frames > top >= offset:
-        frames = (top - offset) // step * step + offset
-    return frames

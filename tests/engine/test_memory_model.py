@@ -15,11 +15,11 @@ from dlo.plan.memory_model import (
     PipelineMemory,
     RequestBounds,
     Shape,
-    largest_fitting_size,
     largest_requests,
     pipeline_memory,
     placed_weight_bytes,
 )
+from dlo.plan.limits_fit import largest_fitting_size
 from dlo.plan.memory_table import TABLE_PATH, MemoryTable, TableError, fit_linear
 
 SMALL_TABLE = Path(__file__).parent / "fixtures" / "memory_table_small.json"

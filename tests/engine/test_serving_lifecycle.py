@@ -50,7 +50,7 @@ def test_idle_server_warms_up_then_exits_zero_on_sigterm(tmp_path_factory, tmp_p
         assert ready["ranks"][0]["load_phases"] == {k: v for k, v in phases.items() if not k.startswith("warmup_")}
         # and before the load: `dlo serve`'s steps in order, adding up to before_load (each rounded to 10 ms)
         before = st["before_load_phases"]
-        assert list(before) == ["before_checks", "listen", "model_and_limits", "layout", "library_warmup", "peaks",
+        assert list(before) == ["before_checks", "listen", "model_and_limits", "layout", "library_warmup",
                                 "plan", "video_store", "engine", "rank_spawn_and_http_server"], before
         assert abs(sum(before.values()) - st["before_load"]) <= 0.06 and all(v >= 0 for v in before.values())
         # the deployment plan the server runs (dlo.plan.deployment), as `dlo plan --json` prints it

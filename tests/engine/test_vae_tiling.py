@@ -143,3 +143,35 @@ def test_a_shape_between_shapes_measured_on_the_device_is_interpolated_not_guess
     # less than the measured decode of two such images, far below the table's guess
     assert not extrapolated and two < need < guessed and three < guessed / 2
     assert measured.predicted("vae_decode", Shape(1920, 1920, 1, 4))[1]  # beyond them: still a guess
+
+
+def test_a_shape_that_ran_out_of_memory_does_not_fit_and_is_no_point_of_a_fit(wan, tmp_path):
+    """A decode that ran out of the device's memory is kept as `AtLeast` that memory (through the
+    cache file): at that shape nothing fits below it, and the line between measured shapes ignores
+    it (its true need is unknown), where as an ordinary point it would bend the line."""
+    import dataclasses
+    from pathlib import Path
+
+    from dlo.plan.memory_model import Geometry, PipelineMemory, RequestBounds
+    from dlo.plan.memory_table import MemoryTable
+    from dlo.plan.peak_values import AtLeast
+
+    cache = Path(__file__).resolve().parents[2] / "bench" / "results" / "peaks-h100-2026-12-06-b-cache.json"
+    plain = {k: v for k, v in MeasuredPeaks.from_json(cache.read_text(), str(cache)).points.items()
+             if k[0] == "vae_decode"}
+    oom = ("vae_decode", Shape(832, 832, 1, 8))
+    peaks = MeasuredPeaks("NVIDIA H100 80GB HBM3", "v", model_digest(wan), {**plain, oom: AtLeast(85 * 10**9)})
+    again = load_peaks(wan, peaks.device, peaks.versions, cache_root=tmp_path) if save_peaks(
+        wan, peaks, cache_root=tmp_path) else None
+    assert again is not None and isinstance(again.points[oom], AtLeast) and again.points[oom] == 85 * 10**9
+    assert not isinstance(again.points[next(iter(plain))], AtLeast)
+    memory = PipelineMemory("wan", Geometry(16, 4), {}, {}, {}, RequestBounds(832, 832, 1, 8), 0, MemoryTable.load())
+    kept = dataclasses.replace(memory, measured=again.points)
+    assert kept.predicted(*oom) == (85 * 10**9, False)  # at that very shape: does not fit below the card
+    between = Shape(832, 832, 1, 7)  # beyond the shapes measured to fit (none covers it), below the one that did not
+    big = 10**13  # a card of 10 TB: as a point of the line it would lift it far
+    kept = dataclasses.replace(memory, measured={**plain, oom: AtLeast(big)})
+    as_point = dataclasses.replace(memory, measured={**plain, oom: big})
+    assert kept.predicted("vae_decode", between) == dataclasses.replace(memory, measured=plain).predicted(
+        "vae_decode", between)  # the line through the measured shapes alone
+    assert as_point.predicted("vae_decode", between)[0] > 2 * kept.predicted("vae_decode", between)[0]

@@ -166,3 +166,78 @@ def test_limits_are_derived_from_the_budget_when_none_are_given(tiny_wan):
     assert p.reasons[0].startswith("limits derived from the device budget: ")
     with pytest.raises(DeviceBudgetError, match="limits that fit this budget: .*x 17 frames"):
         _largest_fitting(tiny_wan, base, budget, False, measured)
+
+
+def test_with_no_limits_given_the_weights_stay_resident_at_the_largest_limits_that_keep_them(tiny_wan):
+    """Mode auto on an accelerator: where the default limits would stream the weights but lower ones
+    keep every weight on the device, the lower ones are derived (resident: the speed and bytes of plain
+    diffusers), and the reason says how to accept larger requests; given limits are never lowered."""
+    from dlo.plan.budget import deployment_memory
+    from dlo.plan.deployment import plan_folder
+    from dlo.plan.limits_fit import candidates
+
+    base = Limits(max_width=256, max_height=256, max_frames=33, max_n=4, default_size="64x64",
+                  default_video_size="64x64", max_sequence_length=64)
+    measured = _as_if_measured(tiny_wan, base)
+
+    def planned(budget, derive):
+        ask = PlanAsk(device="cuda", max_device_memory=budget, measured=measured)
+        return plan_folder(tiny_wan, ask, profile=NODE, limits=base, device_memory=80 * GB, derive_limits=derive)
+
+    def attempt(budget, derive):
+        try:
+            return planned(budget, derive)
+        except DeviceBudgetError:
+            return None
+
+    memory = deployment_memory(tiny_wan, base)
+    whole = dataclasses.replace(memory, measured=measured).rank("resident")
+    low, high = whole.weights_bytes, whole.peak_bytes * 2
+    found = None
+    for budget in range(low, high, max(1, (high - low) // 120)):
+        given, derived = attempt(budget, False), attempt(budget, True)
+        if (given is None or given.mode != "resident") and derived is not None and derived.mode == "resident":
+            found = budget, given, derived
+            break
+    assert found is not None, "no budget keeps the weights resident only at lower limits"
+    budget, given, derived = found
+    assert derived.limits != base and derived.limits in list(candidates(base, memory.geometry))
+    assert derived.reasons[0].startswith("limits derived from the device budget: ")
+    assert "every weight stays on the device" in derived.reasons[0] and "--limits or --max-size" in derived.reasons[0]
+    assert given is None or given.limits == base  # given limits stay as given: the weights stream instead
+
+
+def test_each_limit_set_weighed_is_measured_first_and_a_shape_out_of_memory_lowers_the_limits(tiny_wan):
+    """`plan_folder(measure=...)` (a start on the device): every candidate's pipeline memory goes to
+    the measurer before it is weighed, in the order tried; where the measurer says the default
+    limits' largest decode ran out of memory, the derived limits are lower and every phase the plan
+    weighs is measured, none the table's."""
+    from dlo.plan.budget import deployment_memory
+    from dlo.plan.deployment import plan_folder
+    from dlo.plan.peak_values import AtLeast
+
+    base = Limits(max_width=256, max_height=256, max_frames=33, max_n=4, default_size="64x64",
+                  default_video_size="64x64", max_sequence_length=64)
+    asked = []
+
+    def measure(memory, extra):  # the device's answers: the table's figures, the largest video decode out of memory
+        asked.append(memory.bounds)
+        out = {}
+        for tile in (0, memory.tile_above_pixels):
+            for part, shape in dataclasses.replace(memory, tile_above_pixels=tile).phases():
+                out[(part, shape)] = memory.predicted(part, shape, table_only=True)[0]
+        for part, shape in memory.calibration_shapes():
+            out.setdefault((part, shape), memory.predicted(part, shape, table_only=True)[0])
+            if shape.frames == 33:
+                out[(part, shape)] = AtLeast(80 * GB)
+        return out
+
+    ask = PlanAsk(mode="rank-local", device="cuda", max_device_memory=40 * GB)
+    p = plan_folder(tiny_wan, ask, profile=NODE, limits=base, device_memory=80 * GB, derive_limits=True,
+                    measure=measure)
+    assert asked[0].max_frames == 33 and len(asked) >= 2  # the defaults first, then lower ones
+    assert p.limits is not None and p.limits.max_frames < 33
+    assert any(b.max_frames == p.limits.max_frames for b in asked)  # the chosen limits were measured
+    assert p.needs and all(n["source"].startswith("measured") for n in p.needs), p.needs
+    with pytest.raises(DeviceBudgetError, match="limits that fit this budget"):  # given limits: refused, named
+        plan_folder(tiny_wan, ask, profile=NODE, limits=base, device_memory=80 * GB, measure=measure)
