@@ -55,14 +55,15 @@ class CacheSetup:
     model: Path
     reference: Path
     cases: list[tuple[str, int]] = field(default_factory=lambda: list(CASES))
+    caches: dict[str, tuple[Any, Any]] = field(default_factory=lambda: dict(CACHES))
 
     def request(self, cache: str) -> Any:
         """The `cache` field of a request for case cache `cache` (the preset as JSON)."""
-        return CACHES[cache][0]
+        return self.caches[cache][0]
 
     def gen(self, cache: str, seed: int) -> Generation:
         return Generation(kind="image", prompt=PROMPT, seed=seed, width=SIZE, height=SIZE, steps=STEPS,
-                          guidance_scale=5.0, cache=cache_spec(CACHES[cache][0]))
+                          guidance_scale=5.0, cache=cache_spec(self.caches[cache][0]))
 
     def case(self, cache: str, seed: int) -> int:
         return self.cases.index((cache, seed))
@@ -80,20 +81,34 @@ class CacheSetup:
         return json.loads((self.reference / f"case-{self.case(cache, seed)}.json").read_text())
 
 
-@pytest.fixture(scope="session")
-def cache_setup(tmp_path_factory: pytest.TempPathFactory) -> CacheSetup:
-    """The tiny Wan pipeline (float32) and plain diffusers' output of every case."""
-    model = tiny_pipeline(tmp_path_factory, "wan", "float32")
-    setup = CacheSetup(model, tmp_path_factory.getbasetemp() / "cache-reference")
+def make_cache_setup(model: Path, reference: Path, dtype: str = "float32",
+                     caches: dict[str, tuple[Any, Any]] | None = None) -> CacheSetup:
+    """`model`'s setup: plain diffusers' output of every case, written to `reference` by the
+    reference process (`dtype`: what the folder's weights are and diffusers loads them as; `caches`:
+    the cases' caches where a family needs other parameters than `CACHES`)."""
+    setup = CacheSetup(model, reference, caches=dict(caches or CACHES))
     setup.reference.mkdir(parents=True, exist_ok=True)
     cases = []
     for cache, seed in setup.cases:
         gen = {k: v for k, v in setup.gen(cache, seed).__dict__.items() if k not in ("cache", "image")}
-        cases.append({"config": CACHES[cache][1], "gen": gen})
-    spec = {"model_dir": str(model), "dtype": "float32", "max_sequence_length": SEQ, "cases": cases}
+        cases.append({"config": setup.caches[cache][1], "gen": gen})
+    spec = {"model_dir": str(model), "dtype": dtype, "max_sequence_length": SEQ, "cases": cases}
     (setup.reference / "spec.json").write_text(json.dumps(spec))
     env = {**offline_env(), "PYTHONPATH": str(REFERENCE_DIR)}
     r = subprocess.run([sys.executable, "-m", "tests.engine.cache_reference", str(setup.reference / "spec.json"),
                         str(setup.reference)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, f"the diffusers reference failed:\n{r.stdout[-2000:]}{r.stderr[-4000:]}"
     return setup
+
+
+@pytest.fixture(scope="session")
+def cache_setup(tmp_path_factory: pytest.TempPathFactory) -> CacheSetup:
+    """The tiny Wan pipeline (float32) and plain diffusers' output of every case."""
+    model = tiny_pipeline(tmp_path_factory, "wan", "float32")
+    return make_cache_setup(model, tmp_path_factory.getbasetemp() / "cache-reference")
+
+
+def first_block(threshold: float) -> tuple[Any, Any]:
+    """The first-block case at `threshold`: the request's preset and diffusers' config."""
+    return ({"preset": "first-block", "threshold": threshold},
+            {"class": "FirstBlockCacheConfig", "kwargs": {"threshold": threshold}})
