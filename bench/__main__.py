@@ -28,6 +28,7 @@ SUITES: dict[str, tuple[str, str]] = {
     "seed-models": ("bench.seed_models", "Cosmos3 and MiniMax-H3 through dlo serve against plain diffusers: videos/h, Wh/video"),
     "lora": ("bench.lora", "a rank-64 LoRA adapter per request: per block and end to end, resident and streamed"),
     "exact": ("bench.exact_device", "every default, resident and under a 24 GiB cap, against diffusers: bytes and seconds"),
+    "step-cache": ("bench.step_cache", "TaylorSeer and First Block Cache served, resident and capped, against uncached and diffusers' own"),
     "peer-check": ("bench.peer_check", "peer gathers (CUDA IPC copies, no collective): bytes identical, seconds per call"),
     "serve": ("bench.serve", "dlo serve through the openai SDK: ready, first request, waves against sequential, exit"),
     "lora-kernel": ("bench.lora_merge_kernel", "the one-pass LoRA merge kernel against peft's two steps: time and bytes per shape"),

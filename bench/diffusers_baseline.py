@@ -77,6 +77,21 @@ def load_pipeline(model: Path | str, device: str, placement: str = "resident", *
     return pipe
 
 
+def enable_cache(pipe: Any, config: dict | None) -> None:
+    """diffusers' own step cache on the pipeline's transformer: `config` is {"class": a diffusers cache
+    config class, "kwargs": {...}} (`taylor_factors_dtype` by name), written by the caller, never
+    read from DLO's presets; None: none."""
+    if not config:
+        return
+    import diffusers
+    import torch
+
+    kwargs = dict(config["kwargs"])
+    if "taylor_factors_dtype" in kwargs:
+        kwargs["taylor_factors_dtype"] = getattr(torch, kwargs["taylor_factors_dtype"])
+    pipe.transformer.enable_cache(getattr(diffusers, config["class"])(**kwargs))
+
+
 def pipeline_call(pipe: Any, facts: Any, shape: Any, *, steps: int, guidance: float | None = None,
                   negative: bool = False, max_sequence_length: int = 512, image: Any = None) -> Any:
     """One call at `shape` (`dlo.plan.memory_model.Shape`), as `dlo serve` would make it."""
@@ -134,8 +149,9 @@ class PhasePeaks:
 
 
 def baseline_child(model: str, request: dict, device: str) -> dict:
-    """`placement` (resident | group_offload) under an optional `cap_bytes`: load, warm up at the
-    request's size, then `repeats` timed calls (the fastest is `seconds`, encode included)."""
+    """`placement` (resident | group_offload) under an optional `cap_bytes`, with an optional
+    `diffusers_cache` (`enable_cache`): load, warm up at the request's size, then `repeats` timed
+    calls (the fastest is `seconds`, encode included)."""
     import numpy as np
     import torch
 
@@ -151,6 +167,7 @@ def baseline_child(model: str, request: dict, device: str) -> dict:
     pipe = load_pipeline(model, device, request.get("placement", "resident"),
                          low_cpu_mem_usage=request.get("low_cpu_mem_usage", False))
     load = time.perf_counter() - t0
+    enable_cache(pipe, request.get("diffusers_cache"))
     facts = pipeline_facts(model)
     w, h = map(int, request["size"].split("x"))
     shape = Shape(w, h, request.get("frames", 1), 1)

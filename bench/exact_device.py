@@ -114,7 +114,7 @@ def serve_run(model: Path, requests: dict[str, dict], flags: list[str], args: ar
                 if i == 0:
                     outputs[f"{name}:{kind}"] = data
             out[kind] = {"seconds": spread(secs), "output_sha256": shas[0], "same_bytes_every_request": len(set(shas)) == 1,
-                         "headers": heads}
+                         "headers": heads, "counters": counters(srv.metrics())}  # cumulative, after this kind
         m = srv.metrics()
         out["peak_device_bytes"] = {lab["rank"]: v for lab, v in m.get("dlo_device_memory_peak_bytes", [])}
     finally:
@@ -122,6 +122,12 @@ def serve_run(model: Path, requests: dict[str, dict], flags: list[str], args: ar
         out["log"] = _log_lines(log, "measured peak:", "peak need:", "peaks:", "limits", "tiling", "plain up to", "mode=",
                                 "resident blocks", "budget")[-60:]
     return out
+
+
+def counters(metrics: dict) -> dict[str, float]:
+    """What a server's step caches saved so far, summed over its ranks (`/metrics`)."""
+    return {name: sum(v for _, v in metrics.get(f"dlo_cache_{name}_total", metrics.get(f"dlo_cache_{name}", [])))
+            for name in ("block_calls_skipped", "bytes_not_streamed")}
 
 
 # ---- plain diffusers (bench/pipeline.py's child process) -------------------------------------

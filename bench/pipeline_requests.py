@@ -48,6 +48,8 @@ def answer(client: Any, request: dict) -> tuple[bytes, dict[str, Any]]:
         body["lora"] = request["lora"]
     if request.get("negative_prompt"):
         body["negative_prompt"] = NEGATIVE
+    if request.get("cache") is not None:  # a step cache (bench/step_cache.py): a preset and its parameters
+        body["cache"] = request["cache"]
     if request["kind"] == "video":
         extra: dict[str, Any] = {}
         if request.get("image"):

@@ -1,7 +1,8 @@
 """The bodies of requests FastAPI does not parse itself: `POST /v1/videos` in JSON or form data.
 
 Owns: `video_body` (the body read, parsed and validated: any malformed input is an `ApiError` 400),
-`closed_multipart` (a multipart body that ends with its closing delimiter),
+`closed_multipart` (a multipart body that ends with its closing delimiter), `nested_form` (form
+fields the official SDK writes for a nested value, `cache[threshold]`, folded back into objects),
 `validation_message` (pydantic's first error as OpenAI's message and `param`) and `body_error`
 (a body FastAPI parsed for a route, such as `POST /v1/images/generations`, that is no JSON
 object: said as `video_body` says it, `param` null).
@@ -64,6 +65,45 @@ def closed_multipart(body: bytes, ctype: str) -> bool:
     return bool(boundary) and b"--" + boundary + b"--" in body[-(len(boundary) + 256):]
 
 
+def nested_form(items: list[tuple[str, Any]]) -> dict[str, Any]:
+    """Form fields as the official SDK writes a nested `extra_body` value (`cache[preset]`,
+    `cache[threshold]`, `cache[mag_ratios][]` once per item): folded back into objects and lists,
+    each nested text read as JSON where it is a number, true, false or null (form data has only
+    text); plain fields as they came. A field both plain and nested is a 400 naming it."""
+    data: dict[str, Any] = {}
+    for key, value in items:
+        name, _, rest = key.partition("[")
+        if not rest or not isinstance(value, str):
+            data[key] = value
+            continue
+        parts = rest[:-1].split("][") if rest.endswith("]") else [rest]
+        listed = parts[-1] == ""
+        parts = parts[:-1] if listed else parts
+        try:
+            if not parts:  # `name[]`: a list at the top
+                data.setdefault(name, []).append(_scalar(value))
+                continue
+            node = data.setdefault(name, {})
+            for part in parts[:-1]:
+                node = node.setdefault(part, {})
+            if listed:
+                node.setdefault(parts[-1], []).append(_scalar(value))
+            else:
+                node[parts[-1]] = _scalar(value)
+        except (AttributeError, TypeError):  # a field both a value and an object or a list
+            raise ApiError(400, f"form field {key!r} conflicts with another field of {name!r}", name,
+                           "invalid_value") from None
+    return data
+
+
+def _scalar(text: str) -> Any:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, (int, float, bool)) or value is None else text
+
+
 async def video_body(request: Request) -> VideoCreateRequest:
     """`POST /v1/videos`'s body, JSON or form data (as the official SDK sends it), validated; a
     malformed one is an `ApiError` 400."""
@@ -74,9 +114,7 @@ async def video_body(request: Request) -> VideoCreateRequest:
                 raise ApiError(400, "the multipart body has no closing boundary (--BOUNDARY--): it is incomplete",
                                None, "invalid_json")
             form = await request.form()
-            data: Any = {}
-            for k, v in form.multi_items():
-                data[k] = form_field(k, v)
+            data: Any = nested_form([(k, form_field(k, v)) for k, v in form.multi_items()])
         else:
             data = await request.json()
     except ApiError:

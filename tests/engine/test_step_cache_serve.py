@@ -115,3 +115,15 @@ def test_sp2_each_preset_equals_diffusers_and_the_server_default_is_dlo_serve_ca
             assert _image(client, mid, 1, s.request(cache)) == s.ref_bytes(cache, 1), cache
         assert _image(client, mid, 1) == s.ref_bytes("mag", 1)  # the server's default
         assert _image(client, mid, 1, "none") == s.ref_bytes("none", 1)
+        # a video: the SDK sends multipart form data, a nested cache as `cache[preset]`, `cache[threshold]`,
+        # `cache[mag_ratios][]` per item - folded back into the object (numbers read as numbers), applied
+        video = {"seed": 1, "num_inference_steps": STEPS, "guidance_scale": 5.0, "num_frames": 5}
+        skipped = sum(v for _, v in srv.metrics()["dlo_cache_block_calls_skipped_total"])
+        job = client.videos.create_and_poll(model=mid, prompt="a lighthouse", size=f"{SIZE}x{SIZE}", poll_interval_ms=50,
+                                            extra_body={**video, "cache": s.request("first-block")})
+        assert job.status == "completed", job.error
+        assert sum(v for _, v in srv.metrics()["dlo_cache_block_calls_skipped_total"]) > skipped
+        with pytest.raises(openai.BadRequestError) as e:
+            client.videos.create(model=mid, prompt="a lighthouse", size=f"{SIZE}x{SIZE}",
+                                 extra_body={**video, "cache": {"preset": "first-block", "threshold": 0}})
+        assert e.value.body["param"] == "cache.threshold", e.value.body
