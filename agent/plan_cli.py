@@ -16,7 +16,7 @@ import argparse
 import dataclasses
 import json
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dlo.cli.args import (
     UNITS,
@@ -151,7 +151,10 @@ def run_plan(argv: list[str]) -> int:
                   workload=Workload(tokens_per_rank=args.tokens, block_compute_seconds=args.block_compute_seconds,
                                     host_headroom_bytes=args.host_headroom_bytes, require_bandwidth=False))
     try:
-        chosen = plan(ask, profile=profile, transformer=model, pipeline=pipeline, limits=limits)
+        if pipeline is not None and args.limits is None and args.max_size is None and ask.device != "cpu":
+            chosen, pipeline = _derived(args, ask, profile, limits)  # as `dlo serve` with no limits given
+        else:
+            chosen = plan(ask, profile=profile, transformer=model, pipeline=pipeline, limits=limits)
     except DeviceBudgetError as e:
         budget = None if not profile.accelerator.memory_bytes else device_budget(
             profile, args.max_device_memory, pipeline.context_bytes if pipeline else 0)
@@ -172,9 +175,22 @@ def run_plan(argv: list[str]) -> int:
         _print_plan_table(chosen.estimates, model, profile, dp * args.sp, chosen.budget_bytes, tiled)
         from rich.console import Console
 
+        if chosen.reasons and chosen.reasons[0].startswith("limits derived"):
+            print(chosen.reasons[0])
         reason = chosen.mode_reason.removeprefix("policy: ")
         Console().print(f"[bold]choice: {chosen.mode}[/bold] - {reason}", markup=True, highlight=False)
     return 0
+
+
+def _derived(args: argparse.Namespace, ask: Any, profile: Any, limits: Any) -> tuple[DeploymentPlan, PipelineMemory]:
+    """The plan `dlo serve` makes of a pipeline folder with no limits given (`plan_folder`: the
+    limits derived from the budget, with the table's figures: no device is measured here), and the
+    pipeline's memory at the limits it chose."""
+    from dlo.plan.budget import deployment_memory
+    from dlo.plan.deployment import plan_folder
+
+    chosen = plan_folder(args.model, ask, profile=profile, limits=limits, derive_limits=True)
+    return chosen, deployment_memory(args.model, chosen.limits or limits, cfg_pairs=ask.pairs_counted)
 
 
 def plan_json(chosen: DeploymentPlan) -> dict:

@@ -420,3 +420,19 @@ def test_plan_takes_the_device_budget_as_dlo_serve_does(profile_file: Path) -> N
     small = dlo("plan", *one, "--max-device-memory", "1GB")
     assert small.returncode == 1 and "smallest device budget that fits is 1.6 GB (rank-local)" in small.stderr
     assert "budget 1.0 GB" in small.stdout  # the table is printed, with the budget in its title
+
+
+def test_plan_of_a_pipeline_with_no_limits_derives_them_as_dlo_serve_does(profile_file: Path, tmp_path_factory) -> None:
+    """A pipeline folder and no --limits or --max-size: the plan `dlo serve` would start with (the limits
+    derived from the budget, said in one line; the JSON's plan holds them); with --max-size: kept as given."""
+    from tests.engine.serving_helpers import tiny_pipeline
+
+    model = tiny_pipeline(tmp_path_factory, "wan")
+    one = ["--model", str(model), "--dp", "1", "--profile", str(profile_file), "--max-device-memory", "8GiB"]
+    r = dlo("plan", *one)
+    assert r.returncode == 0, r.stderr
+    assert "limits derived from the device budget: " in " ".join(r.stdout.split())
+    doc = json.loads(dlo("plan", *one, "--json").stdout)["plan"]
+    assert doc["limits"]["max_frames"] < 129 and doc["reasons"][0].startswith("limits derived")
+    given = dlo("plan", *one, "--max-size", "1024", "--json")
+    assert "limits derived" not in given.stdout
