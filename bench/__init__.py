@@ -12,7 +12,7 @@ Map (`python -m bench` lists the suites):
 - several cards: `multi_gpu` + `multi_gpu_record`, `sp` + `sp_record`, `hsdp` + `hsdp_ranks`, `ranks`
   (the rank group they share), `peer_check`, `serve`.
 - whole pipelines: `pipeline` + `pipeline_record`, `pipeline_requests`, `diffusers_baseline`,
-  `small_gpu`, `model_folders`, `sparse_pipeline`, `host_memory`; `exact_device`; `memory` +
+  `small_gpu`, `model_folders`, `sparse_pipeline`, `host_memory`; `exact_device`; `step_cache` (served step caches against uncached and diffusers' own); `memory` +
   `memory_probe`; `startup` + `startup_record`, `spy_profile`, `import_profile`; `seed_models` +
   `seed_models_record`, `seed_baseline`, `video_figures`; `lora` + `lora_record`, `lora_blocks`,
   `lora_merge_kernel`; `fp8_drift`; `cold_start` + `cgroup_memory`.
