@@ -2,10 +2,11 @@
 a user of plain diffusers gets - every weight on the device where it can stay, and the default
 requests decoded plain (its bytes) - before the largest that merely fit.
 
-Owns: `derive` (the plan at the first candidate limits (`dlo.plan.limits_fit.candidates`) that pass,
-in three passes: resident with the default requests plain (mode auto on an accelerator whose
-budget holds the weights), the default requests plain, then fitting at all; the reason says which
-and why the given ones did not), `default_shapes` (the default requests at a limit set) and
+Owns: `derive` (the plan at the first candidate limits (`dlo.plan.limits_fit.candidates`) that
+pass, found by halving (`largest_passing`: a start measures a few limit sets, not every one), in
+three passes: resident with the default requests plain (mode auto on an accelerator whose budget
+holds the weights), the default requests plain, then fitting at all; the reason says which and why
+the given ones did not), `default_shapes` (the default requests at a limit set) and
 `default_frames` (the frames of a video request that gives none; `dlo.serving.served_limits` serves it).
 Must never: import torch, or lower limits that were given (`dlo.plan.deployment.plan_folder` calls
 it only when none were).
@@ -18,7 +19,7 @@ from typing import Any, Callable
 
 from dlo.plan.budget import DeviceBudgetError
 from dlo.plan.limits import Limits
-from dlo.plan.limits_fit import describe, first_fitting
+from dlo.plan.limits_fit import describe, largest_passing
 from dlo.plan.memory_model import Shape, decoded_pixels
 
 DEFAULT_VIDEO_SECONDS = 4.0  # a video request without seconds or num_frames
@@ -59,10 +60,10 @@ def derive(at: Callable[[Limits], Any], limits: Limits, geometry: Any, defaults:
     passes = ((True, True), (False, True), (False, False)) if resident else ((False, True), (False, False))
     for keep_weights, plain in passes:
         check = _check(at, defaults, keep_weights, plain)
-        fits = first_fitting(check, limits, geometry, DeviceBudgetError)
-        if not fits:
+        fits = largest_passing(check, limits, geometry, DeviceBudgetError)
+        if fits is None:
             continue
-        chosen, p = fits[0]
+        chosen, p = fits
         if chosen == limits:
             return p
         try:

@@ -3,7 +3,8 @@ gives cannot fit.
 
 Owns: `candidates` (the limits tried, in the order the issue of exactness asks: the family's
 default size kept, fewer frames first, then fewer images per request, then a smaller largest size),
-`first_fitting` (the first candidates a plan accepts, with their plans) and `largest_fitting_size`
+`first_fitting` (the first candidates a plan accepts, with their plans), `largest_passing` (the
+first that passes a check, by halving: what `dlo.plan.derive` weighs) and `largest_fitting_size`
 (the largest `--max-size` a budget allows a mode).
 Must never: import torch, or decide on a guess: a plan refuses only on measured figures
 (`dlo.plan.deployment.plan` plans with `PipelineMemory.trusted`), so a limit is lowered only where
@@ -62,6 +63,32 @@ def first_fitting(plan_for: Callable[[Limits], T], base: Limits, geometry: Geome
         if len(out) >= count:
             break
     return out
+
+
+def largest_passing(check: Callable[[Limits], T], base: Limits, geometry: Geometry,
+                    refused: type[Exception]) -> tuple[Limits, T] | None:
+    """The first candidate `check` passes, found by halving: each candidate asks no more of any
+    dimension than the one before it, so where one passes every later one does, and a start weighs
+    (and measures on the device) about log2 of the candidates, not each. None: not even the last passes."""
+    order = list(candidates(base, geometry))
+    found: dict[int, T] = {}
+
+    def passes(i: int) -> bool:
+        try:
+            found[i] = check(order[i])
+        except refused:
+            return False
+        return True
+
+    if passes(0):
+        return order[0], found[0]
+    low, high = 0, len(order) - 1  # low fails; high is the first known to pass, once checked
+    if low == high or not passes(high):
+        return None
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if passes(mid) else (mid, high)
+    return order[high], found[high]
 
 
 def describe(limits: Limits, geometry: Geometry) -> str:

@@ -32,3 +32,4 @@ def test_a_bound_is_out_of_memory_above_a_refused_shape_and_the_least_covering_n
     assert measured_bound("vae_decode", Shape(832, 480, 17), measured) == 9 * GB  # a video by a video
     assert measured_bound("vae_decode", Shape(1280, 720, 17), measured) is None  # a larger frame: unbounded
     assert measured_bound("transformer", Shape(1920, 1920, 1, 2), measured) is None  # another part's never
+
