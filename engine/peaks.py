@@ -2,14 +2,16 @@
 (`dlo calibrate --peaks`, and `dlo serve`'s first start on an accelerator).
 
 Owns: `library_versions` (what a measurement depends on besides the device and the model: the key
-of `dlo.plan.measured`'s cache), `device_name`, and `measure_peaks`: the decodes (the pipeline's VAE loaded as `dlo serve` loads it, float32, whole on the device, each (part, shape)
+of `dlo.plan.measured`'s cache), `device_name`, `unservable` (a decode no request of which is served:
+not measured), and `measure_peaks`: the decodes (the pipeline's VAE loaded as `dlo serve` loads it, float32, whole on the device, each (part, shape)
 decoded from an emptied cache with the pipelines' own post-processing to numpy) and the transformer
 calls (`dlo.engine.peaks_transformer`), each one's reserved growth (peak reserved less reserved
 before: what the phase needed the allocator to hold, fragmentation included) recorded; smallest
 first, within a deadline (what is not reached stays the table's).
 Must never: measure on a device other than the one named, keep the VAE after it returns, or record
 a decode that failed for another reason than memory (an out-of-memory call is recorded as `AtLeast`
-the device's whole memory: it does not fit; a shape covering it is not run, it is recorded so).
+the device's whole memory: it does not fit; a shape covering it is not run, it is recorded so;
+nor is a decode at a shape whose transformer call did not fit: no request of it is served).
 """
 
 from __future__ import annotations
@@ -83,6 +85,9 @@ def measure_peaks(model_dir: Path, points: list[tuple[str, Shape]], device: Any,
                 out[(part, shape)] = bound  # it covers a shape that ran out of memory: not run
                 log.info("peaks: %s at %s: not run, it covers a shape that ran out of memory", part, shape)
                 continue
+            if unservable(part, shape, {**known, **out}):  # left to the table: no plan serves this shape
+                log.info("peaks: %s at %s: not run, its transformer call does not fit", part, shape)
+                continue
             call = _call_for(part, calls, vae, facts, device)
             if call is None:  # a transformer this family's inputs are not known for: the table's stands
                 continue
@@ -94,6 +99,12 @@ def measure_peaks(model_dir: Path, points: list[tuple[str, Shape]], device: Any,
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return out, time.monotonic() - t0
+
+
+def unservable(part: str, shape: Shape, points: Mapping[tuple[str, Shape], int]) -> bool:
+    """Whether a decode at `shape` need not be measured: the transformer call of a shape it covers
+    ran out of memory, so no request of it is served in any mode."""
+    return part != "transformer" and isinstance(measured_bound("transformer", shape, points), AtLeast)
 
 
 def _call_for(part: str, calls: dict[str, Any], vae: Any, facts: Any, device: Any) -> Any:

@@ -33,3 +33,14 @@ def test_a_bound_is_out_of_memory_above_a_refused_shape_and_the_least_covering_n
     assert measured_bound("vae_decode", Shape(1280, 720, 17), measured) is None  # a larger frame: unbounded
     assert measured_bound("transformer", Shape(1920, 1920, 1, 2), measured) is None  # another part's never
 
+
+
+def test_a_decode_is_not_measured_where_its_transformer_call_ran_out_of_memory():
+    from dlo.engine.peaks import unservable
+
+    measured = {("transformer", Shape(1920, 1920, 129)): AtLeast(85 * GB), ("transformer", Shape(1920, 1920)): 2 * GB}
+    assert unservable("vae_decode", Shape(1920, 1920, 129), measured)
+    assert unservable("vae_decode_tiled", Shape(1920, 1920, 129), measured)
+    assert not unservable("vae_decode", Shape(1920, 1920, 81), measured)  # its call not known not to fit
+    assert not unservable("vae_decode", Shape(1920, 1920), measured)
+    assert not unservable("transformer", Shape(1920, 1920, 129), measured)  # the call itself: its own bound
