@@ -209,10 +209,9 @@ def test_with_no_limits_given_the_weights_stay_resident_at_the_largest_limits_th
 
 def test_each_limit_set_weighed_is_measured_first_and_a_shape_out_of_memory_lowers_the_limits(tiny_wan):
     """`plan_folder(measure=...)` (a start on the device): every candidate's pipeline memory goes to
-    the measurer before it is weighed, in the order tried; where the measurer says the default
+    the measurer before it is weighed, the defaults first; where the measurer says the default
     limits' largest decode ran out of memory, the derived limits are lower and every phase the plan
     weighs is measured, none the table's."""
-    from dlo.plan.budget import deployment_memory
     from dlo.plan.deployment import plan_folder
     from dlo.plan.peak_values import AtLeast
 
