@@ -187,15 +187,28 @@ def ratios(rec: dict) -> dict:
     return out
 
 
-def run_model(key: str, args: argparse.Namespace, save: Any) -> dict:
-    preset, requests = (TINY if args.dry_run else MODELS)[key]
-    model = args.models / preset
-    rec: dict[str, Any] = {"preset": preset, "requests": requests, "make": make(model, preset, None, args.device)}
-    rec["page_cache_warm_seconds"] = round(warm_page_cache(model), 2)
-    save(rec)
-    outputs: dict[str, bytes] = {}
-    longest: dict[str, float] = {}  # per side (serve, diffusers): its longest run so far, what the next may take
-    cap = [] if args.device != "cuda" else ["--max-device-memory", CAP]
+def one_run(name: str, model: Path, requests: dict[str, dict], args: argparse.Namespace,
+            outputs: dict[str, bytes]) -> dict:
+    """One of `RUNS`: `dlo serve` with every default or under the cap, plain diffusers resident or
+    with group offloading under the cap (cuda only)."""
+    if name in ("serve_default", "serve_capped"):
+        cap = ["--max-device-memory", CAP] if name == "serve_capped" and args.device == "cuda" else []
+        return serve_run(model, requests, cap, args, name, outputs)
+    if name == "diffusers_resident":
+        return diffusers_run(model, requests, {}, args, name, outputs)
+    if name == "diffusers_group_offload_capped":
+        if args.device != "cuda":
+            return {"skipped": "group offloading with a stream needs cuda"}
+        return diffusers_run(model, requests, {"placement": "group_offload", "cap_bytes": CAP_BYTES}, args, name,
+                             outputs)
+    raise ValueError(f"no run {name!r}; runs: {', '.join(RUNS)}")
+
+
+def run_runs(key: str, rec: dict, run: Any, args: argparse.Namespace, after: Any, save: Any) -> None:
+    """`args.runs` in order within `--budget-s` (a run is skipped, and says so, where its side's
+    longest run so far would pass it: a serve start's first measuring says nothing of a diffusers
+    run), each one's error recorded, `after(rec)` and `save(rec)` after each."""
+    longest: dict[str, float] = {}
     for name in args.runs.split(","):
         side = name.split("_")[0]
         if args.budget_s and time.monotonic() - START + longest.get(side, 0.0) > args.budget_s:
@@ -203,23 +216,28 @@ def run_model(key: str, args: argparse.Namespace, save: Any) -> dict:
             continue
         t0 = time.monotonic()
         try:
-            if name == "serve_default":
-                rec[name] = serve_run(model, requests, [], args, name, outputs)
-            elif name == "serve_capped":
-                rec[name] = serve_run(model, requests, cap, args, name, outputs)
-            elif name == "diffusers_resident":
-                rec[name] = diffusers_run(model, requests, {}, args, name, outputs)
-            elif name == "diffusers_group_offload_capped":
-                extra = {"placement": "group_offload", "cap_bytes": CAP_BYTES}
-                rec[name] = diffusers_run(model, requests, extra, args, name, outputs) if args.device == "cuda" \
-                    else {"skipped": "group offloading with a stream needs cuda"}
+            rec[name] = run(name)
         except Exception as e:  # recorded, never skipped silently
             rec[name] = {"error": f"{type(e).__name__}: {e}"[:1500]}
         longest[side] = max(longest.get(side, 0.0), time.monotonic() - t0)
-        rec["bytes"] = compare(rec, outputs)
-        rec["ratios"] = ratios(rec)
+        after(rec)
         print(f"{key} {name}: {json.dumps(rec[name])[:400]}", file=sys.stderr, flush=True)
         save(rec)
+
+
+def run_model(key: str, args: argparse.Namespace, save: Any) -> dict:
+    preset, requests = (TINY if args.dry_run else MODELS)[key]
+    model = args.models / preset
+    rec: dict[str, Any] = {"preset": preset, "requests": requests, "make": make(model, preset, None, args.device)}
+    rec["page_cache_warm_seconds"] = round(warm_page_cache(model), 2)
+    save(rec)
+    outputs: dict[str, bytes] = {}
+
+    def after(rec: dict) -> None:
+        rec["bytes"] = compare(rec, outputs)
+        rec["ratios"] = ratios(rec)
+
+    run_runs(key, rec, lambda name: one_run(name, model, requests, args, outputs), args, after, save)
     return rec
 
 
@@ -247,18 +265,32 @@ def markdown(rec: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def merge(paths: list[Path], out: Path) -> Path:
-    recs = [json.loads(p.read_text()) for p in paths]
-    cards = {r.get("device_name") for r in recs}
-    if len(cards) != 1:
-        raise SystemExit(f"the raws come from different cards: {sorted(map(str, cards))}")
-    merged = {**recs[0], "models": {k: v for r in recs for k, v in r["models"].items()},
-              "raws": [str(p) for p in paths]}
-    card = str(merged["device_name"]).replace("NVIDIA ", "").split()[0].lower()
-    stem = out / f"exact-{card}-{merged['date']}"
-    stem.with_suffix(".json").write_text(json.dumps(merged, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(markdown(merged))
+def merge(paths: list[Path], out: Path, suite: str = "exact", render: Any = None) -> Path:
+    """Raws of one card (`bench.lib.merge`) into `out/<suite>-<card>-<date>.{json,md}`: the models of
+    every raw, a later raw's run replacing an earlier one's (kept beside it as `NAME@FILE`)."""
+    from bench.lib.merge import keyed, load, merged
+
+    sources = load(paths)
+    first = sources[0].record
+    rec = merged(suite, sources, {"date": first["date"], "command": first["command"],
+                                  "device_name": first.get("device_name"), "versions": first.get("versions"),
+                                  "models": keyed(sources, "models", depth=2)})
+    card = str(rec["device_name"]).replace("NVIDIA ", "").split()[0].lower()
+    stem = out / f"{suite}-{card}-{rec['date']}"
+    stem.with_suffix(".json").write_text(json.dumps(rec, indent=2) + "\n")
+    stem.with_suffix(".md").write_text((render or markdown)(rec))
     return stem
+
+
+def add_common(ap: argparse.ArgumentParser, out: str, runs: tuple[str, ...]) -> None:
+    """The arguments of the one-call-per-model suites (this one, `bench.step_cache`)."""
+    ap.add_argument("--models", type=Path, default=Path("/tmp/models"), help="where pipeline folders are written")
+    ap.add_argument("--out", type=Path, default=Path(out), help="raw record, logs and outputs")
+    ap.add_argument("--requests", type=int, default=3, help="timed requests per run and kind")
+    ap.add_argument("--runs", default=",".join(runs), help="comma-separated, in the order to run")
+    ap.add_argument("--budget-s", type=float, default=None, help="seconds this call may take")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, the tiny presets: every step, no result")
+    ap.add_argument("--merge", nargs="+", type=Path, default=None, metavar="RAW", help="merge raws into --out")
 
 
 START = time.monotonic()
@@ -267,13 +299,7 @@ START = time.monotonic()
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench exact", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="wan21", help=f"comma-separated, of {', '.join(MODELS)}")
-    ap.add_argument("--models", type=Path, default=Path("/tmp/models"), help="where pipeline folders are written")
-    ap.add_argument("--out", type=Path, default=Path("/tmp/exact"), help="raw record, logs and outputs")
-    ap.add_argument("--requests", type=int, default=3, help="timed requests per run and kind")
-    ap.add_argument("--runs", default=",".join(RUNS), help="comma-separated, in the order to run")
-    ap.add_argument("--budget-s", type=float, default=None, help="seconds this call may take")
-    ap.add_argument("--dry-run", action="store_true", help="CPU, the tiny presets: every step, no result")
-    ap.add_argument("--merge", nargs="+", type=Path, default=None, metavar="RAW", help="merge raws into --out")
+    add_common(ap, "/tmp/exact", RUNS)
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.merge:

@@ -29,7 +29,6 @@ import io
 import json
 import math
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -107,31 +106,14 @@ def run_model(key: str, args: argparse.Namespace, save: Any) -> dict:
     rec["requests"] = requests
     save(rec)
     outputs: dict[str, bytes] = {}
-    cap = [] if args.device != "cuda" else ["--max-device-memory", exact.CAP]
-    longest: dict[str, float] = {}
-    for name in args.runs.split(","):
-        side = name.split("_")[0]
-        if args.budget_s and time.monotonic() - START + longest.get(side, 0.0) > args.budget_s:
-            rec[name] = {"skipped": f"the call's budget of {args.budget_s:.0f} s"}
-            continue
-        t0 = time.monotonic()
-        try:
-            if name.startswith("serve"):
-                rec[name] = exact.serve_run(model, requests, cap if name == "serve_capped" else [], args, name, outputs)
-            elif name == "diffusers_resident" or args.device == "cuda":
-                extra = {} if name == "diffusers_resident" else {"placement": "group_offload", "cap_bytes": exact.CAP_BYTES}
-                rec[name] = exact.diffusers_run(model, requests, extra, args, name, outputs)
-            else:
-                rec[name] = {"skipped": "group offloading with a stream needs cuda"}
-        except Exception as e:  # recorded, never skipped silently
-            rec[name] = {"error": f"{type(e).__name__}: {e}"[:1500]}
-        longest[side] = max(longest.get(side, 0.0), time.monotonic() - t0)
+
+    def after(rec: dict) -> None:
         rec["bytes"] = exact.compare(rec, outputs)
         rec["saved"] = saved(rec, requests)
         rec["drift_from_uncached"] = drift(outputs)
         rec["ratios"] = ratios(rec)
-        print(f"{key} {name}: {json.dumps(rec[name])[:400]}", file=sys.stderr, flush=True)
-        save(rec)
+
+    exact.run_runs(key, rec, lambda name: exact.one_run(name, model, requests, args, outputs), args, after, save)
     return rec
 
 
@@ -270,39 +252,18 @@ def markdown(rec: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def merge(paths: list[Path], out: Path) -> Path:
-    recs = [json.loads(p.read_text()) for p in paths]
-    cards = {r.get("device_name") for r in recs}
-    if len(cards) != 1:
-        raise SystemExit(f"the raws come from different cards: {sorted(map(str, cards))}")
-    merged = {**recs[0], "models": {k: v for r in recs for k, v in r["models"].items()}, "raws": [p.name for p in paths]}
-    card = str(merged["device_name"]).replace("NVIDIA ", "").split()[0].lower()
-    stem = out / f"step-cache-{card}-{merged['date']}"
-    stem.with_suffix(".json").write_text(json.dumps(merged, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(markdown(merged))
-    return stem
-
-
-START = time.monotonic()
-
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench step-cache", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="wan21", help="comma-separated, of wan21, qwen")
-    ap.add_argument("--models", type=Path, default=Path("/tmp/models"), help="where pipeline folders are written")
-    ap.add_argument("--out", type=Path, default=Path("/tmp/step-cache"), help="raw record, logs and outputs")
-    ap.add_argument("--requests", type=int, default=3, help="timed requests per run and cache")
-    ap.add_argument("--runs", default=",".join(RUNS), help="comma-separated, in the order to run")
+    exact.add_common(ap, "/tmp/step-cache", RUNS)
     ap.add_argument("--fbc-threshold", type=float, default=None, help="First Block Cache's threshold (unset: searched)")
     ap.add_argument("--fbc-start", type=float, default=0.2, help="the search's first threshold")
     ap.add_argument("--fbc-tries", type=int, default=4, help="the search's requests at most")
-    ap.add_argument("--budget-s", type=float, default=None, help="seconds this call may take")
-    ap.add_argument("--dry-run", action="store_true", help="CPU, the tiny presets: every step, no result")
-    ap.add_argument("--merge", nargs="+", type=Path, default=None, metavar="RAW", help="merge raws into --out")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.merge:
-        print(merge(args.merge, args.out))
+        print(exact.merge(args.merge, args.out, "step-cache", markdown))
         return 0
     args.device = "cpu" if args.dry_run else "cuda"
     import diffusers
