@@ -166,16 +166,19 @@ def peaks_main(args: argparse.Namespace, device: str) -> int:
                                     refresh=True)
     for line in lines:
         print(line)
+    if path is None:
+        return 1  # measured and printed, not cached (said above)
     log.info("wrote %s", path)
     return 0
 
 
 def calibrate_peaks(model_dir: Path, memory: Any, deadline_s: float, device: str = "cuda:0",
-                    old: Any = None, refresh: bool = False, extra: list | None = None) -> tuple[Any, Path, list[str]]:
+                    old: Any = None, refresh: bool = False, extra: list | None = None) -> tuple[Any, Path | None, list[str]]:
     """Measure the decodes and transformer calls `memory` (`model_dir`'s pipeline at its limits)
     weighs on `device` that its cached peaks lack (`refresh`: all of them again), add them to those
-    (`old`: as already read; else read here; `dlo.plan.measured`), and return (the peaks now cached,
-    the file, a line per measured shape against the table)."""
+    (`old`: as already read; else read here; `dlo.plan.measured`), and return (the peaks now known,
+    the file they are cached in - None where it could not be written: they serve this start all the
+    same - and a line per measured shape against the table)."""
     from dlo.engine.peaks import device_name, library_versions, measurable, measure_peaks, unservable
     from dlo.plan.measured import MeasuredPeaks, describe, load_peaks, model_digest, peaks_path, save_peaks
     from dlo.plan.peak_values import measured_bound
@@ -191,6 +194,10 @@ def calibrate_peaks(model_dir: Path, memory: Any, deadline_s: float, device: str
     points, seconds = measure_peaks(model_dir, missing, device, deadline_s, memory.bounds.max_sequence_length,
                                     known=old.points)
     peaks = old.merged(points, seconds)
-    path = save_peaks(model_dir, peaks)
+    try:
+        path: Path | None = save_peaks(model_dir, peaks)
+    except OSError as e:  # kept for this start all the same: the next one measures them again
+        log.warning("peaks measured but not cached (%s): the next start measures them again", e)
+        path = None
     predicted = {key: memory.predicted(*key, table_only=True) for key in points}
     return peaks, path, describe(points, predicted)
