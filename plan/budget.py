@@ -1,7 +1,7 @@
 """The device budget of a deployment: what one rank may use of its device, and whether a mode fits it.
 
 Owns: the deployment's memory (`deployment_memory`: the pipeline folder's facts at the limits it
-serves, from `dlo.plan.memory_model`), the budget of a device (`local_budget`: the smallest of its
+serves, from `dlo.plan.memory_model`; `request_bounds`: what it reads of the limits), the budget of a device (`local_budget`: the smallest of its
 memory and `--max-device-memory`), the check of a given mode against it (`check_mode`), and
 `DeviceBudgetError`, which `dlo serve` prints in one line and exits 2 on, before anything loads.
 `dlo.plan.deployment.plan` calls them in order.
@@ -39,14 +39,12 @@ def deployment_memory(model_dir: Path, limits: Limits, *, stream_encoders: bool 
     """The pipeline's memory at `limits` (`dlo.plan.memory_model.pipeline_memory`; `cfg_pairs`: with
     the waiting lane where the family pairs); a memory table or a component header that does not
     parse is a `DeviceBudgetError` naming it."""
-    from dlo.plan.memory_model import RequestBounds, pipeline_memory
+    from dlo.plan.memory_model import pipeline_memory
     from dlo.plan.memory_table import TableError
     from dlo.plan.resident import VAE_TILE_ABOVE_PIXELS
 
-    bounds = RequestBounds(limits.max_width, limits.max_height, limits.max_frames, limits.max_n,
-                           limits.max_sequence_length)
     try:
-        return pipeline_memory(model_dir, bounds, tile_above_pixels=VAE_TILE_ABOVE_PIXELS,
+        return pipeline_memory(model_dir, request_bounds(limits), tile_above_pixels=VAE_TILE_ABOVE_PIXELS,
                                stream_encoders=stream_encoders, stream_dtype=stream_dtype, cfg_pairs=cfg_pairs)
     except TableError as e:
         raise DeviceBudgetError(str(e)) from None
@@ -54,6 +52,14 @@ def deployment_memory(model_dir: Path, limits: Limits, *, stream_encoders: bool 
         raise DeviceBudgetError(str(e)) from None
     except (KeyError, ValueError) as e:  # a component's config or safetensors header (CheckpointError)
         raise DeviceBudgetError(f"{model_dir}: cannot read the pipeline's weights: {e}") from None
+
+
+def request_bounds(limits: Limits) -> Any:
+    """The `RequestBounds` of `limits`: what the memory model reads of them."""
+    from dlo.plan.memory_model import RequestBounds
+
+    return RequestBounds(limits.max_width, limits.max_height, limits.max_frames, limits.max_n,
+                         limits.max_sequence_length)
 
 
 def local_budget(device_memory: int, max_device_memory: int, memory: PipelineMemory) -> int:

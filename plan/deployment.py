@@ -318,27 +318,27 @@ def plan_folder(model_dir: Path, ask: PlanAsk, *, profile: NodeProfile, limits: 
     the device come first (`_resident_limits`). `measure` (a start on the device): called with each
     limit set's pipeline memory (and its default requests' shapes) before it is weighed, returns the peaks
     measured on the device."""
+    from dlo.engine.families import pipeline_facts
+    from dlo.plan.budget import request_bounds
+    from dlo.plan.derive import default_shapes, derive
     from dlo.plan.folder import describe
     from dlo.plan.limits_fit import describe as limits_text
     from dlo.plan.limits_fit import first_fitting
 
-    from dlo.engine.families import pipeline_facts
-    from dlo.plan.derive import default_shapes, derive
-
     transformer = describe(model_dir / "transformer", ask.stream_dtype)
     facts, seen = pipeline_facts(model_dir), dict(ask.measured)
+    given = deployment_memory(model_dir, limits, stream_encoders=ask.stream_encoders, stream_dtype=ask.stream_dtype,
+                              cfg_pairs=ask.pairs_counted)  # read once: each candidate is these bounds changed
+    geometry = given.geometry
 
     def at(candidate: Limits) -> DeploymentPlan:
-        memory = deployment_memory(model_dir, candidate, stream_encoders=ask.stream_encoders,
-                                   stream_dtype=ask.stream_dtype, cfg_pairs=ask.pairs_counted)
+        memory = given.with_bounds(request_bounds(candidate))
         if measure is not None:  # the candidate's shapes, and its default requests', measured on the device first
             seen.update(measure(memory, [(part, s) for s in default_shapes(facts, candidate)
                                          for part in ("vae_decode", "transformer")]))
         return plan(dataclasses.replace(ask, measured=dict(seen)), profile=profile, transformer=transformer,
                     pipeline=memory, limits=candidate, device_memory=device_memory)
 
-    given = deployment_memory(model_dir, limits, stream_dtype=ask.stream_dtype)
-    geometry = given.geometry
     if derive_limits:
         room = min((c for c in (ask.max_device_memory, device_memory, profile.accelerator.memory_bytes) if c),
                    default=0)
