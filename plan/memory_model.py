@@ -269,12 +269,12 @@ class PipelineMemory:
             ((s.width, s.height, s.frames, s.batch), b) for (p, s), b in self.measured.items() if p == part
             and not isinstance(b, AtLeast))))
         if device_fit is not None and not device_fit.extrapolated(x):  # between shapes measured on this device
-            return min(device_fit.predict(x), bound or 1 << 62), False
+            return _within(device_fit.predict(x), bound), False
         fam = self.family_table
         fit = fam.parts.get(part) if fam is not None else None
         if fit is None or (bound is not None and fit.extrapolated(x)):  # a measured shape covering it: its need
             return (bound, False) if bound is not None else None
-        return min(fit.predict(x), bound or 1 << 62), fit.extrapolated(x)
+        return _within(fit.predict(x), bound), fit.extrapolated(x)
 
     def calibration_shapes(self) -> list[tuple[str, Shape]]:
         """The decodes and transformer calls the plan weighs, to measure on the device (`dlo calibrate
@@ -329,6 +329,11 @@ class PipelineMemory:
             return None
         n = -(-pixels // area)
         return Shape(shape.width, pixels // (n * shape.width), 1, n)
+
+
+def _within(need: int, bound: int | None) -> int:
+    """A predicted need no larger than what a measured shape covering it needed (a bound of 0 bytes too)."""
+    return need if bound is None else min(need, bound)
 
 
 @functools.lru_cache(maxsize=256)

@@ -44,3 +44,15 @@ def test_a_decode_is_not_measured_where_its_transformer_call_ran_out_of_memory()
     assert not unservable("vae_decode", Shape(1920, 1920, 81), measured)  # its call not known not to fit
     assert not unservable("vae_decode", Shape(1920, 1920), measured)
     assert not unservable("transformer", Shape(1920, 1920, 129), measured)  # the call itself: its own bound
+
+
+def test_a_covering_shape_measured_at_zero_bytes_bounds_the_prediction_to_zero():
+    """A measured need of 0 bytes (nothing new reserved) is a bound like any other, not "no bound"."""
+    from dlo.plan.memory_model import Geometry, PipelineMemory, RequestBounds
+    from dlo.plan.memory_table import MemoryTable
+
+    memory = PipelineMemory("wan", Geometry(16, 4), {}, {}, {}, RequestBounds(832, 480, 81), 0, MemoryTable.load(),
+                            measured={("vae_decode", Shape(832, 480, 81)): 0})
+    table, extrapolated = memory.predicted("vae_decode", Shape(832, 480, 41), table_only=True)
+    assert table > 0 and not extrapolated  # within the table's shapes: its figure would stand unbounded
+    assert memory.predicted("vae_decode", Shape(832, 480, 41)) == (0, False)
