@@ -176,21 +176,22 @@ def calibrate_peaks(model_dir: Path, memory: Any, deadline_s: float, device: str
                     old: Any = None, refresh: bool = False, extra: list | None = None) -> tuple[Any, Path | None, list[str]]:
     """Measure the decodes and transformer calls `memory` (`model_dir`'s pipeline at its limits)
     weighs on `device` that its cached peaks lack (`refresh`: all of them again), add them to those
-    (`old`: as already read; else read here; `dlo.plan.measured`), and return (the peaks now known,
+    (`old`: as already read, or new and empty; else read here; `dlo.plan.measured`), and return (the peaks now known,
     the file they are cached in - None where it could not be written: they serve this start all the
     same - and a line per measured shape against the table)."""
     from dlo.engine.peaks import device_name, library_versions, measurable, measure_peaks, unservable
     from dlo.plan.measured import MeasuredPeaks, describe, load_peaks, model_digest, peaks_path, save_peaks
     from dlo.plan.peak_values import measured_bound
 
-    name, versions = device_name(device), library_versions()
-    fresh = MeasuredPeaks(name, versions, model_digest(model_dir))
-    old = fresh if refresh else old or load_peaks(model_dir, name, versions) or fresh
+    if refresh or old is None:  # who the peaks are of: read once (a start passes them to each call)
+        name, versions = device_name(device), library_versions()
+        fresh = MeasuredPeaks(name, versions, model_digest(model_dir))
+        old = fresh if refresh else load_peaks(model_dir, name, versions) or fresh
     shapes = list(dict.fromkeys([*memory.calibration_shapes(), *(extra or [])]))  # `extra`: a start's default requests
     missing = [p for p in measurable(model_dir, shapes) if p not in old.points and not unservable(*p, old.points)
                and not (p[0].endswith("_tiled") and measured_bound(*p, old.points) is not None)]  # tiled: a bound will do
     if not missing:  # every shape the plan weighs measured already: nothing loaded, nothing written
-        return old, peaks_path(model_dir, name, versions), []
+        return old, peaks_path(model_dir, old.device, old.versions), []
     points, seconds = measure_peaks(model_dir, missing, device, deadline_s, memory.bounds.max_sequence_length,
                                     known=old.points)
     peaks = old.merged(points, seconds)

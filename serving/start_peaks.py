@@ -26,30 +26,32 @@ class StartPeaks:
 
     def __init__(self, model_dir: Path, deadline_s: float) -> None:
         self.model_dir, self.until = model_dir, time.monotonic() + deadline_s
-        self.peaks: Any = None  # MeasuredPeaks, once read or measured
-        self.read = False
+        self.peaks: Any = None  # MeasuredPeaks, once read (`_cached`) or measured
 
     def __call__(self, memory: Any, extra: list | None = None) -> dict[Any, int]:
         from dlo.engine.calibrate import calibrate_peaks
 
-        if not self.read:
-            self.peaks, self.read = self._cached(), True
-        left = self.until - time.monotonic()
-        if left > 0:
-            try:
+        try:
+            if self.peaks is None:
+                self.peaks = self._cached()
+            left = self.until - time.monotonic()
+            if left > 0:
                 self.peaks, _, lines = calibrate_peaks(self.model_dir, memory, left, old=self.peaks, extra=extra)
                 for line in lines:
                     log.info("measured peak: %s", line)
-            except Exception as e:  # noqa: BLE001 - said, not hidden: the figures so far stand
-                log.warning("device peaks not measured: %s", e)
-                self.until = 0.0
+        except Exception as e:  # noqa: BLE001 - said, not hidden: the figures so far stand
+            log.warning("device peaks not measured: %s", e)
+            self.until = 0.0
         return dict(self.peaks.points) if self.peaks is not None else {}
 
     def _cached(self) -> Any:
+        """The peaks cached for this device, model and libraries, or none yet (empty): who they are of
+        is read here once, not by each candidate's calibration."""
         from dlo.engine.peaks import device_name, library_versions
-        from dlo.plan.measured import load_peaks
+        from dlo.plan.measured import MeasuredPeaks, load_peaks, model_digest
 
-        return load_peaks(self.model_dir, device_name("cuda:0"), library_versions())
+        name, versions = device_name("cuda:0"), library_versions()
+        return load_peaks(self.model_dir, name, versions) or MeasuredPeaks(name, versions, model_digest(self.model_dir))
 
 
 def start_measure(cfg: Any, start: Any) -> StartPeaks | None:
