@@ -81,11 +81,12 @@ def measure_peaks(model_dir: Path, points: list[tuple[str, Shape]], device: Any,
                 log.warning("peaks: the deadline of %.0f s passed before %s at %s (the table's figure stands)",
                             deadline_s, part, shape)
                 break
-            if isinstance(bound := measured_bound(part, shape, {**known, **out}), AtLeast):
+            so_far = {**known, **out}
+            if isinstance(bound := measured_bound(part, shape, so_far), AtLeast):
                 out[(part, shape)] = bound  # it covers a shape that ran out of memory: not run
                 log.info("peaks: %s at %s: not run, it covers a shape that ran out of memory", part, shape)
                 continue
-            if unservable(part, shape, {**known, **out}):  # left to the table: no plan serves this shape
+            if unservable(part, shape, so_far):  # left to the table: no plan serves this shape
                 log.info("peaks: %s at %s: not run, its transformer call does not fit", part, shape)
                 continue
             call = _call_for(part, calls, vae, facts, device)
@@ -97,7 +98,7 @@ def measure_peaks(model_dir: Path, points: list[tuple[str, Shape]], device: Any,
     finally:
         del vae, calls
         if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+            _settle(torch, device)
     return out, time.monotonic() - t0
 
 
@@ -149,8 +150,7 @@ def _one(torch: Any, fn: Any, device: Any) -> int:
         got: int = AtLeast(total_memory(device))
     else:
         got = torch.cuda.max_memory_reserved(device) - before
-    _settle(torch, device)
-    return got
+    return got  # what it left is collected by the next call's settle, or `measure_peaks`' end
 
 
 def _settle(torch: Any, device: Any) -> None:
