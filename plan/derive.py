@@ -18,7 +18,7 @@ import dataclasses
 from typing import Any, Callable
 
 from dlo.plan.budget import DeviceBudgetError
-from dlo.plan.limits import Limits
+from dlo.plan.limits import Limits, sides
 from dlo.plan.limits_fit import describe, largest_passing
 from dlo.plan.memory_model import Shape, decoded_pixels
 
@@ -42,10 +42,6 @@ def default_shapes(facts: Any, limits: Limits) -> list[Shape]:
     """The default requests at `limits`: one image of `default_size`, a video of `default_video_size`
     and `default_frames` (each where the family makes it): measured on the device with each limit
     set, and what derived limits keep plain."""
-    def sides(text: str) -> tuple[int, int]:
-        w, _, h = text.partition("x")
-        return int(w), int(h)
-
     out = [Shape(*sides(limits.default_size))] if facts.images else []
     if facts.supports_video:
         out.append(Shape(*sides(limits.default_video_size), default_frames(facts, limits, facts.fps or limits.video_fps)))

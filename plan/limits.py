@@ -1,6 +1,6 @@
 """Serving limits: the largest request `dlo serve` accepts, read from a JSON/YAML file and flags.
 
-Owns: the `Limits` model and its loading. Requests beyond a limit get a 400 naming the field and
+Owns: the `Limits` model, its loading, and `sides` (a size field as width and height). Requests beyond a limit get a 400 naming the field and
 the limit (see `dlo.engine.requests`); a small profile (size <= 128, steps <= 4) keeps tests fast.
 Must never: import torch.
 """
@@ -54,6 +54,12 @@ class Limits(BaseModel):
                 data.update(json.loads(text))
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls.model_validate(data)
+
+
+def sides(size: str) -> tuple[int, int]:
+    """`"832x480"` (a size field's text, as its pattern allows) as (width, height)."""
+    w, _, h = size.partition("x")
+    return int(w), int(h)
 
 
 SMALL = Limits(

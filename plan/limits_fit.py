@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Iterator, TypeVar
 
-from dlo.plan.limits import Limits
+from dlo.plan.limits import Limits, sides
 from dlo.plan.memory_model import Geometry, PipelineMemory
 
 T = TypeVar("T")
@@ -47,7 +47,7 @@ def candidates(base: Limits, geometry: Geometry) -> Iterator[Limits]:
 
 
 def _floor(limits: Limits) -> tuple[int, int]:
-    sizes = [tuple(int(v) for v in s.split("x")) for s in (limits.default_size, limits.default_video_size)]
+    sizes = [sides(s) for s in (limits.default_size, limits.default_video_size)]
     return max(w for w, _ in sizes), max(h for _, h in sizes)
 
 

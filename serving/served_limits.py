@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from dlo.engine.families import PipelineFacts
 from dlo.plan.derive import default_frames  # served here: what a video request without frames gets
-from dlo.plan.limits import SMALL, Limits
+from dlo.plan.limits import SMALL, Limits, sides
 
 
 
@@ -79,7 +79,7 @@ def limits_problem(facts: PipelineFacts, limits: Limits) -> tuple[str, str] | No
     defaults = [("default_size", limits.default_size)] if facts.images else []
     defaults += [("default_video_size", limits.default_video_size)] if facts.supports_video else []
     for name, text in defaults:
-        w, h = _sides(text)
+        w, h = sides(text)
         if w % mult or h % mult or w < least or h < least:
             return name, (f"{name} {text}: width and height must be multiples of {mult} of at least {least} "
                           f"for {model}")
@@ -93,11 +93,6 @@ def limits_problem(facts: PipelineFacts, limits: Limits) -> tuple[str, str] | No
     return None
 
 
-def _sides(text: str) -> tuple[int, int]:
-    w, _, h = text.partition("x")
-    return int(w), int(h)
-
-
 def default_steps(facts: PipelineFacts, limits: Limits) -> int:
     """`num_inference_steps` of a request without one: `default_steps`, at most `max_steps`."""
     return max(facts.min_steps, min(limits.default_steps, limits.max_steps))
@@ -107,7 +102,7 @@ def default_size(facts: PipelineFacts, limits: Limits, video: bool = False) -> t
     """The size of a request without one: the limits' default (`default_video_size` for a video),
     scaled down in its aspect ratio to fit `max_width` x `max_height` in multiples of the family's
     size multiple, at least its smallest side."""
-    w, h = _sides(limits.default_video_size if video else limits.default_size)
+    w, h = sides(limits.default_video_size if video else limits.default_size)
     mult, least = facts.size_multiple, facts.smallest_side
     top_w, top_h = limits.max_width // mult * mult, limits.max_height // mult * mult
     scale = min(1.0, top_w / w, top_h / h)
