@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from ipaddress import IPv4Network, IPv6Network
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Mapping
+from typing import TYPE_CHECKING, Literal, Mapping
 
 from dlo.engine.settings import (
     EngineSettings,
@@ -150,8 +150,7 @@ class ServeConfig:
         the family, mode and device decide the rest (`dlo.engine.cfg_pairs.pairing_on`)."""
         return self.memory.cfg_pairs and self.layout.sp == 1
 
-    def plan_ask(self, device: DeviceKind, dp: int, adapter_bytes: int = 0, merges_bytes: int = 0,
-                 measured: Mapping[Any, int] | None = None) -> PlanAsk:
+    def plan_ask(self, device: DeviceKind, dp: int, adapter_bytes: int = 0, merges_bytes: int = 0) -> PlanAsk:
         """What this configuration asks of the deployment plan on `device` with `dp` ranks."""
         from dlo.plan.deployment import LoraAsk, PlanAsk
 
@@ -161,7 +160,7 @@ class ServeConfig:
             max_device_memory=self.memory.max_device_memory,
             resident_blocks=self.memory.resident_blocks_on(device), stream_dtype=self.memory.stream_dtype,
             stream_encoders=self.memory.stream_text_encoders, cfg_pairs=self.memory.cfg_pairs,
-            vae_tiling=self.memory.vae_tiling, measured=dict(measured or {}),
+            vae_tiling=self.memory.vae_tiling,
             lora=LoraAsk(adapter_bytes=adapter_bytes, merges_bytes=merges_bytes, apply=lora.apply,
                          merge_cache=lora.merge_cache_bytes, merge_above_tokens=lora.merge_above_tokens,
                          served=lora.directory is not None))

@@ -130,7 +130,6 @@ class _Start:
     adapters: dict[str, str] = field(default_factory=dict)  # --lora-dir: name -> file or folder
     adapter_bytes: int = 0  # what every rank holds for them (`dlo.engine.lora.rank_device_bytes`)
     adapter_merges_bytes: int = 0  # the most a merge cache could hold (an auto cache's cap)
-    measured: dict[Any, int] = field(default_factory=dict)  # decode peaks measured on this device
 
 
 def _model_and_limits(cfg: ServeConfig, start: _Start) -> None:
@@ -247,7 +246,7 @@ def _plan(cfg: ServeConfig, start: _Start) -> None:
     from dlo.plan.profile import profile_from_file
     from dlo.serving.host import local_profile
 
-    ask = cfg.plan_ask(start.device, start.dp, start.adapter_bytes, start.adapter_merges_bytes, start.measured)
+    ask = cfg.plan_ask(start.device, start.dp, start.adapter_bytes, start.adapter_merges_bytes)
     try:
         host = local_profile(start.device)
         profile = profile_from_file(host, cfg.layout.profile) if cfg.layout.profile is not None else host
