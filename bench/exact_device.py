@@ -126,7 +126,7 @@ def serve_run(model: Path, requests: dict[str, dict], flags: list[str], args: ar
 
 def counters(metrics: dict) -> dict[str, float]:
     """What a server's step caches saved so far, summed over its ranks (`/metrics`)."""
-    return {name: sum(v for _, v in metrics.get(f"dlo_cache_{name}_total", metrics.get(f"dlo_cache_{name}", [])))
+    return {name: sum(v for _, v in metrics.get(f"dlo_cache_{name}_total", []))
             for name in ("block_calls_skipped", "bytes_not_streamed")}
 
 
