@@ -74,6 +74,9 @@ def nested_form(items: list[tuple[str, Any]]) -> dict[str, Any]:
     for key, value in items:
         name, _, rest = key.partition("[")
         if not rest or not isinstance(value, str):
+            if isinstance(data.get(key), (dict, list)):  # a plain field after its nested ones
+                raise ApiError(400, f"form field {key!r} conflicts with another field of {key!r}", key,
+                               "invalid_value")
             data[key] = value
             continue
         parts = rest[:-1].split("][") if rest.endswith("]") else [rest]
